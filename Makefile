@@ -1,0 +1,69 @@
+# pdunit: every entry point a developer or CI uses. `make run` and `make test` work on
+# a fresh machine: both depend on `install`, which creates .venv and installs pinned.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Cache folders outside the repo, reused by CI's fresh clone on the same machine.
+PDUNIT_CACHE ?= $(HOME)/.cache/pdunit
+export PDUNIT_CACHE
+
+.PHONY: install lock run test test-gpu test-slow bench fmt lint proto crds envtest helm clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# Regenerate the transitive pins from what is installed now.
+lock:
+	$(BIN)/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
+
+# The main job: a whole unit as local processes on CPU with the tiny model, a short
+# load, the stream table and the KV check counters.
+run: install
+	$(BIN)/pdunit local --model random:tiny:0 --load-streams 6 --load-frames 105
+
+# Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected).
+test: install envtest helm
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi; \
+	exit $$rc
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+bench: install
+	$(BIN)/pdunit bench edges
+
+fmt: install
+	$(BIN)/ruff format engine kernels sidecars operator bench tests pkg
+	$(BIN)/ruff check --fix engine kernels sidecars operator bench tests pkg
+
+lint: install
+	$(BIN)/ruff check engine kernels sidecars operator bench tests pkg
+	$(BIN)/mypy pkg engine kernels sidecars operator bench
+
+proto: install
+	$(BIN)/python -m pdunit.engine.proto.build
+
+crds: install
+	$(BIN)/python -m pdunit.operator.crdgen crds
+
+# kube-apiserver + etcd for the operator's integration tests (envtest), from
+# KUBEBUILDER_ASSETS when set, else built once from pinned Go modules into the cache.
+envtest:
+	bash tools/envtest/ensure.sh
+
+# A pinned real helm: the one on PATH if its version matches, else `go install`.
+helm:
+	bash tools/helm/ensure.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,94 @@
+"""Logs, metrics and shutdown conventions shared by every pdunit process.
+
+- Logs: one JSON object per line on stderr (`ts`, `level`, `component`, `msg`, plus any
+  `extra=` fields such as `request_id`). `log_config` writes the resolved config once
+  at start.
+- Metrics: prometheus_client's default registry, names prefixed `pdunit_` with units in
+  the name (`_seconds`, `_bytes`, `_total`). Processes without an HTTP server expose
+  them with `serve_metrics(port)`.
+- Shutdown: `shutdown_event()` returns an asyncio.Event set on SIGTERM/SIGINT, so every
+  server drains the same way.
+This module owns no business logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, component: str) -> None:
+        super().__init__()
+        self.component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "component": self.component,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _RESERVED and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(component: str, level: str = "info") -> logging.Logger:
+    """JSON lines on stderr for the whole process; returns the component's logger."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(component))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # uvicorn/grpc/kopf loggers propagate to the root handler: one format everywhere.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+    logging.getLogger("uvicorn.access").setLevel("WARNING")
+    return logging.getLogger(f"pdunit.{component}")
+
+
+def log_config(logger: logging.Logger, config: BaseModel) -> None:
+    logger.info("resolved config", extra={"config": config.model_dump(mode="json")})
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
+    """Expose the default Prometheus registry on `port` (0 = disabled)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=host)
+
+
+def shutdown_event(logger: logging.Logger | None = None) -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT; call from inside the running loop."""
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+
+    def _set(signame: str) -> None:
+        if logger is not None and not event.is_set():
+            logger.info("shutdown requested", extra={"signal": signame})
+        event.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _set, sig.name)
+    return event
+
+
+def now_ns() -> int:
+    """Wall clock in ns: every stage timestamp of the waterfall uses this one clock."""
+    return time.time_ns()

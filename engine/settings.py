@@ -1,0 +1,113 @@
+"""Process configuration: pydantic models filled from flags, then env, then defaults.
+
+One way for every process: `parse_config(Model, argv)` builds `--field-name` flags from
+the model's fields and reads `PDUNIT_FIELD_NAME` from the environment. Flags win over
+env, env over defaults. Validation errors name the field and the flag. This module
+never starts anything; it only turns argv/env into a validated config object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+ENV_PREFIX = "PDUNIT_"
+
+
+class ConfigError(SystemExit):
+    """Bad configuration: the message names the field, the flag and the env variable."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _is_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return bool in args and all(a in (bool, type(None)) for a in args)
+    return False
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (list, tuple)
+
+
+def build_parser(model: type[BaseModel], prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description or model.__doc__)
+    for name, field in model.model_fields.items():
+        help_text = (field.description or "") + f" (env {_env(name)}; default {field.default!r})"
+        if _is_bool(field.annotation):
+            parser.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(_flag(name), dest=name, default=None, help=help_text)
+    return parser
+
+
+def _coerce_list(raw: str) -> list[str]:
+    return [item for item in (s.strip() for s in raw.split(",")) if item]
+
+
+def parse_config(
+    model: type[M],
+    argv: Sequence[str] | None,
+    prog: str,
+    env: typing.Mapping[str, str] | None = None,
+) -> M:
+    """Flags, then env, then defaults, validated by the model. Exits 2 with the field named."""
+    env = os.environ if env is None else env
+    parser = build_parser(model, prog)
+    ns = parser.parse_args(list(argv) if argv is not None else sys.argv[1:])
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        raw = getattr(ns, name)
+        source = _flag(name)
+        if raw is None and _env(name) in env:
+            raw = env[_env(name)]
+            source = _env(name)
+            if _is_bool(field.annotation):
+                raw = raw.strip().lower() in ("1", "true", "yes", "on")
+        if raw is None:
+            continue
+        if isinstance(raw, str) and _is_list(field.annotation):
+            raw = _coerce_list(raw)
+        values[name] = raw
+        sources[name] = source
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field_name = str(err["loc"][0]) if err["loc"] else "?"
+            where = sources.get(field_name, _flag(field_name))
+            lines.append(f"{prog}: invalid {field_name} (from {where}): {err['msg']}")
+        message = "\n".join(lines)
+        print(message, file=sys.stderr)
+        raise ConfigError(message) from None

@@ -1,0 +1,126 @@
+"""The KV transfer interface every transport implements (host, proxy, ipc, posix-fd,
+fabric, tcp).
+
+The exchange itself (RESERVE -> write -> COMMIT(checksum), ABORT/ABORT_ACK) is the
+workers' job and travels over gRPC (engine/proto); a transport only moves rows and
+answers the quiesce question. It must never decide page ownership: D's pool does.
+
+Layout: a KV pool is one tensor `[n_layers, 2, n_slots, n_kv_heads, head_dim]` (K and V
+of every layer for every token slot). A transfer copies, for every layer and both K and
+V, the rows `src[:, :, src_slots[i]] -> dst[:, :, dst_slots[i]]`: n_layers * 2 *
+len(slots) rows of n_kv_heads * head_dim elements.
+
+Roles:
+- `KVReceiver` lives in D, owns D's pool storage, and says how a sender can reach it
+  (`descriptors()`, sent to P in HelloReply).
+- `KVSender` lives in P, attaches to one receiver descriptor and writes rows.
+
+Quiesce (PROTOCOL.md section 3.5): `sender.quiesce(request_id)` is the batch-quiesce
+proof. It returns True only when every write of that request has completed or can no
+longer be applied, and guarantees that no write for it starts afterwards. P answers
+ABORT_ACK only on True.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+TRANSFER_MODES = ("host", "proxy", "ipc", "posix-fd", "fabric", "tcp")
+
+
+class TransferError(RuntimeError):
+    """A write failed; `retryable` says whether the same transport may be tried again."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    n_slots: int
+    page_size: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.n_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def bytes_for(self, n_tokens: int) -> int:
+        return self.n_layers * 2 * n_tokens * self.row_bytes
+
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.n_layers, 2, self.n_slots, self.n_kv_heads, self.head_dim)
+
+
+@dataclass
+class Descriptor:
+    """How a sender reaches a receiver; mirrors pdunit.v1.TransportDescriptor."""
+
+    mode: str
+    params: dict[str, str] = field(default_factory=dict)
+    handle: bytes = b""
+
+
+class KVReceiver(abc.ABC):
+    """D's side: owns the pool storage that D's model reads and writes."""
+
+    mode: str
+
+    @property
+    @abc.abstractmethod
+    def storage(self) -> torch.Tensor:
+        """The pool tensor `[n_layers, 2, n_slots, n_kv_heads, head_dim]`."""
+
+    @abc.abstractmethod
+    def descriptors(self) -> list[Descriptor]:
+        """What P needs to attach, best first."""
+
+    def receiver_quiesced(self, request_id: int) -> bool:
+        """Proof (c) of PROTOCOL.md: True when the receiver itself guarantees that no
+        later write for this request is applied (TCP v3's receiver state). Transports
+        where the sender writes into D's memory directly return False."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the storage and any handles."""
+
+
+class KVSender(abc.ABC):
+    """P's side: writes rows of P's pool into D's pool."""
+
+    mode: str
+
+    @abc.abstractmethod
+    def write(
+        self,
+        request_id: int,
+        src: torch.Tensor,
+        src_slots: np.ndarray,
+        dst_slots: np.ndarray,
+        deadline_unix_ms: int,
+    ) -> None:
+        """Copy every layer's K and V rows `src[:, :, src_slots] -> dst[:, :, dst_slots]`.
+
+        Blocks until the rows are in D's memory (or raises TransferError). Must refuse to
+        start when the request was cancelled (see `quiesce`). Raises TransferError on a
+        passed deadline before starting.
+        """
+
+    @abc.abstractmethod
+    def quiesce(self, request_id: int) -> bool:
+        """Cancel future writes of `request_id`; True iff none is in flight any more."""
+
+    def in_flight(self) -> list[int]:
+        """Request ids with a write in progress (drain checks by request id)."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Detach from the receiver."""
