@@ -51,10 +51,12 @@ lint: install
 	$(BIN)/mypy pkg engine kernels sidecars operator bench
 
 proto: install
-	$(BIN)/python -m pdunit.engine.proto.build
+	$(BIN)/python -m pdunit.engine.proto.build engine/proto sidecars/nvlink_proxy
+	$(BIN)/python -m pdunit.operator.proto.build
 
 crds: install
 	$(BIN)/python -m pdunit.operator.crdgen crds
+	bash tools/helm/sync-crds.sh
 
 # kube-apiserver + etcd for the operator's integration tests (envtest), from
 # KUBEBUILDER_ASSETS when set, else built once from pinned Go modules into the cache.

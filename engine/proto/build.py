@@ -38,11 +38,13 @@ def generate(proto_dir: Path, out_dir: Path) -> list[Path]:
     return written
 
 
-def main() -> int:
-    for path in generate(HERE, HERE):
-        print(f"wrote {path.relative_to(HERE.parent.parent)}")
+def main(argv: list[str]) -> int:
+    """Regenerates each folder given (default: this one) in place."""
+    for folder in [Path(a).resolve() for a in argv] or [HERE]:
+        for path in generate(folder, folder):
+            print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -173,28 +173,36 @@ class HelloRequest(_message.Message):
     def __init__(self, sender_instance: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks")
+    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     N_CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZES_FIELD_NUMBER: _ClassVar[int]
+    EOS_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     geometry: PoolGeometry
     transports: _containers.RepeatedCompositeFieldContainer[TransportDescriptor]
     n_codebooks: int
-    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ...) -> None: ...
+    vocab_sizes: bytes
+    eos_id: int
+    model: str
+    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "n_tokens", "deadline_unix_ms", "identity")
+    __slots__ = ("request_id", "n_tokens", "deadline_unix_ms", "identity", "total_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     n_tokens: int
     deadline_unix_ms: int
     identity: Identity
-    def __init__(self, request_id: _Optional[int] = ..., n_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ...) -> None: ...
+    total_tokens: int
+    def __init__(self, request_id: _Optional[int] = ..., n_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("status", "message", "dst_slots", "instance_id")
@@ -280,7 +288,7 @@ class StepFrames(_message.Message):
     def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., frames: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ..., step_unix_ns: _Optional[int] = ..., stamps: _Optional[_Mapping[int, Stamps]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids")
+    __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids", "pid")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +303,7 @@ class InfoReply(_message.Message):
     KV_CHECKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_MISMATCH_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     role: str
     instance_id: str
     peer_instance_id: str
@@ -309,4 +318,5 @@ class InfoReply(_message.Message):
     kv_checks_total: int
     kv_mismatch_total: int
     request_ids: bytes
-    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., held_pages: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., held_aborts: _Optional[int] = ..., draining: _Optional[bool] = ..., transfer_mode: _Optional[str] = ..., kv_checks_total: _Optional[int] = ..., kv_mismatch_total: _Optional[int] = ..., request_ids: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., held_pages: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., held_aborts: _Optional[int] = ..., draining: _Optional[bool] = ..., transfer_mode: _Optional[str] = ..., kv_checks_total: _Optional[int] = ..., kv_mismatch_total: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., pid: _Optional[int] = ...) -> None: ...

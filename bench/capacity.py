@@ -1,0 +1,647 @@
+"""`pdunit bench capacity`: streaming capacity of a unit (BENCHMARKS.md section 1).
+
+Drives any LB URL with the synthetic workload (workload.py), closed loop at each
+concurrency or Poisson arrivals with bursts, records every stream's frame arrival
+times and replays them through the playback model (playback.py). Per level: streams,
+stutter share, min and p1 rate, worst 1-second window, TTFT and TTFA p50/p95/p99,
+errors. Capacity = the highest concurrency that passes (no error, no stutter, every
+stream's rate >= --min-rate, TTFA p95 <= --ttfa-p95-ms) with every lower level passing
+too. Writes JSON + Markdown (report.py) and an optional PNG plot.
+
+`stream_once` is public: other benchmarks (waterfall) reuse the client. This module
+never starts a unit; it only measures one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from pdunit.bench import report
+from pdunit.bench.playback import AUDIO_FPS, stream_timing
+from pdunit.bench.workload import (
+    StreamSpec,
+    Workload,
+    WorkloadConfig,
+    arrival_times,
+    parse_range,
+)
+from pdunit.engine.settings import ConfigError, parse_config
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from tqdm import tqdm
+
+BENCH = "capacity"
+
+
+class CapacityConfig(BaseModel):
+    """pdunit bench capacity: streaming capacity of one unit behind an LB URL."""
+
+    url: str = Field("http://127.0.0.1:8000", description="LB (or router) base URL")
+    concurrency: list[int] = Field(
+        [4, 8, 16], description="closed-loop levels, comma list (ignored with --rate)"
+    )
+    rate: list[float] = Field(
+        [], description="Poisson arrival rates in requests/s, comma list; replaces --concurrency"
+    )
+    requests: int = Field(
+        0, ge=0, description="end a level after this many streams started (0 = only --duration)"
+    )
+    burst_share: float = Field(
+        0.0, ge=0, lt=1, description="share of requests that arrive in clumps (--rate)"
+    )
+    burst_size: int = Field(5, ge=1, description="requests per clump")
+    duration: float = Field(60.0, gt=0, description="seconds of arrivals per level")
+    warmup: float = Field(
+        0.0, ge=0, description="streams started in the first seconds of a level are not counted"
+    )
+    drain_timeout: float = Field(
+        120.0, gt=0, description="after a level, how long streams in flight may finish"
+    )
+    prompt_rows: tuple[int, int] = Field((1000, 2000), description="prompt rows, N or LOW-HIGH")
+    frames: tuple[int, int] = Field(
+        (105, 630), description="frames per stream, N or LOW-HIGH (max_frames = min_frames)"
+    )
+    voices: int = Field(8, ge=0, description="warm voices that requests may reuse")
+    voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests using a warm voice")
+    start_frames: int = Field(9, ge=1, description="frames buffered before playback starts (TTFA)")
+    fps: float = Field(
+        AUDIO_FPS, gt=0, description="frames of audio per second the player consumes"
+    )
+    min_rate: float = Field(
+        42.0, ge=0, description="capacity: every stream's rate must reach this (frames/s)"
+    )
+    ttfa_p95_ms: float = Field(500.0, gt=0, description="capacity: TTFA p95 must stay under this")
+    body: str = Field("binary", description="request body: binary (int32) or json")
+    seed: int = Field(0, description="workload seed")
+    mode_label: str = Field(
+        "1p1d",
+        description="mode in the results: monolith-prefill-first | monolith-chunked | 1p1d | 1p2d | ...",
+    )
+    gpus: int = Field(1, ge=0, description="GPUs the unit uses (capacity per GPU)")
+    request_timeout: float = Field(60.0, gt=0, description="longest wait for any byte of a stream")
+    max_in_flight: int = Field(1024, ge=1, description="--rate: cap on concurrent streams")
+    out: str = Field(
+        "", description="results: a .json path or a folder (default name); empty = no files"
+    )
+    plot: str = Field("", description="write a PNG: stutter share and p1 rate per level")
+    progress: bool = Field(True, description="progress bar on stderr")
+
+    @field_validator("prompt_rows", "frames", mode="before")
+    @classmethod
+    def _range(cls, v: Any, info: ValidationInfo) -> Any:
+        # "1000-2000" (flag or env, arrives as ["1000-2000"]), "500", or a (low, high) pair.
+        if isinstance(v, (list, tuple)) and len(v) == 1:
+            v = v[0]
+        if isinstance(v, (str, int)):
+            return parse_range(str(v), f"--{(info.field_name or 'range').replace('_', '-')}")
+        return v
+
+    @field_validator("concurrency", "rate", mode="before")
+    @classmethod
+    def _levels(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)):
+            return [v]
+        if isinstance(v, str):
+            return [p for p in v.split(",") if p.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> CapacityConfig:
+        for name in ("prompt_rows", "frames"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} {lo}-{hi}: expected 1 <= LOW <= HIGH")
+        if not self.rate and not self.concurrency:
+            raise ValueError("give --concurrency levels or --rate levels")
+        if any(c < 1 for c in self.concurrency) or any(r <= 0 for r in self.rate):
+            raise ValueError("concurrency levels must be >= 1 and rates > 0")
+        if self.body not in ("binary", "json"):
+            raise ValueError(f"body {self.body!r}: expected binary or json")
+        return self
+
+
+@dataclass
+class StreamResult:
+    index: int
+    voice: str
+    reused: bool
+    prompt_rows: int
+    frames_requested: int
+    started_s: float  # since the level started
+    send_unix_ns: int  # wall clock at send: compare with the final record's stage stamps
+    status: int | None = None
+    error: str | None = None
+    frames: int = 0
+    arrivals: np.ndarray = field(default_factory=lambda: np.zeros(0))  # s since send, per frame
+    final: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    ttfa_s: float | None = None
+    rate: float | None = None
+    worst_window: float | None = None
+    stalls: int = 0
+    stall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def stutter(self) -> bool:
+        return self.stalls > 0
+
+    def record(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("arrivals")
+        return d
+
+
+async def stream_once(
+    client: httpx.AsyncClient,
+    url: str,
+    spec: StreamSpec,
+    body_format: str = "binary",
+    start_frames: int = 9,
+    fps: float = AUDIO_FPS,
+    level_t0: float | None = None,
+) -> StreamResult:
+    """One streaming request; frame arrival times are taken as NDJSON lines come in."""
+    body, headers = spec.body(body_format)
+    t0 = time.perf_counter()
+    res = StreamResult(
+        index=spec.index,
+        voice=spec.voice,
+        reused=spec.reused,
+        prompt_rows=spec.rows,
+        frames_requested=spec.frames,
+        started_s=t0 - (level_t0 or t0),
+        send_unix_ns=time.time_ns(),
+    )
+    times: list[float] = []
+    counts: list[int] = []
+    last_line = b""
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/tts/stream", content=body, headers=headers
+        ) as resp:
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                try:
+                    code = json.loads(raw)["error"]["code"]
+                except (ValueError, KeyError, TypeError):
+                    code = raw[:80].decode(errors="replace")
+                res.error = f"http_{resp.status_code}:{code}"
+                return res
+            pending = b""
+            async for chunk in resp.aiter_raw():
+                now = time.perf_counter() - t0
+                n = chunk.count(b"\n")
+                pending += chunk
+                if n:
+                    times.append(now)
+                    counts.append(n)
+                    end = pending.rfind(b"\n")
+                    last_line = pending[pending.rfind(b"\n", 0, end) + 1 : end]
+                    pending = pending[end + 1 :]
+    except httpx.TimeoutException:
+        res.error = "timeout"
+    except httpx.HTTPError as exc:
+        res.error = f"transport:{type(exc).__name__}"
+    lines = int(sum(counts))
+    if res.error is None:
+        try:
+            final = json.loads(last_line) if last_line else None
+        except ValueError:
+            final = None
+        res.final = final
+        if not isinstance(final, dict):
+            res.error = "truncated"  # no final record: the stream was cut
+        elif "error" in final:
+            res.error = f"stream:{final['error'].get('code', '?')}"
+        elif final.get("frames") != lines - 1:
+            res.error = f"frame_count:{lines - 1}!={final.get('frames')}"
+    # The last newline ends the final record (when there is one): frames are the rest.
+    frames = lines - 1 if res.final is not None else lines
+    res.frames = max(0, frames)
+    if res.frames:
+        arrivals = np.repeat(np.asarray(times), np.asarray(counts))[: res.frames]
+        res.arrivals = arrivals
+        timing = stream_timing(arrivals, start_frames, fps)
+        res.ttft_s, res.ttfa_s = timing.ttft_s, timing.ttfa_s
+        res.rate, res.worst_window = timing.rate, timing.worst_window
+        res.stalls, res.stall_s = timing.playback.stalls, timing.playback.stall_s
+    return res
+
+
+async def fetch_model(client: httpx.AsyncClient, url: str, timeout: float = 30.0) -> dict[str, Any]:
+    """GET /v1/model, waiting (503) until the unit is ready."""
+    end = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < end:
+        try:
+            resp = await client.get(f"{url}/v1/model")
+            if resp.status_code == 200:
+                return dict(resp.json())
+            last = f"{resp.status_code}: {resp.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url}/v1/model did not answer 200 within {timeout:g} s (last: {last})")
+
+
+class _Progress:
+    """tqdm on stderr: seconds of arrivals, or streams when levels end by --requests."""
+
+    def __init__(self, enabled: bool, levels: int, duration: float, requests: int) -> None:
+        self.by_streams = requests > 0
+        total = levels * requests if self.by_streams else round(levels * duration, 1)
+        self.bar = tqdm(
+            total=total,
+            unit="stream" if self.by_streams else "s",
+            file=sys.stderr,
+            disable=not enabled,
+            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} {postfix}",
+        )
+        self.label = ""
+        self.done = 0
+        self.stutter = 0
+        self.errors = 0
+        self.in_flight = 0
+
+    def start_level(self, label: str) -> None:
+        self.label = label
+        self.done = self.stutter = self.errors = 0
+
+    def add(self, r: StreamResult) -> None:
+        self.done += 1
+        self.stutter += int(r.ok and r.stutter)
+        self.errors += int(not r.ok)
+        if self.by_streams:
+            self.bar.update(1)
+
+    def tick(self, seconds: float) -> None:
+        if not self.by_streams:
+            self.bar.update(seconds)
+        self.bar.set_postfix_str(
+            f"{self.label} done={self.done} in_flight={self.in_flight} "
+            f"stutter={self.stutter} errors={self.errors}",
+            refresh=True,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def run_level(
+    client: httpx.AsyncClient,
+    cfg: CapacityConfig,
+    workload: Workload,
+    progress: _Progress,
+    concurrency: int | None = None,
+    rate: float | None = None,
+) -> list[StreamResult]:
+    """One level: closed loop at `concurrency`, or Poisson arrivals at `rate`."""
+    results: list[StreamResult] = []
+    t0 = time.perf_counter()
+    stop_at = t0 + cfg.duration
+    skipped = [0]
+    progress.start_level(f"c={concurrency}" if concurrency is not None else f"rate={rate:g}/s")
+    started = 0
+
+    def may_start() -> bool:
+        nonlocal started
+        if time.perf_counter() >= stop_at or (cfg.requests and started >= cfg.requests):
+            return False
+        started += 1
+        return True
+
+    async def one(spec: StreamSpec) -> None:
+        progress.in_flight += 1
+        try:
+            r = await stream_once(
+                client, cfg.url, spec, cfg.body, cfg.start_frames, cfg.fps, level_t0=t0
+            )
+        finally:
+            progress.in_flight -= 1
+        if r.started_s >= cfg.warmup:
+            results.append(r)
+            progress.add(r)
+
+    async def closed_worker() -> None:
+        while may_start():
+            await one(workload.next())
+
+    async def open_arrivals() -> None:
+        assert rate is not None
+        tasks: set[asyncio.Task[None]] = set()
+        for at, n in arrival_times(
+            rate, cfg.duration, cfg.burst_share, cfg.burst_size, seed=cfg.seed
+        ):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for _ in range(n):
+                if len(tasks) >= cfg.max_in_flight:
+                    skipped[0] += 1  # the client's own cap, reported in the row
+                    continue
+                if not may_start():
+                    break
+                task = asyncio.ensure_future(one(workload.next()))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if cfg.requests and started >= cfg.requests:
+                break
+        if tasks:
+            await asyncio.wait(set(tasks))
+
+    driver = (
+        asyncio.ensure_future(asyncio.gather(*(closed_worker() for _ in range(concurrency))))
+        if concurrency is not None
+        else asyncio.ensure_future(open_arrivals())
+    )
+    last = t0
+    deadline = stop_at + cfg.drain_timeout
+    while not driver.done():
+        await asyncio.wait({driver}, timeout=0.5)
+        now = time.perf_counter()
+        progress.tick(min(now, stop_at) - min(last, stop_at))
+        last = now
+        if now > deadline:
+            cut = progress.in_flight  # counted before cancelling: their finally blocks reset it
+            driver.cancel()
+            with _suppress_cancel():
+                await driver
+            results.extend(_unserved("cut_at_end") for _ in range(cut))
+            break
+    if driver.done() and not driver.cancelled() and driver.exception() is not None:
+        raise driver.exception()  # type: ignore[misc]
+    results.extend(_unserved("client_cap") for _ in range(skipped[0]))
+    return results
+
+
+def _unserved(error: str) -> StreamResult:
+    """A stream the benchmark counts as failed without a response to measure."""
+    return StreamResult(
+        index=-1,
+        voice="",
+        reused=False,
+        prompt_rows=0,
+        frames_requested=0,
+        started_s=0.0,
+        send_unix_ns=0,
+        error=error,
+    )
+
+
+class _suppress_cancel:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        return exc_type is asyncio.CancelledError
+
+
+def summarize_level(
+    results: list[StreamResult],
+    cfg: CapacityConfig,
+    concurrency: int | None,
+    rate: float | None,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    rates = [r.rate for r in ok if r.rate is not None]
+    windows = [r.worst_window for r in ok if r.worst_window is not None]
+    ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+    ttfa = [r.ttfa_s * 1000 for r in ok if r.ttfa_s is not None]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    stutters = sum(r.stutter for r in ok)
+    row: dict[str, Any] = {
+        "mode": cfg.mode_label,
+        "gpus": cfg.gpus,
+        "concurrency": concurrency,
+        "rate": rate,
+        "streams": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "error_kinds": errors,
+        "stutter_share": (stutters / len(ok)) if ok else None,
+        "stalls": sum(r.stalls for r in ok),
+        "min_rate": min(rates) if rates else None,
+        "p1_rate": report.percentile(rates, 1),
+        "p50_rate": report.percentile(rates, 50),
+        "worst_window": min(windows) if windows else None,
+        "frames_total": sum(r.frames for r in ok),
+        "elapsed_s": round(elapsed_s, 3),
+        "gpu_busy": None,  # measured by the unit's own metrics, not from the client side
+    }
+    for name, values in (("ttft", ttft), ("ttfa", ttfa)):
+        for key, value in report.percentiles(values).items():
+            row[f"{name}_{key}_ms"] = value
+    row["passed"] = bool(
+        ok
+        and row["errors"] == 0
+        and stutters == 0
+        and row["min_rate"] is not None
+        and row["min_rate"] >= cfg.min_rate
+        and row["ttfa_p95_ms"] is not None
+        and row["ttfa_p95_ms"] <= cfg.ttfa_p95_ms
+    )
+    return row
+
+
+def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, Any]:
+    """Capacity = the highest level that passes with every lower level passing too."""
+    key = "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
+    capacity = None
+    for row in sorted(rows, key=lambda r: r[key]):
+        if not row["passed"]:
+            break
+        capacity = row[key]
+    summary: dict[str, Any] = {
+        "criteria": {
+            "stutter": 0,
+            "errors": 0,
+            "min_rate": cfg.min_rate,
+            "ttfa_p95_ms": cfg.ttfa_p95_ms,
+        },
+        "levels": key,
+    }
+    if key == "concurrency":
+        summary["capacity"] = capacity
+        per_gpu = (capacity / cfg.gpus) if (capacity is not None and cfg.gpus) else None
+        summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
+    else:
+        summary["capacity_rate"] = capacity
+    return summary
+
+
+COLUMNS = [
+    report.Column("mode", "mode"),
+    report.Column("concurrency", "conc"),
+    report.Column("rate", "rate/s", "{:g}"),
+    report.Column("streams", "streams"),
+    report.Column("errors", "errors"),
+    report.Column("stutter_share", "stutter", "{:.1%}"),
+    report.Column("min_rate", "min fps", "{:.1f}"),
+    report.Column("p1_rate", "p1 fps", "{:.1f}"),
+    report.Column("worst_window", "worst 1s", "{:.0f}"),
+    report.Column("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+    report.Column("ttft_p95_ms", "p95", "{:.0f}"),
+    report.Column("ttft_p99_ms", "p99", "{:.0f}"),
+    report.Column("ttfa_p50_ms", "TTFA p50", "{:.0f}"),
+    report.Column("ttfa_p95_ms", "p95", "{:.0f}"),
+    report.Column("ttfa_p99_ms", "p99", "{:.0f}"),
+    report.Column("passed", "pass"),
+]
+
+
+def _as_config(config: CapacityConfig | dict[str, Any]) -> CapacityConfig:
+    return config if isinstance(config, CapacityConfig) else CapacityConfig.model_validate(config)
+
+
+async def run_capacity_async(
+    config: CapacityConfig | dict[str, Any], command: str | None = None, keep_streams: bool = False
+) -> dict[str, Any]:
+    cfg = _as_config(config)
+    url = cfg.url.rstrip("/")
+    cfg = cfg.model_copy(update={"url": url})
+    levels_c = [] if cfg.rate else list(cfg.concurrency)
+    levels_r = list(cfg.rate)
+    machine = report.machine_info()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(cfg.request_timeout, connect=10.0)
+    rows: list[dict[str, Any]] = []
+    streams: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = await fetch_model(client, url)
+        workload = Workload(
+            WorkloadConfig(
+                n_codebooks=int(model["n_codebooks"]),
+                vocab_sizes=tuple(model["vocab_sizes"]),
+                prompt_rows=cfg.prompt_rows,
+                frames=cfg.frames,
+                voices=cfg.voices,
+                voice_reuse=cfg.voice_reuse,
+                seed=cfg.seed,
+            )
+        )
+        levels: list[tuple[int | None, float | None]] = [(c, None) for c in levels_c] + [
+            (None, r) for r in levels_r
+        ]
+        progress = _Progress(cfg.progress, len(levels), cfg.duration, cfg.requests)
+        try:
+            for c, r in levels:
+                t = time.perf_counter()
+                results = await run_level(client, cfg, workload, progress, concurrency=c, rate=r)
+                rows.append(summarize_level(results, cfg, c, r, time.perf_counter() - t))
+                if keep_streams:
+                    streams.extend({"concurrency": c, "rate": r, **s.record()} for s in results)
+        finally:
+            progress.close()
+    results_doc = report.Results(
+        bench=BENCH,
+        machine=machine,
+        command=command or report.command_line(),
+        config={**cfg.model_dump(), "model": model},
+        rows=rows,
+        summary=summarize_run(rows, cfg),
+    )
+    doc = results_doc.document()
+    if keep_streams:
+        doc["streams"] = streams
+    if cfg.out:
+        path = report.resolve_out(cfg.out, BENCH, machine)
+        json_path, md_path = results_doc.write(
+            path, COLUMNS, title=f"Streaming capacity ({cfg.mode_label})"
+        )
+        doc["files"] = [str(json_path), str(md_path)]
+    if cfg.plot:
+        doc.setdefault("files", []).append(str(plot_capacity(rows, cfg.plot, cfg)))
+    return doc
+
+
+def run_capacity(
+    config: CapacityConfig | dict[str, Any], command: str | None = None, keep_streams: bool = False
+) -> dict[str, Any]:
+    """Run every level against the LB and return the results document (report.Results)."""
+    return asyncio.run(run_capacity_async(config, command, keep_streams))
+
+
+def plot_capacity(rows: list[dict[str, Any]], path: str, cfg: CapacityConfig) -> Any:
+    key = "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_mode.setdefault(row["mode"], []).append(row)
+    stutter = {
+        m: (
+            [r[key] for r in rs],
+            [None if r["stutter_share"] is None else 100 * r["stutter_share"] for r in rs],
+        )
+        for m, rs in by_mode.items()
+    }
+    p1 = {m: ([r[key] for r in rs], [r["p1_rate"] for r in rs]) for m, rs in by_mode.items()}
+    return report.plot_panels(
+        path,
+        "Streaming capacity",
+        "concurrent streams" if key == "concurrency" else "arrivals/s",
+        [
+            report.Panel("stutter share (%)", stutter, ylim=(0, None)),
+            report.Panel(
+                "p1 stream rate (frames/s)",
+                p1,
+                guides={f"{cfg.min_rate:g} frames/s": cfg.min_rate},
+                ylim=(0, None),
+            ),
+        ],
+    )
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    m = doc["machine"]
+    gpu = (
+        f"{m['gpu_count']} x {m['gpu_model']} (driver {m['driver']})"
+        if m["gpu_count"]
+        else "no GPU"
+    )
+    print(f"machine: {gpu}; {m['cpu_count']} CPUs ({m['cpu_model']})")
+    print(f"command: {doc['command']}")
+    cfg = {k: v for k, v in doc["config"].items() if k not in ("progress",)}
+    print(f"config: {json.dumps(cfg, sort_keys=True)}")
+    print()
+    print(report.text_table(doc["rows"], COLUMNS))
+    print()
+    for row in doc["rows"]:
+        if row["error_kinds"]:
+            level = row["concurrency"] if row["concurrency"] is not None else f"rate {row['rate']}"
+            print(f"errors at {level}: {row['error_kinds']}")
+    print(f"summary: {json.dumps(doc['summary'], sort_keys=True)}")
+    for path in doc.get("files", []):
+        print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = parse_config(CapacityConfig, args, prog="pdunit bench capacity")
+    except ConfigError:
+        return 2
+    try:
+        doc = run_capacity(cfg, command=report.command_line(args, prog="pdunit bench capacity"))
+    except (RuntimeError, ValueError) as exc:
+        print(f"pdunit bench capacity: {exc}", file=sys.stderr)
+        return 1
+    print_report(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

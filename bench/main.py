@@ -1,0 +1,37 @@
+"""`pdunit bench <name>`: every benchmark behind one command (BENCHMARKS.md).
+
+Each benchmark is a module with `main(argv) -> int` that prints the machine, the exact
+command, the config and a table, and can write results JSON/MD and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "capacity": ("pdunit.bench.capacity", "streaming capacity of a unit or monolith (section 1)"),
+    "transfer": ("pdunit.bench.transfer", "KV transfer backends, contiguous vs fragmented (section 2)"),
+    "step": ("pdunit.bench.step", "decode step time vs the memory roofline (section 3)"),
+    "edges": ("pdunit.bench.edges", "LB validate+pack, router decision, scaler latency (section 4)"),
+    "waterfall": ("pdunit.bench.waterfall", "per-stage p50/p99 of a load run (section 5)"),
+    "router": ("pdunit.bench.router_bench", "routing decision latency with many units"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: pdunit bench <name> [options]\n")
+        for name, (_, text) in BENCHES.items():
+            print(f"  {name:<10} {text}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHES:
+        print(f"pdunit bench: unknown benchmark {name!r}; known: {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(BENCHES[name][0])
+    except ModuleNotFoundError as exc:
+        print(f"pdunit bench {name}: not available in this build ({exc})", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)

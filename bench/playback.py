@@ -1,0 +1,100 @@
+"""What a listener hears: per-stream timing and the playback model of BENCHMARKS.md section 1.
+
+Input: the arrival time of every frame of one stream (seconds since the request was
+sent, non-decreasing). Output: TTFT (first frame in), TTFA (the first `start_frames`
+frames are in: the first playable audio), the rate from first to last frame, the worst
+1-second window, and the player: it starts at TTFA and consumes `fps` frames per
+second; a stall is each time the buffer runs empty before the stream ended (the next
+frame arrives after its play time); the player then waits for it and plays on. A
+stream "stutters" if it stalls at least once. Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+AUDIO_FPS = 21.0  # frames per second of audio
+# Arrival times come from one clock; a frame on time to within a microsecond is on time.
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Playback:
+    start_s: float  # when the player starts (TTFA)
+    stalls: int
+    stall_s: float  # total time the player waited on an empty buffer
+
+    @property
+    def stutter(self) -> bool:
+        return self.stalls > 0
+
+
+def play(arrivals: np.ndarray, start_frames: int = 9, fps: float = AUDIO_FPS) -> Playback:
+    """Replay a stream through the player.
+
+    Frame k starts playing at T_k = max(T_{k-1} + 1/fps, arrival_k), T_0 = start. So
+    T_k - k/fps = max(start, max_{j<=k}(arrival_j - j/fps)), and frame k stalls exactly
+    when arrival_k - k/fps exceeds that running maximum over j < k.
+    """
+    arr = np.asarray(arrivals, dtype=np.float64)
+    if arr.size == 0:
+        raise ValueError("a stream without frames has no playback")
+    start = float(arr[min(start_frames, arr.size) - 1])
+    lateness = arr - np.arange(arr.size) / fps
+    running = np.maximum.accumulate(np.concatenate(([start], lateness)))[:-1]
+    late = lateness - running
+    stalled = late > _EPS
+    return Playback(start_s=start, stalls=int(stalled.sum()), stall_s=float(late[stalled].sum()))
+
+
+def stream_rate(arrivals: np.ndarray) -> float | None:
+    """Frames per second from the first to the last frame; None below 2 frames."""
+    arr = np.asarray(arrivals, dtype=np.float64)
+    if arr.size < 2:
+        return None
+    span = float(arr[-1] - arr[0])
+    return float("inf") if span <= 0 else (arr.size - 1) / span
+
+
+def worst_window(arrivals: np.ndarray, window_s: float = 1.0) -> float | None:
+    """Fewest frames received in any `window_s` window inside the stream, per second.
+
+    The count of frames in [t - window, t) over t in [first + window, last] is lowest
+    just before an arrival, so only those instants are checked. None when the stream
+    is shorter than one window.
+    """
+    arr = np.asarray(arrivals, dtype=np.float64)
+    if arr.size < 2 or arr[-1] - arr[0] < window_s:
+        return None
+    ends = arr[arr >= arr[0] + window_s]
+    counts = np.searchsorted(arr, ends, side="left") - np.searchsorted(
+        arr, ends - window_s, side="left"
+    )
+    return float(counts.min()) / window_s
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    frames: int
+    ttft_s: float
+    ttfa_s: float
+    rate: float | None
+    worst_window: float | None
+    playback: Playback
+
+
+def stream_timing(
+    arrivals: np.ndarray, start_frames: int = 9, fps: float = AUDIO_FPS
+) -> StreamTiming:
+    arr = np.asarray(arrivals, dtype=np.float64)
+    pb = play(arr, start_frames, fps)
+    return StreamTiming(
+        frames=int(arr.size),
+        ttft_s=float(arr[0]),
+        ttfa_s=pb.start_s,
+        rate=stream_rate(arr),
+        worst_window=worst_window(arr),
+        playback=pb,
+    )

@@ -1,0 +1,201 @@
+"""The synthetic TTS workload of BENCHMARKS.md section 1: prompts, voices, lengths, arrivals.
+
+A prompt is a voice's reference rows (fixed per voice, so a reused voice hits P's
+prefix cache) followed by per-request text rows; the total is drawn from
+`prompt_rows`. With probability `voice_reuse` a request uses one of `voices` warm
+voices, else a voice never seen before (a cold prefill). Output length is drawn from
+`frames` and sent as both max_frames and min_frames, so random weights never stop
+early at EOS. Ids are uniform within each column's vocabulary (GET /v1/model).
+Arrivals: Poisson at `rate` where a `burst_share` of requests comes in clumps of
+`burst_size` at one instant. Everything is seeded: same config, same requests.
+Never does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    n_codebooks: int
+    vocab_sizes: tuple[int, ...]
+    prompt_rows: tuple[int, int] = (1000, 2000)
+    frames: tuple[int, int] = (105, 630)
+    voices: int = 8
+    voice_reuse: float = 0.5
+    reference_share: float = 0.75  # reference rows = this share of prompt_rows' low end
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        lo, hi = self.prompt_rows
+        if not 1 <= lo <= hi:
+            raise ValueError(f"prompt_rows {self.prompt_rows} must satisfy 1 <= low <= high")
+        if not 1 <= self.frames[0] <= self.frames[1]:
+            raise ValueError(f"frames {self.frames} must satisfy 1 <= low <= high")
+        if not 0.0 <= self.voice_reuse <= 1.0:
+            raise ValueError(f"voice_reuse {self.voice_reuse} must lie in [0, 1]")
+        if self.voices < 1 and self.voice_reuse > 0:
+            raise ValueError("voice_reuse > 0 needs at least one voice (--voices)")
+        if len(self.vocab_sizes) != self.n_codebooks:
+            raise ValueError(
+                f"{len(self.vocab_sizes)} vocab sizes for {self.n_codebooks} codebooks"
+            )
+
+    @property
+    def reference_rows(self) -> int:
+        return max(1, min(self.prompt_rows[0], round(self.reference_share * self.prompt_rows[0])))
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    index: int
+    voice: str
+    reused: bool  # a warm voice (its reference may be in P's prefix cache)
+    prompt: np.ndarray  # int32 [rows, n_codebooks]
+    frames: int
+    seed: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.prompt.shape[0])
+
+    def body(self, body_format: str) -> tuple[bytes, dict[str, str]]:
+        """The request body and headers, `json` or `binary` (docs/api.md)."""
+        headers = {"X-Session-Id": self.voice}
+        if body_format == "binary":
+            headers.update(
+                {
+                    "Content-Type": "application/octet-stream",
+                    "X-Pdunit-Dtype": "int32",
+                    "X-Pdunit-Row-Width": str(self.prompt.shape[1]),
+                    "X-Pdunit-Max-Frames": str(self.frames),
+                    "X-Pdunit-Min-Frames": str(self.frames),
+                    "X-Pdunit-Seed": str(self.seed),
+                }
+            )
+            return self.prompt.astype("<i4").tobytes(), headers
+        if body_format == "json":
+            headers["Content-Type"] = "application/json"
+            doc = {
+                "prompt": self.prompt.tolist(),
+                "max_frames": self.frames,
+                "min_frames": self.frames,
+                "seed": self.seed,
+            }
+            return json.dumps(doc, separators=(",", ":")).encode(), headers
+        raise ValueError(f"body format {body_format!r}: expected json or binary")
+
+
+class Workload:
+    """An endless, seeded sequence of StreamSpecs."""
+
+    def __init__(self, config: WorkloadConfig) -> None:
+        self.config = config
+        self._rng = np.random.default_rng(config.seed)
+        self._vocab = np.asarray(config.vocab_sizes, dtype=np.int64)
+        self._references: dict[int, np.ndarray] = {}
+        self._count = 0
+
+    def _ids(self, rng: np.random.Generator, rows: int) -> np.ndarray:
+        return (rng.random((rows, self.config.n_codebooks)) * self._vocab).astype(np.int32)
+
+    def _reference(self, voice: int) -> np.ndarray:
+        ref = self._references.get(voice)
+        if ref is None:
+            # Its own stream per voice: a voice's reference never depends on draw order.
+            rng = np.random.default_rng([self.config.seed, 1, voice])
+            ref = self._ids(rng, self.config.reference_rows)
+            self._references[voice] = ref
+        return ref
+
+    def next(self) -> StreamSpec:
+        cfg = self.config
+        rng = self._rng
+        index = self._count
+        self._count += 1
+        total = int(rng.integers(cfg.prompt_rows[0], cfg.prompt_rows[1] + 1))
+        frames = int(rng.integers(cfg.frames[0], cfg.frames[1] + 1))
+        seed = int(rng.integers(0, 2**63))
+        reused = cfg.voices > 0 and bool(rng.random() < cfg.voice_reuse)
+        if reused:
+            v = int(rng.integers(0, cfg.voices))
+            voice, reference = f"voice-{v}", self._reference(v)
+        else:
+            voice, reference = f"cold-{cfg.seed}-{index}", self._ids(rng, cfg.reference_rows)
+        text = self._ids(rng, max(0, total - reference.shape[0]))
+        prompt = np.concatenate([reference, text]) if text.size else reference.copy()
+        return StreamSpec(
+            index=index, voice=voice, reused=reused, prompt=prompt, frames=frames, seed=seed
+        )
+
+    def __iter__(self) -> Iterator[StreamSpec]:
+        while True:
+            yield self.next()
+
+
+def arrival_times(
+    rate: float, duration_s: float, burst_share: float = 0.0, burst_size: int = 1, seed: int = 0
+) -> list[tuple[float, int]]:
+    """(time, how many requests) events in [0, duration): Poisson, with clumps.
+
+    An event is a clump of `burst_size` with probability p, else one request, where p
+    makes the clumped share of requests equal `burst_share`; events come at a rate that
+    keeps the request rate at `rate`.
+    """
+    if rate <= 0:
+        raise ValueError(f"rate {rate} must be > 0")
+    if not 0.0 <= burst_share < 1.0:
+        raise ValueError(f"burst_share {burst_share} must lie in [0, 1)")
+    if burst_size < 1:
+        raise ValueError(f"burst_size {burst_size} must be >= 1")
+    b = burst_size
+    p = 0.0 if b == 1 or burst_share == 0 else burst_share / (b - burst_share * (b - 1))
+    event_rate = rate / (p * b + (1 - p))
+    rng = np.random.default_rng([seed, 2])
+    events: list[tuple[float, int]] = []
+    t = float(rng.exponential(1 / event_rate))
+    while t < duration_s:
+        events.append((t, b if rng.random() < p else 1))
+        t += float(rng.exponential(1 / event_rate))
+    return events
+
+
+def parse_range(text: str, name: str) -> tuple[int, int]:
+    """ "1000-2000" -> (1000, 2000); "500" -> (500, 500)."""
+    parts = [p.strip() for p in str(text).split("-")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{name} {text!r}: expected N or LOW-HIGH") from None
+    if len(values) == 1:
+        return values[0], values[0]
+    if len(values) != 2 or values[0] > values[1]:
+        raise ValueError(f"{name} {text!r}: expected N or LOW-HIGH with LOW <= HIGH")
+    return values[0], values[1]
+
+
+def parse_list(text: str, name: str, kind: type = int) -> list:
+    try:
+        values = [kind(p) for p in str(text).split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"{name} {text!r}: expected a comma-separated list of numbers") from None
+    if not values:
+        raise ValueError(f"{name} is empty")
+    return values
+
+
+def shares(specs: Sequence[StreamSpec]) -> dict[str, float]:
+    """Share of warm-voice requests and of those whose voice was already used before."""
+    seen: set[str] = set()
+    repeat = 0
+    for s in specs:
+        if s.voice in seen:
+            repeat += 1
+        seen.add(s.voice)
+    n = max(1, len(specs))
+    return {"reused": sum(s.reused for s in specs) / n, "prefix_repeat": repeat / n}

@@ -1,0 +1,156 @@
+"""Continuous batching of decoding streams over one paged pool (D and the monolith).
+
+Owns the running streams: which frame each emitted last, where its next token's K/V
+goes, when it ends (EOS or length). Every step covers every running stream, and its
+result is one message with every stream's new frame. It never allocates or frees
+transfer pages itself except `pool.finish` of its own finished/cancelled streams.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdunit.engine.batching import SeqEntry
+from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.model.sampling import SamplingParams, is_eos, sample_frames
+from pdunit.engine.model.transformer import TTSModel
+
+RUNNING, FINISHED_EOS, FINISHED_LENGTH = 0, 1, 2
+
+
+@dataclass
+class Stream:
+    request_id: int
+    prompt_tokens: int
+    params: SamplingParams
+    last_frame: np.ndarray            # int32 [C]: the newest frame (the next step's input)
+    frames_out: int = 0               # frames emitted so far (the first frame counts)
+    stamps: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepOutput:
+    request_ids: np.ndarray           # uint64 [n]
+    frames: np.ndarray                # int32 [n, C]
+    finished: np.ndarray              # uint8 [n]
+    started: list[Stream]             # streams whose first frame is in this step
+    ended: list[Stream]               # streams that finished in this step
+
+
+class DecodeBatcher:
+    def __init__(self, model: TTSModel, pool: PagePool, storage: torch.Tensor, max_batch: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.storage = storage
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._incoming: list[Stream] = []
+        self._cancelled: set[int] = set()
+        self.running: dict[int, Stream] = {}
+
+    # -- called from any thread -------------------------------------------------------
+    def admit(self, stream: Stream) -> None:
+        """The stream's pages are DECODING and hold its prompt KV; its first frame goes
+        out with the next step."""
+        with self._lock:
+            self._incoming.append(stream)
+
+    def cancel(self, request_id: int) -> bool:
+        with self._lock:
+            known = request_id in self.running or any(s.request_id == request_id for s in self._incoming)
+            if known:
+                self._cancelled.add(request_id)
+            return known
+
+    def request_ids(self) -> list[int]:
+        with self._lock:
+            return list(self.running) + [s.request_id for s in self._incoming]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.running) + len(self._incoming)
+
+    # -- called from the step loop only -----------------------------------------------
+    def take_cancelled(self) -> list[int]:
+        """Drops cancelled streams (their pages return to the pool)."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            incoming = [s for s in self._incoming if s.request_id not in cancelled]
+            dropped = [s.request_id for s in self._incoming if s.request_id in cancelled]
+            self._incoming = incoming
+        for rid in cancelled:
+            if self.running.pop(rid, None) is not None:
+                dropped.append(rid)
+        for rid in dropped:
+            self.pool.finish(rid)
+        return dropped
+
+    def take_incoming(self) -> list[Stream]:
+        with self._lock:
+            room = max(0, self.max_batch - len(self.running))
+            new, self._incoming = self._incoming[:room], self._incoming[room:]
+        return new
+
+    def decode_entries(self) -> tuple[list[Stream], list[SeqEntry]]:
+        """One entry per running stream: its newest frame at the next position."""
+        streams = list(self.running.values())
+        entries = []
+        for s in streams:
+            pos = s.prompt_tokens + s.frames_out - 1
+            entries.append(SeqEntry(
+                tokens=s.last_frame.astype(np.int64)[None, :],
+                positions=np.array([pos], dtype=np.int64),
+                write_slots=np.array([self.pool.slot_of(s.request_id, pos)], dtype=np.int64),
+                context_slots=self.pool.slots(s.request_id, pos + 1),
+            ))
+        return streams, entries
+
+    def apply(self, streams: list[Stream], logits: torch.Tensor | None, new: list[Stream]) -> StepOutput:
+        """Samples the decoded streams' next frames, emits the new streams' first frames,
+        retires finished streams. `logits` rows match `streams`."""
+        ids: list[int] = []
+        frames: list[np.ndarray] = []
+        finished: list[int] = []
+        ended: list[Stream] = []
+        eos_id = self.model.config.eos_id
+        if streams:
+            assert logits is not None
+            sampled = sample_frames(
+                logits, [s.params for s in streams], [s.frames_out for s in streams], eos_id
+            )
+            for s, frame in zip(streams, sampled, strict=True):
+                s.last_frame = frame
+                s.frames_out += 1
+                ids.append(s.request_id)
+                frames.append(frame)
+                finished.append(self._finish_code(s, frame, eos_id))
+        for s in new:
+            s.frames_out = 1
+            ids.append(s.request_id)
+            frames.append(s.last_frame)
+            finished.append(self._finish_code(s, s.last_frame, eos_id))
+            self.running[s.request_id] = s
+        for rid, code in zip(ids, finished, strict=True):
+            if code != RUNNING:
+                ended.append(self.running.pop(rid))
+                self.pool.finish(rid)
+        n_cols = self.model.config.n_codebooks
+        return StepOutput(
+            request_ids=np.array(ids, dtype=np.uint64),
+            frames=np.stack(frames).astype(np.int32) if frames else np.zeros((0, n_cols), np.int32),
+            finished=np.array(finished, dtype=np.uint8),
+            started=new,
+            ended=ended,
+        )
+
+    @staticmethod
+    def _finish_code(s: Stream, frame: np.ndarray, eos_id: int) -> int:
+        if is_eos(frame, eos_id) and s.frames_out >= s.params.min_frames:
+            return FINISHED_EOS
+        if s.frames_out >= s.params.max_frames:
+            return FINISHED_LENGTH
+        return RUNNING

@@ -1,0 +1,91 @@
+"""`pdunit decode`: the decode engine process (D) of a unit."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from pydantic import BaseModel, Field
+
+from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.worker import DecodeEngine, DecodeService, torch_setup
+from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.model.config import torch_dtype
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.settings import parse_config
+from pdunit.engine.transfer.base import PoolGeometry
+from pdunit.engine.transfer.factory import make_receiver
+
+
+class DecodeConfig(BaseModel):
+    """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
+
+    socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
+    prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's socket (ABORT, instance probe)")
+    model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
+    device: str = Field("cpu", description="torch device of the pool and the model")
+    dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
+    pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
+    page_size: int = Field(1, gt=0, description="tokens per page")
+    max_batch: int = Field(256, gt=0, description="streams per decode step")
+    held_drain_fraction: float = Field(0.25, gt=0, le=1, description="held/pool pages above which D drains")
+    abort_resend_ms: int = Field(200, gt=0, description="ABORT re-send period for held requests")
+    probe_interval_ms: int = Field(500, gt=0, description="P instance-id probe period")
+    tcp_host: str = Field("127.0.0.1", description="tcp transport: listen address")
+    tcp_port: int = Field(0, ge=0, description="tcp transport: listen port (0 = any free)")
+    proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
+    metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
+    log_level: str = Field("info", description="log level")
+
+
+async def serve(cfg: DecodeConfig) -> int:
+    log = setup_logging("decode", cfg.log_level)
+    log_config(log, cfg)
+    torch_setup(cfg.torch_threads)
+    serve_metrics(cfg.metrics_port)
+    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    mc = model.config
+    n_pages = cfg.pool_tokens // cfg.page_size
+    geometry = PoolGeometry(
+        n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
+        dtype=torch_dtype(cfg.dtype or mc.dtype), n_slots=n_pages * cfg.page_size, page_size=cfg.page_size,
+    )
+    receiver = make_receiver(cfg.transfer, geometry, cfg.device, {
+        "tcp_host": cfg.tcp_host, "tcp_port": str(cfg.tcp_port), "proxy_socket": cfg.proxy_socket,
+    })
+    loop = asyncio.get_running_loop()
+    engine = DecodeEngine(
+        model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
+        cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
+        cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000,
+    )
+    stop = shutdown_event(log)
+    server = await start_unix_server(
+        cfg.socket, lambda s: pbg.add_DecodeServicer_to_server(DecodeService(engine), s), log)
+    engine.loop.start()
+    tasks = [asyncio.create_task(engine.abort_loop()), asyncio.create_task(engine.probe_loop())]
+    log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
+                                    "pool_pages": n_pages, "kv_bytes": geometry.bytes_for(geometry.n_slots)})
+    await stop.wait()
+    engine.hub.close()
+    await server.stop(grace=5)
+    for t in tasks:
+        t.cancel()
+    engine.loop.stop()
+    receiver.close()
+    log.info("decode stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(DecodeConfig, argv, "pdunit decode")
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

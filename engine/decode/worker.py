@@ -1,0 +1,421 @@
+"""D: the decode engine of a unit. Owns the paged KV pool and the page-state contract of
+PROTOCOL.md: pages reserved for a transfer are given to another request only after
+proof that no write of the failed transfer can land (ABORT_ACK from P, a new P
+instance id, or the transport's own receiver state). Timeouts are never proof.
+
+Threads: the gRPC server and the abort/probe loops run on the asyncio loop; the decode
+step loop runs in its own thread (torch releases the GIL in its kernels). The pool is
+thread-safe; the batcher has its own lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from pdunit.engine import metrics as m
+from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
+from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.grpc_server import channel
+from pdunit.engine.kv.checksum import kv_checksum
+from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.model.transformer import TTSModel
+from pdunit.engine.observability import now_ns
+from pdunit.engine.packing import pack, unpack
+from pdunit.engine.prefill.runner import run_forward
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
+
+log = logging.getLogger("pdunit.decode")
+
+
+def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, seed=s.seed,
+        max_frames=max(1, s.max_frames), min_frames=s.min_frames,
+    )
+
+
+def stamps_pb(stamps: dict[str, int]) -> pb.Stamps:
+    return pb.Stamps(ns=stamps)
+
+
+@dataclass
+class Reservation:
+    request_id: int
+    p_instance: str
+    deadline_unix_ms: int
+    n_tokens: int
+    dst_slots: np.ndarray
+    stamps: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Held:
+    request_id: int
+    p_instance: str
+    since: float
+    reason: str
+
+
+def step_message(step: int, out: StepOutput) -> pb.StepFrames:
+    msg = pb.StepFrames(
+        step=step,
+        request_ids=pack(out.request_ids, "u8"),
+        frames=pack(out.frames, "i4"),
+        finished=pack(out.finished, "u1"),
+        step_unix_ns=now_ns(),
+    )
+    for s in out.started:
+        s.stamps["first_frame_step"] = msg.step_unix_ns
+        msg.stamps[s.request_id].CopyFrom(stamps_pb(s.stamps))
+    for s in out.ended:
+        s.stamps["last_frame_step"] = msg.step_unix_ns
+        msg.stamps[s.request_id].CopyFrom(stamps_pb(s.stamps))
+    return msg
+
+
+class StepLoop:
+    """Runs `step_once` in a thread until stopped; sleeps while there is no work."""
+
+    def __init__(self, name: str, step_once) -> None:
+        self._step_once = step_once
+        self.work = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.work.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._step_once():
+                    self.work.wait(timeout=0.05)
+                    self.work.clear()
+        except BaseException as exc:  # the loop's death must be loud, never a silent stall
+            self.error = exc
+            log.exception("step loop crashed")
+            raise
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        model: TTSModel,
+        model_spec: str,
+        geometry: PoolGeometry,
+        pool: PagePool,
+        receiver: KVReceiver,
+        hub: FrameHub,
+        prefill_socket: str,
+        max_batch: int,
+        held_drain_fraction: float = 0.25,
+        abort_resend_s: float = 0.2,
+        probe_interval_s: float = 0.5,
+    ) -> None:
+        self.instance_id = uuid.uuid4().hex
+        self.model = model
+        self.model_spec = model_spec
+        self.geometry = geometry
+        self.pool = pool
+        self.receiver = receiver
+        self.storage = receiver.storage
+        self.hub = hub
+        self.prefill_socket = prefill_socket
+        self.held_drain_fraction = held_drain_fraction
+        self.abort_resend_s = abort_resend_s
+        self.probe_interval_s = probe_interval_s
+        self.batcher = DecodeBatcher(model, pool, self.storage, max_batch)
+        self.reservations: dict[int, Reservation] = {}
+        self.held: dict[int, Held] = {}
+        self.p_instance = ""          # the newest P instance seen (Reserve or probe)
+        self._lock = threading.Lock()
+        self._draining = False
+        self._step = 0
+        self.loop = StepLoop("decode-step", self._step_once)
+        self._p_channel: grpc.aio.Channel | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def _update_draining(self) -> None:
+        frac = self.pool.held_pages / max(1, self.pool.n_pages)
+        now = frac > self.held_drain_fraction
+        if now != self._draining:
+            self._draining = now
+            m.D_DRAINING.set(1 if now else 0)
+            log.warning(
+                "draining: held pages above threshold" if now else "draining ended: held pages under threshold",
+                extra={"held_pages": self.pool.held_pages, "pool_pages": self.pool.n_pages,
+                       "threshold": self.held_drain_fraction},
+            )
+
+    def _update_gauges(self) -> None:
+        for state, n in self.pool.counts().items():
+            m.D_POOL_PAGES.labels(state=state).set(n)
+        m.D_STREAMS.set(len(self.batcher))
+
+    def fail_transfer(self, request_id: int, status: int, reason: str, message: str) -> None:
+        """A transfer failed: its pages go HELD (never free), LB hears now, P gets ABORTs."""
+        with self._lock:
+            res = self.reservations.pop(request_id, None)
+            if res is None:
+                return
+            self.pool.hold(request_id)
+            self.held[request_id] = Held(request_id, res.p_instance, time.monotonic(), reason)
+        m.D_TRANSFER_FAILED.labels(reason=reason).inc()
+        log.warning("transfer failed: pages held until proof", extra={
+            "request_id": request_id, "reason": reason, "detail": message, "p_instance": res.p_instance})
+        self.hub.publish_error(request_id, status, message)
+        self._update_draining()
+        self._update_gauges()
+
+    def release_held(self, request_id: int, proof: Proof) -> None:
+        with self._lock:
+            held = self.held.pop(request_id, None)
+            if held is None:
+                return
+            self.pool.release_held(request_id, proof)
+        m.D_HELD_RELEASED.labels(proof=proof.value).inc()
+        log.info("held pages released", extra={"request_id": request_id, "proof": proof.value,
+                                               "held_s": round(time.monotonic() - held.since, 3)})
+        self._update_draining()
+        self._update_gauges()
+
+    def observe_p_instance(self, instance: str) -> None:
+        """A P instance id seen on any message. A new one is proof (b) for everything the
+        old instance could still have written."""
+        if not instance or instance == self.p_instance:
+            return
+        old, self.p_instance = self.p_instance, instance
+        if not old:
+            return
+        m.D_P_INSTANCE_CHANGES.inc()
+        log.warning("P restarted: new instance id", extra={"old": old, "new": instance})
+        with self._lock:
+            stale = [r for r, res in self.reservations.items() if res.p_instance != instance]
+        for rid in stale:
+            self.fail_transfer(rid, pb.TRANSFER_FAILED, "p_restarted", "prefill restarted during the transfer")
+        with self._lock:
+            proven = [r for r, h in self.held.items() if h.p_instance != instance]
+        for rid in proven:
+            self.release_held(rid, Proof.NEW_INSTANCE)
+
+    # ------------------------------------------------------------------ transfer exchange
+    def identity_ok(self, ident: pb.Identity) -> bool:
+        return not ident.receiver_instance or ident.receiver_instance == self.instance_id
+
+    def reserve(self, req: pb.ReserveRequest) -> pb.ReserveReply:
+        if not self.identity_ok(req.identity):
+            return pb.ReserveReply(status=pb.STALE_INSTANCE, instance_id=self.instance_id,
+                                   message="receiver instance changed: handshake again")
+        self.observe_p_instance(req.identity.sender_instance)
+        if self._draining:
+            return pb.ReserveReply(status=pb.DRAINING, instance_id=self.instance_id,
+                                   message="decode is draining: held pages above threshold")
+        if req.n_tokens <= 0 or req.total_tokens < req.n_tokens:
+            return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
+                                   message=f"n_tokens={req.n_tokens} total_tokens={req.total_tokens}")
+        with self._lock:
+            if req.request_id in self.reservations or self.pool.state_of(req.request_id) is not None:
+                return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
+                                       message=f"request {req.request_id} already has pages in D")
+            try:
+                slots = self.pool.reserve(req.request_id, req.n_tokens, req.total_tokens)
+            except NoCapacity as exc:
+                return pb.ReserveReply(status=pb.NO_CAPACITY, instance_id=self.instance_id, message=str(exc))
+            self.reservations[req.request_id] = Reservation(
+                req.request_id, req.identity.sender_instance, req.deadline_unix_ms, req.n_tokens, slots,
+                stamps={"d_reserved": now_ns()})
+        self._update_gauges()
+        return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(slots, "i8"), instance_id=self.instance_id)
+
+    def commit(self, req: pb.CommitRequest) -> pb.CommitReply:
+        if not self.identity_ok(req.identity):
+            return pb.CommitReply(status=pb.STALE_INSTANCE, instance_id=self.instance_id)
+        with self._lock:
+            res = self.reservations.get(req.request_id)
+            if res is None or self.pool.state_of(req.request_id) != PageState.RESERVED:
+                return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id,
+                                      message="no live reservation (expired, cancelled or failed)")
+            self.pool.mark_filled(req.request_id)
+        got = kv_checksum(self.storage, res.dst_slots, max(1, req.checksum_sample))
+        m.KV_CHECKS.inc()
+        if got != req.checksum:
+            m.KV_MISMATCH.inc()
+            self.fail_transfer(req.request_id, pb.CHECKSUM_MISMATCH, "checksum",
+                               f"KV checksum mismatch: P sent {req.checksum:#x}, D read {got:#x}")
+            return pb.CommitReply(status=pb.CHECKSUM_MISMATCH, instance_id=self.instance_id)
+        with self._lock:
+            if self.reservations.pop(req.request_id, None) is None:  # failed meanwhile
+                return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id)
+            self.pool.start_decoding(req.request_id)
+        stamps = dict(req.stamps.ns)
+        stamps.update(res.stamps)
+        stamps["d_committed"] = now_ns()
+        first = unpack(req.first_frame, "i4").astype(np.int32)
+        self.batcher.admit(Stream(req.request_id, req.prompt_tokens, sampling_from_pb(req.sampling),
+                                  first.copy(), stamps=stamps))
+        self.loop.work.set()
+        return pb.CommitReply(status=pb.STATUS_OK, instance_id=self.instance_id)
+
+    def cancel(self, request_id: int) -> bool:
+        if self.batcher.cancel(request_id):
+            self.loop.work.set()
+            return True
+        with self._lock:
+            pending = request_id in self.reservations
+        if pending:
+            self.fail_transfer(request_id, pb.CANCELLED, "cancelled", "cancelled by the client")
+        return pending
+
+    def expire_reservations(self) -> None:
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            late = [r for r, res in self.reservations.items() if res.deadline_unix_ms and now_ms > res.deadline_unix_ms]
+        for rid in late:
+            self.fail_transfer(rid, pb.DEADLINE_EXCEEDED, "deadline", "KV transfer did not commit before its deadline")
+
+    # ------------------------------------------------------------------ decode steps
+    def _step_once(self) -> bool:
+        self.batcher.take_cancelled()
+        new = self.batcher.take_incoming()
+        streams, entries = self.batcher.decode_entries()
+        if not streams and not new:
+            self._update_gauges()
+            return False
+        t0 = time.perf_counter()
+        logits = run_forward(self.model, self.storage, entries) if entries else None
+        out = self.batcher.apply(streams, logits, new)
+        self._step += 1
+        self.hub.publish(step_message(self._step, out))
+        m.D_STEP_SECONDS.observe(time.perf_counter() - t0)
+        m.D_STEP_BATCH.observe(len(out.request_ids))
+        m.D_FRAMES.inc(len(out.request_ids))
+        if out.ended:
+            self._update_draining()
+            self._update_gauges()
+        return True
+
+    # ------------------------------------------------------------------ abort + probe loops
+    def _p_stub(self) -> pbg.PrefillStub:
+        if self._p_channel is None:
+            self._p_channel = channel(self.prefill_socket)
+        return pbg.PrefillStub(self._p_channel)
+
+    async def abort_loop(self) -> None:
+        """Re-sends ABORT for every held request until proof (PROTOCOL.md 3.4)."""
+        while True:
+            await asyncio.sleep(self.abort_resend_s)
+            self.expire_reservations()
+            for rid in list(self.held):
+                if self.receiver.receiver_quiesced(rid):
+                    self.release_held(rid, Proof.RECEIVER_STATE)
+                    continue
+                held = self.held.get(rid)
+                if held is None:
+                    continue
+                m.D_ABORTS_SENT.inc()
+                try:
+                    reply = await self._p_stub().Abort(
+                        pb.AbortRequest(request_id=rid, identity=pb.Identity(
+                            sender_instance=self.instance_id, receiver_instance=held.p_instance,
+                            budget_ms=int(self.abort_resend_s * 1000))),
+                        timeout=max(0.5, self.abort_resend_s * 2))
+                except grpc.aio.AioRpcError:
+                    continue  # P unreachable or stopped: not a proof, keep re-sending
+                if reply.ack:
+                    self.release_held(rid, Proof.ABORT_ACK)
+                else:
+                    self.observe_p_instance(reply.instance_id)
+
+    async def probe_loop(self) -> None:
+        """Learns P's instance id even with no traffic (a draining D must not wait for a
+        Reserve that never comes to see that P restarted)."""
+        while True:
+            try:
+                info = await self._p_stub().Info(pb.Empty(), timeout=1.0)
+                self.observe_p_instance(info.instance_id)
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(self.probe_interval_s)
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> pb.InfoReply:
+        with self._lock:
+            ids = list(self.reservations) + list(self.held)
+        ids += self.batcher.request_ids()
+        return pb.InfoReply(
+            role="decode", instance_id=self.instance_id, peer_instance_id=self.p_instance, pid=os.getpid(),
+            queue=len(self.reservations), in_flight=len(self.batcher),
+            held_pages=self.pool.held_pages, pool_pages=self.pool.n_pages, free_pages=self.pool.free_pages,
+            draining=self._draining, transfer_mode=self.receiver.mode,
+            kv_checks_total=int(m.KV_CHECKS._value.get()), kv_mismatch_total=int(m.KV_MISMATCH._value.get()),
+            request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
+        )
+
+    def hello(self) -> pb.HelloReply:
+        g = self.geometry
+        reply = pb.HelloReply(
+            instance_id=self.instance_id,
+            geometry=pb.PoolGeometry(n_layers=g.n_layers, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
+                                     dtype=str(g.dtype).replace("torch.", ""), n_slots=g.n_slots,
+                                     page_size=g.page_size),
+            n_codebooks=self.model.config.n_codebooks,
+            vocab_sizes=pack(np.array(self.model.config.vocab_sizes, dtype=np.int64), "i8"),
+            eos_id=self.model.config.eos_id,
+            model=self.model_spec,
+        )
+        for d in self.receiver.descriptors():
+            reply.transports.append(pb.TransportDescriptor(mode=d.mode, params=d.params, handle=d.handle))
+        return reply
+
+
+class DecodeService(pbg.DecodeServicer):
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    async def Hello(self, request, context):  # noqa: N802 - gRPC names
+        self.engine.observe_p_instance(request.sender_instance)
+        return self.engine.hello()
+
+    async def Reserve(self, request, context):  # noqa: N802
+        return self.engine.reserve(request)
+
+    async def Commit(self, request, context):  # noqa: N802
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.commit, request)
+
+    async def Frames(self, request, context):  # noqa: N802
+        log.info("frames subscriber connected", extra={"subscriber": request.subscriber})
+        async for message in self.engine.hub.subscribe():
+            yield message
+
+    async def Cancel(self, request, context):  # noqa: N802
+        return pb.CancelReply(found=self.engine.cancel(request.request_id))
+
+    async def Info(self, request, context):  # noqa: N802
+        return self.engine.info()
+
+
+def torch_setup(threads: int) -> None:
+    torch.set_num_threads(max(1, threads))

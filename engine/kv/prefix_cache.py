@@ -1,0 +1,175 @@
+"""P's slot space and its hash-chained prefix cache: a reused voice prompt skips
+recomputing the K/V of its cached leading blocks.
+
+Owns which of P's storage slots are free, which hold a cached block, and which are leased
+to a request being prefilled. Must never touch storage (slot numbers only) and never
+evict a block that a request in flight uses (pinned).
+
+A prompt is cut into blocks of `block_tokens` rows. Block i's key is the hash chain
+`h_i = blake2b-128(h_{i-1} || bytes of block i)` (`h_{-1}` empty), so a block matches
+only when every row before it matches too: its K/V depend on all of them. Only FULL
+blocks are cached. At least one row is always computed fresh, because prefill needs the
+last row's logits: a fully cached prompt recomputes its last block.
+
+Eviction is LRU over unpinned blocks; a chain's deeper blocks are kept more recently used
+than its shallower ones, so a chain is evicted from its tail and never leaves
+unreachable blocks behind a missing head. Thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from pdunit.engine.kv.pool import NoCapacity
+
+
+@dataclass
+class PrefixLease:
+    cached_tokens: int  # leading prompt rows whose K/V is already in P's storage
+    slots: np.ndarray  # int64 [n_rows]: P-storage slots for every prompt row
+    # Cache keys this lease pins (matched at acquire, added at publish).
+    pinned: list[bytes] = field(default_factory=list)
+    # Slots of `slots` that the cache does not own: returned to the free list at release.
+    fresh: list[int] = field(default_factory=list)
+    released: bool = False
+
+
+@dataclass
+class _Block:
+    slots: np.ndarray  # int64 [block_tokens]
+    pins: int = 0
+
+
+def block_hashes(prompt: np.ndarray, block_tokens: int) -> list[bytes]:
+    """Hash chain over the prompt's full blocks."""
+    rows = np.ascontiguousarray(prompt, dtype="<i8")
+    out: list[bytes] = []
+    prev = b""
+    for i in range(rows.shape[0] // block_tokens):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(rows[i * block_tokens : (i + 1) * block_tokens].tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, n_slots: int, block_tokens: int = 16) -> None:
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1 (got {n_slots})")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1 (got {block_tokens})")
+        self.n_slots = n_slots
+        self.block_tokens = block_tokens
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(n_slots))
+        # LRU order: first = least recently used.
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self._stats = {
+            "lookups_total": 0,
+            "hit_tokens_total": 0,
+            "miss_tokens_total": 0,
+            "evicted_blocks_total": 0,
+        }
+
+    def acquire(self, prompt: np.ndarray) -> PrefixLease:
+        """Pin the prompt's cached leading blocks and allocate fresh slots for the rest
+        (evicting unpinned LRU blocks if needed). Raises NoCapacity, holding nothing."""
+        if prompt.ndim != 2 or prompt.shape[0] < 1:
+            raise ValueError(f"prompt has shape {prompt.shape}, expected [rows >= 1, C]")
+        rows = prompt.shape[0]
+        # At most rows - 1 cached rows: the last row is always computed.
+        hashes = block_hashes(prompt[: rows - 1], self.block_tokens)
+        with self._lock:
+            matched: list[bytes] = []
+            for h in hashes:
+                if h not in self._blocks:
+                    break
+                matched.append(h)
+            for h in matched:
+                self._blocks[h].pins += 1
+            cached = len(matched) * self.block_tokens
+            need = rows - cached
+            if need > len(self._free):
+                evictable = sum(b.slots.shape[0] for b in self._blocks.values() if not b.pins)
+                if need > len(self._free) + evictable:
+                    for h in matched:
+                        self._blocks[h].pins -= 1
+                    raise NoCapacity(len(self._free) + evictable, need, unit="slots")
+                self._evict(need - len(self._free))
+            fresh = [self._free.popleft() for _ in range(need)]
+            self._touch(matched)
+            self._stats["lookups_total"] += 1
+            self._stats["hit_tokens_total"] += cached
+            self._stats["miss_tokens_total"] += need
+            parts = [self._blocks[h].slots for h in matched] + [np.asarray(fresh, dtype=np.int64)]
+            slots = np.concatenate(parts).astype(np.int64, copy=False)
+            return PrefixLease(cached_tokens=cached, slots=slots, pinned=matched, fresh=fresh)
+
+    def publish(self, lease: PrefixLease, prompt: np.ndarray) -> None:
+        """After prefill wrote the fresh rows: every full block of the prompt becomes a
+        cache entry (pinned by this lease until release)."""
+        if lease.released:
+            raise ValueError("publish of a released lease: its fresh slots may be reused")
+        if prompt.shape[0] != lease.slots.shape[0]:
+            raise ValueError(
+                f"prompt has {prompt.shape[0]} rows, the lease {lease.slots.shape[0]} slots"
+            )
+        hashes = block_hashes(prompt, self.block_tokens)
+        b = self.block_tokens
+        with self._lock:
+            fresh = set(lease.fresh)
+            chain: list[bytes] = []
+            for i, h in enumerate(hashes):
+                chain.append(h)
+                if h in self._blocks:
+                    continue  # already cached (matched, or published by another request)
+                block_slots = lease.slots[i * b : (i + 1) * b].copy()
+                self._blocks[h] = _Block(block_slots, pins=1)
+                lease.pinned.append(h)
+                fresh.difference_update(block_slots.tolist())
+            lease.fresh = [s for s in lease.fresh if s in fresh]
+            self._touch(chain)
+
+    def release(self, lease: PrefixLease) -> None:
+        """Unpin; fresh slots not published return to the free list; published blocks
+        stay cached (LRU)."""
+        with self._lock:
+            if lease.released:
+                raise ValueError("lease released twice")
+            lease.released = True
+            for h in lease.pinned:
+                self._blocks[h].pins -= 1
+            self._free.extend(lease.fresh)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(
+                self._stats,
+                cached_blocks=len(self._blocks),
+                pinned_blocks=sum(1 for blk in self._blocks.values() if blk.pins > 0),
+                free_slots=len(self._free),
+            )
+
+    def _touch(self, chain: list[bytes]) -> None:
+        # Deepest block first, so that the chain's head ends up most recently used.
+        for h in reversed(chain):
+            self._blocks.move_to_end(h)
+
+    def _evict(self, n_slots: int) -> None:
+        """Evict unpinned blocks, least recently used first, until n_slots are freed."""
+        freed = 0
+        for h in list(self._blocks):
+            if freed >= n_slots:
+                break
+            blk = self._blocks[h]
+            if blk.pins:
+                continue
+            del self._blocks[h]
+            self._free.extend(blk.slots.tolist())
+            freed += blk.slots.shape[0]
+            self._stats["evicted_blocks_total"] += 1

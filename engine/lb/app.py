@@ -1,0 +1,779 @@
+"""The in-pod LB: the HTTP API of one unit (docs/api.md) on top of P and D.
+
+Owns the life of one stream as the client sees it: admission (ready, not draining),
+validate + pack (validate.py), a unit-unique uint64 request id registered in the stream
+table BEFORE the prompt goes to P, `Prefill.Submit`, the wait for the first frame, and
+only then the 200 headers — so that every failure before the first frame is a proper
+HTTP error that the router may retry elsewhere. Then frames as NDJSON lines (or binary)
+and one final record with the waterfall's stage stamps. A client that disconnects, or
+a stream that fails, is cancelled in P and D. Also /healthz, /readyz, /metrics,
+/v1/load, /v1/model, POST /v1/admin/drain.
+
+Never: run the model, hold KV, or retry a stream after its first byte went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import grpc
+import numpy as np
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from pdunit.engine.lb.config import LBConfig, parse_vocab_sizes
+from pdunit.engine.lb.metrics import LBMetrics
+from pdunit.engine.lb.streams import (
+    Frames,
+    FrameSubscription,
+    Stream,
+    StreamEvent,
+    StreamFailure,
+    StreamTable,
+)
+from pdunit.engine.lb.unit import InfoSnapshot, UnitClient, request_ids_of
+from pdunit.engine.lb.validate import (
+    Limits,
+    PackedRequest,
+    RequestError,
+    body_too_large,
+    parse_request,
+)
+from pdunit.engine.observability import now_ns
+from pdunit.engine.proto import pdunit_pb2 as pb
+
+log = logging.getLogger("pdunit.lb")
+
+NDJSON = "application/x-ndjson"
+BINARY_FRAMES = "application/x-pdunit-frames"
+TRAILER_MARKER = b"\xff\xff\xff\xff"  # an int32 of -1: never a valid id, so never a frame
+NORMAL_END = ("eos", "length")
+
+# P's Submit status -> (HTTP status, add Retry-After). Everything else is 502.
+SUBMIT_STATUS_HTTP: dict[int, tuple[int, bool]] = {
+    pb.NO_CAPACITY: (429, True),
+    pb.DRAINING: (503, True),
+    pb.INVALID: (422, False),
+    pb.DEADLINE_EXCEEDED: (504, False),
+}
+# A stream failure reported before the first frame -> HTTP status.
+FAILURE_HTTP: dict[str, tuple[int, bool]] = {
+    "no_capacity": (429, True),
+    "draining": (503, True),
+    "decode_unavailable": (503, True),
+    "deadline_exceeded": (504, False),
+    "invalid": (422, False),
+}
+
+
+class RequestIds:
+    """uint64 ids: 32 random bits per process start + a 32-bit counter.
+
+    Random high bits keep ids unique across LB restarts (P and D may still hold the
+    previous LB's requests); the counter keeps them unique within one LB.
+    """
+
+    def __init__(self) -> None:
+        self._high = secrets.randbits(32) << 32
+        self._next = 0
+
+    def next(self) -> int:
+        rid = self._high | self._next
+        self._next = (self._next + 1) & 0xFFFFFFFF
+        return rid
+
+
+class StreamStartError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+
+def hex_id(request_id: int) -> str:
+    return f"{request_id:016x}"
+
+
+class LoadBalancer:
+    """State shared by every request of one LB process."""
+
+    def __init__(self, config: LBConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else REGISTRY
+        self.metrics = LBMetrics(self.registry)
+        self.unit_name = config.resolved_unit_name()
+        self.instance_id = secrets.token_hex(16)
+        self.ids = RequestIds()
+        self.limits: Limits | None = None
+        self.hello: pb.HelloReply | None = None
+        self.hello_error = "D's Hello not answered yet"
+        self.config_error = ""
+        self.draining = False
+        self.shutting_down = False
+        self.table = StreamTable(
+            self.metrics, lambda: self.limits.n_codebooks if self.limits else None
+        )
+        self.unit: UnitClient | None = None
+        self.subscription: FrameSubscription | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        cfg = self.config
+        rows = cfg.max_rows * (cfg.n_codebooks or 64) * 8
+        self.unit = UnitClient(
+            cfg.prefill_socket,
+            cfg.decode_socket,
+            cfg.proxy_socket,
+            self.metrics,
+            max_message_bytes=max(8 << 20, 2 * rows),
+        )
+        self.subscription = FrameSubscription(
+            self.table,
+            self.unit.decode_channel,
+            f"lb:{self.unit_name}:{self.instance_id[:8]}",
+            self.metrics,
+        )
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self.subscription.run()),
+            loop.create_task(self._probe_loop()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.unit is not None:
+            await self.unit.wait_background(timeout=self.config.cancel_timeout_ms / 1000)
+            await self.unit.close()
+
+    async def shutdown(self, timeout: float) -> int:
+        """SIGTERM: refuse new streams, let those in flight finish; returns how many were cut."""
+        self.shutting_down = True
+        self._refresh_gauges()
+        log.info(
+            "shutting down: waiting for streams",
+            extra={"streams": len(self.table), "timeout_s": timeout},
+        )
+        if await self.table.wait_empty(timeout):
+            return 0
+        cut = self.table.fail_all(
+            "shutdown", f"the unit shut down; the stream was cut after {timeout:g} s"
+        )
+        log.warning("streams cut at shutdown", extra={"streams_cut": cut})
+        await self.table.wait_empty(2.0)
+        return cut
+
+    async def _probe_loop(self) -> None:
+        assert self.unit is not None
+        interval = self.config.probe_interval_s
+        while True:
+            if self.hello is None:
+                await self._try_hello(timeout=interval)
+            snap = await self.unit.probe(timeout=interval)
+            if (
+                self.hello is not None
+                and snap.decode is not None
+                and snap.decode.instance_id
+                and snap.decode.instance_id != self.hello.instance_id
+            ):
+                # D restarted: it may serve another model now. Validate against the new one.
+                log.info(
+                    "D instance changed: asking Hello again",
+                    extra={"old": self.hello.instance_id, "new": snap.decode.instance_id},
+                )
+                await self._try_hello(timeout=interval)
+            self._refresh_gauges()
+            await asyncio.sleep(interval)
+
+    async def _try_hello(self, timeout: float) -> None:
+        assert self.unit is not None
+        try:
+            reply = await self.unit.hello(timeout)
+        except grpc.aio.AioRpcError as exc:
+            self.hello_error = f"D's Hello failed: {exc.code().name}: {exc.details()}"
+            return
+        self.hello = reply
+        try:
+            self.limits = self._limits_from(reply)
+            self.config_error = ""
+        except ValueError as exc:
+            self.config_error = str(exc)
+            log.error("configuration does not match D", extra={"reason": self.config_error})
+            return
+        log.info(
+            "D answered Hello",
+            extra={
+                "decode_instance": reply.instance_id,
+                "n_codebooks": self.limits.n_codebooks,
+                "vocab_sizes": list(self.limits.vocab_sizes),
+                "model": reply.model,
+            },
+        )
+
+    def _limits_from(self, reply: pb.HelloReply) -> Limits:
+        """The model's shape from D's Hello; flags given explicitly must agree with it."""
+        cfg = self.config
+        ncb = reply.n_codebooks
+        if ncb < 1:
+            raise ValueError(f"D's Hello reports n_codebooks={ncb}: D is misconfigured")
+        if cfg.n_codebooks is not None and cfg.n_codebooks != ncb:
+            raise ValueError(
+                f"--n-codebooks is {cfg.n_codebooks} but D serves {ncb} codebooks: "
+                f"fix --n-codebooks or leave it unset"
+            )
+        from_d = tuple(np.frombuffer(reply.vocab_sizes, dtype="<i8").tolist())
+        if cfg.vocab_sizes:
+            try:
+                vocab = parse_vocab_sizes(cfg.vocab_sizes, ncb)
+            except ValueError as exc:
+                raise ValueError(f"--vocab-sizes: {exc}") from None
+            if from_d and from_d != vocab:
+                raise ValueError(
+                    f"--vocab-sizes {list(vocab)} differs from D's model {list(from_d)}: "
+                    f"leave --vocab-sizes unset to use D's"
+                )
+        elif from_d:
+            vocab = from_d
+        else:
+            raise ValueError("D's Hello carries no vocab sizes: set --vocab-sizes")
+        return Limits(
+            n_codebooks=ncb,
+            vocab_sizes=vocab,
+            max_rows=cfg.max_rows,
+            max_body_bytes=cfg.max_body_bytes,
+            max_frames_limit=cfg.max_frames_limit,
+            default_max_frames=cfg.default_max_frames,
+        )
+
+    # ------------------------------------------------------------ state
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.shutting_down:
+            return False, "the LB is shutting down"
+        if self.draining:
+            return False, "the unit is draining"
+        if self.config_error:
+            return False, self.config_error
+        if self.limits is None:
+            return False, self.hello_error
+        if self.subscription is None or not self.subscription.up:
+            reason = self.subscription.last_error if self.subscription else "not started"
+            return False, f"no live frames subscription to D: {reason}"
+        assert self.unit is not None
+        snap = self.unit.snapshot
+        age = time.monotonic() - snap.at
+        if age > 2 * self.config.probe_interval_s + 0.5:
+            return False, f"P and D last answered their probe {age:.1f} s ago"
+        for target in ("prefill", "decode", "proxy"):
+            if target in snap.errors:
+                return False, snap.errors[target]
+        if snap.decode is not None and snap.decode.draining:
+            return False, "D is draining (held pages above its threshold, or shutting down)"
+        if snap.prefill is not None and snap.prefill.draining:
+            return False, "P is draining"
+        return True, "ready"
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.ready.set(1 if self.readiness()[0] else 0)
+        self.metrics.draining.set(1 if self.draining else 0)
+
+    def set_draining(self, draining: bool) -> None:
+        if draining != self.draining:
+            log.info(
+                "drain state changed", extra={"draining": draining, "streams": len(self.table)}
+            )
+        self.draining = draining
+        self._refresh_gauges()
+
+    async def load_document(self) -> dict[str, Any]:
+        assert self.unit is not None
+        snap = await self.unit.fresh_snapshot(
+            self.config.load_cache_ms / 1000, self.config.probe_interval_s
+        )
+        ready, reason = self.readiness()
+        return build_load_document(self, snap, ready, reason)
+
+    def model_document(self) -> dict[str, Any] | None:
+        if self.limits is None:
+            return None
+        return {
+            "n_codebooks": self.limits.n_codebooks,
+            "vocab_sizes": list(self.limits.vocab_sizes),
+            "eos_id": self.config.eos_id
+            if self.config.eos_id is not None
+            else self.hello.eos_id
+            if self.hello is not None
+            else None,
+            "max_rows": self.limits.max_rows,
+            "max_frames_limit": self.limits.max_frames_limit,
+            "default_max_frames": self.limits.default_max_frames,
+        }
+
+    # ------------------------------------------------------------ one stream
+
+    async def handle_stream(self, request: Request) -> Response:
+        received = now_ns()
+        client_rid = request.headers.get("x-request-id", "")
+        ready, reason = self.readiness()
+        if not ready:
+            code = "draining" if (self.draining or self.shutting_down) else "not_ready"
+            return self._reject(StreamStartError(503, code, reason, retry_after=True), client_rid)
+        limits = self.limits  # one model for the whole request, even if D changes meanwhile
+        assert limits is not None and self.unit is not None
+        try:
+            body = await read_body(request, limits)
+            t0 = time.perf_counter()
+            packed = parse_request(
+                request.headers.get("content-type"), request.headers, body, limits
+            )
+            self.metrics.validate_seconds.labels(packed.body_format).observe(
+                time.perf_counter() - t0
+            )
+        except RequestError as exc:
+            self.metrics.requests.labels(code=str(exc.status), outcome="rejected").inc()
+            return JSONResponse(
+                exc.body(),
+                status_code=exc.status,
+                headers={"X-Request-Id": client_rid} if client_rid else None,
+            )
+        stamps = {"lb_received": received, "lb_validated": now_ns()}
+        rid = self.ids.next()
+        stream = self.table.open(rid, stamps, client_rid)
+        deadline_ns = received + self.config.request_deadline_ms * 1_000_000
+        starting = asyncio.ensure_future(self._start_stream(stream, packed, deadline_ns))
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({starting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled (server stopping) or a bug: never leave a stream in the table,
+            # or /v1/load could never report the unit empty.
+            starting.cancel()
+            self.finish(stream, "internal_error", 500)
+            raise
+        finally:
+            gone.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StreamStartError):
+                await starting
+            self.finish(stream, "disconnected", 499)
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        try:
+            first = starting.result()
+        except StreamStartError as exc:
+            self.finish(stream, exc.code, exc.status)
+            return self._reject(exc, client_rid or stream.hex_id, request_id=rid)
+        except Exception:
+            log.exception("stream start failed unexpectedly", extra={"request_id": stream.hex_id})
+            self.finish(stream, "internal_error", 500)
+            raise
+        binary = BINARY_FRAMES in request.headers.get("accept", "")
+        headers = {
+            "X-Request-Id": client_rid or stream.hex_id,
+            "X-Pdunit-Request-Id": stream.hex_id,
+        }
+        return FrameStreamResponse(self, stream, first, binary, headers)
+
+    async def _start_stream(
+        self, stream: Stream, packed: PackedRequest, deadline_ns: int
+    ) -> list[StreamEvent]:
+        """Submit to P and wait for the first frame; StreamStartError on any failure."""
+        assert self.unit is not None
+        s = packed.sampling
+        stream.stamps["lb_submitted"] = now_ns()
+        req = pb.SubmitRequest(
+            request_id=stream.request_id,
+            prompt=packed.prompt_bytes,
+            rows=packed.rows,
+            cols=packed.cols,
+            sampling=pb.Sampling(
+                temperature=s.temperature,
+                top_k=s.top_k,
+                seed=s.seed,
+                max_frames=s.max_frames,
+                min_frames=s.min_frames,
+            ),
+            deadline_unix_ms=deadline_ns // 1_000_000,
+            stamps=pb.Stamps(ns=stream.stamps),
+        )
+        try:
+            reply = await self.unit.prefill.Submit(
+                req, timeout=max(0.001, (deadline_ns - now_ns()) / 1e9)
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise StreamStartError(
+                    504,
+                    "deadline_exceeded",
+                    f"P did not accept the prompt within the request deadline "
+                    f"({self.config.request_deadline_ms} ms)",
+                ) from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise StreamStartError(
+                    503,
+                    "prefill_unavailable",
+                    f"P is unreachable: {exc.details()}",
+                    retry_after=True,
+                ) from None
+            raise StreamStartError(
+                502, "prefill_error", f"P's Submit failed: {code.name}: {exc.details()}"
+            ) from None
+        stream.stamps["lb_submit_returned"] = now_ns()
+        stream.stamps.update(reply.stamps.ns)
+        if reply.status != pb.STATUS_OK:
+            status, retry = SUBMIT_STATUS_HTTP.get(reply.status, (502, False))
+            name = (
+                pb.Status.Name(reply.status).lower()
+                if reply.status in pb.Status.values()
+                else "unknown"
+            )
+            raise StreamStartError(
+                status, name, reply.message or f"P refused the request: {name}", retry
+            )
+        try:
+            event = await asyncio.wait_for(
+                stream.queue.get(), max(0.001, (deadline_ns - now_ns()) / 1e9)
+            )
+        except TimeoutError:
+            raise StreamStartError(
+                504,
+                "deadline_exceeded",
+                f"no first frame within the request deadline "
+                f"({self.config.request_deadline_ms} ms)",
+            ) from None
+        if isinstance(event, StreamFailure):
+            status, retry = FAILURE_HTTP.get(event.code, (502, False))
+            raise StreamStartError(status, event.code, event.message, retry)
+        return [event, *stream.drain_ready()]
+
+    def finish(self, stream: Stream, outcome: str, status: int) -> None:
+        """A stream ended (any way): leave the table, cancel in P and D unless it ended normally."""
+        if self.table.close(stream.request_id) is None:
+            return  # already finished
+        assert self.unit is not None
+        if outcome not in NORMAL_END:
+            self.unit.cancel(stream.request_id, self.config.cancel_timeout_ms / 1000)
+        self.metrics.requests.labels(code=str(status), outcome=outcome).inc()
+        stamps = stream.stamps
+        extra: dict[str, Any] = {
+            "request_id": stream.hex_id,
+            "client_request_id": stream.client_request_id,
+            "outcome": outcome,
+            "status": status,
+            "frames": stream.frames_out,
+        }
+        if "lb_first_frame_out" in stamps:
+            ttft = (stamps["lb_first_frame_out"] - stamps["lb_received"]) / 1e9
+            self.metrics.ttft_seconds.observe(ttft)
+            extra["ttft_ms"] = round(ttft * 1000, 3)
+        if outcome in NORMAL_END:
+            self.metrics.observe_stages(stamps)
+            log.info("stream ended", extra=extra)
+        else:
+            log.warning("stream failed", extra=extra)
+
+    def _reject(
+        self, exc: StreamStartError, client_rid: str, request_id: int | None = None
+    ) -> JSONResponse:
+        if request_id is None:  # finish() counts the requests that reached the table
+            self.metrics.requests.labels(code=str(exc.status), outcome=exc.code).inc()
+        headers = {}
+        if exc.retry_after:
+            headers["Retry-After"] = str(self.config.retry_after_s)
+        if client_rid:
+            headers["X-Request-Id"] = client_rid
+        if request_id is not None:
+            headers["X-Pdunit-Request-Id"] = hex_id(request_id)
+        return JSONResponse(
+            {"error": {"code": exc.code, "message": exc.message}},
+            status_code=exc.status,
+            headers=headers,
+        )
+
+
+def build_load_document(
+    lb: LoadBalancer, snap: InfoSnapshot, ready: bool, reason: str
+) -> dict[str, Any]:
+    """docs/api.md /v1/load; `empty` only when every part answered and holds nothing.
+
+    A part that did not answer reads as zeros (consumers do arithmetic on these fields);
+    `errors` names it, and `empty` stays false: nothing is proven about it.
+    """
+    has_proxy = lb.unit is not None and lb.unit.has_proxy
+    answered = snap.prefill is not None and snap.decode is not None
+    answered = answered and (snap.proxy is not None or not has_proxy)
+    p = snap.prefill or pb.InfoReply()
+    d = snap.decode or pb.InfoReply()
+    x = snap.proxy or pb.InfoReply()
+    lb_ids = lb.table.ids()
+    requests = {
+        "lb": [hex_id(i) for i in lb_ids],
+        "prefill": [hex_id(i) for i in request_ids_of(p)],
+        "decode": [hex_id(i) for i in request_ids_of(d)],
+        "proxy": [hex_id(i) for i in request_ids_of(x)],
+    }
+    holds_nothing = (
+        p.queue == p.in_flight == p.held_aborts == 0
+        and d.queue == d.in_flight == d.held_pages == 0
+        and x.in_flight == 0
+    )
+    return {
+        "unit": lb.unit_name,
+        "ready": ready,
+        "reason": reason,
+        "draining": lb.draining or lb.shutting_down,
+        "transfer_mode": p.transfer_mode or d.transfer_mode,
+        "streams_in_flight": len(lb_ids),
+        "prefill_queue": p.queue,
+        "transfers_in_flight": p.in_flight,
+        "decode_reserved": d.queue,
+        "decode_in_flight": d.in_flight,
+        "held_pages": d.held_pages,
+        "held_aborts": p.held_aborts,
+        "pool_pages": d.pool_pages,
+        "free_pages": d.free_pages,
+        "kv_checks_total": d.kv_checks_total,
+        "kv_mismatch_total": d.kv_mismatch_total,
+        "requests": requests,
+        "empty": bool(answered and holds_nothing and not any(requests.values())),
+        "prefill_instance": p.instance_id,
+        "decode_instance": d.instance_id,
+        "lb_instance": lb.instance_id,
+        "probe_age_ms": round((time.monotonic() - snap.at) * 1000, 1)
+        if snap.at > float("-inf")
+        else None,
+        "errors": dict(snap.errors),
+    }
+
+
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The body, refusing more than --max-body-bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise RequestError(
+                400,
+                "bad_header",
+                f"Content-Length is {declared!r}, expected an integer",
+                field="Content-Length",
+            ) from None
+        if size > limits.max_body_bytes:
+            raise body_too_large(size, limits)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise body_too_large(size, limits)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class FrameStreamResponse(Response):
+    """200 + frames as they come, then the final record; always ends the stream in the LB."""
+
+    def __init__(
+        self,
+        lb: LoadBalancer,
+        stream: Stream,
+        first: list[StreamEvent],
+        binary: bool,
+        headers: dict[str, str],
+    ) -> None:
+        # Not Response.__init__: it would set Content-Length: 0; this body is chunked.
+        self.status_code = 200
+        self.media_type = BINARY_FRAMES if binary else NDJSON
+        self.background = None
+        self.init_headers(headers)
+        self.lb = lb
+        self.stream = stream
+        self.first = first
+        self.binary = binary
+        self.outcome = "disconnected"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    await wait_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                await self._write(send)
+                tg.cancel_scope.cancel()
+        finally:
+            self.lb.finish(self.stream, self.outcome, 200)
+
+    async def _write(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        timeout = self.lb.config.frame_timeout_ms / 1000
+        events = self.first
+        stream = self.stream
+        while True:
+            chunk, terminal = self._encode(events)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not terminal})
+            if terminal:
+                return
+            try:
+                event = await asyncio.wait_for(stream.queue.get(), timeout)
+            except TimeoutError:
+                stream.ended = True
+                event = StreamFailure(
+                    "frame_timeout",
+                    f"no frame from D for {self.lb.config.frame_timeout_ms} ms "
+                    f"(--frame-timeout-ms); the stream was cancelled",
+                )
+            events = [event, *stream.drain_ready()]
+
+    def _encode(self, events: list[StreamEvent]) -> tuple[bytes, bool]:
+        stream = self.stream
+        out: list[bytes] = []
+        frames = 0
+        trailer: dict[str, Any] | None = None
+        for event in events:
+            if isinstance(event, Frames):
+                for row in event.rows:
+                    if self.binary:
+                        out.append(_int32_row(row))
+                    else:
+                        out.append(
+                            b'{"i": %d, "frame": [%s]}\n'
+                            % (stream.frames_out + frames, ", ".join(map(str, row)).encode())
+                        )
+                    frames += 1
+                if event.finished:
+                    self.outcome = event.finished
+                    trailer = {"done": True, "reason": event.finished}
+                    break
+            else:
+                self.outcome = event.code
+                trailer = {"error": {"code": event.code, "message": event.message}}
+                break
+        now = now_ns()
+        if frames:
+            stream.stamps.setdefault("lb_first_frame_out", now)
+            stream.stamps["lb_last_frame_out"] = now
+        stream.frames_out += frames
+        if frames:
+            self.lb.metrics.frames.inc(frames)
+        if trailer is None:
+            return b"".join(out), False
+        if "done" in trailer:
+            trailer["frames"] = stream.frames_out
+            trailer["request_id"] = stream.hex_id
+            trailer["stages"] = dict(sorted(stream.stamps.items(), key=lambda kv: kv[1]))
+        text = json.dumps(trailer).encode()
+        out.append(TRAILER_MARKER + text if self.binary else text + b"\n")
+        return b"".join(out), True
+
+
+def _int32_row(row: list[int]) -> bytes:
+    return struct.pack(f"<{len(row)}i", *row)
+
+
+def create_app(lb: LoadBalancer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await lb.start()
+        try:
+            yield
+        finally:
+            await lb.stop()
+
+    app = FastAPI(
+        title="pdunit LB", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+
+    @app.post("/v1/tts/stream")
+    async def tts_stream(request: Request) -> Response:
+        return await lb.handle_stream(request)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready, reason = lb.readiness()
+        return JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)
+
+    @app.get("/v1/load")
+    async def load() -> dict[str, Any]:
+        return await lb.load_document()
+
+    @app.get("/v1/model")
+    async def model() -> JSONResponse:
+        doc = lb.model_document()
+        if doc is None:
+            return JSONResponse(
+                {"error": {"code": "not_ready", "message": lb.config_error or lb.hello_error}},
+                status_code=503,
+                headers={"Retry-After": str(lb.config.retry_after_s)},
+            )
+        return JSONResponse(doc)
+
+    @app.post("/v1/admin/drain")
+    async def drain(request: Request) -> JSONResponse:
+        raw = await request.body()
+        draining = True
+        if raw.strip():
+            try:
+                doc = json.loads(raw)
+            except ValueError as exc:
+                return JSONResponse(
+                    {"error": {"code": "malformed_json", "message": f"body is not JSON: {exc}"}},
+                    status_code=400,
+                )
+            if (
+                type(doc) is not dict
+                or type(doc.get("draining", True)) is not bool
+                or set(doc) - {"draining"}
+            ):
+                return JSONResponse(
+                    {
+                        "error": {
+                            "code": "invalid_field",
+                            "field": "draining",
+                            "message": 'body must be {"draining": true|false}',
+                        }
+                    },
+                    status_code=400,
+                )
+            draining = doc.get("draining", True)
+        lb.set_draining(draining)
+        return JSONResponse(await lb.load_document())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(lb.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,90 @@
+"""Configuration of `pdunit lb` (flags `--field-name`, env `PDUNIT_FIELD_NAME`).
+
+Owns only the fields, their defaults and their checks; never starts anything.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class LBConfig(BaseModel):
+    """pdunit lb: the HTTP streaming API of one unit (docs/api.md)."""
+
+    host: str = Field("0.0.0.0", description="HTTP listen address")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's gRPC unix socket")
+    decode_socket: str = Field(
+        "/run/pdunit/decode.sock",
+        description="D's gRPC unix socket (monolith: the same socket as --prefill-socket)",
+    )
+    proxy_socket: str = Field("", description="nvlink-proxy's gRPC unix socket; empty = no proxy")
+    unit_name: str = Field("", description="unit name in /v1/load (default: the host name)")
+    n_codebooks: int | None = Field(
+        None,
+        ge=1,
+        description="ids per prompt row; default: what D's Hello reports (must match it)",
+    )
+    vocab_sizes: str = Field(
+        "1024",
+        description="id range per column: one size for all columns, or a comma list",
+    )
+    eos_id: int | None = Field(None, description="the model's EOS id, reported by /v1/model")
+    max_rows: int = Field(4096, ge=1, description="most prompt rows accepted (413 above)")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body (413 above)")
+    default_max_frames: int = Field(630, ge=1, description="max_frames when a request gives none")
+    max_frames_limit: int = Field(4096, ge=1, description="largest max_frames accepted (422 above)")
+    probe_interval_s: float = Field(
+        1.0, gt=0, description="how often P, D (and proxy) Info is probed"
+    )
+    load_cache_ms: int = Field(200, ge=0, description="how long /v1/load may reuse a probe")
+    request_deadline_ms: int = Field(
+        30000,
+        ge=1,
+        description="LB receive -> first frame; past it the client gets 504",
+    )
+    frame_timeout_ms: int = Field(
+        5000,
+        ge=1,
+        description="longest silence between two frames of a stream before it fails",
+    )
+    cancel_timeout_ms: int = Field(1000, ge=1, description="deadline of Cancel RPCs to P and D")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of 503/429 answers")
+    shutdown_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM: how long streams in flight may finish before they are cut",
+    )
+    log_level: str = Field("info", description="debug | info | warning | error")
+
+    @field_validator("vocab_sizes")
+    @classmethod
+    def _vocab_sizes_are_ints(cls, v: str) -> str:
+        if v.strip():
+            parse_vocab_sizes(v, None)
+        return v.strip()
+
+    def resolved_unit_name(self) -> str:
+        return self.unit_name or socket.gethostname()
+
+
+def parse_vocab_sizes(raw: str, n_codebooks: int | None) -> tuple[int, ...]:
+    """ "1024" -> that size for every column; "a,b,..." -> one per column (n_codebooks of them)."""
+    try:
+        sizes = tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"vocab_sizes {raw!r} must be integers separated by commas") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"vocab_sizes {raw!r} must be positive integers")
+    if n_codebooks is None:
+        return sizes
+    if len(sizes) == 1:
+        return sizes * n_codebooks
+    if len(sizes) != n_codebooks:
+        raise ValueError(
+            f"vocab_sizes has {len(sizes)} entries but the model has {n_codebooks} codebooks: "
+            f"give one size for all columns or {n_codebooks} sizes"
+        )
+    return sizes

@@ -1,0 +1,280 @@
+"""The LB's stream table and its one subscription to D's frames.
+
+Owns: the map request_id -> `Stream` (registered BEFORE the prompt goes to P, so no
+frame can arrive for an unknown stream), dispatching each `StepFrames` message of
+`Decode.Frames` into the per-stream queues, and the subscription's life: one
+background task, reconnect with backoff when D restarts, and on every break every
+stream in flight fails with a clear error (a stream whose frames may have been lost
+must never look healthy).
+
+Contract with D (engine/proto/pdunit.proto): D sends every frame of a stream through
+Frames, the first frame (computed by P) included; `finished` is 1 (eos) or 2 (length)
+on a stream's last frame; `errors` ends a stream with a Status; `stamps` carries stage
+timestamps for streams that just started or finished. D must send the call's initial
+metadata (or any first message, an empty StepFrames is fine) as soon as the subscriber
+is registered: the LB counts the subscription live only from then on.
+
+Never: talk HTTP, call P, or decide what a client sees (app.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from pdunit.engine.lb.metrics import LBMetrics
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+
+FINISHED_NAMES = {1: "eos", 2: "length"}
+
+log = logging.getLogger("pdunit.lb.streams")
+
+
+@dataclass(frozen=True)
+class Frames:
+    """New frames of one stream; `finished` is "" while running, else eos | length."""
+
+    rows: list[list[int]]
+    finished: str = ""
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    code: str
+    message: str
+
+
+StreamEvent = Frames | StreamFailure
+
+
+@dataclass
+class Stream:
+    request_id: int
+    stamps: dict[str, int]
+    client_request_id: str = ""
+    queue: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    frames_out: int = 0
+    ended: bool = False  # D finished it or it failed: nothing more will be queued
+
+    @property
+    def hex_id(self) -> str:
+        return f"{self.request_id:016x}"
+
+    def push(self, event: StreamEvent) -> None:
+        if self.ended:
+            return
+        if isinstance(event, StreamFailure) or event.finished:
+            self.ended = True
+        self.queue.put_nowait(event)
+
+    def drain_ready(self) -> list[StreamEvent]:
+        """Everything queued now, without waiting: lets a slow client catch up in one write."""
+        out = []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except asyncio.QueueEmpty:
+                return out
+
+
+class StreamTable:
+    def __init__(self, metrics: LBMetrics, n_codebooks: Callable[[], int | None]) -> None:
+        self._streams: dict[int, Stream] = {}
+        self._metrics = metrics
+        self._n_codebooks = n_codebooks
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __iter__(self) -> Iterator[Stream]:
+        return iter(list(self._streams.values()))
+
+    def ids(self) -> list[int]:
+        return list(self._streams)
+
+    def open(self, request_id: int, stamps: dict[str, int], client_request_id: str = "") -> Stream:
+        if request_id in self._streams:
+            raise KeyError(f"request id {request_id:016x} is already streaming")
+        stream = Stream(request_id, stamps, client_request_id)
+        self._streams[request_id] = stream
+        self._empty.clear()
+        self._metrics.streams_in_flight.set(len(self._streams))
+        return stream
+
+    def close(self, request_id: int) -> Stream | None:
+        """Remove a stream; None when it was not (or no longer) in the table."""
+        stream = self._streams.pop(request_id, None)
+        self._metrics.streams_in_flight.set(len(self._streams))
+        if not self._streams:
+            self._empty.set()
+        return stream
+
+    async def wait_empty(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def fail_all(self, code: str, message: str) -> int:
+        failed = 0
+        for stream in self:
+            if not stream.ended:
+                stream.push(StreamFailure(code, message))
+                failed += 1
+        return failed
+
+    def dispatch(self, msg: pb.StepFrames) -> None:
+        """Route one decode step's frames, errors and stamps to their streams."""
+        ids = np.frombuffer(msg.request_ids, dtype="<u8")
+        n = ids.size
+        for rid, stamps in msg.stamps.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.stamps.update(stamps.ns)
+        if n:
+            ncb = self._n_codebooks()
+            if ncb is None or len(msg.frames) != n * ncb * 4 or len(msg.finished) != n:
+                # A malformed step is D's bug; the streams in it cannot be trusted.
+                log.error(
+                    "malformed StepFrames from D",
+                    extra={
+                        "step": msg.step,
+                        "n": n,
+                        "frames_bytes": len(msg.frames),
+                        "finished_bytes": len(msg.finished),
+                        "n_codebooks": ncb,
+                    },
+                )
+                for rid in ids.tolist():
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.push(
+                            StreamFailure(
+                                "decode_protocol_error",
+                                f"D sent a malformed frames message at step {msg.step}",
+                            )
+                        )
+            else:
+                rows = np.frombuffer(msg.frames, dtype="<i4").reshape(n, ncb).tolist()
+                finished = msg.finished
+                unknown = 0
+                for j, rid in enumerate(ids.tolist()):
+                    stream = self._streams.get(rid)
+                    if stream is None:
+                        unknown += 1
+                        continue
+                    stream.push(Frames([rows[j]], FINISHED_NAMES.get(finished[j], "")))
+                if unknown:
+                    self._metrics.unknown_frames.inc(unknown)
+        for err in msg.errors:
+            stream = self._streams.get(err.request_id)
+            if stream is not None:
+                code = (
+                    pb.Status.Name(err.status).lower()
+                    if err.status in pb.Status.values()
+                    else "internal"
+                )
+                stream.push(StreamFailure(code, err.message or f"decode ended the stream: {code}"))
+
+
+class FrameSubscription:
+    """One `Decode.Frames` call at a time; reconnects with backoff; fails streams on a break."""
+
+    def __init__(
+        self,
+        table: StreamTable,
+        channel: grpc.aio.Channel,
+        subscriber: str,
+        metrics: LBMetrics,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        assume_live_s: float = 0.3,
+    ) -> None:
+        self._table = table
+        self._channel = channel
+        self._assume_live_s = assume_live_s
+        self._stub = pbg.DecodeStub(channel)
+        self._subscriber = subscriber
+        self._metrics = metrics
+        self._backoff = backoff_s
+        self.up = False
+        self.last_error = "not connected yet"
+        self.connects = 0
+
+    async def run(self) -> None:
+        delay = self._backoff[0]
+        while True:
+            call = self._stub.Frames(pb.FramesRequest(subscriber=self._subscriber))
+            try:
+                await self._until_accepted(call)
+                self._set_up(True)
+                delay = self._backoff[0]
+                self.connects += 1
+                log.info("frames subscription live", extra={"connects": self.connects})
+                async for msg in call:
+                    self._table.dispatch(msg)
+                reason = "D ended the frames subscription"
+            except asyncio.CancelledError:
+                call.cancel()
+                self._set_up(False)
+                raise
+            except grpc.aio.AioRpcError as exc:
+                reason = f"frames subscription to D failed: {exc.code().name}: {exc.details()}"
+            except _CallEnded as exc:
+                reason = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a message the LB cannot read ends the call
+                call.cancel()
+                reason = f"unreadable frames message from D: {exc!r}"
+                log.exception("unreadable frames message from D")
+            was_up = self.up
+            self._set_up(False)
+            self.last_error = reason
+            # Any stream in the table may have lost frames: fail it now, loudly.
+            failed = self._table.fail_all("decode_unavailable", reason)
+            if was_up:
+                self._metrics.subscription_breaks.inc()
+                log.warning(
+                    "frames subscription broke", extra={"reason": reason, "streams_failed": failed}
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._backoff[1])
+
+    async def _until_accepted(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """Return once D runs the call; raise if it failed.
+
+        Exact when D sends initial metadata (or a first message). A D that sends nothing
+        until its first step is taken as live once the call is still open on a READY
+        channel after `assume_live_s`: a refused or unknown call fails faster than that
+        on a unix socket.
+        """
+        metadata = asyncio.ensure_future(call.initial_metadata())
+        metadata.add_done_callback(_retrieve)
+        done, _ = await asyncio.wait({metadata}, timeout=self._assume_live_s)
+        if not done and self._channel.get_state() != grpc.ChannelConnectivity.READY:
+            await asyncio.wait({metadata})
+        if call.done():
+            code = await call.code()
+            details = await call.details()
+            raise _CallEnded(f"frames subscription to D failed: {code.name}: {details}")
+
+    def _set_up(self, up: bool) -> None:
+        self.up = up
+        self._metrics.subscription_up.set(1 if up else 0)
+
+
+class _CallEnded(Exception):
+    pass
+
+
+def _retrieve(fut: asyncio.Future[object]) -> None:
+    # The call's own error is reported through the call; do not log it twice.
+    if not fut.cancelled():
+        fut.exception()

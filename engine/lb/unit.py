@@ -1,0 +1,172 @@
+"""The LB's view of the rest of its unit: gRPC channels to P, D (and the proxy), probes.
+
+Owns: the channels (unix sockets; in monolith mode P and D are the same socket), the
+`Decode.Hello` handshake that tells the LB n_codebooks, the periodic `Info` probe of P,
+D and the proxy, a short cache of those answers for `/v1/load`, and fire-and-forget
+cancels. The proxy (when configured) is asked `NvlinkProxy.InFlight` (its own proto in
+sidecars/nvlink_proxy) so that `/v1/load` checks its request ids too.
+
+Never: decide HTTP status codes or touch the stream table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from pdunit.engine.lb.metrics import LBMetrics
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.sidecars.nvlink_proxy import proxy_pb2 as proxy_pb
+from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as proxy_pbg
+
+log = logging.getLogger("pdunit.lb.unit")
+
+
+def channel_target(socket_path: str) -> str:
+    return socket_path if socket_path.startswith("unix:") else f"unix://{socket_path}"
+
+
+def request_ids_of(info: pb.InfoReply | None) -> list[int]:
+    if info is None or not info.request_ids:
+        return []
+    return np.frombuffer(info.request_ids, dtype="<u8").tolist()
+
+
+@dataclass
+class InfoSnapshot:
+    """One probe round. A missing reply has its error in `errors[target]`."""
+
+    at: float  # time.monotonic()
+    prefill: pb.InfoReply | None = None
+    decode: pb.InfoReply | None = None
+    proxy: pb.InfoReply | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class UnitClient:
+    def __init__(
+        self,
+        prefill_socket: str,
+        decode_socket: str,
+        proxy_socket: str,
+        metrics: LBMetrics,
+        max_message_bytes: int,
+    ) -> None:
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._metrics = metrics
+        self.prefill_channel = grpc.aio.insecure_channel(
+            channel_target(prefill_socket), options=options
+        )
+        self.decode_channel = (
+            self.prefill_channel
+            if decode_socket == prefill_socket
+            else grpc.aio.insecure_channel(channel_target(decode_socket), options=options)
+        )
+        self.prefill = pbg.PrefillStub(self.prefill_channel)
+        self.decode = pbg.DecodeStub(self.decode_channel)
+        self.proxy_channel: grpc.aio.Channel | None = None
+        self._proxy: proxy_pbg.NvlinkProxyStub | None = None
+        if proxy_socket:
+            self.proxy_channel = grpc.aio.insecure_channel(
+                channel_target(proxy_socket), options=options
+            )
+            self._proxy = proxy_pbg.NvlinkProxyStub(self.proxy_channel)
+        self.snapshot = InfoSnapshot(
+            at=float("-inf"), errors={"prefill": "not probed yet", "decode": "not probed yet"}
+        )
+        self._refresh_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def has_proxy(self) -> bool:
+        return self._proxy is not None
+
+    async def hello(self, timeout: float) -> pb.HelloReply:
+        # No sender_instance: D takes a Hello's sender as its P peer, and a new P instance
+        # id is proof (b) that frees held pages. The LB must never look like a P.
+        return await self.decode.Hello(pb.HelloRequest(), timeout=timeout)
+
+    async def probe(self, timeout: float) -> InfoSnapshot:
+        """Ask P, D (and the proxy) for Info concurrently; never raises."""
+        targets: dict[str, asyncio.Future[pb.InfoReply]] = {
+            "prefill": asyncio.ensure_future(self.prefill.Info(pb.Empty(), timeout=timeout)),
+            "decode": asyncio.ensure_future(self.decode.Info(pb.Empty(), timeout=timeout)),
+        }
+        if self._proxy is not None:
+            targets["proxy"] = asyncio.ensure_future(self._proxy_in_flight(self._proxy, timeout))
+        snap = InfoSnapshot(at=time.monotonic())
+        for name, fut in targets.items():
+            try:
+                setattr(snap, name, await fut)
+            except grpc.aio.AioRpcError as exc:
+                snap.errors[name] = f"{name} Info failed: {exc.code().name}: {exc.details()}"
+                self._metrics.probe_failures.labels(target=name).inc()
+        self.snapshot = snap
+        return snap
+
+    async def fresh_snapshot(self, max_age: float, timeout: float) -> InfoSnapshot:
+        """The cached probe if younger than `max_age`, else a new one (concurrent callers share it)."""
+        if time.monotonic() - self.snapshot.at <= max_age:
+            return self.snapshot
+        async with self._refresh_lock:
+            if time.monotonic() - self.snapshot.at <= max_age:
+                return self.snapshot
+            return await self.probe(timeout)
+
+    @staticmethod
+    async def _proxy_in_flight(stub: proxy_pbg.NvlinkProxyStub, timeout: float) -> pb.InfoReply:
+        """The proxy's running copy jobs, in the InfoReply shape the load document reads."""
+        reply = await stub.InFlight(proxy_pb.Empty(), timeout=timeout)
+        return pb.InfoReply(
+            role="proxy", in_flight=int(reply.jobs_running), request_ids=reply.request_ids
+        )
+
+    def cancel(self, request_id: int, timeout: float) -> None:
+        """Cancel a request in P and D without waiting; results are counted and logged."""
+        task = asyncio.get_running_loop().create_task(self._cancel(request_id, timeout))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel(self, request_id: int, timeout: float) -> None:
+        req = pb.CancelRequest(request_id=request_id)
+        calls = {
+            "prefill": self.prefill.Cancel(req, timeout=timeout),
+            "decode": self.decode.Cancel(req, timeout=timeout),
+        }
+        for target, call in calls.items():
+            try:
+                reply = await call
+                self._metrics.cancels.labels(
+                    target=target, result="found" if reply.found else "not_found"
+                ).inc()
+            except grpc.aio.AioRpcError as exc:
+                self._metrics.cancels.labels(target=target, result="error").inc()
+                log.warning(
+                    "cancel failed",
+                    extra={
+                        "request_id": f"{request_id:016x}",
+                        "target": target,
+                        "code": exc.code().name,
+                        "details": exc.details(),
+                    },
+                )
+
+    async def wait_background(self, timeout: float) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+    async def close(self) -> None:
+        channels = {
+            id(c): c for c in (self.prefill_channel, self.decode_channel, self.proxy_channel) if c
+        }
+        for channel in channels.values():
+            await channel.close()

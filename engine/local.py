@@ -1,0 +1,285 @@
+"""`pdunit local`: a whole unit as local processes, started with the same commands a
+pod runs (ARCHITECTURE.md section 3), for development, `make run`, tests and CPU
+benchmarks.
+
+Owns the child processes: each runs in its own process group with a parent-death
+signal, so neither Ctrl-C, SIGTERM nor a crash of this process leaves an orphan. It
+never talks to the engines itself except through the LB's HTTP API.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, Field
+
+from pdunit.engine.observability import log_config, setup_logging
+from pdunit.engine.settings import parse_config
+
+log = logging.getLogger("pdunit.local")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the parent dies, own process group."""
+    os.setpgrp()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalConfig(BaseModel):
+    """Run a whole unit (LB, P, D or a monolith, sidecars) as local processes."""
+
+    model: str = Field("random:tiny:0", description="model spec shared by every engine")
+    mode: str = Field("pd", description="pd (P + D) | monolith")
+    policy: str = Field("prefill-first", description="monolith policy: prefill-first | chunked")
+    chunk_tokens: int = Field(8192, gt=0, description="monolith chunked policy: rows per iteration")
+    transfer: str = Field("host", description="KV transport between P and D")
+    device: str = Field("cpu", description="torch device (cpu for the local unit)")
+    pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
+    cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
+    lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
+    run_dir: str | None = Field(None, description="sockets and logs (default: a temp dir, removed after)")
+    guard: bool = Field(True, description="start the quiesce-guard sidecar when it is installed")
+    load_streams: int = Field(0, ge=0, description="run a short load of this many concurrent streams, then stop")
+    load_frames: int = Field(105, gt=0, description="frames per stream of the short load")
+    load_prompt_rows: str = Field("1000-2000", description="prompt rows of the short load (a or a-b)")
+    load_requests: int = Field(0, ge=0, description="streams in the short load (0 = 2 x load_streams)")
+    extra_prefill_args: list[str] = Field(default_factory=list, description="appended to P's command")
+    extra_decode_args: list[str] = Field(default_factory=list, description="appended to D's command")
+    ready_timeout_s: float = Field(120.0, gt=0, description="how long to wait for /readyz")
+    log_level: str = Field("info", description="log level of every process")
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class LocalUnit:
+    """Starts and stops one unit; usable from tests and benchmarks as a context manager."""
+
+    cfg: LocalConfig
+    run_dir: Path = field(init=False)
+    children: list[Child] = field(default_factory=list)
+    lb_port: int = 0
+    _own_dir: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cfg.run_dir:
+            self.run_dir = Path(self.cfg.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            # unix socket paths must stay short (108 bytes): a short temp dir
+            self.run_dir = Path(tempfile.mkdtemp(prefix="pdu-"))
+            self._own_dir = True
+        self.lb_port = self.cfg.lb_port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.lb_port}"
+
+    def sock(self, name: str) -> str:
+        return str(self.run_dir / f"{name}.sock")
+
+    def commands(self) -> list[tuple[str, list[str]]]:
+        """The same commands the pod's containers run (operator/reconcile.py)."""
+        c = self.cfg
+        pdunit = [sys.executable, "-m", "pdunit.engine.cli"]
+        common = ["--model", c.model, "--device", c.device, "--log-level", c.log_level]
+        cmds: list[tuple[str, list[str]]] = []
+        if c.mode == "monolith":
+            cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,
+                                              "--chunk-tokens", str(c.chunk_tokens),
+                                              "--pool-tokens", str(c.pool_tokens)] + common))
+            p_sock = d_sock = self.sock("monolith")
+        elif c.mode == "pd":
+            p_sock, d_sock = self.sock("prefill"), self.sock("decode")
+            if c.transfer in ("proxy", "auto"):
+                cmds.append(("proxy", pdunit + ["proxy", "--socket", self.sock("proxy"), "--log-level", c.log_level]))
+            cmds.append(("decode", pdunit + ["decode", "--socket", d_sock, "--prefill-socket", p_sock,
+                                            "--transfer", c.transfer, "--pool-tokens", str(c.pool_tokens),
+                                            "--proxy-socket", self.sock("proxy")] + common + c.extra_decode_args))
+            cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
+                                             "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
+                                             "--proxy-socket", self.sock("proxy")] + common + c.extra_prefill_args))
+            if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
+                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", d_sock, "--port", str(free_port()),
+                                               "--log-level", c.log_level]))
+        else:
+            raise ValueError(f"mode {c.mode!r}: expected pd or monolith")
+        cmds.append(("lb", pdunit + ["lb", "--port", str(self.lb_port), "--host", "127.0.0.1",
+                                    "--prefill-socket", p_sock, "--decode-socket", d_sock,
+                                    "--unit-name", "local", "--log-level", c.log_level]))
+        return cmds
+
+    def start(self) -> LocalUnit:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        for name, argv in self.commands():
+            log_path = self.run_dir / "logs" / f"{name}.log"
+            out = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent)
+            out.close()
+            self.children.append(Child(name, argv, proc, log_path))
+            log.info("started", extra={"process": name, "pid": proc.pid, "cmd": " ".join(argv[2:])})
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.cfg.ready_timeout_s)
+        last = ""
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before the unit was "
+                                       f"ready; its log:\n{self.tail(child.name)}")
+            try:
+                r = httpx.get(f"{self.url}/readyz", timeout=1.0)
+                if r.status_code == 200:
+                    log.info("unit ready", extra={"url": self.url})
+                    return
+                last = r.text
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise TimeoutError(f"unit not ready after {timeout_s or self.cfg.ready_timeout_s}s: {last}")
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.child(name).log_path.read_text(errors="replace").splitlines()[-lines:])
+        except (OSError, StopIteration):
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every child (LB first, so streams stop entering), then SIGKILL stragglers."""
+        codes: dict[str, int | None] = {}
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                _signal_group(child.proc, signal.SIGCONT)  # a stopped child cannot handle SIGTERM
+                _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("did not stop on SIGTERM: killing", extra={"process": child.name})
+                _signal_group(child.proc, signal.SIGKILL)
+                child.proc.wait(timeout=5)
+            codes[child.name] = child.proc.returncode
+        if self._own_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return codes
+
+    def __enter__(self) -> LocalUnit:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _rows(spec: str) -> tuple[int, int]:
+    lo, _, hi = spec.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def run_short_load(unit: LocalUnit) -> dict:
+    from pdunit.bench.capacity import CapacityConfig, run_capacity
+
+    c = unit.cfg
+    lo, hi = _rows(c.load_prompt_rows)
+    cfg = CapacityConfig(
+        url=unit.url, concurrency=[c.load_streams], requests=c.load_requests or 2 * c.load_streams,
+        prompt_rows=(lo, hi), frames=(c.load_frames, c.load_frames), mode_label=f"local-{c.mode}",
+        gpus=0,
+    )
+    return run_capacity(cfg)
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(LocalConfig, argv, "pdunit local")
+    setup_logging("local", cfg.log_level)
+    log_config(log, cfg)
+    unit = LocalUnit(cfg)
+    stopping = {"signal": None}
+
+    def on_signal(signum, frame):  # Ctrl-C / SIGTERM: stop the children, then exit
+        stopping["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        unit.start()
+        unit.wait_ready()
+        print(f"unit ready at {unit.url}  (logs: {unit.run_dir / 'logs'})", flush=True)
+        if cfg.load_streams:
+            result = run_short_load(unit)
+            load = httpx.get(f"{unit.url}/v1/load", timeout=5).json()
+            print(f"\nKV checks: {load.get('kv_checks_total')}  mismatches: {load.get('kv_mismatch_total')}  "
+                  f"held pages: {load.get('held_pages')}  transfer: {load.get('transfer_mode')}")
+            errors = sum(r.get("errors", 0) for r in result.get("rows", []))
+            return 1 if load.get("kv_mismatch_total") or errors else 0
+        print("Ctrl-C stops the unit.", flush=True)
+        while all(c.proc.poll() is None for c in unit.children):
+            time.sleep(0.5)
+        dead = [c for c in unit.children if c.proc.poll() is not None]
+        for c in dead:
+            print(f"{c.name} exited with {c.proc.returncode}:\n{unit.tail(c.name)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        codes = unit.stop()
+        log.info("unit stopped", extra={"exit_codes": json.dumps(codes)})

@@ -1,0 +1,382 @@
+"""The multi-codebook decoder-only TTS transformer and its paged-attention forward.
+
+Owns the math of one forward step over a batch of sequences whose K/V live in a paged
+pool tensor `[n_layers, 2, n_slots, n_kv_heads, head_dim]`: prefill (empty or cached
+prefix), chunked prefill, decode, and any mix of them in one call. Must never allocate
+or free pool slots (the pool and the prefix cache do), never sample, and never read a
+prompt's validity (the LB validated it).
+
+Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
+`n_codebooks` embeddings; per layer RMSNorm -> GQA attention with per-head q/k RMSNorm
+(Qwen3's qk-norm) and RoPE (rotate-half) -> residual, RMSNorm -> SwiGLU -> residual;
+final RMSNorm; one linear head per codebook.
+
+Paged attention here is the torch CPU reference: K/V rows are gathered from the pool by
+`context_slots`. Context entry j of a sequence is its token at position j, so a new token
+at position p attends to entries j <= p. A GPU kernel replaces `_paged_attention` later
+behind the same `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pdunit.engine.model.config import ModelConfig, torch_dtype
+from torch import nn
+
+
+@dataclass
+class ForwardBatch:
+    tokens: torch.Tensor  # [T, C] int64: the NEW tokens of all sequences, concatenated
+    positions: torch.Tensor  # [T] int64 absolute positions
+    write_slots: torch.Tensor  # [T] int64: pool slots receiving the new tokens' K/V
+    query_lens: list[int]  # per sequence: number of new tokens (sum == T)
+    # per sequence: int64 slots of ALL its tokens so far in position order (cached prefix
+    # + the new ones, which come last)
+    context_slots: list[torch.Tensor]
+
+    @classmethod
+    def from_sequences(
+        cls,
+        new_tokens: Sequence[np.ndarray | torch.Tensor],
+        context_slots: Sequence[np.ndarray | torch.Tensor],
+        device: str | torch.device = "cpu",
+    ) -> ForwardBatch:
+        """Build a batch from, per sequence, its new token rows `[n_i, C]` and the slots of
+        all its tokens so far (the new ones last). Positions and write slots follow:
+        the new tokens sit at positions `[len(ctx) - n_i, len(ctx))`."""
+        if len(new_tokens) != len(context_slots):
+            raise ValueError(
+                f"{len(new_tokens)} token blocks but {len(context_slots)} context slot lists"
+            )
+        toks, pos, writes, qlens, ctxs = [], [], [], [], []
+        for i, (t, c) in enumerate(zip(new_tokens, context_slots, strict=True)):
+            t, c = _as_int64(t), _as_int64(c)
+            n = int(t.shape[0])
+            if n < 1 or n > c.numel():
+                raise ValueError(
+                    f"sequence {i}: {n} new tokens but {c.numel()} context slots "
+                    "(need 1 <= new tokens <= context slots)"
+                )
+            toks.append(t)
+            pos.append(torch.arange(c.numel() - n, c.numel(), dtype=torch.int64))
+            writes.append(c[-n:])
+            qlens.append(n)
+            ctxs.append(c.to(device))
+        return cls(
+            tokens=torch.cat(toks).to(device),
+            positions=torch.cat(pos).to(device),
+            write_slots=torch.cat(writes).to(device),
+            query_lens=qlens,
+            context_slots=ctxs,
+        )
+
+
+def _as_int64(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.int64)
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in at least float32: bf16 squares lose too much.
+        nd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(nd)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.to(nd)).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer whose weight is allocated, not initialised: the loader
+    fills every weight (random init of a 4B model by torch would waste minutes)."""
+
+    def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+@dataclass
+class _AttentionPlan:
+    """Index tensors shared by every layer of one forward."""
+
+    # Sequences with one new token (decode), attended as one padded batch.
+    decode_tokens: torch.Tensor | None  # [B] rows of the batch
+    decode_context: torch.Tensor | None  # [B, L_max] pool slots (padding: slot 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L_max] bool
+    # Sequences with several new tokens (prefill, chunked prefill), one by one:
+    # (first row, n rows, context slots [L], mask [1, 1, n, L]).
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+
+def _plan(batch: ForwardBatch, device: torch.device) -> _AttentionPlan:
+    starts = np.concatenate([[0], np.cumsum(batch.query_lens)[:-1]]).tolist()
+    dec_rows: list[int] = []
+    dec_ctx: list[torch.Tensor] = []
+    prefills = []
+    for start, n, ctx in zip(starts, batch.query_lens, batch.context_slots, strict=True):
+        ctx = ctx.to(device=device, dtype=torch.int64)
+        if n == 1:
+            dec_rows.append(start)
+            dec_ctx.append(ctx)
+            continue
+        entry = torch.arange(ctx.numel(), device=device)
+        mask = entry[None, :] <= batch.positions[start : start + n, None]
+        prefills.append((start, n, ctx, mask[None, None]))
+    if not dec_rows:
+        return _AttentionPlan(None, None, None, prefills)
+    rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
+    lengths = torch.tensor([c.numel() for c in dec_ctx], dtype=torch.int64, device=device)
+    context = nn.utils.rnn.pad_sequence(dec_ctx, batch_first=True, padding_value=0)
+    entry = torch.arange(context.shape[1], device=device)[None, :]
+    mask = (entry < lengths[:, None]) & (entry <= batch.positions[rows][:, None])
+    return _AttentionPlan(rows, context, mask[:, None, None, :], prefills)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, 1, D/2] in the rope dtype."""
+    xf = x.to(cos.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden, q_dim, dtype, device)
+        self.k_proj = Linear(cfg.hidden, kv_dim, dtype, device)
+        self.v_proj = Linear(cfg.hidden, kv_dim, dtype, device)
+        self.o_proj = Linear(q_dim, cfg.hidden, dtype, device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, dtype, device)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        write_slots: torch.Tensor,
+        plan: _AttentionPlan,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        # Write first, then read everything (new rows included) back from the pool: a
+        # token's K/V takes the same path whether it was computed now or cached earlier,
+        # which is what makes cached-prefix prefill equal full prefill.
+        kv_layer[0].index_copy_(0, write_slots, k.to(kv_layer.dtype))
+        kv_layer[1].index_copy_(0, write_slots, v.to(kv_layer.dtype))
+        out = _paged_attention(q, kv_layer, plan)
+        return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))
+
+
+def _paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D]; K/V gathered from `kv_layer` [2, S, Hkv, D]."""
+    out = torch.empty_like(q)
+    dt = q.dtype
+    if plan.decode_tokens is not None:
+        assert plan.decode_context is not None and plan.decode_mask is not None
+        qd = q[plan.decode_tokens].unsqueeze(2)  # [B, Hq, 1, D]
+        k = kv_layer[0][plan.decode_context].transpose(1, 2).to(dt)  # [B, Hkv, L, D]
+        v = kv_layer[1][plan.decode_context].transpose(1, 2).to(dt)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, enable_gqa=True)
+        out[plan.decode_tokens] = o.squeeze(2)
+    for start, n, ctx, mask in plan.prefills:
+        qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        k = kv_layer[0][ctx].transpose(0, 1).unsqueeze(0).to(dt)  # [1, Hkv, L, D]
+        v = kv_layer[1][ctx].transpose(0, 1).unsqueeze(0).to(dt)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
+        out[start : start + n] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden, cfg.ffn_hidden, dtype, device)
+        self.up_proj = Linear(cfg.hidden, cfg.ffn_hidden, dtype, device)
+        self.down_proj = Linear(cfg.ffn_hidden, cfg.hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
+        self.attn = Attention(cfg, dtype, device)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        write_slots: torch.Tensor,
+        plan: _AttentionPlan,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_layer, write_slots, plan)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TTSModel(nn.Module):
+    """Weights are allocated uninitialised; `loader.load_model` fills them."""
+
+    codebook_offsets: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(
+        self, config: ModelConfig, device: str | torch.device = "cpu", dtype: str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = torch_dtype(dtype or config.dtype)
+        dev = torch.device(device)
+        c = config
+        # All codebook tables in one matrix, column j's ids offset by sum(vocab[:j]): one
+        # gather embeds a whole row.
+        self.embed = nn.Embedding(
+            sum(c.vocab_sizes),
+            c.hidden,
+            device=dev,
+            dtype=self.dtype,
+            _weight=torch.empty(sum(c.vocab_sizes), c.hidden, device=dev, dtype=self.dtype),
+        )
+        self.layers = nn.ModuleList(DecoderLayer(c, self.dtype, dev) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.hidden, c.rms_eps, self.dtype, dev)
+        # All heads in one matrix [sum(vocab), hidden]: one matmul for every codebook.
+        self.head = Linear(c.hidden, sum(c.vocab_sizes), self.dtype, dev)
+        offsets = np.concatenate([[0], np.cumsum(c.vocab_sizes)[:-1]])
+        self.register_buffer(
+            "codebook_offsets",
+            torch.tensor(offsets, dtype=torch.int64, device=dev),
+            persistent=False,
+        )
+        # RoPE tables computed in float64 and kept in the rope dtype (float64 for float64
+        # models, float32 otherwise, as Qwen3 does).
+        rope_dt = torch.float64 if self.dtype == torch.float64 else torch.float32
+        inv = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        ang = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv[None, :]
+        self.register_buffer("rope_cos", ang.cos().to(dev, rope_dt), persistent=False)
+        self.register_buffer("rope_sin", ang.sin().to(dev, rope_dt), persistent=False)
+        self._uniform_vocab = len(set(c.vocab_sizes)) == 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def new_kv_storage(self, n_slots: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        c = self.config
+        return torch.zeros(
+            (c.n_layers, 2, n_slots, c.n_kv_heads, c.head_dim), dtype=self.dtype, device=device
+        )
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        """Writes the new tokens' K/V into kv[:, 0/1, write_slots] and returns the logits of
+        each sequence's LAST new token: [n_seqs, C, V_max] float32 (columns with a smaller
+        vocab padded with -inf)."""
+        self._check(batch, kv)
+        c = self.config
+        t = batch.tokens.shape[0]
+        x = self.embed(batch.tokens + self.codebook_offsets).sum(dim=1)  # [T, hidden]
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        plan = _plan(batch, x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[i], batch.write_slots, plan)
+        last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
+        assert int(last[-1]) == t - 1
+        h = self.norm(x[last])
+        flat = self.head(h).float()  # [n, sum(vocab)]
+        n = h.shape[0]
+        if self._uniform_vocab:
+            return flat.view(n, c.n_codebooks, c.vocab_sizes[0])
+        out = flat.new_full((n, c.n_codebooks, c.vocab_max), float("-inf"))
+        offset = 0
+        for j, v in enumerate(c.vocab_sizes):
+            out[:, j, :v] = flat[:, offset : offset + v]
+            offset += v
+        return out
+
+    def _check(self, batch: ForwardBatch, kv: torch.Tensor) -> None:
+        """Shape checks always; value checks (positions and write slots follow the
+        context) only on CPU, where they cost no device sync."""
+        c = self.config
+        t = batch.tokens.shape[0] if batch.tokens.dim() == 2 else -1
+        problems = []
+        if batch.tokens.dim() != 2 or batch.tokens.shape[1] != c.n_codebooks:
+            problems.append(
+                f"tokens has shape {tuple(batch.tokens.shape)}, expected [T, {c.n_codebooks}]"
+            )
+        if tuple(batch.positions.shape) != (t,):
+            problems.append(f"positions has shape {tuple(batch.positions.shape)}, expected [{t}]")
+        if tuple(batch.write_slots.shape) != (t,):
+            problems.append(
+                f"write_slots has shape {tuple(batch.write_slots.shape)}, expected [{t}]"
+            )
+        if sum(batch.query_lens) != t or not batch.query_lens:
+            problems.append(f"query_lens {batch.query_lens} must be non-empty and sum to T={t}")
+        if len(batch.context_slots) != len(batch.query_lens):
+            problems.append(
+                f"{len(batch.context_slots)} context slot lists for {len(batch.query_lens)} sequences"
+            )
+        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_slots, strict=False)):
+            if n < 1 or ctx.numel() < n:
+                problems.append(f"sequence {i}: {n} new tokens, {ctx.numel()} context slots")
+        want = (c.n_layers, 2, c.n_kv_heads, c.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+            problems.append(
+                f"kv has shape {tuple(kv.shape)}, expected [{c.n_layers}, 2, n_slots, "
+                f"{c.n_kv_heads}, {c.head_dim}]"
+            )
+        elif kv.dtype != self.dtype:
+            problems.append(f"kv dtype {kv.dtype} differs from the model dtype {self.dtype}")
+        if problems:
+            raise ValueError("invalid forward batch: " + "; ".join(problems))
+        if batch.tokens.device.type != "cpu":
+            return
+        qlens = torch.tensor(batch.query_lens, dtype=torch.int64)
+        ctx_lens = torch.tensor([x.numel() for x in batch.context_slots], dtype=torch.int64)
+        first = torch.repeat_interleave(ctx_lens - qlens, qlens)
+        seq_start = torch.repeat_interleave(torch.cumsum(qlens, 0) - qlens, qlens)
+        expected = first + torch.arange(t) - seq_start
+        if not torch.equal(batch.positions.cpu(), expected):
+            raise ValueError(
+                "invalid forward batch: positions must be the last query_len entries of each "
+                "sequence's context (context entry j is position j)"
+            )
+        tails = torch.cat(
+            [x[-n:] for x, n in zip(batch.context_slots, batch.query_lens, strict=True)]
+        )
+        if not torch.equal(batch.write_slots.cpu(), tails.cpu()):
+            raise ValueError(
+                "invalid forward batch: write_slots must equal the last query_len context "
+                "slots of each sequence"
+            )
+        every = torch.cat([x.cpu() for x in batch.context_slots])
+        if int(every.min()) < 0 or int(every.max()) >= kv.shape[2]:
+            raise ValueError(
+                f"invalid forward batch: a context slot is outside the pool [0, {kv.shape[2]})"
+            )

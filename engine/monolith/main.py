@@ -1,0 +1,118 @@
+"""`pdunit monolith`: prefill and decode in one process (the baseline). Serves both the
+Prefill and the Decode gRPC services on one socket, so an LB points both at it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from pydantic import BaseModel, Field
+
+from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.worker import torch_setup
+from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
+from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.prefill.submit import serve_submit
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.settings import parse_config
+
+
+class MonolithConfig(BaseModel):
+    """Monolith: P and D in one process on one device (prefill-first or chunked prefill)."""
+
+    socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
+    model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
+    device: str = Field("cpu", description="torch device")
+    dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    policy: str = Field("prefill-first", description=f"scheduling policy: {' | '.join(POLICIES)}")
+    chunk_tokens: int = Field(8192, gt=0, description="chunked policy: rows per iteration (decode included)")
+    pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
+    page_size: int = Field(1, gt=0, description="tokens per page")
+    max_batch: int = Field(256, gt=0, description="streams per decode step")
+    max_batch_rows: int = Field(8192, gt=0, description="prefill-first: prompt rows per prefill forward")
+    metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
+    log_level: str = Field("info", description="log level")
+
+
+class MonolithPrefill(pbg.PrefillServicer):
+    def __init__(self, engine: MonolithEngine) -> None:
+        self.engine = engine
+
+    async def Submit(self, request, context):  # noqa: N802 - gRPC names
+        return await serve_submit(request, self.engine.model.config, self.engine.submit, self.engine.cancel)
+
+    async def Cancel(self, request, context):  # noqa: N802
+        return pb.CancelReply(found=self.engine.cancel(request.request_id))
+
+    async def Abort(self, request, context):  # noqa: N802
+        return pb.AbortReply(ack=True, instance_id=self.engine.instance_id)  # nothing is ever in transfer
+
+    async def Info(self, request, context):  # noqa: N802
+        return self.engine.info()
+
+
+class MonolithDecode(pbg.DecodeServicer):
+    def __init__(self, engine: MonolithEngine) -> None:
+        self.engine = engine
+
+    async def Hello(self, request, context):  # noqa: N802
+        return self.engine.hello()
+
+    async def Reserve(self, request, context):  # noqa: N802
+        return pb.ReserveReply(status=pb.INVALID, message="the monolith takes no KV transfers")
+
+    async def Commit(self, request, context):  # noqa: N802
+        return pb.CommitReply(status=pb.INVALID, message="the monolith takes no KV transfers")
+
+    async def Frames(self, request, context):  # noqa: N802
+        async for message in self.engine.hub.subscribe():
+            yield message
+
+    async def Cancel(self, request, context):  # noqa: N802
+        return pb.CancelReply(found=self.engine.cancel(request.request_id))
+
+    async def Info(self, request, context):  # noqa: N802
+        return self.engine.info()
+
+
+async def serve(cfg: MonolithConfig) -> int:
+    log = setup_logging("monolith", cfg.log_level)
+    log_config(log, cfg)
+    torch_setup(cfg.torch_threads)
+    serve_metrics(cfg.metrics_port)
+    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    n_pages = cfg.pool_tokens // cfg.page_size
+    storage = model.new_kv_storage(n_pages * cfg.page_size, device=cfg.device)
+    engine = MonolithEngine(
+        model, cfg.model, PagePool(n_pages, cfg.page_size), storage, FrameHub(asyncio.get_running_loop()),
+        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows,
+    )
+    stop = shutdown_event(log)
+
+    def register(server) -> None:
+        pbg.add_PrefillServicer_to_server(MonolithPrefill(engine), server)
+        pbg.add_DecodeServicer_to_server(MonolithDecode(engine), server)
+
+    server = await start_unix_server(cfg.socket, register, log)
+    engine.loop.start()
+    log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy})
+    await stop.wait()
+    engine.hub.close()
+    await server.stop(grace=5)
+    engine.loop.stop()
+    log.info("monolith stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(MonolithConfig, argv, "pdunit monolith")
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

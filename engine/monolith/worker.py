@@ -1,0 +1,216 @@
+"""The monolith: prefill and decode in one process on one device, the baseline PD is
+measured against. Same model, same batcher, same kernels as P and D.
+
+Policies:
+- `prefill-first` (the common engine default, nano-vllm's scheduler): whenever a prompt
+  waits, the iteration runs prefill only, so every decoding stream waits for it.
+- `chunked`: every iteration is one forward over all decoding streams plus prompt rows
+  up to `chunk_tokens` in total (the best a monolith can do).
+It never transfers KV: prompt pages are written in place and go straight to decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdunit.engine import metrics as m
+from pdunit.engine.batching import prefill_entry
+from pdunit.engine.decode.batcher import DecodeBatcher, Stream
+from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.worker import StepLoop, step_message
+from pdunit.engine.kv.pool import NoCapacity, PagePool
+from pdunit.engine.model.transformer import TTSModel
+from pdunit.engine.observability import now_ns
+from pdunit.engine.packing import pack
+from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
+from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
+from pdunit.engine.proto import pdunit_pb2 as pb
+
+log = logging.getLogger("pdunit.monolith")
+
+POLICIES = ("prefill-first", "chunked")
+
+
+@dataclass
+class Prefilling:
+    job: PrefillJob
+    slots: np.ndarray
+    done_rows: int = 0
+
+
+class MonolithEngine:
+    def __init__(
+        self,
+        model: TTSModel,
+        model_spec: str,
+        pool: PagePool,
+        storage: torch.Tensor,
+        hub: FrameHub,
+        policy: str,
+        chunk_tokens: int,
+        max_batch: int,
+        max_batch_rows: int,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
+        self.instance_id = uuid.uuid4().hex
+        self.model = model
+        self.model_spec = model_spec
+        self.pool = pool
+        self.storage = storage
+        self.hub = hub
+        self.policy = policy
+        self.chunk_tokens = chunk_tokens
+        self.max_batch_rows = max_batch_rows
+        self.waiting = PrefillScheduler(max_batch_prompts=1 << 30, max_batch_rows=1 << 30)
+        self.prefilling: list[Prefilling] = []
+        self.batcher = DecodeBatcher(model, pool, storage, max_batch)
+        self._lock = threading.Lock()
+        self._step = 0
+        self.loop = StepLoop("monolith", self._step_once)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, job: PrefillJob) -> None:
+        job.stamps["p_admitted"] = now_ns()
+        self.waiting.put(job)
+        self.loop.work.set()
+
+    def cancel(self, request_id: int) -> bool:
+        job = self.waiting.cancel(request_id)
+        if job is not None:
+            self._finish(job, pb.CANCELLED, "cancelled by the client")
+            return True
+        with self._lock:
+            for p in self.prefilling:
+                if p.job.request_id == request_id:
+                    p.job.cancelled = True
+                    return True
+        if self.batcher.cancel(request_id):
+            self.loop.work.set()
+            return True
+        return False
+
+    def _finish(self, job: PrefillJob, status: int, message: str = "", **fields: int) -> None:
+        if job.done is not None:
+            job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
+
+    # ------------------------------------------------------------------ the loop
+    def _admit_waiting(self) -> None:
+        for job in self.waiting.next_batch(timeout=0):
+            rows = len(job.prompt)
+            if job.deadline_unix_ms and time.time() * 1000 > job.deadline_unix_ms:
+                self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued")
+                continue
+            try:
+                self.pool.reserve(job.request_id, rows, rows + job.params.max_frames)
+            except NoCapacity as exc:
+                self._finish(job, pb.NO_CAPACITY, str(exc))
+                continue
+            with self._lock:
+                self.prefilling.append(Prefilling(job, self.pool.slots(job.request_id, rows)))
+
+    def _drop_cancelled_prefills(self) -> None:
+        with self._lock:
+            gone = [p for p in self.prefilling if p.job.cancelled]
+            self.prefilling = [p for p in self.prefilling if not p.job.cancelled]
+        for p in gone:
+            # No writer other than this thread exists: the pages can go straight back.
+            self.pool.mark_filled(p.job.request_id)
+            self.pool.start_decoding(p.job.request_id)
+            self.pool.finish(p.job.request_id)
+            self._finish(p.job, pb.CANCELLED, "cancelled")
+
+    def _plan_chunks(self, budget: int) -> list[tuple[Prefilling, PrefillChunk]]:
+        plan = []
+        with self._lock:
+            for p in self.prefilling:
+                if budget <= 0:
+                    break
+                rows = len(p.job.prompt)
+                end = min(rows, p.done_rows + budget)
+                plan.append((p, PrefillChunk(p.job.prompt, p.slots, p.done_rows, end, p.job.params)))
+                budget -= end - p.done_rows
+        return plan
+
+    def _complete_prefills(self, plan: list[tuple[Prefilling, PrefillChunk]], logits: torch.Tensor | None) -> None:
+        if not plan:
+            return
+        assert logits is not None
+        frames = first_frames(self.model, logits, [c for _, c in plan])
+        t = now_ns()
+        for (p, chunk), frame in zip(plan, frames, strict=True):
+            p.done_rows = chunk.end
+            if frame is None:
+                continue
+            job = p.job
+            job.stamps["prefill_end"] = t
+            self.pool.mark_filled(job.request_id)
+            self.pool.start_decoding(job.request_id)
+            with self._lock:
+                self.prefilling.remove(p)
+            self.batcher.admit(Stream(job.request_id, len(job.prompt), job.params, frame.astype(np.int32),
+                                      stamps=dict(job.stamps)))
+            m.P_PREFILL_TOKENS.labels(source="computed").inc(len(job.prompt))
+            self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt), cached_tokens=0)
+
+    def _step_once(self) -> bool:
+        self.batcher.take_cancelled()
+        self._admit_waiting()
+        self._drop_cancelled_prefills()
+        t0 = time.perf_counter()
+        if self.policy == "prefill-first" and self.prefilling:
+            plan = self._plan_chunks(max(self.max_batch_rows, 1))
+            for p, _ in plan:
+                p.job.stamps.setdefault("prefill_start", now_ns())
+            logits = run_forward(self.model, self.storage,
+                                 [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan])
+            self._complete_prefills(plan, logits)
+            m.P_PREFILL_SECONDS.observe(time.perf_counter() - t0)
+            return True
+        new = self.batcher.take_incoming()
+        streams, entries = self.batcher.decode_entries()
+        plan = self._plan_chunks(self.chunk_tokens - len(entries)) if self.policy == "chunked" else []
+        if not streams and not new and not plan:
+            return False
+        for p, _ in plan:
+            p.job.stamps.setdefault("prefill_start", now_ns())
+        entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
+        logits = run_forward(self.model, self.storage, entries) if entries else None
+        n_dec = len(streams)
+        out = self.batcher.apply(streams, logits[:n_dec] if logits is not None else None, new)
+        self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
+        if len(out.request_ids):
+            self._step += 1
+            self.hub.publish(step_message(self._step, out))
+            m.D_FRAMES.inc(len(out.request_ids))
+            m.D_STEP_BATCH.observe(len(out.request_ids))
+        m.D_STEP_SECONDS.observe(time.perf_counter() - t0)
+        m.D_STREAMS.set(len(self.batcher))
+        return True
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> pb.InfoReply:
+        with self._lock:
+            ids = [p.job.request_id for p in self.prefilling]
+        ids += self.waiting.request_ids() + self.batcher.request_ids()
+        return pb.InfoReply(
+            role="monolith", instance_id=self.instance_id, peer_instance_id=self.instance_id,
+            queue=len(self.waiting) + len(self.prefilling), in_flight=len(self.batcher),
+            held_pages=self.pool.held_pages, pool_pages=self.pool.n_pages, free_pages=self.pool.free_pages,
+            transfer_mode="none", request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
+        )
+
+    def hello(self) -> pb.HelloReply:
+        mc = self.model.config
+        return pb.HelloReply(
+            instance_id=self.instance_id, n_codebooks=mc.n_codebooks,
+            vocab_sizes=pack(np.array(mc.vocab_sizes, dtype=np.int64), "i8"), eos_id=mc.eos_id,
+            model=self.model_spec,
+        )

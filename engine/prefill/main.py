@@ -1,0 +1,90 @@
+"""`pdunit prefill`: the prefill engine process (P) of a unit."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from pydantic import BaseModel, Field
+
+from pdunit.engine.decode.worker import torch_setup
+from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.prefill.scheduler import PrefillScheduler
+from pdunit.engine.prefill.submit import serve_submit
+from pdunit.engine.prefill.worker import PrefillEngine, PrefillService
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.settings import parse_config
+
+
+class PrefillConfig(BaseModel):
+    """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
+
+    socket: str = Field("/run/pdunit/prefill.sock", description="unix socket P serves on")
+    decode_socket: str = Field("/run/pdunit/decode.sock", description="D's socket")
+    model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
+    device: str = Field("cpu", description="torch device")
+    dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    transfer: str = Field("auto", description="transport to use among those D offers (auto = D's best)")
+    cache_tokens: int = Field(65536, gt=0, description="token rows of P's own KV storage (prefix cache)")
+    prefix_block_tokens: int = Field(16, gt=0, description="rows per prefix-cache block")
+    max_batch_prompts: int = Field(16, gt=0, description="prompts per prefill forward")
+    max_batch_rows: int = Field(8192, gt=0, description="prompt rows per prefill forward")
+    kv_check_sample: int = Field(1, gt=0, description="checksum every k-th token (1 = every row)")
+    max_held_aborts: int = Field(3, gt=0, description="held aborts at which P exits on purpose")
+    held_abort_grace_ms: int = Field(1000, ge=0, description="an abort counts as held after this long")
+    transfer_deadline_ms: int = Field(0, ge=0, description="cap on one transfer (0 = request deadline)")
+    transfer_chunk_tokens: int = Field(0, ge=0, description="fault injection: write in chunks of this many tokens")
+    transfer_chunk_delay_ms: float = Field(0.0, ge=0, description="fault injection: pause between chunks")
+    proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
+    tcp_connections: int = Field(4, gt=0, description="tcp transport: parallel connections")
+    metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
+    log_level: str = Field("info", description="log level")
+
+
+async def serve(cfg: PrefillConfig) -> int:
+    log = setup_logging("prefill", cfg.log_level)
+    log_config(log, cfg)
+    torch_setup(cfg.torch_threads)
+    serve_metrics(cfg.metrics_port)
+    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    storage = model.new_kv_storage(cfg.cache_tokens, device=cfg.device)
+    engine = PrefillEngine(
+        model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
+        PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,
+        {"proxy_socket": cfg.proxy_socket, "tcp_connections": str(cfg.tcp_connections),
+         "chunk_tokens": str(cfg.transfer_chunk_tokens), "chunk_delay_s": str(cfg.transfer_chunk_delay_ms / 1000)},
+        cfg.kv_check_sample, cfg.max_held_aborts, cfg.held_abort_grace_ms / 1000, cfg.transfer_deadline_ms,
+    )
+    stop = shutdown_event(log)
+    loop = asyncio.get_running_loop()
+    # Serve only once D answered: the LB's readiness follows from P answering Info.
+    await loop.run_in_executor(None, engine.connect)
+
+    async def submit(request, context):
+        return await serve_submit(request, model.config, engine.submit, engine.cancel)
+
+    server = await start_unix_server(
+        cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine, loop, submit), s), log)
+    engine.loop.start()
+    log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
+                                     "transfer": engine.sender.mode if engine.sender else None})
+    await stop.wait()
+    await server.stop(grace=5)
+    engine.loop.stop()
+    if engine.sender is not None:
+        engine.sender.close()
+    log.info("prefill stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(PrefillConfig, argv, "pdunit prefill")
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,72 @@
+"""P's admission queue: accepts prompts while a forward runs and hands the worker
+batches bounded by prompt count and rows. Thread-safe; owns no compute.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdunit.engine.model.sampling import SamplingParams
+
+
+@dataclass
+class PrefillJob:
+    request_id: int
+    prompt: np.ndarray            # int64 [rows, C]
+    params: SamplingParams
+    deadline_unix_ms: int
+    stamps: dict[str, int]
+    done: Any = None              # callable(reply) resolving the Submit RPC
+    cancelled: bool = False
+    result: Any = field(default=None, repr=False)
+
+
+class PrefillScheduler:
+    def __init__(self, max_batch_prompts: int, max_batch_rows: int) -> None:
+        self.max_batch_prompts = max_batch_prompts
+        self.max_batch_rows = max_batch_rows
+        self._queue: deque[PrefillJob] = deque()
+        self._cv = threading.Condition()
+
+    def put(self, job: PrefillJob) -> None:
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+
+    def cancel(self, request_id: int) -> PrefillJob | None:
+        """Removes a queued job; returns it (None when not queued)."""
+        with self._cv:
+            for job in self._queue:
+                if job.request_id == request_id:
+                    self._queue.remove(job)
+                    job.cancelled = True
+                    return job
+        return None
+
+    def next_batch(self, timeout: float) -> list[PrefillJob]:
+        """FIFO; at least one job even when it alone exceeds the row budget."""
+        with self._cv:
+            if not self._queue:
+                self._cv.wait(timeout)
+            batch: list[PrefillJob] = []
+            rows = 0
+            while self._queue and len(batch) < self.max_batch_prompts:
+                nxt = len(self._queue[0].prompt)
+                if batch and rows + nxt > self.max_batch_rows:
+                    break
+                batch.append(self._queue.popleft())
+                rows += nxt
+            return batch
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def request_ids(self) -> list[int]:
+        with self._cv:
+            return [j.request_id for j in self._queue]

@@ -1,0 +1,67 @@
+"""The Submit RPC as P and the monolith serve it: unpack the packed prompt, check it
+against the model (the LB validated it already; this guards the socket), queue the
+job, and answer when the prompt's KV is committed to decode (or failed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+
+from pdunit.engine.model.config import ModelConfig
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.packing import unpack
+from pdunit.engine.prefill.scheduler import PrefillJob
+from pdunit.engine.proto import pdunit_pb2 as pb
+
+
+def check_prompt(req: pb.SubmitRequest, config: ModelConfig) -> tuple[np.ndarray | None, str]:
+    if req.cols != config.n_codebooks:
+        return None, f"prompt has {req.cols} columns, the model has {config.n_codebooks} codebooks"
+    if req.rows <= 0:
+        return None, "empty prompt"
+    if len(req.prompt) != req.rows * req.cols * 8:
+        return None, f"prompt bytes {len(req.prompt)} != rows*cols*8 = {req.rows * req.cols * 8}"
+    prompt = unpack(req.prompt, "i8", req.cols)
+    limits = np.asarray(config.vocab_sizes, dtype=np.int64)
+    bad = (prompt < 0) | (prompt >= limits)
+    if bad.any():
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        return None, f"prompt row {row} column {col} id {int(prompt[row, col])} outside [0, {limits[col]})"
+    if req.rows + max(1, req.sampling.max_frames) > config.max_positions:
+        return None, f"prompt rows + max_frames exceed the model's {config.max_positions} positions"
+    return prompt, ""
+
+
+async def serve_submit(
+    req: pb.SubmitRequest,
+    config: ModelConfig,
+    submit: Callable[[PrefillJob], None],
+    cancel: Callable[[int], bool],
+) -> pb.SubmitReply:
+    prompt, error = check_prompt(req, config)
+    if prompt is None:
+        return pb.SubmitReply(status=pb.INVALID, message=error)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[pb.SubmitReply] = loop.create_future()
+
+    def done(reply: pb.SubmitReply) -> None:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reply))
+
+    s = req.sampling
+    try:
+        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, seed=s.seed,
+                                max_frames=max(1, s.max_frames), min_frames=s.min_frames)
+    except ValueError as exc:
+        return pb.SubmitReply(status=pb.INVALID, message=str(exc))
+    job = PrefillJob(
+        request_id=req.request_id, prompt=prompt, params=params,
+        deadline_unix_ms=req.deadline_unix_ms, stamps=dict(req.stamps.ns), done=done,
+    )
+    submit(job)
+    try:
+        return await future
+    except asyncio.CancelledError:  # the LB gave up on this request (client gone)
+        cancel(req.request_id)
+        raise

@@ -1,0 +1,318 @@
+"""P: the prefill engine of a unit. Admits prompts while a forward runs, serves reused
+voices from the prefix cache, computes KV + first frame, and hands both to D through
+RESERVE -> write -> COMMIT(checksum) (PROTOCOL.md section 3).
+
+P answers D's ABORT with ABORT_ACK only when its transport proves that no write of that
+request can land any more (batch quiesce). It never answers from a timeout. When it
+holds `max_held_aborts` unanswered aborts it exits on purpose: its restart (a new
+instance id) is the proof D needs for all of them.
+
+Threads: gRPC handlers on the asyncio loop; the forward + transfer loop in one worker
+thread, talking to D over a synchronous channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+
+import grpc
+import numpy as np
+import torch
+
+from pdunit.engine import metrics as m
+from pdunit.engine.decode.worker import StepLoop
+from pdunit.engine.grpc_server import sync_channel
+from pdunit.engine.kv.checksum import kv_checksum
+from pdunit.engine.kv.pool import NoCapacity
+from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease
+from pdunit.engine.model.transformer import TTSModel
+from pdunit.engine.observability import now_ns
+from pdunit.engine.packing import pack, unpack
+from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
+from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.transfer.base import Descriptor, KVSender, PoolGeometry, TransferError
+from pdunit.engine.transfer.factory import make_sender
+
+log = logging.getLogger("pdunit.prefill")
+
+EXIT_HELD_ABORTS = 75  # P exits on purpose: its restart proves every held abort
+
+
+class PeerMismatch(RuntimeError):
+    """P and D disagree on the model or pool geometry: no transfer can be correct."""
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        model: TTSModel,
+        model_spec: str,
+        device: str,
+        storage: torch.Tensor,
+        cache: PrefixCache,
+        scheduler: PrefillScheduler,
+        decode_socket: str,
+        transfer: str,
+        sender_options: dict[str, str],
+        kv_check_sample: int = 1,
+        max_held_aborts: int = 3,
+        held_abort_grace_s: float = 1.0,
+        transfer_deadline_ms: int = 0,
+    ) -> None:
+        self.instance_id = uuid.uuid4().hex
+        self.model = model
+        self.model_spec = model_spec
+        self.device = device
+        self.storage = storage
+        self.cache = cache
+        self.scheduler = scheduler
+        self.decode_socket = decode_socket
+        self.transfer = transfer
+        self.sender_options = sender_options
+        self.kv_check_sample = kv_check_sample
+        self.max_held_aborts = max_held_aborts
+        self.held_abort_grace_s = held_abort_grace_s
+        self.transfer_deadline_ms = transfer_deadline_ms
+        self.d_instance = ""
+        self.sender: KVSender | None = None
+        self._d: pbg.DecodeStub | None = None
+        self.active: dict[int, PrefillJob] = {}
+        self.held_aborts: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self.loop = StepLoop("prefill", self._step_once)
+
+    # ------------------------------------------------------------------ handshake
+    def connect(self, timeout_s: float = 120.0) -> None:
+        """Hello to D until it answers; checks model and geometry; attaches the sender."""
+        self._d = pbg.DecodeStub(sync_channel(self.decode_socket))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                hello = self._d.Hello(pb.HelloRequest(sender_instance=self.instance_id), timeout=2.0)
+                break
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"decode at {self.decode_socket} did not answer Hello: {exc.code()}") from None
+                time.sleep(0.2)
+        mc = self.model.config
+        g = hello.geometry
+        if hello.model != self.model_spec:
+            raise PeerMismatch(f"P runs model {self.model_spec!r} but D runs {hello.model!r}")
+        if (g.n_layers, g.n_kv_heads, g.head_dim) != (mc.n_layers, mc.n_kv_heads, mc.head_dim):
+            raise PeerMismatch(f"D pool geometry {g} does not match the model {mc.name}")
+        if g.dtype != str(self.storage.dtype).replace("torch.", ""):
+            raise PeerMismatch(f"D pool dtype {g.dtype} != P dtype {self.storage.dtype}")
+        geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, self.storage.dtype, g.n_slots, g.page_size)
+        offered = [Descriptor(t.mode, dict(t.params), t.handle) for t in hello.transports]
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = make_sender(offered if self.transfer == "auto" else
+                                  [d for d in offered if d.mode == self.transfer] or offered,
+                                  geometry, self.device, self.sender_options)
+        if self.transfer not in ("auto", self.sender.mode):
+            raise PeerMismatch(f"asked for transfer {self.transfer!r} but D offers {[d.mode for d in offered]}")
+        self.d_instance = hello.instance_id
+        log.info("connected to decode", extra={"d_instance": self.d_instance, "transfer": self.sender.mode})
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, job: PrefillJob) -> None:
+        job.stamps["p_admitted"] = now_ns()
+        self.scheduler.put(job)
+        m.P_QUEUE.set(len(self.scheduler))
+
+    def cancel(self, request_id: int) -> bool:
+        job = self.scheduler.cancel(request_id)
+        if job is not None:
+            self._finish(job, pb.CANCELLED, "cancelled by the client")
+            return True
+        with self._lock:
+            job = self.active.get(request_id)
+            if job is not None:
+                job.cancelled = True
+        if job is not None and self.sender is not None:
+            self.sender.quiesce(request_id)
+        return job is not None
+
+    def abort(self, request: pb.AbortRequest) -> pb.AbortReply:
+        rid = request.request_id
+        self.cancel(rid)
+        ack = self.sender.quiesce(rid) if self.sender is not None else True
+        now = time.monotonic()
+        with self._lock:
+            if ack:
+                self.held_aborts.pop(rid, None)
+            else:
+                self.held_aborts.setdefault(rid, now)
+            overdue = [r for r, t in self.held_aborts.items() if now - t >= self.held_abort_grace_s]
+            m.P_HELD_ABORTS.set(len(self.held_aborts))
+        m.P_ABORTS.labels(answer="ack" if ack else "held").inc()
+        if len(overdue) >= self.max_held_aborts:
+            log.critical("exiting on purpose: too many held aborts (the restart proves them all)", extra={
+                "held_aborts": overdue, "limit": self.max_held_aborts, "event": "PrefillHeldAbortExit"})
+            logging.shutdown()
+            os._exit(EXIT_HELD_ABORTS)
+        return pb.AbortReply(ack=ack, instance_id=self.instance_id)
+
+    def _finish(self, job: PrefillJob, status: int, message: str = "", **fields: int) -> None:
+        m.P_REQUESTS.labels(outcome=pb.Status.Name(status).lower()).inc()
+        with self._lock:
+            self.active.pop(job.request_id, None)
+        if job.done is not None:
+            job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
+
+    # ------------------------------------------------------------------ the worker loop
+    def _identity(self, deadline_ms: int) -> pb.Identity:
+        return pb.Identity(sender_instance=self.instance_id, receiver_instance=self.d_instance,
+                           budget_ms=max(0, deadline_ms - int(time.time() * 1000)))
+
+    def _reserve(self, job: PrefillJob) -> pb.ReserveReply:
+        assert self._d is not None
+        rows = len(job.prompt)
+        for attempt in range(2):
+            reply = self._d.Reserve(pb.ReserveRequest(
+                request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
+                deadline_unix_ms=job.deadline_unix_ms, identity=self._identity(job.deadline_unix_ms)),
+                timeout=5.0)
+            if reply.status != pb.STALE_INSTANCE or attempt:
+                return reply
+            log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id})
+            self.connect()
+        return reply
+
+    def _step_once(self) -> bool:
+        jobs = self.scheduler.next_batch(timeout=0.05)
+        m.P_QUEUE.set(len(self.scheduler))
+        if not jobs:
+            return False
+        live: list[tuple[PrefillJob, PrefixLease, np.ndarray]] = []
+        now_ms = int(time.time() * 1000)
+        for job in jobs:
+            with self._lock:
+                self.active[job.request_id] = job
+            if job.cancelled:
+                self._finish(job, pb.CANCELLED, "cancelled")
+                continue
+            if job.deadline_unix_ms and now_ms > job.deadline_unix_ms:
+                self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued in prefill")
+                continue
+            try:
+                lease = self.cache.acquire(job.prompt)
+            except NoCapacity as exc:
+                self._finish(job, pb.NO_CAPACITY, f"prefill cache full: {exc}")
+                continue
+            try:
+                reply = self._reserve(job)
+            except grpc.RpcError as exc:
+                self.cache.release(lease)
+                self._finish(job, pb.TRANSFER_FAILED, f"decode unreachable: {exc.code()}")
+                continue
+            if reply.status != pb.STATUS_OK:
+                self.cache.release(lease)
+                self._finish(job, reply.status, reply.message)
+                continue
+            job.stamps["p_reserved"] = now_ns()
+            live.append((job, lease, unpack(reply.dst_slots, "i8")))
+        if not live:
+            return True
+        chunks = [PrefillChunk(job.prompt, lease.slots, min(lease.cached_tokens, len(job.prompt) - 1),
+                               len(job.prompt), job.params) for job, lease, _ in live]
+        t0 = now_ns()
+        for job, _, _ in live:
+            job.stamps["prefill_start"] = t0
+        frames = run_prefill(self.model, self.storage, chunks)
+        t1 = now_ns()
+        m.P_PREFILL_SECONDS.observe((t1 - t0) / 1e9)
+        for (job, lease, _), chunk in zip(live, chunks, strict=True):
+            job.stamps["prefill_end"] = t1
+            m.P_PREFILL_TOKENS.labels(source="computed").inc(chunk.end - chunk.start)
+            m.P_PREFILL_TOKENS.labels(source="cached").inc(chunk.start)
+            self.cache.publish(lease, job.prompt)
+        for (job, lease, dst), frame, chunk in zip(live, frames, chunks, strict=True):
+            try:
+                self._transfer_and_commit(job, lease, dst, frame, chunk.start)
+            finally:
+                self.cache.release(lease)
+        return True
+
+    def _transfer_and_commit(self, job: PrefillJob, lease: PrefixLease, dst: np.ndarray,
+                             frame: np.ndarray | None, cached: int) -> None:
+        assert self.sender is not None and self._d is not None and frame is not None
+        rid = job.request_id
+        if job.cancelled:
+            self._finish(job, pb.CANCELLED, "cancelled before the transfer")
+            return
+        job.stamps["transfer_start"] = now_ns()
+        deadline = job.deadline_unix_ms
+        if self.transfer_deadline_ms:
+            deadline = min(deadline or 2**62, int(time.time() * 1000) + self.transfer_deadline_ms)
+        try:
+            self.sender.write(rid, self.storage, lease.slots, dst, deadline)
+        except TransferError as exc:
+            log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
+            try:  # D holds the pages and sends ABORT; our quiesce answers it
+                self._d.Cancel(pb.CancelRequest(request_id=rid), timeout=2.0)
+            except grpc.RpcError:
+                pass
+            self._finish(job, pb.TRANSFER_FAILED, f"KV transfer failed: {exc}")
+            return
+        job.stamps["transfer_end"] = now_ns()
+        m.P_TRANSFER_SECONDS.labels(mode=self.sender.mode).observe(
+            (job.stamps["transfer_end"] - job.stamps["transfer_start"]) / 1e9)
+        m.P_TRANSFER_BYTES.labels(mode=self.sender.mode).inc(
+            self.storage[:, :, :1].numel() * self.storage.element_size() * len(lease.slots))
+        checksum = kv_checksum(self.storage, lease.slots, self.kv_check_sample)
+        try:
+            reply = self._d.Commit(pb.CommitRequest(
+                request_id=rid, first_frame=pack(frame, "i4"), checksum=checksum,
+                checksum_sample=self.kv_check_sample, sampling=pb.Sampling(
+                    temperature=job.params.temperature, top_k=job.params.top_k, seed=job.params.seed,
+                    max_frames=job.params.max_frames, min_frames=job.params.min_frames),
+                prompt_tokens=len(job.prompt), identity=self._identity(job.deadline_unix_ms),
+                stamps=pb.Stamps(ns=job.stamps)), timeout=5.0)
+        except grpc.RpcError as exc:
+            self._finish(job, pb.TRANSFER_FAILED, f"commit failed: {exc.code()}")
+            return
+        if reply.status != pb.STATUS_OK:
+            self._finish(job, reply.status, reply.message or pb.Status.Name(reply.status))
+            return
+        self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt) - cached, cached_tokens=cached)
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> pb.InfoReply:
+        with self._lock:
+            ids = list(self.active) + list(self.held_aborts)
+            held = len(self.held_aborts)
+        ids += self.scheduler.request_ids()
+        in_flight = self.sender.in_flight() if self.sender is not None else []
+        return pb.InfoReply(
+            role="prefill", instance_id=self.instance_id, peer_instance_id=self.d_instance, pid=os.getpid(),
+            queue=len(self.scheduler), in_flight=len(in_flight), held_aborts=held,
+            transfer_mode=self.sender.mode if self.sender else "",
+            request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
+        )
+
+
+class PrefillService(pbg.PrefillServicer):
+    def __init__(self, engine: PrefillEngine, loop: asyncio.AbstractEventLoop, submit) -> None:
+        self.engine = engine
+        self.loop = loop
+        self._submit = submit
+
+    async def Submit(self, request, context):  # noqa: N802 - gRPC names
+        return await self._submit(request, context)
+
+    async def Cancel(self, request, context):  # noqa: N802
+        return pb.CancelReply(found=self.engine.cancel(request.request_id))
+
+    async def Abort(self, request, context):  # noqa: N802
+        return self.engine.abort(request)
+
+    async def Info(self, request, context):  # noqa: N802
+        return self.engine.info()

@@ -1,0 +1,199 @@
+"""The router's HTTP surface (FastAPI): the proxied stream, its table, health, metrics.
+
+Owns the endpoints and the life cycle of the background work (discovery, /v1/load
+polling) and of the HTTP clients. Routing lives in table.py, forwarding in proxy.py;
+this module only wires them. It never serves audio itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .config import RouterConfig
+from .proxy import Forwarder, ForwardPolicy, RouterMetrics
+from .table import LoadPoller, RoutingTable
+
+
+class Discovery(Protocol):
+    async def run(self, table: RoutingTable) -> None: ...
+
+
+class TableCollector(Collector):
+    """Units by state, in-flight streams and the load bound, read from the table at scrape."""
+
+    def __init__(self, table: RoutingTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        units = GaugeMetricFamily(
+            "pdunit_router_units", "Units known to the router, by state", labels=["state"]
+        )
+        for state, count in self.table.counts_by_state().items():
+            units.add_metric([state], count)
+        yield units
+        streams = GaugeMetricFamily(
+            "pdunit_router_streams_in_flight",
+            "Streams this router is proxying now, by unit",
+            labels=["unit"],
+        )
+        load = GaugeMetricFamily(
+            "pdunit_router_unit_load_streams",
+            "Estimated streams in flight on the unit (its report corrected by ours)",
+            labels=["unit"],
+        )
+        for unit in self.table.units.values():
+            streams.add_metric([unit.name], unit.router_in_flight)
+            load.add_metric([unit.name], unit.load)
+        yield streams
+        yield load
+        yield GaugeMetricFamily(
+            "pdunit_router_load_bound_streams",
+            "Current bound ceil(c * (total + 1) / routable units)",
+            value=self.table.current_bound(),
+        )
+
+
+class RouterState:
+    """What the endpoints share; built in the lifespan."""
+
+    def __init__(self, table: RoutingTable, forwarder: Forwarder, registry: CollectorRegistry):
+        self.table = table
+        self.forwarder = forwarder
+        self.registry = registry
+        self.shutting_down = False
+        self.failed = ""  # set when background work crashed: the router is then unhealthy
+
+
+def create_app(
+    config: RouterConfig,
+    discovery: Discovery,
+    logger: logging.Logger | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The router app. Its lifespan starts discovery and polling and stops them."""
+    log = logger or logging.getLogger("pdunit.router")
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    table = RoutingTable(
+        load_bound_factor=config.load_bound_factor,
+        vnodes=config.vnodes,
+        max_tracked_sessions=config.max_tracked_sessions,
+        logger=log,
+    )
+    registry.register(TableCollector(table))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Streams are long-lived: no pool cap (each open stream holds a connection),
+        # a short connect timeout (refusal -> retry elsewhere fast), a read timeout
+        # that bounds silence between chunks, not the whole stream.
+        stream_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=config.connect_timeout_s,
+                read=config.stream_read_timeout_s,
+                write=config.stream_read_timeout_s,
+                pool=None,
+            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        poll_client = httpx.AsyncClient(
+            timeout=config.poll_timeout_s,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        policy = ForwardPolicy(
+            session_header=config.session_header,
+            max_attempts=config.max_attempts,
+            retry_after_s=config.retry_after_s,
+            max_body_bytes=config.max_body_bytes,
+        )
+        state = RouterState(table, Forwarder(table, stream_client, metrics, policy, log), registry)
+        app.state.router = state
+        poller = LoadPoller(
+            table,
+            poll_client,
+            config.poll_interval_s,
+            config.poll_timeout_s,
+            on_failure=lambda name: metrics.poll_failures.labels(unit=name).inc(),
+        )
+        tasks = [
+            asyncio.create_task(_supervised(discovery.run(table), "discovery", log, state)),
+            asyncio.create_task(_supervised(poller.run(), "poller", log, state)),
+        ]
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await stream_client.aclose()
+            await poll_client.aclose()
+
+    app = FastAPI(title="pdunit router", lifespan=lifespan)
+
+    def _state(request: Request) -> RouterState:
+        return request.app.state.router  # type: ignore[no-any-return]
+
+    @app.post("/v1/tts/stream")
+    async def tts_stream(request: Request) -> Response:
+        state = _state(request)
+        return await state.forwarder.forward(request)
+
+    @app.get("/v1/units")
+    async def units(request: Request) -> dict[str, Any]:
+        return _state(request).table.snapshot()
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> JSONResponse:
+        state = _state(request)
+        if state.failed:
+            return JSONResponse({"ok": False, "reason": state.failed}, status_code=503)
+        return JSONResponse({"ok": True})
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        state = _state(request)
+        if state.failed:
+            return JSONResponse({"ready": False, "reason": state.failed}, status_code=503)
+        if state.shutting_down:
+            return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
+        n = state.table.routable_count()
+        if n == 0:
+            counts = {k: v for k, v in state.table.counts_by_state().items() if v}
+            return JSONResponse(
+                {
+                    "ready": False,
+                    "reason": f"no routable unit (units by state: {counts or 'none'})",
+                },
+                status_code=503,
+            )
+        return JSONResponse({"ready": True, "routable_units": n})
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request) -> Response:
+        return Response(generate_latest(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _supervised(work: Any, name: str, log: logging.Logger, state: RouterState) -> None:
+    """Background work must not die silently: a crash is logged and turns /healthz and
+    /readyz to 503 (a router with a frozen table must be restarted, not trusted)."""
+    try:
+        await work
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("router background task crashed", extra={"task": name})
+        state.failed = f"{name} crashed: {exc!r}"

@@ -1,0 +1,451 @@
+"""Forwarding one `POST /v1/tts/stream` to a unit and relaying the stream back.
+
+Owns the attempt loop (pick a unit, send, retry elsewhere on a refusal), the header
+policy, and the relay that copies the unit's body to the client chunk by chunk.
+
+The one rule this module must never break: a retry happens only when the unit cannot
+have started the stream: it answered 503 or 429, or the TCP connection was refused or
+timed out. Once a unit answered 200, that unit owns the request: a failure later ends
+the client's stream with an error trailer (NDJSON) or a broken connection (binary
+frames), never a second start elsewhere. A request that reached a unit and then failed
+before any answer (read timeout, reset) is not retried either: the unit may be running
+it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from .table import RoutingTable, Unit
+
+# Never forwarded in either direction: they describe one hop, not the message.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+BINARY_FRAMES = "application/x-pdunit-frames"
+
+
+class RouterMetrics:
+    """The router's Prometheus series (units by state are collected from the table)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "pdunit_router_requests_total",
+            "Streams by the unit that served them and how they ended",
+            ["unit", "outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "pdunit_router_retries_total",
+            "Attempts refused by a unit before streaming, then tried elsewhere",
+            ["unit", "reason"],
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            "pdunit_router_decision_latency_seconds",
+            "Time to pick a unit (one call of the routing decision)",
+            buckets=(1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2),
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "pdunit_router_decisions_total",
+            "Routing decisions by how the unit was chosen: affinity (the key's owner), "
+            "walked (owner at its load bound), least_loaded (no key), over_bound",
+            ["how"],
+            registry=registry,
+        )
+        self.first_byte_seconds = Histogram(
+            "pdunit_router_upstream_first_byte_seconds",
+            "From the request's arrival to the first body byte from the unit",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=registry,
+        )
+        self.session_moves = Counter(
+            "pdunit_router_session_moves_total",
+            "Session keys whose stream went to another unit than their previous one",
+            registry=registry,
+        )
+        self.poll_failures = Counter(
+            "pdunit_router_unit_poll_failures_total",
+            "Failed /v1/load polls by unit",
+            ["unit"],
+            registry=registry,
+        )
+
+
+@dataclass
+class ForwardPolicy:
+    session_header: str = "X-Session-Id"
+    max_attempts: int = 3
+    retry_after_s: int = 1
+    max_body_bytes: int = 64 * 1024 * 1024
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message, **extra}}, status_code=status, headers=headers
+    )
+
+
+def _unit_error_message(body: bytes) -> str:
+    try:
+        doc = json.loads(body)
+        return str(doc["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    session: str | None
+    started: float
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Forwarder:
+    """The attempt loop for one request; one instance per router."""
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        policy: ForwardPolicy,
+        logger: logging.Logger,
+    ) -> None:
+        self.table = table
+        self.client = client
+        self.metrics = metrics
+        self.policy = policy
+        self.log = logger
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        limit = self.policy.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return error_response(
+                413,
+                "body_too_large",
+                f"request body is {declared} bytes; the router forwards at most {limit} "
+                "(--max-body-bytes)",
+                field="body",
+            )
+        parts: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                return error_response(
+                    413,
+                    "body_too_large",
+                    f"request body exceeds {limit} bytes (--max-body-bytes)",
+                    field="body",
+                )
+            parts.append(part)
+        return b"".join(parts)
+
+    def _upstream_headers(self, request: Request, request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["x-request-id"] = request_id
+        if request.client is not None:
+            prior = headers.get("x-forwarded-for")
+            host = request.client.host
+            headers["x-forwarded-for"] = f"{prior}, {host}" if prior else host
+        return headers
+
+    async def forward(self, request: Request) -> Response:
+        ctx = _Request(
+            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            session=request.headers.get(self.policy.session_header) or None,
+            started=time.perf_counter(),
+        )
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            body.headers["x-request-id"] = ctx.request_id
+            self.metrics.requests.labels(unit="", outcome="client_error").inc()
+            return body
+        headers = self._upstream_headers(request, ctx.request_id)
+        tried: list[str] = []
+        for _ in range(self.policy.max_attempts):
+            t0 = time.perf_counter()
+            decision = self.table.pick(ctx.session, frozenset(tried))
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+            if decision is None:
+                break
+            self.metrics.decisions.labels(how=decision.how).inc()
+            unit = decision.unit
+            tried.append(unit.name)
+            outcome = await self._attempt(unit, body, headers, ctx, decision.how)
+            if outcome is not None:
+                return outcome
+        return self._no_unit(ctx)
+
+    async def _attempt(
+        self, unit: Unit, body: bytes, headers: dict[str, str], ctx: _Request, how: str
+    ) -> Response | None:
+        """Send to `unit`: a Response to return, or None to try the next unit."""
+        self.table.acquire(unit)
+        request = self.client.build_request(
+            "POST", unit.url + "/v1/tts/stream", content=body, headers=headers
+        )
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # Nothing reached the unit: safe to go elsewhere.
+            self.table.release(unit)
+            reason = f"connect to {unit.url} failed: {exc!r}"
+            self.table.mark_unreachable(unit.name, reason)
+            self._refused(unit, ctx, "connect_error", reason)
+            return None
+        except httpx.TimeoutException as exc:
+            self.table.release(unit)
+            return self._failed_before_answer(unit, ctx, 504, "unit_timeout", exc)
+        except httpx.HTTPError as exc:
+            self.table.release(unit)
+            return self._failed_before_answer(unit, ctx, 502, "unit_error", exc)
+        except BaseException:
+            self.table.release(unit)
+            raise
+
+        status = upstream.status_code
+        if status in (503, 429):
+            try:
+                text = await upstream.aread()
+            except httpx.HTTPError:
+                text = b""
+            finally:
+                await upstream.aclose()
+                self.table.release(unit)
+            message = _unit_error_message(text)
+            self.table.mark_rejected(unit.name, status, message)
+            self._refused(unit, ctx, f"unit_{status}", f"HTTP {status}: {message}")
+            return None
+
+        if status != 200:
+            # The unit judged the request (400/413/422) or failed it (5xx): its answer is
+            # the answer; another unit would judge the same body the same way.
+            try:
+                text = await upstream.aread()
+            except httpx.HTTPError:
+                text = b""
+            finally:
+                await upstream.aclose()
+                self.table.release(unit)
+            outcome = "client_error" if status < 500 else "unit_error"
+            self.metrics.requests.labels(unit=unit.name, outcome=outcome).inc()
+            self._log_done(unit, ctx, outcome, status, 0)
+            passthrough = {
+                k: v
+                for k, v in upstream.headers.items()
+                if k.lower() in ("content-type", "retry-after")
+            }
+            passthrough["x-request-id"] = ctx.request_id
+            passthrough["x-pdunit-unit"] = unit.name
+            return Response(text, status_code=status, headers=passthrough)
+
+        # 200: the stream has started on this unit. No retry from here on.
+        if ctx.session is not None and self.table.record_session(ctx.session, unit):
+            self.metrics.session_moves.inc()
+        out_headers = {
+            k: v
+            for k, v in upstream.headers.items()
+            if k.lower() not in HOP_BY_HOP and k.lower() not in ("date", "server")
+        }
+        out_headers["x-request-id"] = ctx.request_id
+        out_headers["x-pdunit-unit"] = unit.name
+        ctx.attempts.append({"unit": unit.name, "result": "streaming", "how": how})
+
+        def done(outcome: str, sent: int) -> None:
+            self.table.release(unit)
+            self.metrics.requests.labels(unit=unit.name, outcome=outcome).inc()
+            self._log_done(unit, ctx, outcome, 200, sent)
+
+        def first_byte() -> None:
+            self.metrics.first_byte_seconds.observe(time.perf_counter() - ctx.started)
+
+        return RelayResponse(upstream, out_headers, done, first_byte, self.log, ctx.request_id)
+
+    def _refused(self, unit: Unit, ctx: _Request, reason: str, detail: str) -> None:
+        self.metrics.retries.labels(unit=unit.name, reason=reason).inc()
+        ctx.attempts.append({"unit": unit.name, "result": detail})
+        self.log.warning(
+            "unit refused the stream before it started; trying another unit",
+            extra={"request_id": ctx.request_id, "unit": unit.name, "reason": detail},
+        )
+
+    def _failed_before_answer(
+        self, unit: Unit, ctx: _Request, status: int, code: str, exc: Exception
+    ) -> Response:
+        message = (
+            f"unit {unit.name} ({unit.url}) failed before answering: {exc!r}; not retried "
+            "because the unit may have started the stream"
+        )
+        self.metrics.requests.labels(unit=unit.name, outcome=code).inc()
+        self.log.warning(message, extra={"request_id": ctx.request_id, "unit": unit.name})
+        return error_response(
+            status, code, message, headers={"x-request-id": ctx.request_id}, unit=unit.name
+        )
+
+    def _no_unit(self, ctx: _Request) -> Response:
+        headers = {
+            "retry-after": str(self.policy.retry_after_s),
+            "x-request-id": ctx.request_id,
+        }
+        self.metrics.requests.labels(unit="", outcome="no_unit").inc()
+        if ctx.attempts:
+            detail = "; ".join(f"{a['unit']}: {a['result']}" for a in ctx.attempts)
+            message = f"every unit tried refused the stream ({detail})"
+            code = "no_unit_available"
+        else:
+            known = self.table.units.values()
+            states = ", ".join(f"{u.name}: {u.state}" for u in known) or "none discovered"
+            message = f"no unit is routable ({states})"
+            code = "no_routable_unit"
+        self.log.warning(message, extra={"request_id": ctx.request_id, "session": ctx.session})
+        return error_response(503, code, message, headers=headers, attempts=ctx.attempts)
+
+    def _log_done(self, unit: Unit, ctx: _Request, outcome: str, status: int, sent: int) -> None:
+        self.log.info(
+            "stream done",
+            extra={
+                "request_id": ctx.request_id,
+                "unit": unit.name,
+                "session": ctx.session,
+                "outcome": outcome,
+                "status": status,
+                "bytes": sent,
+                "attempts": len(ctx.attempts),
+                "duration_s": round(time.perf_counter() - ctx.started, 6),
+            },
+        )
+
+
+class RelayResponse(Response):
+    """Copies the unit's body to the client as it arrives, and cleans up exactly once.
+
+    Unlike a StreamingResponse over a generator, this closes the upstream stream and
+    releases the unit on every path, including a client that leaves before the first
+    chunk: a unit must see the disconnect (and cancel) instead of decoding for nobody.
+    """
+
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        headers: dict[str, str],
+        on_done: Callable[[str, int], None],
+        on_first_byte: Callable[[], None],
+        logger: logging.Logger,
+        request_id: str,
+    ) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.background = None
+        self.init_headers(headers)
+        self.on_done = on_done
+        self.on_first_byte = on_first_byte
+        self.log = logger
+        self.request_id = request_id
+        self.binary = BINARY_FRAMES in upstream.headers.get("content-type", "")
+        self.sent = 0
+        self.finished = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "relay_error"  # replaced by the relay's own result or a disconnect
+        abort: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    nonlocal outcome
+                    while True:
+                        message = await receive()
+                        # The server also says "disconnect" once the response is complete.
+                        if message["type"] == "http.disconnect":
+                            if not self.finished:
+                                outcome = "client_disconnected"
+                                tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(watch_disconnect)
+                try:
+                    outcome, abort = await self._relay(send)
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+            self.on_done(outcome, self.sent)
+        if abort is not None:
+            # Binary frames have no room for an error trailer mid-frame: break the
+            # connection so the client cannot take a cut stream for a whole one.
+            raise abort
+
+    async def _relay(self, send: Send) -> tuple[str, BaseException | None]:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        last = b"\n"
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if not chunk:
+                    continue
+                if not self.sent:
+                    self.on_first_byte()
+                self.sent += len(chunk)
+                last = chunk[-1:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            outcome = (
+                "unit_stalled" if isinstance(exc, httpx.TimeoutException) else "failed_mid_stream"
+            )
+            message = (
+                f"the unit's stream broke after {self.sent} bytes: {exc!r}; not retried "
+                "because the stream had started"
+            )
+            self.log.warning(message, extra={"request_id": self.request_id, "outcome": outcome})
+            if self.binary:
+                self.finished = True
+                return outcome, UpstreamBroken(message)
+            trailer = json.dumps({"error": {"code": outcome, "message": message}}).encode()
+            prefix = b"" if last == b"\n" else b"\n"
+            await send(
+                {"type": "http.response.body", "body": prefix + trailer + b"\n", "more_body": True}
+            )
+            outcome_done = outcome
+        else:
+            outcome_done = "ok"
+        self.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return outcome_done, None
+
+
+class UpstreamBroken(Exception):
+    """The unit broke a binary-frames stream after it started."""

@@ -1,0 +1,201 @@
+"""Direct GPU transports (ipc, posix-fd, fabric): P maps D's pool and writes rows into it
+with one copy kernel on P's GPU (source local, destination over the peer link).
+
+Owns what the three share: the receiver's pool + probe allocation and descriptor, the
+sender's mapping, writes, quiesce bookkeeping and the verified probe. The modes differ
+only in how memory is exported and imported (ipc.py, posix_fd.py, fabric.py).
+
+Verified probe (never a device attribute): D fills probe slots [0, PATTERN) with a
+pattern and publishes its checksum; P reads them through its mapping (proves the
+mapping reaches D's real memory), then writes rows into slots [PATTERN, PROBE) and
+reads them back (proves writes land). Pool slots are never touched by a probe.
+
+Quiesce: a write is synchronous (kernel launched and finished inside `write`), so a
+request is quiesced when no write of it runs and it is marked cancelled.
+Must never decide page ownership.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdunit.engine.kv.checksum import kv_checksum
+from pdunit.engine.transfer import cudadrv
+from pdunit.engine.transfer.base import (
+    Descriptor,
+    KVReceiver,
+    KVSender,
+    PoolGeometry,
+    TransferError,
+)
+
+PROBE_SLOTS = 16
+PATTERN_SLOTS = 8
+# Identifies this process across PID namespaces (two pods' processes can share a pid).
+PROCESS_TOKEN = os.urandom(8).hex()
+_CANCELLED_MEMORY = 100_000
+
+
+def probe_shape(geometry: PoolGeometry) -> tuple[int, int, int, int, int]:
+    return (geometry.n_layers, 2, PROBE_SLOTS, geometry.n_kv_heads, geometry.head_dim)
+
+
+def pattern(geometry: PoolGeometry, seed: int) -> torch.Tensor:
+    """Deterministic probe pattern for slots [0, PATTERN_SLOTS) (CPU tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (geometry.n_layers, 2, PATTERN_SLOTS, geometry.n_kv_heads, geometry.head_dim)
+    words = torch.randint(-(1 << 14), 1 << 14, shape, generator=gen, dtype=torch.int32)
+    # Small integers are exact in every float dtype: the pattern never holds NaNs.
+    return words.to(geometry.dtype)
+
+
+def _cuda_index(device: str | torch.device) -> int:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise TransferError(f"direct GPU transports need a CUDA device, got {device!r}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+class DirectReceiver(KVReceiver):
+    """D's side: the pool and the probe region, exported by the subclass."""
+
+    mode = ""
+
+    def __init__(self, geometry: PoolGeometry, device: str) -> None:
+        self.geometry = geometry
+        self.ordinal = _cuda_index(device)
+        self.gpu_uuid = cudadrv.device_uuid(self.ordinal)
+        torch.cuda.set_device(self.ordinal)
+        self._storage, self.pool_export = self._allocate(geometry.bytes_for(geometry.n_slots), geometry.shape())
+        self.probe, self.probe_export = self._allocate(
+            geometry.bytes_for(PROBE_SLOTS), probe_shape(geometry))
+        self.seed = int.from_bytes(os.urandom(4), "little")
+        self.probe.zero_()
+        self.probe[:, :, :PATTERN_SLOTS].copy_(pattern(geometry, self.seed))
+        torch.cuda.synchronize(self.ordinal)
+        self.pattern_checksum = kv_checksum(self.probe, np.arange(PATTERN_SLOTS))
+
+    @abc.abstractmethod
+    def _allocate(self, nbytes: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Allocate exportable memory; returns the tensor and what the descriptor needs."""
+
+    @abc.abstractmethod
+    def _describe(self) -> tuple[dict[str, str], bytes]:
+        """Mode-specific descriptor params and handle bytes."""
+
+    @property
+    def storage(self) -> torch.Tensor:
+        return self._storage
+
+    def descriptors(self) -> list[Descriptor]:
+        params, handle = self._describe()
+        params.update({
+            "gpu_uuid": self.gpu_uuid, "pid": str(os.getpid()), "process": PROCESS_TOKEN,
+            "n_slots": str(self.geometry.n_slots), "probe_slots": str(PROBE_SLOTS),
+            "pattern_slots": str(PATTERN_SLOTS), "pattern_checksum": str(self.pattern_checksum),
+        })
+        return [Descriptor(self.mode, params, handle)]
+
+
+class DirectSender(KVSender):
+    mode = ""
+
+    def __init__(self, descriptor: Descriptor, geometry: PoolGeometry, device: str) -> None:
+        if descriptor.mode != self.mode:
+            raise TransferError(f"{type(self).__name__} needs a {self.mode!r} descriptor, got {descriptor.mode!r}")
+        self.geometry = geometry
+        self.ordinal = _cuda_index(device)
+        self.params = descriptor.params
+        if int(descriptor.params.get("n_slots", geometry.n_slots)) != geometry.n_slots:
+            raise TransferError(f"D's pool has {descriptor.params['n_slots']} slots, P expects {geometry.n_slots}")
+        # Open both regions in P's own device context: the kernel runs on P's GPU and
+        # writes D's memory over the peer link.
+        self.dst_ptr, self.probe_ptr, self._owners = self._open(descriptor)
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, int] = {}
+        self._cancelled: OrderedDict[int, None] = OrderedDict()
+
+    @abc.abstractmethod
+    def _open(self, descriptor: Descriptor) -> tuple[int, int, list[Any]]:
+        """Map D's pool and probe region for P's device: (pool ptr, probe ptr, owners)."""
+
+    def _copy(self, src: torch.Tensor, src_slots: np.ndarray, dst_ptr: int, dst_slots: np.ndarray,
+              dst_n_slots: int) -> None:
+        from pdunit.kernels import cuda_rows
+
+        if src.device.index != self.ordinal:
+            raise TransferError(f"source pool is on {src.device}, this sender writes from cuda:{self.ordinal}")
+        g = self.geometry
+        row_bytes = g.row_bytes
+        torch.cuda.synchronize(src.device)
+        c = cuda_rows.copier(self.ordinal)
+        stream = torch.cuda.current_stream(src.device).cuda_stream
+        c.launch(src.data_ptr(), dst_ptr, src_slots, dst_slots, int(src_slots.size), g.n_layers * 2,
+                 src.shape[2] * row_bytes, dst_n_slots * row_bytes, row_bytes, stream)
+        c.sync(stream)
+
+    def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
+              dst_slots: np.ndarray, deadline_unix_ms: int) -> None:
+        s = np.ascontiguousarray(src_slots, dtype=np.int64)
+        d = np.ascontiguousarray(dst_slots, dtype=np.int64)
+        if s.size != d.size:
+            raise TransferError(f"request {request_id}: src_slots has {s.size} entries, dst_slots {d.size}")
+        if d.size and (d.min() < 0 or d.max() >= self.geometry.n_slots or np.unique(d).size != d.size):
+            raise TransferError(f"request {request_id}: dst_slots out of [0, {self.geometry.n_slots}) or duplicated")
+        if s.size and (s.min() < 0 or s.max() >= src.shape[2]):
+            raise TransferError(f"request {request_id}: src_slots out of [0, {src.shape[2]})")
+        with self._lock:
+            if request_id in self._cancelled:
+                raise TransferError(f"request {request_id} was cancelled (quiesced): write refused")
+            late = time.time() * 1000 - deadline_unix_ms
+            if late > 0:
+                raise TransferError(f"request {request_id}: transfer deadline passed {late:.0f} ms ago")
+            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+        try:
+            self._copy(src, s, self.dst_ptr, d, self.geometry.n_slots)
+        except cudadrv.CudaError as e:
+            raise TransferError(f"request {request_id}: {self.mode} copy failed: {e}") from e
+        finally:
+            with self._lock:
+                left = self._in_flight[request_id] - 1
+                if left:
+                    self._in_flight[request_id] = left
+                else:
+                    del self._in_flight[request_id]
+
+    def probe(self, src: torch.Tensor, src_slots: np.ndarray, request_id: int) -> tuple[int, int]:
+        """Verify the mapping: D's published pattern reads back, then written rows read
+        back. Returns (expected, seen) checksums of the written rows."""
+        g = self.geometry
+        view = cudadrv.tensor_view(self.probe_ptr, probe_shape(g), g.dtype, self.ordinal, owner=self)
+        seen_pattern = kv_checksum(view, np.arange(PATTERN_SLOTS))
+        want_pattern = int(self.params.get("pattern_checksum", "-1"))
+        if seen_pattern != want_pattern:
+            raise TransferError(f"{self.mode}: D's probe pattern reads back as checksum {seen_pattern}, "
+                                f"D published {want_pattern}: the mapping does not reach D's memory")
+        n = int(src_slots.size)
+        if n > PROBE_SLOTS - PATTERN_SLOTS:
+            raise TransferError(f"probe writes at most {PROBE_SLOTS - PATTERN_SLOTS} rows")
+        dst = np.arange(PATTERN_SLOTS, PATTERN_SLOTS + n, dtype=np.int64)
+        self._copy(src, np.ascontiguousarray(src_slots, dtype=np.int64), self.probe_ptr, dst, PROBE_SLOTS)
+        return kv_checksum(src, src_slots), kv_checksum(view, dst)
+
+    def quiesce(self, request_id: int) -> bool:
+        with self._lock:
+            self._cancelled[request_id] = None
+            self._cancelled.move_to_end(request_id)
+            while len(self._cancelled) > _CANCELLED_MEMORY:
+                self._cancelled.popitem(last=False)
+            return request_id not in self._in_flight
+
+    def in_flight(self) -> list[int]:
+        with self._lock:
+            return list(self._in_flight)

@@ -1,0 +1,47 @@
+"""The operator's calls to one unit's LB (docs/api.md): GET /v1/load, POST /v1/admin/drain.
+
+Short timeouts, one shared httpx client, and errors returned as values: an unreachable
+LB is a fact the drain state machine must see (it proves nothing), never an exception
+that aborts a reconcile. Owns no state and no decisions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class LbApi:
+    def __init__(self, timeout_s: float) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def load(self, ip: str, port: int) -> tuple[dict[str, Any] | None, str | None]:
+        """(the /v1/load document, None) or (None, why it could not be read)."""
+        try:
+            resp = await self.client.get(f"http://{ip}:{port}/v1/load")
+        except httpx.HTTPError as exc:
+            return None, f"GET http://{ip}:{port}/v1/load: {type(exc).__name__}: {exc}".rstrip(": ")
+        if resp.status_code != 200:
+            return None, f"GET http://{ip}:{port}/v1/load: HTTP {resp.status_code}"
+        try:
+            doc = resp.json()
+        except ValueError:
+            return None, f"GET http://{ip}:{port}/v1/load: body is not JSON"
+        if not isinstance(doc, dict) or "empty" not in doc:
+            return None, f"GET http://{ip}:{port}/v1/load: no 'empty' field (not a pdunit LB?)"
+        return doc, None
+
+    async def drain(self, ip: str, port: int, draining: bool = True) -> str | None:
+        """POST /v1/admin/drain; None on success, else why it failed."""
+        url = f"http://{ip}:{port}/v1/admin/drain"
+        try:
+            resp = await self.client.post(url, json={"draining": draining})
+        except httpx.HTTPError as exc:
+            return f"POST {url}: {type(exc).__name__}: {exc}".rstrip(": ")
+        if resp.status_code >= 300:
+            return f"POST {url}: HTTP {resp.status_code}"
+        return None

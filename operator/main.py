@@ -1,0 +1,200 @@
+"""`pdunit operator`: the kopf operator for PDUnit/PDUnitSet plus the KEDA external scaler.
+
+Owns the process: config (flags / PDUNIT_* env via engine/settings.py), JSON logs,
+Prometheus metrics, the kopf run (standalone: one replica, no peering objects needed),
+kopf's liveness endpoint, and the lifetime of the API/HTTP clients and of the scaler's
+gRPC server. Never reconciles anything itself (handlers.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import kopf
+from pdunit.engine.observability import log_config, serve_metrics, setup_logging
+from pdunit.engine.settings import parse_config
+from pdunit.operator import handlers
+from pdunit.operator import models as m
+from pdunit.operator.kube import Kube
+from pdunit.operator.lbapi import LbApi
+from pydantic import BaseModel, Field
+
+
+class OperatorConfig(BaseModel):
+    """Kubernetes operator for PDUnit / PDUnitSet, with the KEDA external scaler."""
+
+    namespaces: list[str] = Field(
+        default_factory=list,
+        description="namespaces to watch, comma-separated (empty = the whole cluster)",
+    )
+    resync_seconds: float = Field(5.0, gt=0, le=600, description="reconcile period of every object")
+    drain_check_interval_seconds: float = Field(
+        5.0, ge=0, le=600, description="min seconds between the two empty checks of a drain"
+    )
+    load_timeout_seconds: float = Field(1.0, gt=0, le=30, description="timeout of GET /v1/load")
+    liveness_port: int = Field(
+        8080, ge=0, le=65535, description="kopf liveness /healthz port (0 = off)"
+    )
+    metrics_port: int = Field(
+        9100, ge=0, le=65535, description="Prometheus /metrics port (0 = off)"
+    )
+    scaler_port: int = Field(
+        9090, ge=0, le=65535, description="KEDA external scaler gRPC port (0 = off)"
+    )
+    allow_lb_port_override: bool = Field(
+        False,
+        description=f"honour the test-only pod annotation {m.ANNOTATION_LB_PORT_OVERRIDE} "
+        "(envtest suites; never in production)",
+    )
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
+
+
+def _load_scaler() -> tuple[Any, str | None]:
+    """The scaler's `serve_scaler`, or why it cannot be imported."""
+    try:
+        from pdunit.operator.scaler import serve_scaler
+    except ImportError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return serve_scaler, None
+
+
+class ScalerThread:
+    """The KEDA scaler's gRPC server on an event loop of its own, in a thread.
+
+    Why not the operator's loop: when kopf stops (SIGTERM) it cancels every task created
+    while it ran, which includes grpc.aio's serving tasks, so the scaler could not stop
+    gracefully. Its own loop keeps the two lifetimes apart.
+    """
+
+    def __init__(self, serve: Any, port: int, logger: logging.Logger) -> None:
+        self.serve, self.port, self.logger = serve, port, logger
+        self.loop = asyncio.new_event_loop()
+        self.server: Any = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="keda-scaler", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.server = self.loop.run_until_complete(self.serve(self.port, self.logger))
+        except BaseException as exc:  # reported to start() in the main thread
+            self.error = exc
+            self.ready.set()
+            self.loop.close()
+            return
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def start(self) -> None:
+        self.thread.start()
+        self.ready.wait()
+        if self.error is not None:
+            raise RuntimeError(f"KEDA scaler failed to start on port {self.port}: {self.error}")
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.server is not None:
+            done = asyncio.run_coroutine_threadsafe(self.server.stop(grace=grace_s), self.loop)
+            done.result(timeout=grace_s + 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+async def run(cfg: OperatorConfig, logger: logging.Logger) -> int:
+    serve_scaler, scaler_error = _load_scaler()
+    if cfg.scaler_port and serve_scaler is None:
+        logger.error(
+            "KEDA scaler unavailable; run with --scaler-port 0 to start the operator without it",
+            extra={"error": scaler_error},
+        )
+        return 2
+
+    registry = kopf.OperatorRegistry()
+    holder: dict[str, handlers.Context] = {}
+    handlers.register(registry, holder, cfg)
+
+    # A registry of our own carries none of kopf's default login handlers: the same two
+    # sources as kube.py (service account in a pod, else kubeconfig), in that order.
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = m.FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+            prefix="kopf.pdunit.dev"
+        )
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kopf.pdunit.dev", key="last-handled-configuration"
+        )
+        # Events are posted explicitly (kopf.info/warn) for every decision; kopf's own
+        # log lines ("timer succeeded" every tick) must not become Events.
+        settings.posting.level = logging.INFO
+        settings.posting.loggers = False
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 30
+
+    kube = await Kube.connect()
+    lb = LbApi(cfg.load_timeout_seconds)
+    holder["ctx"] = handlers.Context(cfg=cfg, kube=kube, lb=lb)
+    scaler = None
+    try:
+        if cfg.scaler_port:
+            scaler = ScalerThread(serve_scaler, cfg.scaler_port, logger)
+            try:
+                await asyncio.to_thread(scaler.start)
+            except RuntimeError as exc:
+                logger.error(f"{exc}; pick a free --scaler-port, or 0 to run without the scaler")
+                scaler = None
+                return 2
+            logger.info("KEDA external scaler serving", extra={"port": cfg.scaler_port})
+        liveness = f"http://0.0.0.0:{cfg.liveness_port}/healthz" if cfg.liveness_port else None
+        # kopf owns SIGTERM/SIGINT: it stops the watchers and waits for handlers.
+        await kopf.operator(
+            registry=registry,
+            standalone=True,
+            clusterwide=not cfg.namespaces,
+            namespaces=cfg.namespaces,
+            liveness_endpoint=liveness,
+        )
+    finally:
+        try:
+            if scaler is not None:
+                await asyncio.to_thread(scaler.stop)
+        finally:
+            await lb.close()
+            await kube.close()
+    logger.info("operator stopped")
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """kopf logs every timer run at INFO ("Timer ... succeeded") and attaches its whole
+    settings object to each record, httpx logs every /v1/load call: keep their warnings,
+    drop the per-tick chatter and the blob."""
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def drop_settings(record: logging.LogRecord) -> bool:
+        record.__dict__.pop("settings", None)
+        # kopf logs each retry of a TemporaryError at ERROR; the drain handler retries on
+        # purpose every tick until the unit is empty (its progress is logged by handlers.py).
+        return handlers.DRAIN_RETRY not in record.getMessage()
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(drop_settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(OperatorConfig, argv, "pdunit operator")
+    logger = setup_logging("operator", cfg.log_level)
+    _quiet_libraries()
+    log_config(logger, cfg)
+    serve_metrics(cfg.metrics_port)
+    return asyncio.run(run(cfg, logger))

@@ -1,0 +1,291 @@
+"""The PDUnit and PDUnitSet API (group pdunit.dev, version v1alpha1) as pydantic models.
+
+These models are the single source of the custom resources: `crdgen` turns them into
+the CRDs in crds/ (OpenAPI v3 structural schema, defaults, enums, CEL rules), and the
+operator validates what it reads from the apiserver with them (a stored object the
+models refuse becomes a status condition naming the field, never a crash).
+Field names are the camelCase names of the Kubernetes API (aliases); Python code may
+use either. This module holds no logic beyond validation and must never do I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "pdunit.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+UNIT_KIND, UNIT_PLURAL, UNIT_SHORT = "PDUnit", "pdunits", "pdu"
+SET_KIND, SET_PLURAL, SET_SHORT = "PDUnitSet", "pdunitsets", "pdus"
+
+# Labels other components select on (router, scaler, chart): keep these names stable.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_UNIT = f"{GROUP}/unit"
+LABEL_SET = f"{GROUP}/set"
+LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"
+ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
+# Test-only: the envtest suite runs every fake pod on 127.0.0.1, so each fake LB listens
+# on its own port and the stand-in kubelet writes it here. The operator honours it only
+# when started with --allow-lb-port-override (off by default, never on in the chart).
+ANNOTATION_LB_PORT_OVERRIDE = f"{GROUP}/lb-port-override"
+FINALIZER = f"{GROUP}/drain"
+
+TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
+Phase = Literal["Pending", "Starting", "Ready", "Draining", "Drained", "Failed"]
+Device = Literal["cuda", "cpu"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+Role = Literal["lb", "prefill", "decode", "proxy", "guard"]
+ROLES: tuple[str, ...] = ("lb", "prefill", "decode", "proxy", "guard")
+
+
+class _Api(BaseModel):
+    """camelCase on the wire, snake_case or camelCase in Python; unknown keys refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False
+    )
+
+
+class EnvVar(_Api):
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+        description="Environment variable name.",
+    )
+    value: str = Field(default="", max_length=32768, description="Literal value.")
+
+
+class Toleration(_Api):
+    key: str | None = Field(default=None, description="Taint key; empty with Exists = all.")
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, ge=0)
+
+
+Quantity = int | str
+
+
+class ContainerResources(_Api):
+    """Requests and limits of one container (Kubernetes quantities: 2, "500m", "4Gi")."""
+
+    requests: dict[str, Quantity] | None = Field(default=None, max_length=16)
+    limits: dict[str, Quantity] | None = Field(default=None, max_length=16)
+
+
+class RoleResources(_Api):
+    """Per-container resources. prefill and decode always get one `gpuResource` limit."""
+
+    lb: ContainerResources | None = None
+    prefill: ContainerResources | None = None
+    decode: ContainerResources | None = None
+    proxy: ContainerResources | None = None
+    guard: ContainerResources | None = None
+
+
+class RoleArgs(_Api):
+    """Extra command-line flags appended to one role's `pdunit <role>` command."""
+
+    lb: list[str] | None = Field(default=None, max_length=64)
+    prefill: list[str] | None = Field(default=None, max_length=64)
+    decode: list[str] | None = Field(default=None, max_length=64)
+    proxy: list[str] | None = Field(default=None, max_length=64)
+    guard: list[str] | None = Field(default=None, max_length=64)
+
+
+_MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
+
+
+class PDUnitSpec(_Api):
+    """One unit = one pod: LB + prefill (1 GPU) + decode (1 GPU) + sidecars."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.device == 'cuda' || self.transfer in ['host', 'tcp']",
+                    "message": "device cpu needs transfer host or tcp (the other modes move "
+                    "GPU memory)",
+                    "fieldPath": ".transfer",
+                }
+            ]
+        }
+    )
+
+    image: str = Field(min_length=1, max_length=1024, description="Unit image (engine + sidecars).")
+    image_pull_policy: PullPolicy = Field(default="IfNotPresent")
+    model: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="'random:<config>:<seed>' (deterministic random weights) or an absolute "
+        "path inside the image to a safetensors file + JSON config.",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": _MODEL_RULE,
+                    "message": "model must be 'random:<config>:<seed>' or an absolute path",
+                }
+            ]
+        },
+    )
+    gpu_resource: str = Field(
+        default="nvidia.com/gpu",
+        max_length=253,
+        pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$",
+        description="Extended resource name of one GPU; prefill and decode request 1 each.",
+    )
+    device: Device = Field(
+        default="cuda",
+        description="cuda: prefill and decode get one GPU each; cpu: no GPU requested "
+        "(kind/k3d end-to-end tests, demos).",
+    )
+    transfer: TransferMode = Field(
+        default="auto", description="KV transfer mode; auto probes fabric -> proxy -> tcp."
+    )
+    lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port.")
+    resources: RoleResources | None = None
+    drain_timeout_seconds: int = Field(
+        default=600,
+        ge=1,
+        le=86400,
+        description="Streams still in flight after this long are cut and the pod deleted.",
+    )
+    draining: bool = Field(
+        default=False, description="Stop taking streams, finish those in flight, then stop the pod."
+    )
+    node_selector: dict[str, str] | None = Field(default=None, max_length=64)
+    tolerations: list[Toleration] | None = Field(default=None, max_length=64)
+    env: list[EnvVar] | None = Field(default=None, max_length=128)
+    extra_args: RoleArgs | None = None
+
+
+class Condition(_Api):
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(default="", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str | None = None
+
+
+class DrainStatus(_Api):
+    """Progress of a drain, persisted so an operator restart resumes it."""
+
+    started_at: str | None = Field(default=None, description="RFC 3339 time the drain began.")
+    requested: bool | None = Field(
+        default=None, description="The LB accepted POST /v1/admin/drain."
+    )
+    empty_checks: int | None = Field(default=None, ge=0, description="Consecutive empty answers.")
+    first_empty_at: str | None = None
+    completed_at: str | None = Field(default=None, description="When the pod was deleted.")
+    forced: bool | None = None
+    streams_cut: int | None = Field(default=None, ge=0)
+
+
+class PDUnitStatus(_Api):
+    phase: Phase | None = None
+    pod_name: str | None = None
+    pod_ip: str | None = Field(default=None, alias="podIP")
+    lb_port: int | None = None
+    ready: bool | None = None
+    draining: bool | None = None
+    transfer_mode: str | None = None
+    in_flight: int | None = None
+    held_pages: int | None = None
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = None
+    message: str | None = None
+    drain: DrainStatus | None = None
+
+
+class TemplateMetadata(_Api):
+    labels: dict[str, str] | None = Field(
+        default=None,
+        max_length=64,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.all(k, !k.startsWith('pdunit.dev/'))",
+                    "message": "labels under pdunit.dev/ are set by the operator",
+                }
+            ]
+        },
+    )
+    annotations: dict[str, str] | None = Field(default=None, max_length=64)
+
+
+class UnitTemplate(_Api):
+    metadata: TemplateMetadata | None = None
+    spec: PDUnitSpec
+
+
+class RolloutStrategy(_Api):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.maxSurge > 0 || self.maxUnavailable > 0",
+                    "message": "maxSurge and maxUnavailable cannot both be 0: "
+                    "a rollout could never replace a unit",
+                }
+            ]
+        }
+    )
+
+    max_surge: int = Field(default=1, ge=0, le=1000, description="Extra units during a rollout.")
+    max_unavailable: int = Field(
+        default=0, ge=0, le=1000, description="Ready units a rollout may take below replicas."
+    )
+
+
+class PDUnitSetSpec(_Api):
+    replicas: int = Field(default=1, ge=0, le=10000, description="Number of units.")
+    template: UnitTemplate
+    # The apiserver validates a default as given (CEL included), so it is spelled out.
+    strategy: RolloutStrategy = Field(
+        default_factory=RolloutStrategy,
+        json_schema_extra={"default": {"maxSurge": 1, "maxUnavailable": 0}},
+    )
+
+
+class PDUnitSetStatus(_Api):
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    draining_replicas: int | None = None
+    selector: str | None = None
+    template_hash: str | None = None
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = None
+
+
+def validation_message(exc: Exception, prefix: str = "spec") -> str:
+    """One line per pydantic error, each naming the field as `spec.a.b`."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return str(exc)
+    parts = []
+    for err in errors():
+        loc = ".".join(str(p) for p in (prefix, *err.get("loc", ())))
+        parts.append(f"{loc}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+def unit_spec(spec: dict[str, Any]) -> PDUnitSpec:
+    """Validate and default a PDUnit spec read from the apiserver (raises ValidationError)."""
+    return PDUnitSpec.model_validate(spec)
+
+
+def set_spec(spec: dict[str, Any]) -> PDUnitSetSpec:
+    return PDUnitSetSpec.model_validate(spec)

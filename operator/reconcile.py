@@ -1,0 +1,845 @@
+"""Pure reconcile logic of the operator: (spec, observed state) -> manifests and actions.
+
+Everything here takes and returns plain dicts/dataclasses, exactly as the Kubernetes API
+serves them (camelCase), and never does I/O, never reads the clock (callers pass `now`)
+and never talks to kopf. handlers.py does the I/O around these functions; tests call
+them directly.
+
+- `desired_pod(unit)`: the pod of one PDUnit (LB, prefill, decode, native sidecars).
+- `unit_status(...)`: the PDUnit status from its pod and the LB's `/v1/load` answer.
+- `drain_step(...)`: the drain state machine of PROTOCOL.md section 5.
+- `plan_units(unitset, units)` / `pick_victims(units, n)`: scale-up, scale-down and
+  rolling replacement of a PDUnitSet's units.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pdunit.operator import models as m
+
+RUN_DIR = "/run/pdunit"
+PREFILL_SOCKET = f"{RUN_DIR}/prefill.sock"
+DECODE_SOCKET = f"{RUN_DIR}/decode.sock"
+PROXY_SOCKET = f"{RUN_DIR}/proxy.sock"
+# Pod UID/GID of every container. One shared non-root UID is what lets the proxy open
+# P's and D's CUDA IPC handles through the shared PID namespace (/proc/<pid> access
+# between processes of the same UID needs no capability).
+RUN_AS_USER = 10001
+# Seconds added to drainTimeoutSeconds for the grace period: the preStop drain may use
+# the whole drain timeout, then the processes still need time to exit on SIGTERM.
+GRACE_MARGIN_SECONDS = 30
+# Between the two independent empty checks of the preStop hook.
+PRESTOP_CHECK_INTERVAL_SECONDS = 2
+TRANSFERS_WITH_PROXY = ("proxy", "auto")
+
+# The preStop hook of lb, prefill and decode (stdlib only, so it works whatever the
+# `pdunit` CLI offers): POST /v1/admin/drain, then wait until /v1/load says `empty`
+# twice, PRESTOP_CHECK_INTERVAL_SECONDS apart, or the drain timeout passes. The kubelet
+# runs each container's preStop before sending it SIGTERM, so prefill and decode keep
+# serving the streams in flight while the LB finishes them; the sidecars are stopped
+# only after all three exited (native sidecar ordering). When the operator drained the
+# unit first, the hook returns after two quick empty answers.
+PRESTOP_DRAIN_SCRIPT = """\
+import json, sys, time, urllib.request as u
+port, timeout, gap = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+base = "http://127.0.0.1:%d" % port
+deadline = time.monotonic() + timeout
+def call(path, data=None):
+    req = u.Request(base + path, data=data, method="POST" if data else "GET",
+                    headers={"Content-Type": "application/json"})
+    with u.urlopen(req, timeout=2) as r:
+        return json.load(r)
+try:
+    call("/v1/admin/drain", b'{"draining": true}')
+except Exception as e:
+    print("preStop: drain request failed: %s" % e, file=sys.stderr)
+empties = 0
+while time.monotonic() < deadline:
+    try:
+        empties = empties + 1 if call("/v1/load").get("empty") else 0
+    except Exception:
+        empties = 0
+    if empties >= 2:
+        sys.exit(0)
+    time.sleep(gap)
+print("preStop: drain timeout, streams may be cut", file=sys.stderr)
+"""
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def iso(ts: datetime) -> str:
+    """RFC 3339, seconds (Kubernetes' convention for conditions)."""
+    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def iso_us(ts: datetime) -> str:
+    """RFC 3339 with microseconds: the drain's empty checks are compared sub-second."""
+    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _hash(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:10]
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    """Stable hash of a PDUnitSet template (labels + spec): a change starts a rollout."""
+    labels = (template.get("metadata") or {}).get("labels") or {}
+    return _hash({"labels": labels, "spec": template.get("spec") or {}})
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    """Hash of the pod-shaping part of a PDUnit spec (`draining` does not reshape the pod)."""
+    return _hash({k: v for k, v in spec.items() if k != "draining"})
+
+
+def _meta(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, str]:
+    return _meta(obj).get("labels") or {}
+
+
+def _status(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj.get("status") or {}
+
+
+# ------------------------------------------------------------------------- the pod
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _resources(spec: dict[str, Any], role: str, gpu: bool) -> dict[str, Any]:
+    given = ((spec.get("resources") or {}).get(role)) or {}
+    out: dict[str, Any] = {}
+    for key in ("requests", "limits"):
+        if given.get(key):
+            out[key] = {k: v for k, v in given[key].items()}
+    if gpu:
+        # Exactly one GPU per engine container is the unit's contract; a user value for
+        # the GPU resource is overridden rather than silently doubled.
+        gpu_name = spec.get("gpuResource", "nvidia.com/gpu")
+        out.setdefault("limits", {})[gpu_name] = 1
+        if "requests" in out:
+            out["requests"][gpu_name] = 1
+    return out
+
+
+def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "PDUNIT_UNIT", "value": unit_name},
+        {"name": "PDUNIT_ROLE", "value": role},
+        # Read-only root filesystem: every cache (torch, triton, pip) goes to /tmp.
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "PDUNIT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "PDUNIT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    if role == "proxy":
+        # No GPU is requested, yet the proxy must see every GPU to open P's and D's
+        # memory in one context (NVIDIA container runtime honours this env variable).
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+    # User env last: it may override ours on purpose (e.g. HOME), never the reverse.
+    seen = {e["name"]: i for i, e in enumerate(env)}
+    for item in spec.get("env") or []:
+        entry = {"name": item["name"], "value": item.get("value", "")}
+        if item["name"] in seen:
+            env[seen[item["name"]]] = entry
+        else:
+            env.append(entry)
+    return env
+
+
+def _mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "run", "mountPath": RUN_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+
+
+def _pre_stop(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "exec": {
+            "command": [
+                "python3",
+                "-c",
+                PRESTOP_DRAIN_SCRIPT,
+                str(spec["lbPort"]),
+                str(spec["drainTimeoutSeconds"]),
+                str(PRESTOP_CHECK_INTERVAL_SECONDS),
+            ]
+        }
+    }
+
+
+def role_command(spec: dict[str, Any], role: str) -> list[str]:
+    """The `pdunit <role>` command line of one container (the real CLI)."""
+    port = str(spec["lbPort"])
+    transfer = spec["transfer"]
+    if role == "lb":
+        cmd = [
+            "pdunit",
+            "lb",
+            "--prefill-socket",
+            PREFILL_SOCKET,
+            "--decode-socket",
+            DECODE_SOCKET,
+            "--port",
+            port,
+        ]
+    elif role == "prefill":
+        cmd = [
+            "pdunit",
+            "prefill",
+            "--socket",
+            PREFILL_SOCKET,
+            "--decode-socket",
+            DECODE_SOCKET,
+            "--model",
+            spec["model"],
+            "--transfer",
+            transfer,
+            "--device",
+            spec["device"],
+        ]
+    elif role == "decode":
+        cmd = [
+            "pdunit",
+            "decode",
+            "--socket",
+            DECODE_SOCKET,
+            "--prefill-socket",
+            PREFILL_SOCKET,
+            "--model",
+            spec["model"],
+            "--transfer",
+            transfer,
+            "--device",
+            spec["device"],
+        ]
+    elif role == "proxy":
+        cmd = ["pdunit", "proxy", "--socket", PROXY_SOCKET]
+    elif role == "guard":
+        cmd = [
+            "pdunit",
+            "guard",
+            "--prefill-socket",
+            PREFILL_SOCKET,
+            "--decode-socket",
+            DECODE_SOCKET,
+        ]
+    else:
+        raise ValueError(f"unknown role {role!r}; expected one of {m.ROLES}")
+    return cmd + list(((spec.get("extraArgs") or {}).get(role)) or [])
+
+
+def _container(unit_name: str, spec: dict[str, Any], role: str, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": spec["image"],
+        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "command": role_command(spec, role),
+        "env": _env(unit_name, spec, role),
+        "resources": _resources(
+            spec, role, gpu=role in ("prefill", "decode") and spec["device"] == "cuda"
+        ),
+        "volumeMounts": _mounts(),
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def unit_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec with the CRD defaults applied (objects from the API already have them)."""
+    return m.PDUnitSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
+
+
+def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
+    """The Pod manifest of one PDUnit. Raises pydantic.ValidationError on a bad spec."""
+    meta = _meta(unit)
+    name = meta["name"]
+    spec = unit_defaults(unit.get("spec") or {})
+    port = spec["lbPort"]
+
+    labels = {k: v for k, v in _labels(unit).items() if k != m.LABEL_TEMPLATE_HASH}
+    labels.update(
+        {
+            m.LABEL_NAME: "pdunit",
+            m.LABEL_COMPONENT: "unit",
+            m.LABEL_MANAGED_BY: "pdunit-operator",
+            m.LABEL_UNIT: name,
+        }
+    )
+    if m.LABEL_SET in _labels(unit):
+        labels[m.LABEL_SET] = _labels(unit)[m.LABEL_SET]
+
+    lb = _container(name, spec, "lb", "lb")
+    lb["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    lb["readinessProbe"] = {
+        "httpGet": {"path": "/readyz", "port": port},
+        "periodSeconds": 2,
+        "timeoutSeconds": 1,
+        "failureThreshold": 1,
+        "successThreshold": 1,
+    }
+    lb["livenessProbe"] = {
+        "httpGet": {"path": "/healthz", "port": port},
+        "periodSeconds": 10,
+        "timeoutSeconds": 2,
+        "failureThreshold": 3,
+    }
+    containers = [lb]
+    for role in ("prefill", "decode"):
+        containers.append(_container(name, spec, role, role))
+    for c in containers:
+        c["lifecycle"] = {"preStop": _pre_stop(spec)}
+
+    sidecars = []
+    if spec["transfer"] in TRANSFERS_WITH_PROXY:
+        proxy = _container(name, spec, "proxy", "nvlink-proxy")
+        # Native sidecar: started before prefill/decode, which start only once the
+        # startup probe sees the proxy's socket, and stopped after them.
+        proxy["restartPolicy"] = "Always"
+        proxy["startupProbe"] = {
+            "exec": {
+                "command": [
+                    "python3",
+                    "-c",
+                    f"import os,sys; sys.exit(not os.path.exists({PROXY_SOCKET!r}))",
+                ]
+            },
+            "periodSeconds": 1,
+            "failureThreshold": 120,
+        }
+        sidecars.append(proxy)
+    guard = _container(name, spec, "guard", "quiesce-guard")
+    guard["restartPolicy"] = "Always"
+    sidecars.append(guard)
+
+    pod_spec: dict[str, Any] = {
+        "initContainers": sidecars,
+        "containers": containers,
+        # Measured: a proxy in a PID namespace of its own cannot open the other
+        # containers' CUDA IPC handles.
+        "shareProcessNamespace": True,
+        "terminationGracePeriodSeconds": spec["drainTimeoutSeconds"] + GRACE_MARGIN_SECONDS,
+        "restartPolicy": "Always",
+        # Unit pods never talk to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumes": [
+            {"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        ],
+    }
+    if spec.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(spec["nodeSelector"])
+    if spec.get("tolerations"):
+        pod_spec["tolerations"] = [dict(t) for t in spec["tolerations"]]
+
+    owner = {
+        "apiVersion": m.API_VERSION,
+        "kind": m.UNIT_KIND,
+        "name": name,
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": meta.get("namespace"),
+            "labels": labels,
+            "annotations": {m.ANNOTATION_SPEC_HASH: spec_hash(spec)},
+            "ownerReferences": [owner],
+        },
+        "spec": pod_spec,
+    }
+
+
+# ------------------------------------------------------------------ observed status
+
+
+def pod_ready(pod: dict[str, Any] | None) -> bool:
+    if not pod:
+        return False
+    for cond in _status(pod).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+def pod_running(pod: dict[str, Any] | None) -> bool:
+    """Whether the pod's containers may hold streams (only a Running pod can)."""
+    return bool(pod) and _status(pod).get("phase") == "Running"  # type: ignore[arg-type]
+
+
+def pod_problem(pod: dict[str, Any]) -> str | None:
+    """The first waiting/terminated reason of any container, or why it is unschedulable."""
+    status = _status(pod)
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(key) or []:
+            state = cs.get("state") or {}
+            waiting = state.get("waiting") or {}
+            if waiting.get("reason") and waiting["reason"] not in (
+                "ContainerCreating",
+                "PodInitializing",
+            ):
+                return f"container {cs.get('name')}: {waiting['reason']}: {waiting.get('message', '')}".strip()
+            term = state.get("terminated") or {}
+            if term and term.get("exitCode", 0) != 0:
+                return f"container {cs.get('name')} exited {term.get('exitCode')}: {term.get('reason', '')}"
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"unschedulable: {cond.get('message', cond.get('reason', ''))}"
+    return None
+
+
+def lb_port(unit_spec: dict[str, Any], pod: dict[str, Any] | None, allow_override: bool) -> int:
+    """The LB port to reach: spec.lbPort, or the test-only pod annotation when allowed."""
+    port = int(unit_spec.get("lbPort", 8000))
+    if allow_override and pod:
+        raw = (_meta(pod).get("annotations") or {}).get(m.ANNOTATION_LB_PORT_OVERRIDE)
+        if raw and raw.isdigit() and 0 < int(raw) < 65536:
+            port = int(raw)
+    return port
+
+
+def set_condition(
+    conditions: list[dict[str, Any]] | None,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """Upsert one condition; lastTransitionTime changes only when the status flips."""
+    out = [dict(c) for c in conditions or []]
+    value = "True" if status else "False"
+    for cond in out:
+        if cond.get("type") == type_:
+            if cond.get("status") != value:
+                cond["lastTransitionTime"] = iso(now)
+            cond.update(status=value, reason=reason, message=message)
+            return out
+    out.append(
+        {
+            "type": type_,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": iso(now),
+        }
+    )
+    return out
+
+
+def unit_status(
+    unit: dict[str, Any],
+    pod: dict[str, Any] | None,
+    load: dict[str, Any] | None,
+    load_error: str | None,
+    now: datetime,
+    *,
+    port: int,
+    drain: dict[str, Any] | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
+    """The PDUnit status from its pod and the LB's `/v1/load` (None when unreachable)."""
+    spec = unit.get("spec") or {}
+    old = _status(unit)
+    conditions = old.get("conditions")
+    draining = bool(spec.get("draining")) or deleting
+    status: dict[str, Any] = {
+        "observedGeneration": _meta(unit).get("generation"),
+        "podName": _meta(pod)["name"] if pod else None,
+        "podIP": _status(pod).get("podIP") if pod else None,
+        "lbPort": port,
+        "draining": draining or bool(load and load.get("draining")),
+        "transferMode": (load or {}).get("transfer_mode") or old.get("transferMode"),
+        "inFlight": int((load or {}).get("streams_in_flight", 0))
+        if load
+        else (old.get("inFlight") if pod else 0),
+        "heldPages": int((load or {}).get("held_pages", 0))
+        if load
+        else (old.get("heldPages") if pod else 0),
+        "drain": drain,
+    }
+    problem = pod_problem(pod) if pod else None
+    lb_ready = bool(load and load.get("ready")) and not status["draining"]
+    ready = pod_ready(pod) and lb_ready
+
+    if draining:
+        done = bool(drain and drain.get("completedAt")) and pod is None
+        phase = "Drained" if done else "Draining"
+        message = "drained: pod deleted" if done else "draining: waiting for streams to finish"
+        if drain and drain.get("forced"):
+            message += f" (forced after timeout, {drain.get('streamsCut', 0)} streams cut)"
+    elif pod is None:
+        phase, message = "Pending", "creating the pod"
+    elif _status(pod).get("phase") in ("Failed", "Succeeded"):
+        phase, message = (
+            "Failed",
+            f"pod {_status(pod).get('phase')}: {problem or _status(pod).get('reason', '')}",
+        )
+    elif _status(pod).get("phase") != "Running":
+        phase, message = "Pending", problem or "pod pending"
+    elif ready:
+        phase, message = "Ready", "serving"
+    else:
+        phase = "Starting"
+        if problem:
+            message = problem
+        elif load_error:
+            message = f"LB /v1/load unreachable: {load_error}"
+        elif load is not None and not load.get("ready"):
+            message = "LB reports not ready (prefill/decode starting)"
+        else:
+            message = "waiting for pod readiness"
+    status["phase"] = phase
+    status["ready"] = ready and phase == "Ready"
+    status["message"] = message
+    conditions = set_condition(conditions, "SpecValid", True, "Valid", "", now)
+    conditions = set_condition(conditions, "Reconciled", True, "Reconciled", "", now)
+    conditions = set_condition(conditions, "Ready", status["ready"], phase, message, now)
+    reachable = load is not None
+    conditions = set_condition(
+        conditions,
+        "LoadReachable",
+        reachable,
+        "Reachable" if reachable else ("NoPod" if not pod_running(pod) else "Unreachable"),
+        "" if reachable else (load_error or "pod not running"),
+        now,
+    )
+    status["conditions"] = conditions
+    return status
+
+
+def invalid_status(unit: dict[str, Any], message: str, now: datetime) -> dict[str, Any]:
+    """Status of a unit whose spec the operator cannot use: Failed, naming the field."""
+    conditions = set_condition(
+        _status(unit).get("conditions"), "SpecValid", False, "InvalidSpec", message, now
+    )
+    return {
+        "phase": "Failed",
+        "ready": False,
+        "message": f"invalid spec: {message}",
+        "observedGeneration": _meta(unit).get("generation"),
+        "conditions": conditions,
+    }
+
+
+# ------------------------------------------------------------------------ the drain
+
+
+@dataclass
+class DrainStep:
+    """What to do next for a draining unit.
+
+    action: "wait" (check again later), "delete" (clean: two empty checks, or no pod
+    that could hold streams), "force" (drain timeout passed; `streams_cut` streams die).
+    """
+
+    state: dict[str, Any]
+    action: str
+    request_drain: bool
+    streams_cut: int = 0
+    reason: str = ""
+
+
+def drain_step(
+    state: dict[str, Any] | None,
+    *,
+    now: datetime,
+    load: dict[str, Any] | None,
+    pod_may_hold_streams: bool,
+    timeout_s: float,
+    check_interval_s: float,
+    last_in_flight: int = 0,
+) -> DrainStep:
+    """One tick of the unit drain (PROTOCOL.md section 5).
+
+    Two *independent* empty answers, at least `check_interval_s` apart, with no
+    non-empty answer between them, prove the unit idle. An unreachable LB proves
+    nothing (the checks restart). After `timeout_s` the pod is deleted anyway and the
+    streams still in flight are counted as cut.
+    """
+    st = dict(state or {})
+    started = parse_time(st.get("startedAt")) or now
+    st["startedAt"] = iso_us(started)
+    request = not st.get("requested")
+    if not pod_may_hold_streams:
+        st.update(emptyChecks=0, firstEmptyAt=None)
+        return DrainStep(
+            st, "delete", request_drain=False, reason="no running pod: nothing in flight"
+        )
+
+    if load is not None and load.get("empty") is True:
+        first = parse_time(st.get("firstEmptyAt"))
+        if not st.get("emptyChecks") or first is None:
+            st.update(emptyChecks=1, firstEmptyAt=iso_us(now))
+            return DrainStep(st, "wait", request, reason="first empty check")
+        if (now - first).total_seconds() >= check_interval_s:
+            st["emptyChecks"] = 2
+            return DrainStep(st, "delete", request, reason="two empty checks")
+        return DrainStep(st, "wait", request, reason="second empty check not due yet")
+
+    st.update(emptyChecks=0, firstEmptyAt=None)
+    if (now - started).total_seconds() >= timeout_s:
+        cut = int(load.get("streams_in_flight", 0)) if load else int(last_in_flight or 0)
+        st.update(forced=True, streamsCut=cut)
+        return DrainStep(st, "force", request, streams_cut=cut, reason="drain timeout")
+    why = (
+        "LB unreachable"
+        if load is None
+        else f"{load.get('streams_in_flight', '?')} streams in flight"
+    )
+    return DrainStep(st, "wait", request, reason=why)
+
+
+# -------------------------------------------------------------------- the unit set
+
+
+@dataclass
+class Action:
+    """One decision of the set controller. kind: create | drain | undrain | delete."""
+
+    kind: str
+    unit: str | None = None
+    template_hash: str | None = None
+    reason: str = ""
+
+
+@dataclass
+class Plan:
+    actions: list[Action] = field(default_factory=list)
+    template_hash: str = ""
+
+    def kinds(self) -> list[str]:
+        return [a.kind for a in self.actions]
+
+
+def unit_is_ready(unit: dict[str, Any]) -> bool:
+    return bool(_status(unit).get("ready")) and _status(unit).get("phase") == "Ready"
+
+
+def unit_in_flight(unit: dict[str, Any]) -> int:
+    return int(_status(unit).get("inFlight") or 0)
+
+
+def unit_deleting(unit: dict[str, Any]) -> bool:
+    return bool(_meta(unit).get("deletionTimestamp"))
+
+
+def unit_draining(unit: dict[str, Any]) -> bool:
+    return bool((unit.get("spec") or {}).get("draining"))
+
+
+def unit_drained(unit: dict[str, Any]) -> bool:
+    return _status(unit).get("phase") == "Drained"
+
+
+def pick_victims(units: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The n units to remove first: not-ready first, then fewest streams in flight,
+    then the newest (least warm cache), then by name for a stable order."""
+    if n <= 0:
+        return []
+
+    def key(u: dict[str, Any]) -> tuple[int, int, float, str]:
+        created = parse_time(_meta(u).get("creationTimestamp"))
+        age_key = -created.timestamp() if created else 0.0
+        return (1 if unit_is_ready(u) else 0, unit_in_flight(u), age_key, _meta(u).get("name", ""))
+
+    return sorted(units, key=key)[:n]
+
+
+def plan_units(unitset: dict[str, Any], units: list[dict[str, Any]]) -> Plan:
+    """Actions that move the set's units toward spec (one step; call again next tick).
+
+    - Drained units are deleted; units being deleted are left to their finalizer.
+    - Units of the current template hash are "new", others "old".
+    - Missing new units: reclaim draining new units first (undrain), then create; while
+      old units remain, creations are capped so that all units (draining included)
+      stay within replicas + maxSurge.
+    - Removal (drain) of old units, then of new units beyond replicas: not-ready units
+      always may go; a ready unit only while the ready count stays >= replicas -
+      maxUnavailable. So a rollout surges, waits for the new unit to be Ready, drains
+      one old unit, and repeats; a scale-down drains the excess at once.
+    """
+    spec = unitset.get("spec") or {}
+    replicas = int(spec.get("replicas", 1))
+    strategy = spec.get("strategy") or {}
+    max_surge = int(strategy.get("maxSurge", 1))
+    max_unavailable = int(strategy.get("maxUnavailable", 0))
+    current = template_hash(spec.get("template") or {})
+    plan = Plan(template_hash=current)
+
+    active: list[dict[str, Any]] = []
+    draining: list[dict[str, Any]] = []
+    for u in units:
+        name = _meta(u).get("name")
+        if unit_deleting(u):
+            draining.append(u)
+        elif unit_drained(u):
+            plan.actions.append(Action("delete", unit=name, reason="drained"))
+        elif unit_draining(u):
+            draining.append(u)
+        else:
+            active.append(u)
+    new = [u for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) == current]
+    old = [u for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) != current]
+
+    missing = replicas - len(new)
+    if missing > 0:
+        reclaimable = [
+            u
+            for u in draining
+            if not unit_deleting(u) and _labels(u).get(m.LABEL_TEMPLATE_HASH) == current
+        ]
+        for u in reclaimable[:missing]:
+            plan.actions.append(
+                Action(
+                    "undrain",
+                    unit=_meta(u)["name"],
+                    reason=f"scale-up to {replicas}: reuse a draining unit",
+                )
+            )
+            active.append(u)
+            draining.remove(u)
+            missing -= 1
+        creates = missing
+        if old:
+            total = len(active) + len(draining)
+            creates = min(missing, replicas + max_surge - total)
+        for _ in range(max(0, creates)):
+            why = f"rollout to template {current}" if old else f"scale-up to {replicas}"
+            plan.actions.append(Action("create", template_hash=current, reason=why))
+
+    ready_count = sum(1 for u in active if unit_is_ready(u))
+    budget = ready_count - (replicas - max_unavailable)
+    removals: list[tuple[dict[str, Any], str]] = []
+    for u in pick_victims(old, len(old)):
+        if not unit_is_ready(u):
+            removals.append((u, "rollout: replace a not-ready unit of an old template"))
+        elif budget > 0:
+            budget -= 1
+            removals.append((u, f"rollout: replaced by template {current}"))
+    excess = len(new) - replicas
+    for u in pick_victims(new, max(0, excess)):
+        if not unit_is_ready(u):
+            removals.append((u, f"scale-down to {replicas}: not ready"))
+        elif budget > 0:
+            budget -= 1
+            removals.append((u, f"scale-down to {replicas}: {unit_in_flight(u)} streams in flight"))
+    for u, why in removals:
+        plan.actions.append(Action("drain", unit=_meta(u)["name"], reason=why))
+    return plan
+
+
+def set_status(
+    unitset: dict[str, Any], units: list[dict[str, Any]], now: datetime
+) -> dict[str, Any]:
+    """PDUnitSet status: counts over its units, the /scale selector, conditions."""
+    spec = unitset.get("spec") or {}
+    replicas = int(spec.get("replicas", 1))
+    max_unavailable = int((spec.get("strategy") or {}).get("maxUnavailable", 0))
+    current = template_hash(spec.get("template") or {})
+    active = [u for u in units if not (unit_deleting(u) or unit_draining(u) or unit_drained(u))]
+    ready = sum(1 for u in active if unit_is_ready(u))
+    updated = sum(1 for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) == current)
+    name = _meta(unitset)["name"]
+    conditions = _status(unitset).get("conditions")
+    available = ready >= replicas - max_unavailable
+    conditions = set_condition(
+        conditions,
+        "Available",
+        available,
+        "MinimumUnitsReady" if available else "TooFewReadyUnits",
+        f"{ready}/{replicas} units ready",
+        now,
+    )
+    progressing = updated < replicas or len(active) != replicas or ready < replicas
+    conditions = set_condition(
+        conditions,
+        "Progressing",
+        progressing,
+        "Reconciling" if progressing else "Complete",
+        f"{updated} updated, {len(active)} current, {ready} ready of {replicas}",
+        now,
+    )
+    conditions = set_condition(conditions, "SpecValid", True, "Valid", "", now)
+    conditions = set_condition(conditions, "Reconciled", True, "Reconciled", "", now)
+    return {
+        "replicas": len(active),
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "drainingReplicas": len(units) - len(active),
+        "selector": f"{m.LABEL_SET}={name}",
+        "templateHash": current,
+        "observedGeneration": _meta(unitset).get("generation"),
+        "conditions": conditions,
+    }
+
+
+def new_unit(unitset: dict[str, Any], thash: str) -> dict[str, Any]:
+    """A PDUnit manifest for the set's current template (name from generateName)."""
+    meta = _meta(unitset)
+    template = (unitset.get("spec") or {}).get("template") or {}
+    tmeta = template.get("metadata") or {}
+    labels = dict(tmeta.get("labels") or {})
+    labels.update({m.LABEL_SET: meta["name"], m.LABEL_TEMPLATE_HASH: thash})
+    spec = dict(template.get("spec") or {})
+    spec["draining"] = False
+    return {
+        "apiVersion": m.API_VERSION,
+        "kind": m.UNIT_KIND,
+        "metadata": {
+            "generateName": f"{meta['name']}-{thash[:5]}-",
+            "namespace": meta.get("namespace"),
+            "labels": labels,
+            "annotations": dict(tmeta.get("annotations") or {}),
+            "ownerReferences": [
+                {
+                    "apiVersion": m.API_VERSION,
+                    "kind": m.SET_KIND,
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": spec,
+    }

@@ -1,0 +1,1 @@
+"""nvlink-proxy sidecar: the in-pod KV copy service (`pdunit proxy`)."""

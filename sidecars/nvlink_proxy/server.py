@@ -1,0 +1,335 @@
+"""The nvlink-proxy gRPC service: registration, copy jobs, batch quiesce, drain check.
+
+Owns the request-level job bookkeeping (which request ids have a job running, which
+are cancelled) and the translation of every failure into a gRPC status whose message
+names the field and the fix. Authentication: a peer first connects to the auth socket
+(`<socket>.auth`); the proxy reads its SO_PEERCRED, checks the allow-list and hands out
+a session token; every RPC must carry it in metadata `x-pdunit-session`. gRPC itself
+cannot report a unix peer's credentials, hence the separate handshake.
+
+Quiesce (PROTOCOL.md 3.5): `Quiesce(ids, cancel=true)` marks the ids cancelled BEFORE
+looking at running jobs, under one lock with job admission, so after a reply of
+`quiesced=true` no job of those ids runs or can start. A job already past admission
+runs to completion (a launched kernel cannot be recalled); the reply then says which
+ids still run, and the caller asks again.
+
+Must never copy a row of a job that regions.RegionTable.job() did not accept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
+from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
+from pdunit.sidecars.nvlink_proxy.regions import (
+    AllowList,
+    JobRejected,
+    PeerCreds,
+    Region,
+    RegionTable,
+    Sessions,
+    peer_creds,
+)
+from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger("pdunit.proxy")
+
+SESSION_KEY = "x-pdunit-session"
+
+JOBS = Counter("pdunit_proxy_jobs_total", "Copy jobs by method and outcome", ["method", "outcome"])
+BYTES = Counter("pdunit_proxy_copied_bytes_total", "Bytes copied by completed jobs", ["method"])
+JOB_SECONDS = Histogram(
+    "pdunit_proxy_job_seconds", "Device time of a copy job (launch to completion)", ["method"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.0),
+)
+ERRORS = Counter("pdunit_proxy_errors_total", "Refused or failed requests by kind", ["kind"])
+REGIONS = Gauge("pdunit_proxy_regions", "Registered regions")
+RUNNING = Gauge("pdunit_proxy_jobs_running", "Copy jobs running now")
+FALLBACKS = Counter("pdunit_proxy_staged_fallback_total",
+                    "Jobs that ran staged because the single kernel could not run")
+AUTH = Counter("pdunit_proxy_auth_total", "Auth handshakes by outcome", ["outcome"])
+
+
+class JobTracker:
+    """Per-request running-job counts and the cancelled set, under one lock."""
+
+    def __init__(self, cancel_retention_s: float) -> None:
+        self._cond = threading.Condition()
+        self._running: dict[int, int] = {}
+        self._cancelled: OrderedDict[int, float] = OrderedDict()
+        self.retention_s = cancel_retention_s
+
+    def _prune(self, now: float) -> None:
+        while self._cancelled:
+            rid, at = next(iter(self._cancelled.items()))
+            if now - at < self.retention_s:
+                break
+            self._cancelled.popitem(last=False)
+
+    def start(self, request_id: int) -> None:
+        with self._cond:
+            self._prune(time.monotonic())
+            if request_id in self._cancelled:
+                raise JobRejected("FAILED_PRECONDITION",
+                                  f"request {request_id} was cancelled (quiesced): job refused")
+            self._running[request_id] = self._running.get(request_id, 0) + 1
+            RUNNING.inc()
+
+    def finish(self, request_id: int) -> None:
+        with self._cond:
+            left = self._running[request_id] - 1
+            if left:
+                self._running[request_id] = left
+            else:
+                del self._running[request_id]
+            RUNNING.dec()
+            self._cond.notify_all()
+
+    def quiesce(self, ids: list[int], cancel: bool, wait_s: float) -> list[int]:
+        """Cancel (optionally) and return the ids that still have a running job."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        with self._cond:
+            if cancel:
+                now = time.monotonic()
+                for rid in ids:
+                    self._cancelled[rid] = now
+                    self._cancelled.move_to_end(rid)
+            while True:
+                running = [rid for rid in ids if rid in self._running]
+                left = deadline - time.monotonic()
+                if not running or left <= 0:
+                    return running
+                self._cond.wait(left)
+
+    def running(self) -> list[int]:
+        with self._cond:
+            return list(self._running)
+
+
+def _ids(raw: bytes) -> list[int]:
+    if len(raw) % 8:
+        raise JobRejected("INVALID_ARGUMENT", f"request_ids has {len(raw)} bytes, not packed uint64")
+    return [int(x) for x in np.frombuffer(raw, dtype="<u8")]
+
+
+def _pack(ids: list[int]) -> bytes:
+    return np.asarray(ids, dtype="<u8").tobytes()
+
+
+class ProxyService(pb_grpc.NvlinkProxyServicer):
+    def __init__(self, backends: dict[str, Any], allow: AllowList, cancel_retention_s: float) -> None:
+        self.instance_id = uuid.uuid4().hex
+        self.backends = backends
+        self.allow = allow
+        self.regions = RegionTable()
+        self.sessions = Sessions()
+        self.jobs = JobTracker(cancel_retention_s)
+
+    # ------------------------------------------------------------ helpers
+    def _peer(self, context: grpc.ServicerContext) -> PeerCreds:
+        token = dict(context.invocation_metadata()).get(SESSION_KEY, "")
+        creds = self.sessions.lookup(token) if token else None
+        if creds is None:
+            ERRORS.labels("permission").inc()
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "no valid session: connect to the auth socket first (SO_PEERCRED "
+                          "allow-list) and send the token in metadata x-pdunit-session")
+        assert creds is not None
+        return creds
+
+    def _backend(self, region: Region) -> Any:
+        key = "cuda" if region.is_cuda else "host"
+        backend = self.backends.get(key)
+        if backend is None:
+            raise JobRejected("FAILED_PRECONDITION",
+                              f"region {region.name!r} needs the {key} backend, which this proxy "
+                              f"has not started (backends: {sorted(self.backends)})")
+        return backend
+
+    @staticmethod
+    def _fail(context: grpc.ServicerContext, exc: JobRejected, kind: str) -> None:
+        ERRORS.labels(kind).inc()
+        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+
+    # ------------------------------------------------------------ RPCs
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        creds = self._peer(context)
+        try:
+            region = self.regions.add(request, creds)
+            try:
+                self._backend(region).prepare(region)
+            except Exception:
+                self.regions.remove(region.region_id, creds)
+                raise
+        except JobRejected as e:
+            self._fail(context, e, "register")
+        REGIONS.set(len(self.regions.all()))
+        log.info("region registered", extra={
+            "region_id": region.region_id, "region_name": region.name,
+            "kind": pb.RegionKind.Name(region.kind), "gpu_uuid": region.gpu_uuid,
+            "layout": list(region.layout.shape()), "dtype": region.layout.dtype,
+            "peer_pid": creds.pid, "peer_uid": creds.uid})
+        return pb.RegisterReply(region_id=region.region_id)
+
+    def Unregister(self, request: pb.UnregisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        creds = self._peer(context)
+        try:
+            region = self.regions.remove(request.region_id, creds)
+        except JobRejected as e:
+            self._fail(context, e, "unregister")
+        self._backend(region).release(region)
+        REGIONS.set(len(self.regions.all()))
+        log.info("region unregistered", extra={"region_id": region.region_id, "region_name": region.name})
+        return pb.Empty()
+
+    def Copy(self, request: pb.CopyRequest, context: grpc.ServicerContext) -> pb.CopyReply:
+        self._peer(context)
+        try:
+            job = self.regions.job(request)
+            if request.deadline_unix_ms and time.time() * 1000 > request.deadline_unix_ms:
+                raise JobRejected("DEADLINE_EXCEEDED",
+                                  f"request {job.request_id}: deadline passed "
+                                  f"{time.time() * 1000 - request.deadline_unix_ms:.0f} ms ago; nothing copied")
+            backend = self._backend(job.src)
+        except JobRejected as e:
+            self._fail(context, e, e.code.lower())
+        try:
+            self.jobs.start(job.request_id)
+        except JobRejected as e:
+            self._fail(context, e, "cancelled")
+        try:
+            fallbacks_before = getattr(backend, "fallbacks", 0)
+            method, seconds = backend.copy(job, request.method)
+            if getattr(backend, "fallbacks", 0) != fallbacks_before:
+                FALLBACKS.inc()
+            reply = pb.CopyReply(method=method, bytes=job.nbytes, device_seconds=seconds)
+            if request.verify:
+                reply.src_checksum = backend.checksum(job.src, job.src_slots)
+                reply.dst_checksum = backend.checksum(job.dst, job.dst_slots)
+        except JobRejected as e:
+            JOBS.labels("none", "rejected").inc()
+            self._fail(context, e, e.code.lower())
+        except Exception as e:  # a driver error: report it verbatim, the job failed
+            JOBS.labels("none", "failed").inc()
+            ERRORS.labels("copy_failed").inc()
+            log.error("copy job failed", extra={"request_id": job.request_id, "error": str(e),
+                                                "src": job.src.name, "dst": job.dst.name})
+            context.abort(grpc.StatusCode.INTERNAL, f"request {job.request_id}: copy failed: {e}")
+        finally:
+            self.jobs.finish(job.request_id)
+        JOBS.labels(method, "ok").inc()
+        BYTES.labels(method).inc(job.nbytes)
+        JOB_SECONDS.labels(method).observe(seconds)
+        return reply
+
+    def Quiesce(self, request: pb.QuiesceRequest, context: grpc.ServicerContext) -> pb.QuiesceReply:
+        self._peer(context)
+        try:
+            ids = _ids(request.request_ids)
+        except JobRejected as e:
+            self._fail(context, e, "invalid_argument")
+        running = self.jobs.quiesce(ids, request.cancel, request.wait_ms / 1000.0)
+        return pb.QuiesceReply(quiesced=not running, running=_pack(running))
+
+    def InFlight(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.InFlightReply:
+        self._peer(context)
+        running = self.jobs.running()
+        return pb.InFlightReply(request_ids=_pack(running), jobs_running=len(running))
+
+    def Info(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.InfoReply:
+        self._peer(context)
+        cuda = self.backends.get("cuda")
+        return pb.InfoReply(
+            instance_id=self.instance_id,
+            regions=[pb.RegionInfo(region_id=r.region_id, name=r.name, kind=r.kind,
+                                   layout=r.layout.to_pb(), gpu_uuid=r.gpu_uuid, owner_pid=r.owner.pid)
+                     for r in self.regions.all()],
+            gpu_uuids=sorted(cuda.devices) if cuda is not None else [],
+            version="1",
+        )
+
+    def close(self) -> None:
+        for region in self.regions.all():
+            try:
+                self._backend(region).release(region)
+            except Exception as e:  # shutting down: report, continue with the others
+                log.warning("release failed", extra={"region_id": region.region_id, "error": str(e)})
+
+
+class AuthListener:
+    """The auth socket: SO_PEERCRED -> allow-list -> session token (one JSON line)."""
+
+    def __init__(self, path: str, service: ProxyService) -> None:
+        self.path = path
+        self.service = service
+        if os.path.exists(path):
+            os.unlink(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        os.chmod(path, 0o666)  # the allow-list, not file modes, decides who is admitted
+        self.sock.listen(64)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="proxy-auth", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                creds = peer_creds(conn)
+                reason = self.service.allow.check(creds)
+                if reason is None:
+                    token = self.service.sessions.issue(creds)
+                    answer = {"token": token, "instance_id": self.service.instance_id,
+                              "pid_seen": creds.pid}
+                    AUTH.labels("allowed").inc()
+                    log.info("peer admitted", extra={"peer_pid": creds.pid, "peer_uid": creds.uid})
+                else:
+                    answer = {"error": reason}
+                    AUTH.labels("denied").inc()
+                    ERRORS.labels("permission").inc()
+                    log.warning("peer refused", extra={"peer_pid": creds.pid, "peer_uid": creds.uid,
+                                                       "reason": reason})
+                try:
+                    conn.sendall((json.dumps(answer) + "\n").encode())
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def build_server(socket_path: str, service: ProxyService, workers: int) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="proxy-job"),
+                         options=[("grpc.max_receive_message_length", 64 << 20)])
+    pb_grpc.add_NvlinkProxyServicer_to_server(service, server)
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server.add_insecure_port(f"unix:{socket_path}")
+    return server

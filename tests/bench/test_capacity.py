@@ -1,0 +1,288 @@
+"""run_capacity against a fake LB that streams NDJSON at a controlled frame rate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from pdunit.bench.capacity import CapacityConfig, StreamResult, main, run_capacity, summarize_level
+from pdunit.engine.lb.main import _Server, bind_socket
+
+
+@dataclass
+class FakeLB:
+    """GET /v1/model and POST /v1/tts/stream (binary or JSON body) at `fps` frames/s."""
+
+    fps: float
+    ttft_s: float = 0.02
+    refuse_every: int = 0  # every n-th request gets 503 before streaming
+    fail_after: int | None = None  # frames before an error record (mid-stream failure)
+    requests: int = 0
+    max_concurrent: int = 0
+    _concurrent: int = 0
+    seen_sessions: list[str] = field(default_factory=list)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if scope["path"] == "/v1/model":
+            await self._json(
+                send,
+                200,
+                {"n_codebooks": 11, "vocab_sizes": [1024] * 11, "eos_id": None, "max_rows": 4096},
+            )
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        self.requests += 1
+        self.seen_sessions.append(headers.get("x-session-id", ""))
+        if self.refuse_every and self.requests % self.refuse_every == 0:
+            await self._json(send, 503, {"error": {"code": "draining", "message": "fake"}})
+            return
+        if headers.get("content-type") == "application/json":
+            frames = json.loads(body)["max_frames"]
+        else:
+            frames = int(headers["x-pdunit-max-frames"])
+            assert len(body) % 44 == 0
+        self._concurrent += 1
+        self.max_concurrent = max(self.max_concurrent, self._concurrent)
+        try:
+            await asyncio.sleep(self.ttft_s)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")],
+                }
+            )
+            t0 = time.perf_counter()
+            for i in range(frames):
+                if self.fail_after is not None and i == self.fail_after:
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": False,
+                            "body": b'{"error": {"code": "decode_unavailable", "message": "x"}}\n',
+                        }
+                    )
+                    return
+                delay = t0 + i / self.fps - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                line = b'{"i": %d, "frame": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]}\n' % i
+                await send({"type": "http.response.body", "body": line, "more_body": True})
+            final = json.dumps(
+                {"done": True, "reason": "length", "frames": frames, "stages": {}}
+            ).encode()
+            await send({"type": "http.response.body", "body": final + b"\n", "more_body": False})
+        finally:
+            self._concurrent -= 1
+
+    async def _json(self, send: Any, status: int, doc: dict) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": json.dumps(doc).encode()})
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    started: list[tuple[_Server, threading.Thread]] = []
+
+    def start(app: FakeLB) -> str:
+        sock = bind_socket("127.0.0.1", 0)
+        server = _Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
+        thread = threading.Thread(
+            target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True
+        )
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        started.append((server, thread))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield start
+    for server, thread in started:
+        server.should_exit = True
+        thread.join(10)
+
+
+def base_config(url: str, **kw: Any) -> dict[str, Any]:
+    cfg = {
+        "url": url,
+        "concurrency": "2,4",
+        "duration": 1.0,
+        "prompt_rows": "20-40",
+        "frames": "30-40",
+        "voices": 2,
+        "voice_reuse": 0.5,
+        "seed": 1,
+        "progress": False,
+        "gpus": 2,
+        "mode_label": "1p1d",
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def test_a_fast_unit_shows_no_stutter_and_its_capacity_is_the_top_level(serve, tmp_path):
+    fake = FakeLB(fps=200.0)
+    url = serve(fake)
+    doc = run_capacity(
+        base_config(url, out=str(tmp_path), plot=str(tmp_path / "cap.png")), command="test"
+    )
+    rows = doc["rows"]
+    assert [r["concurrency"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["streams"] > 0 and r["errors"] == 0
+        assert r["stutter_share"] == 0.0
+        assert r["min_rate"] > 100 and r["p1_rate"] >= r["min_rate"]
+        assert 20 <= r["ttft_p50_ms"] < 500 and r["ttfa_p50_ms"] > r["ttft_p50_ms"]
+        assert r["passed"] is True
+    assert doc["summary"]["capacity"] == 4
+    assert doc["summary"]["capacity_per_gpu"] == {"1p1d": 2.0}
+    assert fake.max_concurrent == 4
+    assert set(fake.seen_sessions) - {"voice-0", "voice-1"}  # cold voices too
+    files = [p for p in doc["files"]]
+    assert any(f.endswith(".json") for f in files) and any(f.endswith(".md") for f in files)
+    assert (tmp_path / "cap.png").read_bytes()[:4] == b"\x89PNG"
+    on_disk = json.loads(next(p for p in tmp_path.glob("capacity-*.json")).read_text())
+    assert on_disk["rows"][0]["mode"] == "1p1d" and on_disk["command"] == "test"
+
+
+def test_a_slow_unit_stutters_and_shows_its_rate_floor(serve):
+    fake = FakeLB(fps=15.0)
+    url = serve(fake)
+    doc = run_capacity(base_config(url, concurrency="2", duration=0.3, frames="45"))
+    (row,) = doc["rows"]
+    assert row["errors"] == 0 and row["streams"] >= 2
+    assert row["stutter_share"] == 1.0 and row["stalls"] > 0
+    assert 13.0 < row["min_rate"] < 15.5
+    assert row["worst_window"] <= 15
+    assert row["passed"] is False
+    assert doc["summary"]["capacity"] is None
+
+
+def test_refusals_and_mid_stream_errors_are_counted_and_fail_the_level(serve):
+    url = serve(FakeLB(fps=300.0, refuse_every=3))
+    doc = run_capacity(base_config(url, concurrency="2", duration=0.5, body="json"))
+    (row,) = doc["rows"]
+    assert row["errors"] > 0 and row["error_kinds"].get("http_503:draining", 0) == row["errors"]
+    assert row["passed"] is False
+    url = serve(FakeLB(fps=300.0, fail_after=5))
+    (row,) = run_capacity(base_config(url, concurrency="1", duration=0.3))["rows"]
+    assert row["ok"] == 0 and set(row["error_kinds"]) == {"stream:decode_unavailable"}
+
+
+def test_poisson_arrivals_with_bursts(serve):
+    fake = FakeLB(fps=300.0)
+    url = serve(fake)
+    doc = run_capacity(
+        base_config(url, concurrency="", rate="20", burst_share=0.5, burst_size=4, duration=1.0)
+    )
+    (row,) = doc["rows"]
+    assert row["rate"] == 20.0 and row["concurrency"] is None
+    assert 5 <= row["streams"] <= 60 and row["errors"] == 0
+    assert "capacity_rate" in doc["summary"]
+
+
+def test_level_summary_criteria_are_configurable():
+    cfg = CapacityConfig(min_rate=10.0, ttfa_p95_ms=1000.0)
+    results = []
+    for k in range(3):
+        r = StreamResult(
+            index=k,
+            voice="v",
+            reused=False,
+            prompt_rows=10,
+            frames_requested=10,
+            started_s=0.0,
+            send_unix_ns=0,
+            frames=10,
+            ttft_s=0.1,
+            ttfa_s=0.2 + k * 0.1,
+            rate=20.0 + k,
+            worst_window=20.0,
+        )
+        results.append(r)
+    row = summarize_level(results, cfg, 3, None, 1.0)
+    assert (
+        row["passed"] is True
+        and row["min_rate"] == 20.0
+        and row["ttfa_p50_ms"] == pytest.approx(300.0)
+    )
+    row = summarize_level(results, CapacityConfig(min_rate=21.0), 3, None, 1.0)
+    assert row["passed"] is False
+
+
+def test_main_prints_the_table(serve, capsys):
+    url = serve(FakeLB(fps=200.0))
+    rc = main(
+        [
+            "--url",
+            url,
+            "--concurrency",
+            "1",
+            "--duration",
+            "0.3",
+            "--prompt-rows",
+            "10",
+            "--frames",
+            "30",
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "command: pdunit bench capacity --url" in out
+    assert "TTFA p50" in out and "stutter" in out and "summary:" in out
+
+
+def test_a_level_can_end_after_a_number_of_streams(serve):
+    fake = FakeLB(fps=300.0)
+    url = serve(fake)
+    doc = run_capacity(
+        {
+            "url": url,
+            "concurrency": [3],
+            "requests": 7,
+            "duration": 60.0,
+            "prompt_rows": (10, 20),
+            "frames": (20, 20),
+            "progress": False,
+        }
+    )
+    (row,) = doc["rows"]
+    assert row["streams"] == 7 and fake.requests == 7 and row["errors"] == 0
+
+
+def test_config_accepts_flags_and_names_bad_ranges():
+    cfg = CapacityConfig.model_validate(
+        {"concurrency": "4,8", "prompt_rows": ["1000-2000"], "frames": "105"}
+    )
+    assert (
+        cfg.concurrency == [4, 8] and cfg.prompt_rows == (1000, 2000) and cfg.frames == (105, 105)
+    )
+    with pytest.raises(ValueError, match="--prompt-rows '9-3'"):
+        CapacityConfig.model_validate({"prompt_rows": "9-3"})
+    with pytest.raises(ValueError, match="expected binary or json"):
+        CapacityConfig.model_validate({"body": "xml"})

@@ -1,0 +1,485 @@
+"""The Helm chart (charts/pdunit): lints, renders, and every rendered object is valid for
+the Kubernetes version the envtest control plane pins, with a real, pinned `helm`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdunit.operator import scaler
+from pdunit.operator.proto import externalscaler_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "pdunit"
+NAMESPACE = "tts"
+
+# Every combination of toggles that changes which objects exist.
+VARIANTS = {
+    "default": [],
+    "keda": ["--set", "keda.enabled=true"],
+    "namespaced-operator": [
+        "--set",
+        "operator.watchNamespaces={tts,voices}",
+        "--set",
+        "router.enabled=false",
+        "--set",
+        "examplePDUnitSet.enabled=false",
+    ],
+    "cpu-units": [
+        "--set",
+        "examplePDUnitSet.device=cpu",
+        "--set",
+        "examplePDUnitSet.transfer=host",
+    ],
+    "keda-other-set": [
+        "--set",
+        "keda.enabled=true",
+        "--set",
+        "keda.unitSet=voices",
+        "--set",
+        "keda.fallback.enabled=true",
+        "--set",
+        "keda.minReplicaCount=0",
+    ],
+}
+
+
+@cache
+def helm() -> str:
+    """The pinned helm (tools/helm/ensure.sh: on PATH if it matches, else built once)."""
+    out = subprocess.run(
+        ["bash", str(REPO / "tools" / "helm" / "ensure.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert out.returncode == 0, f"tools/helm/ensure.sh failed:\n{out.stderr}"
+    return out.stdout.strip().splitlines()[-1]
+
+
+@cache
+def kube_version() -> str:
+    """The Kubernetes release the envtest control plane is built from (tools/envtest)."""
+    text = (REPO / "tools" / "envtest" / "ensure.sh").read_text()
+    match = re.search(r"^K8S_VERSION=v?([0-9]+\.[0-9]+\.[0-9]+)$", text, re.M)
+    assert match, "tools/envtest/ensure.sh has no K8S_VERSION=vX.Y.Z line"
+    return match.group(1)
+
+
+def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(extra: list[str]) -> list[dict[str, Any]]:
+    out = run_helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--include-crds",
+        "--kube-version",
+        kube_version(),
+        *extra,
+    )
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """Unknown fields are errors, as with the apiserver's strict field validation (kubectl's
+    default), instead of being pruned silently; JSON Schema alone would let them pass."""
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {k: _strict(v) for k, v in out["properties"].items()}
+        if "additionalProperties" not in out and not out.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            out["additionalProperties"] = False
+    if isinstance(out.get("items"), dict):
+        out["items"] = _strict(out["items"])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict(out["additionalProperties"])
+    return out
+
+
+def crd_schema(kind: str) -> dict[str, Any]:
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        if crd["spec"]["names"]["kind"] == kind:
+            (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
+            return _strict(version["schema"]["openAPIV3Schema"])
+    raise AssertionError(f"no CRD for kind {kind} in {CHART / 'crds'}")
+
+
+# --- the pinned helm ---------------------------------------------------------------------
+
+
+def test_ensure_sh_gives_the_pinned_helm_quickly_once_built() -> None:
+    helm()  # built (or found) once
+    pin = re.search(
+        r'HELM_VERSION="\$\{PDUNIT_HELM_VERSION:-(v[0-9.]+)\}"',
+        (REPO / "tools" / "helm" / "ensure.sh").read_text(),
+    )
+    assert pin, "tools/helm/ensure.sh has no pinned HELM_VERSION"
+    out = subprocess.run(
+        ["bash", str(REPO / "tools" / "helm" / "ensure.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == helm()
+    assert run_helm("version", "--template", "{{.Version}}").stdout == pin.group(1)
+    # Its default Kubernetes version is a current one (a plain `go install` leaves v1.20,
+    # which this chart's kubeVersion refuses): `helm template` works without --kube-version.
+    plain = run_helm("template", "rel", str(CHART))
+    assert plain.returncode == 0, plain.stderr
+
+
+# --- CRDs ----------------------------------------------------------------------------------
+
+
+def test_chart_crds_are_exact_copies_of_the_generated_crds() -> None:
+    generated = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
+    shipped = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert generated, "crds/ is empty: run `make crds`"
+    assert sorted(shipped) == sorted(generated), "run tools/helm/sync-crds.sh after `make crds`"
+    for name, text in generated.items():
+        assert shipped[name] == text, (
+            f"charts/pdunit/crds/{name} is stale: run tools/helm/sync-crds.sh"
+        )
+
+
+# --- lint and render -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["default", "keda"])
+def test_chart_lints_cleanly(variant: str) -> None:
+    out = run_helm(
+        "lint",
+        str(CHART),
+        "--strict",
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        kube_version(),
+        *VARIANTS[variant],
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def _validate(doc: dict[str, Any], version: str) -> None:
+    kind = doc["kind"]
+    if doc["apiVersion"] == "pdunit.dev/v1alpha1":
+        # A CRD instance: its own CRD's schema (structural parts; CEL rules need an apiserver).
+        jsonschema.validate(doc, crd_schema(kind))
+    elif doc["apiVersion"] == "keda.sh/v1alpha1":
+        # KEDA's CRD is not shipped here; test_scaled_object_... checks what KEDA and our
+        # scaler need from it field by field.
+        assert kind == "ScaledObject"
+    else:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_rendered_object_is_valid_for_the_pinned_kubernetes(variant: str) -> None:
+    version = kube_version()
+    docs = render(VARIANTS[variant])
+    assert docs
+    problems = []
+    for doc in docs:
+        where = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            _validate(doc, version)
+        except jsonschema.ValidationError as exc:  # kubernetes_validate's error subclasses it
+            path = ".".join(str(p) for p in exc.absolute_path)
+            problems.append(f"{where} at {path}: {exc.message}")
+    assert not problems, f"{variant}: invalid for Kubernetes {version}:\n" + "\n".join(problems)
+
+
+def test_kubernetes_validate_knows_the_pinned_minor_version() -> None:
+    # kubernetes-validate picks the newest schema set <= the version asked for; the pin must
+    # not fall back silently to an older minor version.
+    major_minor = ".".join(kube_version().split(".")[:2])
+    assert major_minor in {
+        ".".join(v.split(".")[:2]) for v in kubernetes_validate.utils.all_versions()
+    }
+
+
+def test_default_render_has_the_operator_scaler_router_and_example_set_but_no_keda() -> None:
+    docs = render([])
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == sorted(
+        {
+            "CustomResourceDefinition",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+            "Deployment",
+            "Service",
+            "PDUnitSet",
+        }
+    )
+    assert {d["spec"]["names"]["kind"] for d in by_kind(docs, "CustomResourceDefinition")} == {
+        "PDUnit",
+        "PDUnitSet",
+    }
+    assert {d["metadata"]["name"] for d in by_kind(docs, "Deployment")} == {
+        "rel-pdunit-operator",
+        "rel-pdunit-router",
+    }
+    operator = one(docs, "Deployment", "rel-pdunit-operator")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert operator["args"][0] == "operator"
+    assert {p["name"]: p["containerPort"] for p in operator["ports"]} == {
+        "health": 8080,
+        "scaler": 9090,
+        "metrics": 9100,
+    }
+
+
+# --- what the objects must mean ------------------------------------------------------------
+
+
+def test_scaled_object_scales_the_pdunitset_through_the_operators_scaler_service() -> None:
+    docs = render(VARIANTS["keda"])
+    so = one(docs, "ScaledObject")
+    target = so["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "pdunit.dev/v1alpha1", "kind": "PDUnitSet", "name": "tts"}
+    one(docs, "PDUnitSet", "tts")
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "external" and trigger["metricType"] == "AverageValue"
+    metadata = trigger["metadata"]
+    assert all(isinstance(v, str) for v in metadata.values()), (
+        "KEDA trigger metadata is map[string]string"
+    )
+    # scalerAddress -> the scaler Service -> the operator pod's "scaler" port.
+    host, port = metadata["scalerAddress"].rsplit(":", 1)
+    service_name, service_ns, _ = host.split(".", 2)
+    service = one(docs, "Service", service_name)
+    assert service_ns == NAMESPACE
+    (svc_port,) = service["spec"]["ports"]
+    assert svc_port["port"] == int(port) and svc_port["targetPort"] == "scaler"
+    pods = [
+        d
+        for d in by_kind(docs, "Deployment")
+        if all(
+            d["spec"]["template"]["metadata"]["labels"].get(k) == v
+            for k, v in service["spec"]["selector"].items()
+        )
+    ]
+    assert [p["metadata"]["name"] for p in pods] == ["rel-pdunit-operator"]
+    # What KEDA will send is accepted by the scaler's own metadata parser.
+    trig = scaler.Trigger.from_ref(
+        pb.ScaledObjectRef(
+            name=so["metadata"]["name"], namespace=NAMESPACE, scalerMetadata=metadata
+        )
+    )
+    assert (trig.unit_set, trig.namespace, trig.target_in_flight_per_unit) == (
+        "tts",
+        NAMESPACE,
+        32.0,
+    )
+    # replicas belongs to KEDA once it scales the set: the chart must not reset it.
+    assert "replicas" not in one(docs, "PDUnitSet", "tts")["spec"]
+
+
+def test_without_keda_the_example_set_has_the_configured_replicas() -> None:
+    docs = render(["--set", "examplePDUnitSet.replicas=3"])
+    assert one(docs, "PDUnitSet", "tts")["spec"]["replicas"] == 3
+    assert not by_kind(docs, "ScaledObject")
+
+
+def _rules(docs: list[dict[str, Any]], kind: str, name_part: str) -> set[tuple[str, str, str]]:
+    out = set()
+    for role in by_kind(docs, kind):
+        if name_part in role["metadata"]["name"]:
+            for rule in role["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            out.add((group, resource, verb))
+    return out
+
+
+OPERATOR_APP_RULES = {
+    *{("pdunit.dev", "pdunits", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("pdunit.dev", "pdunitsets", v) for v in ("get", "list", "watch", "patch")},
+    ("pdunit.dev", "pdunits/status", "patch"),
+    ("pdunit.dev", "pdunitsets/status", "patch"),
+    *{("", "pods", v) for v in ("get", "create", "patch", "delete")},
+    ("", "events", "create"),
+}
+
+
+def test_operator_rbac_grants_exactly_the_verbs_the_operator_uses() -> None:
+    docs = render([])
+    framework = _rules(docs, "ClusterRole", "operator-tts-framework")
+    assert framework == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    }
+    assert _rules(docs, "ClusterRole", "operator") - framework == OPERATOR_APP_RULES
+    assert not any("*" in rule for rule in _rules(docs, "ClusterRole", ""))
+    binding = one(docs, "ClusterRoleBinding", "rel-pdunit-operator-tts")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-pdunit-operator", "namespace": NAMESPACE}
+    ]
+    assert _rules(docs, "Role", "router") == {
+        ("pdunit.dev", "pdunits", v) for v in ("get", "list", "watch")
+    }
+
+
+def test_namespaced_operator_gets_roles_only_in_the_watched_namespaces() -> None:
+    docs = render(VARIANTS["namespaced-operator"])
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["tts", "voices"]
+    for role in roles:
+        assert _rules([role], "Role", "operator") == OPERATOR_APP_RULES
+    # Cluster-wide it may only read CRDs and namespaces.
+    assert _rules(docs, "ClusterRole", "") == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("", "namespaces", "list"),
+        ("", "namespaces", "watch"),
+    }
+    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--namespaces=tts,voices" in operator["args"]
+
+
+def test_every_container_runs_as_non_root_with_no_capabilities() -> None:
+    for doc in by_kind(render([]), "Deployment"):
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
+    from pdunit.engine.router.config import RouterConfig, check_discovery
+    from pdunit.engine.settings import parse_config
+    from pdunit.operator.main import OperatorConfig
+
+    docs = render(["--set", "operator.watchNamespaces={tts}"])
+    containers = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+        for d in by_kind(docs, "Deployment")
+    }
+    op_args = containers["rel-pdunit-operator"]["args"]
+    assert op_args[0] == "operator"
+    cfg = parse_config(OperatorConfig, op_args[1:], "pdunit operator", env={})
+    assert (cfg.liveness_port, cfg.scaler_port, cfg.metrics_port, cfg.namespaces) == (
+        8080,
+        9090,
+        9100,
+        ["tts"],
+    )
+    router_args = containers["rel-pdunit-router"]["args"]
+    assert router_args[0] == "router"
+    rcfg = parse_config(RouterConfig, router_args[1:], "pdunit router", env={})
+    assert check_discovery(rcfg) is None
+    assert (rcfg.discovery, rcfg.namespace, rcfg.unit_set, rcfg.port) == (
+        "kubernetes",
+        NAMESPACE,
+        "tts",
+        8080,
+    )
+
+
+# --- values.schema.json --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("replicas=-1", "additional properties 'replicas' not allowed"),  # no such top-level key
+        ("examplePDUnitSet.replicas=-1", "/examplePDUnitSet/replicas"),
+        ("router.replicas=-1", "/router/replicas"),
+        ("examplePDUnitSet.transfer=warp", "/examplePDUnitSet/transfer"),
+        ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
+        ("keda.targetInFlightPerUnit=0", "/keda/targetInFlightPerUnit"),
+        ("operator.logLevel=loud", "/operator/logLevel"),
+        ("images.operator.pullPolicy=Sometimes", "/images/operator/pullPolicy"),
+        ("operator.scalerPort=70000", "/operator/scalerPort"),
+        ("operator.watchNamespaces={Bad_NS}", "/operator/watchNamespaces/0"),
+    ],
+)
+def test_values_schema_rejects_a_bad_value_naming_the_field(setting: str, named: str) -> None:
+    out = run_helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        kube_version(),
+        "--set",
+        setting,
+    )
+    assert out.returncode != 0, f"--set {setting} was accepted"
+    assert "values don't meet the specifications of the schema" in out.stderr
+    assert named in out.stderr, out.stderr
+
+
+def test_cpu_units_need_a_host_or_tcp_transfer() -> None:
+    out = run_helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--kube-version",
+        kube_version(),
+        "--set",
+        "examplePDUnitSet.device=cpu",
+    )
+    assert out.returncode != 0
+    assert (
+        "examplePDUnitSet.transfer=auto does not work with examplePDUnitSet.device=cpu"
+        in out.stderr
+    )
+    docs = render(
+        ["--set", "examplePDUnitSet.device=cpu", "--set", "examplePDUnitSet.transfer=host"]
+    )
+    spec = one(docs, "PDUnitSet")["spec"]["template"]["spec"]
+    assert (spec["device"], spec["transfer"]) == ("cpu", "host")
+
+
+def test_keda_max_below_min_is_refused_naming_both_fields() -> None:
+    out = run_helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--kube-version",
+        kube_version(),
+        "--set",
+        "keda.enabled=true",
+        "--set",
+        "keda.minReplicaCount=5",
+        "--set",
+        "keda.maxReplicaCount=2",
+    )
+    assert out.returncode != 0
+    assert "keda.maxReplicaCount (2) must be >= keda.minReplicaCount (5)" in out.stderr

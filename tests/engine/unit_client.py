@@ -1,0 +1,49 @@
+"""A small client of the unit's HTTP API for end-to-end tests (docs/api.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import numpy as np
+
+
+def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab - 2, size=(rows, cols)).tolist()
+
+
+def stream(url: str, prompt: list[list[int]], timeout: float = 120.0, **params) -> tuple[list[list[int]], dict]:
+    """Returns (frames, last record). The last record is the `done` or `error` line."""
+    body = {"prompt": prompt, **params}
+    frames: list[list[int]] = []
+    last: dict = {}
+    with httpx.stream("POST", f"{url}/v1/tts/stream", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            return [], {"http_status": r.status_code, **r.json()}
+        for line in r.iter_lines():
+            if not line:
+                continue
+            rec = json.loads(line)
+            if "frame" in rec:
+                frames.append(rec["frame"])
+            else:
+                last = rec
+    return frames, last
+
+
+def load(url: str) -> dict:
+    return httpx.get(f"{url}/v1/load", timeout=5.0).json()
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last value {value!r}")

@@ -1,0 +1,119 @@
+"""Fixtures: a background event loop, a fake unit (P + D), and an LB served by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from pdunit.engine.lb.app import LoadBalancer, create_app
+from pdunit.engine.lb.config import LBConfig
+from pdunit.engine.lb.main import _Server, bind_socket
+from tests.lb.fakes import FakeUnit, LoopThread
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    # Unix socket paths are limited to ~107 bytes: pytest's tmp_path can be longer.
+    d = tempfile.mkdtemp(prefix="pdlb", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def fake_unit(loop_thread: LoopThread, short_dir: str) -> Iterator[FakeUnit]:
+    unit = FakeUnit(short_dir)
+    loop_thread.run(unit.start())
+    yield unit
+    loop_thread.run(unit.stop())
+
+
+@dataclass
+class RunningLB:
+    lb: LoadBalancer
+    url: str
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 10.0), **kw)
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def start_lb(loop_thread: LoopThread, fake_unit: FakeUnit) -> Iterator[Callable[..., RunningLB]]:
+    running: list[RunningLB] = []
+
+    def start(wait_ready: bool = True, **overrides: Any) -> RunningLB:
+        fields = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "prefill_socket": fake_unit.prefill_socket,
+            "decode_socket": fake_unit.decode_socket,
+            "unit_name": "test-unit",
+            "probe_interval_s": 0.2,
+            "load_cache_ms": 0,
+        }
+        fields.update(overrides)
+        config = LBConfig(**fields)
+
+        async def boot() -> RunningLB:
+            lb = LoadBalancer(config, registry=CollectorRegistry())
+            sock = bind_socket("127.0.0.1", 0)
+            server = _Server(
+                uvicorn.Config(
+                    create_app(lb),
+                    log_config=None,
+                    access_log=False,
+                    lifespan="on",
+                    timeout_graceful_shutdown=2,
+                )
+            )
+            task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+            return RunningLB(lb, f"http://127.0.0.1:{sock.getsockname()[1]}", server, task)
+
+        r = loop_thread.run(boot())
+        running.append(r)
+        if wait_ready:
+            with r.client() as c:
+                wait_until(lambda: c.get("/readyz").status_code == 200, what="LB ready")
+        return r
+
+    yield start
+
+    async def shutdown(r: RunningLB) -> None:
+        r.server.should_exit = True
+        await asyncio.wait_for(r.task, 10)
+
+    for r in running:
+        loop_thread.run(shutdown(r))

@@ -1,0 +1,697 @@
+"""Pure reconcile logic on plain dicts: pod shape, victim choice, rollout order, drain timing.
+
+No server, no kopf: exactly the dicts the Kubernetes API serves, in and out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from pdunit.engine.settings import parse_config
+from pdunit.operator import models as m
+from pdunit.operator import reconcile as r
+from pydantic import BaseModel, ValidationError
+
+from tests.operator.envtest import FakeLb
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def a_unit(name: str = "u1", set_name: str | None = "tts", **spec: Any) -> dict[str, Any]:
+    labels = {"team": "tts"}
+    if set_name:
+        labels.update({m.LABEL_SET: set_name, m.LABEL_TEMPLATE_HASH: "abc"})
+    return {
+        "apiVersion": m.API_VERSION,
+        "kind": m.UNIT_KIND,
+        "metadata": {
+            "name": name,
+            "namespace": "prod",
+            "uid": f"uid-{name}",
+            "labels": labels,
+            "generation": 3,
+        },
+        "spec": {"image": "reg/pdunit:1", "model": "random:qwen3-4b-shape:0", **spec},
+    }
+
+
+def containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    spec = pod["spec"]
+    return {c["name"]: c for c in spec["containers"] + spec["initContainers"]}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container["env"] if "value" in e}
+
+
+# ------------------------------------------------------------------------- pod shape
+
+
+def test_pod_runs_lb_prefill_decode_with_proxy_and_guard_as_native_sidecars() -> None:
+    pod = r.desired_pod(a_unit(transfer="auto"))
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["lb", "prefill", "decode"]
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["nvlink-proxy", "quiesce-guard"]
+    for sidecar in pod["spec"]["initContainers"]:
+        assert sidecar["restartPolicy"] == "Always"
+    assert pod["spec"]["shareProcessNamespace"] is True
+
+
+def test_prefill_and_decode_get_one_gpu_each_and_nothing_else_does() -> None:
+    pod = r.desired_pod(
+        a_unit(
+            gpuResource="example.com/h200",
+            resources={"prefill": {"limits": {"example.com/h200": 4, "memory": "64Gi"}}},
+        )
+    )
+    cs = containers(pod)
+    for name in ("prefill", "decode"):
+        assert cs[name]["resources"]["limits"]["example.com/h200"] == 1
+    assert cs["prefill"]["resources"]["limits"]["memory"] == "64Gi"
+    for name in ("lb", "nvlink-proxy", "quiesce-guard"):
+        assert "example.com/h200" not in (cs[name]["resources"].get("limits") or {})
+
+
+def test_proxy_sees_all_gpus_without_requesting_one() -> None:
+    proxy = containers(r.desired_pod(a_unit(transfer="proxy")))["nvlink-proxy"]
+    assert env_of(proxy)["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert not proxy["resources"].get("limits")
+    assert proxy["command"] == ["pdunit", "proxy", "--socket", "/run/pdunit/proxy.sock"]
+
+
+@pytest.mark.parametrize(
+    ("transfer", "has_proxy"),
+    [
+        ("auto", True),
+        ("proxy", True),
+        ("fabric", False),
+        ("ipc", False),
+        ("posix-fd", False),
+        ("tcp", False),
+        ("host", False),
+    ],
+)
+def test_proxy_sidecar_only_for_proxy_and_auto_transfer(transfer: str, has_proxy: bool) -> None:
+    names = [c["name"] for c in r.desired_pod(a_unit(transfer=transfer))["spec"]["initContainers"]]
+    assert ("nvlink-proxy" in names) is has_proxy
+    assert "quiesce-guard" in names
+
+
+def test_container_commands_are_the_pdunit_cli() -> None:
+    cs = containers(
+        r.desired_pod(
+            a_unit(transfer="fabric", lbPort=8100, extraArgs={"decode": ["--max-batch", "64"]})
+        )
+    )
+    assert cs["lb"]["command"] == [
+        "pdunit",
+        "lb",
+        "--prefill-socket",
+        "/run/pdunit/prefill.sock",
+        "--decode-socket",
+        "/run/pdunit/decode.sock",
+        "--port",
+        "8100",
+    ]
+    assert cs["prefill"]["command"] == [
+        "pdunit",
+        "prefill",
+        "--socket",
+        "/run/pdunit/prefill.sock",
+        "--decode-socket",
+        "/run/pdunit/decode.sock",
+        "--model",
+        "random:qwen3-4b-shape:0",
+        "--transfer",
+        "fabric",
+        "--device",
+        "cuda",
+    ]
+    assert cs["decode"]["command"] == [
+        "pdunit",
+        "decode",
+        "--socket",
+        "/run/pdunit/decode.sock",
+        "--prefill-socket",
+        "/run/pdunit/prefill.sock",
+        "--model",
+        "random:qwen3-4b-shape:0",
+        "--transfer",
+        "fabric",
+        "--device",
+        "cuda",
+        "--max-batch",
+        "64",
+    ]
+    assert cs["quiesce-guard"]["command"] == [
+        "pdunit",
+        "guard",
+        "--prefill-socket",
+        "/run/pdunit/prefill.sock",
+        "--decode-socket",
+        "/run/pdunit/decode.sock",
+    ]
+
+
+def _config_model(module: str) -> type[BaseModel]:
+    mod = importlib.import_module(module)
+    found = [
+        v
+        for v in vars(mod).values()
+        if isinstance(v, type) and issubclass(v, BaseModel) and v.__name__.endswith("Config")
+    ]
+    assert len(found) == 1, f"{module} should define one *Config model, found {found}"
+    return found[0]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_commands_parse_with_the_engines_own_config(role: str) -> None:
+    """The flags desired_pod writes are flags the real processes accept."""
+    module = {"prefill": "pdunit.engine.prefill.main", "decode": "pdunit.engine.decode.main"}[role]
+    model = _config_model(module)
+    argv = containers(r.desired_pod(a_unit(transfer="proxy")))[role]["command"][2:]
+    cfg = parse_config(model, argv, f"pdunit {role}", env={})
+    assert cfg.transfer == "proxy"  # type: ignore[attr-defined]
+    assert cfg.device == "cuda"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("role", "module"),
+    [
+        ("lb", "pdunit.engine.lb.main"),
+        ("proxy", "pdunit.sidecars.nvlink_proxy.main"),
+        ("guard", "pdunit.sidecars.quiesce_guard.main"),
+    ],
+)
+def test_sidecar_and_lb_commands_parse_with_their_config(role: str, module: str) -> None:
+    pytest.importorskip(module, reason=f"{module} is not written yet (another engineer's)")
+    name = {"lb": "lb", "proxy": "nvlink-proxy", "guard": "quiesce-guard"}[role]
+    argv = containers(r.desired_pod(a_unit(transfer="proxy")))[name]["command"][2:]
+    parse_config(_config_model(module), argv, f"pdunit {role}", env={})
+
+
+def test_cpu_device_requests_no_gpu() -> None:
+    cs = containers(r.desired_pod(a_unit(device="cpu", transfer="host")))
+    for name in ("prefill", "decode"):
+        assert "nvidia.com/gpu" not in (cs[name]["resources"].get("limits") or {})
+        assert cs[name]["command"][-2:] == ["--device", "cpu"]
+
+
+def test_sockets_live_in_one_shared_memory_volume() -> None:
+    pod = r.desired_pod(a_unit())
+    run = next(v for v in pod["spec"]["volumes"] if v["name"] == "run")
+    assert run["emptyDir"]["medium"] == "Memory"
+    for c in containers(pod).values():
+        assert {"name": "run", "mountPath": "/run/pdunit"} in c["volumeMounts"]
+
+
+def test_readiness_is_the_lb_readyz_on_the_unit_port() -> None:
+    lb = containers(r.desired_pod(a_unit(lbPort=9000)))["lb"]
+    assert lb["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 9000}
+    assert lb["ports"][0]["containerPort"] == 9000
+
+
+def test_grace_period_covers_the_drain_timeout() -> None:
+    pod = r.desired_pod(a_unit(drainTimeoutSeconds=900))
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 900 + 10
+
+
+def test_every_container_drops_all_capabilities_and_runs_read_only_as_non_root() -> None:
+    pod = r.desired_pod(a_unit())
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    for c in containers(pod).values():
+        sc = c["securityContext"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
+    pod = r.desired_pod(a_unit("tts-abc12-x7"))
+    assert pod["metadata"]["name"] == "tts-abc12-x7"
+    assert pod["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "pdunit.dev/v1alpha1",
+            "kind": "PDUnit",
+            "name": "tts-abc12-x7",
+            "uid": "uid-tts-abc12-x7",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    labels = pod["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "pdunit"
+    assert labels["app.kubernetes.io/component"] == "unit"
+    assert labels["pdunit.dev/unit"] == "tts-abc12-x7"
+    assert labels["pdunit.dev/set"] == "tts"
+    assert labels["team"] == "tts"
+    assert m.LABEL_TEMPLATE_HASH not in labels
+
+
+def test_standalone_unit_pod_has_no_set_label() -> None:
+    assert m.LABEL_SET not in r.desired_pod(a_unit(set_name=None))["metadata"]["labels"]
+
+
+def test_user_env_overrides_and_scheduling_fields_pass_through() -> None:
+    pod = r.desired_pod(
+        a_unit(
+            env=[{"name": "HOME", "value": "/data"}, {"name": "X", "value": "1"}],
+            nodeSelector={"gpu": "h200"},
+            tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        )
+    )
+    env = env_of(containers(pod)["decode"])
+    assert env["HOME"] == "/data" and env["X"] == "1" and env["PDUNIT_UNIT"] == "u1"
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h200"}
+    assert pod["spec"]["tolerations"] == [
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+
+
+@pytest.mark.parametrize("transfer", ["auto", "fabric"])
+def test_pod_validates_against_the_kubernetes_1_34_schema(transfer: str) -> None:
+    pod = r.desired_pod(a_unit(transfer=transfer, resources={"lb": {"requests": {"cpu": "500m"}}}))
+    kubernetes_validate.validate(pod, "1.34.0", strict=True)
+
+
+def test_invalid_unit_spec_raises_naming_the_field() -> None:
+    with pytest.raises(ValidationError) as exc:
+        r.desired_pod(a_unit(transfer="rdma"))
+    assert "spec.transfer" in m.validation_message(exc.value)
+
+
+def test_prestop_drains_then_waits_for_two_empty_answers() -> None:
+    """The real hook script against a fake LB: it asks for the drain, holds while
+    streams are in flight, and returns once /v1/load said empty twice."""
+    lb = FakeLb("u1")
+    try:
+        lb.in_flight = 1
+        hook = containers(r.desired_pod(a_unit(lbPort=lb.port, drainTimeoutSeconds=30)))["lb"]
+        argv = hook["lifecycle"]["preStop"]["exec"]["command"]
+        assert argv[0] == "python3"
+        argv[-1] = "0.2"  # the gap between checks, shortened for the test
+        proc = subprocess.Popen([sys.executable, *argv[1:]], stderr=subprocess.PIPE)
+        time.sleep(1.0)
+        assert proc.poll() is None, "preStop returned while a stream was in flight"
+        assert lb.draining and lb.drain_log[0][1] is True
+        lb.in_flight = 0
+        assert proc.wait(timeout=10) == 0
+        assert sum(1 for _, empty in lb.load_log if empty) >= 2
+    finally:
+        lb.stop()
+
+
+# --------------------------------------------------------------------- unit status
+
+
+def pod(phase: str = "Running", ready: bool = True, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "u1", "uid": "pod-1", "annotations": {}},
+        "status": {
+            "phase": phase,
+            "podIP": "10.1.2.3",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            **status,
+        },
+    }
+
+
+LOAD = {
+    "ready": True,
+    "draining": False,
+    "transfer_mode": "proxy",
+    "streams_in_flight": 7,
+    "held_pages": 2,
+    "empty": False,
+}
+
+
+def test_status_ready_carries_the_lb_load() -> None:
+    st = r.unit_status(a_unit(), pod(), LOAD, None, T0, port=8000)
+    assert (st["phase"], st["ready"], st["inFlight"], st["heldPages"], st["transferMode"]) == (
+        "Ready",
+        True,
+        7,
+        2,
+        "proxy",
+    )
+    assert (st["podIP"], st["lbPort"], st["observedGeneration"]) == ("10.1.2.3", 8000, 3)
+
+
+def test_status_starting_names_the_unreachable_lb() -> None:
+    st = r.unit_status(
+        a_unit(), pod(), None, "GET http://10.1.2.3:8000/v1/load: ConnectTimeout", T0, port=8000
+    )
+    assert st["phase"] == "Starting" and st["ready"] is False
+    assert "10.1.2.3:8000/v1/load" in st["message"]
+    cond = next(c for c in st["conditions"] if c["type"] == "LoadReachable")
+    assert cond["status"] == "False"
+
+
+def test_status_pending_shows_why_the_pod_waits() -> None:
+    waiting = pod(
+        "Pending",
+        ready=False,
+        containerStatuses=[
+            {
+                "name": "prefill",
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "not found"}},
+            }
+        ],
+    )
+    st = r.unit_status(a_unit(), waiting, None, None, T0, port=8000)
+    assert st["phase"] == "Pending" and "ImagePullBackOff" in st["message"]
+
+
+def test_status_draining_then_drained() -> None:
+    unit = a_unit(draining=True)
+    assert (
+        r.unit_status(unit, pod(), LOAD, None, T0, port=8000, drain={"startedAt": "x"})["phase"]
+        == "Draining"
+    )
+    st = r.unit_status(unit, None, None, None, T0, port=8000, drain={"completedAt": "y"})
+    assert st["phase"] == "Drained" and st["ready"] is False
+
+
+def test_readiness_flips_only_when_the_status_changes() -> None:
+    st1 = r.unit_status(a_unit(), pod(), LOAD, None, T0, port=8000)
+    st2 = r.unit_status(
+        {**a_unit(), "status": st1}, pod(), LOAD, None, T0 + timedelta(minutes=5), port=8000
+    )
+    ready = [next(c for c in s["conditions"] if c["type"] == "Ready") for s in (st1, st2)]
+    assert ready[0]["lastTransitionTime"] == ready[1]["lastTransitionTime"]
+
+
+def test_lb_port_override_only_when_allowed() -> None:
+    p = pod()
+    p["metadata"]["annotations"][m.ANNOTATION_LB_PORT_OVERRIDE] = "41234"
+    assert r.lb_port({"lbPort": 8000}, p, allow_override=False) == 8000
+    assert r.lb_port({"lbPort": 8000}, p, allow_override=True) == 41234
+
+
+# ------------------------------------------------------------------------ the drain
+
+
+def step(
+    state: dict[str, Any] | None, t: float, load: dict[str, Any] | None, **kw: Any
+) -> r.DrainStep:
+    args: dict[str, Any] = {"pod_may_hold_streams": True, "timeout_s": 600, "check_interval_s": 5}
+    args.update(kw)
+    return r.drain_step(state, now=T0 + timedelta(seconds=t), load=load, **args)
+
+
+EMPTY = {"empty": True, "streams_in_flight": 0}
+BUSY = {"empty": False, "streams_in_flight": 3}
+
+
+def test_drain_deletes_only_after_two_empty_checks_apart() -> None:
+    s = step(None, 0, BUSY)
+    assert (s.action, s.request_drain) == ("wait", True)
+    s.state["requested"] = True
+    s = step(s.state, 1, EMPTY)
+    assert s.action == "wait" and s.state["emptyChecks"] == 1 and not s.request_drain
+    s = step(s.state, 3, EMPTY)
+    assert s.action == "wait", "second check sooner than check_interval_s is not independent"
+    s = step(s.state, 6, EMPTY)
+    assert s.action == "delete" and s.state["emptyChecks"] == 2
+
+
+def test_a_busy_or_unreachable_answer_between_empty_checks_restarts_them() -> None:
+    s = step({"requested": True}, 0, EMPTY)
+    s = step(s.state, 6, BUSY)
+    assert s.action == "wait" and s.state["emptyChecks"] == 0
+    s = step(s.state, 7, EMPTY)
+    s = step(s.state, 9, None)  # LB unreachable proves nothing
+    assert s.action == "wait" and s.state["emptyChecks"] == 0
+    s = step(s.state, 10, EMPTY)
+    assert step(s.state, 12, EMPTY).action == "wait"
+    assert step(s.state, 15, EMPTY).action == "delete"
+
+
+def test_drain_timeout_forces_and_counts_cut_streams() -> None:
+    s = step({"requested": True, "startedAt": r.iso_us(T0)}, 599, BUSY)
+    assert s.action == "wait"
+    s = step(s.state, 600, BUSY)
+    assert (s.action, s.streams_cut, s.state["forced"], s.state["streamsCut"]) == (
+        "force",
+        3,
+        True,
+        3,
+    )
+
+
+def test_drain_timeout_with_unreachable_lb_counts_the_last_known_streams() -> None:
+    s = step({"requested": True, "startedAt": r.iso_us(T0)}, 700, None, last_in_flight=5)
+    assert (s.action, s.streams_cut) == ("force", 5)
+
+
+def test_a_pod_that_is_not_running_holds_no_streams() -> None:
+    s = step(None, 0, None, pod_may_hold_streams=False)
+    assert s.action == "delete" and not s.request_drain
+
+
+# ---------------------------------------------------------------------- the unit set
+
+
+def set_unit(
+    name: str,
+    thash: str,
+    *,
+    ready: bool = True,
+    in_flight: int = 0,
+    draining: bool = False,
+    phase: str | None = None,
+    created: int = 0,
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {m.LABEL_SET: "tts", m.LABEL_TEMPLATE_HASH: thash},
+            "creationTimestamp": r.iso(T0 + timedelta(seconds=created)),
+        },
+        "spec": {"draining": draining},
+        "status": {
+            "phase": phase or ("Ready" if ready else "Starting"),
+            "ready": ready,
+            "inFlight": in_flight,
+        },
+    }
+
+
+def a_set(
+    replicas: int, image: str = "img:1", max_surge: int = 1, max_unavailable: int = 0
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "tts", "namespace": "prod", "uid": "set-uid", "generation": 2},
+        "spec": {
+            "replicas": replicas,
+            "template": {"spec": {"image": image, "model": "random:tiny:0"}},
+            "strategy": {"maxSurge": max_surge, "maxUnavailable": max_unavailable},
+        },
+    }
+
+
+def cur(s: dict[str, Any]) -> str:
+    return r.template_hash(s["spec"]["template"])
+
+
+def test_victims_are_not_ready_first_then_fewest_in_flight() -> None:
+    units = [
+        set_unit("a", "h", in_flight=9),
+        set_unit("b", "h", in_flight=1),
+        set_unit("c", "h", ready=False, in_flight=4),
+        set_unit("d", "h", in_flight=0),
+    ]
+    assert [u["metadata"]["name"] for u in r.pick_victims(units, 3)] == ["c", "d", "b"]
+
+
+def test_victim_ties_go_to_the_newest_unit() -> None:
+    units = [set_unit("old", "h", created=0), set_unit("new", "h", created=100)]
+    assert r.pick_victims(units, 1)[0]["metadata"]["name"] == "new"
+
+
+def test_scale_up_creates_the_missing_units() -> None:
+    s = a_set(3)
+    plan = r.plan_units(s, [set_unit("a", cur(s))])
+    assert plan.kinds() == ["create", "create"]
+
+
+def test_scale_down_drains_the_units_with_fewest_streams() -> None:
+    s = a_set(1)
+    h = cur(s)
+    plan = r.plan_units(
+        s,
+        [
+            set_unit("a", h, in_flight=5),
+            set_unit("b", h, in_flight=2),
+            set_unit("c", h, in_flight=0),
+        ],
+    )
+    assert sorted((a.kind, a.unit) for a in plan.actions) == [("drain", "b"), ("drain", "c")]
+
+
+def test_drained_units_are_deleted_and_draining_ones_left_alone() -> None:
+    s = a_set(1)
+    h = cur(s)
+    plan = r.plan_units(
+        s,
+        [
+            set_unit("a", h),
+            set_unit("b", h, draining=True, in_flight=3),
+            set_unit("c", h, draining=True, phase="Drained", ready=False),
+        ],
+    )
+    assert [(a.kind, a.unit) for a in plan.actions] == [("delete", "c")]
+
+
+def test_scale_up_reclaims_a_draining_unit_before_creating() -> None:
+    s = a_set(2)
+    h = cur(s)
+    plan = r.plan_units(s, [set_unit("a", h), set_unit("b", h, draining=True, ready=False)])
+    assert [(a.kind, a.unit) for a in plan.actions] == [("undrain", "b")]
+
+
+def test_rollout_waits_for_the_surged_unit_before_draining_an_old_one() -> None:
+    s = a_set(2, image="img:2")
+    units = [set_unit("a", "old"), set_unit("b", "old")]
+    assert r.plan_units(s, units).kinds() == ["create"]
+    units.append(set_unit("n1", cur(s), ready=False))
+    assert r.plan_units(s, units).kinds() == [], "drained an old unit before the new one was Ready"
+    units[-1] = set_unit("n1", cur(s), ready=True)
+    plan = r.plan_units(s, units)
+    assert plan.kinds() == ["drain"]
+
+
+def test_rollout_replaces_a_not_ready_old_unit_at_once() -> None:
+    s = a_set(2, image="img:2")
+    plan = r.plan_units(s, [set_unit("a", "old"), set_unit("b", "old", ready=False)])
+    assert sorted((a.kind, a.unit) for a in plan.actions) == [("create", None), ("drain", "b")]
+
+
+def simulate(
+    s: dict[str, Any], units: list[dict[str, Any]], steps: int = 60
+) -> list[dict[str, int]]:
+    """Apply plans step by step; new units turn Ready one step after creation, a
+    draining unit reports Drained one step after the drain began. Returns a trace."""
+    h = cur(s)
+    trace = []
+    counter = 0
+    for _ in range(steps):
+        for u in units:  # the world moves: units start and drains finish
+            if u["spec"]["draining"] and u["status"]["phase"] != "Drained":
+                u["status"].update(phase="Drained", ready=False)
+            elif u["status"]["phase"] == "Starting":
+                u["status"].update(phase="Ready", ready=True)
+        plan = r.plan_units(s, units)
+        for a in plan.actions:
+            if a.kind == "create":
+                counter += 1
+                units.append(set_unit(f"n{counter}", h, ready=False))
+            elif a.kind == "drain":
+                next(u for u in units if u["metadata"]["name"] == a.unit)["spec"]["draining"] = True
+                next(u for u in units if u["metadata"]["name"] == a.unit)["status"]["ready"] = False
+            elif a.kind == "delete":
+                units[:] = [u for u in units if u["metadata"]["name"] != a.unit]
+        active = [u for u in units if not u["spec"]["draining"]]
+        trace.append(
+            {
+                "ready": sum(1 for u in active if u["status"]["ready"]),
+                "pods": len(units),
+                "new": sum(
+                    1 for u in active if u["metadata"]["labels"][m.LABEL_TEMPLATE_HASH] == h
+                ),
+                "old_draining": sum(
+                    1
+                    for u in units
+                    if u["spec"]["draining"] and u["metadata"]["labels"][m.LABEL_TEMPLATE_HASH] != h
+                ),
+            }
+        )
+        if (
+            not plan.actions
+            and len(units) == s["spec"]["replicas"]
+            and all(
+                u["metadata"]["labels"][m.LABEL_TEMPLATE_HASH] == h and u["status"]["ready"]
+                for u in units
+            )
+        ):
+            return trace
+    raise AssertionError(f"rollout did not converge: {trace[-5:]}")
+
+
+@pytest.mark.parametrize(
+    ("replicas", "surge", "unavailable"),
+    [
+        (3, 1, 0),
+        (2, 2, 0),
+        (4, 0, 1),
+        (3, 1, 1),
+        (1, 1, 0),
+    ],
+)
+def test_rollout_keeps_ready_units_at_or_above_replicas_minus_max_unavailable(
+    replicas: int, surge: int, unavailable: int
+) -> None:
+    s = a_set(replicas, image="img:2", max_surge=surge, max_unavailable=unavailable)
+    units = [set_unit(f"o{i}", "old") for i in range(replicas)]
+    trace = simulate(s, units)
+    assert min(t["ready"] for t in trace) >= replicas - unavailable, trace
+    assert max(t["pods"] for t in trace) <= replicas + surge, trace
+    if unavailable == 0:
+        assert max(t["old_draining"] for t in trace) <= surge, trace
+    # New units only ever grow during a rollout.
+    news = [t["new"] for t in trace]
+    assert news == sorted(news)
+
+
+def test_default_rollout_replaces_one_unit_at_a_time() -> None:
+    s = a_set(3, image="img:2")
+    trace = simulate(s, [set_unit(f"o{i}", "old") for i in range(3)])
+    assert max(t["old_draining"] for t in trace) == 1
+    assert max(t["pods"] for t in trace) == 4
+
+
+def test_set_status_counts_and_selector() -> None:
+    s = a_set(2, image="img:2")
+    h = cur(s)
+    st = r.set_status(
+        s,
+        [set_unit("a", h), set_unit("b", "old", ready=False), set_unit("c", h, draining=True)],
+        T0,
+    )
+    assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"], st["drainingReplicas"]) == (
+        2,
+        1,
+        1,
+        1,
+    )
+    assert st["selector"] == "pdunit.dev/set=tts"
+    assert st["observedGeneration"] == 2
+
+
+def test_new_unit_is_owned_by_the_set_and_labelled_with_the_template_hash() -> None:
+    s = a_set(1)
+    s["spec"]["template"]["metadata"] = {"labels": {"team": "tts"}}
+    u = r.new_unit(s, "0123456789")
+    assert u["metadata"]["generateName"] == "tts-01234-"
+    assert u["metadata"]["labels"] == {
+        "team": "tts",
+        m.LABEL_SET: "tts",
+        m.LABEL_TEMPLATE_HASH: "0123456789",
+    }
+    assert u["metadata"]["ownerReferences"][0]["uid"] == "set-uid"
+    assert u["spec"]["draining"] is False
+
+
+def test_template_hash_changes_with_the_image_only() -> None:
+    a, b = a_set(1, image="img:1"), a_set(5, image="img:1")
+    assert cur(a) == cur(b), "replicas must not change the template hash"
+    assert cur(a) != cur(a_set(1, image="img:2"))

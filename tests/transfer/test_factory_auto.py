@@ -1,0 +1,87 @@
+"""The factory and `auto`: verified probing in order, exact failure reasons, the metric."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from pdunit.engine.transfer.base import Descriptor, PoolGeometry, TransferError
+from pdunit.engine.transfer.factory import make_receiver, make_sender
+from prometheus_client import REGISTRY
+
+from tests.proxy.conftest import start_proxy, stop
+
+GEO = PoolGeometry(n_layers=2, n_kv_heads=2, head_dim=4, dtype=torch.bfloat16, n_slots=64, page_size=1)
+
+
+def test_unknown_mode_names_the_choices():
+    with pytest.raises(TransferError, match="expected one of host, proxy, ipc, posix-fd, fabric, tcp, auto"):
+        make_receiver("nvlink", GEO, "cpu", {})
+
+
+def test_host_mode_on_a_gpu_device_is_refused():
+    with pytest.raises(TransferError, match="shared memory on the CPU"):
+        make_receiver("host", GEO, "cuda:0", {})
+
+
+def test_auto_without_proxy_reports_why_and_picks_a_verified_mode(tmp_path):
+    rx = make_receiver("auto", GEO, "cpu", {"proxy_socket": str(tmp_path / "none.sock")})
+    try:
+        offered = rx.descriptors()
+        assert [d.mode for d in offered] == ["host", "proxy", "tcp"]
+        assert "unreachable" in offered[1].params["unavailable"]
+        tx = make_sender(offered, GEO, "cpu", {"probe_all": "1"})
+        report = tx.auto_report.as_dict()
+        assert report["chosen"] == "host"
+        by_mode = {r["mode"]: r for r in report["results"]}
+        assert by_mode["proxy"]["ok"] is False and "unreachable" in by_mode["proxy"]["detail"]
+        assert by_mode["tcp"]["ok"] is True and "verified" in by_mode["tcp"]["detail"]
+        assert REGISTRY.get_sample_value("pdunit_transfer_mode_info", {"mode": "host"}) == 1
+        assert REGISTRY.get_sample_value("pdunit_transfer_mode_info", {"mode": "tcp"}) == 0
+        tx.close()
+    finally:
+        rx.close()
+
+
+def test_auto_skips_a_mode_whose_probe_fails_and_takes_the_next(tmp_path):
+    proc, sock = start_proxy(tmp_path)
+    rx = make_receiver("auto", GEO, "cpu", {"proxy_socket": sock})
+    try:
+        offered = [d for d in rx.descriptors() if d.mode != "host"]
+        broken = Descriptor("proxy", {**offered[0].params, "probe_region": "r-gone"}, b"")
+        tx = make_sender([broken, offered[1]], GEO, "cpu", {"proxy_socket": sock})
+        assert tx.mode == "tcp"
+        failed = tx.auto_report.results[0]
+        assert failed.mode == "proxy" and not failed.ok and "NOT_FOUND" in failed.detail
+        # the chosen sender really writes into D's pool
+        src = torch.randn(GEO.shape()).to(GEO.dtype)
+        tx.write(1, src, np.array([3, 1]), np.array([60, 2]), int(time.time() * 1000) + 5000)
+        assert torch.equal(rx.storage[:, :, [60, 2]], src[:, :, [3, 1]])
+        tx.close()
+    finally:
+        rx.close()
+        stop(proc)
+
+
+def test_auto_with_no_working_mode_fails_with_every_reason():
+    dead = [Descriptor("tcp", {"host": "127.0.0.1", "port": "1"}),
+            Descriptor("fabric", {"unavailable": "FABRIC pool allocation failed: CUDA_ERROR_NOT_PERMITTED"})]
+    with pytest.raises(TransferError) as err:
+        make_sender(dead, GEO, "cpu", {})
+    assert "fabric: FABRIC pool allocation failed" in str(err.value)
+    assert "tcp:" in str(err.value) and "unreachable" in str(err.value)
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from pdunit.kernels.cuda_rows import compile_cubin
+
+    try:
+        cubin = compile_cubin("sm_90")
+    except RuntimeError as e:
+        if "nvrtc" in str(e).lower() and "not found" in str(e).lower():
+            pytest.skip(f"NVRTC library missing: {e}")
+        raise
+    assert cubin[:4] == b"\x7fELF"
