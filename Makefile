@@ -25,7 +25,7 @@ lock:
 # The main job: a whole unit as local processes on CPU with the tiny model, a short
 # load, the stream table and the KV check counters.
 run: install
-	$(BIN)/pdunit local --model random:tiny:0 --load-streams 6 --load-frames 105
+	$(BIN)/pdunit local --model random:tiny:0 --lb-port 0 --load-streams 6 --load-frames 105
 
 # Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected).
 test: install envtest helm

@@ -23,6 +23,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from tqdm import tqdm
+
 from pdunit.bench import report
 from pdunit.bench.playback import AUDIO_FPS, stream_timing
 from pdunit.bench.workload import (
@@ -33,8 +36,6 @@ from pdunit.bench.workload import (
     parse_range,
 )
 from pdunit.engine.settings import ConfigError, parse_config
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
-from tqdm import tqdm
 
 BENCH = "capacity"
 

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, Field
+
 from pdunit.bench import report
 from pdunit.engine.lb.validate import Limits, parse_request
 from pdunit.engine.settings import ConfigError, parse_config
-from pydantic import BaseModel, Field
 
 BENCH = "edges"
 TARGET_US = {"json": 2000.0, "binary-int32": 100.0, "binary-int64": 100.0}

@@ -135,9 +135,10 @@ class LocalUnit:
                                                "--log-level", c.log_level]))
         else:
             raise ValueError(f"mode {c.mode!r}: expected pd or monolith")
+        proxy_args = ["--proxy-socket", self.sock("proxy")] if any(n == "proxy" for n, _ in cmds) else []
         cmds.append(("lb", pdunit + ["lb", "--port", str(self.lb_port), "--host", "127.0.0.1",
                                     "--prefill-socket", p_sock, "--decode-socket", d_sock,
-                                    "--unit-name", "local", "--log-level", c.log_level]))
+                                    "--unit-name", "local", "--log-level", c.log_level] + proxy_args))
         return cmds
 
     def start(self) -> LocalUnit:
@@ -265,7 +266,10 @@ def main(argv: list[str]) -> int:
         unit.wait_ready()
         print(f"unit ready at {unit.url}  (logs: {unit.run_dir / 'logs'})", flush=True)
         if cfg.load_streams:
+            from pdunit.bench.capacity import print_report
+
             result = run_short_load(unit)
+            print_report(result)
             load = httpx.get(f"{unit.url}/v1/load", timeout=5).json()
             print(f"\nKV checks: {load.get('kv_checks_total')}  mismatches: {load.get('kv_mismatch_total')}  "
                   f"held pages: {load.get('held_pages')}  transfer: {load.get('transfer_mode')}")

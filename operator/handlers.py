@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
+from prometheus_client import Counter, Histogram
+from pydantic import ValidationError
+
 from pdunit.operator import models as m
 from pdunit.operator import reconcile as r
 from pdunit.operator.kube import Kube
 from pdunit.operator.lbapi import LbApi
-from prometheus_client import Counter, Histogram
-from pydantic import ValidationError
 
 if TYPE_CHECKING:
     from pdunit.operator.main import OperatorConfig

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
+
 from pdunit.operator import models as m
 
 MERGE = "application/merge-patch+json"

@@ -14,13 +14,14 @@ import threading
 from typing import Any
 
 import kopf
+from pydantic import BaseModel, Field
+
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging
 from pdunit.engine.settings import parse_config
 from pdunit.operator import handlers
 from pdunit.operator import models as m
 from pdunit.operator.kube import Kube
 from pdunit.operator.lbapi import LbApi
-from pydantic import BaseModel, Field
 
 
 class OperatorConfig(BaseModel):

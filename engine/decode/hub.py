@@ -38,17 +38,23 @@ class FrameHub:
                 continue
             queue.put_nowait(message)
 
-    async def subscribe(self) -> AsyncIterator[pb.StepFrames]:
+    def subscribe(self) -> AsyncIterator[pb.StepFrames]:
+        """Registers a subscriber NOW (every later message reaches it) and returns its
+        iterator, so the caller can confirm the subscription before the first message."""
         queue: asyncio.Queue[pb.StepFrames | None] = asyncio.Queue()
         self._subscribers.add(queue)
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-        finally:
-            self._subscribers.discard(queue)
+
+        async def messages() -> AsyncIterator[pb.StepFrames]:
+            try:
+                while True:
+                    item = await queue.get()
+                    if item is None:
+                        return
+                    yield item
+            finally:
+                self._subscribers.discard(queue)
+
+        return messages()
 
     def close(self) -> None:
         for queue in list(self._subscribers):

@@ -407,7 +407,9 @@ class DecodeService(pbg.DecodeServicer):
 
     async def Frames(self, request, context):  # noqa: N802
         log.info("frames subscriber connected", extra={"subscriber": request.subscriber})
-        async for message in self.engine.hub.subscribe():
+        subscription = self.engine.hub.subscribe()
+        await context.send_initial_metadata(())  # the LB knows it is subscribed from here on
+        async for message in subscription:
             yield message
 
     async def Cancel(self, request, context):  # noqa: N802

@@ -439,6 +439,7 @@ class LoadBalancer:
             ) from None
         stream.stamps["lb_submit_returned"] = now_ns()
         stream.stamps.update(reply.stamps.ns)
+        stream.prefill_tokens, stream.cached_tokens = reply.prefill_tokens, reply.cached_tokens
         if reply.status != pb.STATUS_OK:
             status, retry = SUBMIT_STATUS_HTTP.get(reply.status, (502, False))
             name = (
@@ -690,6 +691,8 @@ class FrameStreamResponse(Response):
         if "done" in trailer:
             trailer["frames"] = stream.frames_out
             trailer["request_id"] = stream.hex_id
+            trailer["prefill_tokens"] = stream.prefill_tokens
+            trailer["cached_tokens"] = stream.cached_tokens
             trailer["stages"] = dict(sorted(stream.stamps.items(), key=lambda kv: kv[1]))
         text = json.dumps(trailer).encode()
         out.append(TRAILER_MARKER + text if self.binary else text + b"\n")

@@ -61,6 +61,8 @@ class Stream:
     queue: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     frames_out: int = 0
     ended: bool = False  # D finished it or it failed: nothing more will be queued
+    prefill_tokens: int = 0  # rows P computed (from SubmitReply)
+    cached_tokens: int = 0  # rows P served from its prefix cache
 
     @property
     def hex_id(self) -> str:

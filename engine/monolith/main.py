@@ -70,7 +70,9 @@ class MonolithDecode(pbg.DecodeServicer):
         return pb.CommitReply(status=pb.INVALID, message="the monolith takes no KV transfers")
 
     async def Frames(self, request, context):  # noqa: N802
-        async for message in self.engine.hub.subscribe():
+        subscription = self.engine.hub.subscribe()
+        await context.send_initial_metadata(())  # the LB knows it is subscribed from here on
+        async for message in subscription:
             yield message
 
     async def Cancel(self, request, context):  # noqa: N802

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+
 from pdunit.bench.capacity import CapacityConfig, StreamResult, main, run_capacity, summarize_level
 from pdunit.engine.lb.main import _Server, bind_socket
 

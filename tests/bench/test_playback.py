@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from pdunit.bench.playback import play, stream_rate, stream_timing, worst_window
 
 

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 
 import pytest
+
 from pdunit.bench import report
 
 

@@ -91,7 +91,7 @@ def test_disconnecting_client_frees_its_pages(pd_unit):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert load(pd_unit.url)["decode_in_flight"] >= 1
+        wait_for(lambda: load(pd_unit.url)["decode_in_flight"] >= 1, what="the stream decoding in D")
     wait_for(lambda: load(pd_unit.url)["decode_in_flight"] == 0, what="stream cancelled in D")
     after = wait_for(lambda: (lambda x: x if x["free_pages"] == before["free_pages"] else None)(load(pd_unit.url)),
                      what="pages back in the free list")

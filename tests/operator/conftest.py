@@ -94,8 +94,9 @@ def namespace(control_plane: ControlPlane, operator: Operator, kubelet: Kubelet)
     for key, lb in list(kubelet.lbs.items()):
         if key.startswith(f"{name}/"):
             lb.in_flight = 0
-    control_plane.kubectl("delete", "-n", name, "pdunitsets,pdunits", "--all", "--wait=false",
-                          check=False)
+    control_plane.kubectl(
+        "delete", "-n", name, "pdunitsets,pdunits", "--all", "--wait=false", check=False
+    )
 
 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from pdunit.operator import crdgen
 from pdunit.operator import models as m
-from pydantic import ValidationError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from pydantic import BaseModel, ValidationError
+
 from pdunit.engine.settings import parse_config
 from pdunit.operator import models as m
 from pdunit.operator import reconcile as r
-from pydantic import BaseModel, ValidationError
-
 from tests.operator.envtest import FakeLb
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
