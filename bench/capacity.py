@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from tqdm import tqdm
 
 from pdunit.bench import report
-from pdunit.bench.playback import AUDIO_FPS, stream_timing
+from pdunit.engine.playback import AUDIO_FPS, stream_timing
 from pdunit.bench.workload import (
     StreamSpec,
     Workload,
@@ -147,6 +147,7 @@ class StreamResult:
     worst_window: float | None = None
     stalls: int = 0
     stall_s: float = 0.0
+    last_frame_s: float | None = None  # since send: with send_unix_ns, the client's end of stream
 
     @property
     def ok(self) -> bool:
@@ -233,6 +234,7 @@ async def stream_once(
     if res.frames:
         arrivals = np.repeat(np.asarray(times), np.asarray(counts))[: res.frames]
         res.arrivals = arrivals
+        res.last_frame_s = float(arrivals[-1])
         timing = stream_timing(arrivals, start_frames, fps)
         res.ttft_s, res.ttfa_s = timing.ttft_s, timing.ttfa_s
         res.rate, res.worst_window = timing.rate, timing.worst_window

@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -403,6 +404,8 @@ def _wrap(phase: str, who: str, minor: str) -> list[str]:
 
 
 def _run_phase(cfg: argparse.Namespace, phase: str, work: Path, gpus: list[dict[str, str]]) -> dict[str, Any]:
+    # A previous run's descriptor file or control socket would send P to a dead D.
+    shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     sock = str(work / "proxy.sock")
     common = ["--layers", str(cfg.layers), "--kv-heads", str(cfg.kv_heads), "--head-dim", str(cfg.head_dim),

@@ -70,6 +70,8 @@ class LocalConfig(BaseModel):
     load_requests: int = Field(0, ge=0, description="streams in the short load (0 = 2 x load_streams)")
     extra_prefill_args: list[str] = Field(default_factory=list, description="appended to P's command")
     extra_decode_args: list[str] = Field(default_factory=list, description="appended to D's command")
+    extra_lb_args: list[str] = Field(default_factory=list, description="appended to the LB's command")
+    extra_guard_args: list[str] = Field(default_factory=list, description="appended to the guard's command")
     ready_timeout_s: float = Field(120.0, gt=0, description="how long to wait for /readyz")
     log_level: str = Field("info", description="log level of every process")
 
@@ -90,6 +92,7 @@ class LocalUnit:
     run_dir: Path = field(init=False)
     children: list[Child] = field(default_factory=list)
     lb_port: int = 0
+    guard_port: int = 0
     _own_dir: bool = False
 
     def __post_init__(self) -> None:
@@ -101,6 +104,7 @@ class LocalUnit:
             self.run_dir = Path(tempfile.mkdtemp(prefix="pdu-"))
             self._own_dir = True
         self.lb_port = self.cfg.lb_port or free_port()
+        self.guard_port = free_port()
 
     @property
     def url(self) -> str:
@@ -131,8 +135,8 @@ class LocalUnit:
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
                                              "--proxy-socket", self.sock("proxy")] + common + c.extra_prefill_args))
             if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
-                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", d_sock, "--port", str(free_port()),
-                                               "--log-level", c.log_level]))
+                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", d_sock, "--port", str(self.guard_port), "--host", "127.0.0.1",
+                                               "--log-level", c.log_level] + c.extra_guard_args))
         else:
             raise ValueError(f"mode {c.mode!r}: expected pd or monolith")
         proxy_args = ["--proxy-socket", self.sock("proxy")] if any(n == "proxy" for n, _ in cmds) else []
@@ -142,17 +146,27 @@ class LocalUnit:
         return cmds
 
     def start(self) -> LocalUnit:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for name, argv in self.commands():
             log_path = self.run_dir / "logs" / f"{name}.log"
-            out = open(log_path, "ab")  # noqa: SIM115 - the child owns it
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent)
-            out.close()
-            self.children.append(Child(name, argv, proc, log_path))
-            log.info("started", extra={"process": name, "pid": proc.pid, "cmd": " ".join(argv[2:])})
+            self.children.append(Child(name, argv, _spawn(argv, log_path), log_path))
+            log.info("started", extra={"child": name, "pid": self.children[-1].proc.pid,
+                                       "cmd": " ".join(argv[2:])})
         return self
+
+    def restart(self, name: str, timeout_s: float = 10.0) -> Child:
+        """The supervisor's job in a pod (kubelet restarting a container): start `name`
+        again with the same command and log file, once its old process is gone. A child
+        still running is SIGKILLed first (its process group, so nothing of it survives)."""
+        child = self.child(name)
+        if child.proc.poll() is None:
+            _signal_group(child.proc, signal.SIGCONT)
+            _signal_group(child.proc, signal.SIGKILL)
+        child.proc.wait(timeout=timeout_s)
+        old = child.proc.returncode
+        child.proc = _spawn(child.argv, child.log_path)
+        log.warning("restarted", extra={"child": name, "pid": child.proc.pid, "previous_exit": old})
+        return child
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s or self.cfg.ready_timeout_s)
@@ -194,7 +208,7 @@ class LocalUnit:
             try:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("did not stop on SIGTERM: killing", extra={"process": child.name})
+                log.warning("did not stop on SIGTERM: killing", extra={"child": child.name})
                 _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(timeout=5)
             codes[child.name] = child.proc.returncode
@@ -213,6 +227,13 @@ class LocalUnit:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_die_with_parent)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

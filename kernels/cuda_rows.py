@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from pdunit.engine.transfer import cudadrv
 from pdunit.engine.transfer.cudadrv import check, drv
 

@@ -8,7 +8,7 @@ import sys
 from pydantic import BaseModel, Field
 
 from pdunit.engine.decode.hub import FrameHub
-from pdunit.engine.decode.worker import DecodeEngine, DecodeService, torch_setup
+from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug, torch_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.config import torch_dtype
@@ -39,6 +39,8 @@ class DecodeConfig(BaseModel):
     tcp_port: int = Field(0, ge=0, description="tcp transport: listen port (0 = any free)")
     proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
+    debug_port: int = Field(0, ge=0, description="fault injection/debug only (never in a pod): serve the pool's "
+                            "ownership map on 127.0.0.1:<port>/debug/pool (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     log_level: str = Field("info", description="log level")
 
@@ -68,7 +70,10 @@ async def serve(cfg: DecodeConfig) -> int:
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_DecodeServicer_to_server(DecodeService(engine), s), log)
     engine.loop.start()
-    tasks = [asyncio.create_task(engine.abort_loop()), asyncio.create_task(engine.probe_loop())]
+    if cfg.debug_port:
+        serve_debug(engine, cfg.debug_port)
+    tasks = [asyncio.create_task(engine.expiry_loop()), asyncio.create_task(engine.abort_loop()),
+             asyncio.create_task(engine.probe_loop())]
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "kv_bytes": geometry.bytes_for(geometry.n_slots)})
     await stop.wait()

@@ -3,14 +3,19 @@ PROTOCOL.md: pages reserved for a transfer are given to another request only aft
 proof that no write of the failed transfer can land (ABORT_ACK from P, a new P
 instance id, or the transport's own receiver state). Timeouts are never proof.
 
-Threads: the gRPC server and the abort/probe loops run on the asyncio loop; the decode
-step loop runs in its own thread (torch releases the GIL in its kernels). The pool is
-thread-safe; the batcher has its own lock.
+Threads: the gRPC server and the expiry/abort/probe loops run on the asyncio loop; the
+decode step loop runs in its own thread (torch releases the GIL in its kernels). The
+pool is thread-safe; the batcher has its own lock.
+
+`--debug-port` (never set in a pod) serves the pool's ownership map (request -> state,
+pages) as JSON on loopback, so the fault-injection suite can check where a late write
+would land.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -317,37 +322,52 @@ class DecodeEngine:
             self._update_gauges()
         return True
 
-    # ------------------------------------------------------------------ abort + probe loops
+    # ------------------------------------------------------------------ expiry, abort + probe loops
     def _p_stub(self) -> pbg.PrefillStub:
         if self._p_channel is None:
             self._p_channel = channel(self.prefill_socket)
         return pbg.PrefillStub(self._p_channel)
 
+    async def expiry_loop(self, interval_s: float = 0.05) -> None:
+        """Fails reservations past their deadline. Its own loop: the client's error must
+        not wait behind ABORTs to a stopped P."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.expire_reservations()
+
     async def abort_loop(self) -> None:
-        """Re-sends ABORT for every held request until proof (PROTOCOL.md 3.4)."""
+        """Re-sends ABORT for every held request until proof (PROTOCOL.md 3.4), all held
+        requests at once, so one unanswered ABORT does not delay the others."""
         while True:
             await asyncio.sleep(self.abort_resend_s)
-            self.expire_reservations()
-            for rid in list(self.held):
-                if self.receiver.receiver_quiesced(rid):
-                    self.release_held(rid, Proof.RECEIVER_STATE)
-                    continue
-                held = self.held.get(rid)
-                if held is None:
-                    continue
-                m.D_ABORTS_SENT.inc()
-                try:
-                    reply = await self._p_stub().Abort(
-                        pb.AbortRequest(request_id=rid, identity=pb.Identity(
-                            sender_instance=self.instance_id, receiver_instance=held.p_instance,
-                            budget_ms=int(self.abort_resend_s * 1000))),
-                        timeout=max(0.5, self.abort_resend_s * 2))
-                except grpc.aio.AioRpcError:
-                    continue  # P unreachable or stopped: not a proof, keep re-sending
-                if reply.ack:
-                    self.release_held(rid, Proof.ABORT_ACK)
-                else:
-                    self.observe_p_instance(reply.instance_id)
+            held = list(self.held.values())
+            if held:
+                await asyncio.gather(*(self._abort_once(h) for h in held))
+
+    async def _abort_once(self, held: Held) -> None:
+        rid = held.request_id
+        if self.receiver.receiver_quiesced(rid):
+            self.release_held(rid, Proof.RECEIVER_STATE)
+            return
+        m.D_ABORTS_SENT.inc()
+        try:
+            reply = await self._p_stub().Abort(
+                pb.AbortRequest(request_id=rid, identity=pb.Identity(
+                    sender_instance=self.instance_id, receiver_instance=held.p_instance,
+                    budget_ms=int(self.abort_resend_s * 1000))),
+                timeout=max(0.5, self.abort_resend_s * 2))
+        except grpc.aio.AioRpcError:
+            return  # P unreachable or stopped: not a proof, keep re-sending
+        if reply.instance_id and held.p_instance and reply.instance_id != held.p_instance:
+            # Another P answered: the writer of this request is gone. Proof (b), never an
+            # ACK: a new P cannot vouch for writes of the old one.
+            self.observe_p_instance(reply.instance_id)
+            if held.p_instance != self.p_instance:
+                self.release_held(rid, Proof.NEW_INSTANCE)
+        elif reply.ack:
+            self.release_held(rid, Proof.ABORT_ACK)
+        else:
+            self.observe_p_instance(reply.instance_id)
 
     async def probe_loop(self) -> None:
         """Learns P's instance id even with no traffic (a draining D must not wait for a
@@ -361,6 +381,19 @@ class DecodeEngine:
             await asyncio.sleep(self.probe_interval_s)
 
     # ------------------------------------------------------------------ info
+    def ownership(self) -> dict:
+        """Debug view (--debug-port): every request owning pages, its state and pages."""
+        requests = {}
+        for rid in self.pool.requests():
+            try:
+                requests[f"{rid:016x}"] = {"state": self.pool.state_of(rid).name.lower(),  # type: ignore[union-attr]
+                                           "pages": self.pool.pages_of(rid).tolist()}
+            except (KeyError, AttributeError):
+                continue  # released meanwhile
+        return {"instance_id": self.instance_id, "p_instance": self.p_instance,
+                "page_size": self.pool.page_size, "pool_pages": self.pool.n_pages, "requests": requests,
+                "stats": self.pool.stats()}
+
     def info(self) -> pb.InfoReply:
         with self._lock:
             ids = list(self.reservations) + list(self.held)
@@ -417,6 +450,30 @@ class DecodeService(pbg.DecodeServicer):
 
     async def Info(self, request, context):  # noqa: N802
         return self.engine.info()
+
+
+def serve_debug(engine: DecodeEngine, port: int) -> None:
+    """GET /debug/pool on 127.0.0.1:`port`: the ownership map. Fault-injection only."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path != "/debug/pool":
+                self.send_error(404, "only /debug/pool")
+                return
+            body = json.dumps(engine.ownership()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, name="decode-debug", daemon=True).start()
+    log.warning("debug endpoint on: pool ownership is readable", extra={"port": port})
 
 
 def torch_setup(threads: int) -> None:

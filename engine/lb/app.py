@@ -51,6 +51,7 @@ from pdunit.engine.lb.validate import (
     parse_request,
 )
 from pdunit.engine.observability import now_ns
+from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 log = logging.getLogger("pdunit.lb")
@@ -488,9 +489,30 @@ class LoadBalancer:
             extra["ttft_ms"] = round(ttft * 1000, 3)
         if outcome in NORMAL_END:
             self.metrics.observe_stages(stamps)
+            self._observe_playback(stream, extra)
             log.info("stream ended", extra=extra)
         else:
             log.warning("stream failed", extra=extra)
+
+    def _observe_playback(self, stream: Stream, extra: dict[str, Any]) -> None:
+        if not stream.frame_out_ns or "lb_received" not in stream.stamps:
+            return
+        arrivals = np.repeat(
+            (np.asarray(stream.frame_out_ns, dtype=np.int64) - stream.stamps["lb_received"]) / 1e9,
+            stream.frame_out_counts,
+        )
+        timing = stream_timing(arrivals, self.config.start_frames)
+        if timing.ttfa_s is not None:
+            self.metrics.ttfa_seconds.observe(timing.ttfa_s)
+            extra["ttfa_ms"] = round(timing.ttfa_s * 1000, 3)
+        if timing.rate is not None:
+            self.metrics.stream_rate.observe(timing.rate)
+            extra["rate_fps"] = round(timing.rate, 2)
+        if timing.worst_window is not None:
+            self.metrics.stream_worst_window.observe(timing.worst_window)
+        if timing.playback.stalls:
+            self.metrics.stutters.inc()
+            extra["stalls"] = timing.playback.stalls
 
     def _reject(
         self, exc: StreamStartError, client_rid: str, request_id: int | None = None
@@ -683,6 +705,8 @@ class FrameStreamResponse(Response):
         if frames:
             stream.stamps.setdefault("lb_first_frame_out", now)
             stream.stamps["lb_last_frame_out"] = now
+            stream.frame_out_ns.append(now)
+            stream.frame_out_counts.append(frames)
         stream.frames_out += frames
         if frames:
             self.lb.metrics.frames.inc(frames)

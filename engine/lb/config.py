@@ -51,6 +51,7 @@ class LBConfig(BaseModel):
         description="longest silence between two frames of a stream before it fails",
     )
     cancel_timeout_ms: int = Field(1000, ge=1, description="deadline of Cancel RPCs to P and D")
+    start_frames: int = Field(9, ge=1, description="frames before playback starts (TTFA, stutter metrics)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 503/429 answers")
     shutdown_timeout_s: float = Field(
         30.0,

@@ -70,6 +70,31 @@ class LBMetrics:
             buckets=STAGE_BUCKETS,
             registry=registry,
         )
+        # What the listener hears, per completed stream (the playback model of
+        # BENCHMARKS.md section 1, on the LB's frame-out times).
+        self.ttfa_seconds = Histogram(
+            "pdunit_lb_ttfa_seconds",
+            "LB receive -> the first start_frames frames written (first playable audio)",
+            buckets=STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.stream_rate = Histogram(
+            "pdunit_lb_stream_rate_frames_per_second",
+            "Per-stream frame rate from first to last frame",
+            buckets=(10, 21, 30, 42, 50, 60, 80, 100, 150, 200, 400),
+            registry=registry,
+        )
+        self.stream_worst_window = Histogram(
+            "pdunit_lb_stream_worst_window_frames",
+            "Per-stream fewest frames written in any 1-second window",
+            buckets=(5, 10, 21, 30, 42, 50, 60, 80, 100, 150, 200),
+            registry=registry,
+        )
+        self.stutters = Counter(
+            "pdunit_lb_stutter_streams_total",
+            "Completed streams whose playback stalled at least once",
+            registry=registry,
+        )
         self.frames = Counter(
             "pdunit_lb_frames_total",
             "Frames written to clients",

@@ -61,6 +61,8 @@ class Stream:
     queue: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     frames_out: int = 0
     ended: bool = False  # D finished it or it failed: nothing more will be queued
+    frame_out_ns: list[int] = field(default_factory=list)  # one entry per write: (time, frames)
+    frame_out_counts: list[int] = field(default_factory=list)
     prefill_tokens: int = 0  # rows P computed (from SubmitReply)
     cached_tokens: int = 0  # rows P served from its prefix cache
 

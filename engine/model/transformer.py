@@ -11,22 +11,30 @@ Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
 (Qwen3's qk-norm) and RoPE (rotate-half) -> residual, RMSNorm -> SwiGLU -> residual;
 final RMSNorm; one linear head per codebook.
 
-Paged attention here is the torch CPU reference: K/V rows are gathered from the pool by
-`context_slots`. Context entry j of a sequence is its token at position j, so a new token
-at position p attends to entries j <= p. A GPU kernel replaces `_paged_attention` later
-behind the same `forward`.
+Two paths behind the same `forward`:
+- the torch reference (CPU, and any float32/float64 model): K/V rows are gathered from
+  the pool by `context_slots`. Context entry j of a sequence is its token at position j,
+  so a new token at position p attends to entries j <= p. Every CPU test and the
+  PD-vs-monolith frame identity rely on this path; it must stay bit-for-bit as it is.
+- the GPU path (a CUDA model in bf16/fp16, `gpu_path` says whether it is taken): the
+  same math through Triton kernels (kernels/paged_attention.py for decode rows,
+  kernels/prefill_attention.py for multi-token rows, kernels/fused_ops.py for norms,
+  RoPE + KV store and SwiGLU) and fused q|k|v and gate|up projections, about ten launches
+  per layer. `decode_step` is its capture-safe decode-only form, which
+  engine/model/cuda_graphs.py records per batch size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pdunit.engine.model.config import ModelConfig, torch_dtype
 from torch import nn
+
+from pdunit.engine.model.config import ModelConfig, torch_dtype
 
 
 @dataclass
@@ -207,6 +215,26 @@ def _paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: _AttentionPl
     return out
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _FusedWeights:
+    qkv: list[torch.Tensor]  # per layer [(Hq + 2 Hkv) * D, hidden]
+    gate_up: list[torch.Tensor]  # per layer [2 * ffn_hidden, hidden]
+
+
+@torch.no_grad()
+def _fuse_rows(linears: list[Linear]) -> torch.Tensor:
+    fused = torch.cat([m.weight.data for m in linears], dim=0)
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = fused[row : row + n]
+        row += n
+    return fused
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -281,6 +309,11 @@ class TTSModel(nn.Module):
         self.register_buffer("rope_cos", ang.cos().to(dev, rope_dt), persistent=False)
         self.register_buffer("rope_sin", ang.sin().to(dev, rope_dt), persistent=False)
         self._uniform_vocab = len(set(c.vocab_sizes)) == 1
+        # GPU path state: "triton" takes the kernels for a CUDA bf16/fp16 model,
+        # "reference" forces the torch reference there (baselines, tests).
+        self.attention_backend = "triton"
+        self._fused: _FusedWeights | None = None
+        self._sm_count = 0
 
     @property
     def device(self) -> torch.device:
@@ -298,6 +331,8 @@ class TTSModel(nn.Module):
         each sequence's LAST new token: [n_seqs, C, V_max] float32 (columns with a smaller
         vocab padded with -inf)."""
         self._check(batch, kv)
+        if self.gpu_path:
+            return self._forward_gpu(batch, kv)
         c = self.config
         t = batch.tokens.shape[0]
         x = self.embed(batch.tokens + self.codebook_offsets).sum(dim=1)  # [T, hidden]
@@ -310,6 +345,146 @@ class TTSModel(nn.Module):
         assert int(last[-1]) == t - 1
         h = self.norm(x[last])
         flat = self.head(h).float()  # [n, sum(vocab)]
+        n = h.shape[0]
+        if self._uniform_vocab:
+            return flat.view(n, c.n_codebooks, c.vocab_sizes[0])
+        out = flat.new_full((n, c.n_codebooks, c.vocab_max), float("-inf"))
+        offset = 0
+        for j, v in enumerate(c.vocab_sizes):
+            out[:, j, :v] = flat[:, offset : offset + v]
+            offset += v
+        return out
+
+    # ------------------------------------------------------------------ GPU path
+    @property
+    def gpu_path(self) -> bool:
+        """True when `forward` runs the Triton kernels: a CUDA model in bf16 or fp16 with
+        attention_backend "triton". Otherwise the torch reference runs (CPU always)."""
+        return (
+            self.device.type == "cuda"
+            and self.dtype in _HALF_DTYPES
+            and self.attention_backend == "triton"
+        )
+
+    def sm_count(self) -> int:
+        if not self._sm_count:
+            self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return self._sm_count
+
+    def fused_weights(self) -> _FusedWeights:
+        """q|k|v and gate|up weights in one matrix each, built once: the separate
+        Linear weights become row views of them (no second copy in memory), so the
+        state dict, loaders and the reference path see the same values."""
+        if self._fused is None:
+            qkv, gate_up = [], []
+            for layer in self.layers:
+                a, m = layer.attn, layer.mlp
+                qkv.append(_fuse_rows([a.q_proj, a.k_proj, a.v_proj]))
+                gate_up.append(_fuse_rows([m.gate_proj, m.up_proj]))
+            self._fused = _FusedWeights(qkv, gate_up)
+        return self._fused
+
+    def _forward_gpu(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        from pdunit.kernels.paged_attention import (
+            build_slot_table,
+            choose_splits,
+            paged_decode_attention,
+        )
+        from pdunit.kernels.prefill_attention import paged_prefill_attention, prefill_plan
+
+        dev = self.device
+        tokens = batch.tokens.to(dev, non_blocking=True)
+        positions = batch.positions.to(dev, non_blocking=True)
+        write_slots = batch.write_slots.to(dev, non_blocking=True)
+        qlens = batch.query_lens
+        starts = np.concatenate([[0], np.cumsum(qlens)[:-1]]).astype(np.int64)
+        dec = [i for i, n in enumerate(qlens) if n == 1]
+        pre = [i for i, n in enumerate(qlens) if n > 1]
+        ctx = batch.context_slots
+        n_kv = self.config.n_kv_heads
+        if dec:
+            table, lengths = build_slot_table([ctx[i] for i in dec])
+            splits = choose_splits(len(dec), n_kv, self.sm_count(), int(table.shape[1]))
+            table, lengths = table.to(dev, non_blocking=True), lengths.to(dev, non_blocking=True)
+        if not pre:
+            return self.decode_step(tokens, positions, write_slots, table, lengths, kv, splits)
+        plan = prefill_plan([qlens[i] for i in pre], [ctx[i] for i in pre], starts[pre].tolist())
+        pf = {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
+        dec_rows = torch.from_numpy(starts[dec]).to(dev, non_blocking=True) if dec else None
+
+        def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            paged_prefill_attention(
+                q, kv_layer, pf["table"], pf["ctx_len"], pf["q_len"], pf["q_start"],
+                pf["max_q_len"], out,
+            )
+            if dec_rows is not None:
+                o = paged_decode_attention(q[dec_rows], kv_layer, table, lengths, splits)
+                out.index_copy_(0, dec_rows, o)
+            return out
+
+        h = self._gpu_layers(tokens, positions, write_slots, kv, attend)
+        last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
+        return self._gpu_logits(h[last])
+
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        table: torch.Tensor,
+        lengths: torch.Tensor,
+        kv: torch.Tensor,
+        n_splits: int,
+    ) -> torch.Tensor:
+        """The GPU decode step on device tensors only (no host sync, no host copies: safe
+        to capture in a CUDA graph): one new token per sequence, tokens [B, C] int64,
+        positions and write_slots [B] int64 (a negative slot writes no K/V: padding),
+        table int32 [B, W] and lengths int32 [B] (the new token included). Returns the
+        logits [B, C, V_max] float32."""
+        from pdunit.kernels.paged_attention import paged_decode_attention
+
+        def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+            return paged_decode_attention(q, kv_layer, table, lengths, n_splits)
+
+        return self._gpu_logits(self._gpu_layers(tokens, positions, write_slots, kv, attend))
+
+    def _gpu_layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        kv: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Every layer, then the final norm, for every row: [T, hidden]. Each residual
+        add is fused with the norm that follows it."""
+        from pdunit.kernels.fused_ops import add_rms_norm, qk_norm_rope_store, rms_norm, silu_mul
+
+        c = self.config
+        w = self.fused_weights()
+        t = tokens.shape[0]
+        eps = c.rms_eps
+        x = self.embed(tokens + self.codebook_offsets).sum(dim=1)
+        h = rms_norm(x, self.layers[0].attn_norm.weight, eps)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            a = layer.attn
+            q = qk_norm_rope_store(
+                F.linear(h, w.qkv[i]), a.q_norm.weight, a.k_norm.weight, eps,
+                self.rope_cos, self.rope_sin, positions, write_slots, kv[i],
+                c.n_heads, c.n_kv_heads, c.head_dim,
+            )
+            o = attend(q, kv[i]).view(t, c.n_heads * c.head_dim)
+            x, h = add_rms_norm(x, F.linear(o, a.o_proj.weight), layer.mlp_norm.weight, eps)
+            m = F.linear(silu_mul(F.linear(h, w.gate_up[i])), layer.mlp.down_proj.weight)
+            following = self.layers[i + 1].attn_norm.weight if i + 1 < n else self.norm.weight
+            x, h = add_rms_norm(x, m, following, eps)
+        return h
+
+    def _gpu_logits(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        flat = self.head(h).float()
         n = h.shape[0]
         if self._uniform_vocab:
             return flat.view(n, c.n_codebooks, c.vocab_sizes[0])

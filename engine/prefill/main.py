@@ -14,7 +14,7 @@ from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.submit import serve_submit
-from pdunit.engine.prefill.worker import PrefillEngine, PrefillService
+from pdunit.engine.prefill.worker import FaultInjection, PrefillEngine, PrefillService
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import parse_config
 
@@ -40,6 +40,15 @@ class PrefillConfig(BaseModel):
     transfer_chunk_delay_ms: float = Field(0.0, ge=0, description="fault injection: pause between chunks")
     proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
     tcp_connections: int = Field(4, gt=0, description="tcp transport: parallel connections")
+    fault_corrupt_id: int = Field(-1, ge=-1, description="fault injection (never in a pod): flip a bit in the KV "
+                                  "rows sent for prompts whose row 0 column 0 is this id (-1 = off)")
+    fault_slow_id: int = Field(-1, ge=-1, description="fault injection: such prompts' writes pause mid-transfer "
+                               "for --fault-slow-ms (-1 = off)")
+    fault_slow_ms: int = Field(0, ge=0, description="fault injection: the pause of --fault-slow-id writes")
+    fault_wedge_id: int = Field(-1, ge=-1, description="fault injection: such prompts' writes never complete and "
+                                "cannot be cancelled, so their aborts stay held (-1 = off)")
+    fault_tcp_relay: str = Field("", description="fault injection: host:port the tcp transport connects to "
+                                 "instead of D's address (a relay that can stall)")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     log_level: str = Field("info", description="log level")
@@ -56,8 +65,11 @@ async def serve(cfg: PrefillConfig) -> int:
         model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
         PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,
         {"proxy_socket": cfg.proxy_socket, "tcp_connections": str(cfg.tcp_connections),
-         "chunk_tokens": str(cfg.transfer_chunk_tokens), "chunk_delay_s": str(cfg.transfer_chunk_delay_ms / 1000)},
+         "chunk_tokens": str(cfg.transfer_chunk_tokens), "chunk_delay_s": str(cfg.transfer_chunk_delay_ms / 1000),
+         "tcp_chunk_tokens": str(cfg.transfer_chunk_tokens)},
         cfg.kv_check_sample, cfg.max_held_aborts, cfg.held_abort_grace_ms / 1000, cfg.transfer_deadline_ms,
+        FaultInjection(cfg.fault_corrupt_id, cfg.fault_slow_id, cfg.fault_slow_ms, cfg.fault_wedge_id,
+                       cfg.fault_tcp_relay),
     )
     stop = shutdown_event(log)
     loop = asyncio.get_running_loop()

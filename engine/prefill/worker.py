@@ -9,6 +9,12 @@ instance id) is the proof D needs for all of them.
 
 Threads: gRPC handlers on the asyncio loop; the forward + transfer loop in one worker
 thread, talking to D over a synchronous channel.
+
+Fault injection (`FaultInjection`, flags `--fault-*`, never set in a pod): requests
+whose prompt row 0 column 0 carries a chosen id get a flipped bit in the rows sent
+(D's checksum must catch it), a write paused across its deadline, or a wedged write
+that never reports completion (P can never prove quiescence for it, so its abort stays
+held). The fault-injection suite (tests/faults/) drives these.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -49,6 +56,25 @@ class PeerMismatch(RuntimeError):
     """P and D disagree on the model or pool geometry: no transfer can be correct."""
 
 
+@dataclass(frozen=True)
+class FaultInjection:
+    """Faults P injects into its own transfers, chosen by the id in prompt row 0 column 0
+    (-1 = off). Only the fault-injection suite sets them."""
+
+    corrupt_id: int = -1        # flip one bit of the rows written (D's KV check must fail)
+    slow_id: int = -1           # write half the rows, pause `slow_ms`, then the rest
+    slow_ms: int = 0
+    wedge_id: int = -1          # the write never completes and cannot be cancelled
+    tcp_relay: str = ""         # host:port the tcp transport connects to instead of D's address
+
+    def kind(self, prompt: np.ndarray) -> str:
+        first = int(prompt[0, 0])
+        for kind, marker in (("corrupt", self.corrupt_id), ("slow", self.slow_id), ("wedge", self.wedge_id)):
+            if marker >= 0 and first == marker:
+                return kind
+        return ""
+
+
 class PrefillEngine:
     def __init__(
         self,
@@ -65,6 +91,7 @@ class PrefillEngine:
         max_held_aborts: int = 3,
         held_abort_grace_s: float = 1.0,
         transfer_deadline_ms: int = 0,
+        faults: FaultInjection | None = None,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
         self.model = model
@@ -80,6 +107,10 @@ class PrefillEngine:
         self.max_held_aborts = max_held_aborts
         self.held_abort_grace_s = held_abort_grace_s
         self.transfer_deadline_ms = transfer_deadline_ms
+        self.faults = faults or FaultInjection()
+        self.wedged: set[int] = set()  # fault injection: writes that never complete
+        self.transfer_deadlines: dict[int, int] = {}  # request id -> deadline sent in RESERVE
+        self.cancel_reasons: dict[int, tuple[int, str]] = {}  # why an active job was cancelled
         self.d_instance = ""
         self.sender: KVSender | None = None
         self._d: pbg.DecodeStub | None = None
@@ -111,6 +142,12 @@ class PrefillEngine:
             raise PeerMismatch(f"D pool dtype {g.dtype} != P dtype {self.storage.dtype}")
         geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, self.storage.dtype, g.n_slots, g.page_size)
         offered = [Descriptor(t.mode, dict(t.params), t.handle) for t in hello.transports]
+        if self.faults.tcp_relay:
+            host, _, port = self.faults.tcp_relay.rpartition(":")
+            for d in offered:
+                if d.mode == "tcp":
+                    d.params.update(host=host, port=port)
+            log.warning("fault injection: tcp transport goes through a relay", extra={"relay": self.faults.tcp_relay})
         if self.sender is not None:
             self.sender.close()
         self.sender = make_sender(offered if self.transfer == "auto" else
@@ -127,23 +164,31 @@ class PrefillEngine:
         self.scheduler.put(job)
         m.P_QUEUE.set(len(self.scheduler))
 
-    def cancel(self, request_id: int) -> bool:
+    def cancel(self, request_id: int, status: int = pb.CANCELLED, reason: str = "cancelled by the client") -> bool:
         job = self.scheduler.cancel(request_id)
         if job is not None:
-            self._finish(job, pb.CANCELLED, "cancelled by the client")
+            self._finish(job, status, reason)
             return True
         with self._lock:
             job = self.active.get(request_id)
             if job is not None:
                 job.cancelled = True
+                self.cancel_reasons[request_id] = (status, reason)
         if job is not None and self.sender is not None:
             self.sender.quiesce(request_id)
         return job is not None
 
     def abort(self, request: pb.AbortRequest) -> pb.AbortReply:
         rid = request.request_id
-        self.cancel(rid)
+        addressed = request.identity.receiver_instance
+        if addressed and addressed != self.instance_id:
+            # Meant for an earlier P (D has not seen this instance yet): this process never
+            # wrote that request, and our id in the reply is D's proof (b) for it.
+            return pb.AbortReply(ack=False, instance_id=self.instance_id)
+        self.cancel(rid, pb.TRANSFER_FAILED, "decode aborted the transfer (it failed there: deadline, checksum "
+                    "or cancel)")
         ack = self.sender.quiesce(rid) if self.sender is not None else True
+        ack = ack and rid not in self.wedged
         now = time.monotonic()
         with self._lock:
             if ack:
@@ -160,10 +205,16 @@ class PrefillEngine:
             os._exit(EXIT_HELD_ABORTS)
         return pb.AbortReply(ack=ack, instance_id=self.instance_id)
 
+    def _cancel_reason(self, request_id: int) -> tuple[int, str]:
+        with self._lock:
+            return self.cancel_reasons.get(request_id, (pb.CANCELLED, "cancelled by the client"))
+
     def _finish(self, job: PrefillJob, status: int, message: str = "", **fields: int) -> None:
         m.P_REQUESTS.labels(outcome=pb.Status.Name(status).lower()).inc()
         with self._lock:
             self.active.pop(job.request_id, None)
+            self.transfer_deadlines.pop(job.request_id, None)
+            self.cancel_reasons.pop(job.request_id, None)
         if job.done is not None:
             job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
 
@@ -172,13 +223,24 @@ class PrefillEngine:
         return pb.Identity(sender_instance=self.instance_id, receiver_instance=self.d_instance,
                            budget_ms=max(0, deadline_ms - int(time.time() * 1000)))
 
+    def _transfer_deadline(self, job: PrefillJob) -> int:
+        """The transfer's deadline, fixed at RESERVE: D enforces the same one (it fails
+        the reservation when the deadline passes without COMMIT)."""
+        deadline = job.deadline_unix_ms
+        if self.transfer_deadline_ms:
+            deadline = min(deadline or 2**62, int(time.time() * 1000) + self.transfer_deadline_ms)
+        return deadline
+
     def _reserve(self, job: PrefillJob) -> pb.ReserveReply:
         assert self._d is not None
         rows = len(job.prompt)
+        deadline = self._transfer_deadline(job)
+        with self._lock:
+            self.transfer_deadlines[job.request_id] = deadline
         for attempt in range(2):
             reply = self._d.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
-                deadline_unix_ms=job.deadline_unix_ms, identity=self._identity(job.deadline_unix_ms)),
+                deadline_unix_ms=deadline, identity=self._identity(deadline)),
                 timeout=5.0)
             if reply.status != pb.STALE_INSTANCE or attempt:
                 return reply
@@ -197,7 +259,7 @@ class PrefillEngine:
             with self._lock:
                 self.active[job.request_id] = job
             if job.cancelled:
-                self._finish(job, pb.CANCELLED, "cancelled")
+                self._finish(job, *self._cancel_reason(job.request_id))
                 continue
             if job.deadline_unix_ms and now_ms > job.deadline_unix_ms:
                 self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued in prefill")
@@ -246,14 +308,14 @@ class PrefillEngine:
         assert self.sender is not None and self._d is not None and frame is not None
         rid = job.request_id
         if job.cancelled:
-            self._finish(job, pb.CANCELLED, "cancelled before the transfer")
+            status, reason = self._cancel_reason(rid)
+            self._finish(job, status, f"{reason}, before the write started")
             return
         job.stamps["transfer_start"] = now_ns()
-        deadline = job.deadline_unix_ms
-        if self.transfer_deadline_ms:
-            deadline = min(deadline or 2**62, int(time.time() * 1000) + self.transfer_deadline_ms)
+        with self._lock:
+            deadline = self.transfer_deadlines.get(rid) or self._transfer_deadline(job)
         try:
-            self.sender.write(rid, self.storage, lease.slots, dst, deadline)
+            self._write(job, lease.slots, dst, deadline)
         except TransferError as exc:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
             try:  # D holds the pages and sends ABORT; our quiesce answers it
@@ -283,6 +345,32 @@ class PrefillEngine:
             self._finish(job, reply.status, reply.message or pb.Status.Name(reply.status))
             return
         self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt) - cached, cached_tokens=cached)
+
+    def _write(self, job: PrefillJob, src_slots: np.ndarray, dst: np.ndarray, deadline: int) -> None:
+        """The request's rows to D, with the fault injected for this request if any."""
+        assert self.sender is not None
+        rid = job.request_id
+        kind = self.faults.kind(job.prompt)
+        if not kind:
+            self.sender.write(rid, self.storage, src_slots, dst, deadline)
+            return
+        log.warning("fault injection", extra={"request_id": rid, "fault": kind})
+        if kind == "corrupt":
+            # Send a copy of the rows with one bit flipped; P's checksum is over the true rows.
+            rows = self.storage.index_select(2, torch.from_numpy(np.asarray(src_slots, dtype=np.int64)))
+            rows = rows.contiguous()
+            flat = rows.view(-1).view(torch.uint8)
+            flat[0] ^= 1
+            self.sender.write(rid, rows, np.arange(len(src_slots), dtype=np.int64), dst, deadline)
+        elif kind == "slow":
+            half = len(src_slots) // 2
+            self.sender.write(rid, self.storage, src_slots[:half], dst[:half], deadline)
+            time.sleep(self.faults.slow_ms / 1000)
+            self.sender.write(rid, self.storage, src_slots[half:], dst[half:], deadline)
+        elif kind == "wedge":
+            with self._lock:
+                self.wedged.add(rid)
+            raise TransferError(f"request {rid}: write wedged (fault injection): it never completes")
 
     # ------------------------------------------------------------------ info
     def info(self) -> pb.InfoReply:

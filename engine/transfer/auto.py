@@ -17,6 +17,7 @@ Must never write probe rows into D's pool slots.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -203,6 +204,9 @@ def probe_one(descriptor: Descriptor, geometry: PoolGeometry, device: str,
         # A probe-only offer is attached like a real one: the probe is the real test.
         usable = Descriptor(mode, {k: v for k, v in descriptor.params.items() if k != "probe_only"},
                             descriptor.handle)
+        if probe_only and "n_slots" in descriptor.params:
+            # the probe-only allocation is tiny: attach with its own slot count
+            geometry = dataclasses.replace(geometry, n_slots=int(descriptor.params["n_slots"]))
         sender = attach(usable, geometry, device, options)
         if mode == "host":
             detail = "attached to D's shared-memory pool (host mode has no probe region)"

@@ -174,9 +174,7 @@ class DirectSender(KVSender):
     def probe(self, src: torch.Tensor, src_slots: np.ndarray, request_id: int) -> tuple[int, int]:
         """Verify the mapping: D's published pattern reads back, then written rows read
         back. Returns (expected, seen) checksums of the written rows."""
-        g = self.geometry
-        view = cudadrv.tensor_view(self.probe_ptr, probe_shape(g), g.dtype, self.ordinal, owner=self)
-        seen_pattern = kv_checksum(view, np.arange(PATTERN_SLOTS))
+        seen_pattern = kv_checksum(self._read_probe(), np.arange(PATTERN_SLOTS))
         want_pattern = int(self.params.get("pattern_checksum", "-1"))
         if seen_pattern != want_pattern:
             raise TransferError(f"{self.mode}: D's probe pattern reads back as checksum {seen_pattern}, "
@@ -186,7 +184,26 @@ class DirectSender(KVSender):
             raise TransferError(f"probe writes at most {PROBE_SLOTS - PATTERN_SLOTS} rows")
         dst = np.arange(PATTERN_SLOTS, PATTERN_SLOTS + n, dtype=np.int64)
         self._copy(src, np.ascontiguousarray(src_slots, dtype=np.int64), self.probe_ptr, dst, PROBE_SLOTS)
-        return kv_checksum(src, src_slots), kv_checksum(view, dst)
+        return kv_checksum(src, src_slots), kv_checksum(self._read_probe(), dst)
+
+    def _read_probe(self) -> torch.Tensor:
+        """D's probe region, read through P's own mapping into a local tensor.
+
+        Not a torch view of the mapped pointer: torch would attribute that memory to
+        the GPU that owns it (D's) and run its kernels there, where this mapping has no
+        access rights (seen on H200: illegal address)."""
+        from pdunit.kernels import cuda_rows
+
+        g = self.geometry
+        local = torch.empty(probe_shape(g), dtype=g.dtype, device=f"cuda:{self.ordinal}")
+        plane = PROBE_SLOTS * g.row_bytes
+        c = cuda_rows.copier(self.ordinal)
+        stream = torch.cuda.current_stream(local.device).cuda_stream
+        torch.cuda.synchronize(local.device)
+        c.launch(self.probe_ptr, local.data_ptr(), None, None, PROBE_SLOTS, g.n_layers * 2,
+                 plane, plane, g.row_bytes, stream)
+        c.sync(stream)
+        return local
 
     def quiesce(self, request_id: int) -> bool:
         with self._lock:

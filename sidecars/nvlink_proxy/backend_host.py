@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import torch
+
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.model.config import torch_dtype
 from pdunit.kernels import reference

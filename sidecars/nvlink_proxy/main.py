@@ -13,9 +13,10 @@ import signal
 import threading
 from typing import Any, Literal
 
+from pydantic import BaseModel, Field
+
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging
 from pdunit.engine.settings import parse_config
-from pydantic import BaseModel, Field
 
 
 class ProxyConfig(BaseModel):

@@ -31,6 +31,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
 from pdunit.sidecars.nvlink_proxy.regions import (
@@ -42,7 +44,6 @@ from pdunit.sidecars.nvlink_proxy.regions import (
     Sessions,
     peer_creds,
 )
-from prometheus_client import Counter, Gauge, Histogram
 
 log = logging.getLogger("pdunit.proxy")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdunit.bench.playback import play, stream_rate, stream_timing, worst_window
+from pdunit.engine.playback import play, stream_rate, stream_timing, worst_window
 
 
 def test_stalls_are_counted_each_time_the_buffer_runs_dry():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from pdunit.kernels import reference
 
 pytestmark = pytest.mark.gpu

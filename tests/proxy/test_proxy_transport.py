@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import torch
+
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.transfer.base import PoolGeometry, TransferError
 from pdunit.engine.transfer.factory import make_receiver, make_sender

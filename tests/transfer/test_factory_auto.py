@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from pdunit.engine.transfer.base import Descriptor, PoolGeometry, TransferError
-from pdunit.engine.transfer.factory import make_receiver, make_sender
 from prometheus_client import REGISTRY
 
+from pdunit.engine.transfer.base import Descriptor, PoolGeometry, TransferError
+from pdunit.engine.transfer.factory import make_receiver, make_sender
 from tests.proxy.conftest import start_proxy, stop
 
 GEO = PoolGeometry(n_layers=2, n_kv_heads=2, head_dim=4, dtype=torch.bfloat16, n_slots=64, page_size=1)

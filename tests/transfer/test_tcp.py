@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.transfer import tcp
 from pdunit.engine.transfer.base import PoolGeometry, TransferError

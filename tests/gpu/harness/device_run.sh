@@ -3,6 +3,7 @@
 # make `pdunit` importable from this checkout, then run what is asked:
 #   bash tests/gpu/harness/device_run.sh smoke   # imports, kernels, a small harness run
 #   bash tests/gpu/harness/device_run.sh full    # GPU tests + the full benchmark
+#   bash tests/gpu/harness/device_run.sh bench   # the full benchmark only
 # Everything it writes for the caller goes under $OUT.
 set -uo pipefail
 MODE=${1:-smoke}
@@ -21,7 +22,7 @@ if [ "$MODE" = smoke ]; then
     --per-row-iters 1 --tcp-iters 1 --work /tmp/pdw --out "$OUT" --machine-tag smoke 2>&1 | tee "$OUT/bench_smoke.txt"
   rc=$?
 else
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs 2>&1 | tee "$OUT/pytest_gpu.txt"
+  [ "$MODE" = full ] && timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs 2>&1 | tee "$OUT/pytest_gpu.txt"
   timeout 400 python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$OUT" 2>&1 | tee "$OUT/bench_full.txt"
   rc=$?
 fi

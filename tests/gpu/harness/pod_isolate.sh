@@ -22,7 +22,7 @@ KEEP=${1:?usage: pod_isolate.sh [--pidns] MINOR|all -- cmd...}; shift
 [ "${1:-}" = "--" ] && shift
 HERE=$(cd "$(dirname "$0")" && pwd)
 if [ "${PDUNIT_ISO_INNER:-}" != 1 ]; then
-  export PDUNIT_ISO_INNER=1
+  export PDUNIT_ISO_INNER=1 PDUNIT_ISO_PIDNS=$PIDNS
   if [ $PIDNS = 1 ]; then
     exec unshare --mount --propagation private --pid --fork --kill-child --mount-proc -- \
       bash "$HERE/pod_isolate.sh" "$KEEP" -- "$@"
@@ -30,7 +30,7 @@ if [ "${PDUNIT_ISO_INNER:-}" != 1 ]; then
   exec unshare --mount --propagation private -- bash "$HERE/pod_isolate.sh" "$KEEP" -- "$@"
 fi
 unset PDUNIT_ISO_INNER CUDA_VISIBLE_DEVICES
-log() { echo "[pod_isolate keep=$KEEP pidns=$PIDNS pid=$$] $*" >&2; }
+log() { echo "[pod_isolate keep=$KEEP pidns=${PDUNIT_ISO_PIDNS:-0} pid=$$] $*" >&2; }
 
 if [ "$KEEP" != all ]; then
   # 1. a private /dev: a tmpfs copy without the other GPUs' nodes

@@ -1,0 +1,156 @@
+"""CUDA graphs for the decode step: one captured `TTSModel.decode_step` per batch bucket.
+
+Owns the static device buffers each graph reads (tokens, positions, write slots, the
+slot table and lengths), the pinned host staging that fills them, the capture, and the
+replay. A batch of n decodes runs in the smallest bucket >= n: rows n.. are padding
+(write slot -1, so their K/V is never stored; length 1; their logits are dropped).
+Contexts grow without recapture: the table is `max_context` wide and the attention
+kernel's grid depends only on the bucket (kernels/paged_attention.py).
+
+Anything a graph does not cover (a prefill row in the batch, more sequences than the
+largest bucket, a context longer than `max_context`) runs eagerly through
+`model.forward`, counted in `stats["eager"]` so a caller can export it.
+
+Must never allocate or free pool slots, sample, or change the model; the pool tensor
+and the model's weights must stay where they were at capture (a graph holds their
+addresses): build a new runner after reallocating either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdunit.engine.model.transformer import ForwardBatch, TTSModel
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class _Graph:
+    """One bucket: its graph, its static inputs, and its output."""
+
+    def __init__(self, size: int, n_codebooks: int, device: torch.device) -> None:
+        self.size = size
+        c = n_codebooks
+        # tokens [size, C] | positions [size] | write_slots [size]: one int64 buffer,
+        # filled by one host-to-device copy per step.
+        self.ints = torch.zeros(size * c + 2 * size, dtype=torch.int64, device=device)
+        self.tokens = self.ints[: size * c].view(size, c)
+        self.positions = self.ints[size * c : size * c + size]
+        self.write_slots = self.ints[size * c + size :]
+        self.write_slots.fill_(-1)
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+
+class DecodeGraphRunner:
+    """`run(batch) -> logits` with the semantics of `model.forward(batch, kv)`."""
+
+    def __init__(
+        self,
+        model: TTSModel,
+        kv: torch.Tensor,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_context: int | None = None,
+    ) -> None:
+        from pdunit.kernels.paged_attention import choose_splits
+
+        if not model.gpu_path:
+            raise ValueError(
+                "DecodeGraphRunner needs the model's GPU path: a CUDA model in bfloat16 or "
+                f"float16 with attention_backend 'triton' (got device {model.device}, dtype "
+                f"{model.dtype}, backend {model.attention_backend!r})"
+            )
+        if kv.device != model.device:
+            raise ValueError(f"kv is on {kv.device}, the model on {model.device}: put both on one GPU")
+        sizes = sorted({int(b) for b in buckets})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
+        self.model, self.kv = model, kv
+        self.max_context = int(max_context or model.config.max_positions)
+        if self.max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {self.max_context}")
+        self.sizes = sizes
+        self.stats = {"replays": 0, "eager": 0}
+        dev = model.device
+        c = model.config
+        big = sizes[-1]
+        w = self.max_context
+        # Shared by every bucket: bucket b reads rows [:b].
+        self._table = torch.zeros((big, w), dtype=torch.int32, device=dev)
+        self._lengths = torch.ones(big, dtype=torch.int32, device=dev)
+        self._table_stage = torch.empty(big * w, dtype=torch.int32, device=dev)
+        # Pinned staging: host writes, one async copy each. `_staged` orders the next
+        # step's host writes after this step's copies have read the buffers.
+        self._h_ints = torch.zeros(big * c.n_codebooks + 2 * big, dtype=torch.int64, pin_memory=True)
+        self._h_lengths = torch.ones(big, dtype=torch.int32, pin_memory=True)
+        self._h_table = torch.zeros(big * w, dtype=torch.int32, pin_memory=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        self._graphs: dict[int, _Graph] = {}
+        model.fused_weights()  # fuse before capture: a graph must not record the fusion
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(sizes):  # largest first: the others reuse its memory
+                g = _Graph(size, c.n_codebooks, dev)
+                splits = choose_splits(size, c.n_kv_heads, model.sm_count(), w)
+                args = (g.tokens, g.positions, g.write_slots, self._table[:size], self._lengths[:size], kv, splits)
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    model.decode_step(*args)  # compiles kernels, creates cuBLAS handles
+                torch.cuda.current_stream(dev).wait_stream(side)
+                with torch.cuda.graph(g.graph, pool=pool):
+                    g.logits = model.decode_step(*args)
+                self._graphs[size] = g
+        torch.cuda.synchronize(dev)
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest captured batch size >= n, or None when n is too large."""
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return None
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [n_seqs, C, V_max] float32 (a fresh tensor) of `batch`, replaying a
+        graph when every sequence has one new token and it fits a bucket and
+        max_context, else `model.forward`. Batch tensors may live on the CPU."""
+        n = len(batch.query_lens)
+        size = self.bucket_for(n)
+        longest = max((int(x.numel()) for x in batch.context_slots), default=0)
+        if size is None or longest > self.max_context or any(q != 1 for q in batch.query_lens):
+            self.stats["eager"] += 1
+            with torch.inference_mode():
+                return self.model.forward(batch, self.kv)
+        self.model._check(batch, self.kv)
+        g = self._graphs[size]
+        c = self.model.config.n_codebooks
+        self._staged.synchronize()
+        from pdunit.kernels.paged_attention import build_slot_table
+
+        # Host staging: the real rows, then the padding rows' harmless values.
+        ints = self._h_ints.numpy()
+        ints[: n * c] = batch.tokens.reshape(-1).cpu().numpy()
+        ints[n * c : size * c] = 0
+        ints[size * c : size * c + n] = batch.positions.cpu().numpy()
+        ints[size * c + n : size * c + size] = 0
+        ints[size * c + size : size * c + size + n] = batch.write_slots.cpu().numpy()
+        ints[size * c + size + n : size * c + 2 * size] = -1
+        table, lengths = build_slot_table(batch.context_slots, out=self._h_table.numpy())
+        width = int(table.shape[1])
+        h_len = self._h_lengths.numpy()
+        h_len[:n] = lengths.numpy()
+        h_len[n:size] = 1
+        with torch.inference_mode():
+            g.ints.copy_(self._h_ints[: size * c + 2 * size], non_blocking=True)
+            self._lengths[:size].copy_(self._h_lengths[:size], non_blocking=True)
+            stage = self._table_stage[: n * width]
+            stage.copy_(self._h_table[: n * width], non_blocking=True)
+            self._staged.record()
+            self._table[:n, :width].copy_(stage.view(n, width))
+            g.graph.replay()
+            self.stats["replays"] += 1
+            assert g.logits is not None
+            return g.logits[:n].clone()

@@ -1,0 +1,226 @@
+"""Fused element-wise Triton kernels of the transformer's GPU path (bf16/fp16).
+
+Owns the small per-layer steps that the torch reference spreads over dozens of kernel
+launches (a decode step of the 4B shape would otherwise launch ~2500 kernels, several
+milliseconds of launch gaps even inside a CUDA graph):
+- `rms_norm`:                y = RMSNorm(x)
+- `add_rms_norm`:            r = x + delta; y = RMSNorm(r)          (returns r, y)
+- `qk_norm_rope_store`:      per-head q/k RMSNorm + rotate-half RoPE from the model's
+                             cos/sin tables at each row's position, K and V written into
+                             the pool at `write_slots` (a negative slot writes nothing:
+                             the CUDA-graph padding rows), roped q returned
+- `silu_mul`:                silu(gate) * up from the fused [gate | up] projection
+
+Each kernel rounds to the model dtype at the same points as the torch reference in
+engine/model/transformer.py (norm output, rope output, silu output, product), computing
+in float32 in between, so the GPU path differs from the reference only by summation
+order. Must never allocate pool slots or read anything but its arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdunit.kernels.paged_attention import INTERPRET
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n_cols, eps, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(D + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        # The residual is rounded to the model dtype first, as `x + delta` does in torch.
+        r = (x + d).to(R.dtype.element_ty)
+        tl.store(R + row * stride_r + offs, r, mask=mask)
+        rf = r.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / n_cols + eps)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_y + offs, (rf * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_store_kernel(
+        QKV, QW, KW, Cos, Sin, Pos, Slots, Qout, Kpool, Vpool,
+        stride_t, stride_qo_t, stride_qo_h,
+        stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_cos,
+        eps,
+        N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)  # 0..Hq-1: a query head; Hq..Hq+Hkv-1: a kv head
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs = tl.arange(0, HALF)
+        pos = tl.load(Pos + t)
+        cos = tl.load(Cos + pos * stride_cos + offs).to(tl.float32)
+        sin = tl.load(Sin + pos * stride_cos + offs).to(tl.float32)
+        base = QKV + t * stride_t + j * HEAD_DIM  # q heads, then k heads, then v heads
+        x1 = tl.load(base + offs).to(tl.float32)
+        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+        if j < N_HEADS:
+            w1 = tl.load(QW + offs).to(tl.float32)
+            w2 = tl.load(QW + HALF + offs).to(tl.float32)
+        else:
+            w1 = tl.load(KW + offs).to(tl.float32)
+            w2 = tl.load(KW + HALF + offs).to(tl.float32)
+        dt = Qout.dtype.element_ty
+        n1 = (x1 * rstd * w1).to(dt).to(tl.float32)
+        n2 = (x2 * rstd * w2).to(dt).to(tl.float32)
+        o1 = (n1 * cos - n2 * sin).to(dt)
+        o2 = (n2 * cos + n1 * sin).to(dt)
+        if j < N_HEADS:
+            dst = Qout + t * stride_qo_t + j * stride_qo_h
+            tl.store(dst + offs, o1)
+            tl.store(dst + HALF + offs, o2)
+        else:
+            slot = tl.load(Slots + t)
+            if slot >= 0:
+                hk = j - N_HEADS
+                kdst = Kpool + slot * stride_ks + hk * stride_kh
+                tl.store(kdst + offs, o1.to(Kpool.dtype.element_ty))
+                tl.store(kdst + HALF + offs, o2.to(Kpool.dtype.element_ty))
+                vsrc = QKV + t * stride_t + (N_HEADS + N_KV_HEADS + hk) * HEAD_DIM
+                vdst = Vpool + slot * stride_vs + hk * stride_vh
+                tl.store(vdst + offs, tl.load(vsrc + offs).to(Vpool.dtype.element_ty))
+                tl.store(vdst + HALF + offs, tl.load(vsrc + HALF + offs).to(Vpool.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        g = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+        dt = Out.dtype.element_ty
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Out + row * stride_o + offs, (s * u).to(dt), mask=mask)
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _on_device(*ts: torch.Tensor) -> None:
+    dev = ts[0].device
+    for t in ts:
+        _need(
+            t.device == dev and (t.device.type == "cuda" or INTERPRET),
+            f"fused op input on {t.device}: every input must be on one CUDA device",
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] -> RMSNorm(x) * weight, in x's dtype."""
+    _on_device(x, weight)
+    _need(x.dim() == 2 and x.stride(1) == 1, f"rms_norm: x must be [T, N] row-major, got {tuple(x.shape)}")
+    y = torch.empty_like(x)
+    n = x.shape[1]
+    _rms_norm_kernel[(x.shape[0],)](
+        x, weight, y, x.stride(0), y.stride(0), n, eps,
+        BLOCK=triton.next_power_of_2(n), num_warps=8,
+    )
+    return y
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta) * weight), both [T, N] in x's dtype."""
+    _on_device(x, delta, weight)
+    _need(
+        x.shape == delta.shape and x.dim() == 2 and x.stride(1) == 1 and delta.stride(1) == 1,
+        f"add_rms_norm: x {tuple(x.shape)} and delta {tuple(delta.shape)} must be equal [T, N]",
+    )
+    r = torch.empty_like(x)
+    y = torch.empty_like(x)
+    n = x.shape[1]
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x, delta, weight, r, y, x.stride(0), delta.stride(0), r.stride(0), y.stride(0), n, eps,
+        BLOCK=triton.next_power_of_2(n), num_warps=8,
+    )
+    return r, y
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    kv_layer: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * D] (the fused projection) -> roped q [T, Hq, D]; writes the
+    normed, roped K and the raw V of row t into kv_layer[0/1][write_slots[t]] unless
+    write_slots[t] < 0. cos/sin [max_positions, D/2] float32; positions, write_slots int64."""
+    _on_device(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, write_slots, kv_layer)
+    t = qkv.shape[0]
+    _need(
+        qkv.dim() == 2 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim and qkv.stride(1) == 1,
+        f"qk_norm_rope_store: qkv has shape {tuple(qkv.shape)}, expected [T, {(n_heads + 2 * n_kv_heads) * head_dim}]",
+    )
+    _need(
+        positions.dtype == torch.int64 and write_slots.dtype == torch.int64
+        and tuple(positions.shape) == (t,) and tuple(write_slots.shape) == (t,),
+        "qk_norm_rope_store: positions and write_slots must be int64 [T]",
+    )
+    _need(cos.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(1) == 1,
+          "qk_norm_rope_store: cos/sin must be float32 [max_positions, D/2] with equal strides")
+    _need(kv_layer.stride(3) == 1 and kv_layer.shape[2:] == (n_kv_heads, head_dim),
+          f"qk_norm_rope_store: kv_layer {tuple(kv_layer.shape)} does not fit {n_kv_heads}x{head_dim}")
+    q = torch.empty((t, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k, v = kv_layer[0], kv_layer[1]
+    _qk_norm_rope_store_kernel[(t, n_heads + n_kv_heads)](
+        qkv, q_norm_weight, k_norm_weight, cos, sin, positions, write_slots, q, k, v,
+        qkv.stride(0), q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0),
+        eps,
+        N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim,
+        num_warps=1,
+    )
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2F] (gate columns first) -> silu(gate) * up [T, F]."""
+    _on_device(gate_up)
+    _need(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
+          f"silu_mul: gate_up must be [T, 2F] row-major, got {tuple(gate_up.shape)}")
+    t, f2 = gate_up.shape
+    f = f2 // 2
+    out = torch.empty((t, f), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(f, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, num_warps=4,
+    )
+    return out

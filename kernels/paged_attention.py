@@ -1,0 +1,329 @@
+"""Decode attention over the paged KV pool: a split-K (flash-decoding) Triton kernel.
+
+Owns decode attention for sequences with ONE new token each, reading K/V straight from
+the pool `[n_layers, 2, n_slots, n_kv_heads, head_dim]` (one layer's `[2, n_slots, Hkv,
+D]` view per call) through a slot table, plus the table builder and a torch reference
+with the same signature. Must never write the pool, allocate slots, or decide which
+tokens a sequence sees: the caller's table and lengths say that.
+
+Paging: a sequence's context is a row of int32 pool slots in position order, so a page
+of any size (1..16, or mixed) is just a run of consecutive entries; the kernel gathers
+one `head_dim` row per slot and never assumes two slots are adjacent.
+
+Work split: one program per (sequence, kv head, split). Its `group = Hq / Hkv` query
+heads share every K/V tile it loads (GQA: each K/V byte is read once per step), the
+query rows padded to 16 for the tensor cores. A sequence's context is cut into
+`n_splits` equal chunks, rounded up to the tile, computed on the device from its
+length: the grid depends only on (batch, n_splits), never on the context length, so a
+captured CUDA graph stays valid while contexts grow. Each split writes its partial
+output and log-sum-exp; a second kernel merges them (skipped when n_splits == 1).
+
+Half precision only (bf16/fp16 pools and queries), float32 accumulation; the torch
+reference covers every dtype and is what CPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+try:  # CPU-only installs (CI) have no usable Triton; the table code still works there.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Triton's interpreter runs the same kernels on CPU tensors (slow; for tests without a GPU).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SPLITS = 64
+# Launch configuration of the split kernel: context tokens per tile (64 x 256 B rows =
+# 16 KiB of K, and as much V, per load), warps, pipeline depth. `pdunit bench step
+# --tune` times alternatives on the device and applies the fastest for its run.
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+# ---------------------------------------------------------------- slot tables (pure torch)
+
+
+def build_slot_table(
+    context_slots: Sequence[torch.Tensor | np.ndarray],
+    width: int | None = None,
+    out: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad per-sequence slot lists into `table` int32 [B, width] (padding: slot 0, never
+    read because `lengths` bounds every row) and `lengths` int32 [B], both on the CPU.
+    `width` defaults to the longest context; a context longer than `width`, an empty one,
+    or a slot outside int32 is an error naming the sequence. `out`, a flat int32 array
+    of at least B * width entries (a pinned staging buffer), receives the table
+    instead of a new allocation; the returned table is then a view of it."""
+    n = len(context_slots)
+    if n == 0:
+        raise ValueError("build_slot_table: no sequences")
+    arrays = [
+        c.detach().to("cpu", torch.int64).numpy() if isinstance(c, torch.Tensor) else np.asarray(c)
+        for c in context_slots
+    ]
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=n)
+    longest = int(lengths.max())
+    w = longest if width is None else int(width)
+    for i, a in enumerate(arrays):
+        if a.ndim != 1 or a.shape[0] == 0:
+            raise ValueError(f"sequence {i}: context slots must be a non-empty 1-D list")
+        if a.shape[0] > w:
+            raise ValueError(
+                f"sequence {i}: {a.shape[0]} context slots exceed the table width {w} "
+                "(raise the width: the runner's max_context)"
+            )
+    if out is None:
+        table = np.zeros((n, w), dtype=np.int32)
+    else:
+        if out.dtype != np.int32 or out.ndim != 1 or out.size < n * w:
+            raise ValueError(f"out must be a flat int32 array of >= {n * w} entries")
+        table = out[: n * w].reshape(n, w)
+    limit = np.iinfo(np.int32).max
+    # A row copy per sequence: at 256 x 4k this is a fraction of a millisecond, several
+    # times faster than one fancy-indexed scatter over every entry.
+    for i, a in enumerate(arrays):
+        k = a.shape[0]
+        if int(a.min()) < 0 or int(a.max()) > limit:
+            raise ValueError(f"sequence {i}: context slots must lie in [0, 2**31) (int32 table)")
+        table[i, :k] = a
+        if out is not None:
+            table[i, k:] = 0
+    return torch.from_numpy(table), torch.from_numpy(lengths.astype(np.int32))
+
+
+def choose_splits(batch: int, n_kv_heads: int, sm_count: int, max_context: int) -> int:
+    """Splits per sequence so that batch x kv heads x splits fills the GPU about four
+    programs deep, never splitting below one tile per split."""
+    programs = max(1, batch * n_kv_heads)
+    want = math.ceil(4 * sm_count / programs)
+    tiles = max(1, math.ceil(max_context / DECODE_CONFIG["block_n"]))
+    return int(max(1, min(want, MAX_SPLITS, tiles)))
+
+
+def reference_decode_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Torch reference: q [B, Hq, D], kv_layer [2, S, Hkv, D] -> [B, Hq, D] in q's dtype,
+    computed in float32 (float64 for float64 inputs) over the first lengths[b] slots."""
+    b, hq, d = q.shape
+    hkv = kv_layer.shape[2]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    idx = table.to(q.device, torch.int64)
+    k = kv_layer[0][idx].to(ct)  # [B, W, Hkv, D]
+    v = kv_layer[1][idx].to(ct)
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    valid = torch.arange(idx.shape[1], device=q.device)[None, :] < lengths.to(q.device)[:, None]
+    # Entries past a row's length are never read: whatever their slots hold (even inf)
+    # must not reach the result.
+    k = k.masked_fill(~valid[:, :, None, None], 0.0)
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    s = torch.einsum("bhd,bwhd->bhw", q.to(ct), k) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhw,bwhd->bhd", p, v).to(q.dtype)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, K, V, Table, Lens, Out, PartO, PartLse,
+        stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_tb,
+        stride_ob, stride_oh,
+        scale_log2e,
+        n_splits,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        hkv = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(Lens + b)
+        # Equal chunks rounded up to a whole tile, computed from the live length.
+        chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = offs_g < GROUP
+        heads = hkv * GROUP + offs_g
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        row_table = Table + b.to(tl.int64) * stride_tb
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + offs_n
+            n_mask = offs < end
+            slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(
+                K + slots[:, None] * stride_ks + hkv * stride_kh + offs_d[None, :],
+                mask=n_mask[:, None],
+                other=0.0,
+            )
+            qk = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                V + slots[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
+                mask=n_mask[:, None],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
+        # and the merge gives it zero weight.
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        if DIRECT:  # one split: the normalised output is final
+            tl.store(
+                Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(Out.dtype.element_ty),
+                mask=g_mask[:, None],
+            )
+        else:
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
+            # PartO [B, Hq, N_SPLITS, D] and PartLse [B, Hq, N_SPLITS], contiguous.
+            row = (b * (tl.num_programs(1) * GROUP) + heads) * n_splits + split
+            tl.store(PartO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+            tl.store(PartLse + row, lse, mask=g_mask)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        PartO, PartLse, Out,
+        stride_ob, stride_oh,
+        n_splits,
+        N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_mask = offs_s < n_splits
+        base = (b * N_HEADS + h) * n_splits
+        lse = tl.load(PartLse + base + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
+        w = tl.exp2(lse - m)
+        o = tl.load(
+            PartO + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None],
+            other=0.0,
+        )
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+def _check(q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> None:
+    problems = []
+    if q.dim() != 3:
+        problems.append(f"q has shape {tuple(q.shape)}, expected [batch, n_heads, head_dim]")
+    if kv_layer.dim() != 4 or kv_layer.shape[0] != 2:
+        problems.append(
+            f"kv_layer has shape {tuple(kv_layer.shape)}, expected [2, n_slots, n_kv_heads, head_dim]"
+        )
+    if problems:
+        raise ValueError("paged decode attention: " + "; ".join(problems))
+    b, hq, d = q.shape
+    hkv = kv_layer.shape[2]
+    if kv_layer.shape[3] != d or hq % hkv:
+        problems.append(
+            f"q heads/dim {hq}x{d} do not fit kv heads/dim {hkv}x{kv_layer.shape[3]} "
+            "(n_heads must be a multiple of n_kv_heads, head_dim equal)"
+        )
+    if q.dtype not in HALF_DTYPES or kv_layer.dtype != q.dtype:
+        problems.append(
+            f"dtypes q={q.dtype} kv={kv_layer.dtype}: the kernel takes bf16 or fp16, both equal "
+            "(use reference_decode_attention for others)"
+        )
+    if d & (d - 1) or d < 16:
+        problems.append(f"head_dim {d} must be a power of two >= 16")
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != b:
+        problems.append(f"table must be int32 [{b}, width], got {table.dtype} {tuple(table.shape)}")
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (b,):
+        problems.append(f"lengths must be int32 [{b}], got {lengths.dtype} {tuple(lengths.shape)}")
+    if q.stride(2) != 1 or kv_layer.stride(3) != 1 or table.stride(1) != 1:
+        problems.append("q, kv_layer and table need a contiguous last dimension")
+    for name, t in (("q", q), ("kv_layer", kv_layer), ("table", table), ("lengths", lengths)):
+        if t.device != q.device or (t.device.type != "cuda" and not INTERPRET):
+            problems.append(f"{name} is on {t.device}; every input must be on q's CUDA device")
+    if problems:
+        raise ValueError("paged decode attention: " + "; ".join(problems))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    n_splits: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] (one new token per sequence, already written into the pool) attends
+    to pool slots table[b, :lengths[b]] of kv_layer [2, S, Hkv, D]. Every length must be
+    >= 1 (the new token itself). Returns [B, Hq, D] in q's dtype. Launches only: safe to
+    capture in a CUDA graph (scratch comes from the caching allocator)."""
+    if triton is None:
+        raise RuntimeError("paged_decode_attention needs triton (pip install triton)")
+    _check(q, kv_layer, table, lengths)
+    b, hq, d = q.shape
+    hkv = kv_layer.shape[2]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = kv_layer[0], kv_layer[1]
+    if n_splits > 1:
+        part_o = torch.empty((b, hq, n_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, hq, n_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_split_kernel[(b, hkv, n_splits)](
+        q, k, v, table, lengths, out, part_o, part_lse,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        table.stride(0),
+        out.stride(0), out.stride(1),
+        scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
+        n_splits,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, DIRECT=n_splits == 1,
+        num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
+    )
+    if n_splits > 1:
+        _decode_merge_kernel[(b, hq)](
+            part_o, part_lse, out,
+            out.stride(0), out.stride(1),
+            n_splits,
+            N_HEADS=hq, HEAD_DIM=d,
+            BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
+            num_warps=4,
+        )
+    return out

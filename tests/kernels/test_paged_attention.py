@@ -1,0 +1,209 @@
+"""Paged decode attention: the slot table, the split heuristic, the torch reference
+against the model's reference attention (CPU), and the Triton kernel against the
+reference on fresh random inputs with fragmented tables (GPU; CPU via Triton's
+interpreter)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
+from pdunit.kernels.paged_attention import (
+    MAX_SPLITS,
+    build_slot_table,
+    choose_splits,
+    reference_decode_attention,
+)
+from tests.kernels import paging as paging_module
+from tests.kernels.paging import gpu, paged_slots
+
+# ------------------------------------------------------------------ slot tables (CPU)
+
+
+def test_slot_table_pads_each_sequence_to_the_longest_and_records_lengths() -> None:
+    ctx = [np.array([7, 3, 9]), torch.tensor([5], dtype=torch.int64), np.array([1, 2, 4, 8, 6])]
+    table, lengths = build_slot_table(ctx)
+    assert table.dtype == torch.int32 and lengths.dtype == torch.int32
+    assert table.tolist() == [[7, 3, 9, 0, 0], [5, 0, 0, 0, 0], [1, 2, 4, 8, 6]]
+    assert lengths.tolist() == [3, 1, 5]
+
+
+def test_slot_table_fills_a_given_staging_buffer_and_clears_stale_entries() -> None:
+    stage = np.full(64, 99, dtype=np.int32)
+    table, lengths = build_slot_table([np.array([4, 5]), np.array([6])], width=3, out=stage)
+    assert table.tolist() == [[4, 5, 0], [6, 0, 0]]
+    assert stage[:6].tolist() == [4, 5, 0, 6, 0, 0]
+    assert lengths.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize(
+    ("ctx", "width", "message"),
+    [
+        ([np.arange(5)], 4, "sequence 0: 5 context slots exceed the table width 4"),
+        ([np.arange(3), np.array([], dtype=np.int64)], None, "sequence 1: context slots must be a non-empty"),
+        ([np.array([1, -2])], None, "sequence 0: context slots must lie in [0, 2**31)"),
+        ([np.array([2**31])], None, "sequence 0: context slots must lie in [0, 2**31)"),
+    ],
+)
+def test_slot_table_rejects_bad_contexts_naming_the_sequence(ctx, width, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_slot_table(ctx, width=width)
+
+
+def test_fragmented_pages_give_distinct_slots_contiguous_only_inside_a_page() -> None:
+    rng = np.random.default_rng(0)
+    seqs = paged_slots([37, 16, 5], 16, 512, rng)
+    every = np.concatenate(seqs)
+    assert len(set(every.tolist())) == every.size
+    for s in seqs:
+        pages = s // 16
+        assert all((s[i + 1] - s[i] == 1) == (pages[i + 1] == pages[i]) for i in range(len(s) - 1))
+
+
+def test_splits_fill_the_gpu_for_small_batches_and_vanish_for_large_ones() -> None:
+    assert choose_splits(1, 8, 132, 8192) == MAX_SPLITS
+    assert choose_splits(1, 8, 132, 100) == 2  # never more splits than 64-token tiles
+    assert choose_splits(64, 8, 132, 8192) == math.ceil(4 * 132 / 512)
+    assert choose_splits(256, 8, 132, 8192) == 1
+
+
+def test_reference_decode_attention_equals_the_models_reference_attention() -> None:
+    """The kernel's reference computes what transformer._paged_attention computes for
+    decode rows (float64: only summation order differs)."""
+    rng = np.random.default_rng(1)
+    hq, hkv, d, n_slots = 8, 2, 32, 300
+    lengths = [1, 19, 64, 65]
+    ctx = paged_slots(lengths, 4, n_slots, rng)
+    kv = torch.randn(2, n_slots, hkv, d, dtype=torch.float64)
+    q = torch.randn(len(lengths), hq, d, dtype=torch.float64)
+    batch = ForwardBatch.from_sequences([np.zeros((1, 11), np.int64)] * len(ctx), ctx)
+    want = _paged_attention(q, kv, _plan(batch, torch.device("cpu")))
+    table, lens = build_slot_table(ctx)
+    got = reference_decode_attention(q, kv, table, lens)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the kernel
+
+INTERPRETED_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    torch.set_num_threads(1)
+    from pdunit.kernels.paged_attention import build_slot_table, paged_decode_attention, reference_decode_attention
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    worst = 0.0
+    for page, splits, (hq, hkv) in [(1, 1, (4, 2)), (16, 3, (8, 2)), (4, 2, (4, 4))]:
+        lengths = [1, 70, 33]
+        ctx = paged_slots(lengths, page, 512, rng)
+        kv = torch.randn(2, 512, hkv, 32).half()
+        q = torch.randn(3, hq, 32).half()
+        table, lens = build_slot_table(ctx, width=130)
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, kv, table, lens, splits, out=out)
+        ref = reference_decode_attention(q.double(), kv.double(), table, lens)
+        assert torch.isfinite(out).all(), "unwritten output rows"
+        worst = max(worst, float((out.double() - ref).norm() / ref.norm()))
+    print("worst", worst)
+    assert worst < 2e-3, worst
+    """
+)
+
+
+def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:
+    """The same kernel source, run by Triton's interpreter on CPU tensors (fp16: the
+    interpreter's bf16 dot is wrong). Runs from tmp_path: the repo root would shadow
+    the stdlib `operator` module with the operator/ folder."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)
+    script = inspect.getsource(paging_module) + INTERPRETED_CHECK
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (16, 16, 64), (8, 1, 128)])
+def test_decode_kernel_matches_the_reference_on_fragmented_pages(dtype, page_size, hq, hkv, d) -> None:
+    from pdunit.kernels.paged_attention import paged_decode_attention
+
+    rng = np.random.default_rng(page_size * 1000 + hq)
+    dev = torch.device("cuda")
+    n_slots = 8192
+    lengths = [1, 2, 63, 64, 65, 700, 2049, 17]
+    ctx = paged_slots(lengths, page_size, n_slots, rng)
+    kv = torch.randn(2, n_slots, hkv, d, device=dev).to(dtype)
+    table, lens = build_slot_table(ctx, width=2100)
+    table, lens = table.to(dev), lens.to(dev)
+    ref = None
+    for splits in (1, 3, MAX_SPLITS):
+        q = torch.randn(len(lengths), hq, d, device=dev).to(dtype)
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, kv, table, lens, splits, out=out)
+        ref = reference_decode_attention(q.double(), kv.double(), table, lens)
+        assert torch.isfinite(out).all(), f"unwritten rows with {splits} splits"
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < 1e-2, f"{splits} splits: relative error {err}"
+
+
+@gpu
+def test_decode_kernel_reads_only_the_first_length_slots_of_each_row() -> None:
+    """Slots past a row's length hold poison (inf) in the pool: it must not leak in."""
+    from pdunit.kernels.paged_attention import paged_decode_attention
+
+    dev = torch.device("cuda")
+    kv = torch.randn(2, 1024, 8, 128, device=dev).bfloat16()
+    kv[:, 1000:] = float("inf")
+    rng = np.random.default_rng(3)
+    ctx = [rng.permutation(1000)[:n] for n in (5, 300)]
+    table, lens = build_slot_table(ctx, width=512)
+    table[:, 300:] = 1000  # beyond every length: poison slots
+    table[0, 5:] = 1001
+    q = torch.randn(2, 32, 128, device=dev).bfloat16()
+    out = paged_decode_attention(q, kv, table.to(dev), lens.to(dev), 4)
+    assert torch.isfinite(out).all()
+    ref = reference_decode_attention(q.double(), kv.double(), table.to(dev), lens.to(dev))
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@gpu
+def test_decode_kernel_rejects_a_float32_pool_naming_the_fix() -> None:
+    from pdunit.kernels.paged_attention import paged_decode_attention
+
+    dev = torch.device("cuda")
+    kv = torch.randn(2, 16, 2, 64, device=dev)
+    q = torch.randn(1, 4, 64, device=dev)
+    table, lens = build_slot_table([np.arange(3)])
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        paged_decode_attention(q, kv, table.to(dev), lens.to(dev), 1)
+
+
+def test_sdpa_reference_and_kernel_reference_agree_on_gqa_grouping() -> None:
+    """Query head h reads kv head h // group in both references (a mix-up between
+    repeat_interleave and repeat would pass every other CPU test)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 16, dtype=torch.float64)
+    kv = torch.randn(2, 10, 2, 16, dtype=torch.float64)
+    table, lens = build_slot_table([np.arange(10)])
+    got = reference_decode_attention(q, kv, table, lens)
+    k = kv[0].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = kv[1].transpose(0, 1)[None]
+    want = F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(got, want)

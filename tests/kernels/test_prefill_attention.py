@@ -1,0 +1,125 @@
+"""Fused prefill attention over the paged pool: whole prompts, prompts after a cached
+prefix, several sequences in one launch, fragmented pages; against the torch reference
+(GPU; CPU via Triton's interpreter), and the reference against the model's own."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
+from pdunit.kernels.prefill_attention import prefill_plan, reference_prefill_attention
+from tests.kernels import paging as paging_module
+from tests.kernels.paging import gpu, paged_slots
+
+
+def packed_case(
+    q_lens: list[int], ctx_lens: list[int], page: int, n_slots: int, seed: int
+) -> tuple[list[np.ndarray], list[int], int]:
+    """Context slots per sequence, each sequence's first row in a packed q with one
+    unused row before, between and after the sequences, and the packed row count."""
+    ctx = paged_slots(ctx_lens, page, n_slots, np.random.default_rng(seed))
+    starts, row = [], 1
+    for n in q_lens:
+        starts.append(row)
+        row += n + 1
+    return ctx, starts, row
+
+
+def test_prefill_reference_equals_the_models_reference_attention() -> None:
+    """Cached prefix + new rows, and a whole prompt: the kernel's reference computes the
+    model's reference attention (float64)."""
+    q_lens, ctx_lens = [5, 12], [20, 12]
+    ctx = paged_slots(ctx_lens, 4, 256, np.random.default_rng(0))
+    batch = ForwardBatch.from_sequences(
+        [np.zeros((n, 11), np.int64) for n in q_lens], ctx
+    )
+    q = torch.randn(sum(q_lens), 8, 32, dtype=torch.float64)
+    kv = torch.randn(2, 256, 2, 32, dtype=torch.float64)
+    want = _paged_attention(q, kv, _plan(batch, torch.device("cpu")))
+    plan = prefill_plan(q_lens, ctx, [0, 5])
+    got = reference_prefill_attention(
+        q, kv, plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_prefill_plan_rejects_more_new_rows_than_context() -> None:
+    with pytest.raises(ValueError, match="1 <= q_len <= ctx_len"):
+        prefill_plan([4], [np.arange(3)], [0])
+
+
+INTERPRETED_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    torch.set_num_threads(1)
+    from pdunit.kernels.prefill_attention import paged_prefill_attention, prefill_plan, reference_prefill_attention
+    rng = np.random.default_rng(5)
+    q_lens, ctx_lens = [70, 3, 2], [70, 100, 2]
+    ctx = paged_slots(ctx_lens, 16, 512, rng)
+    starts = [1, 72, 76]
+    plan = prefill_plan(q_lens, ctx, starts)
+    q = torch.randn(79, 4, 32).half()
+    kv = torch.randn(2, 512, 2, 32).half()
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, kv, plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"], plan["max_q_len"], out)
+    ref = reference_prefill_attention(q.double(), kv.double(), plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"])
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)])
+    assert torch.isfinite(out[rows]).all(), "unwritten rows"
+    assert torch.isnan(out[0]).all() and torch.isnan(out[71]).all(), "wrote a row of no sequence"
+    err = float((out[rows].double() - ref[rows]).norm() / ref[rows].norm())
+    print("err", err)
+    assert err < 2e-3, err
+    """
+)
+
+
+def test_prefill_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)
+    script = inspect.getsource(paging_module) + INTERPRETED_CHECK
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8)])
+def test_prefill_kernel_matches_the_reference_on_fragmented_pages(dtype, page_size, hq, hkv) -> None:
+    from pdunit.kernels.prefill_attention import paged_prefill_attention
+
+    dev = torch.device("cuda")
+    # whole prompt, cached prefix + chunk, tiny chunk after a long prefix, 2 new rows
+    q_lens, ctx_lens = [300, 129, 3, 2], [300, 1000, 2000, 2]
+    ctx, starts, t = packed_case(q_lens, ctx_lens, page_size, 8192, seed=page_size + hq)
+    plan = prefill_plan(q_lens, ctx, starts)
+    dplan = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
+    kv = torch.randn(2, 8192, hkv, 128, device=dev).to(dtype)
+    q = torch.randn(t, hq, 128, device=dev).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(
+        q, kv, dplan["table"], dplan["ctx_len"], dplan["q_len"], dplan["q_start"],
+        dplan["max_q_len"], out,
+    )
+    ref = reference_prefill_attention(
+        q.double(), kv.double(), dplan["table"], dplan["ctx_len"], dplan["q_len"], dplan["q_start"]
+    )
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens, strict=True)]).to(dev)
+    assert torch.isfinite(out[rows]).all(), "unwritten rows"
+    gaps = torch.tensor([s - 1 for s in starts] + [t - 1], device=dev)
+    assert torch.isnan(out[gaps]).all(), "wrote rows that belong to no sequence"
+    err = float((out[rows].double() - ref[rows]).norm() / ref[rows].norm())
+    assert err < 1e-2, err
