@@ -38,6 +38,8 @@ class EdgesConfig(BaseModel):
     vocab: int = Field(1024, ge=2, description="id range of every column")
     iterations: int = Field(2000, ge=10, description="timed iterations per case")
     seed: int = Field(0, description="prompt seed")
+    others: bool = Field(True, description="also time the router decision and KEDA GetMetrics")
+    units: int = Field(100, ge=1, description="units behind the router and the scaler")
     out: str = Field(
         "", description="results: a .json path or a folder (default name); empty = no files"
     )
@@ -105,7 +107,31 @@ def run_edges(config: EdgesConfig | dict[str, Any] | None = None) -> dict[str, A
         )
     summary = {f"lb_validate_pack_{r['format']}_median_us": r["median_us"] for r in rows}
     summary["all_within_target"] = all(r["within_target"] for r in rows)
+    if cfg.others:
+        rows += other_edges(cfg.units)
+        for r in rows[len(cases):]:
+            summary[f"{r['edge']}_{r['format'].replace(' ', '_')}_p99_us"] = r["p99_us"]
     return {"bench": BENCH, "config": cfg.model_dump(), "rows": rows, "summary": summary}
+
+
+def other_edges(n_units: int) -> list[dict[str, Any]]:
+    """The router's decision and KEDA's GetMetrics with `n_units` units (no targets: reported)."""
+    from pdunit.bench.router_bench import run as run_router
+    from pdunit.bench.scaler_bench import bench_scaler
+
+    router = run_router(n_units=n_units, n_requests=50_000, print_table=False)["rows"][0]
+    out = [{
+        "edge": "router_decision", "format": f"{n_units} units", "iterations": router["n"],
+        "median_us": router["p50_us"], "p99_us": router["p99_us"], "mean_us": router["mean_us"],
+        "target_median_us": None, "within_target": None,
+    }]
+    for row in bench_scaler(n_units, requests=100)["rows"]:
+        out.append({
+            "edge": "keda_get_metrics", "format": f"{n_units} units {row['case']}", "iterations": row["requests"],
+            "median_us": round(row["p50_ms"] * 1000, 1), "p99_us": round(row["p99_ms"] * 1000, 1),
+            "target_median_us": None, "within_target": None,
+        })
+    return out
 
 
 COLUMNS = [
