@@ -561,7 +561,10 @@ class Scenario:
                                    f"(bound {self.cfg.error_bound_s}s)")
 
     def _recovered(self, rec: FaultRecord, proofs_before: dict[str, float], expect_proof: str | None) -> None:
-        """Held pages back to 0, released only with proof of the expected kind."""
+        """Held pages back to 0, released only with proof of the expected kind (with tcp
+        D's own receiver state, proof (c), comes first for every kind)."""
+        if expect_proof and self.cfg.transfer == "tcp":
+            expect_proof = "receiver_state"
         t = time.monotonic()
         self.unit.wait(lambda: self.unit.d_info().held_pages == 0, self.cfg.recover_timeout_s,
                        f"held pages back to 0 after {rec.kind}")
@@ -715,23 +718,26 @@ class Scenario:
             time.sleep(self.cfg.transfer_deadline_ms / 1000 + 0.5)
         finally:
             self.relay.flowing.set()
-        self._recovered(rec, before, None)
+        self._recovered(rec, before, "receiver_state")
         m = self.unit.d_metrics()
-        drops = {k: v for k, v in m.items() if k.startswith("pdunit_tcp_chunks_total") and "dropped" in k}
-        rec.detail["tcp_dropped_chunks"] = drops
-        rec.detail["chunks_total_delta"] = metric(m, "pdunit_tcp_chunks_total") - dropped0
-        # Replay: a late chunk of every request D released in this fault, straight to D.
+        drops = {k.split('"')[1]: v for k, v in m.items() if k.startswith("pdunit_tcp_chunks_total") and "dropped" in k}
+        rec.detail["tcp_dropped_chunks_total"] = drops
+        rec.detail["tcp_chunks_delta"] = metric(m, "pdunit_tcp_chunks_total") - dropped0
+        return rec
+
+    def replay_late_chunks(self, rec: FaultRecord) -> None:
+        """tcp: a late CHUNK of every request that failed in this fault's window, sent
+        straight to D's listener after D released its pages: D must drop each one."""
         hello = self.unit.d_hello()
         desc = next(t for t in hello.transports if t.mode == "tcp")
-        failed = [o for o in self._window_outcomes(rec) if not o.ok and o.request_id]
+        failed = [o for o in self.traffic.outcomes + self.fault_outcomes
+                  if not o.ok and o.request_id and o.t0 <= rec.t_end and o.t_end >= rec.t_start]
         for o in failed[:20]:
             reply = send_late_chunk(desc.params["host"], int(desc.params["port"]), int(o.request_id, 16),
                                     _row_bytes(hello))
-            self.stats[f"tcp_late_chunk_{reply}"] += 1
-        return rec
-
-    def _window_outcomes(self, rec: FaultRecord) -> list[Outcome]:
-        return [o for o in self.traffic.outcomes if o.t0 <= rec.t_end and o.t_end >= rec.t_start]
+            self.stats[f"tcp_late_chunk_answered_{reply}"] += 1
+            if reply not in ("aborted", "completed"):
+                self.violations.append(f"late tcp chunk of {o.request_id}: D answered {reply!r}")
 
     traffic: Traffic
 
@@ -811,6 +817,8 @@ def _drive(cfg: FaultsConfig, unit: Unit, bank: list[Prompt], kinds: list[str],
             kind = next(plan)
             rec = getattr(scenario, kind)()
             rec.t_end = time.monotonic()
+            if cfg.transfer == "tcp":
+                scenario.replay_late_chunks(rec)
             scenario.faults.append(rec)
             log.info("fault done", extra={"kind": kind, **rec.detail})
             time.sleep(0.2)

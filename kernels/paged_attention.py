@@ -45,7 +45,12 @@ MAX_SPLITS = 64
 # Launch configuration of the split kernel: context tokens per tile (64 x 256 B rows =
 # 16 KiB of K, and as much V, per load), warps, pipeline depth. `pdunit bench step
 # --tune` times alternatives on the device and applies the fastest for its run.
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+# `head_major` launches the kv heads of one (sequence, split) next to each other, so the
+# programs reading the 8 x 256 B head rows of one slot run together (DRAM row locality);
+# `programs_per_sm` sets how many programs the split heuristic aims for per SM.
+DECODE_CONFIG: dict[str, int] = {
+    "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 4,
+}
 
 
 # ---------------------------------------------------------------- slot tables (pure torch)
@@ -86,24 +91,26 @@ def build_slot_table(
         if out.dtype != np.int32 or out.ndim != 1 or out.size < n * w:
             raise ValueError(f"out must be a flat int32 array of >= {n * w} entries")
         table = out[: n * w].reshape(n, w)
-    limit = np.iinfo(np.int32).max
-    # A row copy per sequence: at 256 x 4k this is a fraction of a millisecond, several
-    # times faster than one fancy-indexed scatter over every entry.
-    for i, a in enumerate(arrays):
-        k = a.shape[0]
-        if int(a.min()) < 0 or int(a.max()) > limit:
-            raise ValueError(f"sequence {i}: context slots must lie in [0, 2**31) (int32 table)")
-        table[i, :k] = a
-        if out is not None:
-            table[i, k:] = 0
+    flat = np.concatenate(arrays)
+    if int(flat.min()) < 0 or int(flat.max()) > np.iinfo(np.int32).max:
+        bad = next(i for i, a in enumerate(arrays) if a.min() < 0 or a.max() > np.iinfo(np.int32).max)
+        raise ValueError(f"sequence {bad}: context slots must lie in [0, 2**31) (int32 table)")
+    if int(lengths.min()) == w:  # every row full: one copy
+        table[:] = flat.reshape(n, w)
+    else:
+        for i, a in enumerate(arrays):
+            k = a.shape[0]
+            table[i, :k] = a
+            if out is not None:
+                table[i, k:] = 0
     return torch.from_numpy(table), torch.from_numpy(lengths.astype(np.int32))
 
 
 def choose_splits(batch: int, n_kv_heads: int, sm_count: int, max_context: int) -> int:
-    """Splits per sequence so that batch x kv heads x splits fills the GPU about four
-    programs deep, never splitting below one tile per split."""
+    """Splits per sequence so that batch x kv heads x splits fills the GPU
+    `programs_per_sm` programs deep, never splitting below one tile per split."""
     programs = max(1, batch * n_kv_heads)
-    want = math.ceil(4 * sm_count / programs)
+    want = math.ceil(DECODE_CONFIG["programs_per_sm"] * sm_count / programs)
     tiles = max(1, math.ceil(max_context / DECODE_CONFIG["block_n"]))
     return int(max(1, min(want, MAX_SPLITS, tiles)))
 
@@ -151,10 +158,15 @@ if triton is not None:
         scale_log2e,
         n_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr,
+        HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
+        HEAD_MAJOR: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        hkv = tl.program_id(1)
+        if HEAD_MAJOR:
+            hkv = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            hkv = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(Lens + b)
         # Equal chunks rounded up to a whole tile, computed from the live length.
@@ -211,7 +223,7 @@ if triton is not None:
         else:
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
             # PartO [B, Hq, N_SPLITS, D] and PartLse [B, Hq, N_SPLITS], contiguous.
-            row = (b * (tl.num_programs(1) * GROUP) + heads) * n_splits + split
+            row = (b * (N_KV * GROUP) + heads) * n_splits + split
             tl.store(PartO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
             tl.store(PartLse + row, lse, mask=g_mask)
 
@@ -305,7 +317,9 @@ def paged_decode_attention(
         part_lse = torch.empty((b, hq, n_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    _decode_split_kernel[(b, hkv, n_splits)](
+    head_major = bool(DECODE_CONFIG["head_major"])
+    grid = (hkv, b, n_splits) if head_major else (b, hkv, n_splits)
+    _decode_split_kernel[grid](
         q, k, v, table, lengths, out, part_o, part_lse,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -314,7 +328,8 @@ def paged_decode_attention(
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         n_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, DIRECT=n_splits == 1,
+        BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
+        HEAD_MAJOR=head_major,
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:

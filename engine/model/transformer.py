@@ -84,6 +84,17 @@ class ForwardBatch:
         )
 
 
+    def to(self, device: str | torch.device) -> ForwardBatch:
+        """The same batch with every tensor on `device`."""
+        return ForwardBatch(
+            tokens=self.tokens.to(device),
+            positions=self.positions.to(device),
+            write_slots=self.write_slots.to(device),
+            query_lens=list(self.query_lens),
+            context_slots=[c.to(device) for c in self.context_slots],
+        )
+
+
 def _as_int64(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(torch.int64)
@@ -333,6 +344,8 @@ class TTSModel(nn.Module):
         self._check(batch, kv)
         if self.gpu_path:
             return self._forward_gpu(batch, kv)
+        if batch.tokens.device != self.device:  # a GPU model on the reference path
+            batch = batch.to(self.device)
         c = self.config
         t = batch.tokens.shape[0]
         x = self.embed(batch.tokens + self.codebook_offsets).sum(dim=1)  # [T, hidden]
