@@ -144,22 +144,22 @@ def _tune_decode(m: TTSModel, kv: torch.Tensor, rng: np.random.Generator, cfg: S
     kv_bytes = b * ctx * 2 * c.n_kv_heads * c.head_dim * kv.element_size()
     results = []
     best = None
-    for block_n, warps, stages in [(64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 8, 3)]:
-        pa.DECODE_CONFIG.update(block_n=block_n, num_warps=warps, num_stages=stages)
+    for cand in pa.DECODE_CANDIDATES:
+        pa.DECODE_CONFIG.update(cand)
         splits = pa.choose_splits(b, c.n_kv_heads, m.sm_count(), ctx)
+        row: dict[str, Any] = {**cand, "splits": splits}
         try:
             ms = statistics.median(_events_ms(
                 lambda s=splits: pa.paged_decode_attention(q, kv[0], table, lengths, s), 20, 3))
-            row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "ms": ms,
-                   "gbps": kv_bytes / (ms * 1e-3) / 1e9}
+            row.update(ms=ms, gbps=kv_bytes / (ms * 1e-3) / 1e9)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a data point
-            row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "error": repr(exc)[:300]}
+            row["error"] = repr(exc)[:300]
         results.append(row)
         print("tune", row, flush=True)
         if "ms" in row and (best is None or row["ms"] < best["ms"]):
             best = row
     assert best is not None, "no decode kernel configuration ran"
-    pa.DECODE_CONFIG.update(block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"])
+    pa.DECODE_CONFIG.update({k: best[k] for k in pa.DECODE_CONFIG})
     return results
 
 

@@ -152,7 +152,20 @@ class LocalUnit:
             self.children.append(Child(name, argv, _spawn(argv, log_path), log_path))
             log.info("started", extra={"child": name, "pid": self.children[-1].proc.pid,
                                        "cmd": " ".join(argv[2:])})
+            if name == "proxy":
+                self._wait_proxy()  # D and P register with it at start: it must listen first
         return self
+
+    def _wait_proxy(self) -> None:
+        proc = self.child("proxy").proc
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        paths = [Path(self.sock("proxy")), Path(self.sock("proxy") + ".auth")]
+        while not all(p.exists() for p in paths):
+            if proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {proc.returncode}; its log:\n{self.tail('proxy')}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proxy sockets {[str(p) for p in paths]} absent after {self.cfg.ready_timeout_s}s")
+            time.sleep(0.05)
 
     def restart(self, name: str, timeout_s: float = 10.0) -> Child:
         """The supervisor's job in a pod (kubelet restarting a container): start `name`

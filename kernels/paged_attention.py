@@ -51,6 +51,16 @@ MAX_SPLITS = 64
 DECODE_CONFIG: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 4,
 }
+# The alternatives `--tune` times (each is checked against the reference by the GPU tests).
+DECODE_CANDIDATES: list[dict[str, int]] = [
+    dict(DECODE_CONFIG),
+    {**DECODE_CONFIG, "head_major": 0},
+    {**DECODE_CONFIG, "programs_per_sm": 8},
+    {**DECODE_CONFIG, "num_stages": 2, "programs_per_sm": 8},
+    {**DECODE_CONFIG, "block_n": 128, "num_warps": 8},
+    {**DECODE_CONFIG, "block_n": 32, "num_stages": 4, "programs_per_sm": 8},
+    {**DECODE_CONFIG, "num_warps": 8, "programs_per_sm": 8},
+]
 
 
 # ---------------------------------------------------------------- slot tables (pure torch)

@@ -160,6 +160,7 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
         # No GPU is requested, yet the proxy must see every GPU to open P's and D's
         # memory in one context (NVIDIA container runtime honours this env variable).
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+        env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
     # User env last: it may override ours on purpose (e.g. HOME), never the reverse.
     seen = {e["name"]: i for i, e in enumerate(env)}
     for item in spec.get("env") or []:
@@ -209,6 +210,8 @@ def role_command(spec: dict[str, Any], role: str) -> list[str]:
             "--port",
             port,
         ]
+        if transfer in TRANSFERS_WITH_PROXY:  # the drain's empty check asks the proxy too
+            cmd += ["--proxy-socket", PROXY_SOCKET]
     elif role == "prefill":
         cmd = [
             "pdunit",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
@@ -124,21 +125,24 @@ class DecodeGraphRunner:
             self.stats["eager"] += 1
             with torch.inference_mode():
                 return self.model.forward(batch, self.kv)
-        self.model._check(batch, self.kv)
         g = self._graphs[size]
         c = self.model.config.n_codebooks
         self._staged.synchronize()
         from pdunit.kernels.paged_attention import build_slot_table
 
+        table, lengths = build_slot_table(batch.context_slots, out=self._h_table.numpy())
+        tokens = batch.tokens.cpu().numpy()
+        positions = batch.positions.cpu().numpy()
+        write_slots = batch.write_slots.cpu().numpy()
+        self._validate(tokens, positions, write_slots, table.numpy(), lengths.numpy())
         # Host staging: the real rows, then the padding rows' harmless values.
         ints = self._h_ints.numpy()
-        ints[: n * c] = batch.tokens.reshape(-1).cpu().numpy()
+        ints[: n * c] = tokens.reshape(-1)
         ints[n * c : size * c] = 0
-        ints[size * c : size * c + n] = batch.positions.cpu().numpy()
+        ints[size * c : size * c + n] = positions
         ints[size * c + n : size * c + size] = 0
-        ints[size * c + size : size * c + size + n] = batch.write_slots.cpu().numpy()
+        ints[size * c + size : size * c + size + n] = write_slots
         ints[size * c + size + n : size * c + 2 * size] = -1
-        table, lengths = build_slot_table(batch.context_slots, out=self._h_table.numpy())
         width = int(table.shape[1])
         h_len = self._h_lengths.numpy()
         h_len[:n] = lengths.numpy()
@@ -154,3 +158,32 @@ class DecodeGraphRunner:
             self.stats["replays"] += 1
             assert g.logits is not None
             return g.logits[:n].clone()
+
+    def _validate(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        write_slots: np.ndarray,
+        table: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        """What `TTSModel._check` checks, for a decode batch, in O(batch) numpy work plus
+        one pass over the table: a bad slot would make the replay read or write outside
+        the pool."""
+        n = table.shape[0]
+        c = self.model.config.n_codebooks
+        problems = []
+        if tokens.shape != (n, c):
+            problems.append(f"tokens has shape {tokens.shape}, expected [{n}, {c}]")
+        if positions.shape != (n,) or write_slots.shape != (n,):
+            problems.append(
+                f"positions/write_slots have shapes {positions.shape}/{write_slots.shape}, expected [{n}]"
+            )
+        elif not np.array_equal(positions, lengths - 1):
+            problems.append("positions must be each sequence's last context entry (context length - 1)")
+        elif not np.array_equal(write_slots, table[np.arange(n), lengths - 1]):
+            problems.append("write_slots must equal each sequence's last context slot")
+        if int(table.max()) >= self.kv.shape[2]:
+            problems.append(f"a context slot is outside the pool [0, {self.kv.shape[2]})")
+        if problems:
+            raise ValueError("invalid forward batch: " + "; ".join(problems))

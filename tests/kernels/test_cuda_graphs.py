@@ -216,3 +216,20 @@ def test_prefill_rows_oversized_batches_and_long_contexts_run_eagerly() -> None:
     for batch in (prefill, too_many, too_long):
         assert runner.run(batch).shape[0] == len(batch.query_lens)
     assert runner.stats == {"replays": 0, "eager": 3}
+
+
+@gpu
+def test_a_batch_whose_write_slot_is_not_its_last_context_slot_is_rejected() -> None:
+    from pdunit.engine.model.cuda_graphs import DecodeGraphRunner
+
+    m = gpu_model()
+    rng = np.random.default_rng(6)
+    kv = m.new_kv_storage(1024, device="cuda")
+    runner = DecodeGraphRunner(m, kv, buckets=(2,), max_context=64)
+    batch = decode_batch([np.arange(10), np.arange(10, 30)], rng)
+    batch.write_slots = torch.tensor([9, 3])
+    with pytest.raises(ValueError, match="write_slots must equal each sequence's last context slot"):
+        runner.run(batch)
+    far = decode_batch([np.array([5, 1024])], rng)
+    with pytest.raises(ValueError, match=r"outside the pool \[0, 1024\)"):
+        runner.run(far)

@@ -207,3 +207,31 @@ def test_sdpa_reference_and_kernel_reference_agree_on_gqa_grouping() -> None:
     v = kv[1].transpose(0, 1)[None]
     want = F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("candidate", range(7))
+def test_every_tunable_launch_configuration_computes_the_same_attention(candidate) -> None:
+    """`pdunit bench step --tune` may apply any of these: each must be correct."""
+    from pdunit.kernels import paged_attention as pa
+
+    saved = dict(pa.DECODE_CONFIG)
+    pa.DECODE_CONFIG.update(pa.DECODE_CANDIDATES[candidate % len(pa.DECODE_CANDIDATES)])
+    try:
+        dev = torch.device("cuda")
+        rng = np.random.default_rng(candidate)
+        lengths = [1, 130, 2048, 77, 1000, 64]
+        ctx = paged_slots(lengths, 16, 16384, rng)
+        kv = torch.randn(2, 16384, 8, 128, device=dev).bfloat16()
+        table, lens = build_slot_table(ctx)
+        table, lens = table.to(dev), lens.to(dev)
+        q = torch.randn(len(lengths), 32, 128, device=dev).bfloat16()
+        splits = pa.choose_splits(len(lengths), 8, 132, 2048)
+        out = torch.full_like(q, float("nan"))
+        pa.paged_decode_attention(q, kv, table, lens, splits, out=out)
+        ref = reference_decode_attention(q.double(), kv.double(), table, lens)
+        assert torch.isfinite(out).all()
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+    finally:
+        pa.DECODE_CONFIG.clear()
+        pa.DECODE_CONFIG.update(saved)
