@@ -35,6 +35,7 @@ class WaterfallConfig(BaseModel):
     frames: str = Field("60", description="frames per stream (a or a-b)")
     tolerance: float = Field(0.05, gt=0, description="allowed |1 - stamped/client| at p95")
     out: str = Field("", description="results JSON path or folder (empty = do not write)")
+    plot: str = Field("", description="write the waterfall as a PNG here")
 
 
 def timeline(stream: dict[str, Any]) -> dict[str, int] | None:
@@ -111,7 +112,32 @@ def run_waterfall(cfg: WaterfallConfig, command: str | None = None) -> dict[str,
     if cfg.out:
         path = report.resolve_out(cfg.out, BENCH, results.machine)
         out["files"] = [str(p) for p in results.write(path, COLUMNS, "Request waterfall")]
+    if cfg.plot:
+        out.setdefault("files", []).append(plot_waterfall(rows, cfg.plot))
     return out
+
+
+def plot_waterfall(rows: list[dict[str, Any]], path: str) -> str:
+    """Each stage as a bar from where the previous one ended (p50 gaps, stacked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+    start = 0.0
+    for i, row in enumerate(rows):
+        ax.barh(i, row["p50_ms"], left=start, color="tab:blue")
+        ax.plot([start + row["p50_ms"], start + row["p99_ms"]], [i, i], color="tab:red", linewidth=1)
+        start += row["p50_ms"]
+    ax.set_yticks(range(len(rows)), [r["stage"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the client sent the request (bars: p50 gaps; red: to p99)")
+    ax.set_title("Request waterfall")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def print_waterfall(doc: dict[str, Any]) -> None:

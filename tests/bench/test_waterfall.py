@@ -33,8 +33,11 @@ def test_unstamped_time_fails_the_check():
     assert summary["unexplained_p95"] > 0.15
 
 
-def test_local_cpu_unit_waterfall_adds_up_within_5_percent():
-    doc = run_waterfall(WaterfallConfig(requests=10, concurrency=2, prompt_rows="100-200", frames="60"))
+def test_local_cpu_unit_waterfall_adds_up_within_5_percent(tmp_path):
+    png = tmp_path / "waterfall.png"
+    doc = run_waterfall(WaterfallConfig(requests=10, concurrency=2, prompt_rows="100-200", frames="60",
+                                        plot=str(png)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stages = {r["stage"] for r in doc["rows"]}
     for stage in ("lb_validated", "p_admitted", "prefill_end", "transfer_end", "d_committed",
                   "first_frame_step", "lb_first_frame_out", "lb_last_frame_out"):

@@ -39,6 +39,14 @@ def monolith_unit():
         yield unit
 
 
+@pytest.fixture(scope="module")
+def chunked_unit():
+    # a chunk smaller than the prompts: every prompt is split across iterations that
+    # also carry decode steps
+    with LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **SMALL)) as unit:
+        yield unit
+
+
 def run_all(url: str) -> list[tuple[list, dict]]:
     # concurrently, so streams share decode steps and prefill batches
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
@@ -59,6 +67,14 @@ def test_pd_frames_identical_to_monolith(pd_unit, monolith_unit):
     assert pd[0][0] != pd[1][0]
     # and the frames move over time (the model is not degenerate)
     assert len({tuple(f) for f in pd[1][0]}) > 1
+
+
+def test_chunked_monolith_frames_identical_to_pd(pd_unit, chunked_unit):
+    pd = run_all(pd_unit.url)
+    chunked = run_all(chunked_unit.url)
+    for (pd_frames, _), (ch_frames, ch_last) in zip(pd, chunked, strict=True):
+        assert ch_last.get("done"), ch_last
+        assert ch_frames == pd_frames
 
 
 def test_every_pd_transfer_was_checked(pd_unit):

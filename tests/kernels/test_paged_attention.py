@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
 from pdunit.kernels.paged_attention import (
+    DECODE_CANDIDATES,
     MAX_SPLITS,
     build_slot_table,
     choose_splits,
@@ -210,13 +211,13 @@ def test_sdpa_reference_and_kernel_reference_agree_on_gqa_grouping() -> None:
 
 
 @gpu
-@pytest.mark.parametrize("candidate", range(7))
+@pytest.mark.parametrize("candidate", range(len(DECODE_CANDIDATES)))
 def test_every_tunable_launch_configuration_computes_the_same_attention(candidate) -> None:
     """`pdunit bench step --tune` may apply any of these: each must be correct."""
     from pdunit.kernels import paged_attention as pa
 
     saved = dict(pa.DECODE_CONFIG)
-    pa.DECODE_CONFIG.update(pa.DECODE_CANDIDATES[candidate % len(pa.DECODE_CANDIDATES)])
+    pa.DECODE_CONFIG.update(pa.DECODE_CANDIDATES[candidate])
     try:
         dev = torch.device("cuda")
         rng = np.random.default_rng(candidate)
