@@ -501,7 +501,13 @@ def unit_status(
         "drain": drain,
     }
     problem = pod_problem(pod) if pod else None
-    lb_ready = bool(load and load.get("ready")) and not status["draining"]
+    if load is None and load_error and pod_ready(pod):
+        # One failed scrape (a busy node, a slow answer) is not a readiness change: the
+        # kubelet's probe on /readyz is the authority, so keep the LB's last answer;
+        # LoadReachable=False below says the figures are stale.
+        lb_ready = bool(old.get("ready")) and not status["draining"]
+    else:
+        lb_ready = bool(load and load.get("ready")) and not status["draining"]
     ready = pod_ready(pod) and lb_ready
 
     if draining:

@@ -356,6 +356,16 @@ def test_status_starting_names_the_unreachable_lb() -> None:
     assert cond["status"] == "False"
 
 
+def test_one_failed_scrape_keeps_a_ready_unit_ready_but_marks_the_figures_stale() -> None:
+    ready_unit = a_unit()
+    ready_unit["status"] = {"ready": True, "phase": "Ready", "inFlight": 4}
+    st = r.unit_status(ready_unit, pod(), None, "GET /v1/load: ReadTimeout", T0, port=8000)
+    assert st["ready"] is True and st["phase"] == "Ready"
+    assert st["inFlight"] == 4  # the last known figure, not a silent zero
+    cond = next(c for c in st["conditions"] if c["type"] == "LoadReachable")
+    assert cond["status"] == "False"
+
+
 def test_status_pending_shows_why_the_pod_waits() -> None:
     waiting = pod(
         "Pending",
