@@ -27,7 +27,6 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from tqdm import tqdm
 
 from pdunit.bench import report
-from pdunit.engine.playback import AUDIO_FPS, stream_timing
 from pdunit.bench.workload import (
     StreamSpec,
     Workload,
@@ -35,6 +34,7 @@ from pdunit.bench.workload import (
     arrival_times,
     parse_range,
 )
+from pdunit.engine.playback import AUDIO_FPS, stream_timing
 from pdunit.engine.settings import ConfigError, parse_config
 
 BENCH = "capacity"

@@ -41,12 +41,11 @@ import random
 import re
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +94,8 @@ class FaultsConfig(BaseModel):
     max_gap_s: float = Field(0.5, gt=0, description="longest silence between two frames of an unaffected stream")
     error_bound_s: float = Field(6.0, gt=0, description="longest request -> error time of an affected client")
     recover_timeout_s: float = Field(30.0, gt=0, description="held pages must be back to 0 within this")
-    out: str = Field("", description="write the report as JSON here")
+    out: str = Field("", description="write the full report as JSON here")
+    results: str = Field("", description="also write bench/results/<this>.json/.md (e.g. faults-20261129-cpu)")
 
 
 # ---------------------------------------------------------------------------- reference
@@ -877,7 +877,7 @@ def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.
             span = o.frame_times[-1] - o.frame_times[0]
             rate = (len(o.frame_times) - 1) / span if span > 0 else float("inf")
             rates.append(rate)
-            gaps.append(max(b - a for a, b in zip(o.frame_times, o.frame_times[1:])))
+            gaps.append(max(b - a for a, b in zip(o.frame_times, o.frame_times[1:], strict=False)))
             if rate < cfg.rate_floor_fps or gaps[-1] > cfg.max_gap_s:
                 slow_streams.append((round(rate, 1), sorted(in_window(o)), round(gaps[-1], 3)))
     if slow_streams:
@@ -929,7 +929,7 @@ def write_results(report: dict[str, Any], cfg: FaultsConfig, command: str, stem:
     """bench/results/<stem>.json and .md in the BENCHMARKS.md section 6 shape."""
     import platform
 
-    doc = {
+    doc: dict[str, Any] = {
         "bench": "faults",
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "device": cfg.device},
@@ -942,7 +942,7 @@ def write_results(report: dict[str, Any], cfg: FaultsConfig, command: str, stem:
     out.mkdir(exist_ok=True)
     jpath, mpath = out / f"{stem}.json", out / f"{stem}.md"
     jpath.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    s = doc["summary"]
+    s: dict[str, Any] = doc["summary"]
     lines = [f"# faults — {stem}", "", f"Command: `{command}`", "",
              f"Machine: {doc['machine']['cpus']} CPUs, {doc['machine']['platform']}, device {cfg.device}, "
              f"transport {cfg.transfer}", "",
@@ -973,6 +973,9 @@ def main(argv: list[str]) -> int:
     print(json.dumps(summary, indent=2, default=str))
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if cfg.results:
+        paths = write_results(report, cfg, "python -m pdunit.bench.faults " + " ".join(argv), cfg.results)
+        print("wrote", *paths)
     return 1 if report["violations"] else 0
 
 

@@ -15,30 +15,19 @@ import argparse
 import collections
 import json
 import logging
-import os
-import platform
 import random
 import sys
 import time
 from typing import Any
 
+from pdunit.bench import report
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "gpu": None,
-    }
-
-
 def _percentile(sorted_ns: list[int], q: float) -> float:
-    if not sorted_ns:
-        return float("nan")
-    index = min(len(sorted_ns) - 1, max(0, round(q * (len(sorted_ns) - 1))))
-    return sorted_ns[index] / 1000.0
+    """q in 0..1 of nanosecond samples, in microseconds (NaN for none)."""
+    value = report.percentile(sorted_ns, 100 * q)
+    return float("nan") if value is None else value / 1000.0
 
 
 def _row(kind: str, n_units: int, samples: list[int]) -> dict[str, Any]:
@@ -155,7 +144,7 @@ def run(
     }
     result = {
         "bench": "router",
-        "machine": _machine(),
+        "machine": report.machine_info(),
         "command": "pdunit bench router " + " ".join(sys.argv[1:]) if sys.argv else "",
         "config": {
             "n_units": n_units,
@@ -182,7 +171,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"router decision latency: {cfg['n_units']} units ({result['summary']['routable_units']} "
         f"routable), {cfg['n_requests']} decisions, c={cfg['load_bound_factor']}, "
         f"{cfg['vnodes']} vnodes, {int(cfg['keyed_share'] * 100)}% with a session key",
-        f"machine: {m['cpu_count']} CPUs, {m['cpu']}, Python {m['python']}",
+        f"machine: {m['cpu_count']} CPUs, {m['cpu_model']}, GPUs {m.get('gpu_count', 0)}",
         "",
         "| requests    |       n |   p50 us |   p90 us |   p99 us | p99.9 us |   max us |  mean us |",
         "|-------------|--------:|---------:|---------:|---------:|---------:|---------:|---------:|",

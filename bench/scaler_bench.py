@@ -30,6 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pdunit.bench import report
+
 
 @dataclass
 class FakeUnit:
@@ -125,9 +127,8 @@ class FakeLBFleet:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
+    """q in 0..1."""
+    return float(report.percentile(values, 100 * q) or 0.0)
 
 
 async def _bench(n_units: int, requests: int, in_flight_per_unit: int) -> dict[str, Any]:

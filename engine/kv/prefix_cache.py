@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from pdunit.engine.kv.pool import NoCapacity
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from pdunit.engine.model.config import ModelConfig, dtype_name, get_config, torch_dtype
 from pdunit.engine.model.transformer import TTSModel
 

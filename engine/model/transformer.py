@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -390,7 +391,7 @@ class TTSModel(nn.Module):
         state dict, loaders and the reference path see the same values."""
         if self._fused is None:
             qkv, gate_up = [], []
-            for layer in self.layers:
+            for layer in self._decoder_layers():
                 a, m = layer.attn, layer.mlp
                 qkv.append(_fuse_rows([a.q_proj, a.k_proj, a.v_proj]))
                 gate_up.append(_fuse_rows([m.gate_proj, m.up_proj]))
@@ -479,9 +480,10 @@ class TTSModel(nn.Module):
         t = tokens.shape[0]
         eps = c.rms_eps
         x = self.embed(tokens + self.codebook_offsets).sum(dim=1)
-        h = rms_norm(x, self.layers[0].attn_norm.weight, eps)
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
+        layers = self._decoder_layers()
+        h = rms_norm(x, layers[0].attn_norm.weight, eps)
+        n = len(layers)
+        for i, layer in enumerate(layers):
             a = layer.attn
             q = qk_norm_rope_store(
                 F.linear(h, w.qkv[i]), a.q_norm.weight, a.k_norm.weight, eps,
@@ -491,9 +493,12 @@ class TTSModel(nn.Module):
             o = attend(q, kv[i]).view(t, c.n_heads * c.head_dim)
             x, h = add_rms_norm(x, F.linear(o, a.o_proj.weight), layer.mlp_norm.weight, eps)
             m = F.linear(silu_mul(F.linear(h, w.gate_up[i])), layer.mlp.down_proj.weight)
-            following = self.layers[i + 1].attn_norm.weight if i + 1 < n else self.norm.weight
+            following = layers[i + 1].attn_norm.weight if i + 1 < n else self.norm.weight
             x, h = add_rms_norm(x, m, following, eps)
         return h
+
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def _gpu_logits(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -29,6 +29,7 @@ from multiprocessing import resource_tracker
 
 import numpy as np
 import torch
+
 from pdunit.engine.model.config import dtype_name, torch_dtype
 from pdunit.engine.transfer.base import (
     Descriptor,

@@ -5,10 +5,9 @@ drain), and the apiserver accepted every object the chart ships."""
 
 from __future__ import annotations
 
-import re
-
 import json
 import logging
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path

@@ -4,9 +4,10 @@ pinned by a naive implementation that a GPU kernel must also match."""
 from __future__ import annotations
 
 import numpy as np
-import pdunit.engine.kv.checksum as checksum_module
 import pytest
 import torch
+
+import pdunit.engine.kv.checksum as checksum_module
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.kernels.reference import copy_rows
 

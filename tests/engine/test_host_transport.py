@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.transfer.base import Descriptor, PoolGeometry, TransferError
 from pdunit.engine.transfer.host import HostReceiver, HostSender

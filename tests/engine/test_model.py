@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from pdunit.engine.model.config import CONFIGS, ModelConfig, torch_dtype
 from pdunit.engine.model.loader import load_model, save_model
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+
 from pdunit.engine.kv.pool import IllegalTransition, NoCapacity, PagePool, PageState, Proof
 
 # How to bring a fresh request 7 into each state.

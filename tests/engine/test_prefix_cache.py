@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from pdunit.engine.kv.pool import NoCapacity
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.model.loader import load_model

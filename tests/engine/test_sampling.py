@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from pdunit.engine.model.sampling import SamplingParams, is_eos, sample_frames
 
 EOS = 1023

@@ -19,15 +19,16 @@ from typing import Any
 
 import httpx
 import uvicorn
-from pdunit.engine.router.app import create_app
-from pdunit.engine.router.config import RouterConfig
-from pdunit.engine.router.discovery import StaticDiscovery, parse_static_units
-from pdunit.engine.router.table import RoutingTable
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from pdunit.engine.router.app import create_app
+from pdunit.engine.router.config import RouterConfig
+from pdunit.engine.router.discovery import StaticDiscovery, parse_static_units
+from pdunit.engine.router.table import RoutingTable
 
 
 class _QuietServer(uvicorn.Server):

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+
 from pdunit.engine.router.config import RouterConfig, check_discovery
 from pdunit.engine.router.discovery import (
     KubernetesDiscovery,

@@ -6,6 +6,7 @@ import collections
 import math
 
 import pytest
+
 from pdunit.engine.router.hashring import HashRing, key_hash, load_bound
 
 KEYS = [f"voice-{i}" for i in range(20_000)]

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from pdunit.engine.router.main import main
 
 from .routerkit import FakeUnit, run_units

@@ -6,6 +6,7 @@ import logging
 import random
 
 import pytest
+
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
 
 
