@@ -902,7 +902,7 @@ def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.
         "streams_completed": len(completed),
         "streams_failed": len(errors),
         "errors_by_code": dict(errors_by_code),
-        "faults": len(scenario.faults) + corrupt_injected * 0,
+        "faults": len(scenario.faults),
         "faults_by_kind": dict(faults_by_kind),
         "fault_requests": len(scenario.fault_outcomes),
         "kv_checks": checks,

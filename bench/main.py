@@ -11,6 +11,7 @@ import sys
 
 BENCHES: dict[str, tuple[str, str]] = {
     "capacity": ("pdunit.bench.capacity", "streaming capacity of a unit or monolith (section 1)"),
+    "compare": ("pdunit.bench.compare", "PD vs monolith variants side by side in one run (section 1)"),
     "transfer": ("pdunit.bench.transfer", "KV transfer backends, contiguous vs fragmented (section 2)"),
     "step": ("pdunit.bench.step", "decode step time vs the memory roofline (section 3)"),
     "edges": ("pdunit.bench.edges", "LB validate+pack, router decision, scaler latency (section 4)"),

@@ -1,0 +1,121 @@
+"""`pdunit bench compare`: PD against the monolith, side by side in ONE run
+(BENCHMARKS.md section 1): each variant is started as a local unit with the same model,
+the same workload and the same sweep, then stopped; one results file holds every row,
+the capacity per GPU of each variant and the ratios of the headline claims.
+
+Variants: `1p1d` (P and D on two devices, `--transfer`), `monolith-prefill-first`,
+`monolith-chunked` (one run per `--chunks` size). On CPU (the default) it is a plumbing
+check with the tiny model; on a GPU machine pass `--device cuda` and the model shape.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from pdunit.bench import report
+from pdunit.bench.capacity import COLUMNS, CapacityConfig, plot_capacity, print_report, run_capacity
+from pdunit.bench.workload import parse_list, parse_range
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.settings import parse_config
+
+BENCH = "capacity"
+
+
+class CompareConfig(BaseModel):
+    """Capacity of PD and monolith variants measured side by side in one run."""
+
+    model: str = Field("random:tiny:0", description="model spec every variant runs")
+    device: str = Field("cpu", description="cpu | cuda (P/monolith on device 0, D on device 1)")
+    transfer: str = Field("host", description="1p1d KV transport (host on CPU; ipc/proxy/auto on GPUs)")
+    variants: str = Field("1p1d,monolith-prefill-first,monolith-chunked", description="which variants")
+    chunks: str = Field("8192", description="monolith-chunked chunk sizes (comma list)")
+    concurrency: str = Field("2,4", description="closed-loop levels")
+    duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
+    prompt_rows: str = Field("1000-2000", description="prompt rows")
+    frames: str = Field("105-210", description="frames per stream")
+    voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
+    pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
+    cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
+    ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
+    out: str = Field("", description="results JSON path or folder")
+    plot: str = Field("", description="PNG: stutter share and p1 rate vs concurrency, all variants")
+
+
+def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
+    gpu = cfg.device != "cpu"
+    base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
+                log_level="warning", ready_timeout_s=cfg.ready_timeout_s,
+                device=f"{cfg.device}:0" if gpu else "cpu")
+    out: list[tuple[str, int, LocalConfig]] = []
+    for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
+        if name == "1p1d":
+            extra = ["--device", f"{cfg.device}:1"] if gpu else []
+            out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, extra_decode_args=extra, **base)))
+        elif name == "monolith-prefill-first":
+            out.append((name, 1, LocalConfig(mode="monolith", policy="prefill-first", **base)))
+        elif name == "monolith-chunked":
+            for chunk in parse_list(cfg.chunks, "chunks", int):
+                out.append((f"monolith-chunked-{chunk}", 1,
+                            LocalConfig(mode="monolith", policy="chunked", chunk_tokens=chunk, **base)))
+        else:
+            raise SystemExit(f"pdunit bench compare: unknown variant {name!r} "
+                             "(1p1d, monolith-prefill-first, monolith-chunked)")
+    return out
+
+
+def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | None]:
+    def over(a: str | None, b: str | None) -> float | None:
+        x, y = per_gpu.get(a or ""), per_gpu.get(b or "")
+        return round(x / y, 3) if x and y else None
+
+    chunked = {k: v for k, v in per_gpu.items() if k.startswith("monolith-chunked")}
+    best = max(chunked, key=lambda k: chunked[k] or 0) if chunked else None
+    return {
+        "pd_over_prefill_first": over("1p1d", "monolith-prefill-first"),
+        "pd_over_chunk_8192": over("1p1d", "monolith-chunked-8192"),
+        "pd_over_best_chunked": over("1p1d", best),
+        "best_chunked": best,
+    }
+
+
+def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    per_gpu: dict[str, float | None] = {}
+    for name, gpus, unit_cfg in variant_units(cfg):
+        print(f"== {name}: starting the unit", flush=True)
+        with LocalUnit(unit_cfg) as unit:
+            doc = run_capacity(CapacityConfig(
+                url=unit.url, concurrency=parse_list(cfg.concurrency, "concurrency", int),
+                duration=cfg.duration, prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"),
+                frames=parse_range(cfg.frames, "frames"), voice_reuse=cfg.voice_reuse,
+                mode_label=name, gpus=gpus, progress=False,
+            ), command=command)
+        print_report(doc)
+        for row in doc["rows"]:
+            row["gpus"] = gpus
+        rows += doc["rows"]
+        per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)
+    summary = {"capacity_per_gpu": per_gpu, **ratios(per_gpu)}
+    results = report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary)
+    out = results.document()
+    if cfg.out:
+        path = report.resolve_out(cfg.out, BENCH, results.machine)
+        out["files"] = [str(p) for p in results.write(path, COLUMNS, "Capacity: PD vs monolith")]
+    if cfg.plot:
+        plot_capacity(rows, cfg.plot, CapacityConfig())
+        out.setdefault("files", []).append(cfg.plot)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(CompareConfig, argv, "pdunit bench compare")
+    doc = run_compare(cfg, report.command_line(argv, prog="pdunit bench compare"))
+    print("\nsummary:", doc["summary"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

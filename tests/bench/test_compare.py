@@ -1,0 +1,34 @@
+"""`pdunit bench compare`: variants side by side in one run, ratios of the headline claims."""
+
+from __future__ import annotations
+
+import json
+
+from pdunit.bench.compare import CompareConfig, ratios, run_compare
+
+
+def test_ratios_use_capacity_per_gpu_and_the_best_chunk_size():
+    r = ratios({"1p1d": 150.0, "monolith-prefill-first": 40.0, "monolith-chunked-8192": 60.0,
+                "monolith-chunked-512": 160.0})
+    assert r["pd_over_prefill_first"] == 3.75
+    assert r["pd_over_chunk_8192"] == 2.5
+    assert r["best_chunked"] == "monolith-chunked-512"
+    assert r["pd_over_best_chunked"] == round(150 / 160, 3)
+
+
+def test_ratios_are_none_when_a_variant_has_no_capacity():
+    r = ratios({"1p1d": 10.0, "monolith-prefill-first": None})
+    assert r["pd_over_prefill_first"] is None and r["pd_over_best_chunked"] is None
+
+
+def test_compare_runs_every_variant_in_one_results_file(tmp_path):
+    out = tmp_path / "capacity.json"
+    doc = run_compare(CompareConfig(variants="1p1d,monolith-prefill-first", concurrency="1", duration=2,
+                                    prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
+                                    out=str(out)), command="test")
+    modes = {r["mode"] for r in doc["rows"]}
+    assert modes == {"1p1d", "monolith-prefill-first"}
+    assert {r["gpus"] for r in doc["rows"] if r["mode"] == "1p1d"} == {2}
+    saved = json.loads(out.read_text())
+    assert set(saved["summary"]["capacity_per_gpu"]) == modes
+    assert all(r["errors"] == 0 for r in saved["rows"])
