@@ -415,10 +415,54 @@ class LoadBalancer:
             deadline_unix_ms=deadline_ns // 1_000_000,
             stamps=pb.Stamps(ns=stream.stamps),
         )
+        remaining = max(0.001, (deadline_ns - now_ns()) / 1e9)
+        submit = asyncio.ensure_future(self.unit.prefill.Submit(req, timeout=remaining))
+        first_event = asyncio.ensure_future(stream.queue.get())
         try:
-            reply = await self.unit.prefill.Submit(
-                req, timeout=max(0.001, (deadline_ns - now_ns()) / 1e9)
-            )
+            # D may fail the transfer (and say so on the frames stream) while P is stopped
+            # and cannot answer Submit: the client hears at once (PROTOCOL.md 3.4).
+            await asyncio.wait({submit, first_event}, timeout=remaining,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if first_event.done() and isinstance(first_event.result(), StreamFailure):
+                raise self._failure(first_event.result())
+            if not submit.done():
+                # the first frame is already here (or the deadline passed): P's answer
+                # follows the commit at once; wait for it for its stamps and counts
+                await asyncio.wait({submit}, timeout=max(0.001, (deadline_ns - now_ns()) / 1e9))
+            if not submit.done():
+                raise StreamStartError(
+                    504, "deadline_exceeded",
+                    f"P did not answer within the request deadline ({self.config.request_deadline_ms} ms)",
+                )
+            reply = self._submit_reply(submit)
+            stream.stamps["lb_submit_returned"] = now_ns()
+            stream.stamps.update(reply.stamps.ns)
+            stream.prefill_tokens, stream.cached_tokens = reply.prefill_tokens, reply.cached_tokens
+            if not first_event.done():
+                await asyncio.wait({first_event}, timeout=max(0.001, (deadline_ns - now_ns()) / 1e9))
+            if not first_event.done():
+                raise StreamStartError(
+                    504, "deadline_exceeded",
+                    f"no first frame within the request deadline ({self.config.request_deadline_ms} ms)",
+                )
+            event = first_event.result()
+            if isinstance(event, StreamFailure):
+                raise self._failure(event)
+            return [event, *stream.drain_ready()]
+        finally:
+            for task in (submit, first_event):
+                if not task.done():
+                    task.cancel()
+
+    @staticmethod
+    def _failure(event: StreamFailure) -> StreamStartError:
+        status, retry = FAILURE_HTTP.get(event.code, (502, False))
+        return StreamStartError(status, event.code, event.message, retry)
+
+    def _submit_reply(self, submit: asyncio.Future) -> pb.SubmitReply:
+        """P's answer, or the StreamStartError that says why there is none."""
+        try:
+            reply = submit.result()
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -438,9 +482,6 @@ class LoadBalancer:
             raise StreamStartError(
                 502, "prefill_error", f"P's Submit failed: {code.name}: {exc.details()}"
             ) from None
-        stream.stamps["lb_submit_returned"] = now_ns()
-        stream.stamps.update(reply.stamps.ns)
-        stream.prefill_tokens, stream.cached_tokens = reply.prefill_tokens, reply.cached_tokens
         if reply.status != pb.STATUS_OK:
             status, retry = SUBMIT_STATUS_HTTP.get(reply.status, (502, False))
             name = (
@@ -451,21 +492,7 @@ class LoadBalancer:
             raise StreamStartError(
                 status, name, reply.message or f"P refused the request: {name}", retry
             )
-        try:
-            event = await asyncio.wait_for(
-                stream.queue.get(), max(0.001, (deadline_ns - now_ns()) / 1e9)
-            )
-        except TimeoutError:
-            raise StreamStartError(
-                504,
-                "deadline_exceeded",
-                f"no first frame within the request deadline "
-                f"({self.config.request_deadline_ms} ms)",
-            ) from None
-        if isinstance(event, StreamFailure):
-            status, retry = FAILURE_HTTP.get(event.code, (502, False))
-            raise StreamStartError(status, event.code, event.message, retry)
-        return [event, *stream.drain_ready()]
+        return reply
 
     def finish(self, stream: Stream, outcome: str, status: int) -> None:
         """A stream ended (any way): leave the table, cancel in P and D unless it ended normally."""

@@ -4,8 +4,9 @@ Owns the request-level job bookkeeping (which request ids have a job running, wh
 are cancelled) and the translation of every failure into a gRPC status whose message
 names the field and the fix. Authentication: a peer first connects to the auth socket
 (`<socket>.auth`); the proxy reads its SO_PEERCRED, checks the allow-list and hands out
-a session token; every RPC must carry it in metadata `x-pdunit-session`. gRPC itself
-cannot report a unix peer's credentials, hence the separate handshake.
+a session token; every RPC that registers memory, copies or cancels must carry it in
+metadata `x-pdunit-session` (InFlight, the read-only drain check, needs none). gRPC
+itself cannot report a unix peer's credentials, hence the separate handshake.
 
 Quiesce (PROTOCOL.md 3.5): `Quiesce(ids, cancel=true)` marks the ids cancelled BEFORE
 looking at running jobs, under one lock with job admission, so after a reply of
@@ -245,7 +246,8 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
         return pb.QuiesceReply(quiesced=not running, running=_pack(running))
 
     def InFlight(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.InFlightReply:
-        self._peer(context)
+        # No session needed: the LB's drain check reads request ids, copies nothing and
+        # changes nothing (and the socket is reachable only inside the pod).
         running = self.jobs.running()
         return pb.InFlightReply(request_ids=_pack(running), jobs_running=len(running))
 

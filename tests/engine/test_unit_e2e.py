@@ -150,3 +150,17 @@ def test_pdunit_local_leaves_no_process_behind(tmp_path, how):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("transfer", ["proxy", "tcp"])
+def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, monolith_unit):
+    with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **SMALL)) as unit:
+        got = [stream(unit.url, p, **params) for p, params in REQUESTS[:2]]
+        info = load(unit.url)
+    want = [stream(monolith_unit.url, p, **params) for p, params in REQUESTS[:2]]
+    for (frames, last), (mono_frames, _) in zip(got, want, strict=True):
+        assert last.get("done"), last
+        assert frames == mono_frames
+    assert info["transfer_mode"] == transfer
+    assert info["kv_checks_total"] == 2 and info["kv_mismatch_total"] == 0
+    assert info["empty"], info

@@ -179,6 +179,7 @@ class FakePrefill(pbg.PrefillServicer):
     cancels: list[int] = field(default_factory=list)
     draining: bool = False
     decode_error: int | None = None  # D reports this Status for the stream instead of frames
+    hang_s: float = 0.0  # after D's error, P answers this late (a stopped P)
 
     async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitReply:
         self.submits.append(request)
@@ -195,6 +196,8 @@ class FakePrefill(pbg.PrefillServicer):
                     message="fake D: transfer failed",
                 )
             )
+            if self.hang_s:
+                await asyncio.sleep(self.hang_s)
         else:
             self.decode.start_stream(request.request_id, request.sampling.max_frames)
         return pb.SubmitReply(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import os
 import struct
 import threading
@@ -136,6 +137,18 @@ def test_decode_failure_before_the_first_frame_is_an_http_error(start_lb, fake_u
     assert resp.status_code == 502
     assert resp.json()["error"]["code"] == "checksum_mismatch"
     assert "transfer failed" in resp.json()["error"]["message"]
+
+
+def test_decode_failure_reaches_the_client_at_once_while_prefill_cannot_answer(start_lb, fake_unit):
+    lb = start_lb()
+    fake_unit.prefill.decode_error = pb.DEADLINE_EXCEEDED
+    fake_unit.prefill.hang_s = 20.0  # P is stopped: its Submit answer comes much later
+    t0 = time.monotonic()
+    with lb.client() as c:
+        resp = c.post("/v1/tts/stream", json={"prompt": prompt(), "max_frames": 5})
+    assert time.monotonic() - t0 < 5.0
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "deadline_exceeded"
 
 
 @pytest.mark.parametrize(
