@@ -32,6 +32,7 @@ class DecodeConfig(BaseModel):
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(256, gt=0, description="streams per decode step")
+    cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode steps (GPU path only)")
     held_drain_fraction: float = Field(0.25, gt=0, le=1, description="held/pool pages above which D drains")
     abort_resend_ms: int = Field(200, gt=0, description="ABORT re-send period for held requests")
     probe_interval_ms: int = Field(500, gt=0, description="P instance-id probe period")
@@ -64,7 +65,7 @@ async def serve(cfg: DecodeConfig) -> int:
     engine = DecodeEngine(
         model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
         cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
-        cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000,
+        cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
     )
     stop = shutdown_event(log)
     server = await start_unix_server(

@@ -30,6 +30,7 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import channel
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
@@ -37,7 +38,6 @@ from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
-from pdunit.engine.prefill.runner import run_forward
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
@@ -135,6 +135,7 @@ class DecodeEngine:
         held_drain_fraction: float = 0.25,
         abort_resend_s: float = 0.2,
         probe_interval_s: float = 0.5,
+        cuda_graphs: bool = True,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
         self.model = model
@@ -149,6 +150,7 @@ class DecodeEngine:
         self.abort_resend_s = abort_resend_s
         self.probe_interval_s = probe_interval_s
         self.batcher = DecodeBatcher(model, pool, self.storage, max_batch)
+        self.step_forward = StepForward(model, self.storage, cuda_graphs, max_batch)
         self.reservations: dict[int, Reservation] = {}
         self.held: dict[int, Held] = {}
         self.p_instance = ""          # the newest P instance seen (Reserve or probe)
@@ -310,7 +312,7 @@ class DecodeEngine:
             self._update_gauges()
             return False
         t0 = time.perf_counter()
-        logits = run_forward(self.model, self.storage, entries) if entries else None
+        logits = self.step_forward(entries) if entries else None
         out = self.batcher.apply(streams, logits, new)
         self._step += 1
         self.hub.publish(step_message(self._step, out))

@@ -33,6 +33,7 @@ class MonolithConfig(BaseModel):
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(256, gt=0, description="streams per decode step")
+    cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
     max_batch_rows: int = Field(8192, gt=0, description="prefill-first: prompt rows per prefill forward")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
@@ -92,7 +93,7 @@ async def serve(cfg: MonolithConfig) -> int:
     storage = model.new_kv_storage(n_pages * cfg.page_size, device=cfg.device)
     engine = MonolithEngine(
         model, cfg.model, PagePool(n_pages, cfg.page_size), storage, FrameHub(asyncio.get_running_loop()),
-        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows,
+        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs,
     )
     stop = shutdown_event(log)
 

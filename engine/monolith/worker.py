@@ -24,6 +24,7 @@ from pdunit.engine import metrics as m
 from pdunit.engine.batching import prefill_entry
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.decode.worker import StepLoop, step_message
 from pdunit.engine.kv.pool import NoCapacity, PagePool
 from pdunit.engine.model.transformer import TTSModel
@@ -57,6 +58,7 @@ class MonolithEngine:
         chunk_tokens: int,
         max_batch: int,
         max_batch_rows: int,
+        cuda_graphs: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
@@ -72,6 +74,7 @@ class MonolithEngine:
         self.waiting = PrefillScheduler(max_batch_prompts=1 << 30, max_batch_rows=1 << 30)
         self.prefilling: list[Prefilling] = []
         self.batcher = DecodeBatcher(model, pool, storage, max_batch)
+        self.step_forward = StepForward(model, storage, cuda_graphs, max_batch)
         self._lock = threading.Lock()
         self._step = 0
         self.loop = StepLoop("monolith", self._step_once)
@@ -181,8 +184,11 @@ class MonolithEngine:
             return False
         for p, _ in plan:
             p.job.stamps.setdefault("prefill_start", now_ns())
-        entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
-        logits = run_forward(self.model, self.storage, entries) if entries else None
+        if plan:  # a mixed batch: eager
+            entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
+            logits = run_forward(self.model, self.storage, entries)
+        else:  # decode only: the same graph path as D, so the comparison is fair
+            logits = self.step_forward(entries) if entries else None
         n_dec = len(streams)
         out = self.batcher.apply(streams, logits[:n_dec] if logits is not None else None, new)
         self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
