@@ -40,6 +40,7 @@ class CompareConfig(BaseModel):
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
+    run_dir: str = Field("", description="keep each variant's sockets and process logs under <run_dir>/<variant>")
     out: str = Field("", description="results JSON path or folder")
     plot: str = Field("", description="PNG: stutter share and p1 rate vs concurrency, all variants")
 
@@ -86,6 +87,8 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
     per_gpu: dict[str, float | None] = {}
     for name, gpus, unit_cfg in variant_units(cfg):
         print(f"== {name}: starting the unit", flush=True)
+        if cfg.run_dir:
+            unit_cfg = unit_cfg.model_copy(update={"run_dir": f"{cfg.run_dir}/{name}"})
         with LocalUnit(unit_cfg) as unit:
             doc = run_capacity(CapacityConfig(
                 url=unit.url, concurrency=parse_list(cfg.concurrency, "concurrency", int),

@@ -14,9 +14,9 @@ for d in engine kernels sidecars bench operator; do ln -sfn "$PWD/$d" "/tmp/pdpk
 export PYTHONPATH=/tmp/site:/tmp/pdpkg
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
 timeout 560 python3 -m pdunit.engine.cli bench compare --model random:qwen3-4b-shape:0 --device cuda \
-  --transfer ipc --pool-tokens 400000 --cache-tokens 60000 --ready-timeout-s 240 \
+  --transfer ipc --pool-tokens 400000 --cache-tokens 60000 --ready-timeout-s 240 --run-dir /tmp/units \
   --out "$OUT/capacity-h200x2.json" --plot "$OUT/capacity-h200x2.png" "$@" 2>&1 | tee "$OUT/compare.log"
 rc=${PIPESTATUS[0]}
 # the units' logs, bounded, for what went wrong
-for f in /tmp/pdu-*/logs/*.log; do [ -f "$f" ] && { echo "=== $f"; tail -c 4000 "$f"; }; done > "$OUT/unit_logs.txt" 2>&1
+for f in /tmp/units/*/logs/*.log; do [ -f "$f" ] && { echo "=== $f"; tail -c 4000 "$f"; }; done > "$OUT/unit_logs.txt" 2>&1
 exit "$rc"

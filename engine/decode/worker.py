@@ -91,6 +91,9 @@ def step_message(step: int, out: StepOutput) -> pb.StepFrames:
     return msg
 
 
+EXIT_STEP_LOOP_CRASHED = 70
+
+
 class StepLoop:
     """Runs `step_once` in a thread until stopped; sleeps while there is no work."""
 
@@ -115,10 +118,15 @@ class StepLoop:
                 if not self._step_once():
                     self.work.wait(timeout=0.05)
                     self.work.clear()
-        except BaseException as exc:  # the loop's death must be loud, never a silent stall
+        except BaseException as exc:
+            # An engine whose loop died serves nothing while its gRPC server still
+            # answers: exit, so the LB and the peer see it go (and a new instance id
+            # after the restart), instead of streams that silently stop.
             self.error = exc
-            log.exception("step loop crashed")
-            raise
+            log.critical("step loop crashed: exiting", exc_info=True,
+                         extra={"loop": self._thread.name, "event": "StepLoopCrashed"})
+            logging.shutdown()
+            os._exit(EXIT_STEP_LOOP_CRASHED)
 
 
 class DecodeEngine:

@@ -28,8 +28,9 @@ class LBConfig(BaseModel):
         description="ids per prompt row; default: what D's Hello reports (must match it)",
     )
     vocab_sizes: str = Field(
-        "1024",
-        description="id range per column: one size for all columns, or a comma list",
+        "",
+        description="id range per column (one size, or a comma list); default: what D's Hello "
+        "reports (must match it)",
     )
     eos_id: int | None = Field(None, description="the model's EOS id, reported by /v1/model")
     max_rows: int = Field(4096, ge=1, description="most prompt rows accepted (413 above)")
