@@ -3,7 +3,8 @@
 the same workload and the same sweep, then stopped; one results file holds every row,
 the capacity per GPU of each variant and the ratios of the headline claims.
 
-Variants: `1p1d` (P and D on two devices, `--transfer`), `monolith-prefill-first`,
+Variants: `1p1d` (P and D on two devices, `--transfer`), `1p2d` (one P feeding two D's
+on three devices: P on device 0, the D's on devices 1 and 2), `monolith-prefill-first`,
 `monolith-chunked` (one run per `--chunks` size). On CPU (the default) it is a plumbing
 check with the tiny model; on a GPU machine pass `--device cuda` and the model shape.
 """
@@ -28,9 +29,11 @@ class CompareConfig(BaseModel):
     """Capacity of PD and monolith variants measured side by side in one run."""
 
     model: str = Field("random:tiny:0", description="model spec every variant runs")
-    device: str = Field("cpu", description="cpu | cuda (P/monolith on device 0, D on device 1)")
+    device: str = Field("cpu", description="cpu | cuda (P/monolith on device 0, D on device 1; 1p2d: D's on 1 "
+                        "and 2)")
     transfer: str = Field("host", description="1p1d KV transport (host on CPU; ipc/proxy/auto on GPUs)")
-    variants: str = Field("1p1d,monolith-prefill-first,monolith-chunked", description="which variants")
+    variants: str = Field("1p1d,monolith-prefill-first,monolith-chunked", description="which variants (1p1d, "
+                          "1p2d, monolith-prefill-first, monolith-chunked)")
     chunks: str = Field("8192", description="monolith-chunked chunk sizes (comma list)")
     concurrency: str = Field("2,4", description="closed-loop levels")
     duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
@@ -55,6 +58,9 @@ def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
         if name == "1p1d":
             extra = ["--device", f"{cfg.device}:1"] if gpu else []
             out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, extra_decode_args=extra, **base)))
+        elif name == "1p2d":
+            devices = f"{cfg.device}:1,{cfg.device}:2" if gpu else ""
+            out.append((name, 3, LocalConfig(mode="1p2d", transfer=cfg.transfer, decode_devices=devices, **base)))
         elif name == "monolith-prefill-first":
             out.append((name, 1, LocalConfig(mode="monolith", policy="prefill-first", **base)))
         elif name == "monolith-chunked":
@@ -63,7 +69,7 @@ def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
                             LocalConfig(mode="monolith", policy="chunked", chunk_tokens=chunk, **base)))
         else:
             raise SystemExit(f"pdunit bench compare: unknown variant {name!r} "
-                             "(1p1d, monolith-prefill-first, monolith-chunked)")
+                             "(1p1d, 1p2d, monolith-prefill-first, monolith-chunked)")
     return out
 
 
@@ -79,6 +85,8 @@ def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | None]:
         "pd_over_chunk_8192": over("1p1d", "monolith-chunked-8192"),
         "pd_over_best_chunked": over("1p1d", best),
         "best_chunked": best,
+        "1p2d_over_prefill_first": over("1p2d", "monolith-prefill-first"),
+        "1p2d_over_1p1d": over("1p2d", "1p1d"),
     }
 
 

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0 if args else 2
     name, rest = args[0], args[1:]
+    from pdunit.engine.observability import die_with_parent
+
+    die_with_parent()
     if name not in SUBCOMMANDS:
         print(f"pdunit: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2

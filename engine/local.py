@@ -9,7 +9,6 @@ never talks to the engines itself except through the LB's HTTP API.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -25,22 +24,10 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, Field
 
-from pdunit.engine.observability import log_config, setup_logging
+from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
 from pdunit.engine.settings import parse_config
 
 log = logging.getLogger("pdunit.local")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the parent dies, own process group."""
-    os.setpgrp()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def free_port() -> int:
     import socket
@@ -54,7 +41,10 @@ class LocalConfig(BaseModel):
     """Run a whole unit (LB, P, D or a monolith, sidecars) as local processes."""
 
     model: str = Field("random:tiny:0", description="model spec shared by every engine")
-    mode: str = Field("pd", description="pd (P + D) | monolith")
+    mode: str = Field("pd", description="pd (P + D) | 1p2d (P + two D's; = pd with --decoders 2) | monolith")
+    decoders: int = Field(1, ge=1, description="pd mode: D processes fed by the one P (sockets decode-0.sock, "
+                          "decode-1.sock, ... when more than one)")
+    decode_devices: str = Field("", description="pd mode: torch device of each D, a comma list (default: --device)")
     policy: str = Field("prefill-first", description="monolith policy: prefill-first | chunked")
     chunk_tokens: int = Field(8192, gt=0, description="monolith chunked policy: rows per iteration")
     transfer: str = Field("host", description="KV transport between P and D")
@@ -113,6 +103,26 @@ class LocalUnit:
     def sock(self, name: str) -> str:
         return str(self.run_dir / f"{name}.sock")
 
+    @property
+    def n_decoders(self) -> int:
+        return max(2, self.cfg.decoders) if self.cfg.mode == "1p2d" else self.cfg.decoders
+
+    @property
+    def decode_names(self) -> list[str]:
+        """Child (and socket) names of the D's: `decode`, or `decode-0`, `decode-1`, ..."""
+        n = self.n_decoders
+        return ["decode"] if n == 1 else [f"decode-{i}" for i in range(n)]
+
+    def _decode_devices(self) -> list[str]:
+        c = self.cfg
+        devices = [d.strip() for d in c.decode_devices.split(",") if d.strip()] or [c.device]
+        if len(devices) == 1:
+            devices *= self.n_decoders
+        if len(devices) != self.n_decoders:
+            raise ValueError(f"decode_devices {c.decode_devices!r} names {len(devices)} devices for "
+                             f"{self.n_decoders} decoders: give one device, or one per D")
+        return devices
+
     def commands(self) -> list[tuple[str, list[str]]]:
         """The same commands the pod's containers run (operator/reconcile.py)."""
         c = self.cfg
@@ -124,21 +134,26 @@ class LocalUnit:
                                               "--chunk-tokens", str(c.chunk_tokens),
                                               "--pool-tokens", str(c.pool_tokens)] + common))
             p_sock = d_sock = self.sock("monolith")
-        elif c.mode == "pd":
-            p_sock, d_sock = self.sock("prefill"), self.sock("decode")
+        elif c.mode in ("pd", "1p2d"):
+            p_sock = self.sock("prefill")
+            d_socks = [self.sock(name) for name in self.decode_names]
+            d_sock = ",".join(d_socks)
             if c.transfer in ("proxy", "auto"):
                 cmds.append(("proxy", pdunit + ["proxy", "--socket", self.sock("proxy"), "--log-level", c.log_level]))
-            cmds.append(("decode", pdunit + ["decode", "--socket", d_sock, "--prefill-socket", p_sock,
-                                            "--transfer", c.transfer, "--pool-tokens", str(c.pool_tokens),
-                                            "--proxy-socket", self.sock("proxy")] + common + c.extra_decode_args))
+            for name, sock, device in zip(self.decode_names, d_socks, self._decode_devices(), strict=True):
+                cmds.append((name, pdunit + ["decode", "--socket", sock, "--prefill-socket", p_sock,
+                                             "--transfer", c.transfer, "--pool-tokens", str(c.pool_tokens),
+                                             "--proxy-socket", self.sock("proxy")] + common +
+                             (["--device", device] if device != c.device else []) + c.extra_decode_args))
             cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
                                              "--proxy-socket", self.sock("proxy")] + common + c.extra_prefill_args))
             if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
-                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", d_sock, "--port", str(self.guard_port), "--host", "127.0.0.1",
+                # The guard watches one D (the first): its policy reads one D's held pages.
+                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", d_socks[0], "--port", str(self.guard_port), "--host", "127.0.0.1",
                                                "--log-level", c.log_level] + c.extra_guard_args))
         else:
-            raise ValueError(f"mode {c.mode!r}: expected pd or monolith")
+            raise ValueError(f"mode {c.mode!r}: expected pd, 1p2d or monolith")
         proxy_args = ["--proxy-socket", self.sock("proxy")] if any(n == "proxy" for n, _ in cmds) else []
         cmds.append(("lb", pdunit + ["lb", "--port", str(self.lb_port), "--host", "127.0.0.1",
                                     "--prefill-socket", p_sock, "--decode-socket", d_sock,
@@ -243,10 +258,11 @@ class LocalUnit:
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{PARENT_ENV: str(os.getpid())})
     with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        # own session and process group (stop() signals the group), set up by C code
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_die_with_parent)
+                                start_new_session=True)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -7,15 +7,17 @@
   the name (`_seconds`, `_bytes`, `_total`). Processes without an HTTP server expose
   them with `serve_metrics(port)`.
 - Shutdown: `shutdown_event()` returns an asyncio.Event set on SIGTERM/SIGINT, so every
-  server drains the same way.
+  server drains the same way; `die_with_parent()` ties a child of `pdunit local` to it.
 This module owns no business logic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -92,3 +94,25 @@ def shutdown_event(logger: logging.Logger | None = None) -> asyncio.Event:
 def now_ns() -> int:
     """Wall clock in ns: every stage timestamp of the waterfall uses this one clock."""
     return time.time_ns()
+
+
+_PR_SET_PDEATHSIG = 1
+# Set in a child's environment: the child asks the kernel for SIGTERM when this pid dies
+# (engine/cli.py, right after exec). Done by the child itself, never between fork and
+# exec: running Python there, in a parent with gRPC threads, crashed children at random
+# (gRPC "epoll_wait error: Bad file descriptor", SIGABRT).
+PARENT_ENV = "PDUNIT_DIE_WITH_PARENT"
+
+
+def die_with_parent() -> None:
+    """Called by every `pdunit` process at start: if its launcher asked for it, SIGTERM
+    when the launcher dies (and exit now if it is already gone)."""
+    want = os.environ.get(PARENT_ENV)
+    if not want:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        return
+    if os.getppid() != int(want):  # the launcher died before the prctl took effect
+        os._exit(0)

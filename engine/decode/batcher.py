@@ -75,8 +75,9 @@ class DecodeBatcher:
             return len(self.running) + len(self._incoming)
 
     # -- called from the step loop only -----------------------------------------------
-    def take_cancelled(self) -> list[int]:
-        """Drops cancelled streams (their pages return to the pool)."""
+    def take_cancelled(self, free: bool = True) -> list[int]:
+        """Drops cancelled streams; their pages return to the pool unless `free` is
+        False (the overlap scheduler frees them once no queued step can write them)."""
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
             incoming = [s for s in self._incoming if s.request_id not in cancelled]
@@ -85,8 +86,9 @@ class DecodeBatcher:
         for rid in cancelled:
             if self.running.pop(rid, None) is not None:
                 dropped.append(rid)
-        for rid in dropped:
-            self.pool.finish(rid)
+        if free:
+            for rid in dropped:
+                self.pool.finish(rid)
         return dropped
 
     def take_incoming(self) -> list[Stream]:
@@ -127,12 +129,12 @@ class DecodeBatcher:
                 s.frames_out += 1
                 ids.append(s.request_id)
                 frames.append(frame)
-                finished.append(self._finish_code(s, frame, eos_id))
+                finished.append(self.finish_code(s, frame, eos_id))
         for s in new:
             s.frames_out = 1
             ids.append(s.request_id)
             frames.append(s.last_frame)
-            finished.append(self._finish_code(s, s.last_frame, eos_id))
+            finished.append(self.finish_code(s, s.last_frame, eos_id))
             self.running[s.request_id] = s
         for rid, code in zip(ids, finished, strict=True):
             if code != RUNNING:
@@ -148,7 +150,7 @@ class DecodeBatcher:
         )
 
     @staticmethod
-    def _finish_code(s: Stream, frame: np.ndarray, eos_id: int) -> int:
+    def finish_code(s: Stream, frame: np.ndarray, eos_id: int) -> int:
         if is_eos(frame, eos_id) and s.frames_out >= s.params.min_frames:
             return FINISHED_EOS
         if s.frames_out >= s.params.max_frames:

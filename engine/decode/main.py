@@ -33,6 +33,9 @@ class DecodeConfig(BaseModel):
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(256, gt=0, description="streams per decode step")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode steps (GPU path only)")
+    overlap: bool | None = Field(None, description="overlap scheduling: queue decode step n+1 before step n's "
+                                 "frames reach the host (same frames); default: on when the model takes the GPU "
+                                 "path, off on CPU (--overlap turns it on there too)")
     held_drain_fraction: float = Field(0.25, gt=0, le=1, description="held/pool pages above which D drains")
     abort_resend_ms: int = Field(200, gt=0, description="ABORT re-send period for held requests")
     probe_interval_ms: int = Field(500, gt=0, description="P instance-id probe period")
@@ -66,6 +69,7 @@ async def serve(cfg: DecodeConfig) -> int:
         model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
         cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
+        overlap=model.gpu_path if cfg.overlap is None else cfg.overlap,
     )
     stop = shutdown_event(log)
     server = await start_unix_server(
@@ -76,7 +80,8 @@ async def serve(cfg: DecodeConfig) -> int:
     tasks = [asyncio.create_task(engine.expiry_loop()), asyncio.create_task(engine.abort_loop()),
              asyncio.create_task(engine.probe_loop())]
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
-                                    "pool_pages": n_pages, "kv_bytes": geometry.bytes_for(geometry.n_slots)})
+                                    "pool_pages": n_pages, "overlap": engine.overlap is not None,
+                                    "kv_bytes": geometry.bytes_for(geometry.n_slots)})
     await stop.wait()
     engine.hub.close()
     await server.stop(grace=5)

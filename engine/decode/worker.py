@@ -30,6 +30,7 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import channel
 from pdunit.engine.kv.checksum import kv_checksum
@@ -144,6 +145,7 @@ class DecodeEngine:
         abort_resend_s: float = 0.2,
         probe_interval_s: float = 0.5,
         cuda_graphs: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
         self.model = model
@@ -159,6 +161,7 @@ class DecodeEngine:
         self.probe_interval_s = probe_interval_s
         self.batcher = DecodeBatcher(model, pool, self.storage, max_batch)
         self.step_forward = StepForward(model, self.storage, cuda_graphs, max_batch)
+        self.overlap = OverlapScheduler(model, self.batcher, self.step_forward) if overlap else None
         self.reservations: dict[int, Reservation] = {}
         self.held: dict[int, Held] = {}
         self.p_instance = ""          # the newest P instance seen (Reserve or probe)
@@ -294,14 +297,19 @@ class DecodeEngine:
         self.loop.work.set()
         return pb.CommitReply(status=pb.STATUS_OK, instance_id=self.instance_id)
 
-    def cancel(self, request_id: int) -> bool:
+    def cancel(self, request_id: int, status: int = pb.STATUS_OK, message: str = "") -> bool:
+        """The client went away (status OK), or P gave up on the transfer (its status and
+        message reach the client as they are)."""
         if self.batcher.cancel(request_id):
             self.loop.work.set()
             return True
         with self._lock:
             pending = request_id in self.reservations
         if pending:
-            self.fail_transfer(request_id, pb.CANCELLED, "cancelled", "cancelled by the client")
+            if status == pb.STATUS_OK:
+                self.fail_transfer(request_id, pb.CANCELLED, "cancelled", "cancelled by the client")
+            else:
+                self.fail_transfer(request_id, status, "prefill_gave_up", message or pb.Status.Name(status))
         return pending
 
     def expire_reservations(self) -> None:
@@ -313,6 +321,8 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ decode steps
     def _step_once(self) -> bool:
+        if self.overlap is not None:
+            return self._overlap_step_once()
         self.batcher.take_cancelled()
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
@@ -330,6 +340,26 @@ class DecodeEngine:
         if out.ended:
             self._update_draining()
             self._update_gauges()
+        return True
+
+    def _overlap_step_once(self) -> bool:
+        """One iteration of the overlap pipeline (engine/decode/overlap.py): queues step
+        n+1, then publishes step n's frames."""
+        assert self.overlap is not None
+        t0 = time.perf_counter()
+        worked, out = self.overlap.step_once()
+        if not worked:
+            self._update_gauges()
+            return False
+        if out is not None:
+            self._step += 1
+            self.hub.publish(step_message(self._step, out))
+            m.D_STEP_BATCH.observe(len(out.request_ids))
+            m.D_FRAMES.inc(len(out.request_ids))
+            if out.ended:
+                self._update_draining()
+                self._update_gauges()
+        m.D_STEP_SECONDS.observe(time.perf_counter() - t0)
         return True
 
     # ------------------------------------------------------------------ expiry, abort + probe loops
@@ -456,7 +486,7 @@ class DecodeService(pbg.DecodeServicer):
             yield message
 
     async def Cancel(self, request, context):  # noqa: N802
-        return pb.CancelReply(found=self.engine.cancel(request.request_id))
+        return pb.CancelReply(found=self.engine.cancel(request.request_id, request.status, request.message))
 
     async def Info(self, request, context):  # noqa: N802
         return self.engine.info()

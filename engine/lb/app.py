@@ -9,6 +9,10 @@ and one final record with the waterfall's stage stamps. A client that disconnect
 a stream that fails, is cancelled in P and D. Also /healthz, /readyz, /metrics,
 /v1/load, /v1/model, POST /v1/admin/drain.
 
+A unit may have several D's (1P2D, `--decode-socket a,b`): P chooses the D of each
+request; the LB subscribes to every D's frames, asks every D Hello (they must serve the
+same model), is ready only when every D is, and sums the D's in /v1/load.
+
 Never: run the model, hold KV, or retry a stream after its first byte went out.
 """
 
@@ -42,7 +46,7 @@ from pdunit.engine.lb.streams import (
     StreamFailure,
     StreamTable,
 )
-from pdunit.engine.lb.unit import InfoSnapshot, UnitClient, request_ids_of
+from pdunit.engine.lb.unit import InfoSnapshot, UnitClient, decode_names, request_ids_of
 from pdunit.engine.lb.validate import (
     Limits,
     PackedRequest,
@@ -119,7 +123,9 @@ class LoadBalancer:
         self.instance_id = secrets.token_hex(16)
         self.ids = RequestIds()
         self.limits: Limits | None = None
-        self.hello: pb.HelloReply | None = None
+        self.decode_names = decode_names(len(config.decode_sockets()))
+        self.hello: pb.HelloReply | None = None  # the first D's (the only one of a 1P1D unit)
+        self.hellos: list[pb.HelloReply | None] = [None] * len(self.decode_names)
         self.hello_error = "D's Hello not answered yet"
         self.config_error = ""
         self.draining = False
@@ -128,8 +134,17 @@ class LoadBalancer:
             self.metrics, lambda: self.limits.n_codebooks if self.limits else None
         )
         self.unit: UnitClient | None = None
-        self.subscription: FrameSubscription | None = None
+        self.subscriptions: list[FrameSubscription] = []
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def subscription(self) -> FrameSubscription | None:
+        """The first D's frames subscription (the only one of a 1P1D unit)."""
+        return self.subscriptions[0] if self.subscriptions else None
+
+    def _subscriptions_changed(self) -> None:
+        up = bool(self.subscriptions) and all(s.up for s in self.subscriptions)
+        self.metrics.subscription_up.set(1 if up else 0)
 
     # ------------------------------------------------------------ life cycle
 
@@ -138,22 +153,27 @@ class LoadBalancer:
         rows = cfg.max_rows * (cfg.n_codebooks or 64) * 8
         self.unit = UnitClient(
             cfg.prefill_socket,
-            cfg.decode_socket,
+            cfg.decode_sockets(),
             cfg.proxy_socket,
             self.metrics,
             max_message_bytes=max(8 << 20, 2 * rows),
         )
-        self.subscription = FrameSubscription(
-            self.table,
-            self.unit.decode_channel,
-            f"lb:{self.unit_name}:{self.instance_id[:8]}",
-            self.metrics,
-        )
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self.subscription.run()),
-            loop.create_task(self._probe_loop()),
+        several = len(self.decode_names) > 1
+        self.subscriptions = [
+            FrameSubscription(
+                self.table,
+                channel,
+                f"lb:{self.unit_name}:{self.instance_id[:8]}",
+                self.metrics,
+                index=i,
+                name=self.decode_names[i] if several else "D",
+                on_change=self._subscriptions_changed if several else None,
+            )
+            for i, channel in enumerate(self.unit.decode_channels)
         ]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(sub.run()) for sub in self.subscriptions]
+        self._tasks.append(loop.create_task(self._probe_loop()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -186,34 +206,51 @@ class LoadBalancer:
         assert self.unit is not None
         interval = self.config.probe_interval_s
         while True:
-            if self.hello is None:
-                await self._try_hello(timeout=interval)
+            for i, hello in enumerate(self.hellos):
+                if hello is None:
+                    await self._try_hello(timeout=interval, index=i)
             snap = await self.unit.probe(timeout=interval)
-            if (
-                self.hello is not None
-                and snap.decode is not None
-                and snap.decode.instance_id
-                and snap.decode.instance_id != self.hello.instance_id
-            ):
-                # D restarted: it may serve another model now. Validate against the new one.
-                log.info(
-                    "D instance changed: asking Hello again",
-                    extra={"old": self.hello.instance_id, "new": snap.decode.instance_id},
-                )
-                await self._try_hello(timeout=interval)
+            for i, info in enumerate(snap.decode_replies()):
+                hello = self.hellos[i]
+                if (
+                    hello is not None
+                    and info is not None
+                    and info.instance_id
+                    and info.instance_id != hello.instance_id
+                ):
+                    # D restarted: it may serve another model now. Validate against the new one.
+                    log.info(
+                        "D instance changed: asking Hello again",
+                        extra={
+                            "old": hello.instance_id,
+                            "new": info.instance_id,
+                            "decode": self.decode_names[i],
+                        },
+                    )
+                    await self._try_hello(timeout=interval, index=i)
             self._refresh_gauges()
             await asyncio.sleep(interval)
 
-    async def _try_hello(self, timeout: float) -> None:
+    async def _try_hello(self, timeout: float, index: int = 0) -> None:
         assert self.unit is not None
+        who = "D" if len(self.decode_names) == 1 else self.decode_names[index]
         try:
-            reply = await self.unit.hello(timeout)
+            reply = await self.unit.hello(timeout, index)
         except grpc.aio.AioRpcError as exc:
-            self.hello_error = f"D's Hello failed: {exc.code().name}: {exc.details()}"
+            self.hello_error = f"{who}'s Hello failed: {exc.code().name}: {exc.details()}"
             return
-        self.hello = reply
+        self.hellos[index] = reply
+        if index == 0:
+            self.hello = reply
+        first = self.hellos[0]
+        if first is None:
+            return  # checked against the first D once it answers
         try:
-            self.limits = self._limits_from(reply)
+            limits = self._limits_from(first)
+            for i, other in enumerate(self.hellos[1:], start=1):
+                if other is not None:
+                    self._same_model(first, other, i)
+            self.limits = limits
             self.config_error = ""
         except ValueError as exc:
             self.config_error = str(exc)
@@ -223,11 +260,24 @@ class LoadBalancer:
             "D answered Hello",
             extra={
                 "decode_instance": reply.instance_id,
-                "n_codebooks": self.limits.n_codebooks,
-                "vocab_sizes": list(self.limits.vocab_sizes),
+                "decode": self.decode_names[index],
+                "n_codebooks": limits.n_codebooks,
+                "vocab_sizes": list(limits.vocab_sizes),
                 "model": reply.model,
             },
         )
+
+    def _same_model(self, first: pb.HelloReply, other: pb.HelloReply, index: int) -> None:
+        """Every D of a unit must serve the first D's model: the LB validates against one."""
+        mine = (first.model, first.n_codebooks, first.vocab_sizes, first.eos_id)
+        theirs = (other.model, other.n_codebooks, other.vocab_sizes, other.eos_id)
+        if mine != theirs:
+            raise ValueError(
+                f"{self.decode_names[index]} serves model {other.model!r} ({other.n_codebooks} "
+                f"codebooks, eos {other.eos_id}) but {self.decode_names[0]} serves {first.model!r} "
+                f"({first.n_codebooks} codebooks, eos {first.eos_id}): every D of a unit must run "
+                f"the same model"
+            )
 
     def _limits_from(self, reply: pb.HelloReply) -> Limits:
         """The model's shape from D's Hello; flags given explicitly must agree with it."""
@@ -273,21 +323,27 @@ class LoadBalancer:
             return False, "the unit is draining"
         if self.config_error:
             return False, self.config_error
-        if self.limits is None:
+        if self.limits is None or any(h is None for h in self.hellos):
             return False, self.hello_error
-        if self.subscription is None or not self.subscription.up:
-            reason = self.subscription.last_error if self.subscription else "not started"
-            return False, f"no live frames subscription to D: {reason}"
+        if not self.subscriptions:
+            return False, "no live frames subscription to D: not started"
+        several = len(self.subscriptions) > 1
+        for sub in self.subscriptions:
+            if not sub.up:
+                who = sub.name if several else "D"
+                return False, f"no live frames subscription to {who}: {sub.last_error}"
         assert self.unit is not None
         snap = self.unit.snapshot
         age = time.monotonic() - snap.at
         if age > 2 * self.config.probe_interval_s + 0.5:
             return False, f"P and D last answered their probe {age:.1f} s ago"
-        for target in ("prefill", "decode", "proxy"):
+        for target in ("prefill", *self.decode_names, "proxy"):
             if target in snap.errors:
                 return False, snap.errors[target]
-        if snap.decode is not None and snap.decode.draining:
-            return False, "D is draining (held pages above its threshold, or shutting down)"
+        for name, info in zip(self.decode_names, snap.decode_replies(), strict=False):
+            if info is not None and info.draining:
+                who = name if several else "D"
+                return False, f"{who} is draining (held pages above its threshold, or shutting down)"
         if snap.prefill is not None and snap.prefill.draining:
             return False, "P is draining"
         return True, "ready"
@@ -500,7 +556,9 @@ class LoadBalancer:
             return  # already finished
         assert self.unit is not None
         if outcome not in NORMAL_END:
-            self.unit.cancel(stream.request_id, self.config.cancel_timeout_ms / 1000)
+            self.unit.cancel(
+                stream.request_id, self.config.cancel_timeout_ms / 1000, decode=stream.decode
+            )
         self.metrics.requests.labels(code=str(status), outcome=outcome).inc()
         stamps = stream.stamps
         extra: dict[str, Any] = {
@@ -569,44 +627,70 @@ def build_load_document(
     `errors` names it, and `empty` stays false: nothing is proven about it.
     """
     has_proxy = lb.unit is not None and lb.unit.has_proxy
-    answered = snap.prefill is not None and snap.decode is not None
+    decodes = snap.decode_replies()
+    names = lb.decode_names if len(lb.decode_names) == len(decodes) else decode_names(len(decodes))
+    answered = snap.prefill is not None and all(d is not None for d in decodes)
     answered = answered and (snap.proxy is not None or not has_proxy)
     p = snap.prefill or pb.InfoReply()
-    d = snap.decode or pb.InfoReply()
+    ds = [d or pb.InfoReply() for d in decodes]
     x = snap.proxy or pb.InfoReply()
     lb_ids = lb.table.ids()
+    decode_ids = [request_ids_of(d) for d in ds]
     requests = {
         "lb": [hex_id(i) for i in lb_ids],
         "prefill": [hex_id(i) for i in request_ids_of(p)],
-        "decode": [hex_id(i) for i in request_ids_of(d)],
+        "decode": [hex_id(i) for i in dict.fromkeys(i for ids in decode_ids for i in ids)],
         "proxy": [hex_id(i) for i in request_ids_of(x)],
     }
     holds_nothing = (
         p.queue == p.in_flight == p.held_aborts == 0
-        and d.queue == d.in_flight == d.held_pages == 0
+        and all(d.queue == d.in_flight == d.held_pages == 0 for d in ds)
         and x.in_flight == 0
     )
+    streams_of = {i: 0 for i in range(len(ds))}
+    for stream in lb.table:
+        if stream.decode is not None and stream.decode in streams_of:
+            streams_of[stream.decode] += 1
+    decoders = [
+        {
+            "name": name,
+            "instance": d.instance_id,
+            "answered": reply is not None,
+            "draining": d.draining,
+            "streams_in_flight": streams_of[i],
+            "decode_reserved": d.queue,
+            "decode_in_flight": d.in_flight,
+            "held_pages": d.held_pages,
+            "pool_pages": d.pool_pages,
+            "free_pages": d.free_pages,
+            "kv_checks_total": d.kv_checks_total,
+            "kv_mismatch_total": d.kv_mismatch_total,
+            "requests": [hex_id(r) for r in decode_ids[i]],
+        }
+        for i, (name, d, reply) in enumerate(zip(names, ds, decodes, strict=True))
+    ]
     return {
         "unit": lb.unit_name,
         "ready": ready,
         "reason": reason,
         "draining": lb.draining or lb.shutting_down,
-        "transfer_mode": p.transfer_mode or d.transfer_mode,
+        "transfer_mode": p.transfer_mode or ds[0].transfer_mode,
         "streams_in_flight": len(lb_ids),
         "prefill_queue": p.queue,
         "transfers_in_flight": p.in_flight,
-        "decode_reserved": d.queue,
-        "decode_in_flight": d.in_flight,
-        "held_pages": d.held_pages,
+        "decode_reserved": sum(d.queue for d in ds),
+        "decode_in_flight": sum(d.in_flight for d in ds),
+        "held_pages": sum(d.held_pages for d in ds),
         "held_aborts": p.held_aborts,
-        "pool_pages": d.pool_pages,
-        "free_pages": d.free_pages,
-        "kv_checks_total": d.kv_checks_total,
-        "kv_mismatch_total": d.kv_mismatch_total,
+        "pool_pages": sum(d.pool_pages for d in ds),
+        "free_pages": sum(d.free_pages for d in ds),
+        "kv_checks_total": sum(d.kv_checks_total for d in ds),
+        "kv_mismatch_total": sum(d.kv_mismatch_total for d in ds),
         "requests": requests,
         "empty": bool(answered and holds_nothing and not any(requests.values())),
         "prefill_instance": p.instance_id,
-        "decode_instance": d.instance_id,
+        "decode_instance": ",".join(d.instance_id for d in ds),
+        "decoders": decoders,
         "lb_instance": lb.instance_id,
         "probe_age_ms": round((time.monotonic() - snap.at) * 1000, 1)
         if snap.at > float("-inf")

@@ -18,7 +18,8 @@ class LBConfig(BaseModel):
     prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's gRPC unix socket")
     decode_socket: str = Field(
         "/run/pdunit/decode.sock",
-        description="D's gRPC unix socket (monolith: the same socket as --prefill-socket)",
+        description="D's gRPC unix socket, or a comma list of them for a unit with several D's "
+        "(1P2D: one frames subscription per D); monolith: the same socket as --prefill-socket",
     )
     proxy_socket: str = Field("", description="nvlink-proxy's gRPC unix socket; empty = no proxy")
     unit_name: str = Field("", description="unit name in /v1/load (default: the host name)")
@@ -60,6 +61,20 @@ class LBConfig(BaseModel):
         description="on SIGTERM: how long streams in flight may finish before they are cut",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
+
+    @field_validator("decode_socket")
+    @classmethod
+    def _decode_sockets_listed_once(cls, v: str) -> str:
+        sockets = [s.strip() for s in v.split(",") if s.strip()]
+        if not sockets:
+            raise ValueError("decode_socket is empty: give D's socket, or a comma list of D sockets")
+        if len(set(sockets)) != len(sockets):
+            raise ValueError(f"decode_socket {v!r} names a socket twice: list each D once")
+        return ",".join(sockets)
+
+    def decode_sockets(self) -> list[str]:
+        """Every D of the unit, in --decode-socket order (index i is `decode-i`)."""
+        return self.decode_socket.split(",")
 
     @field_validator("vocab_sizes")
     @classmethod

@@ -1,11 +1,14 @@
-"""The LB's stream table and its one subscription to D's frames.
+"""The LB's stream table and its subscriptions to D's frames (one per D of the unit).
 
 Owns: the map request_id -> `Stream` (registered BEFORE the prompt goes to P, so no
 frame can arrive for an unknown stream), dispatching each `StepFrames` message of
 `Decode.Frames` into the per-stream queues, and the subscription's life: one
 background task, reconnect with backoff when D restarts, and on every break every
 stream in flight fails with a clear error (a stream whose frames may have been lost
-must never look healthy).
+must never look healthy). With several D's (1P2D) P picks the D, so the LB learns a
+stream's D from the subscription its first frame or error came on (`Stream.decode`);
+a break of D i's subscription fails the streams of D i and every stream whose D is not
+known yet (its first frame may be the one lost).
 
 Contract with D (engine/proto/pdunit.proto): D sends every frame of a stream through
 Frames, the first frame (computed by P) included; `finished` is 1 (eos) or 2 (length)
@@ -63,6 +66,7 @@ class Stream:
     ended: bool = False  # D finished it or it failed: nothing more will be queued
     frame_out_ns: list[int] = field(default_factory=list)  # one entry per write: (time, frames)
     frame_out_counts: list[int] = field(default_factory=list)
+    decode: int | None = None  # index of the D whose subscription delivered it (None: not yet)
     prefill_tokens: int = 0  # rows P computed (from SubmitReply)
     cached_tokens: int = 0  # rows P served from its prefix cache
 
@@ -128,21 +132,25 @@ class StreamTable:
         except TimeoutError:
             return False
 
-    def fail_all(self, code: str, message: str) -> int:
+    def fail_all(self, code: str, message: str, decode: int | None = None) -> int:
+        """Fail every stream (of D `decode` and of no known D yet, when given)."""
         failed = 0
         for stream in self:
+            if decode is not None and stream.decode not in (None, decode):
+                continue
             if not stream.ended:
                 stream.push(StreamFailure(code, message))
                 failed += 1
         return failed
 
-    def dispatch(self, msg: pb.StepFrames) -> None:
-        """Route one decode step's frames, errors and stamps to their streams."""
+    def dispatch(self, msg: pb.StepFrames, decode: int = 0) -> None:
+        """Route one decode step's frames, errors and stamps (from D `decode`) to their streams."""
         ids = np.frombuffer(msg.request_ids, dtype="<u8")
         n = ids.size
         for rid, stamps in msg.stamps.items():
             stream = self._streams.get(rid)
             if stream is not None:
+                stream.decode = decode
                 stream.stamps.update(stamps.ns)
         if n:
             ncb = self._n_codebooks()
@@ -176,12 +184,14 @@ class StreamTable:
                     if stream is None:
                         unknown += 1
                         continue
+                    stream.decode = decode
                     stream.push(Frames([rows[j]], FINISHED_NAMES.get(finished[j], "")))
                 if unknown:
                     self._metrics.unknown_frames.inc(unknown)
         for err in msg.errors:
             stream = self._streams.get(err.request_id)
             if stream is not None:
+                stream.decode = decode
                 code = (
                     pb.Status.Name(err.status).lower()
                     if err.status in pb.Status.values()
@@ -201,7 +211,12 @@ class FrameSubscription:
         metrics: LBMetrics,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         assume_live_s: float = 0.3,
+        index: int = 0,
+        name: str = "D",
+        on_change: Callable[[], None] | None = None,
     ) -> None:
+        """`index`/`name`: which D of the unit (1P2D); `on_change` replaces setting the
+        subscription_up gauge from this one subscription (with several, the LB sets it)."""
         self._table = table
         self._channel = channel
         self._assume_live_s = assume_live_s
@@ -209,6 +224,9 @@ class FrameSubscription:
         self._subscriber = subscriber
         self._metrics = metrics
         self._backoff = backoff_s
+        self.index = index
+        self.name = name
+        self._on_change = on_change
         self.up = False
         self.last_error = "not connected yet"
         self.connects = 0
@@ -222,31 +240,32 @@ class FrameSubscription:
                 self._set_up(True)
                 delay = self._backoff[0]
                 self.connects += 1
-                log.info("frames subscription live", extra={"connects": self.connects})
+                log.info("frames subscription live", extra={"connects": self.connects, "decode": self.name})
                 async for msg in call:
-                    self._table.dispatch(msg)
-                reason = "D ended the frames subscription"
+                    self._table.dispatch(msg, self.index)
+                reason = f"{self.name} ended the frames subscription"
             except asyncio.CancelledError:
                 call.cancel()
                 self._set_up(False)
                 raise
             except grpc.aio.AioRpcError as exc:
-                reason = f"frames subscription to D failed: {exc.code().name}: {exc.details()}"
+                reason = f"frames subscription to {self.name} failed: {exc.code().name}: {exc.details()}"
             except _CallEnded as exc:
                 reason = str(exc)
             except Exception as exc:  # noqa: BLE001 - a message the LB cannot read ends the call
                 call.cancel()
-                reason = f"unreadable frames message from D: {exc!r}"
+                reason = f"unreadable frames message from {self.name}: {exc!r}"
                 log.exception("unreadable frames message from D")
             was_up = self.up
             self._set_up(False)
             self.last_error = reason
             # Any stream in the table may have lost frames: fail it now, loudly.
-            failed = self._table.fail_all("decode_unavailable", reason)
+            failed = self._table.fail_all("decode_unavailable", reason, decode=self.index)
             if was_up:
                 self._metrics.subscription_breaks.inc()
                 log.warning(
-                    "frames subscription broke", extra={"reason": reason, "streams_failed": failed}
+                    "frames subscription broke",
+                    extra={"reason": reason, "streams_failed": failed, "decode": self.name},
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._backoff[1])
@@ -267,11 +286,14 @@ class FrameSubscription:
         if call.done():
             code = await call.code()
             details = await call.details()
-            raise _CallEnded(f"frames subscription to D failed: {code.name}: {details}")
+            raise _CallEnded(f"frames subscription to {self.name} failed: {code.name}: {details}")
 
     def _set_up(self, up: bool) -> None:
         self.up = up
-        self._metrics.subscription_up.set(1 if up else 0)
+        if self._on_change is not None:
+            self._on_change()
+        else:
+            self._metrics.subscription_up.set(1 if up else 0)
 
 
 class _CallEnded(Exception):

@@ -1,9 +1,10 @@
 """The LB's view of the rest of its unit: gRPC channels to P, D (and the proxy), probes.
 
-Owns: the channels (unix sockets; in monolith mode P and D are the same socket), the
-`Decode.Hello` handshake that tells the LB n_codebooks, the periodic `Info` probe of P,
-D and the proxy, a short cache of those answers for `/v1/load`, and fire-and-forget
-cancels. The proxy (when configured) is asked `NvlinkProxy.InFlight` (its own proto in
+Owns: the channels (unix sockets; in monolith mode P and D are the same socket; a unit
+may have several D's, 1P2D, named `decode-0`, `decode-1`, ... then), the `Decode.Hello`
+handshake that tells the LB n_codebooks, the periodic `Info` probe of P, every D and
+the proxy, a short cache of those answers for `/v1/load`, and fire-and-forget cancels
+(to P and to the D that holds the stream, or every D when that is not known). The proxy (when configured) is asked `NvlinkProxy.InFlight` (its own proto in
 sidecars/nvlink_proxy) so that `/v1/load` checks its request ids too.
 
 Never: decide HTTP status codes or touch the stream table.
@@ -44,16 +45,26 @@ class InfoSnapshot:
 
     at: float  # time.monotonic()
     prefill: pb.InfoReply | None = None
-    decode: pb.InfoReply | None = None
+    decode: pb.InfoReply | None = None  # the first D (the only one of a 1P1D unit)
     proxy: pb.InfoReply | None = None
     errors: dict[str, str] = field(default_factory=dict)
+    decodes: list[pb.InfoReply | None] = field(default_factory=list)  # every D, --decode-socket order
+
+    def decode_replies(self) -> list[pb.InfoReply | None]:
+        return self.decodes or [self.decode]
+
+
+def decode_names(n: int) -> list[str]:
+    """How the LB names its D's in errors, metrics and /v1/load: `decode` when there is
+    one (as before 1P2D), else `decode-0`, `decode-1`, ..."""
+    return ["decode"] if n == 1 else [f"decode-{i}" for i in range(n)]
 
 
 class UnitClient:
     def __init__(
         self,
         prefill_socket: str,
-        decode_socket: str,
+        decode_socket: str | list[str],
         proxy_socket: str,
         metrics: LBMetrics,
         max_message_bytes: int,
@@ -66,13 +77,18 @@ class UnitClient:
         self.prefill_channel = grpc.aio.insecure_channel(
             channel_target(prefill_socket), options=options
         )
-        self.decode_channel = (
+        sockets = decode_socket.split(",") if isinstance(decode_socket, str) else list(decode_socket)
+        self.decode_names = decode_names(len(sockets))
+        self.decode_channels = [
             self.prefill_channel
-            if decode_socket == prefill_socket
-            else grpc.aio.insecure_channel(channel_target(decode_socket), options=options)
-        )
+            if sock == prefill_socket
+            else grpc.aio.insecure_channel(channel_target(sock), options=options)
+            for sock in sockets
+        ]
+        self.decode_channel = self.decode_channels[0]
         self.prefill = pbg.PrefillStub(self.prefill_channel)
-        self.decode = pbg.DecodeStub(self.decode_channel)
+        self.decodes = [pbg.DecodeStub(c) for c in self.decode_channels]
+        self.decode = self.decodes[0]
         self.proxy_channel: grpc.aio.Channel | None = None
         self._proxy: proxy_pbg.NvlinkProxyStub | None = None
         if proxy_socket:
@@ -81,7 +97,8 @@ class UnitClient:
             )
             self._proxy = proxy_pbg.NvlinkProxyStub(self.proxy_channel)
         self.snapshot = InfoSnapshot(
-            at=float("-inf"), errors={"prefill": "not probed yet", "decode": "not probed yet"}
+            at=float("-inf"),
+            errors={"prefill": "not probed yet", **dict.fromkeys(self.decode_names, "not probed yet")},
         )
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
@@ -90,26 +107,33 @@ class UnitClient:
     def has_proxy(self) -> bool:
         return self._proxy is not None
 
-    async def hello(self, timeout: float) -> pb.HelloReply:
+    async def hello(self, timeout: float, index: int = 0) -> pb.HelloReply:
         # No sender_instance: D takes a Hello's sender as its P peer, and a new P instance
         # id is proof (b) that frees held pages. The LB must never look like a P.
-        return await self.decode.Hello(pb.HelloRequest(), timeout=timeout)
+        return await self.decodes[index].Hello(pb.HelloRequest(), timeout=timeout)
 
     async def probe(self, timeout: float) -> InfoSnapshot:
-        """Ask P, D (and the proxy) for Info concurrently; never raises."""
+        """Ask P, every D (and the proxy) for Info concurrently; never raises."""
         targets: dict[str, asyncio.Future[pb.InfoReply]] = {
             "prefill": asyncio.ensure_future(self.prefill.Info(pb.Empty(), timeout=timeout)),
-            "decode": asyncio.ensure_future(self.decode.Info(pb.Empty(), timeout=timeout)),
         }
+        for name, stub in zip(self.decode_names, self.decodes, strict=True):
+            targets[name] = asyncio.ensure_future(stub.Info(pb.Empty(), timeout=timeout))
         if self._proxy is not None:
             targets["proxy"] = asyncio.ensure_future(self._proxy_in_flight(self._proxy, timeout))
-        snap = InfoSnapshot(at=time.monotonic())
+        snap = InfoSnapshot(at=time.monotonic(), decodes=[None] * len(self.decodes))
         for name, fut in targets.items():
             try:
-                setattr(snap, name, await fut)
+                reply = await fut
             except grpc.aio.AioRpcError as exc:
                 snap.errors[name] = f"{name} Info failed: {exc.code().name}: {exc.details()}"
                 self._metrics.probe_failures.labels(target=name).inc()
+                continue
+            if name in ("prefill", "proxy"):
+                setattr(snap, name, reply)
+            else:
+                snap.decodes[self.decode_names.index(name)] = reply
+        snap.decode = snap.decodes[0]
         self.snapshot = snap
         return snap
 
@@ -130,18 +154,19 @@ class UnitClient:
             role="proxy", in_flight=int(reply.jobs_running), request_ids=reply.request_ids
         )
 
-    def cancel(self, request_id: int, timeout: float) -> None:
-        """Cancel a request in P and D without waiting; results are counted and logged."""
-        task = asyncio.get_running_loop().create_task(self._cancel(request_id, timeout))
+    def cancel(self, request_id: int, timeout: float, decode: int | None = None) -> None:
+        """Cancel a request in P and in D `decode` (every D when None: the LB has not seen
+        which D holds it) without waiting; results are counted and logged."""
+        task = asyncio.get_running_loop().create_task(self._cancel(request_id, timeout, decode))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cancel(self, request_id: int, timeout: float) -> None:
+    async def _cancel(self, request_id: int, timeout: float, decode: int | None) -> None:
         req = pb.CancelRequest(request_id=request_id)
-        calls = {
-            "prefill": self.prefill.Cancel(req, timeout=timeout),
-            "decode": self.decode.Cancel(req, timeout=timeout),
-        }
+        calls = {"prefill": self.prefill.Cancel(req, timeout=timeout)}
+        for i, (name, stub) in enumerate(zip(self.decode_names, self.decodes, strict=True)):
+            if decode is None or decode == i:
+                calls[name] = stub.Cancel(req, timeout=timeout)
         for target, call in calls.items():
             try:
                 reply = await call
@@ -166,7 +191,7 @@ class UnitClient:
 
     async def close(self) -> None:
         channels = {
-            id(c): c for c in (self.prefill_channel, self.decode_channel, self.proxy_channel) if c
+            id(c): c for c in (self.prefill_channel, *self.decode_channels, self.proxy_channel) if c
         }
         for channel in channels.values():
             await channel.close()

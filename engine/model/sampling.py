@@ -16,11 +16,23 @@ Rules, precisely:
   inverse-CDF with one uniform per column. The uniforms of (seed, frame_index) come from numpy's
   PCG64 seeded by SplitMix64(seed, frame_index): integer arithmetic only, so the draw
   is identical on every machine and for every batch composition.
+
+Two entry points with the same rules and the same draws: `sample_frames` (logits ->
+numpy frames on the host; P, the monolith, D without overlap) and
+`sample_frames_device` (logits -> int32 frames on the logits' device, no host sync; D's
+overlap scheduler, which feeds them to the next step without a round-trip). The device
+form takes a `SamplingBatch` built on the host beforehand (`sampling_batch`): the
+uniforms, temperatures and top-k of each row do not depend on the logits. Greedy rows
+are the same argmax in both. Sampled rows run the same float64 operations in the same
+order (division, top-k threshold, exp, a cumulative sum, one comparison); the frame
+could differ only if a device's float64 exp or cumsum rounded differently from
+numpy's AND the uniform fell within that rounding of a CDF boundary (odds far below
+1e-12 per draw); tests/engine/test_sampling.py checks equality on CPU and on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -121,6 +133,92 @@ def _sample_rows(
     # padded or filtered one.
     last = vocab - 1 - np.argmax(weights[..., ::-1] > 0, axis=-1)
     return np.minimum(idx, last).astype(np.int32)
+
+
+@dataclass
+class SamplingBatch:
+    """The logits-independent inputs of one `sample_frames_device` call, built on the
+    host: which rows draw (and their temperature, top-k and uniforms) and which rows
+    have EOS suppressed. Row lists are host ints, so the device work needs no sync."""
+
+    n_rows: int
+    sampled_rows: list[int]              # rows with temperature > 0
+    suppress_rows: list[int]             # rows with frame_index < min_frames
+    top_k_groups: list[tuple[int, list[int]]] = field(default_factory=list)  # (k, local rows), 0 < k
+    # device tensors (on the logits' device), present iff sampled_rows:
+    sampled_index: torch.Tensor | None = None   # int64 [m]
+    temperature: torch.Tensor | None = None     # float64 [m]
+    uniforms: torch.Tensor | None = None        # float64 [m, C]
+    suppress_index: torch.Tensor | None = None  # int64 [s]
+    group_index: list[torch.Tensor] = field(default_factory=list)  # per top_k group: int64 local rows
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without a host sync: through pinned memory and an async
+    copy on CUDA (the caching host allocator keeps the pinned block until the copy ran),
+    as is on the CPU."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def sampling_batch(
+    params: list[SamplingParams], frame_index: list[int], n_columns: int, device: torch.device
+) -> SamplingBatch:
+    """The host half of `sample_frames_device`: uniforms drawn exactly as
+    `sample_frames` draws them, sent to `device` asynchronously."""
+    if len(params) != len(frame_index):
+        raise ValueError(f"{len(params)} sampling params but {len(frame_index)} frame indices")
+    n = len(params)
+    sampled = [i for i in range(n) if params[i].temperature != 0.0]
+    suppress = [i for i in range(n) if frame_index[i] < params[i].min_frames]
+    sb = SamplingBatch(n, sampled, suppress)
+    if suppress:
+        sb.suppress_index = to_device(np.array(suppress, dtype=np.int64), device)
+    if sampled:
+        sb.sampled_index = to_device(np.array(sampled, dtype=np.int64), device)
+        sb.temperature = to_device(np.array([params[i].temperature for i in sampled], dtype=np.float64), device)
+        sb.uniforms = to_device(
+            np.stack([draw_uniforms(params[i].seed, frame_index[i], n_columns) for i in sampled]), device)
+        ks = [params[i].top_k for i in sampled]
+        for k in sorted(set(ks)):
+            if k > 0:
+                local = [r for r, kr in enumerate(ks) if kr == k]
+                sb.top_k_groups.append((k, local))
+                sb.group_index.append(to_device(np.array(local, dtype=np.int64), device))
+    return sb
+
+
+def sample_frames_device(logits: torch.Tensor, sb: SamplingBatch, eos_id: int) -> torch.Tensor:
+    """logits [n, C, V] -> int32 frames [n, C] on the logits' device, with the frames
+    `sample_frames` returns for the same params and frame indices. No host sync: every
+    shape and row list is known on the host."""
+    if logits.dim() != 3 or logits.shape[0] != sb.n_rows:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [{sb.n_rows}, C, V]")
+    logits = logits.float()
+    if sb.suppress_index is not None:
+        logits = logits.clone()
+        logits[sb.suppress_index, 0, eos_id] = float("-inf")
+    out = logits.argmax(dim=-1).to(torch.int32)
+    if sb.sampled_index is None:
+        return out
+    assert sb.temperature is not None and sb.uniforms is not None
+    scaled = logits.index_select(0, sb.sampled_index).to(torch.float64) / sb.temperature[:, None, None]
+    vocab = scaled.shape[-1]
+    for (k, _), local in zip(sb.top_k_groups, sb.group_index, strict=True):
+        if k >= vocab:
+            continue
+        part = scaled.index_select(0, local)
+        kth = torch.topk(part, k, dim=-1).values[..., k - 1 : k]  # the k-th largest, as np.partition
+        scaled.index_copy_(0, local, torch.where(part < kth, float("-inf"), part))
+    weights = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+    cdf = torch.cumsum(weights, dim=-1)
+    target = sb.uniforms[..., None] * cdf[..., -1:]
+    idx = (cdf <= target).sum(dim=-1)
+    last = vocab - 1 - torch.argmax(torch.flip(weights > 0, dims=[-1]).to(torch.uint8), dim=-1)
+    out.index_copy_(0, sb.sampled_index, torch.minimum(idx, last).to(torch.int32))
+    return out
 
 
 def is_eos(frame: np.ndarray, eos_id: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pdunit.engine.decode.worker import torch_setup
 from pdunit.engine.grpc_server import start_unix_server
@@ -14,7 +14,12 @@ from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.submit import serve_submit
-from pdunit.engine.prefill.worker import FaultInjection, PrefillEngine, PrefillService
+from pdunit.engine.prefill.worker import (
+    FaultInjection,
+    PrefillEngine,
+    PrefillService,
+    parse_decode_sockets,
+)
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import parse_config
 
@@ -23,7 +28,10 @@ class PrefillConfig(BaseModel):
     """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
 
     socket: str = Field("/run/pdunit/prefill.sock", description="unix socket P serves on")
-    decode_socket: str = Field("/run/pdunit/decode.sock", description="D's socket")
+    decode_socket: str = Field("/run/pdunit/decode.sock", description="D's socket, or a comma list of D "
+                               "sockets (one P feeding several D's: 1P2D)")
+    decode_probe_interval_ms: int = Field(500, gt=0, description="with several D's: how often P asks each D "
+                                          "for Info (free pages, streams) to choose the D of a request")
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
@@ -53,6 +61,12 @@ class PrefillConfig(BaseModel):
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     log_level: str = Field("info", description="log level")
 
+    @field_validator("decode_socket")
+    @classmethod
+    def _decode_sockets(cls, v: str) -> str:
+        parse_decode_sockets(v)
+        return v
+
 
 async def serve(cfg: PrefillConfig) -> int:
     log = setup_logging("prefill", cfg.log_level)
@@ -70,11 +84,13 @@ async def serve(cfg: PrefillConfig) -> int:
         cfg.kv_check_sample, cfg.max_held_aborts, cfg.held_abort_grace_ms / 1000, cfg.transfer_deadline_ms,
         FaultInjection(cfg.fault_corrupt_id, cfg.fault_slow_id, cfg.fault_slow_ms, cfg.fault_wedge_id,
                        cfg.fault_tcp_relay),
+        decode_probe_interval_s=cfg.decode_probe_interval_ms / 1000,
     )
     stop = shutdown_event(log)
     loop = asyncio.get_running_loop()
     # Serve only once D answered: the LB's readiness follows from P answering Info.
     await loop.run_in_executor(None, engine.connect)
+    engine.start_probe()
 
     async def submit(request, context):
         return await serve_submit(request, model.config, engine.submit, engine.cancel)
@@ -83,12 +99,14 @@ async def serve(cfg: PrefillConfig) -> int:
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine, loop, submit), s), log)
     engine.loop.start()
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
-                                     "transfer": engine.sender.mode if engine.sender else None})
+                                     "decoders": len(engine.links), "transfer": engine.transfer_mode})
     await stop.wait()
     await server.stop(grace=5)
     engine.loop.stop()
-    if engine.sender is not None:
-        engine.sender.close()
+    engine.stop_probe()
+    for link in engine.links:
+        if link.sender is not None:
+            link.sender.close()
     log.info("prefill stopped")
     return 0
 

@@ -15,6 +15,16 @@ whose prompt row 0 column 0 carries a chosen id get a flipped bit in the rows se
 (D's checksum must catch it), a write paused across its deadline, or a wedged write
 that never reports completion (P can never prove quiescence for it, so its abort stays
 held). The fault-injection suite (tests/faults/) drives these.
+
+Several D's (1P2D, `--decode-socket a.sock,b.sock`): P handshakes with each (one
+`DecodeLink`: stub, sender, D instance id, load as last reported) and picks one D per
+request at RESERVE: not unresponsive, not draining, most free pages, fewest streams
+(from Reserve replies and a periodic Info probe). NO_CAPACITY, DRAINING or an
+unreachable D before any write moves the request to the next D; after the first write a
+request never changes D. Every guarantee of PROTOCOL.md holds per D: identities are
+checked per D instance, an ABORT is answered with the quiesce proof of the sender of the
+D that sent it (every sender when the D is unknown), and it cancels the request only
+when that D is the one it was routed to.
 """
 
 from __future__ import annotations
@@ -25,11 +35,12 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.worker import StepLoop
@@ -50,6 +61,11 @@ from pdunit.engine.transfer.factory import make_sender
 log = logging.getLogger("pdunit.prefill")
 
 EXIT_HELD_ABORTS = 75  # P exits on purpose: its restart proves every held abort
+
+P_ROUTED = Counter("pdunit_prefill_decode_routed_total", "Requests P reserved on each D", ["decode"])
+P_FALLBACKS = Counter("pdunit_prefill_decode_fallbacks_total",
+                      "Reservations moved to another D before any write, by the first D's answer",
+                      ["decode", "reason"])
 
 
 class PeerMismatch(RuntimeError):
@@ -75,6 +91,49 @@ class FaultInjection:
         return ""
 
 
+@dataclass
+class DecodeLink:
+    """One D that P feeds: its channel, P's sender into its pool, its instance id, and its
+    load as last reported (Info probe, Reserve replies). Only the worker thread (and
+    `connect` before it starts) replaces `stub`, `sender` and `instance`."""
+
+    index: int
+    socket: str
+    name: str
+    stub: pbg.DecodeStub | None = None
+    sender: KVSender | None = None
+    instance: str = ""
+    page_size: int = 1
+    pool_pages: int = 0
+    free_pages: int = 0
+    streams: int = 0                 # decoding + reserved in D, as last reported
+    draining: bool = False
+    responsive: bool = True          # False from a failed RPC until a probe answers again
+    routed: set[int] = field(default_factory=set)  # P's requests reserved here, not finished
+    reserved_total: int = 0          # tie-break: equal D's take turns
+
+    def order_key(self) -> tuple:
+        """Smaller is better: responsive, not draining, most free pages, fewest streams."""
+        return (not self.responsive, self.draining, -self.free_pages, self.streams + len(self.routed),
+                self.reserved_total, self.index)
+
+    def observe(self, info: pb.InfoReply) -> None:
+        self.pool_pages, self.free_pages = info.pool_pages, info.free_pages
+        self.streams = info.in_flight + info.queue
+        self.draining = info.draining
+        self.responsive = True
+
+
+def parse_decode_sockets(value: str) -> list[str]:
+    """`--decode-socket`: one socket, or a comma list (one P feeding several D's)."""
+    sockets = [s.strip() for s in value.split(",") if s.strip()]
+    if not sockets:
+        raise ValueError("--decode-socket is empty: give D's socket, or a comma list of D sockets")
+    if len(set(sockets)) != len(sockets):
+        raise ValueError(f"--decode-socket {value!r} names a socket twice: each D once")
+    return sockets
+
+
 class PrefillEngine:
     def __init__(
         self,
@@ -92,6 +151,7 @@ class PrefillEngine:
         held_abort_grace_s: float = 1.0,
         transfer_deadline_ms: int = 0,
         faults: FaultInjection | None = None,
+        decode_probe_interval_s: float = 0.5,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
         self.model = model
@@ -108,38 +168,62 @@ class PrefillEngine:
         self.held_abort_grace_s = held_abort_grace_s
         self.transfer_deadline_ms = transfer_deadline_ms
         self.faults = faults or FaultInjection()
-        self.wedged: set[int] = set()  # fault injection: writes that never complete
+        self.wedged: set[tuple[int, int]] = set()  # fault injection: (link, request) writes that never complete
         self.transfer_deadlines: dict[int, int] = {}  # request id -> deadline sent in RESERVE
         self.cancel_reasons: dict[int, tuple[int, str]] = {}  # why an active job was cancelled
-        self.d_instance = ""
-        self.sender: KVSender | None = None
-        self._d: pbg.DecodeStub | None = None
+        sockets = parse_decode_sockets(decode_socket)
+        self.links = [DecodeLink(i, sock, "decode" if len(sockets) == 1 else f"decode-{i}")
+                      for i, sock in enumerate(sockets)]
+        self.routes: dict[int, DecodeLink] = {}  # request id -> the D it was reserved on
+        self.decode_probe_interval_s = decode_probe_interval_s
         self.active: dict[int, PrefillJob] = {}
-        self.held_aborts: dict[int, float] = {}
+        self.held_aborts: dict[tuple[str, int], float] = {}  # (D instance, request id) -> since
         self._lock = threading.Lock()
+        self._probe_stop = threading.Event()
+        self._probe_thread: threading.Thread | None = None
         self.loop = StepLoop("prefill", self._step_once)
+
+    # One D (the 1P1D unit): the names the rest of the process used before 1P2D.
+    @property
+    def sender(self) -> KVSender | None:
+        return self.links[0].sender
+
+    @property
+    def d_instance(self) -> str:
+        return ",".join(link.instance for link in self.links)
+
+    @property
+    def transfer_mode(self) -> str:
+        modes = [link.sender.mode for link in self.links if link.sender is not None]
+        return ",".join(dict.fromkeys(modes))
 
     # ------------------------------------------------------------------ handshake
     def connect(self, timeout_s: float = 120.0) -> None:
-        """Hello to D until it answers; checks model and geometry; attaches the sender."""
-        self._d = pbg.DecodeStub(sync_channel(self.decode_socket))
+        """Hello to every D until it answers; checks model and geometry; attaches a
+        sender per D. P serves only once every D answered."""
+        for link in self.links:
+            self._connect_link(link, timeout_s)
+
+    def _connect_link(self, link: DecodeLink, timeout_s: float = 120.0) -> None:
+        if link.stub is None:
+            link.stub = pbg.DecodeStub(sync_channel(link.socket))
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                hello = self._d.Hello(pb.HelloRequest(sender_instance=self.instance_id), timeout=2.0)
+                hello = link.stub.Hello(pb.HelloRequest(sender_instance=self.instance_id), timeout=2.0)
                 break
             except grpc.RpcError as exc:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"decode at {self.decode_socket} did not answer Hello: {exc.code()}") from None
+                    raise TimeoutError(f"decode at {link.socket} did not answer Hello: {exc.code()}") from None
                 time.sleep(0.2)
         mc = self.model.config
         g = hello.geometry
         if hello.model != self.model_spec:
-            raise PeerMismatch(f"P runs model {self.model_spec!r} but D runs {hello.model!r}")
+            raise PeerMismatch(f"P runs model {self.model_spec!r} but D at {link.socket} runs {hello.model!r}")
         if (g.n_layers, g.n_kv_heads, g.head_dim) != (mc.n_layers, mc.n_kv_heads, mc.head_dim):
-            raise PeerMismatch(f"D pool geometry {g} does not match the model {mc.name}")
+            raise PeerMismatch(f"D pool geometry {g} at {link.socket} does not match the model {mc.name}")
         if g.dtype != str(self.storage.dtype).replace("torch.", ""):
-            raise PeerMismatch(f"D pool dtype {g.dtype} != P dtype {self.storage.dtype}")
+            raise PeerMismatch(f"D pool dtype {g.dtype} at {link.socket} != P dtype {self.storage.dtype}")
         geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, self.storage.dtype, g.n_slots, g.page_size)
         offered = [Descriptor(t.mode, dict(t.params), t.handle) for t in hello.transports]
         if self.faults.tcp_relay:
@@ -148,15 +232,58 @@ class PrefillEngine:
                 if d.mode == "tcp":
                     d.params.update(host=host, port=port)
             log.warning("fault injection: tcp transport goes through a relay", extra={"relay": self.faults.tcp_relay})
-        if self.sender is not None:
-            self.sender.close()
-        self.sender = make_sender(offered if self.transfer == "auto" else
+        if link.sender is not None:
+            link.sender.close()
+        link.sender = make_sender(offered if self.transfer == "auto" else
                                   [d for d in offered if d.mode == self.transfer] or offered,
                                   geometry, self.device, self.sender_options)
-        if self.transfer not in ("auto", self.sender.mode):
-            raise PeerMismatch(f"asked for transfer {self.transfer!r} but D offers {[d.mode for d in offered]}")
-        self.d_instance = hello.instance_id
-        log.info("connected to decode", extra={"d_instance": self.d_instance, "transfer": self.sender.mode})
+        if self.transfer not in ("auto", link.sender.mode):
+            raise PeerMismatch(f"asked for transfer {self.transfer!r} but D at {link.socket} offers "
+                               f"{[d.mode for d in offered]}")
+        link.instance = hello.instance_id
+        link.page_size = max(1, g.page_size)
+        link.pool_pages = link.free_pages = max(0, g.n_slots // link.page_size)
+        link.responsive = True
+        log.info("connected to decode", extra={"decode": link.name, "socket": link.socket,
+                                               "d_instance": link.instance, "transfer": link.sender.mode})
+
+    # ------------------------------------------------------------------ D load probe
+    def start_probe(self) -> None:
+        """With several D's: a thread asks every D for Info each `decode_probe_interval_s`
+        (free pages, streams, draining, responsiveness) for the choice at RESERVE."""
+        if len(self.links) < 2 or self._probe_thread is not None:
+            return
+        self._probe_thread = threading.Thread(target=self._probe_loop, name="decode-probe", daemon=True)
+        self._probe_thread.start()
+
+    def stop_probe(self) -> None:
+        self._probe_stop.set()
+        if self._probe_thread is not None:
+            self._probe_thread.join(timeout=5)
+
+    def _probe_loop(self) -> None:
+        while not self._probe_stop.wait(self.decode_probe_interval_s):
+            for link in self.links:
+                self.probe_decode(link)
+
+    def probe_decode(self, link: DecodeLink) -> None:
+        stub = link.stub
+        if stub is None:
+            return
+        try:
+            info = stub.Info(pb.Empty(), timeout=max(0.2, min(1.0, 2 * self.decode_probe_interval_s)))
+        except grpc.RpcError as exc:
+            if link.responsive:
+                log.warning("decode does not answer Info: new requests go to the other decoders first",
+                            extra={"decode": link.name, "code": str(exc.code())})
+            link.responsive = False
+            return
+        if not link.responsive:
+            log.info("decode answers again", extra={"decode": link.name})
+        link.observe(info)
+
+    def _ordered_links(self) -> list[DecodeLink]:
+        return sorted(self.links, key=DecodeLink.order_key)
 
     # ------------------------------------------------------------------ requests
     def submit(self, job: PrefillJob) -> None:
@@ -174,8 +301,14 @@ class PrefillEngine:
             if job is not None:
                 job.cancelled = True
                 self.cancel_reasons[request_id] = (status, reason)
-        if job is not None and self.sender is not None:
-            self.sender.quiesce(request_id)
+            link = self.routes.get(request_id)
+        if job is not None:
+            # Reserved on a D: only that D's sender can hold a write of it. Not reserved
+            # yet: none can, and the worker checks `cancelled` before RESERVE and before
+            # the write; quiescing every sender keeps a late RESERVE from writing anyway.
+            for target in [link] if link is not None else self.links:
+                if target.sender is not None:
+                    target.sender.quiesce(request_id)
         return job is not None
 
     def abort(self, request: pb.AbortRequest) -> pb.AbortReply:
@@ -185,17 +318,29 @@ class PrefillEngine:
             # Meant for an earlier P (D has not seen this instance yet): this process never
             # wrote that request, and our id in the reply is D's proof (b) for it.
             return pb.AbortReply(ack=False, instance_id=self.instance_id)
-        self.cancel(rid, pb.TRANSFER_FAILED, "decode aborted the transfer (it failed there: deadline, checksum "
-                    "or cancel)")
-        ack = self.sender.quiesce(rid) if self.sender is not None else True
-        ack = ack and rid not in self.wedged
+        d_instance = request.identity.sender_instance
+        # The D that sent the ABORT; unknown (an older D, or none named): every sender must
+        # prove quiescence, since any of them could have written the request.
+        links = [link for link in self.links if d_instance and link.instance == d_instance] or list(self.links)
+        with self._lock:
+            routed = self.routes.get(rid)
+        if routed is None or routed in links:
+            # A request moved to another D before any write (the first D's RESERVE timed
+            # out) must not be cancelled by the first D's ABORT: it is alive elsewhere.
+            self.cancel(rid, pb.TRANSFER_FAILED, "decode aborted the transfer (it failed there: deadline, "
+                        "checksum or cancel)")
+        ack = True
+        for link in links:  # every one is asked: quiesce also bars later writes
+            ack = (link.sender.quiesce(rid) if link.sender is not None else True) and ack
+        ack = ack and not any((link.index, rid) in self.wedged for link in links)
+        key = (d_instance, rid)
         now = time.monotonic()
         with self._lock:
             if ack:
-                self.held_aborts.pop(rid, None)
+                self.held_aborts.pop(key, None)
             else:
-                self.held_aborts.setdefault(rid, now)
-            overdue = [r for r, t in self.held_aborts.items() if now - t >= self.held_abort_grace_s]
+                self.held_aborts.setdefault(key, now)
+            overdue = [r for (_, r), t in self.held_aborts.items() if now - t >= self.held_abort_grace_s]
             m.P_HELD_ABORTS.set(len(self.held_aborts))
         m.P_ABORTS.labels(answer="ack" if ack else "held").inc()
         if len(overdue) >= self.max_held_aborts:
@@ -215,12 +360,15 @@ class PrefillEngine:
             self.active.pop(job.request_id, None)
             self.transfer_deadlines.pop(job.request_id, None)
             self.cancel_reasons.pop(job.request_id, None)
+            link = self.routes.pop(job.request_id, None)
+            if link is not None:
+                link.routed.discard(job.request_id)
         if job.done is not None:
             job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
 
     # ------------------------------------------------------------------ the worker loop
-    def _identity(self, deadline_ms: int) -> pb.Identity:
-        return pb.Identity(sender_instance=self.instance_id, receiver_instance=self.d_instance,
+    def _identity(self, link: DecodeLink, deadline_ms: int) -> pb.Identity:
+        return pb.Identity(sender_instance=self.instance_id, receiver_instance=link.instance,
                            budget_ms=max(0, deadline_ms - int(time.time() * 1000)))
 
     def _transfer_deadline(self, job: PrefillJob) -> int:
@@ -231,21 +379,59 @@ class PrefillEngine:
             deadline = min(deadline or 2**62, int(time.time() * 1000) + self.transfer_deadline_ms)
         return deadline
 
-    def _reserve(self, job: PrefillJob) -> pb.ReserveReply:
-        assert self._d is not None
+    def _reserve(self, job: PrefillJob) -> tuple[DecodeLink | None, pb.ReserveReply]:
+        """RESERVE on the best D; on NO_CAPACITY, DRAINING or an unreachable D, the next
+        one (nothing was written yet, so the request may still change D). Returns the D
+        that answered last and its reply; the D is None when none answered."""
         rows = len(job.prompt)
         deadline = self._transfer_deadline(job)
         with self._lock:
             self.transfer_deadlines[job.request_id] = deadline
+        failure: pb.ReserveReply | None = None
+        for link in self._ordered_links():
+            try:
+                reply = self._reserve_on(link, job, rows, deadline)
+            except grpc.RpcError as exc:
+                link.responsive = False
+                failure = pb.ReserveReply(status=pb.TRANSFER_FAILED, message=f"decode unreachable: {exc.code()}")
+                if len(self.links) > 1:
+                    P_FALLBACKS.labels(decode=link.name, reason="unreachable").inc()
+                    log.warning("decode did not answer RESERVE: trying the next one", extra={
+                        "request_id": job.request_id, "decode": link.name, "code": str(exc.code())})
+                continue
+            if reply.status == pb.STATUS_OK:
+                pages = -(-(rows + job.params.max_frames) // link.page_size)
+                link.free_pages = max(0, link.free_pages - pages)
+                link.reserved_total += 1
+                with self._lock:
+                    self.routes[job.request_id] = link
+                    link.routed.add(job.request_id)
+                P_ROUTED.labels(decode=link.name).inc()
+                return link, reply
+            if reply.status not in (pb.NO_CAPACITY, pb.DRAINING):
+                return link, reply
+            if reply.status == pb.NO_CAPACITY:
+                link.free_pages = 0
+            else:
+                link.draining = True
+            failure = reply
+            if len(self.links) > 1:
+                P_FALLBACKS.labels(decode=link.name, reason=pb.Status.Name(reply.status).lower()).inc()
+        assert failure is not None
+        return None, failure
+
+    def _reserve_on(self, link: DecodeLink, job: PrefillJob, rows: int, deadline: int) -> pb.ReserveReply:
+        assert link.stub is not None
         for attempt in range(2):
-            reply = self._d.Reserve(pb.ReserveRequest(
+            reply = link.stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
-                deadline_unix_ms=deadline, identity=self._identity(deadline)),
+                deadline_unix_ms=deadline, identity=self._identity(link, deadline)),
                 timeout=5.0)
             if reply.status != pb.STALE_INSTANCE or attempt:
                 return reply
-            log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id})
-            self.connect()
+            log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id,
+                                                                      "decode": link.name})
+            self._connect_link(link)
         return reply
 
     def _step_once(self) -> bool:
@@ -253,7 +439,7 @@ class PrefillEngine:
         m.P_QUEUE.set(len(self.scheduler))
         if not jobs:
             return False
-        live: list[tuple[PrefillJob, PrefixLease, np.ndarray]] = []
+        live: list[tuple[PrefillJob, PrefixLease, DecodeLink, np.ndarray]] = []
         now_ms = int(time.time() * 1000)
         for job in jobs:
             with self._lock:
@@ -269,43 +455,39 @@ class PrefillEngine:
             except NoCapacity as exc:
                 self._finish(job, pb.NO_CAPACITY, f"prefill cache full: {exc}")
                 continue
-            try:
-                reply = self._reserve(job)
-            except grpc.RpcError as exc:
-                self.cache.release(lease)
-                self._finish(job, pb.TRANSFER_FAILED, f"decode unreachable: {exc.code()}")
-                continue
-            if reply.status != pb.STATUS_OK:
+            link, reply = self._reserve(job)
+            if link is None or reply.status != pb.STATUS_OK:
                 self.cache.release(lease)
                 self._finish(job, reply.status, reply.message)
                 continue
             job.stamps["p_reserved"] = now_ns()
-            live.append((job, lease, unpack(reply.dst_slots, "i8")))
+            live.append((job, lease, link, unpack(reply.dst_slots, "i8")))
         if not live:
             return True
         chunks = [PrefillChunk(job.prompt, lease.slots, min(lease.cached_tokens, len(job.prompt) - 1),
-                               len(job.prompt), job.params) for job, lease, _ in live]
+                               len(job.prompt), job.params) for job, lease, _, _ in live]
         t0 = now_ns()
-        for job, _, _ in live:
+        for job, _, _, _ in live:
             job.stamps["prefill_start"] = t0
         frames = run_prefill(self.model, self.storage, chunks)
         t1 = now_ns()
         m.P_PREFILL_SECONDS.observe((t1 - t0) / 1e9)
-        for (job, lease, _), chunk in zip(live, chunks, strict=True):
+        for (job, lease, _, _), chunk in zip(live, chunks, strict=True):
             job.stamps["prefill_end"] = t1
             m.P_PREFILL_TOKENS.labels(source="computed").inc(chunk.end - chunk.start)
             m.P_PREFILL_TOKENS.labels(source="cached").inc(chunk.start)
             self.cache.publish(lease, job.prompt)
-        for (job, lease, dst), frame, chunk in zip(live, frames, chunks, strict=True):
+        for (job, lease, link, dst), frame, chunk in zip(live, frames, chunks, strict=True):
             try:
-                self._transfer_and_commit(job, lease, dst, frame, chunk.start)
+                self._transfer_and_commit(job, lease, link, dst, frame, chunk.start)
             finally:
                 self.cache.release(lease)
         return True
 
-    def _transfer_and_commit(self, job: PrefillJob, lease: PrefixLease, dst: np.ndarray,
+    def _transfer_and_commit(self, job: PrefillJob, lease: PrefixLease, link: DecodeLink, dst: np.ndarray,
                              frame: np.ndarray | None, cached: int) -> None:
-        assert self.sender is not None and self._d is not None and frame is not None
+        sender, stub = link.sender, link.stub
+        assert sender is not None and stub is not None and frame is not None
         rid = job.request_id
         if job.cancelled:
             status, reason = self._cancel_reason(rid)
@@ -315,28 +497,29 @@ class PrefillEngine:
         with self._lock:
             deadline = self.transfer_deadlines.get(rid) or self._transfer_deadline(job)
         try:
-            self._write(job, lease.slots, dst, deadline)
+            self._write(link, job, lease.slots, dst, deadline)
         except TransferError as exc:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
             try:  # D holds the pages and sends ABORT; our quiesce answers it
-                self._d.Cancel(pb.CancelRequest(request_id=rid), timeout=2.0)
+                stub.Cancel(pb.CancelRequest(request_id=rid, status=pb.TRANSFER_FAILED,
+                                             message=f"KV transfer failed: {exc}"), timeout=2.0)
             except grpc.RpcError:
                 pass
             self._finish(job, pb.TRANSFER_FAILED, f"KV transfer failed: {exc}")
             return
         job.stamps["transfer_end"] = now_ns()
-        m.P_TRANSFER_SECONDS.labels(mode=self.sender.mode).observe(
+        m.P_TRANSFER_SECONDS.labels(mode=sender.mode).observe(
             (job.stamps["transfer_end"] - job.stamps["transfer_start"]) / 1e9)
-        m.P_TRANSFER_BYTES.labels(mode=self.sender.mode).inc(
+        m.P_TRANSFER_BYTES.labels(mode=sender.mode).inc(
             self.storage[:, :, :1].numel() * self.storage.element_size() * len(lease.slots))
         checksum = kv_checksum(self.storage, lease.slots, self.kv_check_sample)
         try:
-            reply = self._d.Commit(pb.CommitRequest(
+            reply = stub.Commit(pb.CommitRequest(
                 request_id=rid, first_frame=pack(frame, "i4"), checksum=checksum,
                 checksum_sample=self.kv_check_sample, sampling=pb.Sampling(
                     temperature=job.params.temperature, top_k=job.params.top_k, seed=job.params.seed,
                     max_frames=job.params.max_frames, min_frames=job.params.min_frames),
-                prompt_tokens=len(job.prompt), identity=self._identity(job.deadline_unix_ms),
+                prompt_tokens=len(job.prompt), identity=self._identity(link, job.deadline_unix_ms),
                 stamps=pb.Stamps(ns=job.stamps)), timeout=5.0)
         except grpc.RpcError as exc:
             self._finish(job, pb.TRANSFER_FAILED, f"commit failed: {exc.code()}")
@@ -346,13 +529,15 @@ class PrefillEngine:
             return
         self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt) - cached, cached_tokens=cached)
 
-    def _write(self, job: PrefillJob, src_slots: np.ndarray, dst: np.ndarray, deadline: int) -> None:
-        """The request's rows to D, with the fault injected for this request if any."""
-        assert self.sender is not None
+    def _write(self, link: DecodeLink, job: PrefillJob, src_slots: np.ndarray, dst: np.ndarray,
+               deadline: int) -> None:
+        """The request's rows to its D, with the fault injected for this request if any."""
+        sender = link.sender
+        assert sender is not None
         rid = job.request_id
         kind = self.faults.kind(job.prompt)
         if not kind:
-            self.sender.write(rid, self.storage, src_slots, dst, deadline)
+            sender.write(rid, self.storage, src_slots, dst, deadline)
             return
         log.warning("fault injection", extra={"request_id": rid, "fault": kind})
         if kind == "corrupt":
@@ -361,28 +546,31 @@ class PrefillEngine:
             rows = rows.contiguous()
             flat = rows.view(-1).view(torch.uint8)
             flat[0] ^= 1
-            self.sender.write(rid, rows, np.arange(len(src_slots), dtype=np.int64), dst, deadline)
+            sender.write(rid, rows, np.arange(len(src_slots), dtype=np.int64), dst, deadline)
         elif kind == "slow":
             half = len(src_slots) // 2
-            self.sender.write(rid, self.storage, src_slots[:half], dst[:half], deadline)
+            sender.write(rid, self.storage, src_slots[:half], dst[:half], deadline)
             time.sleep(self.faults.slow_ms / 1000)
-            self.sender.write(rid, self.storage, src_slots[half:], dst[half:], deadline)
+            sender.write(rid, self.storage, src_slots[half:], dst[half:], deadline)
         elif kind == "wedge":
             with self._lock:
-                self.wedged.add(rid)
+                self.wedged.add((link.index, rid))
             raise TransferError(f"request {rid}: write wedged (fault injection): it never completes")
 
     # ------------------------------------------------------------------ info
     def info(self) -> pb.InfoReply:
         with self._lock:
-            ids = list(self.active) + list(self.held_aborts)
+            ids = list(self.active) + [rid for _, rid in self.held_aborts]
             held = len(self.held_aborts)
         ids += self.scheduler.request_ids()
-        in_flight = self.sender.in_flight() if self.sender is not None else []
+        in_flight: set[int] = set()
+        for link in self.links:
+            if link.sender is not None:
+                in_flight.update(link.sender.in_flight())
         return pb.InfoReply(
             role="prefill", instance_id=self.instance_id, peer_instance_id=self.d_instance, pid=os.getpid(),
             queue=len(self.scheduler), in_flight=len(in_flight), held_aborts=held,
-            transfer_mode=self.sender.mode if self.sender else "",
+            transfer_mode=self.transfer_mode,
             request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )
 

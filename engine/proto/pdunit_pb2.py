@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cpdunit.proto\x12\tpdunit.v1\"\x07\n\x05\x45mpty\"d\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nmax_frames\x18\x04 \x01(\x05\x12\x12\n\nmin_frames\x18\x05 \x01(\x05\"Z\n\x06Stamps\x12%\n\x02ns\x18\x01 \x03(\x0b\x32\x19.pdunit.v1.Stamps.NsEntry\x1a)\n\x07NsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Q\n\x08Identity\x12\x17\n\x0fsender_instance\x18\x01 \x01(\t\x12\x19\n\x11receiver_instance\x18\x02 \x01(\t\x12\x11\n\tbudget_ms\x18\x03 \x01(\x03\"\xb3\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0e\n\x06prompt\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x04 \x01(\x05\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.pdunit.v1.Sampling\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12!\n\x06stamps\x18\x07 \x01(\x0b\x32\x11.pdunit.v1.Stamps\"\x93\x01\n\x0bSubmitReply\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12!\n\x06stamps\x18\x05 \x01(\x0b\x32\x11.pdunit.v1.Stamps\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"I\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12%\n\x08identity\x18\x02 \x01(\x0b\x32\x13.pdunit.v1.Identity\".\n\nAbortReply\x12\x0b\n\x03\x61\x63k\x18\x01 \x01(\x08\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"y\n\x0cPoolGeometry\x12\x10\n\x08n_layers\x18\x01 \x01(\x05\x12\x12\n\nn_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\x03\x12\x11\n\tpage_size\x18\x06 \x01(\x05\"\x9e\x01\n\x13TransportDescriptor\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12:\n\x06params\x18\x02 \x03(\x0b\x32*.pdunit.v1.TransportDescriptor.ParamsEntry\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\'\n\x0cHelloRequest\x12\x17\n\x0fsender_instance\x18\x01 \x01(\t\"\xc9\x01\n\nHelloReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12)\n\x08geometry\x18\x02 \x01(\x0b\x32\x17.pdunit.v1.PoolGeometry\x12\x32\n\ntransports\x18\x03 \x03(\x0b\x32\x1e.pdunit.v1.TransportDescriptor\x12\x13\n\x0bn_codebooks\x18\x04 \x01(\x05\x12\x13\n\x0bvocab_sizes\x18\x05 \x01(\x0c\x12\x0e\n\x06\x65os_id\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\"\x8d\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08n_tokens\x18\x02 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x03 \x01(\x03\x12%\n\x08identity\x18\x04 \x01(\x0b\x32\x13.pdunit.v1.Identity\x12\x14\n\x0ctotal_tokens\x18\x05 \x01(\x05\"j\n\x0cReserveReply\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tdst_slots\x18\x03 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\xeb\x01\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_frame\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x17\n\x0f\x63hecksum_sample\x18\x04 \x01(\x05\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.pdunit.v1.Sampling\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12%\n\x08identity\x18\x07 \x01(\x0b\x32\x13.pdunit.v1.Identity\x12!\n\x06stamps\x18\x08 \x01(\x0b\x32\x11.pdunit.v1.Stamps\"V\n\x0b\x43ommitReply\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"#\n\rFramesRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"U\n\x0bStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x84\x02\n\nStepFrames\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x01(\x0c\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x0c\x12\x10\n\x08\x66inished\x18\x04 \x01(\x0c\x12&\n\x06\x65rrors\x18\x05 \x03(\x0b\x32\x16.pdunit.v1.StreamError\x12\x14\n\x0cstep_unix_ns\x18\x06 \x01(\x03\x12\x31\n\x06stamps\x18\x07 \x03(\x0b\x32!.pdunit.v1.StepFrames.StampsEntry\x1a@\n\x0bStampsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.pdunit.v1.Stamps:\x02\x38\x01\"\xba\x02\n\tInfoReply\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x18\n\x10peer_instance_id\x18\x03 \x01(\t\x12\r\n\x05queue\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12\x12\n\nheld_pages\x18\x06 \x01(\x05\x12\x12\n\npool_pages\x18\x07 \x01(\x05\x12\x12\n\nfree_pages\x18\x08 \x01(\x05\x12\x13\n\x0bheld_aborts\x18\t \x01(\x05\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x15\n\rtransfer_mode\x18\x0b \x01(\t\x12\x17\n\x0fkv_checks_total\x18\x0c \x01(\x03\x12\x19\n\x11kv_mismatch_total\x18\r \x01(\x03\x12\x13\n\x0brequest_ids\x18\x0e \x01(\x0c\x12\x0b\n\x03pid\x18\x0f \x01(\x05*\xcc\x01\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x0f\n\x0bNO_CAPACITY\x10\x01\x12\x12\n\x0eSTALE_INSTANCE\x10\x02\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x03\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\x04\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x05\x12\r\n\tCANCELLED\x10\x06\x12\x13\n\x0fTRANSFER_FAILED\x10\x07\x12\x0b\n\x07INVALID\x10\x08\x12\x0c\n\x08\x44RAINING\x10\t\x12\x0c\n\x08INTERNAL\x10\n2\xea\x01\n\x07Prefill\x12:\n\x06Submit\x12\x18.pdunit.v1.SubmitRequest\x1a\x16.pdunit.v1.SubmitReply\x12:\n\x06\x43\x61ncel\x12\x18.pdunit.v1.CancelRequest\x1a\x16.pdunit.v1.CancelReply\x12\x37\n\x05\x41\x62ort\x12\x17.pdunit.v1.AbortRequest\x1a\x15.pdunit.v1.AbortReply\x12.\n\x04Info\x12\x10.pdunit.v1.Empty\x1a\x14.pdunit.v1.InfoReply2\xe5\x02\n\x06\x44\x65\x63ode\x12\x37\n\x05Hello\x12\x17.pdunit.v1.HelloRequest\x1a\x15.pdunit.v1.HelloReply\x12=\n\x07Reserve\x12\x19.pdunit.v1.ReserveRequest\x1a\x17.pdunit.v1.ReserveReply\x12:\n\x06\x43ommit\x12\x18.pdunit.v1.CommitRequest\x1a\x16.pdunit.v1.CommitReply\x12;\n\x06\x46rames\x12\x18.pdunit.v1.FramesRequest\x1a\x15.pdunit.v1.StepFrames0\x01\x12:\n\x06\x43\x61ncel\x12\x18.pdunit.v1.CancelRequest\x1a\x16.pdunit.v1.CancelReply\x12.\n\x04Info\x12\x10.pdunit.v1.Empty\x1a\x14.pdunit.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cpdunit.proto\x12\tpdunit.v1\"\x07\n\x05\x45mpty\"d\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nmax_frames\x18\x04 \x01(\x05\x12\x12\n\nmin_frames\x18\x05 \x01(\x05\"Z\n\x06Stamps\x12%\n\x02ns\x18\x01 \x03(\x0b\x32\x19.pdunit.v1.Stamps.NsEntry\x1a)\n\x07NsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Q\n\x08Identity\x12\x17\n\x0fsender_instance\x18\x01 \x01(\t\x12\x19\n\x11receiver_instance\x18\x02 \x01(\t\x12\x11\n\tbudget_ms\x18\x03 \x01(\x03\"\xb3\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0e\n\x06prompt\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x04 \x01(\x05\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.pdunit.v1.Sampling\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12!\n\x06stamps\x18\x07 \x01(\x0b\x32\x11.pdunit.v1.Stamps\"\x93\x01\n\x0bSubmitReply\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12!\n\x06stamps\x18\x05 \x01(\x0b\x32\x11.pdunit.v1.Stamps\"W\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"I\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12%\n\x08identity\x18\x02 \x01(\x0b\x32\x13.pdunit.v1.Identity\".\n\nAbortReply\x12\x0b\n\x03\x61\x63k\x18\x01 \x01(\x08\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"y\n\x0cPoolGeometry\x12\x10\n\x08n_layers\x18\x01 \x01(\x05\x12\x12\n\nn_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\x03\x12\x11\n\tpage_size\x18\x06 \x01(\x05\"\x9e\x01\n\x13TransportDescriptor\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12:\n\x06params\x18\x02 \x03(\x0b\x32*.pdunit.v1.TransportDescriptor.ParamsEntry\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\'\n\x0cHelloRequest\x12\x17\n\x0fsender_instance\x18\x01 \x01(\t\"\xc9\x01\n\nHelloReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12)\n\x08geometry\x18\x02 \x01(\x0b\x32\x17.pdunit.v1.PoolGeometry\x12\x32\n\ntransports\x18\x03 \x03(\x0b\x32\x1e.pdunit.v1.TransportDescriptor\x12\x13\n\x0bn_codebooks\x18\x04 \x01(\x05\x12\x13\n\x0bvocab_sizes\x18\x05 \x01(\x0c\x12\x0e\n\x06\x65os_id\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\"\x8d\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08n_tokens\x18\x02 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x03 \x01(\x03\x12%\n\x08identity\x18\x04 \x01(\x0b\x32\x13.pdunit.v1.Identity\x12\x14\n\x0ctotal_tokens\x18\x05 \x01(\x05\"j\n\x0cReserveReply\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tdst_slots\x18\x03 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\xeb\x01\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_frame\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x17\n\x0f\x63hecksum_sample\x18\x04 \x01(\x05\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.pdunit.v1.Sampling\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12%\n\x08identity\x18\x07 \x01(\x0b\x32\x13.pdunit.v1.Identity\x12!\n\x06stamps\x18\x08 \x01(\x0b\x32\x11.pdunit.v1.Stamps\"V\n\x0b\x43ommitReply\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"#\n\rFramesRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"U\n\x0bStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0e\x32\x11.pdunit.v1.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x84\x02\n\nStepFrames\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x01(\x0c\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x0c\x12\x10\n\x08\x66inished\x18\x04 \x01(\x0c\x12&\n\x06\x65rrors\x18\x05 \x03(\x0b\x32\x16.pdunit.v1.StreamError\x12\x14\n\x0cstep_unix_ns\x18\x06 \x01(\x03\x12\x31\n\x06stamps\x18\x07 \x03(\x0b\x32!.pdunit.v1.StepFrames.StampsEntry\x1a@\n\x0bStampsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.pdunit.v1.Stamps:\x02\x38\x01\"\xba\x02\n\tInfoReply\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x18\n\x10peer_instance_id\x18\x03 \x01(\t\x12\r\n\x05queue\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12\x12\n\nheld_pages\x18\x06 \x01(\x05\x12\x12\n\npool_pages\x18\x07 \x01(\x05\x12\x12\n\nfree_pages\x18\x08 \x01(\x05\x12\x13\n\x0bheld_aborts\x18\t \x01(\x05\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x15\n\rtransfer_mode\x18\x0b \x01(\t\x12\x17\n\x0fkv_checks_total\x18\x0c \x01(\x03\x12\x19\n\x11kv_mismatch_total\x18\r \x01(\x03\x12\x13\n\x0brequest_ids\x18\x0e \x01(\x0c\x12\x0b\n\x03pid\x18\x0f \x01(\x05*\xcc\x01\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x0f\n\x0bNO_CAPACITY\x10\x01\x12\x12\n\x0eSTALE_INSTANCE\x10\x02\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x03\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\x04\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x05\x12\r\n\tCANCELLED\x10\x06\x12\x13\n\x0fTRANSFER_FAILED\x10\x07\x12\x0b\n\x07INVALID\x10\x08\x12\x0c\n\x08\x44RAINING\x10\t\x12\x0c\n\x08INTERNAL\x10\n2\xea\x01\n\x07Prefill\x12:\n\x06Submit\x12\x18.pdunit.v1.SubmitRequest\x1a\x16.pdunit.v1.SubmitReply\x12:\n\x06\x43\x61ncel\x12\x18.pdunit.v1.CancelRequest\x1a\x16.pdunit.v1.CancelReply\x12\x37\n\x05\x41\x62ort\x12\x17.pdunit.v1.AbortRequest\x1a\x15.pdunit.v1.AbortReply\x12.\n\x04Info\x12\x10.pdunit.v1.Empty\x1a\x14.pdunit.v1.InfoReply2\xe5\x02\n\x06\x44\x65\x63ode\x12\x37\n\x05Hello\x12\x17.pdunit.v1.HelloRequest\x1a\x15.pdunit.v1.HelloReply\x12=\n\x07Reserve\x12\x19.pdunit.v1.ReserveRequest\x1a\x17.pdunit.v1.ReserveReply\x12:\n\x06\x43ommit\x12\x18.pdunit.v1.CommitRequest\x1a\x16.pdunit.v1.CommitReply\x12;\n\x06\x46rames\x12\x18.pdunit.v1.FramesRequest\x1a\x15.pdunit.v1.StepFrames0\x01\x12:\n\x06\x43\x61ncel\x12\x18.pdunit.v1.CancelRequest\x1a\x16.pdunit.v1.CancelReply\x12.\n\x04Info\x12\x10.pdunit.v1.Empty\x1a\x14.pdunit.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSPORTDESCRIPTOR_PARAMSENTRY']._serialized_options = b'8\001'
   _globals['_STEPFRAMES_STAMPSENTRY']._loaded_options = None
   _globals['_STEPFRAMES_STAMPSENTRY']._serialized_options = b'8\001'
-  _globals['_STATUS']._serialized_start=2647
-  _globals['_STATUS']._serialized_end=2851
+  _globals['_STATUS']._serialized_start=2699
+  _globals['_STATUS']._serialized_end=2903
   _globals['_EMPTY']._serialized_start=27
   _globals['_EMPTY']._serialized_end=34
   _globals['_SAMPLING']._serialized_start=36
@@ -54,43 +54,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITREPLY']._serialized_start=496
   _globals['_SUBMITREPLY']._serialized_end=643
   _globals['_CANCELREQUEST']._serialized_start=645
-  _globals['_CANCELREQUEST']._serialized_end=680
-  _globals['_CANCELREPLY']._serialized_start=682
-  _globals['_CANCELREPLY']._serialized_end=710
-  _globals['_ABORTREQUEST']._serialized_start=712
-  _globals['_ABORTREQUEST']._serialized_end=785
-  _globals['_ABORTREPLY']._serialized_start=787
-  _globals['_ABORTREPLY']._serialized_end=833
-  _globals['_POOLGEOMETRY']._serialized_start=835
-  _globals['_POOLGEOMETRY']._serialized_end=956
-  _globals['_TRANSPORTDESCRIPTOR']._serialized_start=959
-  _globals['_TRANSPORTDESCRIPTOR']._serialized_end=1117
-  _globals['_TRANSPORTDESCRIPTOR_PARAMSENTRY']._serialized_start=1072
-  _globals['_TRANSPORTDESCRIPTOR_PARAMSENTRY']._serialized_end=1117
-  _globals['_HELLOREQUEST']._serialized_start=1119
-  _globals['_HELLOREQUEST']._serialized_end=1158
-  _globals['_HELLOREPLY']._serialized_start=1161
-  _globals['_HELLOREPLY']._serialized_end=1362
-  _globals['_RESERVEREQUEST']._serialized_start=1365
-  _globals['_RESERVEREQUEST']._serialized_end=1506
-  _globals['_RESERVEREPLY']._serialized_start=1508
-  _globals['_RESERVEREPLY']._serialized_end=1614
-  _globals['_COMMITREQUEST']._serialized_start=1617
-  _globals['_COMMITREQUEST']._serialized_end=1852
-  _globals['_COMMITREPLY']._serialized_start=1854
-  _globals['_COMMITREPLY']._serialized_end=1940
-  _globals['_FRAMESREQUEST']._serialized_start=1942
-  _globals['_FRAMESREQUEST']._serialized_end=1977
-  _globals['_STREAMERROR']._serialized_start=1979
-  _globals['_STREAMERROR']._serialized_end=2064
-  _globals['_STEPFRAMES']._serialized_start=2067
-  _globals['_STEPFRAMES']._serialized_end=2327
-  _globals['_STEPFRAMES_STAMPSENTRY']._serialized_start=2263
-  _globals['_STEPFRAMES_STAMPSENTRY']._serialized_end=2327
-  _globals['_INFOREPLY']._serialized_start=2330
-  _globals['_INFOREPLY']._serialized_end=2644
-  _globals['_PREFILL']._serialized_start=2854
-  _globals['_PREFILL']._serialized_end=3088
-  _globals['_DECODE']._serialized_start=3091
-  _globals['_DECODE']._serialized_end=3448
+  _globals['_CANCELREQUEST']._serialized_end=732
+  _globals['_CANCELREPLY']._serialized_start=734
+  _globals['_CANCELREPLY']._serialized_end=762
+  _globals['_ABORTREQUEST']._serialized_start=764
+  _globals['_ABORTREQUEST']._serialized_end=837
+  _globals['_ABORTREPLY']._serialized_start=839
+  _globals['_ABORTREPLY']._serialized_end=885
+  _globals['_POOLGEOMETRY']._serialized_start=887
+  _globals['_POOLGEOMETRY']._serialized_end=1008
+  _globals['_TRANSPORTDESCRIPTOR']._serialized_start=1011
+  _globals['_TRANSPORTDESCRIPTOR']._serialized_end=1169
+  _globals['_TRANSPORTDESCRIPTOR_PARAMSENTRY']._serialized_start=1124
+  _globals['_TRANSPORTDESCRIPTOR_PARAMSENTRY']._serialized_end=1169
+  _globals['_HELLOREQUEST']._serialized_start=1171
+  _globals['_HELLOREQUEST']._serialized_end=1210
+  _globals['_HELLOREPLY']._serialized_start=1213
+  _globals['_HELLOREPLY']._serialized_end=1414
+  _globals['_RESERVEREQUEST']._serialized_start=1417
+  _globals['_RESERVEREQUEST']._serialized_end=1558
+  _globals['_RESERVEREPLY']._serialized_start=1560
+  _globals['_RESERVEREPLY']._serialized_end=1666
+  _globals['_COMMITREQUEST']._serialized_start=1669
+  _globals['_COMMITREQUEST']._serialized_end=1904
+  _globals['_COMMITREPLY']._serialized_start=1906
+  _globals['_COMMITREPLY']._serialized_end=1992
+  _globals['_FRAMESREQUEST']._serialized_start=1994
+  _globals['_FRAMESREQUEST']._serialized_end=2029
+  _globals['_STREAMERROR']._serialized_start=2031
+  _globals['_STREAMERROR']._serialized_end=2116
+  _globals['_STEPFRAMES']._serialized_start=2119
+  _globals['_STEPFRAMES']._serialized_end=2379
+  _globals['_STEPFRAMES_STAMPSENTRY']._serialized_start=2315
+  _globals['_STEPFRAMES_STAMPSENTRY']._serialized_end=2379
+  _globals['_INFOREPLY']._serialized_start=2382
+  _globals['_INFOREPLY']._serialized_end=2696
+  _globals['_PREFILL']._serialized_start=2906
+  _globals['_PREFILL']._serialized_end=3140
+  _globals['_DECODE']._serialized_start=3143
+  _globals['_DECODE']._serialized_end=3500
 # @@protoc_insertion_point(module_scope)

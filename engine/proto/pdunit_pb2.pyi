@@ -106,10 +106,14 @@ class SubmitReply(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stamps: _Optional[_Union[Stamps, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "status", "message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
-    def __init__(self, request_id: _Optional[int] = ...) -> None: ...
+    status: Status
+    message: str
+    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CancelReply(_message.Message):
     __slots__ = ("found",)

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from pdunit.engine.model.sampling import SamplingParams, is_eos, sample_frames
+from pdunit.engine.model.sampling import (
+    SamplingParams,
+    is_eos,
+    sample_frames,
+    sample_frames_device,
+    sampling_batch,
+)
 
 EOS = 1023
 C, V = 11, 1024
@@ -128,3 +134,51 @@ def test_invalid_sampling_params_name_the_field() -> None:
         SamplingParams(max_frames=5, min_frames=6)
     with pytest.raises(ValueError, match="3 logit rows but 2"):
         sample_frames(random_logits(3, 0), [SamplingParams()] * 2, [0, 0, 0], EOS)
+
+
+def mixed_batch(n: int, seed: int) -> tuple[list[SamplingParams], list[int]]:
+    """Greedy and seeded rows, top-k off/small/large/over the vocabulary, EOS suppressed
+    on some rows."""
+    temps = [0.0, 0.7, 1.0, 1.3, 5.0]
+    ks = [0, 1, 5, 50, V - 1, V + 10]
+    params = [SamplingParams(temperature=temps[i % 5], top_k=ks[(i + seed) % 6], seed=seed * 1000 + i,
+                             min_frames=i % 3, max_frames=50) for i in range(n)]
+    return params, [(i + seed) % 4 for i in range(n)]
+
+
+def device_frames(logits: torch.Tensor, params, index) -> np.ndarray:
+    sb = sampling_batch(params, index, logits.shape[1], logits.device)
+    out = sample_frames_device(logits, sb, EOS)
+    assert out.dtype == torch.int32 and out.device == logits.device
+    return out.cpu().numpy()
+
+
+def test_device_sampling_returns_the_host_samplers_frames() -> None:
+    for seed in range(12):
+        logits = random_logits(16, seed) * (seed % 4 + 0.5)
+        logits[seed % 16, 0, EOS] = 1e4  # an EOS-favouring row, suppressed or not
+        params, index = mixed_batch(16, seed)
+        assert np.array_equal(device_frames(logits, params, index), sample_frames(logits, params, index, EOS))
+
+
+def test_device_sampling_leaves_the_logits_untouched_and_greedy_rows_skip_the_draw() -> None:
+    logits = random_logits(3, 8)
+    logits[:, 0, EOS] = 1e4
+    keep = logits.clone()
+    params = [SamplingParams(min_frames=5), SamplingParams(), SamplingParams(temperature=1.0, seed=2, min_frames=5)]
+    frames = device_frames(logits, params, [0, 0, 0])
+    assert torch.equal(logits, keep)
+    assert [is_eos(f, EOS) for f in frames] == [False, True, False]
+    sb = sampling_batch(params, [0, 0, 0], C, logits.device)
+    assert sb.sampled_rows == [2] and sb.uniforms is not None and tuple(sb.uniforms.shape) == (1, C)
+
+
+@pytest.mark.gpu
+def test_device_sampling_on_cuda_returns_the_host_samplers_frames() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for seed in range(12):
+        logits = random_logits(64, seed) * (seed % 4 + 0.5)
+        params, index = mixed_batch(64, seed)
+        got = device_frames(logits.cuda(), params, index)
+        assert np.array_equal(got, sample_frames(logits, params, index, EOS))

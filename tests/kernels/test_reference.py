@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdunit.kernels.reference import copy_rows, gather_rows, scatter_rows
 
 SHAPE = (2, 2, 32, 2, 4)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 import os
 import struct
 import threading
+import time
 
 import httpx
 import numpy as np
