@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "edges": ("pdunit.bench.edges", "LB validate+pack, router decision, scaler latency (section 4)"),
     "waterfall": ("pdunit.bench.waterfall", "per-stage p50/p99 of a load run (section 5)"),
     "router": ("pdunit.bench.router_bench", "routing decision latency with many units"),
+    "faults": ("pdunit.bench.faults", "fault injection under live traffic: the page contract (PROTOCOL.md 7)"),
 }
 
 
