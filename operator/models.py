@@ -149,6 +149,11 @@ class PDUnitSpec(_Api):
         default="auto", description="KV transfer mode; auto probes fabric -> proxy -> tcp."
     )
     lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port.")
+    decoders: int = Field(
+        default=1, ge=1, le=7,
+        description="Decode engines fed by the unit's one prefill engine (1 = 1P1D, 2 = 1P2D), "
+        "one GPU each.",
+    )
     resources: RoleResources | None = None
     drain_timeout_seconds: int = Field(
         default=600,

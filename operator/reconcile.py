@@ -195,10 +195,19 @@ def _pre_stop(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def role_command(spec: dict[str, Any], role: str) -> list[str]:
-    """The `pdunit <role>` command line of one container (the real CLI)."""
+def decode_sockets(spec: dict[str, Any]) -> list[str]:
+    """One socket per decode engine: 1P1D keeps the plain name, 1PnD numbers them."""
+    n = int(spec.get("decoders", 1))
+    return [DECODE_SOCKET] if n == 1 else [f"{RUN_DIR}/decode-{i}.sock" for i in range(n)]
+
+
+def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
+    """The `pdunit <role>` command line of one container (the real CLI); `index` picks
+    the decode engine of a 1PnD unit."""
     port = str(spec["lbPort"])
     transfer = spec["transfer"]
+    socks = decode_sockets(spec)
+    all_decoders = ",".join(socks)
     if role == "lb":
         cmd = [
             "pdunit",
@@ -206,7 +215,7 @@ def role_command(spec: dict[str, Any], role: str) -> list[str]:
             "--prefill-socket",
             PREFILL_SOCKET,
             "--decode-socket",
-            DECODE_SOCKET,
+            all_decoders,
             "--port",
             port,
         ]
@@ -219,7 +228,7 @@ def role_command(spec: dict[str, Any], role: str) -> list[str]:
             "--socket",
             PREFILL_SOCKET,
             "--decode-socket",
-            DECODE_SOCKET,
+            all_decoders,
             "--model",
             spec["model"],
             "--transfer",
@@ -232,7 +241,7 @@ def role_command(spec: dict[str, Any], role: str) -> list[str]:
             "pdunit",
             "decode",
             "--socket",
-            DECODE_SOCKET,
+            socks[index],
             "--prefill-socket",
             PREFILL_SOCKET,
             "--model",
@@ -251,19 +260,19 @@ def role_command(spec: dict[str, Any], role: str) -> list[str]:
             "--prefill-socket",
             PREFILL_SOCKET,
             "--decode-socket",
-            DECODE_SOCKET,
+            socks[0],  # the guard watches one D; each D also drains itself
         ]
     else:
         raise ValueError(f"unknown role {role!r}; expected one of {m.ROLES}")
     return cmd + list(((spec.get("extraArgs") or {}).get(role)) or [])
 
 
-def _container(unit_name: str, spec: dict[str, Any], role: str, name: str) -> dict[str, Any]:
+def _container(unit_name: str, spec: dict[str, Any], role: str, name: str, index: int = 0) -> dict[str, Any]:
     return {
         "name": name,
         "image": spec["image"],
         "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
-        "command": role_command(spec, role),
+        "command": role_command(spec, role, index),
         "env": _env(unit_name, spec, role),
         "resources": _resources(
             spec, role, gpu=role in ("prefill", "decode") and spec["device"] == "cuda"
@@ -313,9 +322,10 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
         "timeoutSeconds": 2,
         "failureThreshold": 3,
     }
-    containers = [lb]
-    for role in ("prefill", "decode"):
-        containers.append(_container(name, spec, role, role))
+    containers = [lb, _container(name, spec, "prefill", "prefill")]
+    n_decoders = int(spec.get("decoders", 1))
+    for i in range(n_decoders):  # 1PnD: one decode engine (and GPU) per container
+        containers.append(_container(name, spec, "decode", "decode" if n_decoders == 1 else f"decode-{i}", i))
     for c in containers:
         c["lifecycle"] = {"preStop": _pre_stop(spec)}
 

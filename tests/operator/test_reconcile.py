@@ -234,6 +234,25 @@ def test_every_container_drops_all_capabilities_and_runs_read_only_as_non_root()
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 
 
+def test_a_1p2d_unit_runs_two_decode_engines_each_on_its_own_gpu_and_socket() -> None:
+    pod = r.desired_pod(a_unit(decoders=2))
+    by_name = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert set(by_name) == {"lb", "prefill", "decode-0", "decode-1"}
+    socks = ["/run/pdunit/decode-0.sock", "/run/pdunit/decode-1.sock"]
+    for i, sock in enumerate(socks):
+        cmd = by_name[f"decode-{i}"]["command"]
+        assert cmd[cmd.index("--socket") + 1] == sock
+        assert by_name[f"decode-{i}"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for role in ("prefill", "lb"):
+        cmd = by_name[role]["command"]
+        assert cmd[cmd.index("--decode-socket") + 1] == ",".join(socks)
+    gpus = sum(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["spec"]["containers"])
+    assert gpus == 3
+    # 1P1D keeps the plain socket name
+    one = {c["name"]: c for c in r.desired_pod(a_unit())["spec"]["containers"]}
+    assert "/run/pdunit/decode.sock" in one["decode"]["command"]
+
+
 def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
     pod = r.desired_pod(a_unit("tts-abc12-x7"))
     assert pod["metadata"]["name"] == "tts-abc12-x7"
