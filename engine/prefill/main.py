@@ -13,7 +13,6 @@ from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.prefill.scheduler import PrefillScheduler
-from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.prefill.worker import (
     FaultInjection,
     PrefillEngine,
@@ -92,11 +91,8 @@ async def serve(cfg: PrefillConfig) -> int:
     await loop.run_in_executor(None, engine.connect)
     engine.start_probe()
 
-    async def submit(request, context):
-        return await serve_submit(request, model.config, engine.submit, engine.cancel)
-
     server = await start_unix_server(
-        cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine, loop, submit), s), log)
+        cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
     engine.loop.start()
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
                                      "decoders": len(engine.links), "transfer": engine.transfer_mode})

@@ -29,7 +29,6 @@ when that D is the one it was routed to.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -53,6 +52,7 @@ from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
+from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.transfer.base import Descriptor, KVSender, PoolGeometry, TransferError
@@ -576,13 +576,11 @@ class PrefillEngine:
 
 
 class PrefillService(pbg.PrefillServicer):
-    def __init__(self, engine: PrefillEngine, loop: asyncio.AbstractEventLoop, submit) -> None:
+    def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
-        self.loop = loop
-        self._submit = submit
 
     async def Submit(self, request, context):  # noqa: N802 - gRPC names
-        return await self._submit(request, context)
+        return await serve_submit(request, self.engine.model.config, self.engine.submit, self.engine.cancel)
 
     async def Cancel(self, request, context):  # noqa: N802
         return pb.CancelReply(found=self.engine.cancel(request.request_id))
