@@ -21,6 +21,8 @@ Faults (each one is injected, then checked, then the unit must be back to 0 held
 - `held_exit`: three wedged writes (P's --fault-wedge-id) P can never prove quiesced:
   P exits on purpose at 3 held aborts (the guard reports it), D drains above 25 % held
   pages meanwhile and comes back once the restarted P's new instance id frees them.
+- `proxy_stop` (--transfer proxy): SIGSTOP of the nvlink-proxy while a copy job is in
+  flight, past the transfer deadline, then SIGCONT.
 - `tcp_stall` (--transfer tcp): a relay between P's TCP sender and D stalls, the
   chunks arrive after D aborted the request and must be dropped (proof c).
 - Replays (the canary's second half): while a failed request's pages are held, a
@@ -64,8 +66,8 @@ log = logging.getLogger("pdunit.bench.faults")
 CORRUPT_ID, SLOW_ID, WEDGE_ID = 1010, 1011, 1012
 NORMAL_ID_LIMIT = 1000
 # How often each kind comes up among the cheap (no restart) faults.
-WEIGHTS = {"corrupt": 3, "slow": 1, "p_stop": 1, "lb_stop": 1, "tcp_stall": 2}
-KINDS = ("corrupt", "slow", "p_stop", "lb_stop", "p_kill", "held_exit", "tcp_stall")
+WEIGHTS = {"corrupt": 3, "slow": 1, "p_stop": 1, "lb_stop": 1, "tcp_stall": 2, "proxy_stop": 2}
+KINDS = ("corrupt", "slow", "p_stop", "lb_stop", "p_kill", "held_exit", "tcp_stall", "proxy_stop")
 
 
 class FaultsConfig(BaseModel):
@@ -631,6 +633,25 @@ class Scenario:
         self._recovered(rec, before, "abort_ack" if rec.detail["held_while_stopped"] else None)
         return rec
 
+    def proxy_stop(self) -> FaultRecord:
+        """SIGSTOP of the nvlink-proxy mid-transfer, past the deadline: D holds the
+        pages; for a job the stopped proxy holds, P cannot prove quiescence until the
+        proxy runs again and finishes or drops it (the frames canary checks that no late
+        copy landed in a live request's pages)."""
+        rec = FaultRecord("proxy_stop", time.monotonic())
+        before = proofs(self.unit.d_metrics())
+        rec.detail["mid_transfer"] = self._wait_in_flight()
+        self.unit.signal("proxy", signal.SIGSTOP)
+        try:
+            time.sleep(self.cfg.transfer_deadline_ms / 1000 + 0.3)
+            rec.detail["held_while_stopped"] = self.unit.d_info().held_pages
+            rec.detail["released_while_stopped"] = {
+                k: v - before.get(k, 0) for k, v in proofs(self.unit.d_metrics()).items() if v - before.get(k, 0)}
+        finally:
+            self.unit.signal("proxy", signal.SIGCONT)
+        self._recovered(rec, before, "abort_ack" if rec.detail["held_while_stopped"] else None)
+        return rec
+
     def lb_stop(self) -> FaultRecord:
         rec = FaultRecord("lb_stop", time.monotonic())
         frames0 = metric(self.unit.d_metrics(), "pdunit_decode_frames_total")
@@ -773,6 +794,8 @@ def run(cfg: FaultsConfig, run_dir: str | None = None) -> dict[str, Any]:
         raise ValueError(f"kinds: unknown {sorted(unknown)}; known: {', '.join(KINDS)}")
     if "tcp_stall" in kinds and cfg.transfer != "tcp":
         raise ValueError("kinds: tcp_stall needs --transfer tcp")
+    if "proxy_stop" in kinds and cfg.transfer != "proxy":
+        raise ValueError("kinds: proxy_stop needs --transfer proxy")
     t_bank = time.monotonic()
     bank = build_bank(cfg)
     bank_s = time.monotonic() - t_bank

@@ -71,6 +71,20 @@ def test_stalled_tcp_sender_late_chunks_are_dropped(tmp_path):
     assert answered and set(answered) <= {"tcp_late_chunk_answered_aborted", "tcp_late_chunk_answered_completed"}
 
 
+@pytest.mark.timeout(240)
+def test_stopped_proxy_mid_transfer_keeps_the_page_contract(tmp_path):
+    """--transfer proxy (the sidecar over host shared memory): the proxy is stopped while
+    a copy job runs, past the deadline; pages stay held until proof and no late copy
+    changes a live stream."""
+    cfg = FaultsConfig(transfer="proxy", kinds="proxy_stop,corrupt", transfers=300, faults=8,
+                       max_seconds=120)
+    report = run(cfg, run_dir=str(tmp_path / "unit"))
+    _assert_contract(report, 300, 8)
+    stops = [f for f in report["fault_details"] if f["kind"] == "proxy_stop"]
+    assert stops
+    assert any(f.get("held_while_stopped") for f in stops), stops
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_soak_20000_transfers_500_faults(tmp_path):
