@@ -525,15 +525,7 @@ def _parse_json_exact(body: bytes, limits: Limits) -> PackedRequest:
                     column=c,
                 )
             if not 0 <= v < limits.vocab_sizes[c]:
-                raise RequestError(
-                    422,
-                    "id_out_of_range",
-                    _range_message(r, c, v, limits),
-                    field="prompt",
-                    row=r,
-                    column=c,
-                    limit=limits.vocab_sizes[c],
-                )
+                raise _id_out_of_range(r, c, v, limits)
     sampling = make_sampling(obj, limits)
     ids = np.array(prompt, dtype=np.int64)
     return PackedRequest(ids, ids.tobytes(), sampling, "json")
@@ -549,23 +541,21 @@ def _unknown_fields(unknown: set[str]) -> RequestError:
     )
 
 
-def _range_message(r: int, c: int, v: int, limits: Limits) -> str:
-    return (
+def _id_out_of_range(r: int, c: int, v: int, limits: Limits) -> RequestError:
+    """The one 422 for an id outside its column's vocabulary (fast and exact paths)."""
+    return RequestError(
+        422,
+        "id_out_of_range",
         f"prompt row {r} column {c} has id {v}, outside [0, {limits.vocab_sizes[c]}) "
-        f"of codebook {c}"
+        f"of codebook {c}",
+        field="prompt",
+        row=r,
+        column=c,
+        limit=limits.vocab_sizes[c],
     )
 
 
 def _out_of_range(ids: np.ndarray, bad: np.ndarray, limits: Limits) -> RequestError:
     flat = int(np.argmax(bad.reshape(-1)))
     r, c = divmod(flat, ids.shape[1])
-    v = int(ids[r, c])
-    return RequestError(
-        422,
-        "id_out_of_range",
-        _range_message(r, c, v, limits),
-        field="prompt",
-        row=r,
-        column=c,
-        limit=limits.vocab_sizes[c],
-    )
+    return _id_out_of_range(r, c, int(ids[r, c]), limits)
