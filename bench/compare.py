@@ -56,8 +56,8 @@ def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
     out: list[tuple[str, int, LocalConfig]] = []
     for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
         if name == "1p1d":
-            extra = ["--device", f"{cfg.device}:1"] if gpu else []
-            out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, extra_decode_args=extra, **base)))
+            device = f"{cfg.device}:1" if gpu else ""
+            out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, decode_devices=device, **base)))
         elif name == "1p2d":
             devices = f"{cfg.device}:1,{cfg.device}:2" if gpu else ""
             out.append((name, 3, LocalConfig(mode="1p2d", transfer=cfg.transfer, decode_devices=devices, **base)))

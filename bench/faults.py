@@ -75,6 +75,9 @@ class FaultsConfig(BaseModel):
 
     transfer: str = Field("host", description="KV transport of the unit (host | tcp | proxy)")
     device: str = Field("cpu", description="torch device of P and D")
+    isolate: bool = Field(False, description="run P, D and the proxy under the pod-isolation harness "
+                          "(tests/gpu/harness/pod_isolate.sh: P sees only GPU 0's device node, D only GPU 1's, the "
+                          "proxy all, one PID namespace): root on a 2-GPU host, --device cuda")
     model: str = Field("random:tiny:0", description="model spec (the reference uses the same)")
     kinds: str = Field("corrupt,slow,p_stop,lb_stop,p_kill,held_exit",
                        description="fault kinds to cycle through (tcp_stall needs --transfer tcp)")
@@ -299,6 +302,7 @@ class Unit:
         if tcp_relay_port:
             p_args += ["--fault-tcp-relay", f"127.0.0.1:{tcp_relay_port}"]
         self.local = LocalUnit(LocalConfig(
+            wrappers=isolation_wrappers() if cfg.isolate else {},
             mode="pd", model=cfg.model, transfer=cfg.transfer, device=cfg.device, pool_tokens=cfg.pool_tokens,
             cache_tokens=16384, lb_port=0, guard=True, log_level="warning", run_dir=run_dir,
             extra_prefill_args=p_args,
@@ -365,6 +369,21 @@ class Unit:
     def restart_p(self) -> None:
         self.local.restart("prefill")
         self.wait_p_ready()
+
+
+def isolation_wrappers() -> dict[str, list[str]]:
+    """The pod's device view for P (GPU 0), D (GPU 1) and the proxy (all GPUs), by the
+    GPUs' device minors: inside, P's and D's own GPU is each one's device 0."""
+    from pdunit.bench.transfer import ISOLATE, gpus
+
+    found = gpus()
+    if len(found) < 2:
+        raise ValueError(f"isolate: needs 2 GPUs under /proc/driver/nvidia/gpus, found {len(found)}")
+    if os.geteuid() != 0:
+        raise ValueError("isolate: the harness makes mount namespaces and needs root")
+    wrap = ["bash", str(ISOLATE)]
+    return {"prefill": wrap + [found[0]["minor"], "--"], "decode": wrap + [found[1]["minor"], "--"],
+            "proxy": wrap + ["all", "--"]}
 
 
 class FaultCheckFailed(AssertionError):
@@ -796,6 +815,9 @@ def run(cfg: FaultsConfig, run_dir: str | None = None) -> dict[str, Any]:
         raise ValueError("kinds: tcp_stall needs --transfer tcp")
     if "proxy_stop" in kinds and cfg.transfer != "proxy":
         raise ValueError("kinds: proxy_stop needs --transfer proxy")
+    if cfg.isolate and cfg.device != "cuda":
+        raise ValueError(f"device: --isolate needs --device cuda (each engine sees its own GPU as device 0), "
+                         f"got {cfg.device!r}")
     t_bank = time.monotonic()
     bank = build_bank(cfg)
     bank_s = time.monotonic() - t_bank

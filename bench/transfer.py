@@ -368,7 +368,7 @@ def _geometry(args: argparse.Namespace, n_slots: int | None = None) -> Any:
 
 
 # ====================================================================== orchestrator
-def _gpus() -> list[dict[str, str]]:
+def gpus() -> list[dict[str, str]]:
     """GPUs from /proc/driver/nvidia: minor number, bus id, UUID (never by ordinal)."""
     out = []
     root = Path("/proc/driver/nvidia/gpus")
@@ -464,13 +464,13 @@ def _run_phase(cfg: argparse.Namespace, phase: str, work: Path, gpus: list[dict[
 
 
 def run_transfer(cfg: argparse.Namespace) -> dict[str, Any]:
-    gpus = _gpus()
-    if len(gpus) < 2:
-        raise SystemExit(f"pdunit bench transfer needs 2 GPUs visible in /proc/driver/nvidia/gpus, found {len(gpus)}")
+    found = gpus()
+    if len(found) < 2:
+        raise SystemExit(f"pdunit bench transfer needs 2 GPUs visible in /proc/driver/nvidia/gpus, found {len(found)}")
     if any(p != "none" for p in cfg.phases) and os.geteuid() != 0:
         raise SystemExit("isolation phases need root (mount and PID namespaces): run as root or --phases none")
     work = Path(cfg.work)
-    phases = {p: _run_phase(cfg, p, work / p, gpus) for p in cfg.phases}
+    phases = {p: _run_phase(cfg, p, work / p, found) for p in cfg.phases}
     rows = [r for res in phases.values() for r in res.get("rows", [])]
     peer = [r for r in rows if r["backend"] == "peer_copy" and r["layout"] == "contiguous"]
     peer_gbps = peer[0]["gbps"] if peer else None

@@ -49,6 +49,8 @@ class LocalConfig(BaseModel):
     chunk_tokens: int = Field(8192, gt=0, description="monolith chunked policy: rows per iteration")
     transfer: str = Field("host", description="KV transport between P and D")
     device: str = Field("cpu", description="torch device (cpu for the local unit)")
+    dtype: str | None = Field(None, description="compute/KV dtype of every engine (default: the model config's; "
+                              "bfloat16 puts tiny on the GPU path)")
     pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
@@ -62,6 +64,8 @@ class LocalConfig(BaseModel):
     extra_decode_args: list[str] = Field(default_factory=list, description="appended to D's command")
     extra_lb_args: list[str] = Field(default_factory=list, description="appended to the LB's command")
     extra_guard_args: list[str] = Field(default_factory=list, description="appended to the guard's command")
+    wrappers: dict[str, list[str]] = Field(default_factory=dict, description="argv prefix per child name (the "
+                                           "pod-isolation harness wraps prefill, decode and proxy on a GPU host)")
     ready_timeout_s: float = Field(120.0, gt=0, description="how long to wait for /readyz")
     log_level: str = Field("info", description="log level of every process")
 
@@ -128,6 +132,8 @@ class LocalUnit:
         c = self.cfg
         pdunit = [sys.executable, "-m", "pdunit.engine.cli"]
         common = ["--model", c.model, "--device", c.device, "--log-level", c.log_level]
+        if c.dtype:
+            common += ["--dtype", c.dtype]
         cmds: list[tuple[str, list[str]]] = []
         if c.mode == "monolith":
             cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,
@@ -163,6 +169,7 @@ class LocalUnit:
     def start(self) -> LocalUnit:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for name, argv in self.commands():
+            argv = self.cfg.wrappers.get(name, []) + argv
             log_path = self.run_dir / "logs" / f"{name}.log"
             self.children.append(Child(name, argv, _spawn(argv, log_path), log_path))
             log.info("started", extra={"child": name, "pid": self.children[-1].proc.pid,

@@ -12,6 +12,7 @@ from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.config import torch_dtype
+from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
@@ -54,6 +55,8 @@ async def serve(cfg: DecodeConfig) -> int:
     log_config(log, cfg)
     torch_setup(cfg.torch_threads)
     serve_metrics(cfg.metrics_port)
+    bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
+    asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "decode-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     mc = model.config
     n_pages = cfg.pool_tokens // cfg.page_size

@@ -35,6 +35,7 @@ from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import channel
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
+from pdunit.engine.model.device import bind_thread
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
@@ -98,8 +99,9 @@ EXIT_STEP_LOOP_CRASHED = 70
 class StepLoop:
     """Runs `step_once` in a thread until stopped; sleeps while there is no work."""
 
-    def __init__(self, name: str, step_once) -> None:
+    def __init__(self, name: str, step_once, device: str | torch.device = "cpu") -> None:
         self._step_once = step_once
+        self._device = device
         self.work = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -115,6 +117,7 @@ class StepLoop:
 
     def _run(self) -> None:
         try:
+            bind_thread(self._device)  # a new thread is on CUDA device 0 (engine/model/device.py)
             while not self._stop.is_set():
                 if not self._step_once():
                     self.work.wait(timeout=0.05)
@@ -168,7 +171,7 @@ class DecodeEngine:
         self._lock = threading.Lock()
         self._draining = False
         self._step = 0
-        self.loop = StepLoop("decode-step", self._step_once)
+        self.loop = StepLoop("decode-step", self._step_once, model.device)
         self._p_channel: grpc.aio.Channel | None = None
 
     # ------------------------------------------------------------------ state

@@ -12,6 +12,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import torch_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
@@ -88,6 +89,8 @@ async def serve(cfg: MonolithConfig) -> int:
     log_config(log, cfg)
     torch_setup(cfg.torch_threads)
     serve_metrics(cfg.metrics_port)
+    bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
+    asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "monolith-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     n_pages = cfg.pool_tokens // cfg.page_size
     storage = model.new_kv_storage(n_pages * cfg.page_size, device=cfg.device)

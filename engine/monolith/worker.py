@@ -77,7 +77,7 @@ class MonolithEngine:
         self.step_forward = StepForward(model, storage, cuda_graphs, max_batch)
         self._lock = threading.Lock()
         self._step = 0
-        self.loop = StepLoop("monolith", self._step_once)
+        self.loop = StepLoop("monolith", self._step_once, model.device)
 
     # ------------------------------------------------------------------ requests
     def submit(self, job: PrefillJob) -> None:

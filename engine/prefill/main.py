@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.engine.decode.worker import torch_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.prefill.scheduler import PrefillScheduler
@@ -72,6 +73,8 @@ async def serve(cfg: PrefillConfig) -> int:
     log_config(log, cfg)
     torch_setup(cfg.torch_threads)
     serve_metrics(cfg.metrics_port)
+    bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
+    asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     storage = model.new_kv_storage(cfg.cache_tokens, device=cfg.device)
     engine = PrefillEngine(

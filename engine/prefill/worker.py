@@ -181,7 +181,7 @@ class PrefillEngine:
         self._lock = threading.Lock()
         self._probe_stop = threading.Event()
         self._probe_thread: threading.Thread | None = None
-        self.loop = StepLoop("prefill", self._step_once)
+        self.loop = StepLoop("prefill", self._step_once, model.device)
 
     # One D (the 1P1D unit): the names the rest of the process used before 1P2D.
     @property

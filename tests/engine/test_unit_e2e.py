@@ -29,7 +29,9 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def pd_unit():
-    with LocalUnit(LocalConfig(mode="pd", **SMALL)) as unit:
+    # D runs through an argv wrapper, as under the GPU pod-isolation harness
+    wrapped = LocalConfig(mode="pd", wrappers={"decode": ["env", "PDUNIT_TEST_WRAPPED=decode"]}, **SMALL)
+    with LocalUnit(wrapped) as unit:
         yield unit
 
 
@@ -75,6 +77,13 @@ def test_chunked_monolith_frames_identical_to_pd(pd_unit, chunked_unit):
     for (pd_frames, _), (ch_frames, ch_last) in zip(pd, chunked, strict=True):
         assert ch_last.get("done"), ch_last
         assert ch_frames == pd_frames
+
+
+def test_a_wrapped_child_runs_its_command_through_the_wrapper(pd_unit):
+    environ = Path(f"/proc/{pd_unit.child('decode').proc.pid}/environ").read_bytes().split(b"\0")
+    assert b"PDUNIT_TEST_WRAPPED=decode" in environ
+    assert b"PDUNIT_TEST_WRAPPED=decode" not in Path(
+        f"/proc/{pd_unit.child('prefill').proc.pid}/environ").read_bytes().split(b"\0")
 
 
 def test_every_pd_transfer_was_checked(pd_unit):

@@ -91,3 +91,8 @@ def test_soak_20000_transfers_500_faults(tmp_path):
     cfg = FaultsConfig(transfers=20000, faults=500, max_seconds=3000, restart_every=10)
     report = run(cfg, run_dir=str(tmp_path / "unit"))
     _assert_contract(report, 20000, 500)
+
+
+def test_isolated_run_names_the_device_field_when_not_cuda():
+    with pytest.raises(ValueError, match="device: --isolate needs --device cuda"):
+        run(FaultsConfig(isolate=True, device="cpu", transfer="proxy", kinds="corrupt"))

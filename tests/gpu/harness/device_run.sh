@@ -7,14 +7,7 @@
 # Everything it writes for the caller goes under $OUT.
 set -uo pipefail
 MODE=${1:-smoke}
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .out/transfer-whl/*.whl || exit 10
-mkdir -p /tmp/pdpkg/pdunit && cp pkg/__init__.py /tmp/pdpkg/pdunit/
-for d in engine kernels sidecars bench operator; do ln -sfn "$REPO/$d" "/tmp/pdpkg/pdunit/$d"; done
-export PYTHONPATH=/tmp/site:/tmp/pdpkg
+source tests/gpu/harness/setup.sh
 { nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch, cuda.bindings, grpc, google.protobuf as p; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "cuda-bindings", cuda.bindings.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'; } 2>&1 | tee "$OUT/env.txt"
 if [ "$MODE" = smoke ]; then
   timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_cuda_rows.py 2>&1 | tee "$OUT/pytest_kernels.txt"

@@ -1,0 +1,31 @@
+"""Which CUDA device a thread runs on: the binding every engine thread that launches GPU
+work needs.
+
+CUDA's current device is per thread, and a new thread starts on device 0. torch
+operators follow their tensors' device, but Triton kernel launches, CUDA graph replay and
+`torch.cuda.current_stream()` use the calling thread's current device. An engine on
+`cuda:1` whose step thread was left on device 0 launched its attention kernels on the
+wrong GPU: in the first 1P1D run on two H200s D stalled after one frame. In a pod every
+container sees its one GPU as device 0, which is why only a multi-GPU host shows it.
+
+Owns no state; never changes a thread's device to anything but the engine's own.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def bind_thread(device: str | torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (no-op off CUDA)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def device_executor(device: str | torch.device, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads are bound to `device` (asyncio's default executor
+    runs D's COMMIT checksum and P's connect: both touch the GPU)."""
+    return ThreadPoolExecutor(thread_name_prefix=name, initializer=bind_thread, initargs=(device,))

@@ -1,0 +1,70 @@
+"""A whole unit on GPUs, through real processes: P on cuda:0, D on cuda:1 (the layout of
+`pdunit bench compare`'s 1p1d), and a monolith on cuda:1. The first 1P1D capacity run on
+two H200s stalled in D because its step thread launched kernels on device 0; these
+tests fail on that bug and on anything else that stops a GPU unit from streaming.
+
+Needs two GPUs (the device tool's nvidia-h200-x2); skipped otherwise."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pdunit.engine.decode.worker import StepLoop
+from pdunit.engine.local import LocalConfig, LocalUnit
+from tests.engine.unit_client import random_prompt, stream
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+# tiny in bfloat16 takes the GPU path: Triton attention, CUDA graphs, overlap in D
+BASE = dict(model="random:tiny:0", dtype="bfloat16", pool_tokens=32768, cache_tokens=16384, lb_port=0,
+            guard=False, log_level="warning")
+FRAMES = 40
+
+
+def test_step_loop_thread_runs_on_the_engines_device():
+    seen: list[int] = []
+    done = threading.Event()
+
+    def step_once() -> bool:
+        seen.append(torch.cuda.current_device())
+        done.set()
+        return False
+
+    loop = StepLoop("test", step_once, torch.device("cuda:1"))
+    loop.start()
+    assert done.wait(10)
+    loop.stop()
+    assert seen[0] == 1
+
+
+def _run_streams(url: str, n: int) -> list[tuple[list, dict]]:
+    prompts = [random_prompt(300 + 40 * i, seed=i) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda p: stream(url, p, max_frames=FRAMES, min_frames=FRAMES, timeout=120), prompts))
+
+
+@pytest.mark.parametrize("transfer", ["ipc", "proxy"])
+def test_pd_unit_on_two_gpus_streams_every_frame(transfer, tmp_path):
+    cfg = LocalConfig(mode="pd", transfer=transfer, run_dir=str(tmp_path), device="cuda:0",
+                      decode_devices="cuda:1", **BASE)
+    with LocalUnit(cfg) as unit:
+        results = _run_streams(unit.url, 12)
+    for frames, last in results:
+        assert last.get("done"), last
+        assert len(frames) == FRAMES
+
+
+def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
+    cfg = LocalConfig(mode="monolith", run_dir=str(tmp_path), device="cuda:1", **BASE)
+    with LocalUnit(cfg) as unit:
+        results = _run_streams(unit.url, 8)
+    for frames, last in results:
+        assert last.get("done"), last
+        assert len(frames) == FRAMES
