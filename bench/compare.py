@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from pdunit.bench import report
+from pdunit.bench import report, waterfall
 from pdunit.bench.capacity import COLUMNS, CapacityConfig, plot_capacity, print_report, run_capacity
 from pdunit.bench.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit
@@ -36,6 +36,9 @@ class CompareConfig(BaseModel):
                           "1p2d, monolith-prefill-first, monolith-chunked)")
     chunks: str = Field("8192", description="monolith-chunked chunk sizes (comma list)")
     concurrency: str = Field("2,4", description="closed-loop levels")
+    variant_concurrency: str = Field("", description="per-variant levels overriding --concurrency, e.g. "
+                                     "'1p1d=64,128;monolith-prefill-first=16,32;monolith-chunked=64,96' "
+                                     "(monolith-chunked covers every chunk size)")
     duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
     prompt_rows: str = Field("1000-2000", description="prompt rows")
     frames: str = Field("105-210", description="frames per stream")
@@ -90,6 +93,66 @@ def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | None]:
     }
 
 
+def levels_for(cfg: CompareConfig, variant: str) -> list[int]:
+    """The closed-loop levels of one variant: its entry in --variant-concurrency (the
+    chunked monoliths share `monolith-chunked`), else --concurrency."""
+    overrides: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in cfg.variant_concurrency.split(";"))):
+        name, sep, levels = part.partition("=")
+        if not sep or not levels.strip():
+            raise ValueError(f"--variant-concurrency: {part!r} is not VARIANT=LEVELS")
+        overrides[name.strip()] = levels
+    known = {"1p1d", "1p2d", "monolith-prefill-first", "monolith-chunked"}
+    if set(overrides) - known:
+        raise ValueError(f"--variant-concurrency: unknown variants {sorted(set(overrides) - known)}; "
+                         f"known: {sorted(known)}")
+    key = "monolith-chunked" if variant.startswith("monolith-chunked") else variant
+    return parse_list(overrides.get(key, cfg.concurrency), "concurrency", int)
+
+
+def attach_waterfall(row: dict[str, Any], streams: list[dict[str, Any]]) -> None:
+    """The level's per-stage waterfall (BENCHMARKS.md section 5) from the stamps in every
+    completed stream's final record: where the time of a request went at this load."""
+    try:
+        stages, check = waterfall.analyze(streams)
+    except ValueError as exc:  # no completed stream carried stamps (every one failed)
+        row["waterfall"], row["waterfall_check"] = [], {"error": str(exc)}
+        return
+    row["waterfall"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in st.items()} for st in stages]
+    row["waterfall_check"] = check
+
+
+def print_waterfall_at(rows: list[dict[str, Any]], capacity: int | None) -> None:
+    """Prints the waterfall at the capacity point, or at the lowest level when none passed
+    (that is where the failure starts)."""
+    if not rows:
+        return
+    at = next((r for r in rows if r["concurrency"] == capacity), rows[0])
+    label = "capacity point" if at["concurrency"] == capacity else "lowest level (no level passed)"
+    print(f"\nwaterfall of {at['mode']} at concurrency {at['concurrency']} ({label}):")
+    print(waterfall_text(at))
+
+
+def waterfall_text(row: dict[str, Any]) -> str:
+    if not row.get("waterfall"):
+        return f"(no waterfall: {row.get('waterfall_check', {}).get('error', 'no stamps')})"
+    check = row["waterfall_check"]
+    return (report.text_table(row["waterfall"], waterfall.COLUMNS) +
+            f"\nstamped/client p50 {check['stamped_over_client_p50']:.3f}, unexplained p95 "
+            f"{100 * check['unexplained_p95']:.1f}% ({'adds up' if check['adds_up'] else 'does NOT add up'})")
+
+
+def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
+    """Per variant: the waterfall at its capacity point (else its lowest level)."""
+    out = ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        cap = per_gpu.get(mode)
+        at = next((r for r in mine if cap and r["concurrency"] == round(cap * r["gpus"])), mine[0])
+        out += [f"### {mode} at concurrency {at['concurrency']}", "", "```", waterfall_text(at), "```", ""]
+    return "\n".join(out)
+
+
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     per_gpu: dict[str, float | None] = {}
@@ -99,14 +162,16 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
             unit_cfg = unit_cfg.model_copy(update={"run_dir": f"{cfg.run_dir}/{name}"})
         with LocalUnit(unit_cfg) as unit:
             doc = run_capacity(CapacityConfig(
-                url=unit.url, concurrency=parse_list(cfg.concurrency, "concurrency", int),
+                url=unit.url, concurrency=levels_for(cfg, name),
                 duration=cfg.duration, prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"),
                 frames=parse_range(cfg.frames, "frames"), voice_reuse=cfg.voice_reuse,
                 mode_label=name, gpus=gpus, progress=False,
-            ), command=command)
+            ), command=command, keep_streams=True)
         print_report(doc)
         for row in doc["rows"]:
             row["gpus"] = gpus
+            attach_waterfall(row, [s for s in doc["streams"] if s["concurrency"] == row["concurrency"]])
+        print_waterfall_at(doc["rows"], doc["summary"].get("capacity"))
         rows += doc["rows"]
         per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)
     summary = {"capacity_per_gpu": per_gpu, **ratios(per_gpu)}
@@ -114,7 +179,10 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
     out = results.document()
     if cfg.out:
         path = report.resolve_out(cfg.out, BENCH, results.machine)
-        out["files"] = [str(p) for p in results.write(path, COLUMNS, "Capacity: PD vs monolith")]
+        json_path, md_path = results.write(path, COLUMNS, "Capacity: PD vs monolith")
+        with md_path.open("a") as md:
+            md.write(waterfalls_markdown(rows, per_gpu))
+        out["files"] = [str(json_path), str(md_path)]
     if cfg.plot:
         plot_capacity(rows, cfg.plot, CapacityConfig())
         out.setdefault("files", []).append(cfg.plot)

@@ -99,6 +99,7 @@ class FaultsConfig(BaseModel):
     max_gap_s: float = Field(0.5, gt=0, description="longest silence between two frames of an unaffected stream")
     error_bound_s: float = Field(6.0, gt=0, description="longest request -> error time of an affected client")
     recover_timeout_s: float = Field(30.0, gt=0, description="held pages must be back to 0 within this")
+    run_dir: str = Field("", description="keep the unit's sockets and process logs here (default: a temp dir)")
     out: str = Field("", description="write the full report as JSON here")
     results: str = Field("", description="also write bench/results/<this>.json/.md (e.g. faults-20261129-cpu)")
 
@@ -366,6 +367,23 @@ class Unit:
         self.wait(lambda: (i := self.p_info()) is not None and i.transfer_mode != "", timeout, "P answering Info")
         self.wait(lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, timeout, "LB ready")
 
+    def diagnosis(self) -> str:
+        """Where a stuck unit stands: D's held requests, P's held aborts, the last log
+        lines of P, D and the proxy (a failed check must say why, not only that)."""
+        parts = []
+        try:
+            held = {k: v["state"] for k, v in self.ownership()["requests"].items() if v["state"] == "held"}
+            parts.append(f"D held requests: {held}")
+        except (httpx.HTTPError, KeyError) as exc:
+            parts.append(f"D ownership unavailable: {exc}")
+        p = self.p_info()
+        parts.append("P: no answer to Info" if p is None else
+                     f"P: instance {p.instance_id[:8]} held_aborts {p.held_aborts} queue {p.queue} "
+                     f"in_flight {p.in_flight}")
+        for name in ("prefill", "decode", "proxy"):
+            parts.append(f"--- {name} log tail:\n{self.local.tail(name, 25)}")
+        return "\n".join(parts)
+
     def restart_p(self) -> None:
         self.local.restart("prefill")
         self.wait_p_ready()
@@ -587,8 +605,11 @@ class Scenario:
         if expect_proof and self.cfg.transfer == "tcp":
             expect_proof = "receiver_state"
         t = time.monotonic()
-        self.unit.wait(lambda: self.unit.d_info().held_pages == 0, self.cfg.recover_timeout_s,
-                       f"held pages back to 0 after {rec.kind}")
+        try:
+            self.unit.wait(lambda: self.unit.d_info().held_pages == 0, self.cfg.recover_timeout_s,
+                           f"held pages back to 0 after {rec.kind}")
+        except FaultCheckFailed as exc:
+            raise FaultCheckFailed(f"{exc}\n{self.unit.diagnosis()}") from None
         rec.detail["recover_s"] = round(time.monotonic() - t, 3)
         after = proofs(self.unit.d_metrics())
         delta = {k: after.get(k, 0) - proofs_before.get(k, 0) for k in after}
@@ -1013,7 +1034,7 @@ def main(argv: list[str]) -> int:
 
     cfg = parse_config(FaultsConfig, argv, "pdunit bench faults")
     setup_logging("bench-faults", "warning")
-    report = run(cfg)
+    report = run(cfg, cfg.run_dir or None)
     summary = {k: v for k, v in report.items() if k != "fault_details"}
     print(json.dumps(summary, indent=2, default=str))
     if cfg.out:

@@ -1,23 +1,63 @@
 """`pdunit bench step`: decode step time vs batch and context against the HBM roofline
-(BENCHMARKS.md section 3).
+(BENCHMARKS.md section 3), without and with D's overlap scheduling.
 
-Owns one GPU measurement: a model of the given shape with random weights drawn on the
-GPU, a paged KV pool filled with random values, contexts laid out as fragmented pages,
-and, per (batch, context) point, the decode step through the CUDA-graph runner
-(engine/model/cuda_graphs.py) timed three ways:
-- `step_ms`: wall time of what a decode loop without overlap does per step: build the
-  batch's slot table on the host, stage and copy it, replay, and bring the greedy frames
-  back to the host (the sync D's sampler does);
-- `gpu_ms`: device time of the graph replay alone (CUDA events);
-- `attn_gbps`: one layer's decode attention kernel alone (launched back to back), in
-  bytes of K/V read per second.
-`roofline_ms` = (weight bytes + K/V bytes read) / the HBM bandwidth measured in the same
-run (a large device-to-device copy, bytes read + written). `fraction_of_roofline` is
-roofline over `step_ms`; `gpu_fraction_of_roofline` is roofline over `gpu_ms`, the bound
-overlap scheduling can reach. `overlap` is false: D has no overlap scheduling yet.
-`gpu_busy` = gpu_ms / step_ms (the GPU's busy share of a non-overlapped step).
+Owns one measurement of D's decode step as D runs it: a model of the given shape with
+random weights drawn on the device, D's own paged pool (engine/kv/pool.py, fragmented by
+churn so a stream's pages are scattered like after real traffic) over a K/V storage
+filled with random values, D's `DecodeBatcher` and `StepForward` (CUDA graphs per batch
+bucket, captured once against the storage exactly as `pdunit decode` does: buckets from
+`max(--batches)`, table width the model's max_positions), and per
+(batch, context) point `batch` synthetic streams admitted as D admits a committed
+transfer, their prompt already `context - 1` tokens long (the first step attends over
+`context` tokens; each step adds one). `min_frames == max_frames` keeps every stream
+running through the timed steps; afterwards they are cancelled and every page must be
+back in the pool.
 
-Must never be run for a claim without writing its results file (bench/report.py).
+Each point is measured twice, rows side by side (`--overlap both`, the default):
+- `overlap=False`: the loop of `DecodeEngine._step_once` without overlap: take
+  cancelled/incoming, `decode_entries`, `StepForward(entries)` (graph replay), then
+  `DecodeBatcher.apply` (host sampling: the sync that waits for the device) and the
+  StepFrames message;
+- `overlap=True`: `OverlapScheduler.step_once` (engine/decode/overlap.py), what
+  `pdunit decode --overlap` runs: step n+1 is queued (device-resident tokens, device
+  sampling, async frame copy) before step n's frames are read back.
+The first iteration admits the streams, `--warmup` iterations follow, then `--iters`
+timed iterations; each timed iteration runs (plain) or launches (overlap) one step.
+
+Columns:
+- `steps`, `frames`: steps run/launched and frames published in the timed window;
+  `graph steps`/`eager steps`: how those steps ran, from StepForward's own counter
+  (`pdunit_decode_graph_steps_total{path}`), so a silent eager fallback shows up
+  (on CPU every step is eager: there are no graphs);
+- `step_ms`: wall time per step, the timed window over `steps` (steady state; with
+  overlap this is the pipeline's period);
+- `host_ms`: host time to prepare and queue one step (without overlap it adds to the
+  step; with overlap it is hidden while under the device's step time);
+  `wait_ms` (overlap): host time blocked on the previous step's frames, per step (near
+  0 means the host, not the GPU, sets the pace);
+- `gpu_ms`: device time of the step's forward alone: the point's graph replayed back to
+  back on the last step's staged inputs (CUDA events);
+- `event_gpu_ms`, `event_busy` (overlap, CUDA): read from the scheduler's own
+  `started`/`copied` events of each timed step: their mean span, and the sum of spans
+  over the window's span (the `pdunit_decode_gpu_busy_ratio` formula). A span starts
+  when the device reaches the step, so device idle while the host still stages that
+  step counts as busy here: an upper bound;
+- `gpu_busy` = gpu_ms / step_ms: the share of wall time the device spends in the
+  forward; sampling and the small staging/frame copies are not counted: a lower bound.
+  Without overlap, 1 - gpu_busy is about the host's share of the step; with overlap it
+  should reach ~1 when the host keeps ahead;
+- `roofline_ms` = (weight bytes + the batch's embedding rows + K/V bytes of the mean
+  timed context, `context + warmup + iters/2`) / the HBM bandwidth measured in the same
+  run (a large device-to-device copy, bytes read + written); `of roofline` =
+  roofline / step_ms, `gpu of roofline` = roofline / gpu_ms (what the forward reaches);
+- `attn_gbps`: one layer's decode attention kernel alone on the staged slot table
+  (launched back to back), in K/V bytes read per second.
+
+`--device cpu` (with `--model tiny`) runs the same engine path eagerly and
+synchronously, for tests: no bandwidth, roofline, graph or event columns there.
+
+Must never be run for a claim without writing its results file (bench/report.py), and
+never re-implements the engine's step: it drives D's own classes.
 """
 
 from __future__ import annotations
@@ -43,17 +83,34 @@ from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 COLUMNS = [
     report.Column("batch", "batch"),
     report.Column("context", "context"),
+    report.Column("overlap", "overlap"),
+    report.Column("steps", "steps"),
+    report.Column("frames", "frames"),
+    report.Column("graph_steps", "graph steps"),
+    report.Column("eager_steps", "eager steps"),
     report.Column("step_ms", "step ms", "{:.3f}"),
-    report.Column("gpu_ms", "gpu ms", "{:.3f}"),
     report.Column("host_ms", "host ms", "{:.3f}"),
+    report.Column("wait_ms", "wait ms", "{:.3f}"),
+    report.Column("gpu_ms", "gpu ms", "{:.3f}"),
+    report.Column("event_gpu_ms", "event gpu ms", "{:.3f}"),
     report.Column("roofline_ms", "roofline ms", "{:.3f}"),
     report.Column("fraction_of_roofline", "of roofline", "{:.1%}"),
     report.Column("gpu_fraction_of_roofline", "gpu of roofline", "{:.1%}"),
     report.Column("gpu_busy", "gpu busy", "{:.1%}"),
+    report.Column("event_busy", "event busy", "{:.1%}"),
     report.Column("attn_gbps", "attn GB/s", "{:.0f}"),
-    report.Column("overlap", "overlap"),
     report.Column("skipped", "skipped"),
 ]
+
+MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+# Frames a stream may produce beyond admission + warmup + timed steps: the overlap
+# pipeline schedules one step ahead, and the extra keeps the length end out of the
+# window (the streams are cancelled after it).
+FRAME_MARGIN = 4
+TUNE_POINT = (64, 2048)  # batch x context where `--tune` times the kernel's configurations
+_GRAPH_STEPS = "pdunit_decode_graph_steps_total"
+_HOST = "pdunit_decode_host_seconds"
+_WAIT = "pdunit_decode_device_wait_seconds"
 
 
 @dataclasses.dataclass
@@ -69,6 +126,10 @@ class StepConfig:
     reserve_gib: float = 14.0  # left free for activations, graph pools, scratch
     compare: list[str] = dataclasses.field(default_factory=lambda: ["64x2048"])
     tune: bool = False
+    overlap: str = "both"
+    device: str = "cuda"
+    temperature: float = 0.0
+    top_k: int = 0
     out: str = "bench/results"
     machine_tag: str | None = None
     command: str = ""
@@ -118,12 +179,13 @@ def measure_copy_gbps(gib: float, iters: int = 10) -> float:
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
-def random_model(name: str, seed: int) -> TTSModel:
-    """The config's shape with weights drawn on the GPU (the loader's scales: uniform with
-    std 1/sqrt(fan_in), norms 1): seconds instead of a CPU init of 4B parameters."""
+def random_model(name: str, seed: int, device: str | torch.device = "cuda") -> TTSModel:
+    """The config's shape with weights drawn on `device` (the loader's scales: uniform
+    with std 1/sqrt(fan_in), norms 1): seconds instead of a CPU init of 4B parameters."""
     cfg = get_config(name)
-    m = TTSModel(cfg, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = torch.device(device)
+    m = TTSModel(cfg, device=dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         for pname, p in m.named_parameters():
             if pname.endswith("norm.weight"):
@@ -132,6 +194,7 @@ def random_model(name: str, seed: int) -> TTSModel:
             std = 1.0 / math.sqrt(cfg.n_codebooks if pname == "embed.weight" else p.shape[1])
             bound = std * math.sqrt(3.0)
             p.uniform_(-bound, bound, generator=g)
+    m.requires_grad_(False)
     return m.eval()
 
 
@@ -150,13 +213,28 @@ def paged_contexts(
     return [s.astype(np.int64) for s in slots]
 
 
+def fragment_pool(pool: Any, rng: np.random.Generator) -> None:
+    """Churn a fresh PagePool through its public transitions: every page owned by a
+    one-page request, then freed in a random order. The FIFO free list then hands out
+    pages in that order, as after real traffic (ids of the churn start at 2**40, far
+    from the benchmark's stream ids)."""
+    base = 1 << 40
+    n = pool.free_pages
+    for i in range(n):
+        pool.reserve(base + i, 0, pool.page_size)
+        pool.mark_filled(base + i)
+        pool.start_decoding(base + i)
+    for i in rng.permutation(n):
+        pool.finish(base + int(i))
+
+
 def _tune_decode(m: TTSModel, kv: torch.Tensor, rng: np.random.Generator, cfg: StepConfig) -> list[dict[str, Any]]:
     """Time the split kernel's launch configurations at 64 x 2k on one layer; apply the
-    fastest to the module (it is what the sweep then runs)."""
+    fastest to the module (it is what the graphs then capture)."""
     from pdunit.kernels import paged_attention as pa
 
     c = m.config
-    b, ctx = 64, 2048
+    b, ctx = TUNE_POINT
     table, lengths = pa.build_slot_table(paged_contexts(b, ctx, cfg.page_size, kv.shape[2], rng))
     table, lengths = table.cuda(), lengths.cuda()
     q = torch.randn(b, c.n_heads, c.head_dim, device="cuda").to(m.dtype)
@@ -181,113 +259,309 @@ def _tune_decode(m: TTSModel, kv: torch.Tensor, rng: np.random.Generator, cfg: S
     return results
 
 
+def _engine_counters() -> dict[str, float]:
+    """The engine's own counters the rows are read from: StepForward's path counter and
+    the overlap scheduler's host/wait histograms. Read with `collect()` on those metrics
+    alone (tens of microseconds): a registry-wide scan between two iterations would
+    leave the device idle at the start of the timed window."""
+    from pdunit.engine.decode.overlap import HOST_SECONDS, WAIT_SECONDS
+    from pdunit.engine.decode.step_forward import GRAPH_STEPS
+
+    out = {"graph": 0.0, "eager": 0.0}
+    for metric in GRAPH_STEPS.collect():
+        for sample in metric.samples:
+            if sample.name == _GRAPH_STEPS:
+                out[sample.labels["path"]] = sample.value
+    for hist, name in ((HOST_SECONDS, _HOST), (WAIT_SECONDS, _WAIT)):
+        for metric in hist.collect():
+            for sample in metric.samples:
+                if sample.name in (name + "_sum", name + "_count"):
+                    out[sample.name] = sample.value
+    return out
+
+
+class EngineUnderTest:
+    """D's decode path over one pool: the batcher, the step forward (graphs captured
+    here, once, against `storage`), and a fresh overlap scheduler per measurement."""
+
+    def __init__(self, model: TTSModel, storage: torch.Tensor, page_size: int, max_batch: int,
+                 rng: np.random.Generator) -> None:
+        from pdunit.engine.decode.batcher import DecodeBatcher
+        from pdunit.engine.decode.step_forward import StepForward
+        from pdunit.engine.kv.pool import PagePool
+
+        self.model = model
+        self.storage = storage
+        self.pool = PagePool(storage.shape[2] // page_size, page_size)
+        fragment_pool(self.pool, rng)
+        self.batcher = DecodeBatcher(model, self.pool, storage, max_batch)
+        t0 = time.perf_counter()
+        self.forward = StepForward(model, storage, use_graphs=True, max_batch=max_batch)
+        self.capture_s = time.perf_counter() - t0
+        self._next_id = 1
+        self._message = 0
+
+    @property
+    def cuda(self) -> bool:
+        return self.model.device.type == "cuda"
+
+    def admit(self, batch: int, context: int, frames: int, temperature: float, top_k: int,
+              rng: np.random.Generator) -> list[int]:
+        """`batch` streams as D admits a committed transfer: pages reserved for prompt +
+        max frames, marked filled, decoding; the prompt's K/V is whatever the storage
+        holds (random values)."""
+        from pdunit.engine.decode.batcher import Stream
+        from pdunit.engine.model.sampling import SamplingParams
+
+        c = self.model.config
+        ids = []
+        for _ in range(batch):
+            rid, self._next_id = self._next_id, self._next_id + 1
+            self.pool.reserve(rid, context - 1, context - 1 + frames)
+            self.pool.mark_filled(rid)
+            self.pool.start_decoding(rid)
+            params = SamplingParams(temperature=temperature, top_k=top_k, seed=rid,
+                                    max_frames=frames, min_frames=frames)
+            first = rng.integers(0, min(c.vocab_sizes), c.n_codebooks).astype(np.int32)
+            self.batcher.admit(Stream(rid, context - 1, params, first))
+            ids.append(rid)
+        return ids
+
+    def plain_iteration(self) -> tuple[Any, float | None, bool]:
+        """One iteration of `DecodeEngine._step_once` without overlap; returns (its
+        StepOutput or None, when the step was queued (perf_counter) or None, whether a
+        step ran)."""
+        from pdunit.engine.decode.worker import step_message
+
+        b = self.batcher
+        b.take_cancelled()
+        new = b.take_incoming()
+        streams, entries = b.decode_entries()
+        if not streams and not new:
+            return None, None, False
+        logits = self.forward(entries) if entries else None
+        queued = time.perf_counter()
+        out = b.apply(streams, logits, new)
+        self._message += 1
+        step_message(self._message, out)
+        return out, queued, bool(entries)
+
+    def overlap_iteration(self, sched: Any) -> tuple[Any, Any]:
+        """One iteration of `DecodeEngine._overlap_step_once`; returns (its StepOutput or
+        None, the step it queued or None)."""
+        from pdunit.engine.decode.worker import step_message
+
+        _, out = sched.step_once()
+        if out is not None:
+            self._message += 1
+            step_message(self._message, out)
+        # The scheduler keeps the step it just queued (with its started/copied events)
+        # as its in-flight step; the bench reads the events from there.
+        return out, sched._inflight
+
+    def drain(self, ids: list[int], sched: Any | None) -> None:
+        """Cancel the point's streams and run the loop until they are gone; every page
+        must be back in the pool (a leak here is a bug in the engine or the bench)."""
+        for rid in ids:
+            self.batcher.cancel(rid)
+        for _ in range(4):
+            if sched is None:
+                self.plain_iteration()
+            else:
+                self.overlap_iteration(sched)
+            if not len(self.batcher) and (sched is None or not sched.in_flight):
+                break
+        if self.pool.free_pages != self.pool.n_pages:
+            raise RuntimeError(
+                f"{self.pool.n_pages - self.pool.free_pages} pages still owned after cancelling every stream "
+                f"(states: {self.pool.counts()})")
+
+
+def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg: StepConfig,
+                rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Admit, warm up, time `cfg.iters` iterations, drain. Returns the row and the
+    leftovers the caller needs (the staged graph, the plain loop's last entries)."""
+    from pdunit.engine.decode.overlap import OverlapScheduler
+
+    frames_cap = cfg.warmup + cfg.iters + FRAME_MARGIN
+    ids = e.admit(batch, context, frames_cap, cfg.temperature, cfg.top_k, rng)
+    sched = OverlapScheduler(e.model, e.batcher, e.forward) if overlap else None
+
+    def iterate() -> tuple[Any, Any, float | None]:
+        if sched is None:
+            out, queued, ran = e.plain_iteration()
+            return out, ran, queued
+        out, step = e.overlap_iteration(sched)
+        return out, step, None
+
+    iterate()  # admission: the first frames go out (and, with overlap, step 0 is queued)
+    if len(e.batcher.running) != batch:
+        raise RuntimeError(f"{len(e.batcher.running)} of {batch} streams admitted (max_batch too small?)")
+    for _ in range(cfg.warmup):
+        iterate()
+    # No sync here: with overlap a step is in flight, as in every steady-state
+    # iteration; the window's `iters` iterations then wait for exactly `iters` steps.
+    before = _engine_counters()
+    steps, frames, host, walls, launched = 0, 0, [], [], []
+    t_start = time.perf_counter()
+    for _ in range(cfg.iters):
+        s0 = time.perf_counter()
+        out, ran, queued = iterate()
+        walls.append(time.perf_counter() - s0)
+        if ran:
+            steps += 1
+            if sched is not None:
+                launched.append(ran)
+        if queued is not None:
+            host.append(queued - s0)
+        if out is not None:
+            frames += len(out.request_ids)
+    window = time.perf_counter() - t_start
+    after = _engine_counters()
+    graph_steps = int(after["graph"] - before["graph"])
+    eager_steps = int(after["eager"] - before["eager"])
+    row: dict[str, Any] = {
+        "batch": batch, "context": context, "overlap": overlap,
+        "steps": steps, "frames": frames, "graph_steps": graph_steps, "eager_steps": eager_steps,
+        "path": "graph" if graph_steps == steps and steps else "eager" if eager_steps == steps else "mixed",
+        "mean_context": context + cfg.warmup + cfg.iters / 2,
+        "step_ms": window / max(1, steps) * 1e3,
+        "step_p50_ms": statistics.median(walls) * 1e3,
+        "step_max_ms": max(walls) * 1e3,
+    }
+    if sched is None:
+        row["host_ms"] = statistics.mean(host) * 1e3 if host else None
+    else:
+        n = after[_HOST + "_count"] - before[_HOST + "_count"]
+        w = after[_WAIT + "_count"] - before[_WAIT + "_count"]
+        row["host_ms"] = (after[_HOST + "_sum"] - before[_HOST + "_sum"]) / n * 1e3 if n else None
+        row["wait_ms"] = (after[_WAIT + "_sum"] - before[_WAIT + "_sum"]) / w * 1e3 if w else None
+    extra: dict[str, Any] = {}
+    if e.cuda:
+        torch.cuda.synchronize()
+        if launched:
+            spans = [s.started.elapsed_time(s.copied) for s in launched]
+            whole = launched[0].started.elapsed_time(launched[-1].copied)
+            row["event_gpu_ms"] = statistics.mean(spans)
+            row["event_busy"] = sum(spans) / whole if whole > 0 else None
+        runner = e.forward.graphs
+        size = runner.bucket_for(batch) if runner is not None else None
+        if size is not None:
+            # the staged inputs are the last timed step's: replaying them back to back
+            # rewrites the same K/V rows of streams about to be cancelled
+            row["gpu_ms"] = statistics.median(_events_ms(runner._graphs[size].graph.replay, cfg.iters, 1))
+            row["gpu_busy"] = row["gpu_ms"] / row["step_ms"]
+            extra["runner"] = runner
+    if sched is None and e.cuda and f"{batch}x{context}" in cfg.compare:
+        _, entries = e.batcher.decode_entries()
+        extra["compare_entries"] = entries
+    extra["ids"], extra["sched"] = ids, sched
+    return row, extra
+
+
 def run_step(config: StepConfig) -> dict[str, Any]:
     """Measure every point; return the results document (BENCHMARKS.md section 6)."""
-    if not torch.cuda.is_available():
-        raise SystemExit("pdunit bench step: needs a CUDA GPU (none visible)")
-    from pdunit.engine.model.cuda_graphs import DecodeGraphRunner
-    from pdunit.kernels import paged_attention as pa
-
+    _check_config(config)
+    dev = torch.device(config.device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("pdunit bench step: needs a CUDA GPU (none visible); "
+                         "--device cpu --model tiny runs the engine path on the CPU as a smoke test")
+    if config.tune and not cuda:
+        raise SystemExit("pdunit bench step: --tune times GPU kernels; drop it with --device cpu")
     rng = np.random.default_rng(config.seed)
-    gbps = measure_copy_gbps(config.copy_gib)
-    print(f"HBM copy bandwidth: {gbps:.0f} GB/s (read + write)", flush=True)
-    m = random_model(config.model, config.seed)
+    gbps = None
+    if cuda:
+        gbps = measure_copy_gbps(config.copy_gib)
+        torch.cuda.empty_cache()  # the copy's buffers: back to the device before sizing the pool
+        print(f"HBM copy bandwidth: {gbps:.0f} GB/s (read + write)", flush=True)
+    m = random_model(config.model, config.seed, dev)
     c = m.config
     kv_token = c.kv_bytes_per_token(m.dtype)
     w_bytes = weight_bytes(m)
-    points = [(b, ctx) for ctx in config.contexts for b in config.batches]
-    free, _ = torch.cuda.mem_get_info()
-    budget = free - int(config.reserve_gib * 2**30)
-    need = max(b * ctx for b, ctx in points)
     page = config.page_size
-    n_slots = min(need, budget // kv_token) // page * page
-    if n_slots < page:
-        raise SystemExit(f"pdunit bench step: {free / 2**30:.1f} GiB free leaves no room for a KV pool")
-    kv = torch.empty((c.n_layers, 2, n_slots, c.n_kv_heads, c.head_dim), dtype=m.dtype, device="cuda")
-    for layer in kv:  # random K/V (never zeros: zeros run faster than data)
+    frames_cap = config.warmup + config.iters + FRAME_MARGIN
+    too_long = [ctx for ctx in config.contexts if ctx - 1 + frames_cap > c.max_positions]
+    if too_long:
+        raise SystemExit(
+            f"pdunit bench step: --contexts {too_long} plus {frames_cap} frames exceed the model's "
+            f"max_positions {c.max_positions}: lower --contexts (or --iters/--warmup)")
+    points = [(b, ctx) for ctx in config.contexts for b in config.batches]
+
+    def pages_for(b: int, ctx: int) -> int:
+        return b * -(-(ctx - 1 + frames_cap) // page)
+
+    n_pages = max(pages_for(b, ctx) for b, ctx in points)
+    if config.tune:  # the tuning layout is 64 x 2k (`_tune_decode`)
+        n_pages = max(n_pages, -(-TUNE_POINT[0] * TUNE_POINT[1] // page))
+    if cuda:
+        free, _ = torch.cuda.mem_get_info()
+        budget = free - int(config.reserve_gib * 2**30)
+        n_pages = min(n_pages, budget // (kv_token * page))
+        if n_pages < 1:
+            raise SystemExit(f"pdunit bench step: {free / 2**30:.1f} GiB free leaves no room for a KV pool "
+                             f"after --reserve-gib {config.reserve_gib}")
+    storage = m.new_kv_storage(n_pages * page, device=dev)
+    for layer in storage:  # random K/V (never zeros: zeros run faster than data)
         layer.normal_()
-    print(f"pool: {n_slots} slots, {n_slots * kv_token / 2**30:.1f} GiB; weights {w_bytes / 2**30:.2f} GiB", flush=True)
-    tuning = _tune_decode(m, kv, rng, config) if config.tune else []
-    buckets = sorted(set(config.batches))
-    t0 = time.perf_counter()
-    runner = DecodeGraphRunner(m, kv, buckets=buckets, max_context=max(config.contexts))
-    capture_s = time.perf_counter() - t0
-    print(f"captured {len(buckets)} graphs in {capture_s:.1f}s", flush=True)
+    print(f"pool: {n_pages} pages of {page}, {n_pages * page * kv_token / 2**30:.2f} GiB; "
+          f"weights {w_bytes / 2**30:.2f} GiB", flush=True)
+    tuning = _tune_decode(m, storage, rng, config) if config.tune else []
+    e = EngineUnderTest(m, storage, page, max(config.batches), rng)
+    graph_buckets = e.forward.graphs.sizes if e.forward.graphs is not None else None
+    print(f"step forward ready in {e.capture_s:.1f}s; graph buckets: {graph_buckets}", flush=True)
     rows: list[dict[str, Any]] = []
     compare: dict[str, Any] = {}
     for b, ctx in points:
-        row: dict[str, Any] = {"batch": b, "context": ctx, "overlap": False}
-        if b * ctx > n_slots:
-            row["skipped"] = f"needs {b * ctx * kv_token / 2**30:.0f} GiB of KV; pool holds {n_slots * kv_token / 2**30:.0f}"
+        for overlap in MODES[config.overlap]:
+            row: dict[str, Any] = {"batch": b, "context": ctx, "overlap": overlap}
+            if pages_for(b, ctx) > n_pages:
+                row["skipped"] = (f"needs {pages_for(b, ctx) * page * kv_token / 2**30:.0f} GiB of KV; "
+                                  f"pool holds {n_pages * page * kv_token / 2**30:.0f}")
+                rows.append(row)
+                print(row, flush=True)
+                continue
+            row, extra = measure_row(e, b, ctx, overlap, config, rng)
+            if gbps is not None:
+                embed_bytes = b * c.n_codebooks * c.hidden * storage.element_size()
+                kv_bytes = b * row["mean_context"] * kv_token
+                roof = (w_bytes + embed_bytes + kv_bytes) / (gbps * 1e9) * 1e3
+                row["roofline_ms"] = roof
+                row["kv_gb"] = kv_bytes / 1e9
+                row["fraction_of_roofline"] = roof / row["step_ms"]
+                if row.get("gpu_ms"):
+                    row["gpu_fraction_of_roofline"] = roof / row["gpu_ms"]
+            if "runner" in extra:
+                row["attn_gbps"] = _attention_gbps(m, storage, extra["runner"], b)
+            if "compare_entries" in extra:
+                compare[f"{b}x{ctx}"] = _compare(m, e, extra["compare_entries"])
+            e.drain(extra["ids"], extra["sched"])
             rows.append(row)
-            print(row, flush=True)
-            continue
-        ctx_slots = paged_contexts(b, ctx, page, n_slots, rng)
-        tokens = [rng.integers(0, c.vocab_max, (1, c.n_codebooks)).astype(np.int64) for _ in range(b)]
-        batch = ForwardBatch.from_sequences(tokens, ctx_slots)
-        for _ in range(config.warmup):
-            runner.run(batch).argmax(-1).cpu()
-        step, host = [], []
-        for _ in range(config.iters):
-            s0 = time.perf_counter()
-            logits = runner.run(batch)
-            s1 = time.perf_counter()
-            logits.argmax(-1).cpu()
-            s2 = time.perf_counter()
-            step.append((s2 - s0) * 1e3)
-            host.append((s1 - s0) * 1e3)
-        graph = runner._graphs[runner.bucket_for(b)]  # inputs of this point are staged
-        gpu = _events_ms(graph.graph.replay, config.iters, 1)
-        # one layer's attention alone, on the staged table
-        q = torch.randn(b, c.n_heads, c.head_dim, device="cuda").to(m.dtype)
-        table, lengths = runner._table[:b], runner._lengths[:b]
-        splits = pa.choose_splits(b, c.n_kv_heads, m.sm_count(), runner.max_context)
-        attn_ms = _kernel_ms(
-            lambda q=q, t=table, n=lengths, s=splits: pa.paged_decode_attention(q, kv[0], t, n, s)
-        )
-        kv_bytes = b * ctx * kv_token
-        embed_bytes = b * c.n_codebooks * c.hidden * kv.element_size()
-        roof = (w_bytes + embed_bytes + kv_bytes) / (gbps * 1e9) * 1e3
-        row.update(
-            step_ms=statistics.median(step),
-            host_ms=statistics.median(host),
-            gpu_ms=statistics.median(gpu),
-            roofline_ms=roof,
-            kv_gb=kv_bytes / 1e9,
-            attn_gbps=(kv_bytes / c.n_layers) / (attn_ms * 1e-3) / 1e9,
-        )
-        row["fraction_of_roofline"] = roof / row["step_ms"]
-        row["gpu_fraction_of_roofline"] = roof / row["gpu_ms"]
-        row["gpu_busy"] = row["gpu_ms"] / row["step_ms"]
-        key = f"{b}x{ctx}"
-        if key in config.compare:
-            compare[key] = _compare(m, runner, kv, batch, logits)
-        rows.append(row)
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    measured = [r for r in rows if "step_ms" in r]
-    target = [r for r in measured if r["batch"] >= 64 and r["context"] == 2048]
-    summary = {
-        "hbm_copy_gbps": gbps,
-        "weight_gib": w_bytes / 2**30,
-        "kv_bytes_per_token": kv_token,
-        "pool_slots": n_slots,
-        "capture_s": capture_s,
-        "decode_kernel_config": dict(pa.DECODE_CONFIG),
-        "tuning": tuning,
-        "overlap": False,
-        "fraction_of_roofline_ge64_2k": {f"{r['batch']}x2048": r["fraction_of_roofline"] for r in target},
-        "gpu_fraction_of_roofline_ge64_2k": {f"{r['batch']}x2048": r["gpu_fraction_of_roofline"] for r in target},
-        "target_0_8_met_wall": bool(target) and all(r["fraction_of_roofline"] >= 0.8 for r in target),
-        "target_0_8_met_gpu": bool(target) and all(r["gpu_fraction_of_roofline"] >= 0.8 for r in target),
-        "compare": compare,
-        "eager_fallbacks": runner.stats["eager"],
-        "gpu_used": torch.cuda.get_device_name(),
-        "visible_gpus": torch.cuda.device_count(),
-    }
-    machine = report.machine_info()
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            if cuda and row["eager_steps"]:
+                print(f"WARNING: {row['eager_steps']} of {row['steps']} steps at {b}x{ctx} "
+                      f"overlap={overlap} ran eagerly, not as graph replays", flush=True)
+    summary = _summary(rows, config)
+    summary.update(
+        device=str(dev),
+        hbm_copy_gbps=gbps,
+        weight_gib=w_bytes / 2**30,
+        kv_bytes_per_token=kv_token,
+        pool_slots=n_pages * page,
+        capture_s=e.capture_s,
+        graph_buckets=graph_buckets,
+        tuning=tuning,
+        compare=compare,
+        gpu_used=torch.cuda.get_device_name() if cuda else "none (cpu)",
+        visible_gpus=torch.cuda.device_count() if cuda else 0,
+    )
+    if cuda:
+        from pdunit.kernels import paged_attention as pa
+
+        summary["decode_kernel_config"] = dict(pa.DECODE_CONFIG)
     res = report.Results(
         bench="step",
-        machine=machine,
+        machine=report.machine_info(),
         command=config.command,
         config={k: v for k, v in dataclasses.asdict(config).items() if k not in ("command", "out")},
         rows=rows,
@@ -296,9 +570,56 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     return res.document()
 
 
-def _compare(m: TTSModel, runner: Any, kv: torch.Tensor, batch: ForwardBatch, graph_logits: torch.Tensor) -> dict[str, Any]:
-    """At one point: eager GPU path and the torch reference path (the pre-kernel code),
-    their step times, and how far their logits are from the graph's."""
+def _summary(rows: list[dict[str, Any]], config: StepConfig) -> dict[str, Any]:
+    """Per mode: the roofline fractions at >= 64 streams and 2k context (the target is
+    >= 80%), GPU busy there (the D target is >= 95% with overlap), eager steps."""
+    measured = [r for r in rows if "step_ms" in r]
+    out: dict[str, Any] = {"modes": ["overlap" if o else "no_overlap" for o in MODES[config.overlap]]}
+    for overlap in MODES[config.overlap]:
+        name = "overlap" if overlap else "no_overlap"
+        mine = [r for r in measured if r["overlap"] is overlap]
+        target = [r for r in mine if r["batch"] >= 64 and r["context"] == 2048]
+        key = lambda r: f"{r['batch']}x2048"  # noqa: E731
+        out[name] = {
+            "steps": sum(r["steps"] for r in mine),
+            "graph_steps": sum(r["graph_steps"] for r in mine),
+            "eager_steps": sum(r["eager_steps"] for r in mine),
+            "fraction_of_roofline_ge64_2k": {key(r): r.get("fraction_of_roofline") for r in target},
+            "gpu_fraction_of_roofline_ge64_2k": {key(r): r.get("gpu_fraction_of_roofline") for r in target},
+            "gpu_busy_ge64_2k": {key(r): r.get("gpu_busy") for r in target},
+            "event_busy_ge64_2k": {key(r): r.get("event_busy") for r in target},
+            "target_0_8_met_wall": bool(target) and all((r.get("fraction_of_roofline") or 0) >= 0.8 for r in target),
+            "target_0_8_met_gpu": bool(target) and all((r.get("gpu_fraction_of_roofline") or 0) >= 0.8
+                                                       for r in target),
+        }
+        if overlap:
+            out[name]["target_busy_0_95_met"] = bool(target) and all((r.get("gpu_busy") or 0) >= 0.95
+                                                                      for r in target)
+    return out
+
+
+def _attention_gbps(m: TTSModel, kv: torch.Tensor, runner: Any, b: int) -> float:
+    """One layer's decode attention alone on the runner's staged table (the last step's),
+    in K/V bytes read per second."""
+    from pdunit.kernels import paged_attention as pa
+
+    c = m.config
+    q = torch.randn(b, c.n_heads, c.head_dim, device="cuda").to(m.dtype)
+    table, lengths = runner._table[:b], runner._lengths[:b]
+    splits = pa.choose_splits(b, c.n_kv_heads, m.sm_count(), runner.max_context)
+    ms = _kernel_ms(lambda: pa.paged_decode_attention(q, kv[0], table, lengths, splits))
+    layer_bytes = int(lengths.sum()) * 2 * c.n_kv_heads * c.head_dim * kv.element_size()
+    return layer_bytes / (ms * 1e-3) / 1e9
+
+
+def _compare(m: TTSModel, e: EngineUnderTest, entries: list[Any]) -> dict[str, Any]:
+    """At one point: the graph step, the eager GPU path and the torch reference path (the
+    pre-kernel code) on the same batch; their step times and how far their logits are
+    from the graph's."""
+    from pdunit.engine.batching import make_batch
+
+    batch: ForwardBatch = make_batch(entries)
+    graph_logits = e.forward(entries)
     out: dict[str, Any] = {}
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
@@ -306,7 +627,7 @@ def _compare(m: TTSModel, runner: Any, kv: torch.Tensor, batch: ForwardBatch, gr
         for i in range(n + 1):
             s0 = time.perf_counter()
             with torch.inference_mode():
-                logits = m.forward(batch, kv)
+                logits = m.forward(batch, e.storage)
             logits.argmax(-1).cpu()
             if i:  # the first run compiles / warms up
                 times.append((time.perf_counter() - s0) * 1e3)
@@ -334,6 +655,24 @@ def _compare(m: TTSModel, runner: Any, kv: torch.Tensor, batch: ForwardBatch, gr
 # ------------------------------------------------------------------ CLI
 
 
+def _check_config(cfg: StepConfig) -> None:
+    problems = []
+    if cfg.overlap not in MODES:
+        problems.append(f"--overlap must be one of {', '.join(MODES)} (got {cfg.overlap!r})")
+    if cfg.iters < 1:
+        problems.append(f"--iters must be >= 1 (got {cfg.iters})")
+    if cfg.warmup < 0:
+        problems.append(f"--warmup must be >= 0 (got {cfg.warmup})")
+    if cfg.page_size < 1:
+        problems.append(f"--page-size must be >= 1 (got {cfg.page_size})")
+    if min(cfg.contexts) < 2:
+        problems.append(f"--contexts must be >= 2 tokens (a prompt of >= 1 plus the step's; got {cfg.contexts})")
+    if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
+        problems.append(f"--device must be cuda, cuda:N or cpu (got {cfg.device!r})")
+    if problems:
+        raise SystemExit("pdunit bench step: " + "; ".join(problems))
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -350,15 +689,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="model config name (random weights)")
     p.add_argument("--batches", type=_ints, default=d.batches, help="comma-separated batch sizes")
     p.add_argument("--contexts", type=_ints, default=d.contexts, help="comma-separated context lengths")
-    p.add_argument("--page-size", type=int, default=d.page_size, help="slots per page of the fragmented layout")
-    p.add_argument("--iters", type=int, default=d.iters)
-    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--page-size", type=int, default=d.page_size, help="slots per page of D's pool")
+    p.add_argument("--iters", type=int, default=d.iters, help="timed iterations per row")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed iterations after admission")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--copy-gib", type=float, default=d.copy_gib, help="size of the bandwidth copy")
     p.add_argument("--reserve-gib", type=float, default=d.reserve_gib, help="GPU memory kept out of the KV pool")
     p.add_argument("--compare", default=",".join(d.compare),
-                   help="points (BxCTX) where eager and the torch reference are timed too; '' for none")
+                   help="points (BxCTX) where eager and the torch reference are timed too (CUDA); '' for none")
     p.add_argument("--tune", action="store_true", help="time decode kernel launch configs first, use the best")
+    p.add_argument("--overlap", choices=list(MODES), default=d.overlap,
+                   help="both: each point without and with D's overlap scheduler, side by side (default); "
+                        "on / off: one of them")
+    p.add_argument("--device", default=d.device, help="cuda (the measurement) or cpu (engine-path smoke test)")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help="sampling temperature of every stream (0: greedy)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="top-k of every stream (0: whole vocabulary)")
     p.add_argument("--out", default=d.out, help="folder for step-<date>-<tag>.json/.md")
     p.add_argument("--machine-tag", default=d.machine_tag, help="file-name tag (default: from the GPU)")
     return p
@@ -370,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = StepConfig(
         model=a.model, batches=a.batches, contexts=a.contexts, page_size=a.page_size,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
-        compare=[x for x in a.compare.split(",") if x], tune=a.tune, out=a.out,
+        compare=[x for x in a.compare.split(",") if x], tune=a.tune, overlap=a.overlap,
+        device=a.device, temperature=a.temperature, top_k=a.top_k, out=a.out,
         machine_tag=a.machine_tag,
         command="pdunit bench step " + " ".join(shlex.quote(x) for x in argv),
     )
@@ -378,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = cfg.machine_tag or report.machine_slug(doc["machine"]).lower()
     path = Path(cfg.out) / f"step-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
     res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"], doc["summary"])
-    res.write(path, COLUMNS, title="Decode step vs the HBM roofline")
+    res.write(path, COLUMNS, title="Decode step vs the HBM roofline, without and with overlap")
     print(report.text_table(doc["rows"], COLUMNS))
     print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -44,7 +45,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 ISOLATE = REPO / "tests" / "gpu" / "harness" / "pod_isolate.sh"
 PHASES = ("none", "pod-shared", "pod-separate")
-BACKENDS = ("peer_copy", "per_row", "ipc", "posix-fd", "proxy_single", "proxy_staged", "tcp")
+BACKENDS = ("peer_copy", "per_row", "ipc", "posix-fd", "proxy_single", "proxy_grpc", "proxy_staged", "tcp")
+# proxy_single and proxy_staged send jobs over the proxy's copy lane (what ProxySender
+# does); proxy_grpc is the single kernel through the Copy RPC, to show what gRPC costs.
 SEED_P, SEED_D = 11, 29
 
 
@@ -272,9 +275,19 @@ def role_p(args: argparse.Namespace) -> int:
         key = mode + method
         if key not in senders:
             descs = [x for x in undescs(d[mode]) if x.mode == mode]
-            o = dict(opts, proxy_method=method) if method else dict(opts)
-            o["tcp_connections"] = str(args.tcp_connections)
-            senders[key] = attach(descs[0], geo, dev, o)
+            if method == "grpc":
+                from pdunit.engine.transfer.proxy import ProxySender
+                from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
+
+                senders[key] = ProxySender(descs[0], geo, dev, args.proxy_socket, pb.SINGLE_KERNEL,
+                                           copy_lane=False)
+            else:
+                o = dict(opts, proxy_method=method) if method else dict(opts)
+                o["tcp_connections"] = str(args.tcp_connections)
+                senders[key] = attach(descs[0], geo, dev, o)
+            if mode == "proxy" and "proxy_copy" not in result:
+                info = senders[key].client.info()
+                result["proxy_copy"] = {"kernel": info.copy_kernel, "device": info.copy_device}
         return senders[key]
 
     stream = torch.cuda.current_stream().cuda_stream
@@ -306,17 +319,23 @@ def role_p(args: argparse.Namespace) -> int:
                         torch.cuda.synchronize()
                 ctl(op="reset", pool=pool)
                 times = _time(fn, 1, iters)
-            elif backend in ("proxy_single", "proxy_staged"):
-                px = sender_for("proxy", "single" if backend == "proxy_single" else "staged")
+            elif backend in ("proxy_single", "proxy_grpc", "proxy_staged"):
+                px = sender_for("proxy", {"proxy_single": "single", "proxy_grpc": "grpc",
+                                          "proxy_staged": "staged"}[backend])
                 ctl(op="reset", pool=pool)
+                stages: list[dict[str, float]] = []
 
-                def fn() -> float:
+                def proxy_job() -> float:
                     t0 = time.perf_counter()
                     px.write(next_rid(), src_pool, s, t, deadline())
                     e2e.append(time.perf_counter() - t0)
+                    stages.append(dict(px.last_stages))
                     row["method"] = px.last_reply.method
                     return float(px.last_reply.device_seconds)
-                times = _time(fn, args.warmup, iters)
+                times = _time(proxy_job, args.warmup, iters)
+                del e2e[:args.warmup], stages[:args.warmup]  # warm-up calls are not results
+                row["stages_ms"] = {k: round(float(np.median([x.get(k, 0.0) for x in stages])) * 1e3, 4)
+                                    for k in dict.fromkeys(k for x in stages for k in x)}
             else:
                 tx = sender_for(backend)
                 if backend == "tcp":
@@ -356,6 +375,242 @@ def role_p(args: argparse.Namespace) -> int:
     ctl(op="quit")
     Path(args.result).write_text(json.dumps(result))
     return 0
+
+
+
+# ====================================================================== kernel tuning
+# (rows, threads, unroll) of the first sweep. A 2 KiB row is 128 16-byte vectors, so a
+# block holds rows * 128 / threads loads per thread; unroll is how many of them are in
+# flight before the stores. (8, 128, 8) is the default (cuda_rows.DEFAULT_CONFIG).
+TUNE_BASE = ((8, 128, 8), (8, 128, 4), (8, 128, 2), (8, 128, 1), (4, 128, 4), (2, 128, 2),
+             (16, 128, 8), (16, 128, 16), (32, 128, 16), (4, 64, 8), (8, 64, 16), (16, 64, 16),
+             (8, 256, 4), (16, 256, 8), (32, 256, 16), (16, 512, 4), (32, 512, 8))
+
+
+class _Tuner:
+    """Times the raw row-copy kernel for one fragmented request, src pool on GPU 0 and
+    dst pool on GPU 1 (peer access), for launch configurations and placements (pull:
+    kernel on dst's GPU; push: on src's GPU; split: both), verifying every one."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from pdunit.engine.transfer import cudadrv
+        from pdunit.kernels import cuda_rows
+
+        self.torch, self.cudadrv, self.cuda_rows = torch, cudadrv, cuda_rows
+        self.args = args
+        geo = _geometry(args)
+        self.geo = geo
+        self.src = torch.empty(geo.shape(), dtype=geo.dtype, device="cuda:0")
+        fill_pattern(self.src, SEED_P)
+        self.dst = torch.empty(geo.shape(), dtype=geo.dtype, device="cuda:1")
+        fill_pattern(self.dst, SEED_D)
+        self.pristine = self.dst.clone()
+        s, t = _layouts(args.tokens, geo.n_slots, 7)["fragmented"]
+        self.n = int(s.size)
+        self.slots = {dev: (torch.from_numpy(s).to(f"cuda:{dev}"), torch.from_numpy(t).to(f"cuda:{dev}"))
+                      for dev in (0, 1)}
+        self.expected = self.src.index_select(2, self.slots[0][0]).to("cuda:1")
+        cuda_rows.enable_peer(0, 1)
+        cuda_rows.enable_peer(1, 0)
+        self.planes = geo.n_layers * 2
+        self.row_bytes = geo.row_bytes
+        self.stride = geo.n_slots * geo.row_bytes
+        self.nbytes = geo.bytes_for(self.n)
+        self.copiers: dict[tuple[int, int, int, int], dict[int, Any]] = {}
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+
+    def load(self, configs: list[Any]) -> None:
+        """Compile (once, both GPUs share the cubin) and load kernels not loaded yet."""
+        new = tuple({c.kernel_key: c for c in configs if c.kernel_key not in self.copiers}.values())
+        if new:
+            pair = {dev: self.cuda_rows.RowCopier(dev, new, widths=(16,)) for dev in (0, 1)}
+            for c in new:
+                self.copiers[c.kernel_key] = pair
+
+    def _parts(self, device: str, split: float | None) -> list[tuple[int, int, int]]:
+        if device == "dst":
+            return [(1, 0, self.n)]
+        if device == "src":
+            return [(0, 0, self.n)]
+        k = int(round(self.n * (split or 0.5)))
+        return [(1, 0, k), (0, k, self.n - k)]
+
+    def _fn(self, cfg: Any, device: str, split: float | None) -> Any:
+        pair = self.copiers[cfg.kernel_key]
+        parts = [(pair[dev], pair[dev].stream(), self.slots[dev], a, cnt)
+                 for dev, a, cnt in self._parts(device, split) if cnt > 0]
+        src_ptr, dst_ptr = self.src.data_ptr(), self.dst.data_ptr()
+
+        def go() -> None:
+            for c, stream, (sp, dp), a, cnt in parts:
+                c.launch_raw(src_ptr, dst_ptr, sp.data_ptr() + 8 * a, dp.data_ptr() + 8 * a, cnt,
+                             self.planes, self.stride, self.stride, self.row_bytes, stream, cfg)
+            for c, stream, *_ in parts:
+                c.sync(stream)
+        return go
+
+    def verify(self) -> dict[str, Any]:
+        """Every destination row equals its source row, no other slot changed; then
+        restore the destination pool for the next measurement."""
+        torch = self.torch
+        torch.cuda.synchronize(1)
+        d_idx = self.slots[1][1]
+        rows_ok = torch.equal(self.dst.index_select(2, d_idx).view(torch.int16), self.expected.view(torch.int16))
+        changed = (self.dst.view(torch.int16) != self.pristine.view(torch.int16)).flatten(3).any(3).any(0).any(0)
+        changed[d_idx] = False
+        outside = int(changed.sum())
+        self.dst.copy_(self.pristine)
+        torch.cuda.synchronize(1)
+        return {"rows_exact": bool(rows_ok), "changed_slots_outside_dst": outside,
+                "exact": bool(rows_ok) and outside == 0}
+
+    def measure(self, cfg: Any, device: str, split: float | None, iters: int, stage: str) -> dict[str, Any]:
+        row: dict[str, Any] = {"stage": stage, "config": str(cfg), "device": device, "split": split}
+        try:
+            times = _time(self._fn(cfg, device, split), 2, iters)
+            check = self.verify()
+            med = float(np.median(times))
+            row.update(ms=round(med * 1e3, 4), ms_min=round(min(times) * 1e3, 4),
+                       gbps=round(self.nbytes / med / 1e9, 2), iters=len(times), verified=check["exact"],
+                       check=check)
+        except Exception as e:  # recorded: a configuration that fails is a result too
+            row.update(error=f"{type(e).__name__}: {e}", verified=False)
+            self.dst.copy_(self.pristine)
+        return row
+
+    def peer_copy_ms(self, iters: int) -> float:
+        """The copy engines' contiguous copy of the same bytes: the link's ceiling."""
+        d = self.cudadrv.drv()
+        c = next(iter(self.copiers.values()))[0]
+        stream = c.stream()
+
+        def go() -> None:
+            with self.cudadrv.on_device(0):
+                self.cudadrv.check(d.cuMemcpyDtoDAsync(self.dst.data_ptr(), self.src.data_ptr(), self.nbytes,
+                                                       stream), "cuMemcpyDtoDAsync")
+            c.sync(stream)
+        ms = float(np.median(_time(go, 2, iters))) * 1e3
+        self.dst.copy_(self.pristine)
+        return ms
+
+
+def proxy_args_for(plan: dict[str, Any]) -> list[str]:
+    """`pdunit proxy` flags that run the kernel configuration and placement of `plan`."""
+    from pdunit.kernels.cuda_rows import CopyConfig
+
+    cfg = CopyConfig.parse(plan["config"])
+    out = ["--copy-rows", str(cfg.rows), "--copy-threads", str(cfg.threads), "--copy-unroll", str(cfg.unroll),
+           "--copy-hint", cfg.hint, "--copy-blocks-per-sm", str(cfg.blocks_per_sm), "--copy-device", plan["device"]]
+    if plan["device"] == "split":
+        out += ["--copy-split", str(plan["split"])]
+    return out
+
+
+def role_tune(args: argparse.Namespace) -> int:
+    """`--tune-kernel`: sweep, verify, pick; writes the table and the proxy flags."""
+    import torch
+
+    from pdunit.kernels.cuda_rows import DEFAULT_CONFIG, CopyConfig
+
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    budget = args.tune_budget_s
+    tuner = _Tuner(args)
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+
+    def out_of_time(what: str) -> bool:
+        if time.monotonic() - t0 > budget:
+            skipped.append(what)
+            return True
+        return False
+
+    def run(cfg: Any, device: str, split: float | None, stage: str, iters: int) -> dict[str, Any]:
+        row = tuner.measure(cfg, device, split, iters, stage)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "check"}), flush=True)
+        return row
+
+    def best(candidates: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+        ok = sorted((r for r in candidates if r.get("verified")), key=lambda r: r["ms"])
+        return ok[:k]
+
+    base = [CopyConfig(rows=r, threads=t, unroll=u) for r, t, u in TUNE_BASE]
+    tuner.load(base)
+    peer_ms = tuner.peer_copy_ms(20)
+    # A: rows x threads x unroll, pull and push
+    for cfg in base:
+        for device in ("dst", "src"):
+            if not out_of_time(f"A {cfg} {device}"):
+                run(cfg, device, None, "A", args.tune_iters)
+    # B: cache operators, then persistent grids, for the best of A
+    top = best(rows, 4)
+    hinted = [(dataclasses.replace(CopyConfig.parse(r["config"]), hint=h), r["device"])
+              for r in top for h in ("cs", "cg")]
+    tuner.load([c for c, _ in hinted])
+    for cfg, device in hinted:
+        if not out_of_time(f"B {cfg} {device}"):
+            run(cfg, device, None, "B", args.tune_iters)
+    for r in best(rows, 3):
+        cfg = CopyConfig.parse(r["config"])
+        for bps in sorted({max(1, 2048 // cfg.threads), max(1, 1024 // cfg.threads)}):
+            pcfg = dataclasses.replace(cfg, blocks_per_sm=bps)
+            if not out_of_time(f"B {pcfg} {r['device']}"):
+                run(pcfg, r["device"], None, "B", args.tune_iters)
+    # C: both GPUs at once (one configuration, as in the proxy), shares from the
+    # measured pull and push times of that configuration
+    split_configs = list(dict.fromkeys(r["config"] for r in best([x for x in rows if x["device"] != "split"], 4)))
+    for config in split_configs[:2]:
+        cfg = CopyConfig.parse(config)
+        pull = next((x for x in rows if x["config"] == config and x["device"] == "dst" and x.get("verified")), None)
+        push = next((x for x in rows if x["config"] == config and x["device"] == "src" and x.get("verified")), None)
+        if pull is None or push is None:
+            continue
+        f = push["ms"] / (pull["ms"] + push["ms"])  # equal finish times if both scale linearly
+        for split in sorted({round(min(0.95, max(0.05, f + df)), 2) for df in (-0.1, 0.0, 0.1)}):
+            if not out_of_time(f"C {cfg} split {split}"):
+                run(cfg, "split", split, "C", args.tune_iters)
+    # Final: the best plans and the default, interleaved, more iterations
+    plans = best(rows, 5)
+    default_key = (str(DEFAULT_CONFIG), "dst", None)
+    keys = [(r["config"], r["device"], r["split"]) for r in plans]
+    if default_key not in keys:
+        keys.append(default_key)
+    final: dict[tuple[Any, ...], list[dict[str, Any]]] = {k: [] for k in keys}
+    peers = [peer_ms]
+    for _ in range(3):
+        peers.append(tuner.peer_copy_ms(args.tune_iters))  # the ceiling drifts too: re-measure it
+        for k in keys:
+            if not out_of_time(f"final {k}"):
+                final[k].append(tuner.measure(CopyConfig.parse(k[0]), k[1], k[2], args.tune_iters, "final"))
+    peer_ms = float(np.median(peers))
+    final_rows = []
+    for (config, device, split), runs in final.items():
+        ok = [r for r in runs if r.get("verified")]
+        if not runs:
+            continue
+        ms = float(np.median([r["ms"] for r in ok])) if ok else None
+        final_rows.append({"config": config, "device": device, "split": split, "ms": ms and round(ms, 4),
+                           "gbps": round(tuner.nbytes / ms / 1e6, 2) if ms else None,
+                           "fraction_of_peer": round(peer_ms / ms, 3) if ms else None,
+                           "verified": len(ok) == len(runs), "runs": len(runs)})
+    for r in rows:
+        if r.get("ms"):
+            r["fraction_of_peer"] = round(peer_ms / r["ms"], 3)
+    chosen = min((r for r in final_rows if r["verified"] and r["ms"]), key=lambda r: r["ms"], default=None)
+    result = {
+        "peer_copy_ms": round(peer_ms, 4), "peer_copy_gbps": round(tuner.nbytes / peer_ms / 1e6, 2),
+        "bytes": tuner.nbytes, "tokens": tuner.n, "rows": rows, "final": final_rows, "chosen": chosen,
+        "default": next((r for r in final_rows if (r["config"], r["device"], r["split"]) == default_key), None),
+        "proxy_args": proxy_args_for(chosen) if chosen else [],
+        "skipped_for_time": skipped, "seconds": round(time.monotonic() - t0, 1),
+    }
+    Path(args.result).write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows",)}), flush=True)
+    return 0 if chosen else 1
 
 
 def _geometry(args: argparse.Namespace, n_slots: int | None = None) -> Any:
@@ -403,15 +658,44 @@ def _wrap(phase: str, who: str, minor: str) -> list[str]:
     return [x for x in ("bash", str(ISOLATE), pidns, keep, "--") if x]
 
 
-def _run_phase(cfg: argparse.Namespace, phase: str, work: Path, gpus: list[dict[str, str]]) -> dict[str, Any]:
+def _common_args(cfg: argparse.Namespace, work: Path) -> list[str]:
+    return ["--layers", str(cfg.layers), "--kv-heads", str(cfg.kv_heads), "--head-dim", str(cfg.head_dim),
+            "--dtype", cfg.dtype, "--pool-tokens", str(cfg.pool_tokens), "--tokens", str(cfg.tokens),
+            "--proxy-socket", str(work / "proxy.sock"), "--control", str(work / "d.ctl"),
+            "--descriptors", str(work / "d.json")]
+
+
+def _run_tune(cfg: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The kernel sweep, as a plain process that sees both GPUs (phase `none`)."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "pdunit.bench.transfer", "_role", "tune", "--result", str(work / "tune.json"),
+           "--tune-iters", str(cfg.tune_iters), "--tune-budget-s", str(cfg.tune_budget_s)] + _common_args(cfg, work)
+    t0 = time.monotonic()
+    rc: int | str
+    with open(work / "tune.log", "wb") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=cfg.tune_budget_s + 60).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if not (work / "tune.json").exists():
+        return {"error": f"kernel sweep exited {rc} without a result: {(work / 'tune.log').read_text()[-3000:]}",
+                "proxy_args": []}
+    res = json.loads((work / "tune.json").read_text())
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def _run_phase(cfg: argparse.Namespace, phase: str, work: Path, gpus: list[dict[str, str]],
+               proxy_args: list[str]) -> dict[str, Any]:
     # A previous run's descriptor file or control socket would send P to a dead D.
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     sock = str(work / "proxy.sock")
-    common = ["--layers", str(cfg.layers), "--kv-heads", str(cfg.kv_heads), "--head-dim", str(cfg.head_dim),
-              "--dtype", cfg.dtype, "--pool-tokens", str(cfg.pool_tokens), "--tokens", str(cfg.tokens),
-              "--proxy-socket", sock, "--control", str(work / "d.ctl"),
-              "--descriptors", str(work / "d.json")]
+    common = _common_args(cfg, work)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     isolated = phase != "none"
@@ -422,7 +706,7 @@ def _run_phase(cfg: argparse.Namespace, phase: str, work: Path, gpus: list[dict[
     try:
         procs["proxy"] = subprocess.Popen(
             _wrap(phase, "proxy", "") + [sys.executable, "-m", "pdunit.engine.cli", "proxy", "--socket", sock,
-                                         "--cuda", "on", "--workers", "2"],
+                                         "--cuda", "on", "--workers", "2", *proxy_args],
             stdout=logs["proxy"], stderr=subprocess.STDOUT, env=env)
         t_end = time.monotonic() + 120
         while not os.path.exists(sock + ".auth"):
@@ -470,7 +754,13 @@ def run_transfer(cfg: argparse.Namespace) -> dict[str, Any]:
     if any(p != "none" for p in cfg.phases) and os.geteuid() != 0:
         raise SystemExit("isolation phases need root (mount and PID namespaces): run as root or --phases none")
     work = Path(cfg.work)
-    phases = {p: _run_phase(cfg, p, work / p, found) for p in cfg.phases}
+    tune: dict[str, Any] | None = None
+    proxy_args: list[str] = []
+    if cfg.tune_kernel:
+        tune = _run_tune(cfg, work / "tune")
+        proxy_args = list(tune.get("proxy_args") or [])
+    proxy_args += shlex.split(cfg.proxy_args)  # explicit flags win (argparse: last one counts)
+    phases = {p: _run_phase(cfg, p, work / p, found, proxy_args) for p in cfg.phases}
     rows = [r for res in phases.values() for r in res.get("rows", [])]
     peer = [r for r in rows if r["backend"] == "peer_copy" and r["layout"] == "contiguous"]
     peer_gbps = peer[0]["gbps"] if peer else None
@@ -484,8 +774,15 @@ def run_transfer(cfg: argparse.Namespace) -> dict[str, Any]:
     frag_proxy = pick("proxy_single", "fragmented", iso)
     cont_proxy = pick("proxy_single", "contiguous", iso)
     per_row = pick("per_row", "fragmented", "none")
+    frag_grpc = pick("proxy_grpc", "fragmented", iso)
     summary: dict[str, Any] = {
         "peer_copy_gbps": peer_gbps,
+        "proxy_args": proxy_args,
+        "proxy_copy": {p: res.get("proxy_copy") for p, res in phases.items() if res.get("proxy_copy")},
+        "proxy_fragmented_isolated_e2e_ms": frag_proxy.get("e2e_ms") if frag_proxy else None,
+        "proxy_fragmented_isolated_overhead_ms": round(frag_proxy["e2e_ms"] - frag_proxy["ms"], 4)
+        if frag_proxy and frag_proxy.get("e2e_ms") else None,
+        "proxy_grpc_fragmented_isolated_e2e_ms": frag_grpc.get("e2e_ms") if frag_grpc else None,
         "speedup_vs_per_block": round(per_row["ms"] / frag_proxy["ms"], 1) if per_row and frag_proxy else None,
         "proxy_fragmented_isolated_fraction_of_peer": frag_proxy["fraction_of_peer"] if frag_proxy else None,
         "proxy_fragmented_over_contiguous": round(frag_proxy["gbps"] / cont_proxy["gbps"], 3)
@@ -499,9 +796,12 @@ def run_transfer(cfg: argparse.Namespace) -> dict[str, Any]:
                     "fragmented_within_of_contiguous": 0.05},
     }
     m = machine()
+    if tune is not None:
+        summary["tune"] = {k: tune.get(k) for k in ("chosen", "default", "peer_copy_ms", "proxy_args",
+                                                    "skipped_for_time", "seconds", "wall_s", "error")}
     return {"bench": "transfer", "machine": m, "command": cfg.command,
             "config": {k: v for k, v in vars(cfg).items() if k not in ("command",)},
-            "rows": rows, "summary": summary, "date": dt.date.today().isoformat()}
+            "rows": rows, "summary": summary, "tune": tune, "date": dt.date.today().isoformat()}
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -518,6 +818,37 @@ def to_markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {r['phase']} | {r['backend']}{' (' + r['method'] + ')' if r.get('method') else ''} "
                      f"| {r['layout']} | {r['ms']} | {r['gbps']} | {r.get('fraction_of_peer')} "
                      f"| {r.get('e2e_ms', '')} | {r['verified']} |")
+    staged_rows = [r for r in res["rows"] if r.get("stages_ms")]
+    if staged_rows:
+        names = [n for n in ("prepare", "recv", "validate", "admit", "map", "upload", "launch", "sync",
+                             "checksum", "reply", "return", "total")
+                 if any(n in r["stages_ms"] for r in staged_rows)]
+        lines += ["", "Where a proxy job's time goes (median ms per stage; `prepare` and `return` on P's "
+                  "side, the rest inside the proxy, `recv` = P's send stamp -> handler start):", "",
+                  "| phase | backend | layout | " + " | ".join(names) + " |",
+                  "|---|---|---|" + "---:|" * len(names)]
+        for r in staged_rows:
+            lines.append(f"| {r['phase']} | {r['backend']} | {r['layout']} | "
+                         + " | ".join(str(r["stages_ms"].get(n, "")) for n in names) + " |")
+    tune = res.get("tune")
+    if tune:
+        lines += ["", f"Kernel sweep (`--tune-kernel`, phase none, raw kernel, {tune.get('tokens')} fragmented "
+                  f"tokens, src GPU 0 -> dst GPU 1; pull = kernel on dst, push = on src, split = both; "
+                  f"peer copy {tune.get('peer_copy_ms')} ms; {tune.get('seconds')} s):", ""]
+        if tune.get("error"):
+            lines.append(f"- sweep failed: {tune['error']}")
+        lines += ["| round | config | device | split | ms (median) | GB/s | fraction of peer | verified |",
+                  "|---|---|---|---|---:|---:|---:|---|"]
+        for r in sorted(tune.get("final", []), key=lambda r: r["ms"] or 1e9):
+            lines.append(f"| final | {r['config']} | {r['device']} | {r['split'] or ''} | {r['ms']} | {r['gbps']} "
+                         f"| {r['fraction_of_peer']} | {r['verified']} |")
+        for r in sorted(tune.get("rows", []), key=lambda r: r.get("ms") or 1e9):
+            lines.append(f"| {r['stage']} | {r['config']} | {r['device']} | {r['split'] or ''} | {r.get('ms', '')} "
+                         f"| {r.get('gbps', '')} | {r.get('fraction_of_peer', '')} | "
+                         f"{r.get('verified')}{' ' + r['error'] if r.get('error') else ''} |")
+        lines += ["", f"Chosen: `{tune.get('chosen')}`; proxy flags `{' '.join(tune.get('proxy_args') or [])}`"]
+        if tune.get("skipped_for_time"):
+            lines.append(f"Skipped for time: {tune['skipped_for_time']}")
     lines += ["", "Summary:", "", "```json", json.dumps({k: v for k, v in s.items() if k != "auto"}, indent=1),
               "```", "", "`auto` per phase (every mode probed with a verified test transfer):", ""]
     for phase, rep in s["auto"].items():
@@ -554,12 +885,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(REPO / "bench" / "results"), help="results folder")
     p.add_argument("--machine-tag", default="h200x2")
     p.add_argument("--phase-timeout-s", type=float, default=400)
+    p.add_argument("--tune-kernel", action="store_true",
+                   help="before the phases: sweep the copy kernel's launch configurations and placements "
+                        "(raw kernel, phase none), verify each, and run every phase's proxy with the best")
+    p.add_argument("--tune-iters", type=int, default=10, help="timed launches per sweep point")
+    p.add_argument("--tune-budget-s", type=float, default=40.0, help="the sweep stops starting points after this")
+    p.add_argument("--proxy-args", default="", help="extra `pdunit proxy` flags, e.g. '--copy-device src'")
     return p
 
 
 def _role_parser() -> argparse.ArgumentParser:
     p = _parser()
-    p.add_argument("role", choices=["d", "p"])
+    p.add_argument("role", choices=["d", "p", "tune"])
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--phase", default="none")
     p.add_argument("--proxy-socket", required=True)
@@ -575,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_role":
         args = _role_parser().parse_args(argv[1:])
         args.backends = [b for b in args.backends.split(",") if b]
-        return role_d(args) if args.role == "d" else role_p(args)
+        return {"d": role_d, "p": role_p, "tune": role_tune}[args.role](args)
     cfg = _parser().parse_args(argv)
     cfg.backends = [b for b in cfg.backends.split(",") if b]
     cfg.phases = [p for p in cfg.phases.split(",") if p]

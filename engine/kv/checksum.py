@@ -22,8 +22,13 @@ Must never modify storage.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
+
+log = logging.getLogger("pdunit.kv.checksum")
+_warned_host = False
 
 _C0 = np.uint64(0x9E3779B97F4A7C15)
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -67,12 +72,15 @@ def kv_checksum(
     n_slots = storage.shape[2]
     if slot_arr.numel() and (int(slot_arr.min()) < 0 or int(slot_arr.max()) >= n_slots):
         raise ValueError(f"slots outside the pool [0, {n_slots})")
-    n_layers = storage.shape[0]
-    row = storage.shape[3] * storage.shape[4]  # E
-    per_token = n_layers * 2 * row
     tokens = torch.arange(0, slot_arr.numel(), sample_every, dtype=torch.int64)
     if storage.is_cuda:
-        return _checksum_on_device(storage, slot_arr, tokens, per_token, width)
+        return _checksum_on_device(storage, slot_arr, tokens)
+    return _checksum_on_host(storage, slot_arr, tokens)
+
+
+def _checksum_on_host(storage: torch.Tensor, slot_arr: torch.Tensor, tokens: torch.Tensor) -> int:
+    width = storage.element_size()
+    per_token = storage.shape[0] * 2 * storage.shape[3] * storage.shape[4]
     chunk = max(1, _CHUNK_ELEMENTS // per_token)
     within = np.arange(per_token, dtype=np.uint64)
     total = 0
@@ -89,38 +97,17 @@ def kv_checksum(
     return total
 
 
-def _signed(c: np.uint64) -> int:
-    v = int(c)
-    return v - (1 << 64) if v >= 1 << 63 else v
+def _checksum_on_device(storage: torch.Tensor, slot_arr: torch.Tensor, tokens: torch.Tensor) -> int:
+    """The same number as the host path, computed where the pool lives by one Triton
+    kernel (kernels/kv_checksum.py): a 2k-token request of the 4B shape is ~150 M words,
+    seconds on the host, well under a millisecond there."""
+    from pdunit.kernels import kv_checksum as kernel
 
-
-def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 on int64 tensors: two's-complement wrapping = arithmetic mod 2**64."""
-    z = x + _signed(_C0)
-    z = (z ^ _srl(z, 30)) * _signed(_C1)
-    z = (z ^ _srl(z, 27)) * _signed(_C2)
-    return z ^ _srl(z, 31)
-
-
-def _checksum_on_device(storage: torch.Tensor, slot_arr: torch.Tensor, tokens: torch.Tensor,
-                        per_token: int, width: int) -> int:
-    """The same number as the host path, computed where the pool lives (a 2k-token
-    request of the 4B shape is ~150 M words: seconds on the host, milliseconds here)."""
-    dev = storage.device
-    chunk = max(1, (_CHUNK_ELEMENTS * 8) // per_token)
-    within = torch.arange(per_token, dtype=torch.int64, device=dev)
-    mask = (1 << (8 * width)) - 1 if width < 8 else -1
-    total = torch.zeros((), dtype=torch.int64, device=dev)
-    for start in range(0, tokens.numel(), chunk):
-        t = tokens[start : start + chunk].to(dev)
-        rows = storage.index_select(2, slot_arr.to(dev)[t])  # [L, 2, m, H, D]
-        words = rows.permute(2, 0, 1, 3, 4).reshape(t.numel(), per_token)
-        words = words.view(_SIGNED_TORCH[width]).to(torch.int64) & mask
-        weights = _splitmix64_torch(t[:, None] * per_token + within[None, :]) | 1
-        total = total + (words * weights).sum()
-    return int(total.item()) & _MASK64
+    if not kernel.available(storage):
+        global _warned_host
+        if not _warned_host:
+            _warned_host = True
+            log.warning("KV checksum of a CUDA pool runs on the host (slow): the Triton kernel cannot run here",
+                        extra={"dtype": str(storage.dtype), "contiguous": storage.is_contiguous()})
+        return _checksum_on_host(storage, slot_arr, tokens)
+    return kernel.kv_checksum_device(storage, slot_arr, tokens)

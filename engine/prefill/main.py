@@ -102,6 +102,7 @@ async def serve(cfg: PrefillConfig) -> int:
     await stop.wait()
     await server.stop(grace=5)
     engine.loop.stop()
+    engine.drain_commits()
     engine.stop_probe()
     for link in engine.links:
         if link.sender is not None:

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -181,7 +182,8 @@ class PrefillEngine:
         self._lock = threading.Lock()
         self._probe_stop = threading.Event()
         self._probe_thread: threading.Thread | None = None
-        self.loop = StepLoop("prefill", self._step_once, model.device)
+        self.loop = StepLoop("prefill", self._step_once, device)
+        self._committer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-commit")
 
     # One D (the 1P1D unit): the names the rest of the process used before 1P2D.
     @property
@@ -255,6 +257,10 @@ class PrefillEngine:
             return
         self._probe_thread = threading.Thread(target=self._probe_loop, name="decode-probe", daemon=True)
         self._probe_thread.start()
+
+    def drain_commits(self) -> None:
+        """Waits for the COMMITs in flight (after the step loop stopped)."""
+        self._committer.shutdown(wait=True)
 
     def stop_probe(self) -> None:
         self._probe_stop.set()
@@ -513,6 +519,13 @@ class PrefillEngine:
         m.P_TRANSFER_BYTES.labels(mode=sender.mode).inc(
             self.storage[:, :, :1].numel() * self.storage.element_size() * len(lease.slots))
         checksum = kv_checksum(self.storage, lease.slots, self.kv_check_sample)
+        # The rows are in D and the checksum is taken: P's storage is no longer read, so
+        # the COMMIT round trip (D checks its copy) runs beside the next write/prefill.
+        self._committer.submit(self._commit, job, stub, link, frame, checksum, cached)
+
+    def _commit(self, job: PrefillJob, stub: pbg.DecodeStub, link: DecodeLink, frame: np.ndarray,
+                checksum: int, cached: int) -> None:
+        rid = job.request_id
         try:
             reply = stub.Commit(pb.CommitRequest(
                 request_id=rid, first_frame=pack(frame, "i4"), checksum=checksum,
@@ -523,6 +536,10 @@ class PrefillEngine:
                 stamps=pb.Stamps(ns=job.stamps)), timeout=5.0)
         except grpc.RpcError as exc:
             self._finish(job, pb.TRANSFER_FAILED, f"commit failed: {exc.code()}")
+            return
+        except Exception as exc:  # a pool thread: nothing else would ever see it
+            log.exception("commit crashed", extra={"request_id": rid})
+            self._finish(job, pb.TRANSFER_FAILED, f"commit failed: {exc}")
             return
         if reply.status != pb.STATUS_OK:
             self._finish(job, reply.status, reply.message or pb.Status.Name(reply.status))

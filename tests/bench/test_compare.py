@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pdunit.bench.compare import CompareConfig, ratios, run_compare
+import pytest
+
+from pdunit.bench.compare import CompareConfig, levels_for, ratios, run_compare
 
 
 def test_ratios_use_capacity_per_gpu_and_the_best_chunk_size():
@@ -32,3 +34,23 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     saved = json.loads(out.read_text())
     assert set(saved["summary"]["capacity_per_gpu"]) == modes
     assert all(r["errors"] == 0 for r in saved["rows"])
+    # every level carries its waterfall, and the stages account for the client's time
+    for row in saved["rows"]:
+        stages = {s["stage"] for s in row["waterfall"]}
+        assert {"lb_validated", "lb_last_frame_out"} <= stages, stages
+        if row["mode"] == "1p1d":
+            assert {"prefill_end", "transfer_end", "d_committed"} <= stages, stages
+        assert row["waterfall_check"]["streams"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "## Waterfalls" in md and "### 1p1d at concurrency 1" in md
+
+
+def test_each_variant_can_have_its_own_levels():
+    cfg = CompareConfig(concurrency="2,4", variant_concurrency="1p1d=64,128; monolith-chunked=32")
+    assert levels_for(cfg, "1p1d") == [64, 128]
+    assert levels_for(cfg, "monolith-chunked-8192") == [32]
+    assert levels_for(cfg, "monolith-prefill-first") == [2, 4]
+    with pytest.raises(ValueError, match="unknown variants"):
+        levels_for(CompareConfig(variant_concurrency="2p2d=1"), "1p1d")
+    with pytest.raises(ValueError, match="is not VARIANT=LEVELS"):
+        levels_for(CompareConfig(variant_concurrency="1p1d"), "1p1d")

@@ -1,5 +1,6 @@
 """nvlink-proxy over host shared memory, with real processes: registration, bit-exact
-copies against kernels.reference, and every refused job copies nothing."""
+copies against kernels.reference, and every refused job copies nothing, through both
+entry points of a copy job (the copy lane and the Copy RPC)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def _pool(seed: int, geometry: PoolGeometry = GEO) -> HostReceiver:
     return rx
 
 
-@pytest.fixture
-def pools(proxy_socket):
-    client = ProxyClient(proxy_socket)
+@pytest.fixture(params=["lane", "grpc"])
+def pools(proxy_socket, request):
+    client = ProxyClient(proxy_socket, copy_lane=request.param == "lane")
     src, dst = _pool(1), _pool(2)
     src_id = client.register_host("p-pool", src.name, GEO)
     dst_id = client.register_host("d-pool", dst.name, GEO)
@@ -180,6 +181,6 @@ def test_sigterm_stops_the_proxy_and_removes_its_sockets(tmp_path):
     finally:
         rc = stop(proc)
     assert rc == 0
-    assert not os.path.exists(sock) and not os.path.exists(sock + ".auth")
+    assert not any(os.path.exists(sock + ext) for ext in ("", ".auth", ".copy"))
     log = (tmp_path / "proxy.log").read_text()
     assert '"msg": "resolved config"' in log and '"msg": "proxy stopped"' in log

@@ -3,8 +3,8 @@
 # files go to /tmp/res/<step>/ and come back as $OUT/results.tgz (the tool returns at
 # most 8 files), with a one-line status per step in $OUT/summary.txt.
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
-# Steps: gpu-tests, cap-smoke, faults, step, transfer, mooncake, compare (extra compare
-# flags in $COMPARE_ARGS).
+# Steps: gpu-tests ($GPU_TESTS), cap-smoke, faults, step ($STEP_ARGS), transfer ($TRANSFER_ARGS),
+# mooncake, compare ($COMPARE_ARGS).
 set -uo pipefail
 source tests/gpu/harness/setup.sh
 RES=/tmp/res; mkdir -p "$RES"
@@ -16,20 +16,20 @@ run_step() {
   echo "### $step (limit ${secs}s)"
   case $step in
     gpu-tests) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-        tests/gpu/test_unit_gpu.py tests/engine/test_overlap.py tests/engine/test_sampling.py 2>&1 | tee "$dir/pytest.txt" ;;
+        ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} 2>&1 | tee "$dir/pytest.txt" ;;
     cap-smoke) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units-smoke \
         --variants 1p1d --concurrency 96,192 --duration 8 --frames 105-160 --out "$dir/cap.json" 2>&1 | tee "$dir/compare.log" ;;
     compare) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
         --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} 2>&1 | tee "$dir/compare.log" ;;
     faults) timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy \
         --kinds corrupt,slow,p_stop,lb_stop,p_kill,held_exit,proxy_stop --transfers 2000 --faults 50 \
-        --max-seconds $((secs - 60)) --out "$dir/faults.json" --results "${FAULTS_STEM:-faults-gpu}" 2>&1 | tee "$dir/faults.log"
+        --max-seconds $((secs - 60)) --run-dir /tmp/units-faults/unit --out "$dir/faults.json" --results "${FAULTS_STEM:-faults-gpu}" 2>&1 | tee "$dir/faults.log"
       cp bench/results/"${FAULTS_STEM:-faults-gpu}".* "$dir/" 2>/dev/null ;;
     step) timeout "$secs" python3 -m pdunit.bench.step ${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2} \
         --out "$dir" 2>&1 | tee "$dir/step.log" ;;
     transfer) timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} 2>&1 | tee "$dir/transfer.log" ;;
     mooncake) python3 -m pip install -q --no-index --no-deps --target /tmp/mc .out/mooncake-whl/*.whl && \
-      PYTHONPATH=/tmp/mc:$PYTHONPATH timeout "$secs" python3 bench/mooncake_probe.py --out "$dir/mooncake.json" 2>&1 | tee "$dir/mooncake.log" ;;
+      PYTHONPATH=/tmp/mc${PYTHONPATH:+:$PYTHONPATH} timeout "$secs" python3 bench/mooncake_probe.py --out "$dir/mooncake.json" 2>&1 | tee "$dir/mooncake.log" ;;
     *) echo "unknown step $step" ;;
   esac
   rc=${PIPESTATUS[0]}
@@ -37,6 +37,6 @@ run_step() {
   for f in /tmp/units*/*/logs/*.log /tmp/pdw/*/*.log; do [ -f "$f" ] && { echo "=== $f"; tail -c 5000 "$f"; }; done > "$dir/process_logs.txt" 2>&1
   rm -rf /tmp/units-smoke/*/logs /tmp/units/*/logs
   echo "$step rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  tar czf "$OUT/results.tgz" -C "$RES" .  # after every step: a call cut short keeps what ran
 }
 for s in "$@"; do run_step "$s"; done
-tar czf "$OUT/results.tgz" -C "$RES" .

@@ -1,0 +1,58 @@
+"""The checksum kernel (kernels/kv_checksum.py) gives the number engine/kv/checksum.py
+defines, bit for bit: on CPU through Triton's interpreter (a subprocess: the interpreter
+is chosen when Triton is imported), on a GPU directly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pdunit.engine.kv.checksum import kv_checksum
+
+INTERPRETED = r"""
+import numpy as np, torch
+from pdunit.engine.kv.checksum import kv_checksum
+from pdunit.kernels.kv_checksum import kv_checksum_device, available
+
+rng = np.random.default_rng(0)
+for dtype, heads, dim in ((torch.bfloat16, 2, 16), (torch.float16, 1, 24), (torch.float32, 2, 8),
+                          (torch.float64, 1, 8)):
+    pool = torch.from_numpy(rng.standard_normal((3, 2, 40, heads, dim))).to(dtype)
+    pool.view(-1)[5] = float("nan")  # NaN payloads and signed zeros are words like any other
+    pool.view(-1)[6] = -0.0
+    assert available(pool)
+    slots = torch.from_numpy(rng.permutation(40)[:13].astype(np.int64))
+    for every in (1, 3):
+        tokens = torch.arange(0, 13, every, dtype=torch.int64)
+        got = kv_checksum_device(pool, slots, tokens)
+        want = kv_checksum(pool, slots, every)
+        assert got == want, (dtype, every, hex(got), hex(want))
+    flipped = pool.clone()
+    flipped.view(torch.int8)[0, 1, int(slots[4]) * 1, 0, 0] ^= 1 if dtype != torch.float64 else 1
+    assert kv_checksum_device(flipped, slots, torch.arange(13)) != kv_checksum(pool, slots)
+print("ok")
+"""
+
+
+def test_kernel_matches_the_definition_in_the_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_matches_the_host_reference_on_the_gpu():
+    rng = np.random.default_rng(1)
+    pool = torch.from_numpy(rng.standard_normal((36, 2, 4096, 8, 128), dtype=np.float32)).to(torch.bfloat16)
+    slots = rng.permutation(4096)[:1500].astype(np.int64)
+    for every in (1, 7):
+        assert kv_checksum(pool.cuda(), slots, every) == kv_checksum(pool, slots, every)
