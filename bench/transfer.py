@@ -562,13 +562,12 @@ def role_tune(args: argparse.Namespace) -> int:
                 run(pcfg, r["device"], None, "B", args.tune_iters)
     # C: both GPUs at once (one configuration, as in the proxy), shares from the
     # measured pull and push times of that configuration
-    split_configs = list(dict.fromkeys(r["config"] for r in best([x for x in rows if x["device"] != "split"], 4)))
-    for config in split_configs[:2]:
+    pulls = {r["config"]: r for r in reversed(best([x for x in rows if x["device"] == "dst"], len(rows)))}
+    pushes = {r["config"]: r for r in reversed(best([x for x in rows if x["device"] == "src"], len(rows)))}
+    both = sorted((c for c in pulls if c in pushes), key=lambda c: min(pulls[c]["ms"], pushes[c]["ms"]))
+    for config in both[:2]:
         cfg = CopyConfig.parse(config)
-        pull = next((x for x in rows if x["config"] == config and x["device"] == "dst" and x.get("verified")), None)
-        push = next((x for x in rows if x["config"] == config and x["device"] == "src" and x.get("verified")), None)
-        if pull is None or push is None:
-            continue
+        pull, push = pulls[config], pushes[config]
         f = push["ms"] / (pull["ms"] + push["ms"])  # equal finish times if both scale linearly
         for split in sorted({round(min(0.95, max(0.05, f + df)), 2) for df in (-0.1, 0.0, 0.1)}):
             if not out_of_time(f"C {cfg} split {split}"):
@@ -756,10 +755,11 @@ def run_transfer(cfg: argparse.Namespace) -> dict[str, Any]:
     work = Path(cfg.work)
     tune: dict[str, Any] | None = None
     proxy_args: list[str] = []
-    if cfg.tune_kernel:
+    # getattr: callers that build the config themselves (tests/gpu) predate these options
+    if getattr(cfg, "tune_kernel", False):
         tune = _run_tune(cfg, work / "tune")
         proxy_args = list(tune.get("proxy_args") or [])
-    proxy_args += shlex.split(cfg.proxy_args)  # explicit flags win (argparse: last one counts)
+    proxy_args += shlex.split(getattr(cfg, "proxy_args", ""))  # explicit flags win (the last one counts)
     phases = {p: _run_phase(cfg, p, work / p, found, proxy_args) for p in cfg.phases}
     rows = [r for res in phases.values() for r in res.get("rows", [])]
     peer = [r for r in rows if r["backend"] == "peer_copy" and r["layout"] == "contiguous"]

@@ -2,16 +2,27 @@
 
 Owns the mapping cache (region, executing GPU) -> device pointer and the two copy
 methods:
-- single kernel: both regions opened in the DESTINATION GPU's primary context (legacy
+- single kernel: both regions opened in ONE executing GPU's primary context (legacy
   IPC handles with lazy peer access, or cuMem POSIX-fd imports granted to that GPU),
-  then one row-copy kernel reads the source over NVLink and writes locally. Measured
-  on H200 NV18: about 90% of the link for 2048 scattered tokens.
+  then one row-copy kernel moves the rows over NVLink. `copy_device` picks the
+  executing GPU: `dst` (the default; the kernel reads the source over the link, i.e.
+  pull), `src` (writes over the link, push), or `split` (a `copy_split` share of the
+  tokens pulled by the destination GPU, the rest pushed by the source GPU, both
+  kernels at once). Measured on H200 NV18 with the default kernel: pull, about 90%
+  of the link for 2048 scattered tokens; `pdunit bench transfer --tune-kernel`
+  measures the kernel configurations and the three placements and prints the proxy
+  flags of the best.
 - staged: gather on the source GPU into a staging buffer, one peer copy, scatter on
   the destination GPU, pipelined in chunks over three streams. Used only where the
-  single kernel cannot run (the source cannot be mapped into the destination's
-  context); each fallback is logged and counted, never silent.
+  single kernel cannot run (the source cannot be mapped into the executing context);
+  each fallback is logged and counted, never silent.
 Opening the two handles in DIFFERENT contexts and calling a peer memcpy per row
 reaches about a tenth of the link: this module never does that.
+
+Per job: the slot arrays go through a per-thread pinned buffer with one async upload
+on the job's stream, the launch arguments live in a per-thread block, and a job thread
+keeps its GPU's context current, so the host work around the kernel is a few driver
+calls; each stage is timed into the caller's StageClock.
 
 GPUs are found by UUID. Must never copy without a validated Job (regions.py).
 """
@@ -21,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -31,22 +41,38 @@ from pdunit.engine.model.config import torch_dtype
 from pdunit.engine.transfer import cudadrv
 from pdunit.engine.transfer.cudadrv import CudaError, check, drv
 from pdunit.kernels import cuda_rows
+from pdunit.kernels.cuda_rows import DEFAULT_CONFIG, CopyConfig
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy.regions import Job, JobRejected, Region
+from pdunit.sidecars.nvlink_proxy.stages import StageClock
 
 log = logging.getLogger("pdunit.proxy.cuda")
+
+COPY_DEVICES = ("dst", "src", "split")
 
 
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, staged_chunks: int = 8) -> None:
+    def __init__(self, staged_chunks: int = 8, copy_config: CopyConfig = DEFAULT_CONFIG,
+                 copy_device: str = "dst", copy_split: float = 0.5) -> None:
+        if copy_device not in COPY_DEVICES:
+            raise ValueError(f"copy_device={copy_device!r} must be one of {COPY_DEVICES}")
+        if not 0.0 < copy_split < 1.0:
+            raise ValueError(f"copy_split={copy_split} must be in (0, 1): the share of tokens the "
+                             "destination GPU pulls when copy_device=split")
         cudadrv.init()
         self.staged_chunks = max(1, staged_chunks)
+        self.copy_config = copy_config
+        self.copy_device = copy_device
+        self.copy_split = copy_split
         self.devices = {cudadrv.device_uuid(i): i for i in range(cudadrv.device_count())}
         self._map_lock = threading.Lock()
         self._local = threading.local()
         self.fallbacks = 0
+        # Compile and load the kernels now, not inside the first job's deadline.
+        for ordinal in self.devices.values():
+            cuda_rows.copier(ordinal, copy_config)
 
     # ------------------------------------------------------------- mapping
     def device_of(self, region: Region) -> int:
@@ -102,14 +128,26 @@ class CudaBackend:
                     log.warning("unmapping region failed", extra={"region": region.name, "error": str(e)})
 
     # ------------------------------------------------------------- copies
-    def copy(self, job: Job, method: int) -> tuple[str, float]:
+    def _placement(self, src_dev: int, dst_dev: int) -> list[tuple[int, float]]:
+        """(executing GPU, share of the tokens) for the single-kernel method."""
+        if self.copy_device == "src":
+            return [(src_dev, 1.0)]
+        if self.copy_device == "split" and src_dev != dst_dev:
+            return [(dst_dev, self.copy_split), (src_dev, 1.0 - self.copy_split)]
+        return [(dst_dev, 1.0)]
+
+    def copy(self, job: Job, method: int, clock: StageClock | None = None) -> tuple[str, float]:
+        """Run the job; returns (method that ran, seconds from launch to completion)."""
+        clock = clock or StageClock()
         src_dev, dst_dev = self.device_of(job.src), self.device_of(job.dst)
         if method in (pb.METHOD_AUTO, pb.SINGLE_KERNEL):
-            pair = (job.src.region_id, job.dst.region_id)
+            placement = self._placement(src_dev, dst_dev)
+            pair = (job.src.region_id, job.dst.region_id, tuple(dev for dev, _ in placement))
             staged_reason = job.dst.backend_state.get(("single_failed", pair))
             if staged_reason is None:
                 try:
-                    src_ptr = self.map(job.src, dst_dev)
+                    ptrs = [(dev, share, self.map(job.src, dev), self.map(job.dst, dev))
+                            for dev, share in placement]
                 except CudaError as e:
                     staged_reason = str(e)
                     job.dst.backend_state[("single_failed", pair)] = staged_reason
@@ -118,23 +156,48 @@ class CudaBackend:
                     self.fallbacks += 1
                     log.warning("single-kernel copy cannot run for this region pair; using the "
                                 "staged pipeline", extra={"src": job.src.name, "dst": job.dst.name,
+                                                          "copy_device": self.copy_device,
                                                           "error": staged_reason})
                 else:
-                    return "single_kernel", self._single(job, src_ptr, self.map(job.dst, dst_dev), dst_dev)
+                    clock.mark("map")
+                    return "single_kernel", self._single(job, ptrs, clock)
             elif method == pb.SINGLE_KERNEL:
                 raise CudaError("single_kernel", "UNAVAILABLE", staged_reason)
-        return "staged", self._staged(job, src_dev, dst_dev)
+        return "staged", self._staged(job, src_dev, dst_dev, clock)
 
-    def _single(self, job: Job, src_ptr: int, dst_ptr: int, dev: int) -> float:
-        c = cuda_rows.copier(dev)
-        stream = c.stream()
+    def _keep_context(self, c: cuda_rows.RowCopier) -> None:
+        """A job thread runs only proxy jobs: leave its first GPU's context current, so
+        the common case (one executing GPU) needs no context switch per job."""
+        if not getattr(self._local, "context_set", False):
+            c.make_current()
+            self._local.context_set = True
+
+    def _single(self, job: Job, ptrs: list[tuple[int, float, int, int]], clock: StageClock) -> float:
         lay = job.src.layout
-        sp, dp = c.upload([job.src_slots, job.dst_slots], stream)
-        t0 = time.perf_counter()
-        c.launch_raw(src_ptr, dst_ptr, sp, dp, job.n, lay.planes, job.src.layout.plane_stride,
-                     job.dst.layout.plane_stride, lay.row_bytes, stream)
-        c.sync(stream)
-        return time.perf_counter() - t0
+        n = job.n
+        parts = []  # (copier, stream, first token, tokens, src ptr, dst ptr)
+        first = 0
+        for k, (dev, share, src_ptr, dst_ptr) in enumerate(ptrs):
+            count = n - first if k == len(ptrs) - 1 else min(n - first, int(round(n * share)))
+            if count > 0:
+                c = cuda_rows.copier(dev, self.copy_config)
+                self._keep_context(c)
+                parts.append((c, c.stream(), first, count, src_ptr, dst_ptr))
+            first += count
+        uploaded = []
+        for c, stream, a, count, _, _ in parts:
+            if len(parts) == 1:
+                uploaded.append(c.upload([job.src_slots, job.dst_slots], stream))
+            else:
+                uploaded.append(c.upload([job.src_slots[a:a + count], job.dst_slots[a:a + count]], stream))
+        t0 = clock.mark("upload")
+        for (c, stream, _, count, src_ptr, dst_ptr), (sp, dp) in zip(parts, uploaded, strict=True):
+            c.launch_raw(src_ptr, dst_ptr, sp, dp, count, lay.planes, job.src.layout.plane_stride,
+                         job.dst.layout.plane_stride, lay.row_bytes, stream)
+        clock.mark("launch")
+        for c, stream, *_ in parts:
+            c.sync(stream)
+        return clock.mark("sync") - t0
 
     def _thread_state(self, dev: int) -> dict[str, Any]:
         states = getattr(self._local, "states", None)
@@ -161,7 +224,7 @@ class CudaBackend:
                 st["stage_bytes"] = nbytes
         return int(st["stage"])
 
-    def _staged(self, job: Job, src_dev: int, dst_dev: int) -> float:
+    def _staged(self, job: Job, src_dev: int, dst_dev: int, clock: StageClock) -> float:
         d = drv()
         lay = job.src.layout
         if src_dev != dst_dev:
@@ -171,20 +234,24 @@ class CudaBackend:
             cuda_rows.enable_peer(src_dev, dst_dev)
         src_ptr = self.map(job.src, src_dev)
         dst_ptr = self.map(job.dst, dst_dev)
+        clock.mark("map")
         total = job.nbytes
         stage_src = self._stage(src_dev, total)
         stage_dst = self._stage(dst_dev, total) if dst_dev != src_dev else stage_src
-        gc, sc = cuda_rows.copier(src_dev), cuda_rows.copier(dst_dev)
+        gc, sc = cuda_rows.copier(src_dev, self.copy_config), cuda_rows.copier(dst_dev, self.copy_config)
         g_stream, s_stream = gc.stream(), sc.stream()
         c_stream = self._thread_state(dst_dev)["copy_stream"]
         src_events = self._thread_state(src_dev)["events"]
         dst_events = self._thread_state(dst_dev)["events"]
-        (sp,) = gc.upload([job.src_slots], g_stream)
-        (dp,) = sc.upload([job.dst_slots], s_stream)
+        if gc is sc:  # one scratch per (thread, GPU): both arrays in one upload
+            sp, dp = gc.upload([job.src_slots, job.dst_slots], g_stream)
+        else:
+            (sp,) = gc.upload([job.src_slots], g_stream)
+            (dp,) = sc.upload([job.dst_slots], s_stream)
         chunks = min(self.staged_chunks, job.n, 64)
         bounds = np.linspace(0, job.n, chunks + 1).astype(np.int64)
         src_ctx, dst_ctx = cudadrv.primary_context(src_dev), cudadrv.primary_context(dst_dev)
-        t0 = time.perf_counter()
+        t0 = clock.mark("upload")
         for k in range(chunks):
             k0, k1 = int(bounds[k]), int(bounds[k + 1])
             nk = k1 - k0
@@ -210,8 +277,10 @@ class CudaBackend:
                     check(d.cuStreamWaitEvent(s_stream, src_events[k], 0), "cuStreamWaitEvent")
             sc.launch_raw(stage_dst + off, dst_ptr, 0, dp + 8 * k0, nk, lay.planes,
                           nk * lay.row_bytes, job.dst.layout.plane_stride, lay.row_bytes, s_stream)
+        clock.mark("launch")
         sc.sync(s_stream)
-        return time.perf_counter() - t0
+        gc.sync(g_stream)  # done already (the scatter waited on it); marks the scratch free
+        return clock.mark("sync") - t0
 
     def checksum(self, region: Region, slots: np.ndarray) -> int:
         dev = self.device_of(region)

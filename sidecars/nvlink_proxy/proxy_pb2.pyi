@@ -84,7 +84,7 @@ class UnregisterRequest(_message.Message):
     def __init__(self, region_id: _Optional[str] = ...) -> None: ...
 
 class CopyRequest(_message.Message):
-    __slots__ = ("request_id", "src_region", "src_slots", "dst_region", "dst_slots", "deadline_unix_ms", "method", "verify")
+    __slots__ = ("request_id", "src_region", "src_slots", "dst_region", "dst_slots", "deadline_unix_ms", "method", "verify", "client_send_ns")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_REGION_FIELD_NUMBER: _ClassVar[int]
     SRC_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class CopyRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_SEND_NS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     src_region: str
     src_slots: bytes
@@ -101,21 +102,43 @@ class CopyRequest(_message.Message):
     deadline_unix_ms: int
     method: CopyMethod
     verify: bool
-    def __init__(self, request_id: _Optional[int] = ..., src_region: _Optional[str] = ..., src_slots: _Optional[bytes] = ..., dst_region: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., method: _Optional[_Union[CopyMethod, str]] = ..., verify: _Optional[bool] = ...) -> None: ...
+    client_send_ns: int
+    def __init__(self, request_id: _Optional[int] = ..., src_region: _Optional[str] = ..., src_slots: _Optional[bytes] = ..., dst_region: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., method: _Optional[_Union[CopyMethod, str]] = ..., verify: _Optional[bool] = ..., client_send_ns: _Optional[int] = ...) -> None: ...
 
 class CopyReply(_message.Message):
-    __slots__ = ("method", "bytes", "device_seconds", "src_checksum", "dst_checksum")
+    __slots__ = ("method", "bytes", "device_seconds", "src_checksum", "dst_checksum", "stage_seconds", "proxy_done_ns")
+    class StageSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SRC_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROXY_DONE_NS_FIELD_NUMBER: _ClassVar[int]
     method: str
     bytes: int
     device_seconds: float
     src_checksum: int
     dst_checksum: int
-    def __init__(self, method: _Optional[str] = ..., bytes: _Optional[int] = ..., device_seconds: _Optional[float] = ..., src_checksum: _Optional[int] = ..., dst_checksum: _Optional[int] = ...) -> None: ...
+    stage_seconds: _containers.ScalarMap[str, float]
+    proxy_done_ns: int
+    def __init__(self, method: _Optional[str] = ..., bytes: _Optional[int] = ..., device_seconds: _Optional[float] = ..., src_checksum: _Optional[int] = ..., dst_checksum: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., proxy_done_ns: _Optional[int] = ...) -> None: ...
+
+class LaneReply(_message.Message):
+    __slots__ = ("reply", "code", "message")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reply: CopyReply
+    code: str
+    message: str
+    def __init__(self, reply: _Optional[_Union[CopyReply, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class QuiesceRequest(_message.Message):
     __slots__ = ("request_ids", "cancel", "wait_ms")
@@ -160,13 +183,17 @@ class RegionInfo(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., owner_pid: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("instance_id", "regions", "gpu_uuids", "version")
+    __slots__ = ("instance_id", "regions", "gpu_uuids", "version", "copy_kernel", "copy_device")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    COPY_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    COPY_DEVICE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     version: str
-    def __init__(self, instance_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ...) -> None: ...
+    copy_kernel: str
+    copy_device: str
+    def __init__(self, instance_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., copy_kernel: _Optional[str] = ..., copy_device: _Optional[str] = ...) -> None: ...

@@ -27,6 +27,8 @@ import numpy as np
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+_POSITIONS = np.arange(1 << 17, dtype=np.int64)  # read-only: 0..n-1 without an arange per job
+_POSITIONS.flags.writeable = False
 
 
 class JobRejected(Exception):
@@ -174,6 +176,7 @@ class RegionTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
+        self._local = threading.local()
 
     def add(self, req: pb.RegisterRequest, owner: PeerCreds) -> Region:
         layout = validate_registration(req)
@@ -238,10 +241,23 @@ class RegionTable:
                 raise JobRejected("OUT_OF_RANGE",
                                   f"{what} holds slot {bad}, outside region {region.name!r} "
                                   f"[0, {region.layout.n_slots})")
-        if np.unique(d).size != d.size:
+        if self._has_duplicates(d, dst.layout.n_slots):
             raise JobRejected("INVALID_ARGUMENT",
                               "dst_slots holds duplicate slots: two rows would race for one slot")
         return Job(int(req.request_id), src, dst, s, d)
+
+    def _has_duplicates(self, slots: np.ndarray, n_slots: int) -> bool:
+        """O(n), no sort: write each entry's position at its slot in a per-thread scratch
+        table; a duplicated slot keeps only the last writer, so some entry reads back
+        another position. `slots` must already be inside [0, n_slots)."""
+        table: np.ndarray | None = getattr(self._local, "table", None)
+        if table is None or table.size < n_slots:
+            table = self._local.table = np.empty(max(n_slots, 1024), dtype=np.int64)
+        if _POSITIONS.size < slots.size:
+            return np.unique(slots).size != slots.size  # larger than any real job: rare path
+        pos = _POSITIONS[:slots.size]
+        table[slots] = pos
+        return not np.array_equal(table[slots], pos)
 
 
 # ----------------------------------------------------------------- allow-list

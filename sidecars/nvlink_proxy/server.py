@@ -8,6 +8,13 @@ a session token; every RPC that registers memory, copies or cancels must carry i
 metadata `x-pdunit-session` (InFlight, the read-only drain check, needs none). gRPC
 itself cannot report a unix peer's credentials, hence the separate handshake.
 
+Copy jobs have a second entry point, the copy lane (`<socket>.copy`, framing in
+proxy.proto): the peer's SO_PEERCRED is checked on the connection itself, then each
+frame runs through the same `run_copy` as the Copy RPC (same validation, admission and
+metrics). It exists for latency: a Python gRPC unary call costs ~10x a socket round trip.
+Each job's stages are timed (stages.py) into `pdunit_proxy_job_stage_seconds{stage}`
+and returned in CopyReply.stage_seconds.
+
 Quiesce (PROTOCOL.md 3.5): `Quiesce(ids, cancel=true)` marks the ids cancelled BEFORE
 looking at running jobs, under one lock with job admission, so after a reply of
 `quiesced=true` no job of those ids runs or can start. A job already past admission
@@ -23,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -45,6 +53,7 @@ from pdunit.sidecars.nvlink_proxy.regions import (
     Sessions,
     peer_creds,
 )
+from pdunit.sidecars.nvlink_proxy.stages import StageClock
 
 log = logging.getLogger("pdunit.proxy")
 
@@ -56,9 +65,16 @@ JOB_SECONDS = Histogram(
     "pdunit_proxy_job_seconds", "Device time of a copy job (launch to completion)", ["method"],
     buckets=(1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.0),
 )
+STAGE_SECONDS = Histogram(
+    "pdunit_proxy_job_stage_seconds",
+    "Where a completed copy job's time went, per stage (stages.py: recv, validate, admit, map, "
+    "upload, launch, sync, copy, checksum, reply)", ["stage"],
+    buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0),
+)
 ERRORS = Counter("pdunit_proxy_errors_total", "Refused or failed requests by kind", ["kind"])
 REGIONS = Gauge("pdunit_proxy_regions", "Registered regions")
 RUNNING = Gauge("pdunit_proxy_jobs_running", "Copy jobs running now")
+LANE_CONNECTIONS = Gauge("pdunit_proxy_copy_lane_connections", "Open copy-lane connections")
 FALLBACKS = Counter("pdunit_proxy_staged_fallback_total",
                     "Jobs that ran staged because the single kernel could not run")
 AUTH = Counter("pdunit_proxy_auth_total", "Auth handshakes by outcome", ["outcome"])
@@ -130,14 +146,38 @@ def _pack(ids: list[int]) -> bytes:
     return np.asarray(ids, dtype="<u8").tobytes()
 
 
+class CopyError(Exception):
+    """A copy job that did not run (or failed): `code` is the gRPC status name, `kind`
+    the pdunit_proxy_errors_total label."""
+
+    def __init__(self, code: str, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+
+
+def start_clock(request: pb.CopyRequest) -> StageClock:
+    """A job's stage clock, started now; the way in ("recv") comes from the caller's
+    stamp. CLOCK_MONOTONIC is one clock for every process of the host (PID namespaces
+    do not change it), so the difference is a real transit time."""
+    clock = StageClock()
+    if request.client_send_ns:
+        clock.seconds["recv"] = max(0.0, (time.monotonic_ns() - request.client_send_ns) / 1e9)
+    return clock
+
+
 class ProxyService(pb_grpc.NvlinkProxyServicer):
-    def __init__(self, backends: dict[str, Any], allow: AllowList, cancel_retention_s: float) -> None:
+    def __init__(self, backends: dict[str, Any], allow: AllowList, cancel_retention_s: float,
+                 max_jobs: int = 4) -> None:
         self.instance_id = uuid.uuid4().hex
         self.backends = backends
         self.allow = allow
         self.regions = RegionTable()
         self.sessions = Sessions()
         self.jobs = JobTracker(cancel_retention_s)
+        # Concurrent copy jobs over both entry points (gRPC Copy and the copy lane).
+        self.job_slots = threading.BoundedSemaphore(max_jobs)
 
     # ------------------------------------------------------------ helpers
     def _peer(self, context: grpc.ServicerContext) -> PeerCreds:
@@ -196,8 +236,11 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
         log.info("region unregistered", extra={"region_id": region.region_id, "region_name": region.name})
         return pb.Empty()
 
-    def Copy(self, request: pb.CopyRequest, context: grpc.ServicerContext) -> pb.CopyReply:
-        self._peer(context)
+    def run_copy(self, request: pb.CopyRequest, clock: StageClock) -> pb.CopyReply:
+        """Validate, admit and run one copy job: the body of both the gRPC Copy and the
+        copy lane, so both paths make the same checks. The caller has authenticated the
+        peer. Raises CopyError (counted, with the gRPC status name) on any failure; a
+        refused job copies nothing."""
         try:
             job = self.regions.job(request)
             if request.deadline_unix_ms and time.time() * 1000 > request.deadline_unix_ms:
@@ -206,35 +249,54 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
                                   f"{time.time() * 1000 - request.deadline_unix_ms:.0f} ms ago; nothing copied")
             backend = self._backend(job.src)
         except JobRejected as e:
-            self._fail(context, e, e.code.lower())
-        try:
-            self.jobs.start(job.request_id)
-        except JobRejected as e:
-            self._fail(context, e, "cancelled")
-        try:
-            fallbacks_before = getattr(backend, "fallbacks", 0)
-            method, seconds = backend.copy(job, request.method)
-            if getattr(backend, "fallbacks", 0) != fallbacks_before:
-                FALLBACKS.inc()
-            reply = pb.CopyReply(method=method, bytes=job.nbytes, device_seconds=seconds)
-            if request.verify:
-                reply.src_checksum = backend.checksum(job.src, job.src_slots)
-                reply.dst_checksum = backend.checksum(job.dst, job.dst_slots)
-        except JobRejected as e:
-            JOBS.labels("none", "rejected").inc()
-            self._fail(context, e, e.code.lower())
-        except Exception as e:  # a driver error: report it verbatim, the job failed
-            JOBS.labels("none", "failed").inc()
-            ERRORS.labels("copy_failed").inc()
-            log.error("copy job failed", extra={"request_id": job.request_id, "error": str(e),
-                                                "src": job.src.name, "dst": job.dst.name})
-            context.abort(grpc.StatusCode.INTERNAL, f"request {job.request_id}: copy failed: {e}")
-        finally:
-            self.jobs.finish(job.request_id)
+            raise CopyError(e.code, str(e), e.code.lower()) from None
+        clock.mark("validate")
+        with self.job_slots:
+            try:
+                self.jobs.start(job.request_id)
+            except JobRejected as e:
+                raise CopyError(e.code, str(e), "cancelled") from None
+            clock.mark("admit")
+            try:
+                fallbacks_before = getattr(backend, "fallbacks", 0)
+                method, seconds = backend.copy(job, request.method, clock)
+                if getattr(backend, "fallbacks", 0) != fallbacks_before:
+                    FALLBACKS.inc()
+                reply = pb.CopyReply(method=method, bytes=job.nbytes, device_seconds=seconds)
+                if request.verify:
+                    reply.src_checksum = backend.checksum(job.src, job.src_slots)
+                    reply.dst_checksum = backend.checksum(job.dst, job.dst_slots)
+                    clock.mark("checksum")
+            except JobRejected as e:
+                JOBS.labels("none", "rejected").inc()
+                raise CopyError(e.code, str(e), e.code.lower()) from None
+            except Exception as e:  # a driver error: report it verbatim, the job failed
+                JOBS.labels("none", "failed").inc()
+                log.error("copy job failed", extra={"request_id": job.request_id, "error": str(e),
+                                                    "src": job.src.name, "dst": job.dst.name})
+                raise CopyError("INTERNAL", f"request {job.request_id}: copy failed: {e}",
+                                "copy_failed") from None
+            finally:
+                self.jobs.finish(job.request_id)
         JOBS.labels(method, "ok").inc()
         BYTES.labels(method).inc(job.nbytes)
         JOB_SECONDS.labels(method).observe(seconds)
+        clock.mark("reply")
+        for stage, sec in clock.seconds.items():
+            STAGE_SECONDS.labels(stage).observe(sec)
+        reply.stage_seconds.update(clock.seconds)
+        reply.proxy_done_ns = time.monotonic_ns()
         return reply
+
+    def Copy(self, request: pb.CopyRequest, context: grpc.ServicerContext) -> pb.CopyReply:
+        clock = start_clock(request)
+        self._peer(context)
+        try:
+            return self.run_copy(request, clock)
+        except CopyError as e:
+            ERRORS.labels(e.kind).inc()
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            raise  # unreachable: abort raises
 
     def Quiesce(self, request: pb.QuiesceRequest, context: grpc.ServicerContext) -> pb.QuiesceReply:
         self._peer(context)
@@ -261,6 +323,8 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
                      for r in self.regions.all()],
             gpu_uuids=sorted(cuda.devices) if cuda is not None else [],
             version="1",
+            copy_kernel=str(cuda.copy_config) if cuda is not None else "",
+            copy_device=cuda.copy_device if cuda is not None else "",
         )
 
     def close(self) -> None:
@@ -326,6 +390,142 @@ class AuthListener:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class CopyLane:
+    """The copy lane (`<socket>.copy`, see proxy.proto): length-prefixed CopyRequest ->
+    LaneReply frames over a unix stream socket. A connecting peer is checked against
+    the allow-list by its SO_PEERCRED, exactly like the auth socket; a refused peer gets
+    one PERMISSION_DENIED frame and is disconnected before it can send a job. Each
+    connection has its own thread; jobs share ProxyService.job_slots with gRPC."""
+
+    MAX_FRAME = 64 << 20
+
+    def __init__(self, path: str, service: ProxyService, max_connections: int = 64) -> None:
+        self.path = path
+        self.service = service
+        self.max_connections = max_connections
+        if os.path.exists(path):
+            os.unlink(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        os.chmod(path, 0o666)  # the allow-list, not file modes, decides who is admitted
+        self.sock.listen(64)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self.thread = threading.Thread(target=self._serve, name="proxy-lane", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            creds = peer_creds(conn)
+            reason = self.service.allow.check(creds)
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+            if reason is not None or full:
+                ERRORS.labels("permission" if reason else "lane_full").inc()
+                code = "PERMISSION_DENIED" if reason else "RESOURCE_EXHAUSTED"
+                msg = reason or (f"copy lane has {self.max_connections} connections already; "
+                                 "close idle senders or raise the limit")
+                log.warning("copy lane refused a peer", extra={"peer_pid": creds.pid, "peer_uid": creds.uid,
+                                                              "reason": msg})
+                try:
+                    _send_frame(conn, pb.LaneReply(code=code, message=msg).SerializeToString())
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            t = threading.Thread(target=self._connection, args=(conn, creds), name="proxy-lane-conn",
+                                 daemon=True)
+            with self._lock:
+                self._conns[conn] = t
+                LANE_CONNECTIONS.set(len(self._conns))
+            t.start()
+
+    def _connection(self, conn: socket.socket, creds: PeerCreds) -> None:
+        try:
+            while not self._stop.is_set():
+                raw = _recv_frame(conn, self.MAX_FRAME)
+                if raw is None:
+                    return  # the peer closed, or stop() shut the read side
+                try:
+                    request = pb.CopyRequest.FromString(raw)
+                except Exception as e:  # a frame that is not a CopyRequest: tell and hang up
+                    ERRORS.labels("invalid_argument").inc()
+                    _send_frame(conn, pb.LaneReply(code="INVALID_ARGUMENT",
+                                                   message=f"copy lane frame is not a CopyRequest: {e}")
+                                .SerializeToString())
+                    return
+                clock = start_clock(request)
+                try:
+                    answer = pb.LaneReply(reply=self.service.run_copy(request, clock))
+                except CopyError as e:
+                    ERRORS.labels(e.kind).inc()
+                    answer = pb.LaneReply(code=e.code, message=e.message)
+                _send_frame(conn, answer.SerializeToString())
+        except OSError as e:
+            log.info("copy lane connection ended", extra={"peer_pid": creds.pid, "error": str(e)})
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                LANE_CONNECTIONS.set(len(self._conns))
+            conn.close()
+
+    def stop(self, grace_s: float) -> None:
+        """No new connections or jobs; a job already running finishes and is answered."""
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for conn, _ in conns:
+            try:
+                conn.shutdown(socket.SHUT_RD)  # wakes a reader; a running job can still reply
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for _, t in conns:
+            t.join(max(0.0, deadline - time.monotonic()))
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _send_frame(conn: socket.socket, payload: bytes) -> None:
+    conn.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(conn: socket.socket, limit: int) -> bytes | None:
+    head = _recv_exact(conn, 4)
+    if head is None:
+        return None
+    (size,) = struct.unpack("<I", head)
+    if size > limit:
+        raise OSError(f"copy lane frame of {size} bytes exceeds {limit}")
+    return _recv_exact(conn, size) if size else b""
 
 
 def build_server(socket_path: str, service: ProxyService, workers: int) -> grpc.Server:

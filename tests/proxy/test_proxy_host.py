@@ -153,15 +153,16 @@ def test_peer_not_on_allow_list_is_refused(tmp_path):
 
 def test_quiesce_cancels_later_jobs_of_the_request(pools):
     client, src, src_id, dst, dst_id = pools
+    rid = 21 if client.copy_lane else 121  # one proxy serves both params: cancelled ids persist
     s, d = _fragmented(8, 7)
-    client.copy(21, src_id, s, dst_id, d, FAR)
-    quiesced, running = client.quiesce([21, 22], cancel=True)
+    client.copy(rid, src_id, s, dst_id, d, FAR)
+    quiesced, running = client.quiesce([rid, rid + 1], cancel=True)
     assert quiesced and running == []
     before = dst.storage.clone()
     with pytest.raises(TransferError, match="FAILED_PRECONDITION.*cancelled"):
-        client.copy(22, src_id, s[::-1].copy(), dst_id, d, FAR)
+        client.copy(rid + 1, src_id, s[::-1].copy(), dst_id, d, FAR)
     assert torch.equal(dst.storage.view(torch.int16), before.view(torch.int16))
-    client.copy(23, src_id, s, dst_id, d, FAR)  # other requests are unaffected
+    client.copy(rid + 2, src_id, s, dst_id, d, FAR)  # other requests are unaffected
     assert client.in_flight() == []
 
 
