@@ -61,6 +61,10 @@ class CapacityConfig(BaseModel):
     warmup: float = Field(
         0.0, ge=0, description="streams started in the first seconds of a level are not counted"
     )
+    ramp: float = Field(
+        0.0, ge=0, description="closed loop: the workers start evenly spread over this many seconds, so a "
+        "level does not open with `concurrency` simultaneous prompts (pair it with --warmup)"
+    )
     drain_timeout: float = Field(
         120.0, gt=0, description="after a level, how long streams in flight may finish"
     )
@@ -336,7 +340,9 @@ async def run_level(
             results.append(r)
             progress.add(r)
 
-    async def closed_worker() -> None:
+    async def closed_worker(i: int) -> None:
+        if cfg.ramp and concurrency:
+            await asyncio.sleep(cfg.ramp * i / concurrency)
         while may_start():
             await one(workload.next())
 
@@ -364,7 +370,7 @@ async def run_level(
             await asyncio.wait(set(tasks))
 
     driver = (
-        asyncio.ensure_future(asyncio.gather(*(closed_worker() for _ in range(concurrency))))
+        asyncio.ensure_future(asyncio.gather(*(closed_worker(i) for i in range(concurrency))))
         if concurrency is not None
         else asyncio.ensure_future(open_arrivals())
     )

@@ -14,12 +14,20 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, Field
 
 from pdunit.bench import report, waterfall
-from pdunit.bench.capacity import COLUMNS, CapacityConfig, plot_capacity, print_report, run_capacity
+from pdunit.bench.capacity import (
+    COLUMNS,
+    CapacityConfig,
+    plot_capacity,
+    print_report,
+    run_capacity,
+    summarize_run,
+)
 from pdunit.bench.workload import parse_list, parse_range
-from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.local import LocalConfig, LocalUnit, free_port
 from pdunit.engine.settings import parse_config
 
 BENCH = "capacity"
@@ -40,6 +48,8 @@ class CompareConfig(BaseModel):
                                      "'1p1d=64,128;monolith-prefill-first=16,32;monolith-chunked=64,96' "
                                      "(monolith-chunked covers every chunk size)")
     duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
+    ramp: float = Field(3.0, ge=0, description="closed-loop workers start spread over this many seconds; streams "
+                        "started during the ramp load the unit but are not counted (steady state only)")
     prompt_rows: str = Field("1000-2000", description="prompt rows")
     frames: str = Field("105-210", description="frames per stream")
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
@@ -144,13 +154,98 @@ def waterfall_text(row: dict[str, Any]) -> str:
 
 def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
-    out = ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
+    out = ["", "## Engines per level (from P's and D's own metrics)", "",
+           "| mode | conc | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        e = r.get("engine") or {}
+        if e:
+            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
+                                              "p_busy")]
+            out.append(f"| {r['mode']} | {r['concurrency']} | " + " | ".join(str(c) for c in cells) + " |")
+    out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
         cap = per_gpu.get(mode)
         at = next((r for r in mine if cap and r["concurrency"] == round(cap * r["gpus"])), mine[0])
         out += [f"### {mode} at concurrency {at['concurrency']}", "", "```", waterfall_text(at), "```", ""]
     return "\n".join(out)
+
+
+# Engine series read around each level: D's step time, batch, graph/eager replays and
+# its own GPU-busy account (engine/decode/overlap.py), P's forward time.
+_SERIES = {
+    "d_steps": "pdunit_decode_step_seconds_count", "d_step_s": "pdunit_decode_step_seconds_sum",
+    "d_batch_sum": "pdunit_decode_step_batch_sum", "d_gpu_busy_s": "pdunit_decode_gpu_busy_seconds_total",
+    "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
+    "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
+    "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
+}
+
+
+def engine_ports(unit_cfg: LocalConfig) -> dict[str, int]:
+    """Gives P and D of a PD unit a metrics port (added to their commands in place); the
+    monolith keeps none (its step and prefill share one loop: the waterfall shows it)."""
+    if unit_cfg.mode == "monolith":
+        return {}
+    ports = {"decode": free_port(), "prefill": free_port()}
+    unit_cfg.extra_decode_args.extend(["--metrics-port", str(ports["decode"])])
+    unit_cfg.extra_prefill_args.extend(["--metrics-port", str(ports["prefill"])])
+    return ports
+
+
+def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
+    """The `_SERIES` of each role from its own process (every engine process registers
+    every engine metric: P exports D's series as zeros)."""
+    out: dict[str, float] = {}
+    for role, port in ports.items():
+        try:
+            values = report.scrape_metrics(port)
+        except httpx.HTTPError:
+            continue  # a process that went away: its level shows errors anyway
+        prefix = "d_" if role == "decode" else "p_"
+        out.update({name: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefix)})
+    return out
+
+
+def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """What the engines did during one level: mean D step and batch, the share of steps
+    replayed from a CUDA graph, D's GPU busy share, P's mean forward and busy share."""
+    d = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in _SERIES.items()}
+    out: dict[str, float] = {}
+    if d["d_steps"] > 0:
+        out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
+        out["d_batch"] = round(d["d_batch_sum"] / d["d_steps"], 1)
+    if d["d_graph"] + d["d_eager"] > 0:
+        out["d_graph_share"] = round(d["d_graph"] / (d["d_graph"] + d["d_eager"]), 4)
+    if d["d_gpu_busy_s"] > 0 and seconds > 0:
+        out["d_gpu_busy"] = round(d["d_gpu_busy_s"] / seconds, 4)
+    if d["p_forwards"] > 0 and seconds > 0:
+        out["p_forward_ms"] = round(1000 * d["p_forward_s"] / d["p_forwards"], 3)
+        out["p_busy"] = round(d["p_forward_s"] / seconds, 4)
+    return out
+
+
+def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[str, int],
+               command: str) -> dict[str, Any]:
+    """The variant's levels one at a time, reading the engines' metrics around each."""
+    base = CapacityConfig(
+        url=url, concurrency=levels_for(cfg, name), duration=cfg.duration, ramp=cfg.ramp, warmup=cfg.ramp,
+        prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(cfg.frames, "frames"),
+        voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False)
+    rows: list[dict[str, Any]] = []
+    streams: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {}
+    for level in base.concurrency:
+        before = _scrape_all(ports)
+        doc = run_capacity(base.model_copy(update={"concurrency": [level]}), command=command, keep_streams=True)
+        row = doc["rows"][0]
+        row["engine"] = engine_deltas(before, _scrape_all(ports), row["elapsed_s"])
+        row["gpu_busy"] = row["engine"].get("d_gpu_busy")
+        rows.append(row)
+        streams += doc["streams"]
+    return {**doc, "config": {**doc.get("config", {}), "concurrency": base.concurrency}, "rows": rows,
+            "streams": streams, "summary": summarize_run(rows, base)}
 
 
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
@@ -160,17 +255,16 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
         print(f"== {name}: starting the unit", flush=True)
         if cfg.run_dir:
             unit_cfg = unit_cfg.model_copy(update={"run_dir": f"{cfg.run_dir}/{name}"})
+        ports = engine_ports(unit_cfg)
         with LocalUnit(unit_cfg) as unit:
-            doc = run_capacity(CapacityConfig(
-                url=unit.url, concurrency=levels_for(cfg, name),
-                duration=cfg.duration, prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"),
-                frames=parse_range(cfg.frames, "frames"), voice_reuse=cfg.voice_reuse,
-                mode_label=name, gpus=gpus, progress=False,
-            ), command=command, keep_streams=True)
+            doc = run_levels(cfg, name, gpus, unit.url, ports, command)
         print_report(doc)
         for row in doc["rows"]:
             row["gpus"] = gpus
             attach_waterfall(row, [s for s in doc["streams"] if s["concurrency"] == row["concurrency"]])
+        for row in doc["rows"]:
+            if row.get("engine"):
+                print(f"engines at {row['concurrency']}: {row['engine']}")
         print_waterfall_at(doc["rows"], doc["summary"].get("capacity"))
         rows += doc["rows"]
         per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)

@@ -56,6 +56,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, Field
 
+from pdunit.bench import report
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
@@ -270,21 +271,6 @@ class Traffic:
 # ---------------------------------------------------------------------------- the unit
 
 
-def _scrape(port: int) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (counters and gauges only)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
 class Unit:
     """A LocalUnit with the handles the suite needs: P/D sockets, D's metrics and debug
     ports, signals to children, P's supervised restart."""
@@ -345,7 +331,7 @@ class Unit:
         return self._d.Hello(pb.HelloRequest(), timeout=5)
 
     def d_metrics(self) -> dict[str, float]:
-        return _scrape(self.d_metrics_port)
+        return report.scrape_metrics(self.d_metrics_port)
 
     def ownership(self) -> dict[str, Any]:
         return httpx.get(f"http://127.0.0.1:{self.d_debug_port}/debug/pool", timeout=5).json()

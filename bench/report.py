@@ -301,3 +301,21 @@ def plot_panels(path: str | Path, title: str, xlabel: str, panels: Sequence[Pane
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A local process's Prometheus text -> {'name{labels}': value} (histograms come as
+    their _sum/_count/_bucket series)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out

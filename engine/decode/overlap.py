@@ -205,11 +205,11 @@ class OverlapScheduler:
         tokens = rows.index_select(0, to_device(src, dev))
         sb = sampling_batch([s.params for s in batch], frame_index, self.model.config.n_codebooks, dev)
         cuda = dev.type == "cuda"
-        started = copied = None
-        if cuda:
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
-        logits = self.step_forward.launch(tokens.to(torch.int64), positions, write_slots, context)
+        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        copied = None
+        # `started` is recorded by launch just before the forward is queued: recorded here,
+        # an idle GPU waiting for the host's staging would count as busy.
+        logits = self.step_forward.launch(tokens.to(torch.int64), positions, write_slots, context, started)
         frames_dev = sample_frames_device(logits, sb, self.model.config.eos_id)
         if cuda:
             frames_host = torch.empty(frames_dev.shape, dtype=torch.int32, pin_memory=True)

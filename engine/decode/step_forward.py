@@ -60,12 +60,15 @@ class StepForward:
         positions: np.ndarray,
         write_slots: np.ndarray,
         context_slots: list[np.ndarray],
+        started: torch.cuda.Event | None = None,
     ) -> torch.Tensor:
         """Queues one decode step whose tokens [n, C] int64 live on the model's device;
         returns its logits [n, C, V_max] on the device. The host never waits for the
-        device here (on CUDA); everything but the tokens comes from the host."""
+        device here (on CUDA); everything but the tokens comes from the host. `started`,
+        if given, is recorded right before the forward is queued (after host staging)."""
         if self.graphs is not None:
-            logits = _replay_with_device_tokens(self.graphs, tokens, positions, write_slots, context_slots)
+            logits = _replay_with_device_tokens(self.graphs, tokens, positions, write_slots, context_slots,
+                                                started)
             if logits is not None:
                 GRAPH_STEPS.labels(path="graph").inc()
                 self._seen["replays"] = self.graphs.stats["replays"]
@@ -81,12 +84,15 @@ class StepForward:
             # be read back), the reference path moves it itself
             context_slots=[torch.from_numpy(c.astype(np.int64)) for c in context_slots],
         )
+        if started is not None:
+            started.record()
         with torch.inference_mode():
             return self.model.forward(batch, self.storage)
 
 
 def _replay_with_device_tokens(
-    runner, tokens: torch.Tensor, positions: np.ndarray, write_slots: np.ndarray, context_slots: list[np.ndarray]
+    runner, tokens: torch.Tensor, positions: np.ndarray, write_slots: np.ndarray, context_slots: list[np.ndarray],
+    started: torch.cuda.Event | None = None,
 ) -> torch.Tensor | None:
     """`DecodeGraphRunner.run` for a batch whose tokens are already on the device: the
     same host staging of positions, write slots and the slot table, then the tokens go
@@ -127,6 +133,8 @@ def _replay_with_device_tokens(
         runner._staged.record()
         runner._table[:n, :width].copy_(stage.view(n, width))
         g.tokens[:n].copy_(tokens)
+        if started is not None:
+            started.record()
         g.graph.replay()
         runner.stats["replays"] += 1
         assert g.logits is not None

@@ -276,6 +276,19 @@ def test_a_level_can_end_after_a_number_of_streams(serve):
     assert row["streams"] == 7 and fake.requests == 7 and row["errors"] == 0
 
 
+def test_a_ramped_closed_loop_spreads_its_first_requests_and_skips_the_ramp(serve):
+    url = serve(FakeLB(fps=400.0))
+    ramped = run_capacity(base_config(url, concurrency="4", duration=1.0, frames="400", ramp=0.8), keep_streams=True)
+    first = sorted(s["started_s"] for s in ramped["streams"])[:4]
+    assert first[-1] - first[0] >= 0.5  # 0, 0.2, 0.4, 0.6 s
+    flat = run_capacity(base_config(url, concurrency="4", duration=0.3, frames="400"), keep_streams=True)
+    first = sorted(s["started_s"] for s in flat["streams"])[:4]
+    assert first[-1] - first[0] < 0.1  # without a ramp the 4 workers open together
+    skipped = run_capacity(base_config(url, concurrency="4", duration=1.0, frames="20", ramp=0.5, warmup=0.5),
+                           keep_streams=True)
+    assert min(s["started_s"] for s in skipped["streams"]) >= 0.5  # the ramp's streams are not counted
+
+
 def test_config_accepts_flags_and_names_bad_ranges():
     cfg = CapacityConfig.model_validate(
         {"concurrency": "4,8", "prompt_rows": ["1000-2000"], "frames": "105"}

@@ -27,7 +27,7 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     out = tmp_path / "capacity.json"
     doc = run_compare(CompareConfig(variants="1p1d,monolith-prefill-first", concurrency="1", duration=2,
                                     prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
-                                    out=str(out)), command="test")
+                                    ramp=0, out=str(out)), command="test")
     modes = {r["mode"] for r in doc["rows"]}
     assert modes == {"1p1d", "monolith-prefill-first"}
     assert {r["gpus"] for r in doc["rows"] if r["mode"] == "1p1d"} == {2}
@@ -41,7 +41,10 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
         if row["mode"] == "1p1d":
             assert {"prefill_end", "transfer_end", "d_committed"} <= stages, stages
         assert row["waterfall_check"]["streams"] > 0
+    pd_rows = [r for r in saved["rows"] if r["mode"] == "1p1d"]
+    assert pd_rows[0]["engine"]["d_step_ms"] > 0 and pd_rows[0]["engine"]["p_forward_ms"] > 0
     md = out.with_suffix(".md").read_text()
+    assert "## Engines per level" in md
     assert "## Waterfalls" in md and "### 1p1d at concurrency 1" in md
 
 
