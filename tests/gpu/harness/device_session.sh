@@ -3,7 +3,7 @@
 # files go to /tmp/res/<step>/ and come back as $OUT/results.tgz (the tool returns at
 # most 8 files), with a one-line status per step in $OUT/summary.txt.
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
-# Steps: gpu-tests ($GPU_TESTS), cap-smoke, faults, step ($STEP_ARGS), transfer ($TRANSFER_ARGS),
+# Steps: gpu-tests ($GPU_TESTS), cap-smoke, faults ($FAULTS_KINDS), faults-pstop, step ($STEP_ARGS), transfer ($TRANSFER_ARGS),
 # mooncake, compare ($COMPARE_ARGS).
 set -uo pipefail
 source tests/gpu/harness/setup.sh
@@ -21,10 +21,13 @@ run_step() {
         --variants 1p1d --concurrency 96,192 --duration 8 --frames 105-160 --out "$dir/cap.json" 2>&1 | tee "$dir/compare.log" ;;
     compare) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
         --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} 2>&1 | tee "$dir/compare.log" ;;
-    faults) timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy \
-        --kinds corrupt,slow,p_stop,lb_stop,p_kill,held_exit,proxy_stop --transfers 2000 --faults 50 \
-        --max-seconds $((secs - 60)) --run-dir /tmp/units-faults/unit --out "$dir/faults.json" --results "${FAULTS_STEM:-faults-gpu}" 2>&1 | tee "$dir/faults.log"
-      cp bench/results/"${FAULTS_STEM:-faults-gpu}".* "$dir/" 2>/dev/null ;;
+    faults|faults-pstop)
+      kinds=${FAULTS_KINDS:-corrupt,slow,p_stop,lb_stop,p_kill,held_exit,proxy_stop}; stem=${FAULTS_STEM:-faults-gpu}
+      [ "$step" = faults-pstop ] && { kinds=p_stop; stem=$stem-pstop; }
+      timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy --kinds "$kinds" \
+        --transfers 2000 --faults 50 --max-seconds $((secs * 2 / 3)) --run-dir /tmp/units-$step/unit \
+        --out "$dir/faults.json" --results "$stem" 2>&1 | tee "$dir/faults.log"
+      cp bench/results/"$stem".* "$dir/" 2>/dev/null ;;
     step) timeout "$secs" python3 -m pdunit.bench.step ${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2} \
         --out "$dir" 2>&1 | tee "$dir/step.log" ;;
     transfer) timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} 2>&1 | tee "$dir/transfer.log" ;;
@@ -35,7 +38,7 @@ run_step() {
   rc=${PIPESTATUS[0]}
   # every unit's process logs, bounded: what went wrong
   for f in /tmp/units*/*/logs/*.log /tmp/pdw/*/*.log; do [ -f "$f" ] && { echo "=== $f"; tail -c 5000 "$f"; }; done > "$dir/process_logs.txt" 2>&1
-  rm -rf /tmp/units-smoke/*/logs /tmp/units/*/logs
+  rm -rf /tmp/units*/*/logs
   echo "$step rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   tar czf "$OUT/results.tgz" -C "$RES" .  # after every step: a call cut short keeps what ran
 }
