@@ -16,6 +16,7 @@ head_dim]` with 2-, 4- or 8-byte elements.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -90,9 +91,12 @@ def kv_checksum_device(storage: torch.Tensor, slots: torch.Tensor, tokens: torch
     words = storage.view(_WORDS[width])
     block = min(1024, triton.next_power_of_2(row_elems))
     c0, c1, c2 = _SPLITMIX
-    _checksum_rows[(n_tokens, n_layers * 2)](
-        words, slots.to(dev, torch.int64), tokens.to(dev, torch.int64), partial,
-        n_slots * row_elems, row_elems, n_layers * 2 * row_elems, c0, c1, c2,
-        UNSIGNED=getattr(tl, _UNSIGNED[width]), BLOCK=block)
+    # Triton launches on the calling thread's current device, and checks its pointers
+    # there: the pool's device must be current (the proxy maps regions of both GPUs).
+    with torch.cuda.device(dev) if storage.is_cuda else contextlib.nullcontext():
+        _checksum_rows[(n_tokens, n_layers * 2)](
+            words, slots.to(dev, torch.int64), tokens.to(dev, torch.int64), partial,
+            n_slots * row_elems, row_elems, n_layers * 2 * row_elems, c0, c1, c2,
+            UNSIGNED=getattr(tl, _UNSIGNED[width]), BLOCK=block)
     host = partial.cpu().numpy().view(np.uint64)
     return int(host.sum(dtype=np.uint64))

@@ -559,7 +559,8 @@ class PrefillEngine:
         log.warning("fault injection", extra={"request_id": rid, "fault": kind})
         if kind == "corrupt":
             # Send a copy of the rows with one bit flipped; P's checksum is over the true rows.
-            rows = self.storage.index_select(2, torch.from_numpy(np.asarray(src_slots, dtype=np.int64)))
+            index = torch.from_numpy(np.asarray(src_slots, dtype=np.int64)).to(self.storage.device)
+            rows = self.storage.index_select(2, index)
             rows = rows.contiguous()
             flat = rows.view(-1).view(torch.uint8)
             flat[0] ^= 1
