@@ -13,9 +13,12 @@ Rules, precisely:
 - Greedy when `temperature == 0`: per column, the first index of the largest logit.
 - Otherwise, per column: logits / temperature, top-k filter (`top_k == 0`: the whole
   vocabulary; ties with the k-th value are kept), softmax weights in float64, then
-  inverse-CDF with one uniform per column. The uniforms of (seed, frame_index) come from numpy's
-  PCG64 seeded by SplitMix64(seed, frame_index): integer arithmetic only, so the draw
-  is identical on every machine and for every batch composition.
+  inverse-CDF with one uniform per column. The uniform of (seed, frame_index, column)
+  is a counter-based draw: key = SplitMix64(SplitMix64(seed) ^ frame_index), then
+  u = (SplitMix64(key + (column + 1) * 0x9E3779B97F4A7C15) >> 11) * 2**-53. Integer
+  arithmetic only, so the draw is identical on every machine and for every batch
+  composition, and vectorised over a whole step's streams (one generator object per
+  stream and step cost D ~15 us each, ~2 ms of host time per step at 128 streams).
 
 Two entry points with the same rules and the same draws: `sample_frames` (logits ->
 numpy frames on the host; P, the monolith, D without overlap) and
@@ -73,10 +76,26 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def draw_uniforms(seed: int, frame_index: int, n_columns: int) -> np.ndarray:
-    """The uniforms in [0, 1) of frame `frame_index` of a stream seeded `seed`."""
-    key = _splitmix64(_splitmix64(seed) ^ (frame_index & _MASK64))
-    return np.random.Generator(np.random.PCG64(key)).random(n_columns)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` over a uint64 array (wrapping arithmetic)."""
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def draw_uniforms(seeds: list[int], frame_index: list[int], n_columns: int) -> np.ndarray:
+    """float64 [n, n_columns] in [0, 1): row i holds the uniforms of frame
+    `frame_index[i]` of a stream seeded `seeds[i]` (the module docstring's rule)."""
+    keys = np.array([_splitmix64(_splitmix64(s & _MASK64) ^ (f & _MASK64)) for s, f in
+                     zip(seeds, frame_index, strict=True)], dtype=np.uint64)
+    counters = (np.arange(1, n_columns + 1, dtype=np.uint64) * _GOLDEN)[None, :]
+    with np.errstate(over="ignore"):
+        bits = _splitmix64_array(keys[:, None] + counters)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def sample_frames(
@@ -103,7 +122,7 @@ def sample_frames(
     if sampled:
         rows = logits[sampled].to("cpu", torch.float64).numpy()
         temps = np.array([params[i].temperature for i in sampled], dtype=np.float64)
-        u = np.stack([draw_uniforms(params[i].seed, frame_index[i], n_cols) for i in sampled])
+        u = draw_uniforms([params[i].seed for i in sampled], [frame_index[i] for i in sampled], n_cols)
         out[sampled] = _sample_rows(rows, temps, [params[i].top_k for i in sampled], u)
     return out
 
@@ -180,7 +199,7 @@ def sampling_batch(
         sb.sampled_index = to_device(np.array(sampled, dtype=np.int64), device)
         sb.temperature = to_device(np.array([params[i].temperature for i in sampled], dtype=np.float64), device)
         sb.uniforms = to_device(
-            np.stack([draw_uniforms(params[i].seed, frame_index[i], n_columns) for i in sampled]), device)
+            draw_uniforms([params[i].seed for i in sampled], [frame_index[i] for i in sampled], n_columns), device)
         ks = [params[i].top_k for i in sampled]
         for k in sorted(set(ks)):
             if k > 0:

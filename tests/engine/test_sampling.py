@@ -182,3 +182,16 @@ def test_device_sampling_on_cuda_returns_the_host_samplers_frames() -> None:
         params, index = mixed_batch(64, seed)
         got = device_frames(logits.cuda(), params, index)
         assert np.array_equal(got, sample_frames(logits, params, index, EOS))
+
+
+def test_uniforms_are_a_function_of_seed_frame_and_column_only() -> None:
+    from pdunit.engine.model.sampling import draw_uniforms
+
+    batch = draw_uniforms([7, 7, 8, 2**64 - 1], [0, 1, 0, 5], 11)
+    assert batch.shape == (4, 11) and batch.dtype == np.float64
+    assert ((batch >= 0) & (batch < 1)).all()
+    for i, (seed, frame) in enumerate([(7, 0), (7, 1), (8, 0), (2**64 - 1, 5)]):
+        assert np.array_equal(draw_uniforms([seed], [frame], 11)[0], batch[i])  # alone == in a batch
+    assert len({tuple(r) for r in batch}) == 4 and len(set(batch[0])) == 11  # rows and columns differ
+    many = draw_uniforms(list(range(2000)), [3] * 2000, 11)
+    assert abs(many.mean() - 0.5) < 0.01 and abs((many < 0.1).mean() - 0.1) < 0.01  # uniform enough
