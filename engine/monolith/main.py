@@ -16,6 +16,7 @@ from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.prefill.runner import warm_up
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
@@ -29,6 +30,9 @@ class MonolithConfig(BaseModel):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
+                                    "rows (kernel compilation and GEMM choice happen there, not in the first "
+                                    "requests); default 2048 on CUDA, 0 on CPU")
     policy: str = Field("prefill-first", description=f"scheduling policy: {' | '.join(POLICIES)}")
     chunk_tokens: int = Field(8192, gt=0, description="chunked policy: rows per iteration (decode included)")
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
@@ -94,6 +98,7 @@ async def serve(cfg: MonolithConfig) -> int:
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     n_pages = cfg.pool_tokens // cfg.page_size
     storage = model.new_kv_storage(n_pages * cfg.page_size, device=cfg.device)
+    warm_up(model, storage, cfg.warmup_rows)
     engine = MonolithEngine(
         model, cfg.model, PagePool(n_pages, cfg.page_size), storage, FrameHub(asyncio.get_running_loop()),
         cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs,

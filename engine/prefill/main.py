@@ -13,6 +13,7 @@ from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.prefill.runner import warm_up
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.worker import (
     FaultInjection,
@@ -35,6 +36,9 @@ class PrefillConfig(BaseModel):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
+                                    "rows (kernel compilation and GEMM choice happen there, not in the first "
+                                    "requests); default 2048 on CUDA, 0 on CPU")
     transfer: str = Field("auto", description="transport to use among those D offers (auto = D's best)")
     cache_tokens: int = Field(65536, gt=0, description="token rows of P's own KV storage (prefix cache)")
     prefix_block_tokens: int = Field(16, gt=0, description="rows per prefix-cache block")
@@ -77,6 +81,7 @@ async def serve(cfg: PrefillConfig) -> int:
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     storage = model.new_kv_storage(cfg.cache_tokens, device=cfg.device)
+    warm_up(model, storage, cfg.warmup_rows)
     engine = PrefillEngine(
         model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
         PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,

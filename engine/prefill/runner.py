@@ -56,3 +56,37 @@ def first_frames(model: TTSModel, logits: torch.Tensor, chunks: list[PrefillChun
         for row, i in enumerate(done):
             out[i] = frames[row]
     return out
+
+
+def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None) -> float:
+    """Runs prefills of random prompts (one of `rows` rows, and a batch of two of
+    different lengths) into the first slots of `storage` before the engine serves: the
+    first forwards of a process compile Triton kernels and pick GEMM algorithms, which
+    on a GPU stalled the first requests' prefill by up to ~1 s. `rows` None: 2048 on
+    CUDA, none on the CPU. Must run before any request owns a slot (it overwrites slots
+    [0, rows)). Returns the seconds it took."""
+    import logging
+    import time
+
+    if rows is None:
+        rows = 2048 if storage.is_cuda else 0
+    rows = min(rows, int(storage.shape[2]))
+    if rows < 2:
+        return 0.0
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    vocab = min(model.config.vocab_sizes)
+    greedy = SamplingParams(max_frames=1)
+    shapes = [[rows], [rows // 2 + 1, rows - rows // 2 - 1]] if rows >= 4 else [[rows]]
+    for lengths in shapes:
+        chunks, first = [], 0
+        for n in lengths:
+            prompt = rng.integers(0, vocab - 1, size=(n, model.config.n_codebooks), dtype=np.int64)
+            chunks.append(PrefillChunk(prompt, np.arange(first, first + n, dtype=np.int64), 0, n, greedy))
+            first += n
+        run_prefill(model, storage, chunks)
+    if storage.is_cuda:
+        torch.cuda.synchronize(storage.device)
+    seconds = time.perf_counter() - t0
+    logging.getLogger("pdunit.prefill").info("warmed up", extra={"rows": rows, "seconds": round(seconds, 2)})
+    return seconds

@@ -3,8 +3,9 @@
 # files go to /tmp/res/<step>/ and come back as $OUT/results.tgz (the tool returns at
 # most 8 files), with a one-line status per step in $OUT/summary.txt.
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
-# Steps: gpu-tests ($GPU_TESTS), cap-smoke, faults ($FAULTS_KINDS), faults-pstop, step ($STEP_ARGS), transfer ($TRANSFER_ARGS),
-# mooncake, compare ($COMPARE_ARGS).
+# Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags),
+# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS), transfer ($TRANSFER_ARGS),
+# mooncake (carry .out/mooncake-whl).
 set -uo pipefail
 source tests/gpu/harness/setup.sh
 RES=/tmp/res; mkdir -p "$RES"
@@ -17,15 +18,13 @@ run_step() {
   case $step in
     gpu-tests) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
         ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} 2>&1 | tee "$dir/pytest.txt" ;;
-    cap-smoke) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units-smoke \
-        --variants 1p1d --concurrency 96,192 --duration 8 --frames 105-160 --out "$dir/cap.json" 2>&1 | tee "$dir/compare.log" ;;
     compare) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
         --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} 2>&1 | tee "$dir/compare.log" ;;
-    faults|faults-pstop)
-      kinds=${FAULTS_KINDS:-corrupt,slow,p_stop,lb_stop,p_kill,held_exit,proxy_stop}; stem=${FAULTS_STEM:-faults-gpu}
-      [ "$step" = faults-pstop ] && { kinds=p_stop; stem=$stem-pstop; }
-      timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy --kinds "$kinds" \
-        --transfers 2000 --faults 50 --max-seconds $((secs * 2 / 3)) --run-dir /tmp/units-$step/unit \
+    faults)
+      stem=${FAULTS_STEM:-faults-gpu}
+      timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy \
+        --kinds "${FAULTS_KINDS:-corrupt,slow,p_stop,lb_stop,p_kill,held_exit,proxy_stop}" \
+        --transfers 2000 --faults 50 --max-seconds $((secs * 2 / 3)) --run-dir /tmp/units-faults/unit \
         --out "$dir/faults.json" --results "$stem" 2>&1 | tee "$dir/faults.log"
       cp bench/results/"$stem".* "$dir/" 2>/dev/null ;;
     step) timeout "$secs" python3 -m pdunit.bench.step ${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2} \

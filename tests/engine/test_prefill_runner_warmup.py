@@ -1,0 +1,25 @@
+"""P's and the monolith's warm-up before serving (engine/prefill/runner.py: warm_up)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.prefill.runner import warm_up
+
+
+def test_warm_up_prefills_into_the_first_slots_only():
+    model = load_model("random:tiny:0")
+    storage = model.new_kv_storage(64)
+    assert warm_up(model, storage, 20) > 0
+    assert storage[:, :, :20].abs().sum() > 0  # the forwards wrote their K/V there
+    assert storage[:, :, 20:].abs().sum() == 0  # and nowhere else
+
+
+def test_warm_up_is_off_by_default_on_the_cpu_and_bounded_by_the_storage():
+    model = load_model("random:tiny:0")
+    storage = model.new_kv_storage(8)
+    assert warm_up(model, storage, None) == 0.0
+    assert storage.abs().sum() == 0
+    warm_up(model, storage, 10_000)  # more rows than slots: clipped to the storage
+    assert torch.isfinite(storage).all() and storage.abs().sum() > 0
