@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +41,7 @@ from pdunit.engine.transfer.base import (
 from pdunit.engine.transfer.host import HostReceiver
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
+from pdunit.sidecars.nvlink_proxy.lane_framing import recv_frame, send_frame
 
 SESSION_KEY = "x-pdunit-session"
 DEFAULT_SOCKET = "/run/pdunit/proxy.sock"
@@ -208,10 +208,10 @@ class ProxyClient:
         try:
             sock.settimeout(timeout_s)
             req.client_send_ns = time.monotonic_ns()  # the proxy reports the way in as stage "recv"
-            payload = req.SerializeToString()
-            sock.sendall(struct.pack("<I", len(payload)) + payload)
-            head = _recv_exact(sock, 4)
-            body = _recv_exact(sock, struct.unpack("<I", head)[0])
+            send_frame(sock, req.SerializeToString())
+            body = recv_frame(sock)
+            if body is None:
+                raise EOFError("the proxy closed the copy lane")
         except TimeoutError:
             # The job may still run in the proxy: the caller's quiesce asks the proxy.
             self._lane_drop()
@@ -248,16 +248,6 @@ class ProxyClient:
         self.channel.close()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise EOFError(f"the proxy closed the copy lane after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
 
 
 def _is_cuda(device: str | torch.device) -> bool:

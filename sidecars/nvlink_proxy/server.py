@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -44,6 +43,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
+from pdunit.sidecars.nvlink_proxy.lane_framing import MAX_FRAME, recv_frame, send_frame
 from pdunit.sidecars.nvlink_proxy.regions import (
     AllowList,
     JobRejected,
@@ -335,10 +335,11 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
                 log.warning("release failed", extra={"region_id": region.region_id, "error": str(e)})
 
 
-class AuthListener:
-    """The auth socket: SO_PEERCRED -> allow-list -> session token (one JSON line)."""
+class _UnixListener:
+    """A unix stream socket open to every local user (the allow-list, checked on each
+    connection's SO_PEERCRED, decides who is served) and its accept thread."""
 
-    def __init__(self, path: str, service: ProxyService) -> None:
+    def __init__(self, path: str, service: ProxyService, thread_name: str) -> None:
         self.path = path
         self.service = service
         if os.path.exists(path):
@@ -348,73 +349,7 @@ class AuthListener:
         os.chmod(path, 0o666)  # the allow-list, not file modes, decides who is admitted
         self.sock.listen(64)
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="proxy-auth", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                creds = peer_creds(conn)
-                reason = self.service.allow.check(creds)
-                if reason is None:
-                    token = self.service.sessions.issue(creds)
-                    answer = {"token": token, "instance_id": self.service.instance_id,
-                              "pid_seen": creds.pid}
-                    AUTH.labels("allowed").inc()
-                    log.info("peer admitted", extra={"peer_pid": creds.pid, "peer_uid": creds.uid})
-                else:
-                    answer = {"error": reason}
-                    AUTH.labels("denied").inc()
-                    ERRORS.labels("permission").inc()
-                    log.warning("peer refused", extra={"peer_pid": creds.pid, "peer_uid": creds.uid,
-                                                       "reason": reason})
-                try:
-                    conn.sendall((json.dumps(answer) + "\n").encode())
-                except OSError:
-                    pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class CopyLane:
-    """The copy lane (`<socket>.copy`, see proxy.proto): length-prefixed CopyRequest ->
-    LaneReply frames over a unix stream socket. A connecting peer is checked against
-    the allow-list by its SO_PEERCRED, exactly like the auth socket; a refused peer gets
-    one PERMISSION_DENIED frame and is disconnected before it can send a job. Each
-    connection has its own thread; jobs share ProxyService.job_slots with gRPC."""
-
-    MAX_FRAME = 64 << 20
-
-    def __init__(self, path: str, service: ProxyService, max_connections: int = 64) -> None:
-        self.path = path
-        self.service = service
-        self.max_connections = max_connections
-        if os.path.exists(path):
-            os.unlink(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        os.chmod(path, 0o666)  # the allow-list, not file modes, decides who is admitted
-        self.sock.listen(64)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self.thread = threading.Thread(target=self._serve, name="proxy-lane", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -426,40 +361,103 @@ class CopyLane:
             except OSError:
                 return
             creds = peer_creds(conn)
-            reason = self.service.allow.check(creds)
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-            if reason is not None or full:
-                ERRORS.labels("permission" if reason else "lane_full").inc()
-                code = "PERMISSION_DENIED" if reason else "RESOURCE_EXHAUSTED"
-                msg = reason or (f"copy lane has {self.max_connections} connections already; "
-                                 "close idle senders or raise the limit")
-                log.warning("copy lane refused a peer", extra={"peer_pid": creds.pid, "peer_uid": creds.uid,
-                                                              "reason": msg})
-                try:
-                    _send_frame(conn, pb.LaneReply(code=code, message=msg).SerializeToString())
-                except OSError:
-                    pass
-                conn.close()
-                continue
-            t = threading.Thread(target=self._connection, args=(conn, creds), name="proxy-lane-conn",
-                                 daemon=True)
-            with self._lock:
-                self._conns[conn] = t
-                LANE_CONNECTIONS.set(len(self._conns))
-            t.start()
+            self._handle(conn, creds, self.service.allow.check(creds))
+
+    def _handle(self, conn: socket.socket, creds: PeerCreds, refused: str | None) -> None:
+        """One accepted connection; `refused` is the allow-list's reason, or None."""
+        raise NotImplementedError
+
+    def _close_socket(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class AuthListener(_UnixListener):
+    """The auth socket: SO_PEERCRED -> allow-list -> session token (one JSON line)."""
+
+    def __init__(self, path: str, service: ProxyService) -> None:
+        super().__init__(path, service, "proxy-auth")
+
+    def _handle(self, conn: socket.socket, creds: PeerCreds, refused: str | None) -> None:
+        if refused is None:
+            token = self.service.sessions.issue(creds)
+            answer = {"token": token, "instance_id": self.service.instance_id, "pid_seen": creds.pid}
+            AUTH.labels("allowed").inc()
+            log.info("peer admitted", extra={"peer_pid": creds.pid, "peer_uid": creds.uid})
+        else:
+            answer = {"error": refused}
+            AUTH.labels("denied").inc()
+            ERRORS.labels("permission").inc()
+            log.warning("peer refused", extra={"peer_pid": creds.pid, "peer_uid": creds.uid, "reason": refused})
+        with conn:
+            try:
+                conn.sendall((json.dumps(answer) + "\n").encode())
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._close_socket()
+        self._unlink()
+
+
+class CopyLane(_UnixListener):
+    """The copy lane (`<socket>.copy`, see proxy.proto): length-prefixed CopyRequest ->
+    LaneReply frames over a unix stream socket. A connecting peer is checked against
+    the allow-list by its SO_PEERCRED, exactly like the auth socket; a refused peer gets
+    one PERMISSION_DENIED frame and is disconnected before it can send a job. Each
+    connection has its own thread; jobs share ProxyService.job_slots with gRPC."""
+
+    MAX_FRAME = MAX_FRAME
+
+    def __init__(self, path: str, service: ProxyService, max_connections: int = 64) -> None:
+        super().__init__(path, service, "proxy-lane")
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+
+    def _handle(self, conn: socket.socket, creds: PeerCreds, refused: str | None) -> None:
+        with self._lock:
+            full = len(self._conns) >= self.max_connections
+        if refused is not None or full:
+            ERRORS.labels("permission" if refused else "lane_full").inc()
+            code = "PERMISSION_DENIED" if refused else "RESOURCE_EXHAUSTED"
+            msg = refused or (f"copy lane has {self.max_connections} connections already; "
+                              "close idle senders or raise the limit")
+            log.warning("copy lane refused a peer", extra={"peer_pid": creds.pid, "peer_uid": creds.uid,
+                                                          "reason": msg})
+            try:
+                send_frame(conn, pb.LaneReply(code=code, message=msg).SerializeToString())
+            except OSError:
+                pass
+            conn.close()
+            return
+        t = threading.Thread(target=self._connection, args=(conn, creds), name="proxy-lane-conn", daemon=True)
+        with self._lock:
+            self._conns[conn] = t
+            LANE_CONNECTIONS.set(len(self._conns))
+        t.start()
 
     def _connection(self, conn: socket.socket, creds: PeerCreds) -> None:
         try:
             while not self._stop.is_set():
-                raw = _recv_frame(conn, self.MAX_FRAME)
+                raw = recv_frame(conn, self.MAX_FRAME)
                 if raw is None:
                     return  # the peer closed, or stop() shut the read side
                 try:
                     request = pb.CopyRequest.FromString(raw)
                 except Exception as e:  # a frame that is not a CopyRequest: tell and hang up
                     ERRORS.labels("invalid_argument").inc()
-                    _send_frame(conn, pb.LaneReply(code="INVALID_ARGUMENT",
+                    send_frame(conn, pb.LaneReply(code="INVALID_ARGUMENT",
                                                    message=f"copy lane frame is not a CopyRequest: {e}")
                                 .SerializeToString())
                     return
@@ -469,7 +467,7 @@ class CopyLane:
                 except CopyError as e:
                     ERRORS.labels(e.kind).inc()
                     answer = pb.LaneReply(code=e.code, message=e.message)
-                _send_frame(conn, answer.SerializeToString())
+                send_frame(conn, answer.SerializeToString())
         except OSError as e:
             log.info("copy lane connection ended", extra={"peer_pid": creds.pid, "error": str(e)})
         finally:
@@ -480,12 +478,7 @@ class CopyLane:
 
     def stop(self, grace_s: float) -> None:
         """No new connections or jobs; a job already running finishes and is answered."""
-        self._stop.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        self._close_socket()
         with self._lock:
             conns = list(self._conns.items())
         for conn, _ in conns:
@@ -496,36 +489,9 @@ class CopyLane:
         deadline = time.monotonic() + grace_s
         for _, t in conns:
             t.join(max(0.0, deadline - time.monotonic()))
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
 
 
-def _send_frame(conn: socket.socket, payload: bytes) -> None:
-    conn.sendall(struct.pack("<I", len(payload)) + payload)
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = conn.recv_into(view[got:], n - got)
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
-
-
-def _recv_frame(conn: socket.socket, limit: int) -> bytes | None:
-    head = _recv_exact(conn, 4)
-    if head is None:
-        return None
-    (size,) = struct.unpack("<I", head)
-    if size > limit:
-        raise OSError(f"copy lane frame of {size} bytes exceeds {limit}")
-    return _recv_exact(conn, size) if size else b""
 
 
 def build_server(socket_path: str, service: ProxyService, workers: int) -> grpc.Server:
