@@ -86,7 +86,7 @@ def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
     return out
 
 
-def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | None]:
+def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | str | None]:
     def over(a: str | None, b: str | None) -> float | None:
         x, y = per_gpu.get(a or ""), per_gpu.get(b or "")
         return round(x / y, 3) if x and y else None

@@ -82,7 +82,7 @@ def run_edges(config: EdgesConfig | dict[str, Any] | None = None) -> dict[str, A
             ids.astype("<i8").tobytes(),
         ),
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, (ctype, headers, body) in cases.items():
         packed = parse_request(ctype, headers, body, limits)
         if packed.prompt.tolist() != ids.tolist():

@@ -8,7 +8,7 @@ import sys
 from pydantic import BaseModel, Field
 
 from pdunit.engine.decode.hub import FrameHub
-from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug, torch_setup
+from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setup, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.config import torch_dtype
@@ -47,13 +47,15 @@ class DecodeConfig(BaseModel):
     debug_port: int = Field(0, ge=0, description="fault injection/debug only (never in a pod): serve the pool's "
                             "ownership map on 127.0.0.1:<port>/debug/pool (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
+    gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
+                                 "handler waits for the step-loop thread (Python's default is 5)")
     log_level: str = Field("info", description="log level")
 
 
 async def serve(cfg: DecodeConfig) -> int:
     log = setup_logging("decode", cfg.log_level)
     log_config(log, cfg)
-    torch_setup(cfg.torch_threads)
+    engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "decode-exec"))

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -519,5 +520,11 @@ def serve_debug(engine: DecodeEngine, port: int) -> None:
     log.warning("debug endpoint on: pool ownership is readable", extra={"port": port})
 
 
-def torch_setup(threads: int) -> None:
+def engine_setup(threads: int, gil_switch_ms: float) -> None:
+    """Process-wide knobs of an engine (P, D, monolith): torch's intra-op threads, and
+    Python's GIL switch interval. The step-loop thread runs Python between kernels; with
+    Python's default 5 ms interval a gRPC handler (Reserve, Commit, Submit) waited up to
+    that long for the GIL at every hand-over, and a unary RPC to a busy engine took
+    ~27 ms at p99 instead of ~4 ms at 0.5 ms (measured on the 2-core dev box)."""
     torch.set_num_threads(max(1, threads))
+    sys.setswitchinterval(gil_switch_ms / 1000)

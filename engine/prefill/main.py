@@ -7,7 +7,7 @@ import sys
 
 from pydantic import BaseModel, Field, field_validator
 
-from pdunit.engine.decode.worker import torch_setup
+from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.model.device import bind_thread, device_executor
@@ -63,6 +63,8 @@ class PrefillConfig(BaseModel):
                                  "instead of D's address (a relay that can stall)")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
+    gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
+                                 "handler waits for the step-loop thread (Python's default is 5)")
     log_level: str = Field("info", description="log level")
 
     @field_validator("decode_socket")
@@ -75,7 +77,7 @@ class PrefillConfig(BaseModel):
 async def serve(cfg: PrefillConfig) -> int:
     log = setup_logging("prefill", cfg.log_level)
     log_config(log, cfg)
-    torch_setup(cfg.torch_threads)
+    engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))

@@ -46,8 +46,12 @@ async def serve_submit(
     loop = asyncio.get_running_loop()
     future: asyncio.Future[pb.SubmitReply] = loop.create_future()
 
+    def resolve(reply: pb.SubmitReply) -> None:
+        if not future.done():  # a cancelled Submit leaves its future done
+            future.set_result(reply)
+
     def done(reply: pb.SubmitReply) -> None:
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reply))
+        loop.call_soon_threadsafe(resolve, reply)
 
     s = req.sampling
     try:

@@ -108,6 +108,8 @@ class DirectReceiver(KVReceiver):
 class DirectSender(KVSender):
     mode = ""
 
+    _owners: list[Any]  # what keeps D's mapped memory open (per subclass); released by close()
+
     def __init__(self, descriptor: Descriptor, geometry: PoolGeometry, device: str) -> None:
         if descriptor.mode != self.mode:
             raise TransferError(f"{type(self).__name__} needs a {self.mode!r} descriptor, got {descriptor.mode!r}")
@@ -118,7 +120,8 @@ class DirectSender(KVSender):
             raise TransferError(f"D's pool has {descriptor.params['n_slots']} slots, P expects {geometry.n_slots}")
         # Open both regions in P's own device context: the kernel runs on P's GPU and
         # writes D's memory over the peer link.
-        self.dst_ptr, self.probe_ptr, self._owners = self._open(descriptor)
+        self.dst_ptr, self.probe_ptr, owners = self._open(descriptor)
+        self._owners = owners
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}
         self._cancelled: OrderedDict[int, None] = OrderedDict()

@@ -44,4 +44,4 @@ class FabricSender(DirectSender):
     def close(self) -> None:
         for a in self._owners:
             a.close()
-        self._owners = []
+        self._owners.clear()

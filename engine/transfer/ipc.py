@@ -61,4 +61,4 @@ class IpcSender(DirectSender):
                 cudadrv.ipc_close(base, self.ordinal)
             except cudadrv.CudaError:
                 pass
-        self._owners = []
+        self._owners.clear()

@@ -60,4 +60,4 @@ class PosixFdSender(DirectSender):
     def close(self) -> None:
         for a in self._owners:
             a.close()
-        self._owners = []
+        self._owners.clear()

@@ -432,7 +432,7 @@ class TcpSender(KVSender):
                     rows = src.index_select(2, idx[t0:t0 + k]).contiguous().cpu()
                     remaining = int(deadline_unix_ms - time.time() * 1000)
                     _send(conn.sock, conn.lock, CHUNK, request_id, a=t0, b=k, c=remaining,
-                          payload=memoryview(rows.view(torch.uint8).numpy()).cast("B"))
+                          payload=rows.view(torch.uint8).numpy().data.cast("B"))
 
             for f in [self._pool.submit(send_share, i) for i in range(self.n_conns)]:
                 f.result()

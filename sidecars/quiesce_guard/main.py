@@ -89,7 +89,7 @@ async def serve(cfg: GuardConfig) -> int:
     if cfg.port:
         server = uvicorn.Server(uvicorn.Config(status_app(status), host=cfg.host, port=cfg.port,
                                                log_config=None, lifespan="off"))
-        server.install_signal_handlers = lambda: None  # our own shutdown_event handles signals
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # our shutdown_event handles signals
         asyncio.create_task(server.serve())
     log.info("guard watching", extra={"prefill": cfg.prefill_socket, "decode": cfg.decode_socket})
     while not stop.is_set():

@@ -1,0 +1,27 @@
+"""Engine processes set Python's GIL switch interval from their config (a gRPC handler
+must not wait Python's default 5 ms for the step-loop thread)."""
+
+from __future__ import annotations
+
+import sys
+
+from pdunit.engine.decode.main import DecodeConfig
+from pdunit.engine.decode.worker import engine_setup
+from pdunit.engine.monolith.main import MonolithConfig
+from pdunit.engine.prefill.main import PrefillConfig
+from pdunit.engine.settings import parse_config
+
+
+def test_every_engine_defaults_to_a_half_millisecond_switch_interval():
+    for model in (DecodeConfig, PrefillConfig, MonolithConfig):
+        assert model().gil_switch_ms == 0.5
+    assert parse_config(DecodeConfig, ["--gil-switch-ms", "2"], "pdunit decode").gil_switch_ms == 2.0
+
+
+def test_engine_setup_applies_the_interval():
+    before = sys.getswitchinterval()
+    try:
+        engine_setup(1, 0.5)
+        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
+    finally:
+        sys.setswitchinterval(before)
