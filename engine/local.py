@@ -25,7 +25,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import decode_names, parse_config
 
 log = logging.getLogger("pdunit.local")
 
@@ -114,8 +114,7 @@ class LocalUnit:
     @property
     def decode_names(self) -> list[str]:
         """Child (and socket) names of the D's: `decode`, or `decode-0`, `decode-1`, ..."""
-        n = self.n_decoders
-        return ["decode"] if n == 1 else [f"decode-{i}" for i in range(n)]
+        return decode_names(self.n_decoders)
 
     def _decode_devices(self) -> list[str]:
         c = self.cfg
@@ -155,8 +154,7 @@ class LocalUnit:
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
                                              "--proxy-socket", self.sock("proxy")] + common + c.extra_prefill_args))
             if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
-                # The guard watches one D (the first): its policy reads one D's held pages.
-                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", d_socks[0], "--port", str(self.guard_port), "--host", "127.0.0.1",
+                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", ",".join(d_socks), "--port", str(self.guard_port), "--host", "127.0.0.1",
                                                "--log-level", c.log_level] + c.extra_guard_args))
         else:
             raise ValueError(f"mode {c.mode!r}: expected pd, 1p2d or monolith")

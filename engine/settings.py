@@ -111,3 +111,19 @@ def parse_config(
         message = "\n".join(lines)
         print(message, file=sys.stderr)
         raise ConfigError(message) from None
+
+
+def parse_decode_sockets(value: str) -> list[str]:
+    """`--decode-socket`: one socket, or a comma list (one P feeding several D's)."""
+    sockets = [s.strip() for s in value.split(",") if s.strip()]
+    if not sockets:
+        raise ValueError("--decode-socket is empty: give D's socket, or a comma list of D sockets")
+    if len(set(sockets)) != len(sockets):
+        raise ValueError(f"--decode-socket {value!r} names a socket twice: each D once")
+    return sockets
+
+
+def decode_names(n: int) -> list[str]:
+    """The names of a unit's D's (containers, sockets, logs, metric labels): `decode`
+    alone, or `decode-0`, `decode-1`, ... (1PnD)."""
+    return ["decode"] if n == 1 else [f"decode-{i}" for i in range(n)]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pdunit.engine.settings import decode_names
 from pdunit.operator import models as m
 
 RUN_DIR = "/run/pdunit"
@@ -260,7 +261,7 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             "--prefill-socket",
             PREFILL_SOCKET,
             "--decode-socket",
-            socks[0],  # the guard watches one D; each D also drains itself
+            ",".join(socks),  # every D: each one's held pages and draining are watched
         ]
     else:
         raise ValueError(f"unknown role {role!r}; expected one of {m.ROLES}")
@@ -324,8 +325,8 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
     }
     containers = [lb, _container(name, spec, "prefill", "prefill")]
     n_decoders = int(spec.get("decoders", 1))
-    for i in range(n_decoders):  # 1PnD: one decode engine (and GPU) per container
-        containers.append(_container(name, spec, "decode", "decode" if n_decoders == 1 else f"decode-{i}", i))
+    for i, container in enumerate(decode_names(n_decoders)):  # 1PnD: one decode engine (and GPU) each
+        containers.append(_container(name, spec, "decode", container, i))
     for c in containers:
         c["lifecycle"] = {"preStop": _pre_stop(spec)}
 

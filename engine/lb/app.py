@@ -46,7 +46,7 @@ from pdunit.engine.lb.streams import (
     StreamFailure,
     StreamTable,
 )
-from pdunit.engine.lb.unit import InfoSnapshot, UnitClient, decode_names, request_ids_of
+from pdunit.engine.lb.unit import InfoSnapshot, UnitClient, request_ids_of
 from pdunit.engine.lb.validate import (
     Limits,
     PackedRequest,
@@ -57,6 +57,7 @@ from pdunit.engine.lb.validate import (
 from pdunit.engine.observability import now_ns
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.settings import decode_names
 
 log = logging.getLogger("pdunit.lb")
 

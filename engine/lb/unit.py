@@ -23,6 +23,7 @@ import numpy as np
 from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.settings import decode_names
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as proxy_pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as proxy_pbg
 
@@ -52,12 +53,6 @@ class InfoSnapshot:
 
     def decode_replies(self) -> list[pb.InfoReply | None]:
         return self.decodes or [self.decode]
-
-
-def decode_names(n: int) -> list[str]:
-    """How the LB names its D's in errors, metrics and /v1/load: `decode` when there is
-    one (as before 1P2D), else `decode-0`, `decode-1`, ..."""
-    return ["decode"] if n == 1 else [f"decode-{i}" for i in range(n)]
 
 
 class UnitClient:

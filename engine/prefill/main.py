@@ -19,10 +19,9 @@ from pdunit.engine.prefill.worker import (
     FaultInjection,
     PrefillEngine,
     PrefillService,
-    parse_decode_sockets,
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import parse_config, parse_decode_sockets
 
 
 class PrefillConfig(BaseModel):

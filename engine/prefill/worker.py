@@ -56,6 +56,7 @@ from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.settings import decode_names, parse_decode_sockets
 from pdunit.engine.transfer.base import Descriptor, KVSender, PoolGeometry, TransferError
 from pdunit.engine.transfer.factory import make_sender
 
@@ -125,16 +126,6 @@ class DecodeLink:
         self.responsive = True
 
 
-def parse_decode_sockets(value: str) -> list[str]:
-    """`--decode-socket`: one socket, or a comma list (one P feeding several D's)."""
-    sockets = [s.strip() for s in value.split(",") if s.strip()]
-    if not sockets:
-        raise ValueError("--decode-socket is empty: give D's socket, or a comma list of D sockets")
-    if len(set(sockets)) != len(sockets):
-        raise ValueError(f"--decode-socket {value!r} names a socket twice: each D once")
-    return sockets
-
-
 class PrefillEngine:
     def __init__(
         self,
@@ -173,8 +164,8 @@ class PrefillEngine:
         self.transfer_deadlines: dict[int, int] = {}  # request id -> deadline sent in RESERVE
         self.cancel_reasons: dict[int, tuple[int, str]] = {}  # why an active job was cancelled
         sockets = parse_decode_sockets(decode_socket)
-        self.links = [DecodeLink(i, sock, "decode" if len(sockets) == 1 else f"decode-{i}")
-                      for i, sock in enumerate(sockets)]
+        self.links = [DecodeLink(i, sock, name)
+                      for i, (sock, name) in enumerate(zip(sockets, decode_names(len(sockets)), strict=True))]
         self.routes: dict[int, DecodeLink] = {}  # request id -> the D it was reserved on
         self.decode_probe_interval_s = decode_probe_interval_s
         self.active: dict[int, PrefillJob] = {}

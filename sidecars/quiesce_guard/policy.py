@@ -6,8 +6,9 @@ Rules:
 - P holding `max_held_aborts` unanswered aborts must exit (its restart is proof (b)).
   P exits by itself; if it still reports the limit after `enforce_grace_s`, the guard
   kills it (SIGKILL through the pod's shared PID namespace).
-- D above `held_drain_fraction` held pages must be draining; the guard reports when it
-  starts and ends, and flags a D that is over the threshold without draining.
+- Every D (one, or each of a 1PnD unit's) above `held_drain_fraction` held pages must
+  be draining; the guard reports when each starts and ends, and flags a D that is over
+  the threshold without draining. Actions about a D name it.
 - A new P instance id is reported (held requests of the old one become releasable).
 """
 
@@ -17,16 +18,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class DecodeObservation:
+    name: str                          # decode, or decode-0, decode-1, ... (1PnD)
+    reachable: bool = False
+    held_pages: int = 0
+    pool_pages: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True)
 class Observation:
     at: float                          # monotonic seconds
     p_reachable: bool
     p_instance: str = ""
     p_pid: int = 0
     p_held_aborts: int = 0
-    d_reachable: bool = False
-    d_held_pages: int = 0
-    d_pool_pages: int = 0
-    d_draining: bool = False
+    decoders: tuple[DecodeObservation, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,14 @@ class Action:
     kind: str        # p_over_limit | kill_p | p_restarted | d_drain_started | d_drain_ended | d_not_draining | p_unreachable | d_unreachable
     message: str
     pid: int = 0
+    decode: str = ""  # the D an action is about
+
+
+@dataclass
+class DecodeState:
+    draining: bool = False
+    over: bool = False
+    reachable: bool = True
 
 
 @dataclass
@@ -41,10 +56,8 @@ class GuardState:
     p_instance: str = ""
     p_over_since: float | None = None
     killed_instance: str = ""
-    d_draining: bool = False
-    d_over: bool = False
     p_reachable: bool = True
-    d_reachable: bool = True
+    decoders: dict[str, DecodeState] = field(default_factory=dict)
     actions_total: dict[str, int] = field(default_factory=dict)
 
 
@@ -55,10 +68,6 @@ def evaluate(obs: Observation, state: GuardState, max_held_aborts: int, held_dra
         state.p_reachable = obs.p_reachable
         if not obs.p_reachable:
             actions.append(Action("p_unreachable", "prefill does not answer Info"))
-    if obs.d_reachable != state.d_reachable:
-        state.d_reachable = obs.d_reachable
-        if not obs.d_reachable:
-            actions.append(Action("d_unreachable", "decode does not answer Info"))
     if obs.p_reachable:
         if state.p_instance and obs.p_instance != state.p_instance:
             actions.append(Action("p_restarted", f"prefill instance {state.p_instance[:8]} -> {obs.p_instance[:8]}"))
@@ -77,16 +86,28 @@ def evaluate(obs: Observation, state: GuardState, max_held_aborts: int, held_dra
                                                 f"{enforce_grace_s}s: killing pid {obs.p_pid}", obs.p_pid))
         else:
             state.p_over_since = None
-    if obs.d_reachable and obs.d_pool_pages:
-        over = obs.d_held_pages / obs.d_pool_pages > held_drain_fraction
-        if obs.d_draining != state.d_draining:
-            state.d_draining = obs.d_draining
-            kind = "d_drain_started" if obs.d_draining else "d_drain_ended"
-            actions.append(Action(kind, f"decode held pages {obs.d_held_pages}/{obs.d_pool_pages}"))
-        if over and not obs.d_draining and not state.d_over:
-            actions.append(Action("d_not_draining", f"decode holds {obs.d_held_pages}/{obs.d_pool_pages} pages "
-                                                    f"(> {held_drain_fraction:.0%}) but is not draining"))
-        state.d_over = over and not obs.d_draining
+    for d in obs.decoders:
+        actions += _evaluate_decode(d, state.decoders.setdefault(d.name, DecodeState()), held_drain_fraction)
     for a in actions:
         state.actions_total[a.kind] = state.actions_total.get(a.kind, 0) + 1
+    return actions
+
+
+def _evaluate_decode(d: DecodeObservation, state: DecodeState, held_drain_fraction: float) -> list[Action]:
+    actions: list[Action] = []
+    if d.reachable != state.reachable:
+        state.reachable = d.reachable
+        if not d.reachable:
+            actions.append(Action("d_unreachable", f"{d.name} does not answer Info", decode=d.name))
+    if d.reachable and d.pool_pages:
+        over = d.held_pages / d.pool_pages > held_drain_fraction
+        if d.draining != state.draining:
+            state.draining = d.draining
+            kind = "d_drain_started" if d.draining else "d_drain_ended"
+            actions.append(Action(kind, f"{d.name} held pages {d.held_pages}/{d.pool_pages}", decode=d.name))
+        if over and not d.draining and not state.over:
+            actions.append(Action("d_not_draining", f"{d.name} holds {d.held_pages}/{d.pool_pages} pages "
+                                                    f"(> {held_drain_fraction:.0%}) but is not draining",
+                                  decode=d.name))
+        state.over = over and not d.draining
     return actions

@@ -246,6 +246,8 @@ def test_a_1p2d_unit_runs_two_decode_engines_each_on_its_own_gpu_and_socket() ->
     for role in ("prefill", "lb"):
         cmd = by_name[role]["command"]
         assert cmd[cmd.index("--decode-socket") + 1] == ",".join(socks)
+    guard = next(c for c in pod["spec"]["initContainers"] if c["name"] == "quiesce-guard")["command"]
+    assert guard[guard.index("--decode-socket") + 1] == ",".join(socks)  # the guard watches every D
     gpus = sum(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["spec"]["containers"])
     assert gpus == 3
     # 1P1D keeps the plain socket name

@@ -1,12 +1,15 @@
 """The quiesce-guard's rules (PROTOCOL.md section 4), on plain observations."""
 
-from pdunit.sidecars.quiesce_guard.policy import GuardState, Observation, evaluate
+from pdunit.sidecars.quiesce_guard.policy import DecodeObservation, GuardState, Observation, evaluate
 
 
-def obs(t, **kw):
-    base = dict(at=t, p_reachable=True, p_instance="p1", p_pid=1234, d_reachable=True, d_pool_pages=100)
+def obs(t, d_held_pages=0, d_draining=False, decoders=None, **kw):
+    """P's fields as keywords; one D named `decode` unless `decoders` lists several."""
+    base = dict(at=t, p_reachable=True, p_instance="p1", p_pid=1234)
     base.update(kw)
-    return Observation(**base)
+    if decoders is None:
+        decoders = (DecodeObservation("decode", True, d_held_pages, 100, d_draining),)
+    return Observation(**base, decoders=tuple(decoders))
 
 
 def kinds(actions):
@@ -50,3 +53,16 @@ def test_d_over_threshold_without_draining_is_flagged_once():
     assert kinds(evaluate(obs(0, d_held_pages=26), s, 3, 0.25, 3.0)) == ["d_not_draining"]
     assert kinds(evaluate(obs(1, d_held_pages=27), s, 3, 0.25, 3.0)) == []
     assert kinds(evaluate(obs(2, d_held_pages=25), s, 3, 0.25, 3.0)) == []  # 25% is not above 25%
+
+
+def test_each_decoder_of_a_1pnd_unit_is_watched_and_named():
+    s = GuardState()
+    calm = DecodeObservation("decode-0", True, 5, 100, False)
+    over = DecodeObservation("decode-1", True, 40, 100, False)
+    acts = evaluate(obs(0, decoders=[calm, over]), s, 3, 0.25, 3.0)
+    assert kinds(acts) == ["d_not_draining"] and acts[0].decode == "decode-1" and "decode-1" in acts[0].message
+    draining = DecodeObservation("decode-1", True, 40, 100, True)
+    gone = DecodeObservation("decode-0")  # no answer to Info
+    acts = evaluate(obs(1, decoders=[gone, draining]), s, 3, 0.25, 3.0)
+    assert sorted((a.kind, a.decode) for a in acts) == [("d_drain_started", "decode-1"),
+                                                       ("d_unreachable", "decode-0")]
