@@ -18,6 +18,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -312,11 +313,16 @@ async def run_level(
     progress: _Progress,
     concurrency: int | None = None,
     rate: float | None = None,
+    window: Callable[[str], None] | None = None,
 ) -> list[StreamResult]:
-    """One level: closed loop at `concurrency`, or Poisson arrivals at `rate`."""
+    """One level: closed loop at `concurrency`, or Poisson arrivals at `rate`.
+    `window("start")` / `window("end")` are called (in a worker thread) when the counted
+    window opens (after --warmup) and when arrivals stop: a caller reads the unit's own
+    metrics there, so they cover the steady state and not the ramp or the drain."""
     results: list[StreamResult] = []
     t0 = time.perf_counter()
     stop_at = t0 + cfg.duration
+    marks = asyncio.ensure_future(_window_marks(window, t0 + cfg.warmup, stop_at)) if window else None
     skipped = [0]
     progress.start_level(f"c={concurrency}" if concurrency is not None else f"rate={rate:g}/s")
     started = 0
@@ -388,10 +394,21 @@ async def run_level(
                 await driver
             results.extend(_unserved("cut_at_end") for _ in range(cut))
             break
+    if marks is not None:
+        with _suppress_cancel():
+            await marks
     if driver.done() and not driver.cancelled() and driver.exception() is not None:
         raise driver.exception()  # type: ignore[misc]
     results.extend(_unserved("client_cap") for _ in range(skipped[0]))
     return results
+
+
+async def _window_marks(window: Callable[[str], None], start_at: float, end_at: float) -> None:
+    if start_at >= end_at:
+        return  # no steady window: the caller keeps its level-wide view
+    for name, at in (("start", start_at), ("end", end_at)):
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        await asyncio.to_thread(window, name)
 
 
 def _unserved(error: str) -> StreamResult:
@@ -518,7 +535,8 @@ def _as_config(config: CapacityConfig | dict[str, Any]) -> CapacityConfig:
 
 
 async def run_capacity_async(
-    config: CapacityConfig | dict[str, Any], command: str | None = None, keep_streams: bool = False
+    config: CapacityConfig | dict[str, Any], command: str | None = None, keep_streams: bool = False,
+    window: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     cfg = _as_config(config)
     url = cfg.url.rstrip("/")
@@ -550,7 +568,7 @@ async def run_capacity_async(
         try:
             for c, r in levels:
                 t = time.perf_counter()
-                results = await run_level(client, cfg, workload, progress, concurrency=c, rate=r)
+                results = await run_level(client, cfg, workload, progress, concurrency=c, rate=r, window=window)
                 rows.append(summarize_level(results, cfg, c, r, time.perf_counter() - t))
                 if keep_streams:
                     streams.extend({"concurrency": c, "rate": r, **s.record()} for s in results)
@@ -579,10 +597,12 @@ async def run_capacity_async(
 
 
 def run_capacity(
-    config: CapacityConfig | dict[str, Any], command: str | None = None, keep_streams: bool = False
+    config: CapacityConfig | dict[str, Any], command: str | None = None, keep_streams: bool = False,
+    window: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every level against the LB and return the results document (report.Results)."""
-    return asyncio.run(run_capacity_async(config, command, keep_streams))
+    """Run every level against the LB and return the results document (report.Results);
+    `window`: see `run_level`."""
+    return asyncio.run(run_capacity_async(config, command, keep_streams, window))
 
 
 def plot_capacity(rows: list[dict[str, Any]], path: str, cfg: CapacityConfig) -> Any:

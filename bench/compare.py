@@ -12,6 +12,7 @@ check with the tiny model; on a GPU machine pass `--device cuda` and the model s
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -237,10 +238,20 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
     streams: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
     for level in base.concurrency:
-        before = _scrape_all(ports)
-        doc = run_capacity(base.model_copy(update={"concurrency": [level]}), command=command, keep_streams=True)
+        marks: dict[str, tuple[float, dict[str, float]]] = {}
+
+        def window(name: str, marks: dict[str, tuple[float, dict[str, float]]] = marks) -> None:
+            marks[name] = (time.monotonic(), _scrape_all(ports))
+
+        before = (time.monotonic(), _scrape_all(ports))
+        doc = run_capacity(base.model_copy(update={"concurrency": [level]}), command=command, keep_streams=True,
+                           window=window if ports else None)
         row = doc["rows"][0]
-        row["engine"] = engine_deltas(before, _scrape_all(ports), row["elapsed_s"])
+        # the steady window (ramp and drain left out) when the level had one
+        (t_a, a), (t_b, b) = (marks["start"], marks["end"]) if "end" in marks else \
+            (before, (time.monotonic(), _scrape_all(ports)))
+        row["engine"] = engine_deltas(a, b, t_b - t_a)
+        row["engine"]["window"] = "steady" if "end" in marks else "level"
         row["gpu_busy"] = row["engine"].get("d_gpu_busy")
         rows.append(row)
         streams += doc["streams"]

@@ -289,6 +289,20 @@ def test_a_ramped_closed_loop_spreads_its_first_requests_and_skips_the_ramp(serv
     assert min(s["started_s"] for s in skipped["streams"]) >= 0.5  # the ramp's streams are not counted
 
 
+def test_the_window_hook_marks_the_counted_part_of_a_level(serve):
+    url = serve(FakeLB(fps=400.0))
+    seen: list[tuple[str, float]] = []
+    t0 = time.perf_counter()
+    run_capacity(base_config(url, concurrency="2", duration=1.0, frames="20", ramp=0.4, warmup=0.4),
+                 window=lambda name: seen.append((name, time.perf_counter() - t0)))
+    assert [n for n, _ in seen] == ["start", "end"]
+    assert 0.35 <= seen[0][1] < seen[1][1] and seen[1][1] >= 0.95  # after the warmup; when arrivals stop
+    seen.clear()
+    run_capacity(base_config(url, concurrency="2", duration=0.3, frames="20", warmup=0.5),
+                 window=lambda name: seen.append((name, 0.0)))
+    assert seen == []  # no steady window at all: the hook is not called
+
+
 def test_config_accepts_flags_and_names_bad_ranges():
     cfg = CapacityConfig.model_validate(
         {"concurrency": "4,8", "prompt_rows": ["1000-2000"], "frames": "105"}
