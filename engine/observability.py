@@ -60,7 +60,10 @@ def setup_logging(component: str, level: str = "info") -> logging.Logger:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
-    logging.getLogger("uvicorn.access").setLevel("WARNING")
+    # Access-log-like chatter: one line per request would drown the process's own log
+    # (and the stream table of `pdunit local`); their warnings and errors still show.
+    for name in ("uvicorn.access", "httpx", "httpcore"):
+        logging.getLogger(name).setLevel("WARNING")
     return logging.getLogger(f"pdunit.{component}")
 
 
