@@ -63,6 +63,7 @@ never re-implements the engine's step: it drives D's own classes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import math
@@ -130,6 +131,7 @@ class StepConfig:
     device: str = "cuda"
     temperature: float = 0.0
     top_k: int = 0
+    profile: bool = False
     out: str = "bench/results"
     machine_tag: str | None = None
     command: str = ""
@@ -377,6 +379,28 @@ class EngineUnderTest:
                 f"(states: {self.pool.counts()})")
 
 
+PROFILE_COLUMNS = [
+    report.Column("op", "op", "{}"), report.Column("self_cpu_ms", "self host ms", "{:.3f}"),
+    report.Column("cpu_ms", "host ms incl. children", "{:.3f}"), report.Column("calls", "calls", "{}"),
+]
+
+
+def _profiler(cuda: bool) -> Any:
+    """torch.profiler over the timed iterations (host ops, and kernels on CUDA): where a
+    step's host time goes, op by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+
+def _profile_top(prof: Any, iters: int, n: int = 15) -> list[dict[str, Any]]:
+    """The `n` ops with the most self host time, per timed iteration."""
+    events = sorted(prof.key_averages(), key=lambda ev: ev.self_cpu_time_total, reverse=True)[:n]
+    return [{"op": ev.key, "self_cpu_ms": round(ev.self_cpu_time_total / 1e3 / iters, 4),
+             "cpu_ms": round(ev.cpu_time_total / 1e3 / iters, 4), "calls": round(ev.count / iters, 2)}
+            for ev in events]
+
+
 def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg: StepConfig,
                 rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
     """Admit, warm up, time `cfg.iters` iterations, drain. Returns the row and the
@@ -403,21 +427,24 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
     # iteration; the window's `iters` iterations then wait for exactly `iters` steps.
     before = _engine_counters()
     steps, frames, host, walls, launched = 0, 0, [], [], []
+    profiler = _profiler(e.cuda) if cfg.profile else contextlib.nullcontext()
     t_start = time.perf_counter()
-    for _ in range(cfg.iters):
-        s0 = time.perf_counter()
-        out, ran, queued = iterate()
-        walls.append(time.perf_counter() - s0)
-        if ran:
-            steps += 1
-            if sched is not None:
-                launched.append(ran)
-        if queued is not None:
-            host.append(queued - s0)
-        if out is not None:
-            frames += len(out.request_ids)
+    with profiler as prof:
+        for _ in range(cfg.iters):
+            s0 = time.perf_counter()
+            out, ran, queued = iterate()
+            walls.append(time.perf_counter() - s0)
+            if ran:
+                steps += 1
+                if sched is not None:
+                    launched.append(ran)
+            if queued is not None:
+                host.append(queued - s0)
+            if out is not None:
+                frames += len(out.request_ids)
     window = time.perf_counter() - t_start
     after = _engine_counters()
+    top = _profile_top(prof, max(1, cfg.iters)) if cfg.profile else None
     graph_steps = int(after["graph"] - before["graph"])
     eager_steps = int(after["eager"] - before["eager"])
     row: dict[str, Any] = {
@@ -429,6 +456,8 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
         "step_p50_ms": statistics.median(walls) * 1e3,
         "step_max_ms": max(walls) * 1e3,
     }
+    if top is not None:
+        row["profile"] = top
     if sched is None:
         row["host_ms"] = statistics.mean(host) * 1e3 if host else None
     else:
@@ -705,6 +734,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help="sampling temperature of every stream (0: greedy)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="top-k of every stream (0: whole vocabulary)")
+    p.add_argument("--profile", action="store_true",
+                   help="run the timed iterations under torch.profiler; each row gets its top host ops per step")
     p.add_argument("--out", default=d.out, help="folder for step-<date>-<tag>.json/.md")
     p.add_argument("--machine-tag", default=d.machine_tag, help="file-name tag (default: from the GPU)")
     return p
@@ -717,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         model=a.model, batches=a.batches, contexts=a.contexts, page_size=a.page_size,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
         compare=[x for x in a.compare.split(",") if x], tune=a.tune, overlap=a.overlap,
-        device=a.device, temperature=a.temperature, top_k=a.top_k, out=a.out,
+        device=a.device, temperature=a.temperature, top_k=a.top_k, profile=a.profile, out=a.out,
         machine_tag=a.machine_tag,
         command="pdunit bench step " + " ".join(shlex.quote(x) for x in argv),
     )
@@ -727,6 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"], doc["summary"])
     res.write(path, COLUMNS, title="Decode step vs the HBM roofline, without and with overlap")
     print(report.text_table(doc["rows"], COLUMNS))
+    for row in doc["rows"]:
+        if row.get("profile"):
+            print(f"\nhost ops per step, batch {row['batch']} x {row['context']}, overlap {row['overlap']}:")
+            print(report.text_table(row["profile"], PROFILE_COLUMNS))
     print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0
 

@@ -114,6 +114,17 @@ def test_overlap_only_mode_measures_only_overlapped_rows() -> None:
     assert doc["summary"]["modes"] == ["overlap"]
 
 
+def test_profile_lists_the_top_host_ops_of_a_step() -> None:
+    doc = step.run_step(step.StepConfig(model="tiny", device="cpu", page_size=4, batches=[2], contexts=[9],
+                                        iters=3, warmup=0, overlap="both", profile=True))
+    for row in doc["rows"]:
+        ops = row["profile"]
+        assert 0 < len(ops) <= 15 and all(op["self_cpu_ms"] >= 0 and op["calls"] > 0 for op in ops)
+        assert ops == sorted(ops, key=lambda op: op["self_cpu_ms"], reverse=True)
+    # the forward's matmuls are among a step's ops on the CPU
+    assert any("mm" in op["op"] or "linear" in op["op"] for r in doc["rows"] for op in r["profile"])
+
+
 @pytest.mark.gpu
 def test_gpu_run_replays_graphs_in_both_modes_and_reads_the_schedulers_events() -> None:
     """The real shape at two small points: every timed step, with and without overlap,
