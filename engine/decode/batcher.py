@@ -30,6 +30,7 @@ class Stream:
     last_frame: np.ndarray            # int32 [C]: the newest frame (the next step's input)
     frames_out: int = 0               # frames emitted so far (the first frame counts)
     stamps: dict[str, int] = field(default_factory=dict)
+    first_out: bool = False           # its first frame already went out (D publishes it at COMMIT)
 
 
 @dataclass
@@ -132,10 +133,12 @@ class DecodeBatcher:
                 finished.append(self.finish_code(s, frame, eos_id))
         for s in new:
             s.frames_out = 1
+            self.running[s.request_id] = s
+            if s.first_out:
+                continue  # published at COMMIT, and it did not end the stream
             ids.append(s.request_id)
             frames.append(s.last_frame)
             finished.append(self.finish_code(s, s.last_frame, eos_id))
-            self.running[s.request_id] = s
         for rid, code in zip(ids, finished, strict=True):
             if code != RUNNING:
                 ended.append(self.running.pop(rid))
@@ -145,7 +148,7 @@ class DecodeBatcher:
             request_ids=np.array(ids, dtype=np.uint64),
             frames=np.stack(frames).astype(np.int32) if frames else np.zeros((0, n_cols), np.int32),
             finished=np.array(finished, dtype=np.uint8),
-            started=new,
+            started=[s for s in new if not s.first_out],
             ended=ended,
         )
 

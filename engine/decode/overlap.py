@@ -116,9 +116,10 @@ class OverlapScheduler:
         for s in new:
             s.frames_out = 1
             code = b.finish_code(s, s.last_frame, eos_id)
-            first_ids.append(s.request_id)
-            first_frames.append(s.last_frame)
-            first_codes.append(code)
+            if not s.first_out:  # else published at COMMIT (and RUNNING)
+                first_ids.append(s.request_id)
+                first_frames.append(s.last_frame)
+                first_codes.append(code)
             if code == RUNNING:
                 b.running[s.request_id] = s
                 self._scheduled[s.request_id] = 1
@@ -166,7 +167,7 @@ class OverlapScheduler:
             request_ids=np.array(ids, dtype=np.uint64),
             frames=np.stack(frames).astype(np.int32) if frames else np.zeros((0, n_cols), np.int32),
             finished=np.array(codes, dtype=np.uint8),
-            started=new,
+            started=[s for s in new if not s.first_out],
             ended=ended,
         )
 

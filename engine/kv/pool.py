@@ -130,7 +130,8 @@ class PagePool:
             self._pages_in[PageState.FREE] -= needed
             self._pages_in[PageState.RESERVED] += needed
             self._stats["reserve_total"] += 1
-            return self._slots_locked(self._requests[request_id], request_id, n_tokens)
+            # a copy: the caller keeps these (transfer destinations), the views are read-only
+            return self._slots_locked(self._requests[request_id], request_id, n_tokens).copy()
 
     def mark_filled(self, request_id: int) -> None:
         """RESERVED -> FILLED: every row arrived (checksum verified)."""

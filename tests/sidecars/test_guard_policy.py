@@ -1,6 +1,11 @@
 """The quiesce-guard's rules (PROTOCOL.md section 4), on plain observations."""
 
-from pdunit.sidecars.quiesce_guard.policy import DecodeObservation, GuardState, Observation, evaluate
+from pdunit.sidecars.quiesce_guard.policy import (
+    DecodeObservation,
+    GuardState,
+    Observation,
+    evaluate,
+)
 
 
 def obs(t, d_held_pages=0, d_draining=False, decoders=None, **kw):

@@ -1,0 +1,101 @@
+"""D's COMMIT (engine/decode/worker.py): the first frame goes to the LB with the COMMIT,
+not with D's next step, exactly once; a first frame that ends the stream never enters
+the batch. Driven on a DecodeEngine with the real pool, batcher and step code (CPU), a
+hub that records what D publishes, and rows written into D's storage as P would."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdunit.engine.decode.worker import DecodeEngine
+from pdunit.engine.kv.checksum import kv_checksum
+from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.packing import pack, unpack
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.transfer.base import PoolGeometry
+
+ROWS = 24
+
+
+class RecordingHub:
+    def __init__(self) -> None:
+        self.messages: list[pb.StepFrames] = []
+
+    def publish(self, message: pb.StepFrames) -> None:
+        self.messages.append(message)
+
+    def publish_error(self, request_id: int, status: int, message: str) -> None:
+        self.messages.append(pb.StepFrames(errors=[pb.StreamError(request_id=request_id, status=status)]))
+
+    def frames_of(self, rid: int) -> list[list[int]]:
+        out = []
+        for msg in self.messages:
+            ids = unpack(msg.request_ids, "u8").tolist()
+            if rid in ids and ids:
+                rows = unpack(msg.frames, "i4").reshape(len(ids), -1)
+                out.append(rows[ids.index(rid)].tolist())
+        return out
+
+
+class Storage:
+    mode = "host"
+
+    def __init__(self, storage: torch.Tensor) -> None:
+        self.storage = storage
+
+
+def engine() -> tuple[DecodeEngine, RecordingHub]:
+    model = load_model("random:tiny:0")
+    c = model.config
+    pool = PagePool(512, 1)
+    storage = model.new_kv_storage(512)
+    geometry = PoolGeometry(c.n_layers, c.n_kv_heads, c.head_dim, storage.dtype, 512, 1)
+    hub = RecordingHub()
+    d = DecodeEngine(model, "random:tiny:0", geometry, pool, Storage(storage), hub,  # type: ignore[arg-type]
+                     "unused.sock", max_batch=8, cuda_graphs=False)
+    return d, hub
+
+
+def commit(d: DecodeEngine, rid: int, first: np.ndarray, max_frames: int, min_frames: int = 0) -> pb.CommitReply:
+    reply = d.reserve(pb.ReserveRequest(request_id=rid, n_tokens=ROWS, total_tokens=ROWS + max_frames,
+                                        identity=pb.Identity(sender_instance="p")))
+    assert reply.status == pb.STATUS_OK, reply
+    slots = unpack(reply.dst_slots, "i8")
+    d.storage[:, :, torch.from_numpy(slots)] = torch.randn(d.storage[:, :, :ROWS].shape, dtype=d.storage.dtype)
+    return d.commit(pb.CommitRequest(
+        request_id=rid, first_frame=pack(first, "i4"), checksum=kv_checksum(d.storage, slots), checksum_sample=1,
+        sampling=pb.Sampling(max_frames=max_frames, min_frames=min_frames), prompt_tokens=ROWS,
+        identity=pb.Identity(sender_instance="p")))
+
+
+def test_the_first_frame_goes_out_with_the_commit_and_only_once():
+    d, hub = engine()
+    first = np.arange(11, dtype=np.int32)
+    assert commit(d, 7, first, max_frames=4).status == pb.STATUS_OK
+    assert hub.frames_of(7) == [first.tolist()]  # before any decode step ran
+    assert "first_frame_step" in hub.messages[0].stamps[7].ns
+    while d._step_once():
+        pass
+    frames = hub.frames_of(7)
+    assert len(frames) == 4 and frames[0] == first.tolist()  # exactly max_frames, the first once
+    assert d.pool.state_of(7) is None  # finished: pages back
+
+
+def test_a_first_frame_that_ends_the_stream_never_enters_the_batch():
+    d, hub = engine()
+    eos = np.full(11, 5, dtype=np.int32)
+    eos[0] = d.model.config.eos_id
+    assert commit(d, 9, eos, max_frames=10).status == pb.STATUS_OK
+    (msg,) = hub.messages
+    assert unpack(msg.finished, "u1").tolist() == [1]  # FINISHED_EOS
+    assert d.pool.state_of(9) is None and len(d.batcher) == 0
+    assert not d._step_once()  # nothing to decode
+
+
+def test_a_one_frame_stream_ends_at_commit_with_its_pages_freed():
+    d, hub = engine()
+    assert commit(d, 3, np.zeros(11, dtype=np.int32), max_frames=1).status == pb.STATUS_OK
+    assert unpack(hub.messages[0].finished, "u1").tolist() == [2]  # FINISHED_LENGTH
+    assert d.pool.free_pages == d.pool.n_pages
