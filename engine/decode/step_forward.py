@@ -67,8 +67,7 @@ class StepForward:
         device here (on CUDA); everything but the tokens comes from the host. `started`,
         if given, is recorded right before the forward is queued (after host staging)."""
         if self.graphs is not None:
-            logits = _replay_with_device_tokens(self.graphs, tokens, positions, write_slots, context_slots,
-                                                started)
+            logits = self.graphs.run_device_tokens(tokens, positions, write_slots, context_slots, started)
             if logits is not None:
                 GRAPH_STEPS.labels(path="graph").inc()
                 self._seen["replays"] = self.graphs.stats["replays"]
@@ -89,53 +88,3 @@ class StepForward:
         with torch.inference_mode():
             return self.model.forward(batch, self.storage)
 
-
-def _replay_with_device_tokens(
-    runner, tokens: torch.Tensor, positions: np.ndarray, write_slots: np.ndarray, context_slots: list[np.ndarray],
-    started: torch.cuda.Event | None = None,
-) -> torch.Tensor | None:
-    """`DecodeGraphRunner.run` for a batch whose tokens are already on the device: the
-    same host staging of positions, write slots and the slot table, then the tokens go
-    into the graph's static buffer by a device-to-device copy queued before the replay.
-    None when the batch does not fit a captured graph (the caller runs it eagerly).
-
-    It uses the runner's staging buffers (engine/model/cuda_graphs.py): a
-    `run(batch, device_tokens=...)` there would own this; until then keep the two in
-    step (the GPU test in tests/engine/test_overlap.py replays both and compares)."""
-    from pdunit.kernels.paged_attention import build_slot_table
-
-    n = len(positions)
-    size = runner.bucket_for(n)
-    longest = max((len(c) for c in context_slots), default=0)
-    if size is None or longest > runner.max_context:
-        runner.stats["eager"] += 1
-        return None
-    g = runner._graphs[size]
-    c = runner.model.config.n_codebooks
-    runner._staged.synchronize()  # the previous step's staging copies have read the buffers
-    table, lengths = build_slot_table(context_slots, out=runner._h_table.numpy())
-    runner._validate(np.zeros((n, c), np.int64), positions, write_slots, table.numpy(), lengths.numpy())
-    ints = runner._h_ints.numpy()
-    ints[: size * c] = 0  # the tokens are overwritten on the device below
-    ints[size * c : size * c + n] = positions
-    ints[size * c + n : size * c + size] = 0
-    ints[size * c + size : size * c + size + n] = write_slots
-    ints[size * c + size + n : size * c + 2 * size] = -1
-    width = int(table.shape[1])
-    h_len = runner._h_lengths.numpy()
-    h_len[:n] = lengths.numpy()
-    h_len[n:size] = 1
-    with torch.inference_mode():
-        g.ints.copy_(runner._h_ints[: size * c + 2 * size], non_blocking=True)
-        runner._lengths[:size].copy_(runner._h_lengths[:size], non_blocking=True)
-        stage = runner._table_stage[: n * width]
-        stage.copy_(runner._h_table[: n * width], non_blocking=True)
-        runner._staged.record()
-        runner._table[:n, :width].copy_(stage.view(n, width))
-        g.tokens[:n].copy_(tokens)
-        if started is not None:
-            started.record()
-        g.graph.replay()
-        runner.stats["replays"] += 1
-        assert g.logits is not None
-        return g.logits[:n].clone()

@@ -125,17 +125,53 @@ class DecodeGraphRunner:
             self.stats["eager"] += 1
             with torch.inference_mode():
                 return self.model.forward(batch, self.kv)
-        g = self._graphs[size]
-        c = self.model.config.n_codebooks
-        self._staged.synchronize()
+        return self._replay(size, batch.positions.cpu().numpy(), batch.write_slots.cpu().numpy(),
+                            batch.context_slots, host_tokens=batch.tokens.cpu().numpy())
+
+    def run_device_tokens(
+        self,
+        tokens: torch.Tensor,
+        positions: np.ndarray,
+        write_slots: np.ndarray,
+        context_slots: Sequence[np.ndarray],
+        started: torch.cuda.Event | None = None,
+    ) -> torch.Tensor | None:
+        """`run` for a decode batch whose tokens [n, C] int64 are already on the device
+        (D's overlap scheduler: the previous step's sampled frames). They go into the
+        graph's input by a device-to-device copy queued before the replay: no host sync.
+        `started`, if given, is recorded right before the replay. None when the batch
+        fits no graph (counted as eager; the caller runs it eagerly)."""
+        n = len(positions)
+        size = self.bucket_for(n)
+        longest = max((len(c) for c in context_slots), default=0)
+        if size is None or longest > self.max_context:
+            self.stats["eager"] += 1
+            return None
+        return self._replay(size, positions, write_slots, context_slots, device_tokens=tokens, started=started)
+
+    def _replay(
+        self,
+        size: int,
+        positions: np.ndarray,
+        write_slots: np.ndarray,
+        context_slots: Sequence[torch.Tensor | np.ndarray],
+        host_tokens: np.ndarray | None = None,
+        device_tokens: torch.Tensor | None = None,
+        started: torch.cuda.Event | None = None,
+    ) -> torch.Tensor:
+        """Stages one decode step into bucket `size`'s static inputs and replays it. The
+        tokens come from the host (`host_tokens`) or the device (`device_tokens`)."""
         from pdunit.kernels.paged_attention import build_slot_table
 
-        table, lengths = build_slot_table(batch.context_slots, out=self._h_table.numpy())
-        tokens = batch.tokens.cpu().numpy()
-        positions = batch.positions.cpu().numpy()
-        write_slots = batch.write_slots.cpu().numpy()
+        n = len(positions)
+        g = self._graphs[size]
+        c = self.model.config.n_codebooks
+        self._staged.synchronize()  # the previous step's staging copies have read the buffers
+        table, lengths = build_slot_table(context_slots, out=self._h_table.numpy())
+        tokens = host_tokens if host_tokens is not None else np.zeros((n, c), np.int64)
         self._validate(tokens, positions, write_slots, table.numpy(), lengths.numpy())
-        # Host staging: the real rows, then the padding rows' harmless values.
+        # Host staging: the real rows, then the padding rows' harmless values (device
+        # tokens overwrite rows [:n] on the device below).
         ints = self._h_ints.numpy()
         ints[: n * c] = tokens.reshape(-1)
         ints[n * c : size * c] = 0
@@ -154,6 +190,10 @@ class DecodeGraphRunner:
             stage.copy_(self._h_table[: n * width], non_blocking=True)
             self._staged.record()
             self._table[:n, :width].copy_(stage.view(n, width))
+            if device_tokens is not None:
+                g.tokens[:n].copy_(device_tokens)
+            if started is not None:
+                started.record()
             g.graph.replay()
             self.stats["replays"] += 1
             assert g.logits is not None

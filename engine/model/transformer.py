@@ -347,7 +347,6 @@ class TTSModel(nn.Module):
             return self._forward_gpu(batch, kv)
         if batch.tokens.device != self.device:  # a GPU model on the reference path
             batch = batch.to(self.device)
-        c = self.config
         t = batch.tokens.shape[0]
         x = self.embed(batch.tokens + self.codebook_offsets).sum(dim=1)  # [T, hidden]
         cos = self.rope_cos[batch.positions].unsqueeze(1)
@@ -357,17 +356,7 @@ class TTSModel(nn.Module):
             x = layer(x, cos, sin, kv[i], batch.write_slots, plan)
         last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
         assert int(last[-1]) == t - 1
-        h = self.norm(x[last])
-        flat = self.head(h).float()  # [n, sum(vocab)]
-        n = h.shape[0]
-        if self._uniform_vocab:
-            return flat.view(n, c.n_codebooks, c.vocab_sizes[0])
-        out = flat.new_full((n, c.n_codebooks, c.vocab_max), float("-inf"))
-        offset = 0
-        for j, v in enumerate(c.vocab_sizes):
-            out[:, j, :v] = flat[:, offset : offset + v]
-            offset += v
-        return out
+        return self._logits(self.norm(x[last]))
 
     # ------------------------------------------------------------------ GPU path
     @property
@@ -439,7 +428,7 @@ class TTSModel(nn.Module):
 
         h = self._gpu_layers(tokens, positions, write_slots, kv, attend)
         last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
-        return self._gpu_logits(h[last])
+        return self._logits(h[last])
 
     def decode_step(
         self,
@@ -461,7 +450,7 @@ class TTSModel(nn.Module):
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             return paged_decode_attention(q, kv_layer, table, lengths, n_splits)
 
-        return self._gpu_logits(self._gpu_layers(tokens, positions, write_slots, kv, attend))
+        return self._logits(self._gpu_layers(tokens, positions, write_slots, kv, attend))
 
     def _gpu_layers(
         self,
@@ -500,9 +489,11 @@ class TTSModel(nn.Module):
     def _decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
-    def _gpu_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] last-row states -> logits [n, C, V_max] float32; columns with a
+        smaller vocabulary are padded with -inf (never sampled)."""
         c = self.config
-        flat = self.head(h).float()
+        flat = self.head(h).float()  # [n, sum(vocab)]
         n = h.shape[0]
         if self._uniform_vocab:
             return flat.view(n, c.n_codebooks, c.vocab_sizes[0])
