@@ -289,25 +289,29 @@ class DecodeEngine:
             self.fail_transfer(req.request_id, pb.CHECKSUM_MISMATCH, "checksum",
                                f"KV checksum mismatch: P sent {req.checksum:#x}, D read {got:#x}")
             return pb.CommitReply(status=pb.CHECKSUM_MISMATCH, instance_id=self.instance_id)
+        stamps = dict(req.stamps.ns)
+        stamps.update(res.stamps)
+        first = unpack(req.first_frame, "i4").astype(np.int32)
+        stream = Stream(req.request_id, req.prompt_tokens, sampling_from_pb(req.sampling), first.copy(),
+                        frames_out=1, stamps=stamps)
+        # Under the engine lock from the reservation's end to the batcher's admission:
+        # a Cancel in between finds the request in one of them (see `cancel`).
         with self._lock:
             if self.reservations.pop(req.request_id, None) is None:  # failed meanwhile
                 return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id)
             self.pool.start_decoding(req.request_id)
-        stamps = dict(req.stamps.ns)
-        stamps.update(res.stamps)
-        stamps["d_committed"] = now_ns()
-        first = unpack(req.first_frame, "i4").astype(np.int32)
-        stream = Stream(req.request_id, req.prompt_tokens, sampling_from_pb(req.sampling), first.copy(),
-                        frames_out=1, stamps=stamps)
-        self._publish_first_frame(stream)
+            stamps["d_committed"] = now_ns()
+            self._publish_first_frame(stream)
         self.loop.work.set()
+        self._update_gauges()
         return pb.CommitReply(status=pb.STATUS_OK, instance_id=self.instance_id)
 
     def _publish_first_frame(self, stream: Stream) -> None:
-        """The first frame (P sampled it) goes to the LB now, not with D's next step: it
-        needs nothing from D, and the next step boundary is one to two steps away
-        (22-26 ms p50 at 128+ streams on the H200s). A stream that this frame ends (EOS
-        past min_frames, or max_frames == 1) never enters the batch."""
+        """Called under the engine lock. The first frame (P sampled it) goes to the LB
+        now, not with D's next step: it needs nothing from D, and the next step boundary
+        is one to two steps away (22-26 ms p50 at 128+ streams on the H200s). A stream
+        that this frame ends (EOS past min_frames, or max_frames == 1) never enters the
+        batch."""
         code = self.batcher.finish_code(stream, stream.last_frame, self.model.config.eos_id)
         ended = code != RUNNING
         out = StepOutput(request_ids=np.array([stream.request_id], dtype=np.uint64),
@@ -317,7 +321,6 @@ class DecodeEngine:
         m.D_FRAMES.inc()
         if ended:
             self.pool.finish(stream.request_id)
-            self._update_gauges()
             return
         stream.first_out = True
         self.batcher.admit(stream)
@@ -339,11 +342,12 @@ class DecodeEngine:
     def cancel(self, request_id: int, status: int = pb.STATUS_OK, message: str = "") -> bool:
         """The client went away (status OK), or P gave up on the transfer (its status and
         message reach the client as they are)."""
-        if self.batcher.cancel(request_id):
+        with self._lock:  # a committing request is in `reservations` or the batcher, never neither
+            decoding = self.batcher.cancel(request_id)
+            pending = not decoding and request_id in self.reservations
+        if decoding:
             self.loop.work.set()
             return True
-        with self._lock:
-            pending = request_id in self.reservations
         if pending:
             if status == pb.STATUS_OK:
                 self.fail_transfer(request_id, pb.CANCELLED, "cancelled", "cancelled by the client")

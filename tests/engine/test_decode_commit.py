@@ -99,3 +99,12 @@ def test_a_one_frame_stream_ends_at_commit_with_its_pages_freed():
     assert commit(d, 3, np.zeros(11, dtype=np.int32), max_frames=1).status == pb.STATUS_OK
     assert unpack(hub.messages[0].finished, "u1").tolist() == [2]  # FINISHED_LENGTH
     assert d.pool.free_pages == d.pool.n_pages
+
+
+def test_a_cancel_right_after_commit_stops_the_stream():
+    d, hub = engine()
+    assert commit(d, 5, np.zeros(11, dtype=np.int32), max_frames=50).status == pb.STATUS_OK
+    assert d.cancel(5) is True  # found in the batcher, not lost between reservation and batch
+    while d._step_once():
+        pass
+    assert len(hub.frames_of(5)) == 1 and d.pool.state_of(5) is None
