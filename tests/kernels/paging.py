@@ -1,6 +1,12 @@
-"""Helpers shared by the attention kernel tests: fragmented paged slot lists."""
+"""Helpers shared by the kernel tests: fragmented paged slot lists, the gpu marker, and
+running a check under Triton's CPU interpreter."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,3 +38,17 @@ def paged_slots(
         slots = (mine[:, None] * page_size + np.arange(page_size)[None, :]).reshape(-1)[:n]
         out.append(slots.astype(np.int64))
     return out
+
+
+def run_interpreted(script: str, cwd: Path, timeout: float = 240) -> str:
+    """Runs `script` in a fresh Python with TRITON_INTERPRET=1 (the interpreter is
+    chosen when Triton is imported, hence a subprocess), from `cwd`: the repo root would
+    shadow the stdlib `operator` module with the operator/ folder. Fails the test with
+    the script's output unless it exits 0; returns its stdout."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout

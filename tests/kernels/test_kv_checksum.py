@@ -4,15 +4,12 @@ is chosen when Triton is imported), on a GPU directly."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from pdunit.engine.kv.checksum import kv_checksum
+from tests.kernels.paging import run_interpreted
 
 INTERPRETED = r"""
 import numpy as np, torch
@@ -40,12 +37,7 @@ print("ok")
 
 
 def test_kernel_matches_the_definition_in_the_interpreter(tmp_path):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    assert run_interpreted(INTERPRETED, tmp_path).strip().endswith("ok")
 
 
 @pytest.mark.gpu

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from pdunit.kernels.paged_attention import (
     reference_decode_attention,
 )
 from tests.kernels import paging as paging_module
-from tests.kernels.paging import gpu, paged_slots
+from tests.kernels.paging import gpu, paged_slots, run_interpreted
 
 # ------------------------------------------------------------------ slot tables (CPU)
 
@@ -127,15 +124,7 @@ def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_p
     """The same kernel source, run by Triton's interpreter on CPU tensors (fp16: the
     interpreter's bf16 dot is wrong). Runs from tmp_path: the repo root would shadow
     the stdlib `operator` module with the operator/ folder."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("PYTHONPATH", None)
-    script = inspect.getsource(paging_module) + INTERPRETED_CHECK
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-        text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(inspect.getsource(paging_module) + INTERPRETED_CHECK, tmp_path)
 
 
 @gpu

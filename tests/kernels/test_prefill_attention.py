@@ -5,9 +5,6 @@ prefix, several sequences in one launch, fragmented pages; against the torch ref
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import torch
 from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
 from pdunit.kernels.prefill_attention import prefill_plan, reference_prefill_attention
 from tests.kernels import paging as paging_module
-from tests.kernels.paging import gpu, paged_slots
+from tests.kernels.paging import gpu, paged_slots, run_interpreted
 
 
 def packed_case(
@@ -83,15 +80,7 @@ INTERPRETED_CHECK = textwrap.dedent(
 
 
 def test_prefill_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("PYTHONPATH", None)
-    script = inspect.getsource(paging_module) + INTERPRETED_CHECK
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-        text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(inspect.getsource(paging_module) + INTERPRETED_CHECK, tmp_path)
 
 
 @gpu
