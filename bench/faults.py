@@ -340,14 +340,7 @@ class Unit:
         return httpx.get(f"http://127.0.0.1:{self.local.guard_port}/status", timeout=5).json()
 
     def wait(self, predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-        deadline = time.monotonic() + timeout
-        value = None
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(interval)
-        raise FaultCheckFailed(f"timed out after {timeout:g}s waiting for {what}; last value {value!r}")
+        return wait_until(predicate, timeout, what, interval)
 
     def wait_p_ready(self, timeout: float = 60.0) -> None:
         self.wait(lambda: (i := self.p_info()) is not None and i.transfer_mode != "", timeout, "P answering Info")
@@ -392,6 +385,19 @@ def isolation_wrappers() -> dict[str, list[str]]:
 
 class FaultCheckFailed(AssertionError):
     pass
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Polls `predicate` until it returns something truthy (returned); FaultCheckFailed
+    naming `what` and the last value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise FaultCheckFailed(f"timed out after {timeout:g}s waiting for {what}; last value {value!r}")
 
 
 def proofs(metrics: dict[str, float]) -> dict[str, float]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
+
+from pdunit.bench.faults import wait_until
 
 
 def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> list[list[int]]:
@@ -39,11 +40,4 @@ def load(url: str) -> dict:
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    value = None
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last value {value!r}")
+    return wait_until(predicate, timeout, what, interval)
