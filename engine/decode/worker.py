@@ -563,7 +563,8 @@ def engine_setup(threads: int, gil_switch_ms: float) -> None:
     """Process-wide knobs of an engine (P, D, monolith): torch's intra-op threads, and
     Python's GIL switch interval. The step-loop thread runs Python between kernels; with
     Python's default 5 ms interval a gRPC handler (Reserve, Commit, Submit) waited up to
-    that long for the GIL at every hand-over, and a unary RPC to a busy engine took
-    ~27 ms at p99 instead of ~4 ms at 0.5 ms (measured on the 2-core dev box)."""
+    that long for the GIL at every hand-over (a scratch test on the 2-core dev box: a
+    unary RPC to a process with a Python-busy thread, p99 ~27 ms at 5 ms, ~4 ms at 0.5
+    ms; not yet measured in an engine on the GPUs)."""
     torch.set_num_threads(max(1, threads))
     sys.setswitchinterval(gil_switch_ms / 1000)
