@@ -112,8 +112,7 @@ def sample_frames(
     logits = logits.float()
     suppress = [i for i in range(n) if frame_index[i] < params[i].min_frames]
     if suppress:
-        logits = logits.clone()
-        logits[suppress, 0, eos_id] = float("-inf")
+        logits = suppress_eos(logits, to_device(np.array(suppress, dtype=np.int64), logits.device), eos_id)
     out = np.empty((n, n_cols), dtype=np.int32)
     greedy = [i for i in range(n) if params[i].temperature == 0.0]
     if greedy:
@@ -182,6 +181,17 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def suppress_eos(logits: torch.Tensor, rows: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """A copy of logits [n, C, V] with EOS (column 0) impossible in `rows` (int64, on the
+    logits' device). `index_fill_` takes the value as a scalar argument: the obvious
+    `logits[rows, 0, eos_id] = float("-inf")` turns it into a CPU tensor and copies that
+    to the device synchronously, which made every overlapped decode step wait for the
+    step in flight (every stream with min_frames left hit it)."""
+    out = logits.clone()
+    out[:, 0, eos_id].index_fill_(0, rows, float("-inf"))
+    return out
+
+
 def sampling_batch(
     params: list[SamplingParams], frame_index: list[int], n_columns: int, device: torch.device
 ) -> SamplingBatch:
@@ -217,8 +227,7 @@ def sample_frames_device(logits: torch.Tensor, sb: SamplingBatch, eos_id: int) -
         raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [{sb.n_rows}, C, V]")
     logits = logits.float()
     if sb.suppress_index is not None:
-        logits = logits.clone()
-        logits[sb.suppress_index, 0, eos_id] = float("-inf")
+        logits = suppress_eos(logits, sb.suppress_index, eos_id)
     out = logits.argmax(dim=-1).to(torch.int32)
     if sb.sampled_index is None:
         return out

@@ -295,3 +295,39 @@ def _plain_graph_iteration(h: Harness):
     if not streams and not new:
         return None
     return b.apply(streams, h.forward(entries) if entries else None, new)
+
+
+@pytest.mark.gpu
+def test_overlap_launch_never_synchronizes_with_the_device() -> None:
+    """Queueing step n+1 must not wait for step n: any synchronizing CUDA call inside
+    `_launch` (a pageable copy, `.item()`, a stream sync) raises under torch's sync
+    debug mode. Every stream here has EOS suppressed for some steps (min_frames), the
+    case that once made every overlapped step wait for the one in flight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    h = Harness(True, device="cuda")
+    h.model = load_model("random:tiny:0", device="cuda", dtype="bfloat16")
+    h.storage = h.model.new_kv_storage(POOL_TOKENS, device="cuda")
+    h.batcher = DecodeBatcher(h.model, h.pool, h.storage, max_batch=8)
+    h.forward = StepForward(h.model, h.storage, use_graphs=True, max_batch=8)
+    h.overlap = OverlapScheduler(h.model, h.batcher, h.forward)
+    launch = h.overlap._launch
+    launched = []
+
+    def strict_launch(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.append(len(step.streams))
+        return step
+
+    h.overlap._launch = strict_launch  # type: ignore[method-assign]
+    reqs = [Req(1, 24, SamplingParams(max_frames=12, min_frames=12)),
+            Req(2, 30, SamplingParams(max_frames=10, min_frames=4, temperature=0.9, top_k=20, seed=3), join=1),
+            Req(3, 18, SamplingParams(max_frames=8, min_frames=8, temperature=1.2, seed=5), join=2)]
+    run = h.run(reqs)
+    assert len(launched) >= 10 and max(launched) == 3
+    for r in reqs:
+        assert r.params.min_frames <= len(run.frames[r.rid]) <= r.params.max_frames
