@@ -102,13 +102,12 @@ async def serve(cfg: PrefillConfig) -> int:
 
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
-    engine.loop.start()
+    engine.start()
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
                                      "decoders": len(engine.links), "transfer": engine.transfer_mode})
     await stop.wait()
     await server.stop(grace=5)
-    engine.loop.stop()
-    engine.drain_commits()
+    engine.stop()
     engine.stop_probe()
     for link in engine.links:
         if link.sender is not None:

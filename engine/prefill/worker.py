@@ -29,6 +29,7 @@ when that D is the one it was routed to.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -51,6 +52,7 @@ from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
+from pdunit.engine.prefill.handoff import Handoff
 from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.prefill.submit import serve_submit
@@ -68,6 +70,31 @@ P_ROUTED = Counter("pdunit_prefill_decode_routed_total", "Requests P reserved on
 P_FALLBACKS = Counter("pdunit_prefill_decode_fallbacks_total",
                       "Reservations moved to another D before any write, by the first D's answer",
                       ["decode", "reason"])
+
+
+@dataclass
+class _Live:
+    """A request reserved on a D: what its transfer and COMMIT need. The sender and stub
+    are the ones of the D instance that granted the reservation (a re-handshake replaces
+    the link's, never this request's)."""
+
+    job: PrefillJob
+    lease: PrefixLease
+    link: DecodeLink
+    sender: KVSender
+    stub: pbg.DecodeStub
+    dst: np.ndarray
+
+
+@dataclass
+class _Computed:
+    """A batch after its forward: first frames, cached rows per request, and the event
+    after which its K/V rows are in P's storage (None on the CPU)."""
+
+    lives: list[_Live]
+    frames: list[np.ndarray | None]
+    cached: list[int]
+    written: torch.cuda.Event | None
 
 
 class PeerMismatch(RuntimeError):
@@ -173,7 +200,16 @@ class PrefillEngine:
         self._lock = threading.Lock()
         self._probe_stop = threading.Event()
         self._probe_thread: threading.Thread | None = None
+        # Three stages, each in its own thread, one batch between each pair: RESERVE for
+        # batch n+1 and the transfers of batch n-1 run while batch n's forward does.
+        self._stopping = threading.Event()
+        self._reserved: Handoff[list[_Live]] = Handoff(1)
+        self._computed: Handoff[_Computed] = Handoff(2)
+        self.reserve_loop = StepLoop("prefill-reserve", self._reserve_once, device)
         self.loop = StepLoop("prefill", self._step_once, device)
+        self.transfer_loop = StepLoop("prefill-transfer", self._transfer_once, device)
+        self.loops = (self.reserve_loop, self.loop, self.transfer_loop)
+        self._transfer_stream = torch.cuda.Stream(device) if str(device).startswith("cuda") else None
         self._committer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-commit")
 
     # One D (the 1P1D unit): the names the rest of the process used before 1P2D.
@@ -248,10 +284,6 @@ class PrefillEngine:
             return
         self._probe_thread = threading.Thread(target=self._probe_loop, name="decode-probe", daemon=True)
         self._probe_thread.start()
-
-    def drain_commits(self) -> None:
-        """Waits for the COMMITs in flight (after the step loop stopped)."""
-        self._committer.shutdown(wait=True)
 
     def stop_probe(self) -> None:
         self._probe_stop.set()
@@ -431,12 +463,45 @@ class PrefillEngine:
             self._connect_link(link)
         return reply
 
-    def _step_once(self) -> bool:
+    # ------------------------------------------------------------------ the pipeline
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+
+    def stop(self) -> None:
+        """Stops the stages front to back (nothing new is reserved, then nothing new is
+        computed, then nothing new is written), ends the requests left between them
+        (D frees their reservations), and waits for the COMMITs in flight."""
+        self._stopping.set()
+        for loop in self.loops:
+            loop.stop()
+        left = [live for batch in self._reserved.take_all() for live in batch]
+        left += [live for item in self._computed.take_all() for live in item.lives]
+        for live in left:
+            self._abandon(live, "prefill is shutting down")
+        self._committer.shutdown(wait=True)
+
+    def _abandon(self, live: _Live, reason: str) -> None:
+        """A reserved request that will not be written: D may free its pages now."""
+        try:
+            live.stub.Cancel(pb.CancelRequest(request_id=live.job.request_id, status=pb.CANCELLED,
+                                              message=reason), timeout=1.0)
+        except grpc.RpcError:
+            pass  # D frees the reservation at its deadline
+        self.cache.release(live.lease)
+        self._finish(live.job, pb.CANCELLED, reason)
+
+    def _reserve_once(self) -> bool:
+        """Stage 1 (its own thread): the next batch from the queue, each request's prefix
+        lease and its RESERVE on a D, while the forward of the previous batch runs."""
+        if not self._reserved.wait_for_room(0.05, self._stopping):
+            return True
         jobs = self.scheduler.next_batch(timeout=0.05)
         m.P_QUEUE.set(len(self.scheduler))
         if not jobs:
             return False
-        live: list[tuple[PrefillJob, PrefixLease, DecodeLink, np.ndarray]] = []
+        t0 = time.perf_counter()
+        live: list[_Live] = []
         now_ms = int(time.time() * 1000)
         for job in jobs:
             with self._lock:
@@ -457,34 +522,66 @@ class PrefillEngine:
                 self.cache.release(lease)
                 self._finish(job, reply.status, reply.message)
                 continue
+            assert link.sender is not None and link.stub is not None
             job.stamps["p_reserved"] = now_ns()
-            live.append((job, lease, link, unpack(reply.dst_slots, "i8")))
-        if not live:
-            return True
-        chunks = [PrefillChunk(job.prompt, lease.slots, min(lease.cached_tokens, len(job.prompt) - 1),
-                               len(job.prompt), job.params) for job, lease, _, _ in live]
-        t0 = now_ns()
-        for job, _, _, _ in live:
-            job.stamps["prefill_start"] = t0
-        frames = run_prefill(self.model, self.storage, chunks)
-        t1 = now_ns()
-        m.P_PREFILL_SECONDS.observe((t1 - t0) / 1e9)
-        for (job, lease, _, _), chunk in zip(live, chunks, strict=True):
-            job.stamps["prefill_end"] = t1
-            m.P_PREFILL_TOKENS.labels(source="computed").inc(chunk.end - chunk.start)
-            m.P_PREFILL_TOKENS.labels(source="cached").inc(chunk.start)
-            self.cache.publish(lease, job.prompt)
-        for (job, lease, link, dst), frame, chunk in zip(live, frames, chunks, strict=True):
-            try:
-                self._transfer_and_commit(job, lease, link, dst, frame, chunk.start)
-            finally:
-                self.cache.release(lease)
+            live.append(_Live(job, lease, link, link.sender, link.stub, unpack(reply.dst_slots, "i8")))
+        m.P_STAGE_SECONDS.labels(stage="reserve").observe(time.perf_counter() - t0)
+        if live:
+            self._reserved.put(live)
         return True
 
-    def _transfer_and_commit(self, job: PrefillJob, lease: PrefixLease, link: DecodeLink, dst: np.ndarray,
-                             frame: np.ndarray | None, cached: int) -> None:
-        sender, stub = link.sender, link.stub
-        assert sender is not None and stub is not None and frame is not None
+    def _step_once(self) -> bool:
+        """Stage 2 (the step loop): one forward over a reserved batch, back to back with
+        the next one; its rows and first frames go to the transfer stage."""
+        if not self._computed.wait_for_room(0.05, self._stopping):
+            return True
+        live = self._reserved.get(0.05)
+        if live is None:
+            return False
+        chunks = [PrefillChunk(x.job.prompt, x.lease.slots, min(x.lease.cached_tokens, len(x.job.prompt) - 1),
+                               len(x.job.prompt), x.job.params) for x in live]
+        t0 = now_ns()
+        for x in live:
+            x.job.stamps["prefill_start"] = t0
+        frames = run_prefill(self.model, self.storage, chunks)
+        # The rows are on the default stream; the transfer stage's stream waits for this.
+        written = None
+        if self.storage.is_cuda:
+            written = torch.cuda.Event()
+            written.record()
+        t1 = now_ns()
+        m.P_PREFILL_SECONDS.observe((t1 - t0) / 1e9)
+        m.P_STAGE_SECONDS.labels(stage="forward").observe((t1 - t0) / 1e9)
+        for x, chunk in zip(live, chunks, strict=True):
+            x.job.stamps["prefill_end"] = t1
+            m.P_PREFILL_TOKENS.labels(source="computed").inc(chunk.end - chunk.start)
+            m.P_PREFILL_TOKENS.labels(source="cached").inc(chunk.start)
+            self.cache.publish(x.lease, x.job.prompt)
+        self._computed.put(_Computed(live, frames, [c.start for c in chunks], written))
+        return True
+
+    def _transfer_once(self) -> bool:
+        """Stage 3 (its own thread, its own CUDA stream): each request's rows to its D,
+        the checksum, and the COMMIT handed to the commit pool, beside the next forward."""
+        item = self._computed.get(0.05)
+        if item is None:
+            return False
+        t0 = time.perf_counter()
+        stream = self._transfer_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if item.written is not None and stream is not None:
+                stream.wait_event(item.written)
+            for x, frame, cached in zip(item.lives, item.frames, item.cached, strict=True):
+                try:
+                    self._transfer_and_commit(x, frame, cached)
+                finally:
+                    self.cache.release(x.lease)
+        m.P_STAGE_SECONDS.labels(stage="transfer").observe(time.perf_counter() - t0)
+        return True
+
+    def _transfer_and_commit(self, live: _Live, frame: np.ndarray | None, cached: int) -> None:
+        job, link, sender, stub = live.job, live.link, live.sender, live.stub
+        assert frame is not None
         rid = job.request_id
         if job.cancelled:
             status, reason = self._cancel_reason(rid)
@@ -494,7 +591,7 @@ class PrefillEngine:
         with self._lock:
             deadline = self.transfer_deadlines.get(rid) or self._transfer_deadline(job)
         try:
-            self._write(link, job, lease.slots, dst, deadline)
+            self._write(link, sender, job, live.lease.slots, live.dst, deadline)
         except TransferError as exc:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
             try:  # D holds the pages and sends ABORT; our quiesce answers it
@@ -508,8 +605,8 @@ class PrefillEngine:
         m.P_TRANSFER_SECONDS.labels(mode=sender.mode).observe(
             (job.stamps["transfer_end"] - job.stamps["transfer_start"]) / 1e9)
         m.P_TRANSFER_BYTES.labels(mode=sender.mode).inc(
-            self.storage[:, :, :1].numel() * self.storage.element_size() * len(lease.slots))
-        checksum = kv_checksum(self.storage, lease.slots, self.kv_check_sample)
+            self.storage[:, :, :1].numel() * self.storage.element_size() * len(live.lease.slots))
+        checksum = kv_checksum(self.storage, live.lease.slots, self.kv_check_sample)
         # The rows are in D and the checksum is taken: P's storage is no longer read, so
         # the COMMIT round trip (D checks its copy) runs beside the next write/prefill.
         self._committer.submit(self._commit, job, stub, link, frame, checksum, cached)
@@ -537,11 +634,9 @@ class PrefillEngine:
             return
         self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt) - cached, cached_tokens=cached)
 
-    def _write(self, link: DecodeLink, job: PrefillJob, src_slots: np.ndarray, dst: np.ndarray,
-               deadline: int) -> None:
+    def _write(self, link: DecodeLink, sender: KVSender, job: PrefillJob, src_slots: np.ndarray,
+               dst: np.ndarray, deadline: int) -> None:
         """The request's rows to its D, with the fault injected for this request if any."""
-        sender = link.sender
-        assert sender is not None
         rid = job.request_id
         kind = self.faults.kind(job.prompt)
         if not kind:

@@ -111,7 +111,10 @@ class KVSender(abc.ABC):
 
         Blocks until the rows are in D's memory (or raises TransferError). Must refuse to
         start when the request was cancelled (see `quiesce`). Raises TransferError on a
-        passed deadline before starting.
+        passed deadline before starting. On CUDA the rows must have been written by work
+        ordered before the caller's current stream: a sender orders itself after that
+        stream (or synchronizes it), never the whole device, so a write runs beside work
+        on other streams (P's next forward).
         """
 
     @abc.abstractmethod

@@ -138,7 +138,9 @@ class DirectSender(KVSender):
             raise TransferError(f"source pool is on {src.device}, this sender writes from cuda:{self.ordinal}")
         g = self.geometry
         row_bytes = g.row_bytes
-        torch.cuda.synchronize(src.device)
+        # Stream order, not a device sync: the rows were written by work ordered before
+        # the caller's current stream (P's transfer stage waits on the forward's event),
+        # and a device-wide sync would also wait for the next batch's forward.
         c = cuda_rows.copier(self.ordinal)
         stream = torch.cuda.current_stream(src.device).cuda_stream
         c.launch(src.data_ptr(), dst_ptr, src_slots, dst_slots, int(src_slots.size), g.n_layers * 2,

@@ -382,7 +382,11 @@ class ProxySender(KVSender):
             s = np.ascontiguousarray(src_slots, dtype=np.int64)
             d = np.ascontiguousarray(dst_slots, dtype=np.int64)
             if src.is_cuda:
-                torch.cuda.synchronize(src.device)  # P's forward must have written the rows
+                # The proxy reads the rows outside any stream of ours: the work that wrote
+                # them must be complete. It is ordered before the caller's current stream
+                # (P's transfer stage waits on the forward's event); a device-wide sync
+                # would also wait for the next batch's forward.
+                torch.cuda.current_stream(src.device).synchronize()
                 src_region, s_eff = self.source_region(src), s
             else:
                 src_region, s_eff = self._host_stage(src, s)

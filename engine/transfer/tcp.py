@@ -419,7 +419,7 @@ class TcpSender(KVSender):
             if waiter.event.is_set():
                 raise TransferError(f"request {request_id}: receiver refused: {waiter.state} {waiter.message}")
             if src.is_cuda:
-                torch.cuda.synchronize(src.device)
+                torch.cuda.current_stream(src.device).synchronize()  # see KVSender.write
             idx = torch.from_numpy(s).to(src.device)
             starts = list(range(0, n, self.chunk_tokens))
 

@@ -1,0 +1,152 @@
+"""P's pipeline (engine/prefill/worker.py): RESERVE of the next batch and the transfers
+of the previous one run while a forward does, and stopping P ends every request left
+between the stages (D is told, the prefix lease is returned).
+
+In-process: the real PrefillEngine, scheduler, prefix cache and tiny CPU model, with a
+fake D (its Reserve/Commit/Cancel recorded) and a fake sender; each forward waits at a
+gate the test opens, so "while the forward runs" is a state the test holds, not a race.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.packing import pack
+from pdunit.engine.prefill import worker
+from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
+from pdunit.engine.proto import pdunit_pb2 as pb
+from tests.engine.unit_client import wait_for
+
+
+class FakeD:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def _record(self, what: str, rid: int) -> None:
+        with self.lock:
+            self.log.append((what, rid))
+
+    def seen(self, what: str) -> list[int]:
+        with self.lock:
+            return [rid for w, rid in self.log if w == what]
+
+    def Reserve(self, req, timeout):  # noqa: N802
+        self._record("reserve", req.request_id)
+        return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(np.arange(req.n_tokens, dtype=np.int64), "i8"))
+
+    def Commit(self, req, timeout):  # noqa: N802
+        self._record("commit", req.request_id)
+        return pb.CommitReply(status=pb.STATUS_OK)
+
+    def Cancel(self, req, timeout):  # noqa: N802
+        self._record("cancel", req.request_id)
+        return pb.CancelReply(found=True)
+
+
+class FakeSender:
+    mode = "host"
+
+    def __init__(self, d: FakeD) -> None:
+        self.d = d
+
+    def write(self, request_id, src, src_slots, dst_slots, deadline_unix_ms):
+        self.d._record("write", request_id)
+
+    def quiesce(self, request_id):
+        return True
+
+    def in_flight(self):
+        return []
+
+    def close(self):
+        pass
+
+
+class Gates:
+    """Each forward blocks until the test opens its gate (forwards numbered from 0)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.opened: list[threading.Event] = [threading.Event() for _ in range(8)]
+        self.entered: list[threading.Event] = [threading.Event() for _ in range(8)]
+        self.calls = 0
+        real = worker.run_prefill
+
+        def gated(model, storage, chunks):
+            i = self.calls
+            self.calls += 1
+            self.entered[i].set()
+            assert self.opened[i].wait(20), f"forward {i} was never let through"
+            return real(model, storage, chunks)
+
+        monkeypatch.setattr(worker, "run_prefill", gated)
+
+
+@pytest.fixture()
+def engine(monkeypatch):
+    gates = Gates(monkeypatch)
+    model = load_model("random:tiny:0", device="cpu")
+    storage = model.new_kv_storage(4096, device="cpu")
+    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", storage, PrefixCache(4096, 16),
+                             PrefillScheduler(1, 4096), "d0.sock", "host", {})
+    d = FakeD()
+    link = e.links[0]
+    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
+    link.pool_pages = link.free_pages = 1000
+    e.start()
+    yield e, d, gates
+    for g in gates.opened:
+        g.set()
+    e.stop()
+
+
+def submit(e: worker.PrefillEngine, rid: int, replies: dict[int, pb.SubmitReply]) -> None:
+    prompt = np.random.default_rng(rid).integers(0, 1000, size=(40, e.model.config.n_codebooks), dtype=np.int64)
+    e.submit(PrefillJob(rid, prompt, SamplingParams(max_frames=8), int(time.time() * 1000) + 30_000, {},
+                        done=lambda reply: replies.__setitem__(rid, reply)))
+
+
+def test_next_batch_is_reserved_and_previous_batch_sent_while_a_forward_runs(engine):
+    e, d, gates = engine
+    replies: dict[int, pb.SubmitReply] = {}
+    submit(e, 1, replies)
+    assert gates.entered[0].wait(10)           # request 1's forward is running (held)
+    submit(e, 2, replies)
+    wait_for(lambda: d.seen("reserve") == [1, 2], what="request 2 reserved during request 1's forward")
+    assert d.seen("write") == []
+    gates.opened[0].set()
+    assert gates.entered[1].wait(10)           # request 2's forward is running (held) ...
+    wait_for(lambda: d.seen("commit") == [1], what="request 1 written and committed during request 2's forward")
+    assert d.seen("write") == [1] and not gates.opened[1].is_set()
+    wait_for(lambda: 1 in replies, what="request 1's reply")
+    assert replies[1].status == pb.STATUS_OK
+    gates.opened[1].set()
+    wait_for(lambda: 2 in replies, what="request 2's reply")
+    assert replies[2].status == pb.STATUS_OK and d.seen("commit") == [1, 2]
+
+
+def test_stop_ends_requests_left_between_stages_and_tells_d(engine):
+    e, d, gates = engine
+    replies: dict[int, pb.SubmitReply] = {}
+    submit(e, 1, replies)
+    assert gates.entered[0].wait(10)
+    submit(e, 2, replies)
+    wait_for(lambda: d.seen("reserve") == [1, 2], what="request 2 reserved")
+    stopper = threading.Thread(target=e.stop)
+    stopper.start()
+    time.sleep(0.2)  # stop() is now waiting for the forward in progress
+    gates.opened[0].set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    # request 2 never ran: D was told, the client got a clear answer, P's cache holds no pin
+    assert 2 in d.seen("cancel") and 2 not in d.seen("write")
+    assert replies[2].status == pb.CANCELLED and "shutting down" in replies[2].message
+    assert 1 in replies  # computed before the stop: written and committed, or ended the same way
+    assert e.cache.stats()["pinned_blocks"] == 0
