@@ -30,7 +30,8 @@ D_P_INSTANCE_CHANGES = Counter("pdunit_decode_prefill_instance_changes_total", "
 P_QUEUE = Gauge("pdunit_prefill_queue", "Prompts admitted by P, not yet prefilled")
 P_STAGE_SECONDS = Histogram(
     "pdunit_prefill_stage_seconds",
-    "Wall time of one batch in each stage of P's pipeline (reserve, forward, transfer: each its own thread)",
+    "Wall time in each stage of P's pipeline, each in threads of its own: reserve and transfer per "
+    "request, forward per batch",
     ["stage"], buckets=_FAST)
 P_PREFILL_SECONDS = Histogram("pdunit_prefill_forward_seconds", "Wall time of one prefill forward", buckets=_FAST)
 P_PREFILL_TOKENS = Counter("pdunit_prefill_tokens_total", "Prompt rows, by how they were served", ["source"])

@@ -1,9 +1,11 @@
-"""A bounded handoff between two stages of P's pipeline (engine/prefill/worker.py): the
-producer waits for room before it starts work it could not hand over, so at most
-`capacity` finished items ever wait, and the consumer takes them in order.
+"""Handoffs between the stages of P's pipeline (engine/prefill/worker.py).
 
-Owns no compute. One producer per handoff: `wait_for_room` then `put` never exceeds the
-bound. Thread-safe.
+- `OpenBatch` (reserve -> forward): the next forward's batch, growing one reserved
+  request at a time until the forward stage takes it whole.
+- `Handoff` (forward -> transfer workers): a bounded FIFO of requests; the producer
+  waits for room for a whole batch before it starts a forward it could not hand over.
+
+Own no compute. Thread-safe.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ T = TypeVar("T")
 
 
 class Handoff(Generic[T]):
+    """Bounded FIFO: `wait_for_room(n)`, then `put` of those n items, never exceeds
+    `capacity` (except a group larger than `capacity`, accepted into an empty handoff).
+    One producer; any number of consumers."""
+
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 (got {capacity})")
@@ -23,11 +29,11 @@ class Handoff(Generic[T]):
         self._items: deque[T] = deque()
         self._cv = threading.Condition()
 
-    def wait_for_room(self, timeout: float, stopping: threading.Event) -> bool:
-        """True once there is room; False after `timeout` seconds or when stopping."""
+    def wait_for_room(self, n: int, timeout: float, stopping: threading.Event) -> bool:
+        """True once `n` more items fit; False after `timeout` seconds or when stopping."""
         with self._cv:
-            return self._cv.wait_for(lambda: len(self._items) < self.capacity or stopping.is_set(),
-                                     timeout) and not stopping.is_set()
+            fits = lambda: not self._items or len(self._items) + n <= self.capacity  # noqa: E731
+            return self._cv.wait_for(lambda: fits() or stopping.is_set(), timeout) and not stopping.is_set()
 
     def put(self, item: T) -> None:
         with self._cv:
@@ -47,6 +53,52 @@ class Handoff(Generic[T]):
         with self._cv:
             items = list(self._items)
             self._items.clear()
+            self._cv.notify_all()
+            return items
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._items)
+
+
+class OpenBatch(Generic[T]):
+    """The batch the next forward will take, filled one reserved request at a time while
+    the current forward runs: every request reserved before the forward stage comes back
+    goes into its next forward (not one forward later), up to the batch bounds.
+
+    One producer (`wait_for_room`, then `add`), one consumer (`take`). Thread-safe.
+    """
+
+    def __init__(self, max_items: int, max_rows: int) -> None:
+        if max_items < 1 or max_rows < 1:
+            raise ValueError(f"max_items and max_rows must be >= 1 (got {max_items}, {max_rows})")
+        self.max_items, self.max_rows = max_items, max_rows
+        self._items: list[T] = []
+        self._rows = 0
+        self._cv = threading.Condition()
+
+    def _fits(self, rows: int) -> bool:
+        # an item larger than max_rows alone still makes a batch of its own
+        return not self._items or (len(self._items) < self.max_items and self._rows + rows <= self.max_rows)
+
+    def wait_for_room(self, rows: int, timeout: float, stopping: threading.Event) -> bool:
+        """True once an item of `rows` rows fits; False after `timeout` or when stopping."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._fits(rows) or stopping.is_set(), timeout) \
+                and not stopping.is_set()
+
+    def add(self, item: T, rows: int) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._rows += rows
+            self._cv.notify_all()
+
+    def take(self, timeout: float) -> list[T]:
+        """Every item added so far (waiting up to `timeout` for the first); [] if none."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: bool(self._items), timeout):
+                return []
+            items, self._items, self._rows = self._items, [], 0
             self._cv.notify_all()
             return items
 

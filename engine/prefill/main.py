@@ -46,7 +46,10 @@ class PrefillConfig(BaseModel):
     kv_check_sample: int = Field(1, gt=0, description="checksum every k-th token (1 = every row)")
     max_held_aborts: int = Field(3, gt=0, description="held aborts at which P exits on purpose")
     held_abort_grace_ms: int = Field(1000, ge=0, description="an abort counts as held after this long")
-    transfer_deadline_ms: int = Field(0, ge=0, description="cap on one transfer (0 = request deadline)")
+    transfer_deadline_ms: int = Field(0, ge=0, description="cap on one request's RESERVE-to-COMMIT time, its "
+                                      "forward included; D enforces it too (0 = the request deadline)")
+    transfer_workers: int = Field(4, gt=0, description="threads writing KV to D, one request each: a stalled "
+                                  "write holds up only its own request")
     transfer_chunk_tokens: int = Field(0, ge=0, description="fault injection: write in chunks of this many tokens")
     transfer_chunk_delay_ms: float = Field(0.0, ge=0, description="fault injection: pause between chunks")
     proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
@@ -93,6 +96,7 @@ async def serve(cfg: PrefillConfig) -> int:
         FaultInjection(cfg.fault_corrupt_id, cfg.fault_slow_id, cfg.fault_slow_ms, cfg.fault_wedge_id,
                        cfg.fault_tcp_relay),
         decode_probe_interval_s=cfg.decode_probe_interval_ms / 1000,
+        transfer_workers=cfg.transfer_workers,
     )
     stop = shutdown_event(log)
     loop = asyncio.get_running_loop()

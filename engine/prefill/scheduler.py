@@ -1,5 +1,7 @@
-"""P's admission queue: accepts prompts while a forward runs and hands the worker
-batches bounded by prompt count and rows. Thread-safe; owns no compute.
+"""P's admission queue: accepts prompts while a forward runs and hands them out in FIFO
+order, bounded by prompt count and rows (P's reserve stage takes one at a time and
+builds the forward's batch in engine/prefill/handoff.OpenBatch). Thread-safe; owns no
+compute.
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ class PrefillScheduler:
                     return job
         return None
 
-    def next_batch(self, timeout: float) -> list[PrefillJob]:
-        """FIFO; at least one job even when it alone exceeds the row budget."""
+    def next_batch(self, timeout: float, max_prompts: int | None = None) -> list[PrefillJob]:
+        """FIFO; at least one job even when it alone exceeds the row budget. `max_prompts`
+        lowers the prompt bound (P's reserve stage takes one at a time)."""
+        limit = min(self.max_batch_prompts, max_prompts or self.max_batch_prompts)
         with self._cv:
             if not self._queue:
                 self._cv.wait(timeout)
             batch: list[PrefillJob] = []
             rows = 0
-            while self._queue and len(batch) < self.max_batch_prompts:
+            while self._queue and len(batch) < limit:
                 nxt = len(self._queue[0].prompt)
                 if batch and rows + nxt > self.max_batch_rows:
                     break

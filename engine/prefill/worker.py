@@ -52,7 +52,7 @@ from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
-from pdunit.engine.prefill.handoff import Handoff
+from pdunit.engine.prefill.handoff import Handoff, OpenBatch
 from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.prefill.submit import serve_submit
@@ -88,12 +88,12 @@ class _Live:
 
 @dataclass
 class _Computed:
-    """A batch after its forward: first frames, cached rows per request, and the event
-    after which its K/V rows are in P's storage (None on the CPU)."""
+    """A request after its batch's forward: its first frame, its cached rows, and the
+    event after which its K/V rows are in P's storage (None on the CPU)."""
 
-    lives: list[_Live]
-    frames: list[np.ndarray | None]
-    cached: list[int]
+    live: _Live
+    frame: np.ndarray | None
+    cached: int
     written: torch.cuda.Event | None
 
 
@@ -171,7 +171,10 @@ class PrefillEngine:
         transfer_deadline_ms: int = 0,
         faults: FaultInjection | None = None,
         decode_probe_interval_s: float = 0.5,
+        transfer_workers: int = 4,
     ) -> None:
+        if transfer_workers < 1:
+            raise ValueError(f"transfer_workers must be >= 1 (got {transfer_workers})")
         self.instance_id = uuid.uuid4().hex
         self.model = model
         self.model_spec = model_spec
@@ -200,16 +203,20 @@ class PrefillEngine:
         self._lock = threading.Lock()
         self._probe_stop = threading.Event()
         self._probe_thread: threading.Thread | None = None
-        # Three stages, each in its own thread, one batch between each pair: RESERVE for
-        # batch n+1 and the transfers of batch n-1 run while batch n's forward does.
+        # Three stages in threads of their own: RESERVE of batch n+1's requests (as they
+        # arrive) and the transfers of batch n-1 run while batch n's forward does. The
+        # transfers run in `transfer_workers` threads, one request each, so a write that
+        # stalls holds up only its own request, not every request reserved behind it.
         self._stopping = threading.Event()
-        self._reserved: Handoff[list[_Live]] = Handoff(1)
-        self._computed: Handoff[_Computed] = Handoff(2)
+        self._open: OpenBatch[_Live] = OpenBatch(scheduler.max_batch_prompts, scheduler.max_batch_rows)
+        self._computed: Handoff[_Computed] = Handoff(2 * scheduler.max_batch_prompts)
         self.reserve_loop = StepLoop("prefill-reserve", self._reserve_once, device)
         self.loop = StepLoop("prefill", self._step_once, device)
-        self.transfer_loop = StepLoop("prefill-transfer", self._transfer_once, device)
-        self.loops = (self.reserve_loop, self.loop, self.transfer_loop)
-        self._transfer_stream = torch.cuda.Stream(device) if str(device).startswith("cuda") else None
+        self.transfer_loops = [StepLoop(f"prefill-transfer-{i}", self._transfer_once, device)
+                               for i in range(transfer_workers)]
+        self.loops = (self.reserve_loop, self.loop, *self.transfer_loops)
+        self._cuda = str(device).startswith("cuda")
+        self._worker_state = threading.local()  # each transfer worker's CUDA stream
         self._committer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-commit")
 
     # One D (the 1P1D unit): the names the rest of the process used before 1P2D.
@@ -475,8 +482,7 @@ class PrefillEngine:
         self._stopping.set()
         for loop in self.loops:
             loop.stop()
-        left = [live for batch in self._reserved.take_all() for live in batch]
-        left += [live for item in self._computed.take_all() for live in item.lives]
+        left = self._open.take(0) + [item.live for item in self._computed.take_all()]
         for live in left:
             self._abandon(live, "prefill is shutting down")
         self._committer.shutdown(wait=True)
@@ -492,52 +498,55 @@ class PrefillEngine:
         self._finish(live.job, pb.CANCELLED, reason)
 
     def _reserve_once(self) -> bool:
-        """Stage 1 (its own thread): the next batch from the queue, each request's prefix
-        lease and its RESERVE on a D, while the forward of the previous batch runs."""
-        if not self._reserved.wait_for_room(0.05, self._stopping):
-            return True
-        jobs = self.scheduler.next_batch(timeout=0.05)
+        """Stage 1 (its own thread): the next request from the queue, its prefix lease and
+        its RESERVE on a D, added to the batch the next forward takes; this runs while
+        the current forward does."""
+        jobs = self.scheduler.next_batch(timeout=0.05, max_prompts=1)
         m.P_QUEUE.set(len(self.scheduler))
         if not jobs:
             return False
+        job = jobs[0]
+        with self._lock:
+            self.active[job.request_id] = job
+        rows = len(job.prompt)
+        while not self._open.wait_for_room(rows, 0.05, self._stopping):
+            if self._stopping.is_set():
+                self._finish(job, pb.CANCELLED, "prefill is shutting down")
+                return True
         t0 = time.perf_counter()
-        live: list[_Live] = []
-        now_ms = int(time.time() * 1000)
-        for job in jobs:
-            with self._lock:
-                self.active[job.request_id] = job
-            if job.cancelled:
-                self._finish(job, *self._cancel_reason(job.request_id))
-                continue
-            if job.deadline_unix_ms and now_ms > job.deadline_unix_ms:
-                self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued in prefill")
-                continue
-            try:
-                lease = self.cache.acquire(job.prompt)
-            except NoCapacity as exc:
-                self._finish(job, pb.NO_CAPACITY, f"prefill cache full: {exc}")
-                continue
-            link, reply = self._reserve(job)
-            if link is None or reply.status != pb.STATUS_OK:
-                self.cache.release(lease)
-                self._finish(job, reply.status, reply.message)
-                continue
-            assert link.sender is not None and link.stub is not None
-            job.stamps["p_reserved"] = now_ns()
-            live.append(_Live(job, lease, link, link.sender, link.stub, unpack(reply.dst_slots, "i8")))
+        if job.cancelled:
+            self._finish(job, *self._cancel_reason(job.request_id))
+            return True
+        if job.deadline_unix_ms and int(time.time() * 1000) > job.deadline_unix_ms:
+            self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued in prefill")
+            return True
+        try:
+            lease = self.cache.acquire(job.prompt)
+        except NoCapacity as exc:
+            self._finish(job, pb.NO_CAPACITY, f"prefill cache full: {exc}")
+            return True
+        link, reply = self._reserve(job)
+        if link is None or reply.status != pb.STATUS_OK:
+            self.cache.release(lease)
+            self._finish(job, reply.status, reply.message)
+            return True
+        assert link.sender is not None and link.stub is not None
+        job.stamps["p_reserved"] = now_ns()
+        self._open.add(_Live(job, lease, link, link.sender, link.stub, unpack(reply.dst_slots, "i8")), rows)
         m.P_STAGE_SECONDS.labels(stage="reserve").observe(time.perf_counter() - t0)
-        if live:
-            self._reserved.put(live)
         return True
 
     def _step_once(self) -> bool:
         """Stage 2 (the step loop): one forward over a reserved batch, back to back with
         the next one; its rows and first frames go to the transfer stage."""
-        if not self._computed.wait_for_room(0.05, self._stopping):
+        if not self._computed.wait_for_room(self._open.max_items, 0.05, self._stopping):
             return True
-        live = self._reserved.get(0.05)
-        if live is None:
+        live = self._open.take(0.05)
+        if not live:
             return False
+        live = [x for x in live if self._still_wanted(x, "its forward")]
+        if not live:
+            return True
         chunks = [PrefillChunk(x.job.prompt, x.lease.slots, min(x.lease.cached_tokens, len(x.job.prompt) - 1),
                                len(x.job.prompt), x.job.params) for x in live]
         t0 = now_ns()
@@ -557,48 +566,72 @@ class PrefillEngine:
             m.P_PREFILL_TOKENS.labels(source="computed").inc(chunk.end - chunk.start)
             m.P_PREFILL_TOKENS.labels(source="cached").inc(chunk.start)
             self.cache.publish(x.lease, x.job.prompt)
-        self._computed.put(_Computed(live, frames, [c.start for c in chunks], written))
+        for x, frame, chunk in zip(live, frames, chunks, strict=True):
+            self._computed.put(_Computed(x, frame, chunk.start, written))
         return True
 
     def _transfer_once(self) -> bool:
-        """Stage 3 (its own thread, its own CUDA stream): each request's rows to its D,
-        the checksum, and the COMMIT handed to the commit pool, beside the next forward."""
+        """Stage 3 (each transfer worker; on CUDA its own stream): one request's rows to
+        its D, the checksum, and the COMMIT handed to the commit pool, beside the next
+        forward."""
         item = self._computed.get(0.05)
         if item is None:
             return False
         t0 = time.perf_counter()
-        stream = self._transfer_stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if item.written is not None and stream is not None:
-                stream.wait_event(item.written)
-            for x, frame, cached in zip(item.lives, item.frames, item.cached, strict=True):
-                try:
-                    self._transfer_and_commit(x, frame, cached)
-                finally:
-                    self.cache.release(x.lease)
+        stream = self._stream()
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None and item.written is not None:
+                    stream.wait_event(item.written)
+                self._transfer_and_commit(item.live, item.frame, item.cached)
+        finally:
+            self.cache.release(item.live.lease)
         m.P_STAGE_SECONDS.labels(stage="transfer").observe(time.perf_counter() - t0)
         return True
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        if not self._cuda:
+            return None
+        stream = getattr(self._worker_state, "stream", None)
+        if stream is None:
+            stream = self._worker_state.stream = torch.cuda.Stream(self.device)
+        return stream
+
+    def _still_wanted(self, live: _Live, before: str) -> bool:
+        """False (and the request ended, its lease kept for the caller to release or
+        released here before a forward) when it was cancelled or its transfer deadline
+        passed: no forward or write is spent on it. D fails an expired reservation by
+        itself (same deadline) and asks for the abort our quiesce then proves."""
+        job = live.job
+        if job.cancelled:
+            status, reason = self._cancel_reason(job.request_id)
+            self._finish(job, status, f"{reason}, before {before}")
+        elif self._deadline(job) < int(time.time() * 1000):
+            self._finish(job, pb.DEADLINE_EXCEEDED, f"transfer deadline passed before {before}")
+        else:
+            return True
+        if before == "its forward":
+            self.cache.release(live.lease)
+        return False
+
+    def _deadline(self, job: PrefillJob) -> int:
+        with self._lock:
+            return self.transfer_deadlines.get(job.request_id) or self._transfer_deadline(job)
 
     def _transfer_and_commit(self, live: _Live, frame: np.ndarray | None, cached: int) -> None:
         job, link, sender, stub = live.job, live.link, live.sender, live.stub
         assert frame is not None
         rid = job.request_id
-        if job.cancelled:
-            status, reason = self._cancel_reason(rid)
-            self._finish(job, status, f"{reason}, before the write started")
+        if not self._still_wanted(live, "the write started"):
             return
         job.stamps["transfer_start"] = now_ns()
-        with self._lock:
-            deadline = self.transfer_deadlines.get(rid) or self._transfer_deadline(job)
         try:
-            self._write(link, sender, job, live.lease.slots, live.dst, deadline)
+            self._write(link, sender, job, live.lease.slots, live.dst, self._deadline(job))
         except TransferError as exc:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
-            try:  # D holds the pages and sends ABORT; our quiesce answers it
-                stub.Cancel(pb.CancelRequest(request_id=rid, status=pb.TRANSFER_FAILED,
-                                             message=f"KV transfer failed: {exc}"), timeout=2.0)
-            except grpc.RpcError:
-                pass
+            # D holds the pages and sends ABORT; our quiesce answers it. Told from the
+            # commit pool: the next request's write must not wait for this round trip.
+            self._committer.submit(self._tell_decode_failed, stub, rid, f"KV transfer failed: {exc}")
             self._finish(job, pb.TRANSFER_FAILED, f"KV transfer failed: {exc}")
             return
         job.stamps["transfer_end"] = now_ns()
@@ -610,6 +643,14 @@ class PrefillEngine:
         # The rows are in D and the checksum is taken: P's storage is no longer read, so
         # the COMMIT round trip (D checks its copy) runs beside the next write/prefill.
         self._committer.submit(self._commit, job, stub, link, frame, checksum, cached)
+
+    @staticmethod
+    def _tell_decode_failed(stub: pbg.DecodeStub, request_id: int, message: str) -> None:
+        try:
+            stub.Cancel(pb.CancelRequest(request_id=request_id, status=pb.TRANSFER_FAILED, message=message),
+                        timeout=2.0)
+        except grpc.RpcError:
+            pass
 
     def _commit(self, job: PrefillJob, stub: pbg.DecodeStub, link: DecodeLink, frame: np.ndarray,
                 checksum: int, cached: int) -> None:

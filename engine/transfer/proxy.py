@@ -326,8 +326,10 @@ class ProxySender(KVSender):
         self._in_flight: dict[int, int] = {}
         self._cancelled: OrderedDict[int, None] = OrderedDict()
         self._sources: dict[tuple[int, int], str] = {}
-        self._staging: HostReceiver | None = None
-        self._staging_region = ""
+        # CPU sources: a staging segment per writing thread (P writes from several),
+        # every one listed for close().
+        self._staging = threading.local()
+        self._stagings: list[tuple[HostReceiver, str]] = []
         self.last_reply: pb.CopyReply | None = None
         # Where the last write's time went: "prepare" (this side, before the RPC), the
         # proxy's stages (recv .. reply, see sidecars/nvlink_proxy/stages.py), "return"
@@ -338,27 +340,33 @@ class ProxySender(KVSender):
     def source_region(self, src: torch.Tensor) -> str:
         """The proxy region of a GPU source pool (registered once, by IPC handle)."""
         key = (src.data_ptr(), src.numel())
-        region = self._sources.get(key)
-        if region is None:
-            geo = _with_slots(self.geometry, src.shape[2])
-            region = self.client.register_cuda("p-pool", src, geo)
-            self._sources[key] = region
-        return region
+        with self._lock:  # held across Register: concurrent writers register it once
+            region = self._sources.get(key)
+            if region is None:
+                geo = _with_slots(self.geometry, src.shape[2])
+                region = self.client.register_cuda("p-pool", src, geo)
+                self._sources[key] = region
+            return region
 
     def _host_stage(self, src: torch.Tensor, src_slots: np.ndarray) -> tuple[str, np.ndarray]:
         """CPU: the proxy can only read shared memory, so gather the rows into a staging
         segment this sender owns; the job then copies staging[0..n) -> dst."""
         n = int(src_slots.size)
-        if self._staging is None or self._staging.geometry.n_slots < n:
-            if self._staging is not None:
-                self.client.unregister(self._staging_region)
-                self._staging.close()
-            self._staging = HostReceiver(_with_slots(self.geometry, max(n, 64)))
-            self._staging_region = self.client.register_host("p-staging", self._staging.name,
-                                                             self._staging.geometry)
+        mine: tuple[HostReceiver, str] | None = getattr(self._staging, "segment", None)
+        if mine is None or mine[0].geometry.n_slots < n:
+            if mine is not None:
+                with self._lock:
+                    self._stagings.remove(mine)
+                self.client.unregister(mine[1])
+                mine[0].close()
+            seg = HostReceiver(_with_slots(self.geometry, max(n, 64)))
+            mine = (seg, self.client.register_host("p-staging", seg.name, seg.geometry))
+            self._staging.segment = mine
+            with self._lock:
+                self._stagings.append(mine)
         idx = torch.as_tensor(src_slots, dtype=torch.int64)
-        self._staging.storage[:, :, :n].copy_(src.index_select(2, idx))
-        return self._staging_region, np.arange(n, dtype=np.int64)
+        mine[0].storage[:, :, :n].copy_(src.index_select(2, idx))
+        return mine[1], np.arange(n, dtype=np.int64)
 
     # ------------------------------------------------------------ writes
     def _refuse_if_stopped(self, request_id: int, deadline_unix_ms: int) -> None:
@@ -437,11 +445,13 @@ class ProxySender(KVSender):
             return list(self._in_flight)
 
     def close(self) -> None:
-        for region in list(self._sources.values()) + ([self._staging_region] if self._staging else []):
+        with self._lock:
+            stagings, self._stagings = self._stagings, []
+        for region in list(self._sources.values()) + [region for _, region in stagings]:
             try:
                 self.client.unregister(region)
             except TransferError:
                 pass
-        if self._staging is not None:
-            self._staging.close()
+        for seg, _ in stagings:
+            seg.close()
         self.client.close()

@@ -359,6 +359,7 @@ class TcpSender(KVSender):
         per_token = geometry.bytes_for(1)
         self.chunk_tokens = chunk_tokens or max(1, CHUNK_TARGET_BYTES // per_token)
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._waiters: dict[int, _Waiter] = {}
         self._in_flight: dict[int, int] = {}
         self._cancelled: OrderedDict[int, None] = OrderedDict()
@@ -409,8 +410,9 @@ class TcpSender(KVSender):
             self._waiters[request_id] = waiter
             self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
         try:
-            if not all(c.alive for c in self._conns):
-                self._connect()
+            with self._connect_lock:  # P writes from several threads: one reconnects
+                if not all(c.alive for c in self._conns):
+                    self._connect()
             n = int(s.size)
             _send(self._conns[0].sock, self._conns[0].lock, BEGIN, request_id, flags=flags, a=n,
                   c=deadline_unix_ms, payload=d.astype("<i8").tobytes())

@@ -56,8 +56,11 @@ class FakeSender:
 
     def __init__(self, d: FakeD) -> None:
         self.d = d
+        self.stall: dict[int, threading.Event] = {}  # request id -> released when set
 
     def write(self, request_id, src, src_slots, dst_slots, deadline_unix_ms):
+        if request_id in self.stall:
+            assert self.stall[request_id].wait(20)
         self.d._record("write", request_id)
 
     def quiesce(self, request_id):
@@ -77,11 +80,13 @@ class Gates:
         self.opened: list[threading.Event] = [threading.Event() for _ in range(8)]
         self.entered: list[threading.Event] = [threading.Event() for _ in range(8)]
         self.calls = 0
+        self.batch_sizes: list[int] = []
         real = worker.run_prefill
 
         def gated(model, storage, chunks):
             i = self.calls
             self.calls += 1
+            self.batch_sizes.append(len(chunks))
             self.entered[i].set()
             assert self.opened[i].wait(20), f"forward {i} was never let through"
             return real(model, storage, chunks)
@@ -89,13 +94,13 @@ class Gates:
         monkeypatch.setattr(worker, "run_prefill", gated)
 
 
-@pytest.fixture()
-def engine(monkeypatch):
+@pytest.fixture(params=[1])
+def engine(monkeypatch, request):
     gates = Gates(monkeypatch)
     model = load_model("random:tiny:0", device="cpu")
     storage = model.new_kv_storage(4096, device="cpu")
     e = worker.PrefillEngine(model, "random:tiny:0", "cpu", storage, PrefixCache(4096, 16),
-                             PrefillScheduler(1, 4096), "d0.sock", "host", {})
+                             PrefillScheduler(request.param, 4096), "d0.sock", "host", {})
     d = FakeD()
     link = e.links[0]
     link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
@@ -150,3 +155,41 @@ def test_stop_ends_requests_left_between_stages_and_tells_d(engine):
     assert replies[2].status == pb.CANCELLED and "shutting down" in replies[2].message
     assert 1 in replies  # computed before the stop: written and committed, or ended the same way
     assert e.cache.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("engine", [3], indirect=True)
+def test_requests_reserved_during_a_forward_all_go_into_the_next_one(engine):
+    e, d, gates = engine
+    replies: dict[int, pb.SubmitReply] = {}
+    submit(e, 1, replies)
+    assert gates.entered[0].wait(10)
+    for rid in (2, 3, 4, 5):
+        submit(e, rid, replies)
+    # the next batch holds 3 prompts: requests 2-4 are reserved, 5 waits for room
+    wait_for(lambda: d.seen("reserve") == [1, 2, 3, 4], what="requests 2-4 reserved during forward 0")
+    time.sleep(0.1)
+    assert d.seen("reserve") == [1, 2, 3, 4]
+    gates.opened[0].set()
+    assert gates.entered[1].wait(10)
+    wait_for(lambda: d.seen("reserve") == [1, 2, 3, 4, 5], what="request 5 reserved once forward 1 took 2-4")
+    gates.opened[1].set()
+    gates.opened[2].set()
+    wait_for(lambda: len(replies) == 5, what="every reply")
+    assert gates.batch_sizes == [1, 3, 1]
+    assert all(r.status == pb.STATUS_OK for r in replies.values())
+
+
+def test_a_stalled_write_holds_up_only_its_own_request(engine):
+    e, d, gates = engine
+    stalled = threading.Event()
+    e.links[0].sender.stall[1] = stalled  # type: ignore[union-attr]
+    for g in gates.opened:
+        g.set()
+    replies: dict[int, pb.SubmitReply] = {}
+    for rid in (1, 2, 3):
+        submit(e, rid, replies)
+    wait_for(lambda: 2 in replies and 3 in replies, what="requests 2 and 3 committed while 1's write stalls")
+    assert replies[2].status == replies[3].status == pb.STATUS_OK and 1 not in replies
+    stalled.set()
+    wait_for(lambda: 1 in replies, what="request 1 after its write resumed")
+    assert replies[1].status == pb.STATUS_OK and sorted(d.seen("commit")) == [1, 2, 3]
