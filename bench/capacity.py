@@ -466,6 +466,11 @@ def summarize_level(
         "p50_rate": report.percentile(rates, 50),
         "worst_window": min(windows) if windows else None,
         "frames_total": sum(r.frames for r in ok),
+        # Poisson levels: how many listeners this arrival rate is, each hearing its audio
+        # in real time (rate x mean audio length): the load in streams, independent of
+        # how fast the server generates (a fast server finishes streams early).
+        "realtime_streams": (round(rate * sum(r.frames for r in ok) / len(ok) / cfg.fps, 1)
+                             if rate is not None and ok else None),
         "elapsed_s": round(elapsed_s, 3),
         "gpu_busy": None,  # measured by the unit's own metrics, not from the client side
     }
@@ -501,12 +506,17 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
         },
         "levels": key,
     }
+    per_gpu = (capacity / cfg.gpus) if (capacity is not None and cfg.gpus) else None
     if key == "concurrency":
         summary["capacity"] = capacity
-        per_gpu = (capacity / cfg.gpus) if (capacity is not None and cfg.gpus) else None
-        summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
     else:
         summary["capacity_rate"] = capacity
+        at = next((r for r in rows if r["rate"] == capacity), None)
+        streams = at["realtime_streams"] if at else None
+        summary["realtime_streams_per_gpu"] = {
+            cfg.mode_label: round(streams / cfg.gpus, 1) if streams is not None and cfg.gpus else None}
+    # concurrent streams per GPU (closed loop), or arrivals/s per GPU (Poisson)
+    summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
     return summary
 
 
@@ -514,6 +524,7 @@ COLUMNS = [
     report.Column("mode", "mode"),
     report.Column("concurrency", "conc"),
     report.Column("rate", "rate/s", "{:g}"),
+    report.Column("realtime_streams", "rt streams", "{:g}"),
     report.Column("streams", "streams"),
     report.Column("errors", "errors"),
     report.Column("stutter_share", "stutter", "{:.1%}"),

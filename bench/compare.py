@@ -48,6 +48,11 @@ class CompareConfig(BaseModel):
     variant_concurrency: str = Field("", description="per-variant levels overriding --concurrency, e.g. "
                                      "'1p1d=64,128;monolith-prefill-first=16,32;monolith-chunked=64,96' "
                                      "(monolith-chunked covers every chunk size)")
+    rate: str = Field("", description="Poisson levels (arrivals/s, comma list): replaces the closed-loop levels")
+    variant_rate: str = Field("", description="per-variant Poisson levels overriding --rate, e.g. "
+                              "'1p1d=16,24;monolith-chunked=8,12'")
+    burst_share: float = Field(0.0, ge=0, lt=1, description="Poisson levels: share of requests arriving in clumps")
+    burst_size: int = Field(5, ge=1, description="Poisson levels: requests per clump")
     duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
     ramp: float = Field(3.0, ge=0, description="closed-loop workers start spread over this many seconds; streams "
                         "started during the ramp load the unit but are not counted (steady state only)")
@@ -104,20 +109,28 @@ def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | str | None]:
     }
 
 
-def levels_for(cfg: CompareConfig, variant: str) -> list[int]:
-    """The closed-loop levels of one variant: its entry in --variant-concurrency (the
-    chunked monoliths share `monolith-chunked`), else --concurrency."""
+def level_key(cfg: CompareConfig) -> str:
+    """"rate" when Poisson levels were given (--rate / --variant-rate), else "concurrency"."""
+    return "rate" if cfg.rate or cfg.variant_rate else "concurrency"
+
+
+def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
+    """One variant's levels: its entry in --variant-rate / --variant-concurrency (the
+    chunked monoliths share `monolith-chunked`), else --rate / --concurrency."""
+    rate = level_key(cfg) == "rate"
+    flag, spec = ("--variant-rate", cfg.variant_rate) if rate else ("--variant-concurrency", cfg.variant_concurrency)
     overrides: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in cfg.variant_concurrency.split(";"))):
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
         name, sep, levels = part.partition("=")
         if not sep or not levels.strip():
-            raise ValueError(f"--variant-concurrency: {part!r} is not VARIANT=LEVELS")
+            raise ValueError(f"{flag}: {part!r} is not VARIANT=LEVELS")
         overrides[name.strip()] = levels
     known = {"1p1d", "1p2d", "monolith-prefill-first", "monolith-chunked"}
     if set(overrides) - known:
-        raise ValueError(f"--variant-concurrency: unknown variants {sorted(set(overrides) - known)}; "
-                         f"known: {sorted(known)}")
+        raise ValueError(f"{flag}: unknown variants {sorted(set(overrides) - known)}; known: {sorted(known)}")
     key = "monolith-chunked" if variant.startswith("monolith-chunked") else variant
+    if rate:
+        return parse_list(overrides.get(key, cfg.rate), "rate", float)
     return parse_list(overrides.get(key, cfg.concurrency), "concurrency", int)
 
 
@@ -133,14 +146,19 @@ def attach_waterfall(row: dict[str, Any], streams: list[dict[str, Any]]) -> None
     row["waterfall_check"] = check
 
 
-def print_waterfall_at(rows: list[dict[str, Any]], capacity: int | None) -> None:
+def _key(rows: list[dict[str, Any]]) -> str:
+    return "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
+
+
+def print_waterfall_at(rows: list[dict[str, Any]], capacity: float | None) -> None:
     """Prints the waterfall at the capacity point, or at the lowest level when none passed
     (that is where the failure starts)."""
     if not rows:
         return
-    at = next((r for r in rows if r["concurrency"] == capacity), rows[0])
-    label = "capacity point" if at["concurrency"] == capacity else "lowest level (no level passed)"
-    print(f"\nwaterfall of {at['mode']} at concurrency {at['concurrency']} ({label}):")
+    key = _key(rows)
+    at = next((r for r in rows if r[key] == capacity), rows[0])
+    label = "capacity point" if at[key] == capacity else "lowest level (no level passed)"
+    print(f"\nwaterfall of {at['mode']} at {key} {at[key]:g} ({label}):")
     print(waterfall_text(at))
 
 
@@ -156,20 +174,21 @@ def waterfall_text(row: dict[str, Any]) -> str:
 def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's and D's own metrics)", "",
-           "| mode | conc | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy |",
+           f"| mode | {_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
                                               "p_busy")]
-            out.append(f"| {r['mode']} | {r['concurrency']} | " + " | ".join(str(c) for c in cells) + " |")
+            out.append(f"| {r['mode']} | {r[_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
         cap = per_gpu.get(mode)
-        at = next((r for r in mine if cap and r["concurrency"] == round(cap * r["gpus"])), mine[0])
-        out += [f"### {mode} at concurrency {at['concurrency']}", "", "```", waterfall_text(at), "```", ""]
+        key = _key(mine)
+        at = next((r for r in mine if cap and abs(r[key] - cap * r["gpus"]) < 1e-6), mine[0])
+        out += [f"### {mode} at {key} {at[key]:g}", "", "```", waterfall_text(at), "```", ""]
     return "\n".join(out)
 
 
@@ -230,21 +249,25 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
 def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[str, int],
                command: str) -> dict[str, Any]:
     """The variant's levels one at a time, reading the engines' metrics around each."""
+    key = level_key(cfg)
+    levels = levels_for(cfg, name)
     base = CapacityConfig(
-        url=url, concurrency=levels_for(cfg, name), duration=cfg.duration, ramp=cfg.ramp, warmup=cfg.ramp,
+        url=url, concurrency=levels if key == "concurrency" else [], rate=levels if key == "rate" else [],
+        burst_share=cfg.burst_share, burst_size=cfg.burst_size, duration=cfg.duration, ramp=cfg.ramp,
+        warmup=cfg.ramp,
         prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(cfg.frames, "frames"),
         voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False)
     rows: list[dict[str, Any]] = []
     streams: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
-    for level in base.concurrency:
+    for level in levels:
         marks: dict[str, tuple[float, dict[str, float]]] = {}
 
         def window(name: str, marks: dict[str, tuple[float, dict[str, float]]] = marks) -> None:
             marks[name] = (time.monotonic(), _scrape_all(ports))
 
         before = (time.monotonic(), _scrape_all(ports))
-        doc = run_capacity(base.model_copy(update={"concurrency": [level]}), command=command, keep_streams=True,
+        doc = run_capacity(base.model_copy(update={key: [level]}), command=command, keep_streams=True,
                            window=window if ports else None)
         row = doc["rows"][0]
         # the steady window (ramp and drain left out) when the level had one
@@ -255,13 +278,14 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         row["gpu_busy"] = row["engine"].get("d_gpu_busy")
         rows.append(row)
         streams += doc["streams"]
-    return {**doc, "config": {**doc.get("config", {}), "concurrency": base.concurrency}, "rows": rows,
+    return {**doc, "config": {**doc.get("config", {}), key: levels}, "rows": rows,
             "streams": streams, "summary": summarize_run(rows, base)}
 
 
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     per_gpu: dict[str, float | None] = {}
+    realtime: dict[str, float | None] = {}
     for name, gpus, unit_cfg in variant_units(cfg):
         print(f"== {name}: starting the unit", flush=True)
         if cfg.run_dir:
@@ -272,14 +296,21 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
         print_report(doc)
         for row in doc["rows"]:
             row["gpus"] = gpus
-            attach_waterfall(row, [s for s in doc["streams"] if s["concurrency"] == row["concurrency"]])
+            key = _key(doc["rows"])
+            attach_waterfall(row, [s for s in doc["streams"] if s[key] == row[key]])
         for row in doc["rows"]:
             if row.get("engine"):
-                print(f"engines at {row['concurrency']}: {row['engine']}")
-        print_waterfall_at(doc["rows"], doc["summary"].get("capacity"))
+                print(f"engines at {row[_key(doc['rows'])]:g}: {row['engine']}")
+        print_waterfall_at(doc["rows"], doc["summary"].get("capacity", doc["summary"].get("capacity_rate")))
         rows += doc["rows"]
         per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)
-    summary = {"capacity_per_gpu": per_gpu, **ratios(per_gpu)}
+        if "realtime_streams_per_gpu" in doc["summary"]:
+            realtime[name] = doc["summary"]["realtime_streams_per_gpu"].get(name)
+    # capacity_per_gpu: concurrent streams per GPU (closed loop) or arrivals/s per GPU
+    # (Poisson, where realtime_streams_per_gpu gives it in listeners)
+    summary = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu, **ratios(per_gpu)}
+    if realtime:
+        summary["realtime_streams_per_gpu"] = realtime
     results = report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary)
     out = results.document()
     if cfg.out:

@@ -58,3 +58,24 @@ def test_each_variant_can_have_its_own_levels():
         levels_for(CompareConfig(variant_concurrency="2p2d=1"), "1p1d")
     with pytest.raises(ValueError, match="is not VARIANT=LEVELS"):
         levels_for(CompareConfig(variant_concurrency="1p1d"), "1p1d")
+
+
+def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
+    cfg = CompareConfig(rate="2", variant_rate="1p1d=3,4")
+    assert levels_for(cfg, "1p1d") == [3.0, 4.0] and levels_for(cfg, "monolith-chunked-2048") == [2.0]
+    with pytest.raises(ValueError, match="--variant-rate"):
+        levels_for(CompareConfig(variant_rate="1p1d"), "1p1d")
+    out = tmp_path / "capacity.json"
+    doc = run_compare(CompareConfig(variants="1p1d", rate="3", burst_share=0.5, burst_size=3, duration=3,
+                                    prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
+                                    ramp=0, out=str(out)), command="test")
+    row = doc["rows"][0]
+    assert row["rate"] == 3.0 and row["concurrency"] is None and row["ok"] > 0
+    # listeners = rate x mean audio seconds of the streams that ran (21-42 frames at 21 frames/s)
+    mean_frames = row["frames_total"] / row["ok"]
+    assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1)
+    assert doc["summary"]["levels"] == "rate"
+    if row["passed"]:
+        assert doc["summary"]["capacity_per_gpu"]["1p1d"] == 1.5
+        assert doc["summary"]["realtime_streams_per_gpu"]["1p1d"] == round(row["realtime_streams"] / 2, 1)
+    assert "### 1p1d at rate 3" in out.with_suffix(".md").read_text()
