@@ -582,7 +582,8 @@ async def run_capacity_async(
                 results = await run_level(client, cfg, workload, progress, concurrency=c, rate=r, window=window)
                 rows.append(summarize_level(results, cfg, c, r, time.perf_counter() - t))
                 if keep_streams:
-                    streams.extend({"concurrency": c, "rate": r, **s.record()} for s in results)
+                    # the level as `concurrency` / `arrival_rate` (a stream's own `rate` is its frames/s)
+                    streams.extend({**s.record(), "concurrency": c, "arrival_rate": r} for s in results)
         finally:
             progress.close()
     results_doc = report.Results(

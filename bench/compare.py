@@ -297,7 +297,8 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
         for row in doc["rows"]:
             row["gpus"] = gpus
             key = _key(doc["rows"])
-            attach_waterfall(row, [s for s in doc["streams"] if s[key] == row[key]])
+            level = "arrival_rate" if key == "rate" else key  # a stream's own `rate` is its frames/s
+            attach_waterfall(row, [s for s in doc["streams"] if s[level] == row[key]])
         for row in doc["rows"]:
             if row.get("engine"):
                 print(f"engines at {row[_key(doc['rows'])]:g}: {row['engine']}")

@@ -78,4 +78,5 @@ def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
     if row["passed"]:
         assert doc["summary"]["capacity_per_gpu"]["1p1d"] == 1.5
         assert doc["summary"]["realtime_streams_per_gpu"]["1p1d"] == round(row["realtime_streams"] / 2, 1)
+    assert row["waterfall_check"]["streams"] > 0  # the level's streams found by their arrival rate
     assert "### 1p1d at rate 3" in out.with_suffix(".md").read_text()
