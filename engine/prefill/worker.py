@@ -7,8 +7,19 @@ request can land any more (batch quiesce). It never answers from a timeout. When
 holds `max_held_aborts` unanswered aborts it exits on purpose: its restart (a new
 instance id) is the proof D needs for all of them.
 
-Threads: gRPC handlers on the asyncio loop; the forward + transfer loop in one worker
-thread, talking to D over a synchronous channel.
+Threads: gRPC handlers on the asyncio loop, and a pipeline of three stages so that the
+GPU runs forwards back to back:
+1. reserve (one thread): takes queued requests one at a time, leases their prefix and
+   RESERVEs them on a D, into the batch the next forward takes (handoff.OpenBatch), while
+   the current forward runs. A request's transfer deadline, fixed at RESERVE, therefore
+   covers its wait for the forward in progress and its own forward.
+2. forward (the step loop): one forward per batch; each request goes on to stage 3 with
+   a CUDA event after which its rows are in P's storage.
+3. transfer (`transfer_workers` threads, each on a CUDA stream of its own): one
+   request's write, checksum, and its COMMIT handed to the commit pool. Several workers
+   so that a stalled write holds up only its own request.
+A request cancelled or past its deadline between stages is ended there (no forward or
+write spent on it); stopping P ends the requests left between stages and tells D.
 
 Fault injection (`FaultInjection`, flags `--fault-*`, never set in a pod): requests
 whose prompt row 0 column 0 carries a chosen id get a flipped bit in the rows sent
@@ -123,8 +134,9 @@ class FaultInjection:
 @dataclass
 class DecodeLink:
     """One D that P feeds: its channel, P's sender into its pool, its instance id, and its
-    load as last reported (Info probe, Reserve replies). Only the worker thread (and
-    `connect` before it starts) replaces `stub`, `sender` and `instance`."""
+    load as last reported (Info probe, Reserve replies). Only the reserve thread (and
+    `connect` before it starts) replaces `stub`, `sender` and `instance`; a request keeps
+    the sender and stub it was reserved with (`_Live`)."""
 
     index: int
     socket: str
