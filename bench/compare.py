@@ -192,8 +192,9 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     return "\n".join(out)
 
 
-# Engine series read around each level: D's step time, batch, graph/eager replays and
-# its own GPU-busy account (engine/decode/overlap.py), P's forward time.
+# Engine series read around each level: D's (or the monolith's) step time, batch,
+# graph/eager replays and GPU-busy account (CUDA events), P's (or the monolith's
+# prefill) forward time.
 _SERIES = {
     "d_steps": "pdunit_decode_step_seconds_count", "d_step_s": "pdunit_decode_step_seconds_sum",
     "d_batch_sum": "pdunit_decode_step_batch_sum", "d_gpu_busy_s": "pdunit_decode_gpu_busy_seconds_total",
@@ -204,10 +205,12 @@ _SERIES = {
 
 
 def engine_ports(unit_cfg: LocalConfig) -> dict[str, int]:
-    """Gives P and D of a PD unit a metrics port (added to their commands in place); the
-    monolith keeps none (its step and prefill share one loop: the waterfall shows it)."""
+    """Gives P and D of a PD unit, or the monolith, a metrics port (added to their
+    commands in place)."""
     if unit_cfg.mode == "monolith":
-        return {}
+        ports = {"monolith": free_port()}
+        unit_cfg.extra_monolith_args.extend(["--metrics-port", str(ports["monolith"])])
+        return ports
     ports = {"decode": free_port(), "prefill": free_port()}
     unit_cfg.extra_decode_args.extend(["--metrics-port", str(ports["decode"])])
     unit_cfg.extra_prefill_args.extend(["--metrics-port", str(ports["prefill"])])
@@ -223,8 +226,9 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
             values = report.scrape_metrics(port)
         except httpx.HTTPError:
             continue  # a process that went away: its level shows errors anyway
-        prefix = "d_" if role == "decode" else "p_"
-        out.update({name: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefix)})
+        # the monolith's one loop exports both: decode steps and the prefill parts of them
+        prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_")}[role]
+        out.update({name: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefixes)})
     return out
 
 

@@ -62,6 +62,7 @@ class LocalConfig(BaseModel):
     load_requests: int = Field(0, ge=0, description="streams in the short load (0 = 2 x load_streams)")
     extra_prefill_args: list[str] = Field(default_factory=list, description="appended to P's command")
     extra_decode_args: list[str] = Field(default_factory=list, description="appended to D's command")
+    extra_monolith_args: list[str] = Field(default_factory=list, description="appended to the monolith's command")
     extra_lb_args: list[str] = Field(default_factory=list, description="appended to the LB's command")
     extra_guard_args: list[str] = Field(default_factory=list, description="appended to the guard's command")
     wrappers: dict[str, list[str]] = Field(default_factory=dict, description="argv prefix per child name (the "
@@ -137,7 +138,8 @@ class LocalUnit:
         if c.mode == "monolith":
             cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,
                                               "--chunk-tokens", str(c.chunk_tokens),
-                                              "--pool-tokens", str(c.pool_tokens)] + common))
+                                              "--pool-tokens", str(c.pool_tokens)] + common +
+                         c.extra_monolith_args))
             p_sock = d_sock = self.sock("monolith")
         elif c.mode in ("pd", "1p2d"):
             p_sock = self.sock("prefill")

@@ -19,6 +19,10 @@ D_STREAMS = Gauge("pdunit_decode_streams", "Streams decoding in D (or the monoli
 D_STEP_SECONDS = Histogram("pdunit_decode_step_seconds", "Wall time of one decode step", buckets=_FAST)
 D_STEP_BATCH = Histogram("pdunit_decode_step_batch", "Streams per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 D_FRAMES = Counter("pdunit_decode_frames_total", "Frames emitted")
+D_GPU_BUSY_SECONDS = Counter(
+    "pdunit_decode_gpu_busy_seconds_total",
+    "Device time of decode steps, from CUDA events around each (D with overlap: first kernel to frames "
+    "copied; the monolith: its whole step, prefill chunks included); rate() = GPU busy share, an upper bound")
 D_POOL_PAGES = Gauge("pdunit_decode_pool_pages", "Pages in D's pool by state", ["state"])
 D_HELD_RELEASED = Counter("pdunit_decode_held_released_total", "Held requests returned to free, by proof", ["proof"])
 D_TRANSFER_FAILED = Counter("pdunit_decode_transfer_failed_total", "Transfers D failed, by reason", ["reason"])

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdunit.engine import metrics as m
 from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.model.sampling import sample_frames_device, sampling_batch, to_device
@@ -58,9 +59,6 @@ WAIT_SECONDS = Histogram(
     "pdunit_decode_device_wait_seconds",
     "Host time blocked on the previous step's frames with overlap (near 0: the host is the bottleneck)",
     buckets=_FAST)
-GPU_BUSY_SECONDS = Counter(
-    "pdunit_decode_gpu_busy_seconds_total",
-    "Device time of decode steps (CUDA events, first kernel to frames copied); rate() = GPU busy share")
 GPU_BUSY_RATIO = Gauge(
     "pdunit_decode_gpu_busy_ratio",
     "Share of device time spent in decode steps over the last steps of a busy period (CUDA only)")
@@ -233,7 +231,7 @@ class OverlapScheduler:
             step.copied.synchronize()
             assert step.started is not None
             busy_ms = step.started.elapsed_time(step.copied)
-            GPU_BUSY_SECONDS.inc(busy_ms / 1000)
+            m.D_GPU_BUSY_SECONDS.inc(busy_ms / 1000)
             self._busy.append((step.started, step.copied, busy_ms))
             if len(self._busy) > 1:
                 first, last = self._busy[0][0], self._busy[-1][1]

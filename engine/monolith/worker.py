@@ -167,6 +167,20 @@ class MonolithEngine:
         self.batcher.take_cancelled()
         self._admit_waiting()
         self._drop_cancelled_prefills()
+        if self.model.device.type != "cuda":
+            return self._run_step()
+        # The device time of the step (CUDA events around it; the step ends synchronized by
+        # host sampling): the monolith's GPU busy share, comparable with D's.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        worked = self._run_step()
+        end.record()
+        if worked:
+            end.synchronize()
+            m.D_GPU_BUSY_SECONDS.inc(start.elapsed_time(end) / 1000)
+        return worked
+
+    def _run_step(self) -> bool:
         t0 = time.perf_counter()
         if self.policy == "prefill-first" and self.prefilling:
             plan = self._plan_chunks(max(self.max_batch_rows, 1))

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from pdunit.bench.report import scrape_metrics
 from pdunit.engine.decode.worker import StepLoop
-from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.local import LocalConfig, LocalUnit, free_port
 from tests.engine.unit_client import random_prompt, stream
 
 pytestmark = [
@@ -62,9 +63,17 @@ def test_pd_unit_on_two_gpus_streams_every_frame(transfer, tmp_path):
 
 
 def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
-    cfg = LocalConfig(mode="monolith", run_dir=str(tmp_path), device="cuda:1", **BASE)
+    port = free_port()
+    cfg = LocalConfig(mode="monolith", run_dir=str(tmp_path), device="cuda:1",
+                      extra_monolith_args=["--metrics-port", str(port)], **BASE)
     with LocalUnit(cfg) as unit:
         results = _run_streams(unit.url, 8)
+        metrics = scrape_metrics(port)
     for frames, last in results:
         assert last.get("done"), last
         assert len(frames) == FRAMES
+    # its GPU busy account (CUDA events around each step), read by `bench compare`
+    # (device time within the loop's own wall time: decode steps plus prefill-first forwards)
+    busy = metrics["pdunit_decode_gpu_busy_seconds_total"]
+    wall = metrics["pdunit_decode_step_seconds_sum"] + metrics["pdunit_prefill_forward_seconds_sum"]
+    assert 0 < busy <= 1.1 * wall + 0.05, (busy, wall)
