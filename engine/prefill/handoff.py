@@ -11,10 +11,27 @@ Own no compute. Thread-safe.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+_STOP_CHECK_S = 0.05  # setting `stopping` notifies no one: it is looked at this often
+
+
+def _wait(cv: threading.Condition, ready: Callable[[], bool], timeout: float, stopping: threading.Event) -> bool:
+    """With `cv` held: True once `ready()`; False after `timeout` or once stopping."""
+    deadline = time.monotonic() + timeout
+    while not stopping.is_set():
+        if ready():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        cv.wait(min(left, _STOP_CHECK_S))
+    return False
 
 
 class Handoff(Generic[T]):
@@ -32,8 +49,8 @@ class Handoff(Generic[T]):
     def wait_for_room(self, n: int, timeout: float, stopping: threading.Event) -> bool:
         """True once `n` more items fit; False after `timeout` seconds or when stopping."""
         with self._cv:
-            fits = lambda: not self._items or len(self._items) + n <= self.capacity  # noqa: E731
-            return self._cv.wait_for(lambda: fits() or stopping.is_set(), timeout) and not stopping.is_set()
+            return _wait(self._cv, lambda: not self._items or len(self._items) + n <= self.capacity, timeout,
+                         stopping)
 
     def put(self, item: T) -> None:
         with self._cv:
@@ -84,8 +101,7 @@ class OpenBatch(Generic[T]):
     def wait_for_room(self, rows: int, timeout: float, stopping: threading.Event) -> bool:
         """True once an item of `rows` rows fits; False after `timeout` or when stopping."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._fits(rows) or stopping.is_set(), timeout) \
-                and not stopping.is_set()
+            return _wait(self._cv, lambda: self._fits(rows), timeout, stopping)
 
     def add(self, item: T, rows: int) -> None:
         with self._cv:

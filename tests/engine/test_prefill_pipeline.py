@@ -193,3 +193,20 @@ def test_a_stalled_write_holds_up_only_its_own_request(engine):
     stalled.set()
     wait_for(lambda: 1 in replies, what="request 1 after its write resumed")
     assert replies[1].status == pb.STATUS_OK and sorted(d.seen("commit")) == [1, 2, 3]
+
+
+def test_a_request_whose_deadline_passes_before_its_forward_gets_no_forward_and_no_write(engine):
+    e, d, gates = engine
+    e.transfer_deadline_ms = 300  # RESERVE-to-COMMIT bound, the wait for the forward included
+    replies: dict[int, pb.SubmitReply] = {}
+    submit(e, 1, replies)
+    assert gates.entered[0].wait(10)
+    submit(e, 2, replies)
+    wait_for(lambda: d.seen("reserve") == [1, 2], what="request 2 reserved during forward 0")
+    time.sleep(0.5)  # forward 0 outlives both requests' deadlines
+    gates.opened[0].set()
+    wait_for(lambda: 1 in replies and 2 in replies, what="both replies")
+    assert replies[2].status == pb.DEADLINE_EXCEEDED and "before its forward" in replies[2].message
+    assert replies[1].status == pb.DEADLINE_EXCEEDED and "before the write" in replies[1].message
+    assert d.seen("write") == [] and gates.calls == 1  # no second forward, no write
+    assert e.cache.stats()["pinned_blocks"] == 0
