@@ -359,7 +359,7 @@ class EngineUnderTest:
             step_message(self._message, out)
         # The scheduler keeps the step it just queued (with its started/copied events)
         # as its in-flight step; the bench reads the events from there.
-        return out, sched._inflight
+        return out, sched.queued_step
 
     def drain(self, ids: list[int], sched: Any | None) -> None:
         """Cancel the point's streams and run the loop until they are gone; every page
@@ -478,7 +478,7 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
         if size is not None:
             # the staged inputs are the last timed step's: replaying them back to back
             # rewrites the same K/V rows of streams about to be cancelled
-            row["gpu_ms"] = statistics.median(_events_ms(runner._graphs[size].graph.replay, cfg.iters, 1))
+            row["gpu_ms"] = statistics.median(_events_ms(lambda: runner.replay_staged(size), cfg.iters, 1))
             row["gpu_busy"] = row["gpu_ms"] / row["step_ms"]
             extra["runner"] = runner
     if sched is None and e.cuda and f"{batch}x{context}" in cfg.compare:
@@ -634,7 +634,7 @@ def _attention_gbps(m: TTSModel, kv: torch.Tensor, runner: Any, b: int) -> float
 
     c = m.config
     q = torch.randn(b, c.n_heads, c.head_dim, device="cuda").to(m.dtype)
-    table, lengths = runner._table[:b], runner._lengths[:b]
+    table, lengths = runner.staged_table(b)
     splits = pa.choose_splits(b, c.n_kv_heads, m.sm_count(), runner.max_context)
     ms = _kernel_ms(lambda: pa.paged_decode_attention(q, kv[0], table, lengths, splits))
     layer_bytes = int(lengths.sum()) * 2 * c.n_kv_heads * c.head_dim * kv.element_size()

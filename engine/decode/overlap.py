@@ -101,6 +101,12 @@ class OverlapScheduler:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    @property
+    def queued_step(self) -> _Step | None:
+        """The step queued and not yet read back (its `started`/`copied` CUDA events time
+        it on the device): what `pdunit bench step` reads."""
+        return self._inflight
+
     def step_once(self) -> tuple[bool, StepOutput | None]:
         """One iteration; returns (did any work, the message's content or None)."""
         t0 = time.perf_counter()

@@ -107,6 +107,15 @@ class DecodeGraphRunner:
                 self._graphs[size] = g
         torch.cuda.synchronize(dev)
 
+    def replay_staged(self, size: int) -> None:
+        """Replays bucket `size` on the inputs the last step staged (benchmarks time the
+        forward alone this way; it rewrites that step's K/V rows with the same values)."""
+        self._graphs[size].graph.replay()
+
+    def staged_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device slot table [n, max_context] and lengths [n] the last step staged."""
+        return self._table[:n], self._lengths[:n]
+
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None when n is too large."""
         for size in self.sizes:
