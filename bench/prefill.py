@@ -1,0 +1,193 @@
+"""`pdunit bench prefill`: P's forward throughput against the GPU's compute peak.
+
+In a 1P1D unit P, not D, bounds capacity once D overlaps its steps
+(`bench/results/capacity-20261130-*`): this measures P's forward as P runs it, so its
+efficiency can be tracked and improved.
+
+Owns one measurement: a model of the given shape with random weights on the device, a
+KV storage like P's, and `run_prefill` (engine/prefill/runner.py, P's own call) over a
+batch of `prompts` prompts of `rows` rows each, every row computed (no cached prefix),
+after `--warmup` untimed forwards. Per point (`--points PROMPTSxROWS,...`):
+- `ms`: wall time per forward (P's forward ends with the first frames on the host, so
+  this is also its device time plus launch gaps);
+- `tokens_per_s`, `us_per_token`: computed rows per second, and per row;
+- `tflops`: achieved, from the model's FLOPs per forward: 2 x the linear weights per row
+  (q|k|v, o, gate|up, down of every layer) plus causal attention
+  (2 x heads x head_dim x L^2 per layer and prompt of L rows);
+- `mfu`: tflops over `--peak-tflops` (default: the dense bf16 peak of known GPUs, else
+  no MFU column);
+- `--profile`: the top CUDA kernels by device time per forward (torch.profiler).
+
+`--device cpu` with `--model tiny` runs the same path as a smoke test (no MFU).
+Never re-implements the forward: it calls P's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, Field
+
+from pdunit.bench import report
+from pdunit.engine.model.config import ModelConfig
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
+from pdunit.engine.settings import parse_config
+
+BENCH = "prefill"
+# Dense bf16 tensor-core peaks (TFLOP/s) by a token of the GPU's name; MFU is reported
+# against these unless --peak-tflops says otherwise.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
+
+COLUMNS = [
+    report.Column("prompts", "prompts"),
+    report.Column("rows", "rows"),
+    report.Column("tokens", "tokens"),
+    report.Column("ms", "ms", "{:.2f}"),
+    report.Column("ms_p90", "ms p90", "{:.2f}"),
+    report.Column("tokens_per_s", "tokens/s", "{:.0f}"),
+    report.Column("us_per_token", "us/token", "{:.2f}"),
+    report.Column("tflops", "TFLOP/s", "{:.1f}"),
+    report.Column("mfu", "MFU", "{:.1%}"),
+]
+KERNEL_COLUMNS = [
+    report.Column("kernel", "kernel", "{}"), report.Column("ms", "device ms per forward", "{:.3f}"),
+    report.Column("share", "share", "{:.1%}"), report.Column("calls", "calls", "{}"),
+]
+
+
+class PrefillBenchConfig(BaseModel):
+    model: str = Field("qwen3-4b-shape", description="model config name (random weights)")
+    device: str = Field("cuda", description="cuda (the measurement) or cpu (smoke test)")
+    dtype: str | None = Field(None, description="compute dtype (default: the model's; bfloat16 for the 4B shape)")
+    points: str = Field("1x1500,4x1500,5x1600,8x1000,16x512",
+                        description="PROMPTSxROWS batches, comma list (P batches up to 8192 rows by default)")
+    iters: int = Field(10, gt=0, description="timed forwards per point")
+    warmup: int = Field(3, ge=0, description="untimed forwards per point")
+    seed: int = Field(0, ge=0)
+    peak_tflops: float = Field(0.0, ge=0, description="the GPU's peak for MFU (0: from the GPU name when known)")
+    profile: bool = Field(False, description="top CUDA kernels per forward (torch.profiler)")
+    out: str = Field("", description="results JSON path or folder ('' = print only)")
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    points = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, sep, b = part.lower().partition("x")
+        try:
+            prompts, rows = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"--points: {part!r} is not PROMPTSxROWS") from None
+        if not sep or prompts < 1 or rows < 2:
+            raise ValueError(f"--points: {part!r} needs >= 1 prompt of >= 2 rows")
+        points.append((prompts, rows))
+    if not points:
+        raise ValueError("--points is empty")
+    return points
+
+
+def forward_flops(c: ModelConfig, prompts: int, rows: int) -> float:
+    """FLOPs of one prefill forward over `prompts` prompts of `rows` rows."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    linear = c.hidden * (q + 2 * kv) + q * c.hidden + 3 * c.hidden * c.ffn_hidden
+    tokens = prompts * rows
+    attention = 2 * c.n_heads * c.head_dim * rows * rows  # QK^T and PV, causal half, x2 FLOP/MAC
+    return c.n_layers * (2.0 * linear * tokens + prompts * attention)
+
+
+def peak_for(machine: dict[str, Any], given: float) -> float | None:
+    if given:
+        return given
+    name = str(machine.get("gpu_model") or "")
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: PrefillBenchConfig,
+            rng: np.random.Generator) -> tuple[list[float], Any]:
+    c = model.config
+    vocab = min(c.vocab_sizes)
+    params = SamplingParams(max_frames=1)
+    chunks = [PrefillChunk(rng.integers(0, vocab - 1, size=(rows, c.n_codebooks), dtype=np.int64),
+                           np.arange(i * rows, (i + 1) * rows, dtype=np.int64), 0, rows, params)
+              for i in range(prompts)]
+    for _ in range(cfg.warmup):
+        run_prefill(model, storage, chunks)
+    prof = None
+    if cfg.profile and storage.is_cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    times = []
+    for _ in range(cfg.iters):
+        t0 = time.perf_counter()
+        run_prefill(model, storage, chunks)  # ends with the first frames on the host
+        times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    return times, prof
+
+
+def top_kernels(prof: Any, iters: int, n: int = 12) -> list[dict[str, Any]]:
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [{"kernel": e.key[:90], "ms": round(e.device_time_total / 1e3 / iters, 4),
+             "share": round(e.device_time_total / total, 4), "calls": round(e.count / iters, 1)}
+            for e in events[:n]]
+
+
+def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
+    points = parse_points(cfg.points)
+    model = load_model(f"random:{cfg.model}:{cfg.seed}", device=cfg.device, dtype=cfg.dtype)
+    storage = model.new_kv_storage(max(p * r for p, r in points), device=cfg.device)
+    machine = report.machine_info()
+    peak = peak_for(machine, cfg.peak_tflops) if storage.is_cuda else None
+    rng = np.random.default_rng(cfg.seed)
+    rows_out = []
+    for prompts, rows in points:
+        times, prof = measure(model, storage, prompts, rows, cfg, rng)
+        ms = statistics.median(times) * 1e3
+        tokens = prompts * rows
+        tflops = forward_flops(model.config, prompts, rows) / (ms * 1e-3) / 1e12
+        row: dict[str, Any] = {
+            "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
+            "ms_p90": round(float(np.percentile(times, 90)) * 1e3, 3),
+            "tokens_per_s": round(tokens / (ms * 1e-3), 1), "us_per_token": round(ms * 1e3 / tokens, 3),
+            "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
+        }
+        if prof is not None:
+            row["kernels"] = top_kernels(prof, cfg.iters)
+        rows_out.append(row)
+        print(f"{prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
+    summary = {"peak_tflops": peak, "model": cfg.model, "dtype": str(model.dtype).replace("torch.", ""),
+               "best_us_per_token": min(r["us_per_token"] for r in rows_out)}
+    return report.Results(BENCH, machine, command, cfg.model_dump(), rows_out, summary).document()
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(PrefillBenchConfig, argv, "pdunit bench prefill")
+    doc = run_prefill_bench(cfg, report.command_line(argv, prog="pdunit bench prefill"))
+    print(report.text_table(doc["rows"], COLUMNS))
+    for row in doc["rows"]:
+        if row.get("kernels"):
+            print(f"\ntop kernels, {row['prompts']} x {row['rows']} rows:")
+            print(report.text_table(row["kernels"], KERNEL_COLUMNS))
+    print("summary:", doc["summary"])
+    if cfg.out:
+        res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"],
+                             doc["summary"])
+        json_path, md_path = res.write(report.resolve_out(cfg.out, BENCH, doc["machine"]), COLUMNS,
+                                       "Prefill forward throughput vs the compute peak")
+        print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""`pdunit bench prefill`: the FLOP count behind its MFU, its point syntax, and a CPU run
+through P's own prefill call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdunit.bench.main import main as bench_main
+from pdunit.bench.prefill import forward_flops, parse_points, peak_for
+from pdunit.engine.model.config import get_config
+
+
+def test_flops_count_every_linear_weight_twice_per_row_plus_causal_attention():
+    c = get_config("qwen3-4b-shape")
+    per_layer_weights = (c.hidden * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim   # q|k|v
+                         + c.n_heads * c.head_dim * c.hidden                      # o
+                         + 3 * c.hidden * c.ffn_hidden)                           # gate|up, down
+    one = forward_flops(c, 1, 1000)
+    assert one == c.n_layers * (2 * per_layer_weights * 1000 + 2 * c.n_heads * c.head_dim * 1000 ** 2)
+    # the 4B shape: ~8 GFLOP of weights per row, as the issue's roofline assumes
+    assert 7e9 < 2 * per_layer_weights * c.n_layers < 9e9
+    # attention grows with each prompt's length, linear work with the rows
+    assert forward_flops(c, 2, 1000) == 2 * one
+    assert forward_flops(c, 1, 2000) > 2 * one
+
+
+def test_points_and_peaks():
+    assert parse_points("1x1500, 4X64") == [(1, 1500), (4, 64)]
+    for bad in ("", "3", "0x10", "2x1", "ax5"):
+        with pytest.raises(ValueError, match="--points"):
+            parse_points(bad)
+    assert peak_for({"gpu_model": "NVIDIA H200"}, 0) == 989.0
+    assert peak_for({"gpu_model": "NVIDIA H200"}, 500) == 500
+    assert peak_for({"gpu_model": None}, 0) is None
+
+
+def test_cpu_run_writes_one_row_per_point(tmp_path):
+    out = tmp_path / "prefill.json"
+    assert bench_main(["prefill", "--model", "tiny", "--device", "cpu", "--points", "1x32,2x16",
+                       "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "prefill" and [(r["prompts"], r["rows"]) for r in doc["rows"]] == [(1, 32), (2, 16)]
+    for r in doc["rows"]:
+        assert r["tokens"] == r["prompts"] * r["rows"] and r["ms"] > 0 and r["mfu"] is None
+        assert r["us_per_token"] == pytest.approx(r["ms"] * 1e3 / r["tokens"], rel=1e-3)
+    assert out.with_suffix(".md").exists()
+
+
+@pytest.mark.gpu
+def test_cuda_run_reports_mfu_and_top_kernels(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "prefill.json"
+    assert bench_main(["prefill", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--points", "2x256",
+                       "--iters", "3", "--warmup", "1", "--peak-tflops", "100", "--profile", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert 0 < row["mfu"] < 1 and row["kernels"] and row["kernels"][0]["ms"] > 0
