@@ -11,6 +11,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setup, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.metrics import register_role
 from pdunit.engine.model.config import torch_dtype
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
@@ -56,6 +57,7 @@ async def serve(cfg: DecodeConfig) -> int:
     log = setup_logging("decode", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
+    register_role("decode")  # this process's series only (engine/metrics.py)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "decode-exec"))

@@ -51,20 +51,20 @@ from pdunit.engine.model.transformer import TTSModel
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
-HOST_SECONDS = Histogram(
+HOST_SECONDS = m.role_metric(Histogram(
     "pdunit_decode_host_seconds",
     "Host time to prepare and queue one decode step with overlap (hidden while it is under the device's step time)",
-    buckets=_FAST)
-WAIT_SECONDS = Histogram(
+    buckets=_FAST, registry=None), "decode")
+WAIT_SECONDS = m.role_metric(Histogram(
     "pdunit_decode_device_wait_seconds",
     "Host time blocked on the previous step's frames with overlap (near 0: the host is the bottleneck)",
-    buckets=_FAST)
-GPU_BUSY_RATIO = Gauge(
+    buckets=_FAST, registry=None), "decode")
+GPU_BUSY_RATIO = m.role_metric(Gauge(
     "pdunit_decode_gpu_busy_ratio",
-    "Share of device time spent in decode steps over the last steps of a busy period (CUDA only)")
-DISCARDED_ROWS = Counter(
+    "Share of device time spent in decode steps over the last steps of a busy period (CUDA only)", registry=None), "decode")
+DISCARDED_ROWS = m.role_metric(Counter(
     "pdunit_decode_discarded_rows_total",
-    "Rows computed for streams that had already ended (EOS seen one step late, or cancelled)")
+    "Rows computed for streams that had already ended (EOS seen one step late, or cancelled)", registry=None), "decode")
 
 BUSY_WINDOW = 64
 

@@ -20,13 +20,15 @@ import torch
 from prometheus_client import Counter
 
 from pdunit.engine.batching import SeqEntry, make_batch
+from pdunit.engine.metrics import role_metric
 from pdunit.engine.model.sampling import to_device
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 from pdunit.engine.prefill.runner import run_forward
 
 log = logging.getLogger("pdunit.decode.graphs")
 
-GRAPH_STEPS = Counter("pdunit_decode_graph_steps_total", "Decode-step forwards by path", ["path"])
+GRAPH_STEPS = role_metric(Counter("pdunit_decode_graph_steps_total", "Decode-step forwards by path", ["path"],
+                                  registry=None), "decode", "monolith")
 
 
 class StepForward:

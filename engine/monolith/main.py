@@ -12,6 +12,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
@@ -94,6 +95,7 @@ async def serve(cfg: MonolithConfig) -> int:
     log = setup_logging("monolith", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
+    register_role("monolith")  # this process's series only (engine/metrics.py)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "monolith-exec"))

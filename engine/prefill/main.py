@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
@@ -80,6 +81,7 @@ async def serve(cfg: PrefillConfig) -> int:
     log = setup_logging("prefill", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
+    register_role("prefill")  # this process's series only (engine/metrics.py)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))

@@ -77,10 +77,11 @@ log = logging.getLogger("pdunit.prefill")
 
 EXIT_HELD_ABORTS = 75  # P exits on purpose: its restart proves every held abort
 
-P_ROUTED = Counter("pdunit_prefill_decode_routed_total", "Requests P reserved on each D", ["decode"])
-P_FALLBACKS = Counter("pdunit_prefill_decode_fallbacks_total",
-                      "Reservations moved to another D before any write, by the first D's answer",
-                      ["decode", "reason"])
+P_ROUTED = m.role_metric(Counter("pdunit_prefill_decode_routed_total", "Requests P reserved on each D", ["decode"],
+                                 registry=None), "prefill")
+P_FALLBACKS = m.role_metric(Counter("pdunit_prefill_decode_fallbacks_total",
+                                    "Reservations moved to another D before any write, by the first D's answer",
+                                    ["decode", "reason"], registry=None), "prefill")
 
 
 @dataclass

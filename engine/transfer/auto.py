@@ -28,6 +28,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from pdunit.engine.kv.checksum import kv_checksum
+from pdunit.engine.metrics import role_metric
 from pdunit.engine.transfer.base import (
     Descriptor,
     KVReceiver,
@@ -41,8 +42,11 @@ log = logging.getLogger("pdunit.transfer.auto")
 ORDER = ("fabric", "posix-fd", "ipc", "host", "proxy", "tcp")
 PROBE_ROWS = 4
 
-MODE_INFO = Gauge("pdunit_transfer_mode_info", "Transfer mode chosen at start (1 = in use)", ["mode"])
-PROBES = Counter("pdunit_transfer_probe_total", "Verified test transfers by mode and outcome", ["mode", "outcome"])
+# P chooses (its sender's probe)
+MODE_INFO = role_metric(Gauge("pdunit_transfer_mode_info", "Transfer mode chosen at start (1 = in use)", ["mode"],
+                              registry=None), "prefill")
+PROBES = role_metric(Counter("pdunit_transfer_probe_total", "Verified test transfers by mode and outcome",
+                             ["mode", "outcome"], registry=None), "prefill")
 
 
 @dataclass

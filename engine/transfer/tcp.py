@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from pdunit.engine.metrics import role_metric
 from pdunit.engine.transfer.base import (
     Descriptor,
     KVReceiver,
@@ -57,9 +58,13 @@ CHUNK_TARGET_BYTES = 4 << 20
 RETENTION_S = 600.0
 MAX_STATES = 100_000
 
-CHUNKS = Counter("pdunit_tcp_chunks_total", "TCP KV chunks received by outcome", ["outcome"])
-RX_BYTES = Counter("pdunit_tcp_received_bytes_total", "TCP KV payload bytes applied")
-REQUESTS = Counter("pdunit_tcp_requests_total", "TCP KV requests reaching a terminal state", ["state"])
+# D's receiver side
+CHUNKS = role_metric(Counter("pdunit_tcp_chunks_total", "TCP KV chunks received by outcome", ["outcome"],
+                             registry=None), "decode")
+RX_BYTES = role_metric(Counter("pdunit_tcp_received_bytes_total", "TCP KV payload bytes applied", registry=None),
+                       "decode")
+REQUESTS = role_metric(Counter("pdunit_tcp_requests_total", "TCP KV requests reaching a terminal state", ["state"],
+                               registry=None), "decode")
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:

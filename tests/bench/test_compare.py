@@ -71,13 +71,13 @@ def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
                                     prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
                                     ramp=0, out=str(out)), command="test")
     row = doc["rows"][0]
-    assert row["rate"] == 3.0 and row["concurrency"] is None and row["ok"] > 0
+    assert row["rate"] == 3.0 and row["concurrency"] is None and row["ok"] > 0, row
     # listeners = rate x mean audio seconds of the streams that ran (21-42 frames at 21 frames/s)
     mean_frames = row["frames_total"] / row["ok"]
-    assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1)
+    assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1), row
     assert doc["summary"]["levels"] == "rate"
     if row["passed"]:
         assert doc["summary"]["capacity_per_gpu"]["1p1d"] == 1.5
         assert doc["summary"]["realtime_streams_per_gpu"]["1p1d"] == round(row["realtime_streams"] / 2, 1)
-    assert row["waterfall_check"]["streams"] > 0  # the level's streams found by their arrival rate
+    assert row["waterfall_check"].get("streams", 0) > 0, row["waterfall_check"]  # found by arrival rate
     assert "### 1p1d at rate 3" in out.with_suffix(".md").read_text()

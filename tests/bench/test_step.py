@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 
 from pdunit.bench import step
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.metrics import register_role
 
 BATCHES, CONTEXTS, ITERS, WARMUP = [1, 3], [6, 33], 3, 1
 
@@ -66,6 +67,7 @@ def test_unknown_overlap_mode_is_refused_naming_the_choices() -> None:
 
 def _launches() -> float:
     """Steps the overlap scheduler queued (its host-time histogram counts one each)."""
+    register_role("decode")  # what D's main does before serving /metrics
     return REGISTRY.get_sample_value("pdunit_decode_host_seconds_count") or 0.0
 
 
