@@ -218,8 +218,8 @@ def engine_ports(unit_cfg: LocalConfig) -> dict[str, int]:
 
 
 def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
-    """The `_SERIES` of each role from its own process (every engine process registers
-    every engine metric: P exports D's series as zeros)."""
+    """The `_SERIES` of each role from its own process (each exports its role's series
+    only, engine/metrics.py)."""
     out: dict[str, float] = {}
     for role, port in ports.items():
         try:
