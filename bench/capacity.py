@@ -490,13 +490,14 @@ def summarize_level(
 
 
 def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, Any]:
-    """Capacity = the highest level that passes with every lower level passing too."""
+    """Capacity = the highest level that passes (in every run of it) with every lower
+    level passing too."""
     key = "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
     capacity = None
-    for row in sorted(rows, key=lambda r: r[key]):
-        if not row["passed"]:
+    for level in sorted({r[key] for r in rows}):  # a level with several runs passes only if all do
+        if not all(r["passed"] for r in rows if r[key] == level):
             break
-        capacity = row[key]
+        capacity = level
     summary: dict[str, Any] = {
         "criteria": {
             "stutter": 0,
@@ -511,8 +512,9 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
         summary["capacity"] = capacity
     else:
         summary["capacity_rate"] = capacity
-        at = next((r for r in rows if r["rate"] == capacity), None)
-        streams = at["realtime_streams"] if at else None
+        # the level's runs (bench compare --repeat): the fewest listeners any of them had
+        runs = [r["realtime_streams"] for r in rows if r["rate"] == capacity and r["realtime_streams"] is not None]
+        streams = min(runs) if runs else None
         summary["realtime_streams_per_gpu"] = {
             cfg.mode_label: round(streams / cfg.gpus, 1) if streams is not None and cfg.gpus else None}
     # concurrent streams per GPU (closed loop), or arrivals/s per GPU (Poisson)
@@ -524,6 +526,7 @@ COLUMNS = [
     report.Column("mode", "mode"),
     report.Column("concurrency", "conc"),
     report.Column("rate", "rate/s", "{:g}"),
+    report.Column("repeat", "run"),
     report.Column("realtime_streams", "rt streams", "{:g}"),
     report.Column("streams", "streams"),
     report.Column("errors", "errors"),

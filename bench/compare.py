@@ -53,6 +53,8 @@ class CompareConfig(BaseModel):
                               "'1p1d=16,24;monolith-chunked=8,12'")
     burst_share: float = Field(0.0, ge=0, lt=1, description="Poisson levels: share of requests arriving in clumps")
     burst_size: int = Field(5, ge=1, description="Poisson levels: requests per clump")
+    repeat: int = Field(1, ge=1, description="runs of every level, each with its own workload seed (seed + run): "
+                        "a level counts as passed only when every run passes")
     duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
     ramp: float = Field(3.0, ge=0, description="closed-loop workers start spread over this many seconds; streams "
                         "started during the ramp load the unit but are not counted (steady state only)")
@@ -262,28 +264,30 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(cfg.frames, "frames"),
         voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False)
     rows: list[dict[str, Any]] = []
-    streams: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
     for level in levels:
-        marks: dict[str, tuple[float, dict[str, float]]] = {}
+        for run in range(cfg.repeat):
+            marks: dict[str, tuple[float, dict[str, float]]] = {}
 
-        def window(name: str, marks: dict[str, tuple[float, dict[str, float]]] = marks) -> None:
-            marks[name] = (time.monotonic(), _scrape_all(ports))
+            def window(name: str, marks: dict[str, tuple[float, dict[str, float]]] = marks) -> None:
+                marks[name] = (time.monotonic(), _scrape_all(ports))
 
-        before = (time.monotonic(), _scrape_all(ports))
-        doc = run_capacity(base.model_copy(update={key: [level]}), command=command, keep_streams=True,
-                           window=window if ports else None)
-        row = doc["rows"][0]
-        # the steady window (ramp and drain left out) when the level had one
-        (t_a, a), (t_b, b) = (marks["start"], marks["end"]) if "end" in marks else \
-            (before, (time.monotonic(), _scrape_all(ports)))
-        row["engine"] = engine_deltas(a, b, t_b - t_a)
-        row["engine"]["window"] = "steady" if "end" in marks else "level"
-        row["gpu_busy"] = row["engine"].get("d_gpu_busy")
-        rows.append(row)
-        streams += doc["streams"]
-    return {**doc, "config": {**doc.get("config", {}), key: levels}, "rows": rows,
-            "streams": streams, "summary": summarize_run(rows, base)}
+            before = (time.monotonic(), _scrape_all(ports))
+            doc = run_capacity(base.model_copy(update={key: [level], "seed": base.seed + run}), command=command,
+                               keep_streams=True, window=window if ports else None)
+            row = doc["rows"][0]
+            row["repeat"] = run
+            # the steady window (ramp and drain left out) when the level had one
+            (t_a, a), (t_b, b) = (marks["start"], marks["end"]) if "end" in marks else \
+                (before, (time.monotonic(), _scrape_all(ports)))
+            row["engine"] = engine_deltas(a, b, t_b - t_a)
+            row["engine"]["window"] = "steady" if "end" in marks else "level"
+            row["gpu_busy"] = row["engine"].get("d_gpu_busy")
+            attach_waterfall(row, doc["streams"])  # this run's streams only
+            rows.append(row)
+    # summarize_run: a level whose any run failed ends the capacity below it
+    return {**doc, "config": {**doc.get("config", {}), key: levels, "repeat": cfg.repeat}, "rows": rows,
+            "summary": summarize_run(rows, base)}
 
 
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
@@ -300,12 +304,8 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
         print_report(doc)
         for row in doc["rows"]:
             row["gpus"] = gpus
-            key = _key(doc["rows"])
-            level = "arrival_rate" if key == "rate" else key  # a stream's own `rate` is its frames/s
-            attach_waterfall(row, [s for s in doc["streams"] if s[level] == row[key]])
-        for row in doc["rows"]:
             if row.get("engine"):
-                print(f"engines at {row[_key(doc['rows'])]:g}: {row['engine']}")
+                print(f"engines at {row[_key(doc['rows'])]:g} (run {row['repeat']}): {row['engine']}")
         print_waterfall_at(doc["rows"], doc["summary"].get("capacity", doc["summary"].get("capacity_rate")))
         rows += doc["rows"]
         per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)

@@ -81,3 +81,26 @@ def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
         assert doc["summary"]["realtime_streams_per_gpu"]["1p1d"] == round(row["realtime_streams"] / 2, 1)
     assert row["waterfall_check"].get("streams", 0) > 0, row["waterfall_check"]  # found by arrival rate
     assert "### 1p1d at rate 3" in out.with_suffix(".md").read_text()
+
+
+def test_repeated_levels_run_each_with_its_own_seed_and_all_must_pass(tmp_path, monkeypatch):
+    """--repeat N: N runs per level (seed, seed+1, ...); one failing run ends the capacity
+    below that level. The level outcomes here are scripted: this tests the bookkeeping."""
+    from pdunit.bench import compare
+
+    seen: list[tuple[int, int]] = []
+    outcome = {(1, 0): True, (1, 1): True, (2, 0): True, (2, 1): False, (3, 0): True, (3, 1): True}
+
+    def fake_run_capacity(cfg, command=None, keep_streams=False, window=None):
+        level = cfg.concurrency[0]
+        seen.append((level, cfg.seed))
+        row = {"mode": cfg.mode_label, "gpus": cfg.gpus, "concurrency": level, "rate": None,
+               "passed": outcome[(level, cfg.seed)], "realtime_streams": None}
+        return {"rows": [row], "streams": [], "config": {}}
+
+    monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
+    cfg = CompareConfig(concurrency="1,2,3", repeat=2)
+    doc = compare.run_levels(cfg, "monolith-prefill-first", 1, "http://unused", {}, "test")
+    assert seen == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert [r["repeat"] for r in doc["rows"]] == [0, 1, 0, 1, 0, 1]
+    assert doc["summary"]["capacity"] == 1  # level 2 failed once: 3 cannot count
