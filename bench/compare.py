@@ -53,6 +53,9 @@ class CompareConfig(BaseModel):
                               "'1p1d=16,24;monolith-chunked=8,12'")
     burst_share: float = Field(0.0, ge=0, lt=1, description="Poisson levels: share of requests arriving in clumps")
     burst_size: int = Field(5, ge=1, description="Poisson levels: requests per clump")
+    stop_at_failure: bool = Field(True, description="end a variant's sweep at its first failing level (the "
+                                  "levels above cannot raise its capacity); --no-stop-at-failure sweeps them all "
+                                  "for the plot")
     repeat: int = Field(1, ge=1, description="runs of every level, each with its own workload seed (seed + run): "
                         "a level counts as passed only when every run passes")
     duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
@@ -285,6 +288,11 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
             row["gpu_busy"] = row["engine"].get("d_gpu_busy")
             attach_waterfall(row, doc["streams"])  # this run's streams only
             rows.append(row)
+        if cfg.stop_at_failure and not all(r["passed"] for r in rows if r[key] == level):
+            if level != levels[-1]:
+                print(f"{name}: level {level:g} failed; the levels above it are skipped (--no-stop-at-failure "
+                      "runs them)", flush=True)
+            break
     # summarize_run: a level whose any run failed ends the capacity below it
     return {**doc, "config": {**doc.get("config", {}), key: levels, "repeat": cfg.repeat}, "rows": rows,
             "summary": summarize_run(rows, base)}

@@ -99,8 +99,28 @@ def test_repeated_levels_run_each_with_its_own_seed_and_all_must_pass(tmp_path, 
         return {"rows": [row], "streams": [], "config": {}}
 
     monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
-    cfg = CompareConfig(concurrency="1,2,3", repeat=2)
+    cfg = CompareConfig(concurrency="1,2,3", repeat=2, stop_at_failure=False)
     doc = compare.run_levels(cfg, "monolith-prefill-first", 1, "http://unused", {}, "test")
     assert seen == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     assert [r["repeat"] for r in doc["rows"]] == [0, 1, 0, 1, 0, 1]
     assert doc["summary"]["capacity"] == 1  # level 2 failed once: 3 cannot count
+
+
+def test_a_sweep_stops_at_its_first_failing_level_unless_asked_not_to(monkeypatch):
+    from pdunit.bench import compare
+
+    seen: list[int] = []
+
+    def fake_run_capacity(cfg, command=None, keep_streams=False, window=None):
+        seen.append(cfg.concurrency[0])
+        row = {"mode": cfg.mode_label, "gpus": cfg.gpus, "concurrency": cfg.concurrency[0], "rate": None,
+               "passed": cfg.concurrency[0] < 2, "realtime_streams": None}
+        return {"rows": [row], "streams": [], "config": {}}
+
+    monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
+    doc = compare.run_levels(CompareConfig(concurrency="1,2,3,4"), "1p1d", 2, "http://unused", {}, "test")
+    assert seen == [1, 2] and doc["summary"]["capacity"] == 1
+    seen.clear()
+    compare.run_levels(CompareConfig(concurrency="1,2,3,4", stop_at_failure=False), "1p1d", 2, "http://unused",
+                       {}, "test")
+    assert seen == [1, 2, 3, 4]
