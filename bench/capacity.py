@@ -489,10 +489,15 @@ def summarize_level(
     return row
 
 
+def rows_level_key(rows: list[dict[str, Any]]) -> str:
+    """Which field names a row's level: "concurrency" (closed loop) or "rate" (Poisson)."""
+    return "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
+
+
 def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, Any]:
     """Capacity = the highest level that passes (in every run of it) with every lower
     level passing too."""
-    key = "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
+    key = rows_level_key(rows)
     capacity = None
     for level in sorted({r[key] for r in rows}):  # a level with several runs passes only if all do
         if not all(r["passed"] for r in rows if r[key] == level):
@@ -621,7 +626,7 @@ def run_capacity(
 
 
 def plot_capacity(rows: list[dict[str, Any]], path: str, cfg: CapacityConfig) -> Any:
-    key = "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
+    key = rows_level_key(rows)
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_mode.setdefault(row["mode"], []).append(row)

@@ -24,6 +24,7 @@ from pdunit.bench.capacity import (
     CapacityConfig,
     plot_capacity,
     print_report,
+    rows_level_key,
     run_capacity,
     summarize_run,
 )
@@ -151,16 +152,12 @@ def attach_waterfall(row: dict[str, Any], streams: list[dict[str, Any]]) -> None
     row["waterfall_check"] = check
 
 
-def _key(rows: list[dict[str, Any]]) -> str:
-    return "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
-
-
 def print_waterfall_at(rows: list[dict[str, Any]], capacity: float | None) -> None:
     """Prints the waterfall at the capacity point, or at the lowest level when none passed
     (that is where the failure starts)."""
     if not rows:
         return
-    key = _key(rows)
+    key = rows_level_key(rows)
     at = next((r for r in rows if r[key] == capacity), rows[0])
     label = "capacity point" if at[key] == capacity else "lowest level (no level passed)"
     print(f"\nwaterfall of {at['mode']} at {key} {at[key]:g} ({label}):")
@@ -179,19 +176,19 @@ def waterfall_text(row: dict[str, Any]) -> str:
 def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's and D's own metrics)", "",
-           f"| mode | {_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy |",
+           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
                                               "p_busy")]
-            out.append(f"| {r['mode']} | {r[_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
+            out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
         cap = per_gpu.get(mode)
-        key = _key(mine)
+        key = rows_level_key(mine)
         at = next((r for r in mine if cap and abs(r[key] - cap * r["gpus"]) < 1e-6), mine[0])
         out += [f"### {mode} at {key} {at[key]:g}", "", "```", waterfall_text(at), "```", ""]
     return "\n".join(out)
@@ -313,7 +310,7 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
         for row in doc["rows"]:
             row["gpus"] = gpus
             if row.get("engine"):
-                print(f"engines at {row[_key(doc['rows'])]:g} (run {row['repeat']}): {row['engine']}")
+                print(f"engines at {row[rows_level_key(doc['rows'])]:g} (run {row['repeat']}): {row['engine']}")
         print_waterfall_at(doc["rows"], doc["summary"].get("capacity", doc["summary"].get("capacity_rate")))
         rows += doc["rows"]
         per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)

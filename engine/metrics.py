@@ -91,8 +91,8 @@ D_P_INSTANCE_CHANGES = role_metric(Counter("pdunit_decode_prefill_instance_chang
 P_QUEUE = role_metric(Gauge("pdunit_prefill_queue", "Prompts admitted by P, not yet prefilled", registry=None), _P)
 P_STAGE_SECONDS = role_metric(Histogram(
     "pdunit_prefill_stage_seconds",
-    "Wall time in each stage of P's pipeline, each in threads of its own: reserve and transfer per "
-    "request, forward per batch",
+    "Wall time of one request in P's pipeline stages that run beside the forward (reserve, transfer); "
+    "the forward itself is pdunit_prefill_forward_seconds",
     ["stage"], buckets=_FAST, registry=None), _P)
 P_PREFILL_SECONDS = role_metric(Histogram("pdunit_prefill_forward_seconds", "Wall time of one prefill forward",
                                           buckets=_FAST, registry=None), _P, _MONO)

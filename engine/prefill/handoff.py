@@ -117,7 +117,3 @@ class OpenBatch(Generic[T]):
             items, self._items, self._rows = self._items, [], 0
             self._cv.notify_all()
             return items
-
-    def __len__(self) -> int:
-        with self._cv:
-            return len(self._items)

@@ -557,7 +557,13 @@ class PrefillEngine:
         live = self._open.take(0.05)
         if not live:
             return False
-        live = [x for x in live if self._still_wanted(x, "its forward")]
+        wanted = []
+        for x in live:
+            if self._still_wanted(x, "its forward"):
+                wanted.append(x)
+            else:
+                self.cache.release(x.lease)
+        live = wanted
         if not live:
             return True
         chunks = [PrefillChunk(x.job.prompt, x.lease.slots, min(x.lease.cached_tokens, len(x.job.prompt) - 1),
@@ -573,7 +579,6 @@ class PrefillEngine:
             written.record()
         t1 = now_ns()
         m.P_PREFILL_SECONDS.observe((t1 - t0) / 1e9)
-        m.P_STAGE_SECONDS.labels(stage="forward").observe((t1 - t0) / 1e9)
         for x, chunk in zip(live, chunks, strict=True):
             x.job.stamps["prefill_end"] = t1
             m.P_PREFILL_TOKENS.labels(source="computed").inc(chunk.end - chunk.start)
@@ -611,21 +616,19 @@ class PrefillEngine:
         return stream
 
     def _still_wanted(self, live: _Live, before: str) -> bool:
-        """False (and the request ended, its lease kept for the caller to release or
-        released here before a forward) when it was cancelled or its transfer deadline
-        passed: no forward or write is spent on it. D fails an expired reservation by
-        itself (same deadline) and asks for the abort our quiesce then proves."""
+        """False (and the request ended; its lease stays the caller's to release) when it
+        was cancelled or its transfer deadline passed: no forward or write is spent on
+        it. D fails an expired reservation by itself (same deadline) and asks for the
+        abort our quiesce then proves."""
         job = live.job
         if job.cancelled:
             status, reason = self._cancel_reason(job.request_id)
             self._finish(job, status, f"{reason}, before {before}")
-        elif self._deadline(job) < int(time.time() * 1000):
+            return False
+        if self._deadline(job) < int(time.time() * 1000):
             self._finish(job, pb.DEADLINE_EXCEEDED, f"transfer deadline passed before {before}")
-        else:
-            return True
-        if before == "its forward":
-            self.cache.release(live.lease)
-        return False
+            return False
+        return True
 
     def _deadline(self, job: PrefillJob) -> int:
         with self._lock:
