@@ -58,8 +58,9 @@ class Run:
 class Harness:
     """One D: a pool, the tiny model, and either the plain step loop or the overlap one."""
 
-    def __init__(self, overlap: bool, eos_id: int | None = None, device: str = "cpu") -> None:
-        self.model = load_model("random:tiny:0", device=device)
+    def __init__(self, overlap: bool, eos_id: int | None = None, device: str = "cpu",
+                 dtype: str | None = None) -> None:
+        self.model = load_model("random:tiny:0", device=device, dtype=dtype)
         if eos_id is not None:
             self.model.config = dataclasses.replace(self.model.config, eos_id=eos_id)
         self.pool = PagePool(POOL_TOKENS // PAGE, PAGE)
@@ -270,13 +271,8 @@ def test_overlap_frames_identical_on_cuda_with_graphs() -> None:
     reqs = MIXED + [Req(7, 50, SamplingParams(max_frames=40, temperature=1.1, top_k=30, seed=99), join=1)]
 
     def cuda_run(overlap: bool) -> Run:
-        h = Harness(overlap, device="cuda")
-        h.model = load_model("random:tiny:0", device="cuda", dtype="bfloat16")
-        h.storage = h.model.new_kv_storage(POOL_TOKENS, device="cuda")
-        h.batcher = DecodeBatcher(h.model, h.pool, h.storage, max_batch=8)
-        h.forward = StepForward(h.model, h.storage, use_graphs=True, max_batch=8)
+        h = Harness(overlap, device="cuda", dtype="bfloat16")
         assert h.forward.graphs is not None, "the bf16 CUDA model must take the graph path"
-        h.overlap = OverlapScheduler(h.model, h.batcher, h.forward) if overlap else None
         if not overlap:
             h.iterate = lambda: _plain_graph_iteration(h)  # type: ignore[method-assign]
         return h.run(reqs)
@@ -305,12 +301,8 @@ def test_overlap_launch_never_synchronizes_with_the_device() -> None:
     case that once made every overlapped step wait for the one in flight."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    h = Harness(True, device="cuda")
-    h.model = load_model("random:tiny:0", device="cuda", dtype="bfloat16")
-    h.storage = h.model.new_kv_storage(POOL_TOKENS, device="cuda")
-    h.batcher = DecodeBatcher(h.model, h.pool, h.storage, max_batch=8)
-    h.forward = StepForward(h.model, h.storage, use_graphs=True, max_batch=8)
-    h.overlap = OverlapScheduler(h.model, h.batcher, h.forward)
+    h = Harness(True, device="cuda", dtype="bfloat16")
+    assert h.overlap is not None and h.forward.graphs is not None
     launch = h.overlap._launch
     launched = []
 
