@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("pdunit.bench.transfer", "KV transfer backends, contiguous vs fragmented (section 2)"),
     "step": ("pdunit.bench.step", "decode step time vs the memory roofline (section 3)"),
     "prefill": ("pdunit.bench.prefill", "P's forward throughput vs the compute peak"),
+    "attention": ("pdunit.bench.attention", "the prefill attention kernel's launch shapes vs torch SDPA"),
     "edges": ("pdunit.bench.edges", "LB validate+pack, router decision, scaler latency (section 4)"),
     "waterfall": ("pdunit.bench.waterfall", "per-stage p50/p99 of a load run (section 5)"),
     "router": ("pdunit.bench.router_bench", "routing decision latency with many units"),

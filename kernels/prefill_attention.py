@@ -12,15 +12,20 @@ in q at rows `[q_start[s], q_start[s] + q_len[s])`. New token i sits at position
 `ctx_len - q_len + i` and attends to context entries j <= that position (causal,
 aligned bottom-right: a cached prefix is visible to every new token).
 
-One program per (block of 64 new tokens, query head, sequence); K/V tiles stop at the
-block's last position, so causal work is skipped, not masked. GQA maps query head h to
-kv head h // group. Online softmax in float32, base-2 exponentials; bf16/fp16 only.
+One program per (block of new rows, kv head, sequence): the tile's rows are those new
+rows times the query heads that share the kv head (GQA maps query head h to kv head
+h // group), so each K/V tile is read once per group, not once per query head. K/V
+tiles that every row sees run without masks; the rest stop at the block's last
+position, so causal work is skipped, not masked. Online softmax in float32, base-2
+exponentials; bf16/fp16 only. The launch shape is a `PrefillTile`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,8 +39,41 @@ except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-BLOCK_M = 64
-BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """The kernel's launch shape. `block_m` counts tile rows (new rows x the query heads
+    of one kv head), so a tile covers block_m // group new rows; `pdunit bench attention`
+    sweeps these on a GPU (bench/results/attention-*.md picked the default)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PrefillTile.{name} = {v}: need a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"PrefillTile: num_warps {self.num_warps} (1..16, a power of two), "
+                             f"num_stages {self.num_stages} (1..6)")
+
+    @classmethod
+    def parse(cls, text: str) -> PrefillTile:
+        """'128x64w8s3' -> block_m 128, block_n 64, 8 warps, 3 stages."""
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+        if not m:
+            raise ValueError(f"prefill tile {text!r} is not BLOCK_MxBLOCK_NwWARPSsSTAGES (e.g. 128x64w8s3)")
+        return cls(*(int(g) for g in m.groups()))
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+
+DEFAULT_TILE = PrefillTile()
 
 
 def prefill_plan(
@@ -101,58 +139,73 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        h = tl.program_id(1)
+        # Tile row r is query head hk * GROUP + r % GROUP at new row p0 + r // GROUP: the
+        # GROUP query heads that share kv head hk ride in one tile, so each K/V tile is
+        # loaded once for all of them (one program per query head loaded it GROUP times).
+        BLOCK_P: tl.constexpr = BLOCK_M // GROUP  # new rows per tile
+        pid_p = tl.program_id(0)
+        hk = tl.program_id(1)
         s = tl.program_id(2)
         q_len = tl.load(QLen + s)
-        if pid_m * BLOCK_M < q_len:
+        if pid_p * BLOCK_P < q_len:
             ctx_len = tl.load(CtxLen + s)
             q_start = tl.load(QStart + s).to(tl.int64)
-            first_pos = ctx_len - q_len
-            hk = h // GROUP
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            r_mask = rows < q_len
-            pos = first_pos + rows
+            r = tl.arange(0, BLOCK_M)
+            p = pid_p * BLOCK_P + r // GROUP
+            h = hk * GROUP + r % GROUP
+            # rows past BLOCK_P * GROUP exist only when GROUP does not divide BLOCK_M
+            r_mask = (r < BLOCK_P * GROUP) & (p < q_len)
+            pos = ctx_len - q_len + p
             offs_d = tl.arange(0, HEAD_DIM)
             offs_n = tl.arange(0, BLOCK_N)
             q = tl.load(
-                Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                Q + (q_start + p)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=r_mask[:, None],
                 other=0.0,
             )
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            # The block's last row sees entries <= first_pos + (pid_m + 1) * BLOCK_M - 1.
-            kv_end = tl.minimum(ctx_len, first_pos + (pid_m + 1) * BLOCK_M)
             row_table = Table + s.to(tl.int64) * stride_tb
-            for n0 in range(0, kv_end, BLOCK_N):
+            k_head = K + hk * stride_kh
+            v_head = V + hk * stride_vh
+            # Every row of the tile sees the entries <= its first row's position: whole
+            # BLOCK_N tiles below that need no mask at all. The tile's last row sees
+            # entries <= first + BLOCK_P - 1: the masked tiles stop there (causal work is
+            # skipped, not masked).
+            first = ctx_len - q_len + pid_p * BLOCK_P
+            open_end = ((first + 1) // BLOCK_N) * BLOCK_N
+            kv_end = tl.minimum(ctx_len, first + BLOCK_P)
+            for n0 in range(0, open_end, BLOCK_N):
+                slots = tl.load(row_table + n0 + offs_n).to(tl.int64)
+                k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :])
+                qk = tl.dot(q, tl.trans(k)) * scale_log2e
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                pr = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :])
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                m_i = m_new
+            for n0 in range(open_end, kv_end, BLOCK_N):
                 offs = n0 + offs_n
                 n_mask = offs < kv_end
                 slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(
-                    K + slots[:, None] * stride_ks + hk * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                )
+                k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=n_mask[:, None], other=0.0)
                 qk = tl.dot(q, tl.trans(k)) * scale_log2e
-                allowed = n_mask[None, :] & (offs[None, :] <= pos[:, None])
-                qk = tl.where(allowed, qk, float("-inf"))
-                # Every row sees entry 0 in the first tile, so m_new is finite from then on.
+                qk = tl.where(n_mask[None, :] & (offs[None, :] <= pos[:, None]), qk, float("-inf"))
+                # Each row sees entry `first` or an earlier one by the time this loop ends
+                # its first tile (entry 0 if open_end is 0), so m_new is finite from here on.
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V + slots[:, None] * stride_vs + hk * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                )
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                pr = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
                 m_i = m_new
             o = acc / l_i[:, None]
             tl.store(
-                Out + (q_start + rows)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                Out + (q_start + p)[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
                 o.to(Out.dtype.element_ty),
                 mask=r_mask[:, None],
             )
@@ -168,6 +221,7 @@ def paged_prefill_attention(
     max_q_len: int,
     out: torch.Tensor,
     scale: float | None = None,
+    tile: PrefillTile = DEFAULT_TILE,
 ) -> torch.Tensor:
     """Writes the attention output of every listed sequence's new rows into `out`
     [T, Hq, D] (rows of other sequences untouched). q [T, Hq, D]; kv_layer [2, S, Hkv, D];
@@ -199,7 +253,9 @@ def paged_prefill_attention(
         raise ValueError("paged prefill attention: " + "; ".join(problems))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     k, v = kv_layer[0], kv_layer[1]
-    grid = (triton.cdiv(max_q_len, BLOCK_M), hq, n)
+    group = hq // hkv
+    block_m = max(tile.block_m, triton.next_power_of_2(group))  # at least one new row per tile
+    grid = (triton.cdiv(max_q_len, block_m // group), hkv, n)
     _prefill_kernel[grid](
         q, k, v, out, table, ctx_len, q_len, q_start,
         q.stride(0), q.stride(1),
@@ -207,7 +263,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         table.stride(0),
         scale * 1.4426950408889634,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

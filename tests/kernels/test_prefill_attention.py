@@ -58,25 +58,45 @@ INTERPRETED_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
     torch.set_num_threads(1)
-    from pdunit.kernels.prefill_attention import paged_prefill_attention, prefill_plan, reference_prefill_attention
+    from pdunit.kernels.prefill_attention import (
+        PrefillTile, paged_prefill_attention, prefill_plan, reference_prefill_attention)
     rng = np.random.default_rng(5)
+    # a whole prompt, 3 new rows after a prefix, a tiny prompt
     q_lens, ctx_lens = [70, 3, 2], [70, 100, 2]
     ctx = paged_slots(ctx_lens, 16, 512, rng)
     starts = [1, 72, 76]
     plan = prefill_plan(q_lens, ctx, starts)
-    q = torch.randn(79, 4, 32).half()
-    kv = torch.randn(2, 512, 2, 32).half()
-    out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, kv, plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"], plan["max_q_len"], out)
-    ref = reference_prefill_attention(q.double(), kv.double(), plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"])
     rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)])
-    assert torch.isfinite(out[rows]).all(), "unwritten rows"
-    assert torch.isnan(out[0]).all() and torch.isnan(out[71]).all(), "wrote a row of no sequence"
-    err = float((out[rows].double() - ref[rows]).norm() / ref[rows].norm())
-    print("err", err)
-    assert err < 2e-3, err
+    # (query heads, kv heads, tile): GQA groups of 2 and 4, one that does not divide the
+    # tile (3), no GQA (1); small tiles run both the unmasked and the masked loops
+    for hq, hkv, tile in [(4, 2, "128x64w4s2"), (8, 2, "16x16w1s1"), (6, 2, "16x16w1s1"), (2, 2, "32x16w1s1")]:
+        q = torch.randn(79, hq, 32).half()
+        kv = torch.randn(2, 512, hkv, 32).half()
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, kv, plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"],
+                                plan["max_q_len"], out, tile=PrefillTile.parse(tile))
+        ref = reference_prefill_attention(q.double(), kv.double(), plan["table"], plan["ctx_len"], plan["q_len"],
+                                          plan["q_start"])
+        assert torch.isfinite(out[rows]).all(), ("unwritten rows", hq, hkv, tile)
+        assert torch.isnan(out[0]).all() and torch.isnan(out[71]).all(), "wrote a row of no sequence"
+        err = float((out[rows].double() - ref[rows]).norm() / ref[rows].norm())
+        print(hq, hkv, tile, "err", err)
+        assert err < 2e-3, (hq, hkv, tile, err)
     """
 )
+
+
+def test_prefill_tile_parses_and_names_bad_shapes() -> None:
+    from pdunit.kernels.prefill_attention import PrefillTile
+
+    assert PrefillTile.parse("64x32w4s2") == PrefillTile(64, 32, 4, 2)
+    assert str(PrefillTile.parse(" 128x64w8s3")) == "128x64w8s3"
+    with pytest.raises(ValueError, match="BLOCK_MxBLOCK_N"):
+        PrefillTile.parse("128x64")
+    with pytest.raises(ValueError, match="block_n = 48"):
+        PrefillTile(128, 48)
+    with pytest.raises(ValueError, match="num_warps 3"):
+        PrefillTile(num_warps=3)
 
 
 def test_prefill_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:
@@ -86,9 +106,10 @@ def test_prefill_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8)])
-def test_prefill_kernel_matches_the_reference_on_fragmented_pages(dtype, page_size, hq, hkv) -> None:
-    from pdunit.kernels.prefill_attention import paged_prefill_attention
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8), (24, 8)])
+@pytest.mark.parametrize("tile", ["default", "64x32w4s2"])
+def test_prefill_kernel_matches_the_reference_on_fragmented_pages(dtype, page_size, hq, hkv, tile) -> None:
+    from pdunit.kernels.prefill_attention import DEFAULT_TILE, PrefillTile, paged_prefill_attention
 
     dev = torch.device("cuda")
     # whole prompt, cached prefix + chunk, tiny chunk after a long prefix, 2 new rows
@@ -101,7 +122,7 @@ def test_prefill_kernel_matches_the_reference_on_fragmented_pages(dtype, page_si
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(
         q, kv, dplan["table"], dplan["ctx_len"], dplan["q_len"], dplan["q_start"],
-        dplan["max_q_len"], out,
+        dplan["max_q_len"], out, tile=DEFAULT_TILE if tile == "default" else PrefillTile.parse(tile),
     )
     ref = reference_prefill_attention(
         q.double(), kv.double(), dplan["table"], dplan["ctx_len"], dplan["q_len"], dplan["q_start"]

@@ -4,7 +4,8 @@
 # most 8 files), with a one-line status per step in $OUT/summary.txt.
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
 # Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags),
-# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS), prefill ($PREFILL_ARGS), transfer ($TRANSFER_ARGS),
+# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS),
+# transfer ($TRANSFER_ARGS),
 # mooncake (carry .out/mooncake-whl).
 set -uo pipefail
 source tests/gpu/harness/setup.sh
@@ -30,6 +31,7 @@ run_step() {
     step) timeout "$secs" python3 -m pdunit.bench.step ${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2} \
         --out "$dir" 2>&1 | tee "$dir/step.log" ;;
     prefill) timeout "$secs" python3 -m pdunit.bench.prefill ${PREFILL_ARGS:---profile} --out "$dir" 2>&1 | tee "$dir/prefill.log" ;;
+    attention) timeout "$secs" python3 -m pdunit.bench.attention ${ATTENTION_ARGS:-} --out "$dir" 2>&1 | tee "$dir/attention.log" ;;
     transfer) timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} 2>&1 | tee "$dir/transfer.log" ;;
     mooncake) python3 -m pip install -q --no-index --no-deps --target /tmp/mc .out/mooncake-whl/*.whl && \
       PYTHONPATH=/tmp/mc${PYTHONPATH:+:$PYTHONPATH} timeout "$secs" python3 bench/mooncake_probe.py --out "$dir/mooncake.json" 2>&1 | tee "$dir/mooncake.log" ;;

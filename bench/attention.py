@@ -1,0 +1,214 @@
+"""`pdunit bench attention`: the fused prefill attention kernel's launch shapes, side by side.
+
+P's forward spends a share of its time in prefill attention (prefill-20261130-h200x2.md:
+15% at ~220 TFLOP/s). This measures `kernels/prefill_attention.paged_prefill_attention`
+alone over a batch like P's, once per `PrefillTile` in `--tiles`, so the default tile is
+picked from a measurement, and against torch's own SDPA on the same shapes with
+contiguous K/V (a yardstick: a library flash kernel that needs no slot table).
+
+Per point (`--points PROMPTSxROWS[+PREFIX]`: PROMPTS prompts of ROWS new rows each
+after PREFIX cached rows), with K/V at fragmented pool slots (`--page-size`):
+- `ms`: median device time per launch (CUDA events, after `--warmup` launches);
+- `tflops`: causal attention FLOPs (4 x heads x head_dim x visible entries, summed over
+  new rows) over that time;
+- `err`: relative error of the last 128 new rows of each prompt against the float64
+  torch reference (a fast tile that computes the wrong thing shows here).
+GPU only: the kernel runs on the CPU only under Triton's interpreter (the tests do that).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, Field
+
+from pdunit.bench import report
+from pdunit.engine.model.config import CONFIGS
+from pdunit.engine.settings import parse_config
+from pdunit.kernels.prefill_attention import (
+    DEFAULT_TILE,
+    PrefillTile,
+    paged_prefill_attention,
+    prefill_plan,
+    reference_prefill_attention,
+)
+
+BENCH = "attention"
+CHECK_ROWS = 128
+COLUMNS = [
+    report.Column("point", "point", "{}"),
+    report.Column("kernel", "kernel", "{}"),
+    report.Column("ms", "ms", "{:.3f}"),
+    report.Column("tflops", "TFLOP/s", "{:.1f}"),
+    report.Column("err", "rel err", "{:.1e}"),
+]
+
+
+class AttentionBenchConfig(BaseModel):
+    model: str = Field("qwen3-4b-shape", description="model config whose heads and head_dim are used")
+    dtype: str = Field("bfloat16", description="bfloat16 | float16")
+    points: str = Field("4x1500,1x6000,16x512,2x512+1500",
+                        description="PROMPTSxROWS[+PREFIX] batches, comma list")
+    tiles: str = Field("64x64w4s2,128x64w4s2,128x64w8s2,128x64w8s3,128x32w4s3,128x128w8s2,256x64w8s2",
+                       description="PrefillTile shapes BLOCK_MxBLOCK_NwWARPSsSTAGES, comma list")
+    page_size: int = Field(1, ge=1, description="KV page size of the fragmented pool")
+    iters: int = Field(20, gt=0)
+    warmup: int = Field(3, ge=0)
+    sdpa: bool = Field(True, description="also time torch SDPA on contiguous K/V (equal-length points only)")
+    seed: int = Field(0, ge=0)
+    out: str = Field("", description="results JSON path or folder ('' = print only)")
+
+
+def parse_points(text: str) -> list[tuple[int, int, int]]:
+    points = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        head, _, prefix = part.partition("+")
+        a, sep, b = head.lower().partition("x")
+        try:
+            prompts, rows, cached = int(a), int(b), int(prefix or 0)
+        except ValueError:
+            raise ValueError(f"--points: {part!r} is not PROMPTSxROWS[+PREFIX]") from None
+        if not sep or prompts < 1 or rows < 1 or cached < 0:
+            raise ValueError(f"--points: {part!r} needs >= 1 prompt of >= 1 row and a prefix >= 0")
+        points.append((prompts, rows, cached))
+    if not points:
+        raise ValueError("--points is empty")
+    return points
+
+
+def attention_flops(heads: int, head_dim: int, prompts: int, rows: int, cached: int) -> float:
+    """QK^T and PV over the entries each new row sees (causal, after the prefix)."""
+    visible = rows * cached + rows * (rows + 1) / 2
+    return 4.0 * heads * head_dim * visible * prompts
+
+
+def time_launches(fn: Any, iters: int, warmup: int) -> float:
+    """Median ms per launch from CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def pool_case(prompts: int, rows: int, cached: int, page: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Context slots per prompt: whole pages taken from a shuffled pool, so tokens are
+    contiguous only inside a page (as in P's pool after some churn)."""
+    length = rows + cached
+    per = -(-length // page)
+    pages = rng.permutation(per * prompts)
+    return [(pages[i * per:(i + 1) * per, None] * page + np.arange(page)).reshape(-1)[:length].astype(np.int64)
+            for i in range(prompts)]
+
+
+def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: list[PrefillTile],
+              rng: np.random.Generator) -> list[dict[str, Any]]:
+    prompts, rows, cached = point
+    mc = CONFIGS[cfg.model]
+    hq, hkv, d = mc.n_heads, mc.n_kv_heads, mc.head_dim
+    dtype = getattr(torch, cfg.dtype)
+    dev = torch.device("cuda")
+    ctx = pool_case(prompts, rows, cached, cfg.page_size, rng)
+    n_slots = max(int(c.max()) for c in ctx) + 1
+    plan = prefill_plan([rows] * prompts, ctx, [i * rows for i in range(prompts)])
+    dp = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    q = torch.randn(prompts * rows, hq, d, device=dev, generator=g).to(dtype)
+    kv = torch.randn(2, n_slots, hkv, d, device=dev, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    name = f"{prompts}x{rows}" + (f"+{cached}" if cached else "")
+    flops = attention_flops(hq, d, prompts, rows, cached)
+    # the check: each prompt's last CHECK_ROWS new rows against the float64 reference
+    n_chk = min(CHECK_ROWS, rows)
+    chk_rows = torch.cat([torch.arange((i + 1) * rows - n_chk, (i + 1) * rows) for i in range(prompts)]).to(dev)
+    chk_plan = prefill_plan([n_chk] * prompts, ctx, [i * n_chk for i in range(prompts)])
+    want = reference_prefill_attention(
+        q[chk_rows].double(), kv.double(), *(chk_plan[k].to(dev) for k in ("table", "ctx_len", "q_len", "q_start")))
+    out_rows = []
+    for tile in tiles:
+        def launch(tile: PrefillTile = tile) -> None:
+            paged_prefill_attention(q, kv, dp["table"], dp["ctx_len"], dp["q_len"], dp["q_start"], dp["max_q_len"],
+                                    out, tile=tile)
+
+        out.fill_(float("nan"))
+        launch()
+        err = float((out[chk_rows].double() - want).norm() / want.norm())
+        ms = time_launches(launch, cfg.iters, cfg.warmup)
+        label = f"{tile}" + (" (default)" if tile == DEFAULT_TILE else "")
+        out_rows.append({"point": name, "kernel": label, "tile": str(tile), "ms": round(ms, 4),
+                         "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "err": err})
+        print(f"{name} {label}: {ms:.3f} ms, {out_rows[-1]['tflops']} TFLOP/s, err {err:.1e}", flush=True)
+    if cfg.sdpa and cached == 0:
+        # torch's SDPA (its flash kernel on Hopper) on contiguous [B, H, L, D] K/V
+        qs = q.view(prompts, rows, hq, d).transpose(1, 2)
+        ks = torch.randn(prompts, hkv, rows, d, device=dev, generator=g).to(dtype)
+        vs = torch.randn_like(ks)
+
+        def sdpa() -> None:
+            torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+        ms = time_launches(sdpa, cfg.iters, cfg.warmup)
+        out_rows.append({"point": name, "kernel": "torch sdpa (contiguous K/V)", "tile": None, "ms": round(ms, 4),
+                         "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "err": None})
+        print(f"{name} torch sdpa: {ms:.3f} ms, {out_rows[-1]['tflops']} TFLOP/s", flush=True)
+    return out_rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per tile, the geometric mean over points of its speed relative to the point's best
+    tile; the best tile is the one closest to 1 (no tile with an error above 1e-2 counts)."""
+    points = sorted({r["point"] for r in rows})
+    ok = [r for r in rows if r["tile"] and r["err"] is not None and r["err"] < 1e-2]
+    rel: dict[str, list[float]] = {}
+    for p in points:
+        here = [r for r in ok if r["point"] == p]
+        best = min((r["ms"] for r in here), default=None)
+        for r in here:
+            rel.setdefault(r["tile"], []).append(best / r["ms"] if best else 0.0)
+    score = {t: float(np.exp(np.mean(np.log(v)))) for t, v in rel.items() if len(v) == len(points)}
+    best_tile = max(score, key=score.__getitem__) if score else None
+    bad = sorted({r["tile"] for r in rows if r["tile"] and (r["err"] is None or r["err"] >= 1e-2)})
+    return {"tile_score": {t: round(s, 3) for t, s in score.items()}, "best_tile": best_tile,
+            "default_tile": str(DEFAULT_TILE), "tiles_with_errors": bad}
+
+
+def run_attention_bench(cfg: AttentionBenchConfig, command: str) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("pdunit bench attention: needs a CUDA GPU (the CPU runs this kernel only under "
+                         "Triton's interpreter: see tests/kernels/test_prefill_attention.py)")
+    if cfg.model not in CONFIGS:
+        raise SystemExit(f"pdunit bench attention: --model {cfg.model!r} unknown; known: {sorted(CONFIGS)}")
+    tiles = [PrefillTile.parse(t) for t in cfg.tiles.split(",") if t.strip()]
+    if DEFAULT_TILE not in tiles:
+        tiles.append(DEFAULT_TILE)
+    rng = np.random.default_rng(cfg.seed)
+    rows = [r for point in parse_points(cfg.points) for r in run_point(cfg, point, tiles, rng)]
+    return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summarize(rows)).document()
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(AttentionBenchConfig, argv, "pdunit bench attention")
+    doc = run_attention_bench(cfg, report.command_line(argv, prog="pdunit bench attention"))
+    print(report.text_table(doc["rows"], COLUMNS))
+    print("summary:", doc["summary"])
+    if cfg.out:
+        res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"],
+                             doc["summary"])
+        json_path, md_path = res.write(report.resolve_out(cfg.out, BENCH, doc["machine"]), COLUMNS,
+                                       "Prefill attention kernel: launch shapes side by side")
+        print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
