@@ -59,6 +59,8 @@ class AttentionBenchConfig(BaseModel):
     iters: int = Field(20, gt=0)
     warmup: int = Field(3, ge=0)
     sdpa: bool = Field(True, description="also time torch SDPA on contiguous K/V (equal-length points only)")
+    library: bool = Field(True, description="also time torch's varlen flash attention (torch.nn.attention.varlen) "
+                          "on the same pool: through its block table, and on K/V gathered first")
     seed: int = Field(0, ge=0)
     out: str = Field("", description="results JSON path or folder ('' = print only)")
 
@@ -148,6 +150,8 @@ def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: lis
         out_rows.append({"point": name, "kernel": label, "tile": str(tile), "ms": round(ms, 4),
                          "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "err": err})
         print(f"{name} {label}: {ms:.3f} ms, {out_rows[-1]['tflops']} TFLOP/s, err {err:.1e}", flush=True)
+    if cfg.library:
+        out_rows += library_rows(cfg, name, flops, q, kv, dp, ctx, chk_rows, want)
     if cfg.sdpa and cached == 0:
         # torch's SDPA (its flash kernel on Hopper) on contiguous [B, H, L, D] K/V
         qs = q.view(prompts, rows, hq, d).transpose(1, 2)
@@ -162,6 +166,52 @@ def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: lis
                          "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "err": None})
         print(f"{name} torch sdpa: {ms:.3f} ms, {out_rows[-1]['tflops']} TFLOP/s", flush=True)
     return out_rows
+
+
+def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Tensor, kv: torch.Tensor,
+                 dp: dict[str, Any], ctx: list[np.ndarray], chk_rows: torch.Tensor,
+                 want: torch.Tensor) -> list[dict[str, Any]]:
+    """torch's varlen attention on the same batch, when this torch has it: a library
+    kernel is worth taking if it beats ours (ARCHITECTURE: kernels). Rows say why not
+    when it cannot run here."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        return [{"point": name, "kernel": f"torch varlen: unavailable ({exc})", "tile": None, "ms": None,
+                 "tflops": None, "err": None}]
+    dev = q.device
+    q_lens = dp["q_len"].long()
+    cu_q = torch.zeros(len(ctx) + 1, dtype=torch.int32, device=dev)
+    cu_q[1:] = torch.cumsum(q_lens, 0)
+    ctx_lens = dp["ctx_len"]
+    cu_k = torch.zeros_like(cu_q)
+    cu_k[1:] = torch.cumsum(ctx_lens.long(), 0)
+    flat = torch.from_numpy(np.concatenate(ctx)).to(dev)
+    max_k = int(ctx_lens.max())
+
+    def paged() -> Any:  # the pool as pages of one token, our slot table as its block table
+        return varlen_attn(q, kv[0].unsqueeze(1), kv[1].unsqueeze(1), cu_q, None, dp["max_q_len"], max_k,
+                           seqused_k=ctx_lens, block_table=dp["table"], window_size=(-1, 0), enable_gqa=True)
+
+    def gathered() -> Any:
+        return varlen_attn(q, kv[0][flat], kv[1][flat], cu_q, cu_k, dp["max_q_len"], max_k, window_size=(-1, 0),
+                           enable_gqa=True)
+
+    rows: list[dict[str, Any]] = []
+    for label, fn in (("torch varlen, paged (page 1)", paged), ("torch varlen, K/V gathered first", gathered)):
+        try:
+            got = fn()
+            err = float((got[chk_rows].double() - want).norm() / want.norm())
+            ms = time_launches(fn, cfg.iters, cfg.warmup)
+        except (RuntimeError, ValueError) as exc:  # a backend that refuses this shape says so in the row
+            rows.append({"point": name, "kernel": f"{label}: {str(exc).splitlines()[0][:120]}", "tile": None,
+                         "ms": None, "tflops": None, "err": None})
+            print(f"{name} {label}: {exc}", flush=True)
+            continue
+        rows.append({"point": name, "kernel": label, "tile": None, "ms": round(ms, 4),
+                     "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "err": err})
+        print(f"{name} {label}: {ms:.3f} ms, {rows[-1]['tflops']} TFLOP/s, err {err:.1e}", flush=True)
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,8 +11,15 @@ check with the tiny model; on a GPU machine pass `--device cuda` and the model s
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,7 +37,7 @@ from pdunit.bench.capacity import (
 )
 from pdunit.bench.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import parse_config, to_argv
 
 BENCH = "capacity"
 
@@ -39,8 +46,8 @@ class CompareConfig(BaseModel):
     """Capacity of PD and monolith variants measured side by side in one run."""
 
     model: str = Field("random:tiny:0", description="model spec every variant runs")
-    device: str = Field("cpu", description="cpu | cuda (P/monolith on device 0, D on device 1; 1p2d: D's on 1 "
-                        "and 2)")
+    device: str = Field("cpu", description="cpu | cuda (P/monolith on device --gpu-base, D on the next; 1p2d: "
+                        "D's on the next two)")
     transfer: str = Field("host", description="1p1d KV transport (host on CPU; ipc/proxy/auto on GPUs)")
     variants: str = Field("1p1d,monolith-prefill-first,monolith-chunked", description="which variants (1p1d, "
                           "1p2d, monolith-prefill-first, monolith-chunked)")
@@ -69,22 +76,34 @@ class CompareConfig(BaseModel):
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
     run_dir: str = Field("", description="keep each variant's sockets and process logs under <run_dir>/<variant>")
+    parallel_gpus: int = Field(1, ge=1, description="GPUs this run may use at once: variants are packed in the "
+                               "listed order into waves whose GPU counts fit (1p1d 2, 1p2d 3, a monolith 1); the "
+                               "variants of a wave run at once, each in a process of its own on disjoint GPUs. "
+                               "1 = one variant at a time")
+    gpu_base: int = Field(0, ge=0, description="first CUDA device index of this run's variants (set by "
+                          "--parallel-gpus for its child runs)")
     out: str = Field("", description="results JSON path or folder")
     plot: str = Field("", description="PNG: stutter share and p1 rate vs concurrency, all variants")
 
 
-def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
+Unit = tuple[str, int, LocalConfig]  # a variant's name, its GPU count, its unit
+
+
+def variant_units(cfg: CompareConfig) -> list[Unit]:
     gpu = cfg.device != "cpu"
+
+    def device(offset: int) -> str:
+        return f"{cfg.device}:{cfg.gpu_base + offset}"
+
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
-                log_level="warning", ready_timeout_s=cfg.ready_timeout_s,
-                device=f"{cfg.device}:0" if gpu else "cpu")
-    out: list[tuple[str, int, LocalConfig]] = []
+                log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
+    out: list[Unit] = []
     for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
         if name == "1p1d":
-            device = f"{cfg.device}:1" if gpu else ""
-            out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, decode_devices=device, **base)))
+            out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, decode_devices=device(1) if gpu else "",
+                                             **base)))
         elif name == "1p2d":
-            devices = f"{cfg.device}:1,{cfg.device}:2" if gpu else ""
+            devices = f"{device(1)},{device(2)}" if gpu else ""
             out.append((name, 3, LocalConfig(mode="1p2d", transfer=cfg.transfer, decode_devices=devices, **base)))
         elif name == "monolith-prefill-first":
             out.append((name, 1, LocalConfig(mode="monolith", policy="prefill-first", **base)))
@@ -95,6 +114,10 @@ def variant_units(cfg: CompareConfig) -> list[tuple[str, int, LocalConfig]]:
         else:
             raise SystemExit(f"pdunit bench compare: unknown variant {name!r} "
                              "(1p1d, 1p2d, monolith-prefill-first, monolith-chunked)")
+    names = [name for name, _, _ in out]
+    if len(set(names)) != len(names):  # a variant's results (and its child's files) are keyed by its name
+        raise SystemExit(f"pdunit bench compare: --variants {cfg.variants!r} with --chunks {cfg.chunks!r} names "
+                         f"{sorted({n for n in names if names.count(n) > 1})} more than once")
     return out
 
 
@@ -295,32 +318,153 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
             "summary": summarize_run(rows, base)}
 
 
+def waves(units: list[Unit], parallel_gpus: int) -> list[list[Unit]]:
+    """Variants packed in order into waves of at most `parallel_gpus` GPUs; a variant
+    that needs more gets a wave of its own."""
+    out: list[list[Unit]] = []
+    used = 0
+    for unit in units:
+        if not out or used + unit[1] > parallel_gpus:
+            out.append([])
+            used = 0
+        out[-1].append(unit)
+        used += unit[1]
+    return out
+
+
+def run_variant(cfg: CompareConfig, name: str, gpus: int, unit_cfg: LocalConfig, command: str) -> dict[str, Any]:
+    """One variant in this process: its unit started, its levels swept, the unit stopped.
+    The variant's doc: rows (with `gpus`) and summary."""
+    print(f"== {name}: starting the unit", flush=True)
+    if cfg.run_dir:
+        unit_cfg = unit_cfg.model_copy(update={"run_dir": f"{cfg.run_dir}/{name}"})
+    ports = engine_ports(unit_cfg)
+    with LocalUnit(unit_cfg) as unit:
+        doc = run_levels(cfg, name, gpus, unit.url, ports, command)
+    print_report(doc)
+    for row in doc["rows"]:
+        row["gpus"] = gpus
+        if row.get("engine"):
+            print(f"engines at {row[rows_level_key(doc['rows'])]:g} (run {row['repeat']}): {row['engine']}")
+    print_waterfall_at(doc["rows"], doc["summary"].get("capacity", doc["summary"].get("capacity_rate")))
+    return doc
+
+
+def child_config(cfg: CompareConfig, name: str, gpu_base: int, out: Path) -> CompareConfig:
+    """The config of a child run of one variant (`monolith-chunked-<c>`: the family with
+    `--chunks c`); its run_dir stays, the child adds /<name> itself."""
+    chunk = name.removeprefix("monolith-chunked-")
+    variant = {"variants": name} if chunk == name else {"variants": "monolith-chunked", "chunks": chunk}
+    return cfg.model_copy(update={**variant, "parallel_gpus": 1, "gpu_base": gpu_base, "out": str(out),
+                                  "plot": ""})
+
+
+@dataclass
+class ChildRun:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    out: Path
+
+
+def gpu_label(cfg: CompareConfig, first: int, gpus: int) -> str:
+    if cfg.device == "cpu":
+        return "cpu"
+    return ("GPU " if gpus == 1 else "GPUs ") + ",".join(str(first + i) for i in range(gpus))
+
+
+def run_wave(cfg: CompareConfig, wave: list[Unit], tmp: Path) -> dict[str, dict[str, Any]]:
+    """The variants of one wave at once, each a `python -m pdunit.bench.compare` process
+    (its load generator has a GIL of its own) on GPUs of its own. Their results documents
+    by name; a failing child ends the wave and raises SystemExit."""
+    children: list[ChildRun] = []
+    first = cfg.gpu_base
+    try:
+        for name, gpus, _ in wave:
+            others = ", ".join(n for n, _, _ in wave if n != name)
+            print(f"== {name} (running alongside {others} on {gpu_label(cfg, first, gpus)})", flush=True)
+            argv = to_argv(child_config(cfg, name, first, tmp / f"{name}.json"))
+            log = tmp / f"{name}.log"
+            with log.open("wb") as f:  # the child keeps its own copy of the descriptor
+                proc = subprocess.Popen([sys.executable, "-m", "pdunit.bench.compare", *argv], stdin=subprocess.DEVNULL,
+                                        stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            children.append(ChildRun(name, proc, log, tmp / f"{name}.json"))
+            first += gpus
+        failed = wait_children(children)
+    finally:
+        stop_children(children)
+    for child in children:
+        print(f"\n== {child.name}: output of its process\n{child.log.read_text(errors='replace')}", flush=True)
+    if failed:
+        tail = "\n".join(failed.log.read_text(errors="replace").splitlines()[-40:])
+        raise SystemExit(f"pdunit bench compare: variant {failed.name} failed (exit code {failed.proc.returncode}); "
+                         f"the rest of its wave was stopped. The end of its log:\n{tail}")
+    return {child.name: json.loads(child.out.read_text()) for child in children}
+
+
+def wait_children(children: list[ChildRun]) -> ChildRun | None:
+    """Waits for every child; the first to exit non-zero is returned at once (the run
+    fails, so the others' device time would be spent for nothing)."""
+    while True:
+        codes = [c.proc.poll() for c in children]
+        failed = next((c for c, code in zip(children, codes, strict=True) if code), None)
+        if failed or all(code == 0 for code in codes):
+            return failed
+        time.sleep(0.2)
+
+
+def stop_children(children: list[ChildRun], timeout_s: float = 30.0) -> None:
+    """SIGINT the children still running (each stops its unit on KeyboardInterrupt), then
+    SIGKILL those that outlast `timeout_s`."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    per_gpu: dict[str, float | None] = {}
-    realtime: dict[str, float | None] = {}
-    for name, gpus, unit_cfg in variant_units(cfg):
-        print(f"== {name}: starting the unit", flush=True)
-        if cfg.run_dir:
-            unit_cfg = unit_cfg.model_copy(update={"run_dir": f"{cfg.run_dir}/{name}"})
-        ports = engine_ports(unit_cfg)
-        with LocalUnit(unit_cfg) as unit:
-            doc = run_levels(cfg, name, gpus, unit.url, ports, command)
-        print_report(doc)
-        for row in doc["rows"]:
-            row["gpus"] = gpus
-            if row.get("engine"):
-                print(f"engines at {row[rows_level_key(doc['rows'])]:g} (run {row['repeat']}): {row['engine']}")
-        print_waterfall_at(doc["rows"], doc["summary"].get("capacity", doc["summary"].get("capacity_rate")))
-        rows += doc["rows"]
-        per_gpu[name] = doc["summary"]["capacity_per_gpu"].get(name)
-        if "realtime_streams_per_gpu" in doc["summary"]:
-            realtime[name] = doc["summary"]["realtime_streams_per_gpu"].get(name)
+    plan = waves(variant_units(cfg), cfg.parallel_gpus)
+    print("waves: " + " ".join("[" + " | ".join(name for name, _, _ in wave) + "]" for wave in plan), flush=True)
+    docs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pdu-compare-") as tmp:
+        for i, wave in enumerate(plan):
+            if len(wave) == 1:
+                name, gpus, unit_cfg = wave[0]
+                docs[name] = run_variant(cfg, name, gpus, unit_cfg, command)
+            else:
+                docs.update(run_wave(cfg, wave, Path(tmp)))
+            if i + 1 < len(plan):
+                # after every wave but the last: a run cut short (a device call's time
+                # limit) keeps the variants it finished, marked partial
+                write_results(cfg, docs, plan, command, partial=True)
+    out = write_results(cfg, docs, plan, command, partial=False)
+    if cfg.plot:
+        plot_capacity(out["rows"], cfg.plot, CapacityConfig())
+        out.setdefault("files", []).append(cfg.plot)
+    return out
+
+
+def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: list[list[Unit]], command: str,
+                  partial: bool) -> dict[str, Any]:
+    """The results document of the variants run so far (written to --out when given)."""
+    rows = [row for doc in docs.values() for row in doc["rows"]]
+    per_gpu = {name: doc["summary"]["capacity_per_gpu"].get(name) for name, doc in docs.items()}
+    realtime = {name: doc["summary"]["realtime_streams_per_gpu"].get(name) for name, doc in docs.items()
+                if "realtime_streams_per_gpu" in doc["summary"]}
     # capacity_per_gpu: concurrent streams per GPU (closed loop) or arrivals/s per GPU
     # (Poisson, where realtime_streams_per_gpu gives it in listeners)
-    summary = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu, **ratios(per_gpu)}
+    summary: dict[str, Any] = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu, **ratios(per_gpu)}
     if realtime:
         summary["realtime_streams_per_gpu"] = realtime
+    summary["waves"] = [[name for name, _, _ in wave] for wave in plan]
+    if partial:
+        summary["partial"] = f"{len(docs)} of {sum(len(w) for w in plan)} variants run so far"
     results = report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary)
     out = results.document()
     if cfg.out:
@@ -329,9 +473,6 @@ def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
         with md_path.open("a") as md:
             md.write(waterfalls_markdown(rows, per_gpu))
         out["files"] = [str(json_path), str(md_path)]
-    if cfg.plot:
-        plot_capacity(rows, cfg.plot, CapacityConfig())
-        out.setdefault("files", []).append(cfg.plot)
     return out
 
 

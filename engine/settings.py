@@ -113,6 +113,34 @@ def parse_config(
         raise ConfigError(message) from None
 
 
+def to_argv(cfg: BaseModel, env: typing.Mapping[str, str] | None = None) -> list[str]:
+    """The inverse of `parse_config`: the flags that rebuild `cfg`, one per field whose
+    value differs from the field's default, plus one per field that `env` (parse_config's:
+    None = os.environ) sets, since that env value would otherwise replace the default."""
+    env = os.environ if env is None else env
+    argv: list[str] = []
+    for name, field in type(cfg).model_fields.items():
+        value = getattr(cfg, name)
+        if value == field.get_default(call_default_factory=True) and _env(name) not in env:
+            continue
+        if isinstance(value, bool) and _is_bool(field.annotation):
+            argv.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        else:  # one token: a value starting with "-" must not read as a flag
+            argv.append(f"{_flag(name)}={_flag_value(name, value, _is_list(field.annotation))}")
+    return argv
+
+
+def _flag_value(name: str, value: Any, is_list: bool) -> str:
+    if is_list:
+        items = [str(v) for v in value]
+        if any("," in item or not item.strip() for item in items):
+            raise ValueError(f"{_flag(name)}: items {items!r} cannot be a comma list")
+        return ",".join(items)
+    if value is None or isinstance(value, (dict, list, tuple, set)):
+        raise ValueError(f"{_flag(name)}: {value!r} has no flag form")
+    return str(value)
+
+
 def parse_decode_sockets(value: str) -> list[str]:
     """`--decode-socket`: one socket, or a comma list (one P feeding several D's)."""
     sockets = [s.strip() for s in value.split(",") if s.strip()]

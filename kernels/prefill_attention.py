@@ -45,12 +45,13 @@ except ImportError:  # pragma: no cover - exercised only without triton
 class PrefillTile:
     """The kernel's launch shape. `block_m` counts tile rows (new rows x the query heads
     of one kv head), so a tile covers block_m // group new rows; `pdunit bench attention`
-    sweeps these on a GPU (bench/results/attention-*.md picked the default)."""
+    sweeps these on a GPU (attention-20261130-h200x2.md picked the default: best
+    over its points, 6% ahead of 128x64w8s3 at 4 prompts x 1500 rows)."""
 
-    block_m: int = 128
+    block_m: int = 256
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from pdunit.bench.compare import CompareConfig, levels_for, ratios, run_compare
+from pdunit.bench.compare import (
+    CompareConfig,
+    levels_for,
+    ratios,
+    run_compare,
+    variant_units,
+    waves,
+)
 
 
 def test_ratios_use_capacity_per_gpu_and_the_best_chunk_size():
@@ -124,3 +132,93 @@ def test_a_sweep_stops_at_its_first_failing_level_unless_asked_not_to(monkeypatc
     compare.run_levels(CompareConfig(concurrency="1,2,3,4", stop_at_failure=False), "1p1d", 2, "http://unused",
                        {}, "test")
     assert seen == [1, 2, 3, 4]
+
+
+def _names(plan):
+    return [[name for name, _, _ in wave] for wave in plan]
+
+
+def test_waves_pack_variants_in_order_into_the_gpus_given():
+    units = variant_units(CompareConfig(variants="1p1d,monolith-prefill-first,monolith-chunked",
+                                        chunks="2048,8192"))
+    assert _names(waves(units, 1)) == [["1p1d"], ["monolith-prefill-first"], ["monolith-chunked-2048"],
+                                       ["monolith-chunked-8192"]]
+    assert _names(waves(units, 2)) == [["1p1d"], ["monolith-prefill-first", "monolith-chunked-2048"],
+                                       ["monolith-chunked-8192"]]
+    assert _names(waves(units, 3)) == [["1p1d", "monolith-prefill-first"],
+                                       ["monolith-chunked-2048", "monolith-chunked-8192"]]
+    assert _names(waves(units, 5)) == [["1p1d", "monolith-prefill-first", "monolith-chunked-2048",
+                                        "monolith-chunked-8192"]]
+
+
+def test_a_variant_needing_more_gpus_than_given_runs_alone():
+    units = variant_units(CompareConfig(variants="monolith-prefill-first,1p2d,monolith-chunked", chunks="64"))
+    assert _names(waves(units, 2)) == [["monolith-prefill-first"], ["1p2d"], ["monolith-chunked-64"]]
+
+
+def test_a_variant_listed_twice_is_refused():
+    with pytest.raises(SystemExit, match="monolith-chunked-64"):
+        variant_units(CompareConfig(variants="monolith-chunked", chunks="64,64"))
+
+
+def test_devices_start_at_gpu_base():
+    units = {name: unit for name, _, unit in
+             variant_units(CompareConfig(variants="1p1d,1p2d,monolith-prefill-first", device="cuda", gpu_base=1))}
+    assert units["monolith-prefill-first"].device == "cuda:1"
+    assert (units["1p1d"].device, units["1p1d"].decode_devices) == ("cuda:1", "cuda:2")
+    assert (units["1p2d"].device, units["1p2d"].decode_devices) == ("cuda:1", "cuda:2,cuda:3")
+    cpu = variant_units(CompareConfig(variants="1p1d", gpu_base=1))[0][2]
+    assert (cpu.device, cpu.decode_devices) == ("cpu", "")
+
+
+def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(tmp_path, capsys):
+    out = tmp_path / "capacity.json"
+    doc = run_compare(CompareConfig(variants="monolith-prefill-first,monolith-chunked", chunks="64",
+                                    parallel_gpus=2, concurrency="1", duration=2, prompt_rows="50-100",
+                                    frames="21-42", pool_tokens=8192, cache_tokens=8192, ramp=0,
+                                    run_dir=str(tmp_path / "run"), out=str(out)), command="test")
+    names = ["monolith-prefill-first", "monolith-chunked-64"]
+    assert [r["mode"] for r in doc["rows"]] == names
+    assert all(r["gpus"] == 1 and r["engine"]["d_step_ms"] > 0 and r["waterfall"] for r in doc["rows"])
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["waves"] == [names]
+    assert set(saved["summary"]["capacity_per_gpu"]) == set(names)
+    assert saved["config"]["parallel_gpus"] == 2
+    assert [r["mode"] for r in saved["rows"]] == names
+    assert doc["files"] == [str(out), str(out.with_suffix(".md"))]
+    assert "### monolith-chunked-64 at concurrency 1" in out.with_suffix(".md").read_text()
+    for name in names:  # each child kept its unit's logs under <run_dir>/<variant>
+        assert (tmp_path / "run" / name / "logs").is_dir()
+    printed = capsys.readouterr().out
+    assert "waves: [monolith-prefill-first | monolith-chunked-64]" in printed
+    assert "== monolith-chunked-64 (running alongside monolith-prefill-first on cpu)" in printed
+    assert "== monolith-prefill-first: output of its process" in printed
+
+
+def test_a_failing_child_names_its_variant_and_stops_the_wave():
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match=r"variant monolith-\S+ failed \(exit code") as exc:
+        run_compare(CompareConfig(model="random:nope:0", variants="monolith-prefill-first,monolith-chunked",
+                                  chunks="64", parallel_gpus=2, concurrency="1", duration=2), command="test")
+    assert "end of its log" in str(exc.value)
+    assert time.monotonic() - started < 60
+
+
+def test_a_run_cut_short_keeps_the_variants_it_finished_marked_partial(tmp_path, monkeypatch):
+    from pdunit.bench import compare
+
+    def fake_variant(cfg, name, gpus, unit_cfg, command):
+        if name == "monolith-chunked-64":
+            raise KeyboardInterrupt  # the device call's limit, in the second wave
+        row = {"mode": name, "gpus": gpus, "concurrency": 1, "passed": True, "repeat": 0}
+        return {"rows": [row], "summary": {"capacity_per_gpu": {name: 1.0}}}
+
+    monkeypatch.setattr(compare, "run_variant", fake_variant)
+    out = tmp_path / "capacity.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(CompareConfig(variants="monolith-prefill-first,monolith-chunked", chunks="64", concurrency="1",
+                                  out=str(out)), command="test")
+    saved = json.loads(out.read_text())
+    assert [r["mode"] for r in saved["rows"]] == ["monolith-prefill-first"]
+    assert saved["summary"]["capacity_per_gpu"] == {"monolith-prefill-first": 1.0}
+    assert saved["summary"]["partial"] == "1 of 2 variants run so far"

@@ -31,7 +31,7 @@ CHECK = textwrap.dedent(
             kn.weight.uniform_(0.5, 1.5)
         pos = torch.tensor([0, 3, 9, 1, 20, 5, 7], device=device)
         write = torch.tensor([4, -1, 17, 0, 31, -1, 9], device=device)
-        ang = pos.new_tensor(range(64)).double()[:, None] * (1e4 ** (-torch.arange(0, d, 2).double() / d))
+        ang = torch.arange(64).double()[:, None] * (1e4 ** (-torch.arange(0, d, 2).double() / d))
         cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
         kv = torch.full((2, slots, hkv, d), 7.0, device=device).to(dtype)
         q = qk_norm_rope_store(qkv, qn.weight, kn.weight, 1e-6, cos, sin, pos, write, kv, hq, hkv, d)

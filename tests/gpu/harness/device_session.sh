@@ -11,6 +11,7 @@ set -uo pipefail
 source tests/gpu/harness/setup.sh
 RES=/tmp/res; mkdir -p "$RES"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/env.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$RES/env.txt" 2>&1
 CAP="--model random:qwen3-4b-shape:0 --device cuda --transfer ipc --pool-tokens 400000 --cache-tokens 60000 --ready-timeout-s 240"
 run_step() {
   local step=${1%%:*} secs=${1#*:}; [ "$secs" = "$1" ] && secs=300

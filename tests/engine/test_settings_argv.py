@@ -1,0 +1,41 @@
+"""`to_argv`: the flags that rebuild a config through `parse_config` (bench compare's child runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdunit.bench.capacity import CapacityConfig
+from pdunit.bench.compare import CompareConfig
+from pdunit.engine.settings import parse_config, to_argv
+
+
+def test_flags_rebuild_the_config():
+    cfg = CompareConfig(model="random:tiny:1", duration=2.5, repeat=3, stop_at_failure=False, variants="1p1d",
+                        variant_concurrency="1p1d=4,8;monolith-chunked=2", plot="", gpu_base=2)
+    argv = to_argv(cfg, env={})
+    assert "--no-stop-at-failure" in argv and "--duration=2.5" in argv and "--repeat=3" in argv
+    assert parse_config(CompareConfig, argv, "x", env={}) == cfg
+
+
+def test_default_fields_give_no_flags_unless_the_env_sets_them():
+    assert to_argv(CompareConfig(), env={}) == []
+    assert to_argv(CompareConfig(stop_at_failure=True, duration=20.0), env={}) == []
+    # PDUNIT_DURATION would replace the default in the parsing process: the flag must win
+    env = {"PDUNIT_DURATION": "5"}
+    argv = to_argv(CompareConfig(), env=env)
+    assert argv == ["--duration=20.0"]
+    assert parse_config(CompareConfig, argv, "x", env=env) == CompareConfig()
+
+
+def test_values_starting_with_a_dash_and_lists_round_trip():
+    cfg = CapacityConfig(concurrency=[1, 2], rate=[], seed=-1, prompt_rows=(50, 100), progress=False)
+    argv = to_argv(cfg, env={})
+    assert "--concurrency=1,2" in argv and "--no-progress" in argv
+    assert parse_config(CapacityConfig, argv, "x", env={}) == cfg
+
+
+def test_a_list_item_with_a_comma_has_no_flag_form():
+    from pdunit.engine.local import LocalConfig
+
+    with pytest.raises(ValueError, match="--extra-lb-args"):
+        to_argv(LocalConfig(extra_lb_args=["--x=a,b"]), env={})
