@@ -203,7 +203,7 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
             got = fn()
             err = float((got[chk_rows].double() - want).norm() / want.norm())
             ms = time_launches(fn, cfg.iters, cfg.warmup)
-        except (RuntimeError, ValueError) as exc:  # a backend that refuses this shape says so in the row
+        except (RuntimeError, ValueError, TypeError) as exc:  # a backend or torch version that cannot: the row says why
             rows.append({"point": name, "kernel": f"{label}: {str(exc).splitlines()[0][:120]}", "tile": None,
                          "ms": None, "tflops": None, "err": None})
             print(f"{name} {label}: {exc}", flush=True)
