@@ -168,6 +168,23 @@ def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: lis
     return out_rows
 
 
+def sdpa_per_prompt(q: torch.Tensor, kv: torch.Tensor, q_rows: list[tuple[int, int]], slots: list[torch.Tensor],
+                    out: torch.Tensor) -> torch.Tensor:
+    """What an engine could do with torch alone: gather each prompt's K/V from the pool
+    and run SDPA per prompt, causal aligned bottom-right (a cached prefix is visible to
+    every new row). q_rows: (first row, new rows) per prompt; slots: its context slots."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    for (a, n), idx in zip(q_rows, slots, strict=True):
+        qs = q[a:a + n].transpose(0, 1).unsqueeze(0)
+        ks, vs = kv[0][idx].transpose(0, 1).unsqueeze(0), kv[1][idx].transpose(0, 1).unsqueeze(0)
+        mask = causal_lower_right(n, idx.numel()) if idx.numel() > n else None
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                             enable_gqa=True)
+        out[a:a + n] = o[0].transpose(0, 1)
+    return out
+
+
 def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Tensor, kv: torch.Tensor,
                  dp: dict[str, Any], ctx: list[np.ndarray], chk_rows: torch.Tensor,
                  want: torch.Tensor) -> list[dict[str, Any]]:
@@ -197,8 +214,16 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
         return varlen_attn(q, kv[0][flat], kv[1][flat], cu_q, cu_k, dp["max_q_len"], max_k, window_size=(-1, 0),
                            enable_gqa=True)
 
+    q_rows = [(int(a), int(n)) for a, n in zip(dp["q_start"].tolist(), dp["q_len"].tolist(), strict=True)]
+    slots = [torch.from_numpy(c).to(dev) for c in ctx]
+    out = torch.empty_like(q)
+
+    def per_prompt() -> Any:
+        return sdpa_per_prompt(q, kv, q_rows, slots, out)
+
     rows: list[dict[str, Any]] = []
-    for label, fn in (("torch varlen, paged (page 1)", paged), ("torch varlen, K/V gathered first", gathered)):
+    for label, fn in (("torch varlen, paged (page 1)", paged), ("torch varlen, K/V gathered first", gathered),
+                      ("torch sdpa per prompt, K/V gathered first", per_prompt)):
         try:
             got = fn()
             err = float((got[chk_rows].double() - want).norm() / want.norm())

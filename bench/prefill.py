@@ -17,7 +17,9 @@ after `--warmup` untimed forwards. Per point (`--points PROMPTSxROWS,...`):
 - `mfu`: tflops over `--peak-tflops` (default: the dense bf16 peak of known GPUs, else
   no MFU column);
 - `--profile`: the top CUDA kernels by device time per forward (torch.profiler, in a
-  pass of its own after the timed one).
+  pass of its own after the timed one), and where the GPU sat idle inside a forward:
+  idle ms, the largest gaps between device operations and the host runtime calls that
+  took longest (a blocking copy or a sync holds the GPU idle).
 
 `--device cpu` with `--model tiny` runs the same path as a smoke test (no MFU).
 Never re-implements the forward: it calls P's.
@@ -25,8 +27,10 @@ Never re-implements the forward: it calls P's.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -127,12 +131,75 @@ def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: Pre
     prof = None
     if cfg.profile and storage.is_cuda:
         # a pass of its own after the timed one: the profiler's overhead stays out of `ms`
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # CPU too: the host calls that hold the GPU idle (a blocking copy, a sync) show there
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(cfg.iters):
-                run_prefill(model, storage, chunks)
+                with record_function(FORWARD_MARK):
+                    run_prefill(model, storage, chunks)
     return times, prof
+
+
+def trace_events(prof: Any) -> list[dict[str, Any]]:
+    """The profile's chrome-trace events (kineto's own export, read back)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            return list(json.load(f).get("traceEvents", []))
+
+
+FORWARD_MARK = "pdunit_prefill_forward"
+
+
+def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20.0) -> dict[str, Any]:
+    """Where the GPU sat idle inside the profiled forwards (each one inside a
+    FORWARD_MARK annotation), per forward on average: `lead_ms` from the call to its
+    first device operation (host preparation), `inner_ms` between device operations
+    (kernels, copies, memsets), `tail_ms` from the last one to the call's return
+    (sampling the first frames and reading them back); the largest inner gaps with the
+    operations around them; and the host runtime calls that took longest (a blocking
+    copy or a sync holds the GPU idle)."""
+    marks = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == FORWARD_MARK]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                    key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
+    if not marks or not device:
+        return {"forwards": 0}
+    lead = inner = tail = 0.0
+    gaps: list[tuple[float, str, str]] = []
+    calls: dict[str, list[float]] = {}
+    for m in marks:
+        w0, w1 = m["ts"], m["ts"] + m["dur"]
+        ops = [e for e in device if w0 <= e["ts"] <= w1]
+        if not ops:
+            continue
+        lead += ops[0]["ts"] - w0
+        end, before = ops[0]["ts"] + ops[0]["dur"], ops[0]["name"]
+        for e in ops[1:]:
+            gap = e["ts"] - end
+            if gap > 0:
+                inner += gap
+                if gap >= min_gap_us:
+                    gaps.append((gap, before, e["name"]))
+            if e["ts"] + e["dur"] > end:
+                end, before = e["ts"] + e["dur"], e["name"]
+        tail += max(0.0, w1 - end)
+        for e in runtime:
+            if w0 <= e["ts"] <= w1:
+                calls.setdefault(e["name"], []).append(e["dur"])
+    k = len(marks)
+    gaps.sort(reverse=True)
+    slow = sorted(calls.items(), key=lambda kv: sum(kv[1]), reverse=True)[:n]
+    return {
+        "forwards": k,
+        "wall_ms": round(sum(m["dur"] for m in marks) / 1e3 / k, 3),
+        "lead_ms": round(lead / 1e3 / k, 3), "inner_ms": round(inner / 1e3 / k, 3), "tail_ms": round(tail / 1e3 / k, 3),
+        "gaps": [{"ms": round(g / 1e3, 3), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:n]],
+        "runtime": [{"call": name, "ms": round(sum(d) / 1e3 / k, 3), "calls": round(len(d) / k, 1),
+                     "max_ms": round(max(d) / 1e3, 3)} for name, d in slow],
+    }
 
 
 def top_kernels(prof: Any, iters: int, n: int = 12) -> list[dict[str, Any]]:
@@ -165,6 +232,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         }
         if prof is not None:
             row["kernels"] = top_kernels(prof, cfg.iters)
+            row["idle"] = device_idle(trace_events(prof))
         rows_out.append(row)
         print(f"{prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
     summary = {"peak_tflops": peak, "model": cfg.model, "dtype": str(model.dtype).replace("torch.", ""),
@@ -180,6 +248,11 @@ def main(argv: list[str]) -> int:
         if row.get("kernels"):
             print(f"\ntop kernels, {row['prompts']} x {row['rows']} rows:")
             print(report.text_table(row["kernels"], KERNEL_COLUMNS))
+            idle = row["idle"]
+            if idle["forwards"]:
+                print(f"GPU idle per forward of {idle['wall_ms']} ms: {idle['lead_ms']} ms before its first "
+                      f"operation, {idle['inner_ms']} ms between operations, {idle['tail_ms']} ms after the last")
+                print(f"largest gaps: {idle['gaps']}\nhost runtime calls per forward: {idle['runtime']}")
     print("summary:", doc["summary"])
     if cfg.out:
         res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"],

@@ -72,3 +72,17 @@ def test_a_short_sweep_writes_rows_for_every_tile_and_sdpa(tmp_path: Path) -> No
     assert ("1x200+300", None) not in kernels  # no SDPA row with a prefix
     assert all(r["err"] < 1e-2 for r in doc["rows"] if r["tile"]), doc["rows"]
     assert doc["summary"]["best_tile"] in {"64x64w4s2", default}
+
+
+def test_sdpa_per_prompt_computes_the_kernels_reference_with_and_without_a_prefix() -> None:
+    from pdunit.kernels.prefill_attention import prefill_plan, reference_prefill_attention
+
+    rng = np.random.default_rng(2)
+    q_lens = [5, 7]  # prompt 0: 7 cached rows + 5 new (12 in its context); prompt 1: a whole prompt
+    ctx = attention.pool_case(1, 12, 0, 4, rng) + [np.arange(20, 27)]
+    plan = prefill_plan(q_lens, ctx, [0, 5])
+    q = torch.randn(12, 4, 16, dtype=torch.float64)
+    kv = torch.randn(2, 32, 2, 16, dtype=torch.float64)
+    got = attention.sdpa_per_prompt(q, kv, [(0, 5), (5, 7)], [torch.from_numpy(c) for c in ctx], torch.empty_like(q))
+    want = reference_prefill_attention(q, kv, plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"])
+    torch.testing.assert_close(got, want)

@@ -59,3 +59,34 @@ def test_cuda_run_reports_mfu_and_top_kernels(tmp_path):
                        "--iters", "3", "--warmup", "1", "--peak-tflops", "100", "--profile", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert 0 < row["mfu"] < 1 and row["kernels"] and row["kernels"][0]["ms"] > 0
+    idle = row["idle"]  # every profiled forward found, and its wall time split
+    assert idle["forwards"] == 3 and idle["wall_ms"] > 0
+    assert 0 <= idle["lead_ms"] + idle["inner_ms"] + idle["tail_ms"] < idle["wall_ms"]
+    assert any("Launch" in c["call"] for c in idle["runtime"]), idle["runtime"]
+
+
+def test_idle_analysis_splits_each_forward_into_lead_inner_gaps_and_tail():
+    from pdunit.bench.prefill import FORWARD_MARK, device_idle
+
+    def op(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        {"cat": "user_annotation", "name": FORWARD_MARK, "ts": 0, "dur": 1000},
+        op("embed", 100, 50), op("gemm", 150, 300), op("attn", 700, 200),   # a 250 us hole before attn
+        op("cudaMemcpyAsync", 10, 80, "cuda_runtime"), op("cudaLaunchKernel", 120, 5, "cuda_runtime"),
+        {"cat": "user_annotation", "name": FORWARD_MARK, "ts": 2000, "dur": 600},
+        op("embed", 2010, 40), op("gemm", 2050, 500, "gpu_memcpy"),           # back to back
+        op("cudaMemcpyAsync", 2001, 8, "cuda_runtime"),
+        op("stray", 1500, 100),                                               # between forwards: not counted
+    ]
+    idle = device_idle(events)
+    assert idle["forwards"] == 2
+    assert idle["wall_ms"] == 0.8
+    assert idle["lead_ms"] == round((100 + 10) / 2 / 1e3, 3)
+    assert idle["inner_ms"] == round(250 / 2 / 1e3, 3)
+    assert idle["tail_ms"] == round((100 + 50) / 2 / 1e3, 3)
+    assert idle["gaps"] == [{"ms": 0.25, "after": "gemm", "before": "attn"}]
+    memcpy = next(c for c in idle["runtime"] if c["call"] == "cudaMemcpyAsync")
+    assert memcpy == {"call": "cudaMemcpyAsync", "ms": 0.044, "calls": 1.0, "max_ms": 0.08}
+    assert device_idle([op("gemm", 0, 1)]) == {"forwards": 0}
