@@ -206,13 +206,25 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
     flat = torch.from_numpy(np.concatenate(ctx)).to(dev)
     max_k = int(ctx_lens.max())
 
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.11 (the H200 image) says causal with is_causal; later ones with window_size
+    causal: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    group = q.shape[1] // kv.shape[2]
+
     def paged() -> Any:  # the pool as pages of one token, our slot table as its block table
         return varlen_attn(q, kv[0].unsqueeze(1), kv[1].unsqueeze(1), cu_q, None, dp["max_q_len"], max_k,
-                           seqused_k=ctx_lens, block_table=dp["table"], window_size=(-1, 0), enable_gqa=True)
+                           seqused_k=ctx_lens, block_table=dp["table"], enable_gqa=True, **causal)
 
     def gathered() -> Any:
-        return varlen_attn(q, kv[0][flat], kv[1][flat], cu_q, cu_k, dp["max_q_len"], max_k, window_size=(-1, 0),
-                           enable_gqa=True)
+        return varlen_attn(q, kv[0][flat], kv[1][flat], cu_q, cu_k, dp["max_q_len"], max_k, enable_gqa=True,
+                           **causal)
+
+    def repeated() -> Any:  # a torch without GQA in varlen: K/V heads repeated to the query heads
+        k = kv[0][flat].repeat_interleave(group, dim=1)
+        v = kv[1][flat].repeat_interleave(group, dim=1)
+        return varlen_attn(q, k, v, cu_q, cu_k, dp["max_q_len"], max_k, **causal)
 
     q_rows = [(int(a), int(n)) for a, n in zip(dp["q_start"].tolist(), dp["q_len"].tolist(), strict=True)]
     slots = [torch.from_numpy(c).to(dev) for c in ctx]
@@ -223,6 +235,7 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
 
     rows: list[dict[str, Any]] = []
     for label, fn in (("torch varlen, paged (page 1)", paged), ("torch varlen, K/V gathered first", gathered),
+                      ("torch varlen, K/V gathered, heads repeated", repeated),
                       ("torch sdpa per prompt, K/V gathered first", per_prompt)):
         try:
             got = fn()

@@ -155,7 +155,8 @@ FORWARD_MARK = "pdunit_prefill_forward"
 
 def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20.0) -> dict[str, Any]:
     """Where the GPU sat idle inside the profiled forwards (each one inside a
-    FORWARD_MARK annotation), per forward on average: `lead_ms` from the call to its
+    FORWARD_MARK annotation), the median over forwards (the first profiled forward pays
+    the profiler's own start-up): `lead_ms` from the call to its
     first device operation (host preparation), `inner_ms` between device operations
     (kernels, copies, memsets), `tail_ms` from the last one to the call's return
     (sampling the first frames and reading them back); the largest inner gaps with the
@@ -167,7 +168,9 @@ def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20
     runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
     if not marks or not device:
         return {"forwards": 0}
-    lead = inner = tail = 0.0
+    leads: list[float] = []
+    inners: list[float] = []
+    tails: list[float] = []
     gaps: list[tuple[float, str, str]] = []
     calls: dict[str, list[float]] = {}
     for m in marks:
@@ -175,7 +178,8 @@ def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20
         ops = [e for e in device if w0 <= e["ts"] <= w1]
         if not ops:
             continue
-        lead += ops[0]["ts"] - w0
+        leads.append(ops[0]["ts"] - w0)
+        inner = 0.0
         end, before = ops[0]["ts"] + ops[0]["dur"], ops[0]["name"]
         for e in ops[1:]:
             gap = e["ts"] - end
@@ -185,17 +189,21 @@ def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20
                     gaps.append((gap, before, e["name"]))
             if e["ts"] + e["dur"] > end:
                 end, before = e["ts"] + e["dur"], e["name"]
-        tail += max(0.0, w1 - end)
+        inners.append(inner)
+        tails.append(max(0.0, w1 - end))
         for e in runtime:
             if w0 <= e["ts"] <= w1:
                 calls.setdefault(e["name"], []).append(e["dur"])
+    if not leads:
+        return {"forwards": 0}
     k = len(marks)
     gaps.sort(reverse=True)
     slow = sorted(calls.items(), key=lambda kv: sum(kv[1]), reverse=True)[:n]
     return {
         "forwards": k,
-        "wall_ms": round(sum(m["dur"] for m in marks) / 1e3 / k, 3),
-        "lead_ms": round(lead / 1e3 / k, 3), "inner_ms": round(inner / 1e3 / k, 3), "tail_ms": round(tail / 1e3 / k, 3),
+        "wall_ms": round(statistics.median(m["dur"] for m in marks) / 1e3, 3),
+        "lead_ms": round(statistics.median(leads) / 1e3, 3), "inner_ms": round(statistics.median(inners) / 1e3, 3),
+        "tail_ms": round(statistics.median(tails) / 1e3, 3),
         "gaps": [{"ms": round(g / 1e3, 3), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:n]],
         "runtime": [{"call": name, "ms": round(sum(d) / 1e3 / k, 3), "calls": round(len(d) / k, 1),
                      "max_ms": round(max(d) / 1e3, 3)} for name, d in slow],
