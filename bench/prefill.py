@@ -151,6 +151,7 @@ def trace_events(prof: Any) -> list[dict[str, Any]]:
 
 
 FORWARD_MARK = "pdunit_prefill_forward"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # device operations in a chrome trace
 
 
 def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20.0) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20
     operations around them; and the host runtime calls that took longest (a blocking
     copy or a sync holds the GPU idle)."""
     marks = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == FORWARD_MARK]
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS and "dur" in e),
                     key=lambda e: e["ts"])
     runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
     if not marks or not device:
@@ -210,13 +211,19 @@ def device_idle(events: list[dict[str, Any]], n: int = 6, min_gap_us: float = 20
     }
 
 
-def top_kernels(prof: Any, iters: int, n: int = 12) -> list[dict[str, Any]]:
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events) or 1.0
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
-    return [{"kernel": e.key[:90], "ms": round(e.device_time_total / 1e3 / iters, 4),
-             "share": round(e.device_time_total / total, 4), "calls": round(e.count / iters, 1)}
-            for e in events[:n]]
+def top_kernels(events: list[dict[str, Any]], iters: int, n: int = 12) -> list[dict[str, Any]]:
+    """Device operations by total time per forward, from the trace (device events only:
+    the CPU ops the profiler also records carry the time of the kernels they launch)."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") in DEVICE_CATS and "dur" in e:
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur"]
+            count[e["name"]] = count.get(e["name"], 0) + 1
+    whole = sum(total.values()) or 1.0
+    ranked = sorted(total.items(), key=lambda kv: kv[1], reverse=True)[:n]
+    return [{"kernel": name[:90], "ms": round(us / 1e3 / iters, 4), "share": round(us / whole, 4),
+             "calls": round(count[name] / iters, 1)} for name, us in ranked]
 
 
 def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
@@ -239,8 +246,9 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
             "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
         }
         if prof is not None:
-            row["kernels"] = top_kernels(prof, cfg.iters)
-            row["idle"] = device_idle(trace_events(prof))
+            events = trace_events(prof)
+            row["kernels"] = top_kernels(events, cfg.iters)
+            row["idle"] = device_idle(events)
         rows_out.append(row)
         print(f"{prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
     summary = {"peak_tflops": peak, "model": cfg.model, "dtype": str(model.dtype).replace("torch.", ""),

@@ -90,3 +90,17 @@ def test_idle_analysis_splits_each_forward_into_lead_inner_gaps_and_tail():
     memcpy = next(c for c in idle["runtime"] if c["call"] == "cudaMemcpyAsync")
     assert memcpy == {"call": "cudaMemcpyAsync", "ms": 0.044, "calls": 1.0, "max_ms": 0.08}
     assert device_idle([op("gemm", 0, 1)]) == {"forwards": 0}
+
+
+def test_top_kernels_count_device_operations_only():
+    from pdunit.bench.prefill import top_kernels
+
+    events = [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 300}, {"cat": "kernel", "name": "gemm", "ts": 400, "dur": 300},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 800, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 900},         # a host op: not a kernel
+        {"cat": "user_annotation", "name": "pdunit_prefill_forward", "ts": 0, "dur": 1000},
+    ]
+    rows = top_kernels(events, iters=2)
+    assert rows == [{"kernel": "gemm", "ms": 0.3, "share": round(600 / 700, 4), "calls": 1.0},
+                    {"kernel": "Memcpy HtoD", "ms": 0.05, "share": round(100 / 700, 4), "calls": 0.5}]
