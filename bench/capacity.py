@@ -35,6 +35,7 @@ from pdunit.bench.workload import (
     arrival_times,
     parse_range,
 )
+from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.playback import AUDIO_FPS, stream_timing
 from pdunit.engine.settings import ConfigError, parse_config
 
@@ -92,6 +93,9 @@ class CapacityConfig(BaseModel):
     gpus: int = Field(1, ge=0, description="GPUs the unit uses (capacity per GPU)")
     request_timeout: float = Field(60.0, gt=0, description="longest wait for any byte of a stream")
     max_in_flight: int = Field(1024, ge=1, description="--rate: cap on concurrent streams")
+    client_procs: int = Field(1, ge=1, description="--rate: processes sending a level's requests (request i by "
+                              "process i mod N), so one Python process's own delay stays out of the times; "
+                              "the rows' client lag p99 says when one process is not enough")
     out: str = Field(
         "", description="results: a .json path or a folder (default name); empty = no files"
     )
@@ -127,6 +131,8 @@ class CapacityConfig(BaseModel):
             raise ValueError("give --concurrency levels or --rate levels")
         if any(c < 1 for c in self.concurrency) or any(r <= 0 for r in self.rate):
             raise ValueError("concurrency levels must be >= 1 and rates > 0")
+        if self.client_procs > 1 and not self.rate:
+            raise ValueError("client_procs > 1 needs Poisson levels (--rate): a closed loop runs in one process")
         if self.body not in ("binary", "json"):
             raise ValueError(f"body {self.body!r}: expected binary or json")
         return self
@@ -306,25 +312,41 @@ class _Progress:
         self.bar.close()
 
 
+def poisson_schedule(workload: Workload, cfg: CapacityConfig, rate: float) -> list[tuple[float, StreamSpec]]:
+    """A Poisson level's requests: (seconds after the level starts, spec), in arrival
+    order, drawn before the level starts (the client's loop only sends), cut at
+    --requests when given."""
+    out: list[tuple[float, StreamSpec]] = []
+    for at, n in arrival_times(rate, cfg.duration, cfg.burst_share, cfg.burst_size, seed=cfg.seed):
+        for _ in range(n):
+            if cfg.requests and len(out) >= cfg.requests:
+                return out
+            out.append((at, workload.next()))
+    return out
+
+
 async def run_level(
     client: httpx.AsyncClient,
     cfg: CapacityConfig,
-    workload: Workload,
+    workload: Workload | None,
     progress: _Progress,
     concurrency: int | None = None,
-    rate: float | None = None,
+    schedule: list[tuple[float, StreamSpec]] | None = None,
     window: Callable[[str], None] | None = None,
+    t0: float | None = None,
 ) -> list[StreamResult]:
-    """One level: closed loop at `concurrency`, or Poisson arrivals at `rate`.
+    """One level: closed loop at `concurrency` (specs from `workload`), or the Poisson
+    arrivals of `schedule` (poisson_schedule). `t0`: the level's start on this process's
+    perf_counter (default: now; a client shard gets the start all shards share).
     `window("start")` / `window("end")` are called (in a worker thread) when the counted
     window opens (after --warmup) and when arrivals stop: a caller reads the unit's own
     metrics there, so they cover the steady state and not the ramp or the drain."""
     results: list[StreamResult] = []
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     stop_at = t0 + cfg.duration
     marks = asyncio.ensure_future(_window_marks(window, t0 + cfg.warmup, stop_at)) if window else None
     skipped = [0]
-    progress.start_level(f"c={concurrency}" if concurrency is not None else f"rate={rate:g}/s")
+    progress.start_level(f"c={concurrency}" if concurrency is not None else f"{len(schedule or [])} arrivals")
     started = 0
 
     def may_start() -> bool:
@@ -347,31 +369,25 @@ async def run_level(
             progress.add(r)
 
     async def closed_worker(i: int) -> None:
-        if cfg.ramp and concurrency:
+        assert workload is not None and concurrency is not None
+        if cfg.ramp:
             await asyncio.sleep(cfg.ramp * i / concurrency)
         while may_start():
             await one(workload.next())
 
     async def open_arrivals() -> None:
-        assert rate is not None
+        assert schedule is not None
         tasks: set[asyncio.Task[None]] = set()
-        for at, n in arrival_times(
-            rate, cfg.duration, cfg.burst_share, cfg.burst_size, seed=cfg.seed
-        ):
+        for at, spec in schedule:
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            for _ in range(n):
-                if len(tasks) >= cfg.max_in_flight:
-                    skipped[0] += 1  # the client's own cap, reported in the row
-                    continue
-                if not may_start():
-                    break
-                task = asyncio.ensure_future(one(workload.next()))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if cfg.requests and started >= cfg.requests:
-                break
+            if len(tasks) >= cfg.max_in_flight:
+                skipped[0] += 1  # the client's own cap, reported in the row
+                continue
+            task = asyncio.ensure_future(one(spec))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.wait(set(tasks))
 
@@ -401,6 +417,95 @@ async def run_level(
         raise driver.exception()  # type: ignore[misc]
     results.extend(_unserved("client_cap") for _ in range(skipped[0]))
     return results
+
+
+# ------------------------------------------------------------------ client shards
+# One Python process reading thousands of frames a second is late by itself (its loop
+# lag is in every row): --client-procs spreads a Poisson level's requests over processes
+# of their own, as real listeners are spread over machines.
+
+
+def _shard_main(conn: Any, cfg_doc: dict[str, Any], schedule: list[tuple[float, StreamSpec]]) -> None:
+    """A client shard (a spawned process): says ready, waits for the shared start (wall
+    clock), sends its schedule, returns (results, loop lags) or ("error", traceback)."""
+    import traceback
+
+    try:
+        cfg = CapacityConfig.model_validate(cfg_doc)
+        conn.send("ready")
+        start_wall = conn.recv()
+        conn.send(asyncio.run(_run_shard(cfg, schedule, start_wall)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises
+        conn.send(("error", traceback.format_exc()))
+
+
+async def _run_shard(cfg: CapacityConfig, schedule: list[tuple[float, StreamSpec]],
+                     start_wall: float) -> tuple[list[StreamResult], list[float]]:
+    lags: list[float] = []
+    probe = asyncio.ensure_future(watch_loop_lag(lags.append))
+    try:
+        async with _client(cfg) as client:
+            t0 = time.perf_counter() + (start_wall - time.time())
+            results = await run_level(client, cfg, None, _Progress(False, 1, cfg.duration, 0), schedule=schedule,
+                                      t0=t0)
+    finally:
+        probe.cancel()
+    return results, lags
+
+
+async def run_level_sharded(cfg: CapacityConfig, schedule: list[tuple[float, StreamSpec]],
+                            window: Callable[[str], None] | None) -> tuple[list[StreamResult], list[float]]:
+    """A Poisson level sent by --client-procs processes, request i by shard i % n, all
+    starting at one wall-clock instant; their results and loop lags merged."""
+    import multiprocessing
+
+    n = cfg.client_procs
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and an event loop
+    doc = cfg.model_copy(update={"max_in_flight": -(-cfg.max_in_flight // n), "progress": False}).model_dump()
+    shards = []
+    try:
+        for k in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_shard_main, args=(child, doc, schedule[k::n]), daemon=True)
+            proc.start()
+            shards.append((proc, parent))
+        for k, (_, conn) in enumerate(shards):
+            reply = await asyncio.to_thread(_recv, conn, 120.0, f"client shard {k} did not start")
+            if reply != "ready":
+                raise RuntimeError(f"client shard {k} failed to start:\n{reply[1]}")
+        start_wall = time.time() + 0.2
+        t0 = time.perf_counter() + 0.2
+        for _, conn in shards:
+            conn.send(start_wall)
+        marks = asyncio.ensure_future(_window_marks(window, t0 + cfg.warmup, t0 + cfg.duration)) if window else None
+        limit = cfg.duration + cfg.drain_timeout + 30.0
+        results: list[StreamResult] = []
+        lags: list[float] = []
+        for k, (_, conn) in enumerate(shards):
+            reply = await asyncio.to_thread(_recv, conn, limit, f"client shard {k} sent no results in {limit:g} s")
+            if isinstance(reply, tuple) and reply and reply[0] == "error":
+                raise RuntimeError(f"client shard {k} failed:\n{reply[1]}")
+            results += reply[0]
+            lags += reply[1]
+        if marks is not None:
+            await marks
+        return results, lags
+    finally:
+        for proc, _ in shards:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _recv(conn: Any, timeout: float, what: str) -> Any:
+    if not conn.poll(timeout):
+        raise RuntimeError(what)
+    return conn.recv()
+
+
+def _client(cfg: CapacityConfig) -> httpx.AsyncClient:
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                             timeout=httpx.Timeout(cfg.request_timeout, connect=10.0))
 
 
 async def _window_marks(window: Callable[[str], None], start_at: float, end_at: float) -> None:
@@ -489,6 +594,22 @@ def summarize_level(
     return row
 
 
+CLIENT_LAG_WARN_MS = 20.0
+
+
+def client_lag(lags: list[float], mode: str, level: float | None) -> dict[str, Any]:
+    """The load generator's own event-loop delay over a level (engine/loop_lag.py). Every
+    client-side time of the level (send, first frame, TTFA) includes it, so a level
+    whose p99 passes CLIENT_LAG_WARN_MS says so loudly: its TTFA is partly the client's."""
+    p99 = report.percentile([x * 1e3 for x in lags], 99)
+    out = {"client_lag_p99_ms": None if p99 is None else round(p99, 2),
+           "client_lag_max_ms": round(max(lags) * 1e3, 2) if lags else None}
+    if p99 is not None and p99 > CLIENT_LAG_WARN_MS:
+        print(f"WARNING {mode} at {level:g}: the load generator's event loop ran {p99:.0f} ms late at p99 "
+              f"(> {CLIENT_LAG_WARN_MS:g} ms): its TTFA and frame times include that delay", flush=True)
+    return out
+
+
 def rows_level_key(rows: list[dict[str, Any]]) -> str:
     """Which field names a row's level: "concurrency" (closed loop) or "rate" (Poisson)."""
     return "concurrency" if rows and rows[0]["concurrency"] is not None else "rate"
@@ -545,6 +666,7 @@ COLUMNS = [
     report.Column("ttfa_p50_ms", "TTFA p50", "{:.0f}"),
     report.Column("ttfa_p95_ms", "p95", "{:.0f}"),
     report.Column("ttfa_p99_ms", "p99", "{:.0f}"),
+    report.Column("client_lag_p99_ms", "client lag p99", "{:.0f}"),
     report.Column("passed", "pass"),
 ]
 
@@ -563,11 +685,9 @@ async def run_capacity_async(
     levels_c = [] if cfg.rate else list(cfg.concurrency)
     levels_r = list(cfg.rate)
     machine = report.machine_info()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    timeout = httpx.Timeout(cfg.request_timeout, connect=10.0)
     rows: list[dict[str, Any]] = []
     streams: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with _client(cfg) as client:
         model = await fetch_model(client, url)
         workload = Workload(
             WorkloadConfig(
@@ -587,8 +707,21 @@ async def run_capacity_async(
         try:
             for c, r in levels:
                 t = time.perf_counter()
-                results = await run_level(client, cfg, workload, progress, concurrency=c, rate=r, window=window)
-                rows.append(summarize_level(results, cfg, c, r, time.perf_counter() - t))
+                lags: list[float] = []
+                schedule = poisson_schedule(workload, cfg, r) if r is not None else None
+                if schedule is not None and cfg.client_procs > 1:
+                    print(f"rate={r:g}/s: {len(schedule)} arrivals over {cfg.client_procs} client processes",
+                          file=sys.stderr, flush=True)
+                    results, lags = await run_level_sharded(cfg, schedule, window)
+                else:
+                    probe = asyncio.ensure_future(watch_loop_lag(lags.append))
+                    try:
+                        results = await run_level(client, cfg, workload, progress, concurrency=c, schedule=schedule,
+                                                  window=window)
+                    finally:
+                        probe.cancel()
+                row = summarize_level(results, cfg, c, r, time.perf_counter() - t)
+                rows.append(row | client_lag(lags, row["mode"], c if c is not None else r))
                 if keep_streams:
                     # the level as `concurrency` / `arrival_rate` (a stream's own `rate` is its frames/s)
                     streams.extend({**s.record(), "concurrency": c, "arrival_rate": r} for s in results)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 from pydantic import BaseModel, Field
@@ -61,6 +62,8 @@ class CompareConfig(BaseModel):
                               "'1p1d=16,24;monolith-chunked=8,12'")
     burst_share: float = Field(0.0, ge=0, lt=1, description="Poisson levels: share of requests arriving in clumps")
     burst_size: int = Field(5, ge=1, description="Poisson levels: requests per clump")
+    client_procs: int = Field(0, ge=0, description="processes sending each Poisson level's requests (0: 4 with a "
+                              "GPU device, 1 on cpu): one Python process reading every stream is late by itself")
     stop_at_failure: bool = Field(True, description="end a variant's sweep at its first failing level (the "
                                   "levels above cannot raise its capacity); --no-stop-at-failure sweeps them all "
                                   "for the plot")
@@ -198,14 +201,17 @@ def waterfall_text(row: dict[str, Any]) -> str:
 
 def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
-    out = ["", "## Engines per level (from P's and D's own metrics)", "",
-           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
+           "",
+           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
+           "| LB lag ms | LB lag > 20 ms | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
-                                              "p_busy")]
+                                              "p_busy", "lb_lag_mean_ms", "lb_lag_over_20ms")]
+            cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
     for mode in dict.fromkeys(r["mode"] for r in rows):
@@ -226,6 +232,8 @@ _SERIES = {
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
     "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
+    "lb_lag_n": "pdunit_lb_loop_lag_seconds_count", "lb_lag_s": "pdunit_lb_loop_lag_seconds_sum",
+    "lb_lag_le_20ms": 'pdunit_lb_loop_lag_seconds_bucket{le="0.02"}',
 }
 
 
@@ -252,14 +260,15 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
         except httpx.HTTPError:
             continue  # a process that went away: its level shows errors anyway
         # the monolith's one loop exports both: decode steps and the prefill parts of them
-        prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_")}[role]
+        prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_"), "lb": ("lb_",)}[role]
         out.update({name: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefixes)})
     return out
 
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """What the engines did during one level: mean D step and batch, the share of steps
-    replayed from a CUDA graph, D's GPU busy share, P's mean forward and busy share."""
+    replayed from a CUDA graph, D's GPU busy share, P's mean forward and busy share, and
+    how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
     d = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in _SERIES.items()}
     out: dict[str, float] = {}
     if d["d_steps"] > 0:
@@ -272,6 +281,9 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     if d["p_forwards"] > 0 and seconds > 0:
         out["p_forward_ms"] = round(1000 * d["p_forward_s"] / d["p_forwards"], 3)
         out["p_busy"] = round(d["p_forward_s"] / seconds, 4)
+    if d["lb_lag_n"] > 0:
+        out["lb_lag_mean_ms"] = round(1000 * d["lb_lag_s"] / d["lb_lag_n"], 3)
+        out["lb_lag_over_20ms"] = round(1 - d["lb_lag_le_20ms"] / d["lb_lag_n"], 4)
     return out
 
 
@@ -285,7 +297,8 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         burst_share=cfg.burst_share, burst_size=cfg.burst_size, duration=cfg.duration, ramp=cfg.ramp,
         warmup=cfg.ramp,
         prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(cfg.frames, "frames"),
-        voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False)
+        voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False,
+        client_procs=(cfg.client_procs or (4 if cfg.device != "cpu" else 1)) if key == "rate" else 1)
     rows: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
     for level in levels:
@@ -340,6 +353,7 @@ def run_variant(cfg: CompareConfig, name: str, gpus: int, unit_cfg: LocalConfig,
         unit_cfg = unit_cfg.model_copy(update={"run_dir": f"{cfg.run_dir}/{name}"})
     ports = engine_ports(unit_cfg)
     with LocalUnit(unit_cfg) as unit:
+        ports["lb"] = int(urlparse(unit.url).port or 0)  # the LB serves /metrics on its own port
         doc = run_levels(cfg, name, gpus, unit.url, ports, command)
     print_report(doc)
     for row in doc["rows"]:

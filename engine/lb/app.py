@@ -54,6 +54,7 @@ from pdunit.engine.lb.validate import (
     body_too_large,
     parse_request,
 )
+from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.observability import now_ns
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
@@ -175,6 +176,7 @@ class LoadBalancer:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(sub.run()) for sub in self.subscriptions]
         self._tasks.append(loop.create_task(self._probe_loop()))
+        self._tasks.append(loop.create_task(watch_loop_lag(self.metrics.loop_lag_seconds.observe)))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -46,10 +46,13 @@ async def serve(config: LBConfig) -> int:
     lb = LoadBalancer(config)
     app = create_app(lb)
     sock = bind_socket(config.host, config.port)
-    logger.info("listening", extra={"host": config.host, "port": sock.getsockname()[1]})
+    logger.info("listening", extra={"host": config.host, "port": sock.getsockname()[1], "http": "httptools"})
     server = _Server(
         uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+            # httptools, named: uvicorn's "auto" would fall back to the pure-Python h11
+            # without a word when the C parser is missing
+            app, http="httptools", log_config=None, access_log=False, lifespan="on",
+            timeout_graceful_shutdown=5,
         )
     )
     stop = shutdown_event(logger)

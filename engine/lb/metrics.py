@@ -32,6 +32,7 @@ STAGE_BUCKETS = (
     30.0,
     60.0,
 )
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 VALIDATE_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 _STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 MAX_STAGE_LABELS = 64  # stage names come from P and D: bound the label set anyway
@@ -43,6 +44,13 @@ class LBMetrics:
             "pdunit_lb_requests_total",
             "Stream requests by final HTTP status code and outcome",
             ["code", "outcome"],
+            registry=registry,
+        )
+        self.loop_lag_seconds = Histogram(
+            "pdunit_lb_loop_lag_seconds",
+            "How late the LB's event loop woke from a 10 ms sleep: the delay every request "
+            "and frame relayed by the LB pays on top of its own work (saturation)",
+            buckets=LAG_BUCKETS,
             registry=registry,
         )
         self.streams_in_flight = Gauge(

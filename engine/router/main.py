@@ -55,6 +55,7 @@ async def _serve(config: RouterConfig, discovery: Discovery, log: logging.Logger
     server = _Server(
         uvicorn.Config(
             app,
+            http="httptools",  # as the LB: never a silent fallback to the pure-Python parser
             host=config.host,
             port=config.port,
             log_config=None,

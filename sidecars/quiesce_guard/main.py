@@ -100,8 +100,8 @@ async def serve(cfg: GuardConfig) -> int:
     status: dict = {"observation": None, "recent_actions": [], "actions_total": state.actions_total}
     server = None
     if cfg.port:
-        server = uvicorn.Server(uvicorn.Config(status_app(status), host=cfg.host, port=cfg.port,
-                                               log_config=None, lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(status_app(status), http="httptools", host=cfg.host,
+                                               port=cfg.port, log_config=None, lifespan="off"))
         server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # our shutdown_event handles signals
         asyncio.create_task(server.serve())
     log.info("guard watching", extra={"prefill": cfg.prefill_socket, "decode": cfg.decode_socket})

@@ -159,6 +159,7 @@ def test_a_fast_unit_shows_no_stutter_and_its_capacity_is_the_top_level(serve, t
         assert r["min_rate"] > 100 and r["p1_rate"] >= r["min_rate"]
         assert 20 <= r["ttft_p50_ms"] < 500 and r["ttfa_p50_ms"] > r["ttft_p50_ms"]
         assert r["passed"] is True
+        assert 0 <= r["client_lag_p99_ms"] <= r["client_lag_max_ms"]  # the load generator's own delay
     assert doc["summary"]["capacity"] == 4
     assert doc["summary"]["capacity_per_gpu"] == {"1p1d": 2.0}
     assert fake.max_concurrent == 4
@@ -314,3 +315,34 @@ def test_config_accepts_flags_and_names_bad_ranges():
         CapacityConfig.model_validate({"prompt_rows": "9-3"})
     with pytest.raises(ValueError, match="expected binary or json"):
         CapacityConfig.model_validate({"body": "xml"})
+
+
+def test_a_late_load_generator_says_so_in_the_row_and_out_loud(capsys):
+    from pdunit.bench.capacity import CLIENT_LAG_WARN_MS, client_lag
+
+    quiet = client_lag([0.001] * 99 + [0.002], "1p1d", 8)
+    assert quiet == {"client_lag_p99_ms": 1.01, "client_lag_max_ms": 2.0}  # linear interpolation at 99%
+    assert "WARNING" not in capsys.readouterr().out
+    late = client_lag([0.001] * 90 + [0.2] * 10, "1p1d", 32)
+    assert late["client_lag_p99_ms"] == 200.0 > CLIENT_LAG_WARN_MS
+    assert "WARNING 1p1d at 32: the load generator's event loop ran 200 ms late" in capsys.readouterr().out
+    assert client_lag([], "1p1d", 1) == {"client_lag_p99_ms": None, "client_lag_max_ms": None}
+
+
+def test_client_processes_send_the_same_poisson_level_as_one_process(serve, capsys):
+    """--client-procs 2 sends the level's requests from two spawned processes: the same
+    requests (one seeded schedule, split i mod 2) and the same row fields."""
+    one, two = FakeLB(fps=300.0), FakeLB(fps=300.0)
+    cfg = dict(concurrency="", rate="12", burst_share=0.5, burst_size=3, duration=1.0)
+    single = run_capacity(base_config(serve(one), **cfg))["rows"][0]
+    sharded = run_capacity(base_config(serve(two), **cfg, client_procs=2))["rows"][0]
+    assert "over 2 client processes" in capsys.readouterr().err
+    assert two.requests == one.requests > 3
+    assert sorted(two.seen_sessions) == sorted(one.seen_sessions)
+    assert sharded["streams"] == single["streams"] and sharded["errors"] == 0 and sharded["passed"]
+    assert sharded["client_lag_p99_ms"] is not None  # merged from both processes
+
+
+def test_client_processes_need_poisson_levels():
+    with pytest.raises(ValueError, match="client_procs > 1 needs Poisson levels"):
+        CapacityConfig.model_validate({"concurrency": [2], "client_procs": 2})

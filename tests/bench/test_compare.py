@@ -52,6 +52,7 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     for mode in modes:  # P and D of the unit, or the monolith's one loop, each from its own metrics
         row = next(r for r in saved["rows"] if r["mode"] == mode)
         assert row["engine"]["d_step_ms"] > 0 and row["engine"]["p_forward_ms"] > 0, (mode, row["engine"])
+        assert row["engine"]["lb_lag_mean_ms"] >= 0 and 0 <= row["engine"]["lb_lag_over_20ms"] <= 1, row["engine"]
         assert row["engine"]["window"] == "steady"  # read over the arrivals, not the drain
     md = out.with_suffix(".md").read_text()
     assert "## Engines per level" in md
@@ -77,9 +78,10 @@ def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
     out = tmp_path / "capacity.json"
     doc = run_compare(CompareConfig(variants="1p1d", rate="3", burst_share=0.5, burst_size=3, duration=3,
                                     prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
-                                    ramp=0, out=str(out)), command="test")
+                                    ramp=0, client_procs=2, out=str(out)), command="test")
     row = doc["rows"][0]
     assert row["rate"] == 3.0 and row["concurrency"] is None and row["ok"] > 0, row
+    assert row["client_lag_p99_ms"] is not None  # sent by two client processes, their lags merged
     # listeners = rate x mean audio seconds of the streams that ran (21-42 frames at 21 frames/s)
     mean_frames = row["frames_total"] / row["ok"]
     assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1), row

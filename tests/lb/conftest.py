@@ -89,6 +89,7 @@ def start_lb(loop_thread: LoopThread, fake_unit: FakeUnit) -> Iterator[Callable[
             server = _Server(
                 uvicorn.Config(
                     create_app(lb),
+                    http="httptools",  # the parser `pdunit lb` serves with
                     log_config=None,
                     access_log=False,
                     lifespan="on",

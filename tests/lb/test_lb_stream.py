@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 import time
@@ -409,6 +410,8 @@ def test_metrics_count_requests_frames_validation_and_waterfall_stages(start_lb,
         assert f'pdunit_lb_stage_seconds_count{{stage="{stage}"}} 2.0' in text, stage
     assert "pdunit_lb_streams_in_flight 0.0" in text
     assert "pdunit_lb_frames_subscription_up 1.0" in text
+    lag = re.search(r"^pdunit_lb_loop_lag_seconds_count (\S+)$", text, re.M)
+    assert lag and float(lag.group(1)) >= 1, "the LB watches its own event loop"
 
 
 def test_many_concurrent_streams_each_get_their_own_frames(start_lb, fake_unit):

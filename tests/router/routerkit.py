@@ -59,7 +59,7 @@ async def serve(app: Any, grace_s: int = 2) -> AsyncIterator[Served]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = _QuietServer(
-        uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=grace_s)
+        uvicorn.Config(app, http="httptools", log_config=None, lifespan="on", timeout_graceful_shutdown=grace_s)
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
