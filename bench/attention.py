@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from pdunit.bench import report
+from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import CONFIGS
 from pdunit.engine.settings import parse_config
 from pdunit.kernels.prefill_attention import (
@@ -90,17 +91,7 @@ def attention_flops(heads: int, head_dim: int, prompts: int, rows: int, cached: 
 
 def time_launches(fn: Any, iters: int, warmup: int) -> float:
     """Median ms per launch from CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(fn, iters, warmup))
 
 
 def pool_case(prompts: int, rows: int, cached: int, page: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -290,10 +281,7 @@ def main(argv: list[str]) -> int:
     print(report.text_table(doc["rows"], COLUMNS))
     print("summary:", doc["summary"])
     if cfg.out:
-        res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"],
-                             doc["summary"])
-        json_path, md_path = res.write(report.resolve_out(cfg.out, BENCH, doc["machine"]), COLUMNS,
-                                       "Prefill attention kernel: launch shapes side by side")
+        json_path, md_path = report.write_results(doc, cfg.out, COLUMNS, "Prefill attention kernel: launch shapes side by side")
         print(f"wrote {json_path} and {md_path}")
     return 0
 

@@ -271,10 +271,7 @@ def main(argv: list[str]) -> int:
                 print(f"largest gaps: {idle['gaps']}\nhost runtime calls per forward: {idle['runtime']}")
     print("summary:", doc["summary"])
     if cfg.out:
-        res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"],
-                             doc["summary"])
-        json_path, md_path = res.write(report.resolve_out(cfg.out, BENCH, doc["machine"]), COLUMNS,
-                                       "Prefill forward throughput vs the compute peak")
+        json_path, md_path = report.write_results(doc, cfg.out, COLUMNS, "Prefill forward throughput vs the compute peak")
         print(f"wrote {json_path} and {md_path}")
     return 0
 

@@ -192,6 +192,11 @@ class Results:
     rows: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Results:
+        """A document (`document()`'s shape, as a bench returns it) back into Results."""
+        return cls(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"], doc["summary"])
+
     def document(self) -> dict[str, Any]:
         return {
             "bench": self.bench,
@@ -239,6 +244,13 @@ class Results:
         md = path.with_suffix(".md")
         md.write_text(self.markdown(columns, title))
         return path, md
+
+
+def write_results(doc: Mapping[str, Any], out: str, columns: Sequence[Column], title: str) -> tuple[Path, Path]:
+    """A bench's results document to `out` (a .json path or a folder: resolve_out), as
+    JSON and Markdown; returns both paths."""
+    path = resolve_out(out, doc["bench"], doc["machine"])
+    return Results.from_document(doc).write(path, columns, title)
 
 
 def _json_default(value: Any) -> Any:

@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from pdunit.bench import report
+from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 
@@ -140,20 +141,6 @@ class StepConfig:
 # ------------------------------------------------------------------ measurements
 
 
-def _events_ms(fn, iters: int, warmup: int) -> list[float]:  # noqa: ANN001 - a thunk
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
 def _kernel_ms(fn, reps: int = 20, rounds: int = 5) -> float:  # noqa: ANN001 - a thunk
     """Device time of one call of a short kernel: `reps` launches back to back between
     two events (the queue stays ahead of the GPU, so host launch cost is hidden), the
@@ -177,7 +164,7 @@ def measure_copy_gbps(gib: float, iters: int = 10) -> float:
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = statistics.median(_events_ms(lambda: dst.copy_(src), iters, 3))
+    ms = statistics.median(event_times_ms(lambda: dst.copy_(src), iters, 3))
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
@@ -478,7 +465,7 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
         if size is not None:
             # the staged inputs are the last timed step's: replaying them back to back
             # rewrites the same K/V rows of streams about to be cancelled
-            row["gpu_ms"] = statistics.median(_events_ms(lambda: runner.replay_staged(size), cfg.iters, 1))
+            row["gpu_ms"] = statistics.median(event_times_ms(lambda: runner.replay_staged(size), cfg.iters, 1))
             row["gpu_busy"] = row["gpu_ms"] / row["step_ms"]
             extra["runner"] = runner
     if sched is None and e.cuda and f"{batch}x{context}" in cfg.compare:
@@ -755,8 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = run_step(cfg)
     tag = cfg.machine_tag or report.machine_slug(doc["machine"]).lower()
     path = Path(cfg.out) / f"step-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
-    res = report.Results(doc["bench"], doc["machine"], doc["command"], doc["config"], doc["rows"], doc["summary"])
-    res.write(path, COLUMNS, title="Decode step vs the HBM roofline, without and with overlap")
+    title = "Decode step vs the HBM roofline, without and with overlap"
+    report.Results.from_document(doc).write(path, COLUMNS, title=title)
     print(report.text_table(doc["rows"], COLUMNS))
     for row in doc["rows"]:
         if row.get("profile"):
