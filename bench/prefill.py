@@ -41,8 +41,7 @@ from pydantic import BaseModel, Field
 from pdunit.bench import report
 from pdunit.engine.model.config import ModelConfig
 from pdunit.engine.model.loader import load_model
-from pdunit.engine.model.sampling import SamplingParams
-from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
+from pdunit.engine.prefill.runner import random_chunks, run_prefill
 from pdunit.engine.settings import parse_config
 
 BENCH = "prefill"
@@ -115,12 +114,7 @@ def peak_for(machine: dict[str, Any], given: float) -> float | None:
 
 def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: PrefillBenchConfig,
             rng: np.random.Generator) -> tuple[list[float], Any]:
-    c = model.config
-    vocab = min(c.vocab_sizes)
-    params = SamplingParams(max_frames=1)
-    chunks = [PrefillChunk(rng.integers(0, vocab - 1, size=(rows, c.n_codebooks), dtype=np.int64),
-                           np.arange(i * rows, (i + 1) * rows, dtype=np.int64), 0, rows, params)
-              for i in range(prompts)]
+    chunks = random_chunks(model, [rows] * prompts, rng)
     for _ in range(cfg.warmup):
         run_prefill(model, storage, chunks)
     times = []

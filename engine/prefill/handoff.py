@@ -73,10 +73,6 @@ class Handoff(Generic[T]):
             self._cv.notify_all()
             return items
 
-    def __len__(self) -> int:
-        with self._cv:
-            return len(self._items)
-
 
 class OpenBatch(Generic[T]):
     """The batch the next forward will take, filled one reserved request at a time while

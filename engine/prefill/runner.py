@@ -58,6 +58,19 @@ def first_frames(model: TTSModel, logits: torch.Tensor, chunks: list[PrefillChun
     return out
 
 
+def random_chunks(model: TTSModel, lengths: list[int], rng: np.random.Generator) -> list[PrefillChunk]:
+    """Whole prompts of random ids, one per length, at storage slots 0, 1, ... in turn
+    (greedy, one frame): what warm-up and `pdunit bench prefill` run."""
+    vocab = min(model.config.vocab_sizes)
+    greedy = SamplingParams(max_frames=1)
+    chunks, first = [], 0
+    for n in lengths:
+        prompt = rng.integers(0, vocab - 1, size=(n, model.config.n_codebooks), dtype=np.int64)
+        chunks.append(PrefillChunk(prompt, np.arange(first, first + n, dtype=np.int64), 0, n, greedy))
+        first += n
+    return chunks
+
+
 def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None) -> float:
     """Runs prefills of random prompts (one of `rows` rows, and a batch of two of
     different lengths) into the first slots of `storage` before the engine serves: the
@@ -75,16 +88,9 @@ def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None) -> float:
         return 0.0
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
-    vocab = min(model.config.vocab_sizes)
-    greedy = SamplingParams(max_frames=1)
     shapes = [[rows], [rows // 2 + 1, rows - rows // 2 - 1]] if rows >= 4 else [[rows]]
     for lengths in shapes:
-        chunks, first = [], 0
-        for n in lengths:
-            prompt = rng.integers(0, vocab - 1, size=(n, model.config.n_codebooks), dtype=np.int64)
-            chunks.append(PrefillChunk(prompt, np.arange(first, first + n, dtype=np.int64), 0, n, greedy))
-            first += n
-        run_prefill(model, storage, chunks)
+        run_prefill(model, storage, random_chunks(model, lengths, rng))
     if storage.is_cuda:
         torch.cuda.synchronize(storage.device)
     seconds = time.perf_counter() - t0

@@ -502,11 +502,7 @@ class PrefillEngine:
 
     def _abandon(self, live: _Live, reason: str) -> None:
         """A reserved request that will not be written: D may free its pages now."""
-        try:
-            live.stub.Cancel(pb.CancelRequest(request_id=live.job.request_id, status=pb.CANCELLED,
-                                              message=reason), timeout=1.0)
-        except grpc.RpcError:
-            pass  # D frees the reservation at its deadline
+        self._tell_decode(live.stub, live.job.request_id, pb.CANCELLED, reason, timeout=1.0)
         self.cache.release(live.lease)
         self._finish(live.job, pb.CANCELLED, reason)
 
@@ -647,7 +643,7 @@ class PrefillEngine:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
             # D holds the pages and sends ABORT; our quiesce answers it. Told from the
             # commit pool: the next request's write must not wait for this round trip.
-            self._committer.submit(self._tell_decode_failed, stub, rid, f"KV transfer failed: {exc}")
+            self._committer.submit(self._tell_decode, stub, rid, pb.TRANSFER_FAILED, f"KV transfer failed: {exc}")
             self._finish(job, pb.TRANSFER_FAILED, f"KV transfer failed: {exc}")
             return
         job.stamps["transfer_end"] = now_ns()
@@ -661,10 +657,12 @@ class PrefillEngine:
         self._committer.submit(self._commit, job, stub, link, frame, checksum, cached)
 
     @staticmethod
-    def _tell_decode_failed(stub: pbg.DecodeStub, request_id: int, message: str) -> None:
+    def _tell_decode(stub: pbg.DecodeStub, request_id: int, status: int, message: str,
+                     timeout: float = 2.0) -> None:
+        """Cancel to the D holding the request's reservation; unanswered, D frees it at its
+        deadline (or holds it and asks for the abort our quiesce proves)."""
         try:
-            stub.Cancel(pb.CancelRequest(request_id=request_id, status=pb.TRANSFER_FAILED, message=message),
-                        timeout=2.0)
+            stub.Cancel(pb.CancelRequest(request_id=request_id, status=status, message=message), timeout=timeout)
         except grpc.RpcError:
             pass
 
