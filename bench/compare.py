@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import httpx
@@ -75,6 +75,8 @@ class CompareConfig(BaseModel):
     prompt_rows: str = Field("1000-2000", description="prompt rows")
     frames: str = Field("105-210", description="frames per stream")
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
+    prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
+                                                 "with prompt rows (P's and the monolith's --prefill-gemm)")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -99,6 +101,7 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
         return f"{cfg.device}:{cfg.gpu_base + offset}"
 
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
+                prefill_gemm=cfg.prefill_gemm,
                 log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
     out: list[Unit] = []
     for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:

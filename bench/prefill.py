@@ -15,7 +15,9 @@ after `--warmup` untimed forwards. Per point (`--points PROMPTSxROWS,...`):
   (q|k|v, o, gate|up, down of every layer) plus causal attention
   (2 x heads x head_dim x L^2 per layer and prompt of L rows);
 - `mfu`: tflops over `--peak-tflops` (default: the dense bf16 peak of known GPUs, else
-  no MFU column);
+  no MFU column), for fp8 rows too, so MFU compares across precisions;
+- `--gemm bf16,fp8`: each point in each GEMM precision (`TTSModel.set_prefill_gemm`),
+  side by side in one run; `speedup` is the bf16 row's ms over this row's;
 - `--profile`: the top CUDA kernels by device time per forward (torch.profiler, in a
   pass of its own after the timed one), and where the GPU sat idle inside a forward:
   idle ms, the largest gaps between device operations and the host runtime calls that
@@ -36,11 +38,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pdunit.bench import report
 from pdunit.engine.model.config import ModelConfig
 from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.transformer import PREFILL_GEMMS
 from pdunit.engine.prefill.runner import random_chunks, run_prefill
 from pdunit.engine.settings import parse_config
 
@@ -50,6 +53,7 @@ BENCH = "prefill"
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
 
 COLUMNS = [
+    report.Column("gemm", "gemm", "{}"),
     report.Column("prompts", "prompts"),
     report.Column("rows", "rows"),
     report.Column("tokens", "tokens"),
@@ -58,7 +62,8 @@ COLUMNS = [
     report.Column("tokens_per_s", "tokens/s", "{:.0f}"),
     report.Column("us_per_token", "us/token", "{:.2f}"),
     report.Column("tflops", "TFLOP/s", "{:.1f}"),
-    report.Column("mfu", "MFU", "{:.1%}"),
+    report.Column("mfu", "MFU (bf16 peak)", "{:.1%}"),
+    report.Column("speedup", "vs bf16", "{:.2f}x"),
 ]
 KERNEL_COLUMNS = [
     report.Column("kernel", "kernel", "{}"), report.Column("ms", "device ms per forward", "{:.3f}"),
@@ -70,6 +75,7 @@ class PrefillBenchConfig(BaseModel):
     model: str = Field("qwen3-4b-shape", description="model config name (random weights)")
     device: str = Field("cuda", description="cuda (the measurement) or cpu (smoke test)")
     dtype: str | None = Field(None, description="compute dtype (default: the model's; bfloat16 for the 4B shape)")
+    gemm: list[str] = Field(["bf16"], description="GEMM precisions to measure, each at every point (bf16, fp8)")
     points: str = Field("1x1500,4x1500,5x1600,8x1000,16x512",
                         description="PROMPTSxROWS batches, comma list (P batches up to 8192 rows by default)")
     iters: int = Field(10, gt=0, description="timed forwards per point")
@@ -78,6 +84,14 @@ class PrefillBenchConfig(BaseModel):
     peak_tflops: float = Field(0.0, ge=0, description="the GPU's peak for MFU (0: from the GPU name when known)")
     profile: bool = Field(False, description="top CUDA kernels per forward (torch.profiler)")
     out: str = Field("", description="results JSON path or folder ('' = print only)")
+
+    @field_validator("gemm")
+    @classmethod
+    def _gemms(cls, v: list[str]) -> list[str]:
+        bad = [g for g in v if g not in PREFILL_GEMMS]
+        if bad or not v or len(set(v)) != len(v):
+            raise ValueError(f"{v}: give each of {', '.join(PREFILL_GEMMS)} at most once")
+        return v
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -226,6 +240,23 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
     storage = model.new_kv_storage(max(p * r for p, r in points), device=cfg.device)
     machine = report.machine_info()
     peak = peak_for(machine, cfg.peak_tflops) if storage.is_cuda else None
+    rows_out: list[dict[str, Any]] = []
+    for gemm in cfg.gemm:
+        model.set_prefill_gemm(gemm)
+        # the same prompts in every precision: each precision restarts the seed
+        rows_out += _measure_points(model, storage, points, cfg, peak, gemm)
+    by_point = {(r["prompts"], r["rows"]): r["ms"] for r in rows_out if r["gemm"] == "bf16"}
+    for r in rows_out:
+        bf16 = by_point.get((r["prompts"], r["rows"]))
+        r["speedup"] = round(bf16 / r["ms"], 3) if bf16 else None
+    summary = {"peak_tflops": peak, "model": cfg.model, "dtype": str(model.dtype).replace("torch.", ""),
+               "best_us_per_token": {g: min(r["us_per_token"] for r in rows_out if r["gemm"] == g)
+                                     for g in cfg.gemm}}
+    return report.Results(BENCH, machine, command, cfg.model_dump(), rows_out, summary).document()
+
+
+def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, int]], cfg: PrefillBenchConfig,
+                    peak: float | None, gemm: str) -> list[dict[str, Any]]:
     rng = np.random.default_rng(cfg.seed)
     rows_out = []
     for prompts, rows in points:
@@ -234,7 +265,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         tokens = prompts * rows
         tflops = forward_flops(model.config, prompts, rows) / (ms * 1e-3) / 1e12
         row: dict[str, Any] = {
-            "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
+            "gemm": gemm, "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
             "ms_p90": round(float(np.percentile(times, 90)) * 1e3, 3),
             "tokens_per_s": round(tokens / (ms * 1e-3), 1), "us_per_token": round(ms * 1e3 / tokens, 3),
             "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
@@ -244,10 +275,8 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
             row["kernels"] = top_kernels(events, cfg.iters)
             row["idle"] = device_idle(events)
         rows_out.append(row)
-        print(f"{prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
-    summary = {"peak_tflops": peak, "model": cfg.model, "dtype": str(model.dtype).replace("torch.", ""),
-               "best_us_per_token": min(r["us_per_token"] for r in rows_out)}
-    return report.Results(BENCH, machine, command, cfg.model_dump(), rows_out, summary).document()
+        print(f"{gemm} {prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
+    return rows_out
 
 
 def main(argv: list[str]) -> int:
@@ -256,7 +285,7 @@ def main(argv: list[str]) -> int:
     print(report.text_table(doc["rows"], COLUMNS))
     for row in doc["rows"]:
         if row.get("kernels"):
-            print(f"\ntop kernels, {row['prompts']} x {row['rows']} rows:")
+            print(f"\ntop kernels, {row['gemm']}, {row['prompts']} x {row['rows']} rows:")
             print(report.text_table(row["kernels"], KERNEL_COLUMNS))
             idle = row["idle"]
             if idle["forwards"]:

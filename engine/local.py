@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -51,6 +52,8 @@ class LocalConfig(BaseModel):
     device: str = Field("cpu", description="torch device (cpu for the local unit)")
     dtype: str | None = Field(None, description="compute/KV dtype of every engine (default: the model config's; "
                               "bfloat16 puts tiny on the GPU path)")
+    prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of P's and the monolith's "
+                                                 "forwards with prompt rows (their --prefill-gemm)")
     pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
@@ -134,11 +137,12 @@ class LocalUnit:
         common = ["--model", c.model, "--device", c.device, "--log-level", c.log_level]
         if c.dtype:
             common += ["--dtype", c.dtype]
+        gemm = ["--prefill-gemm", c.prefill_gemm] if c.prefill_gemm != "bf16" else []  # P and monolith only
         cmds: list[tuple[str, list[str]]] = []
         if c.mode == "monolith":
             cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,
                                               "--chunk-tokens", str(c.chunk_tokens),
-                                              "--pool-tokens", str(c.pool_tokens)] + common +
+                                              "--pool-tokens", str(c.pool_tokens)] + common + gemm +
                          c.extra_monolith_args))
             p_sock = d_sock = self.sock("monolith")
         elif c.mode in ("pd", "1p2d"):
@@ -154,7 +158,7 @@ class LocalUnit:
                              (["--device", device] if device != c.device else []) + c.extra_decode_args))
             cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
-                                             "--proxy-socket", self.sock("proxy")] + common + c.extra_prefill_args))
+                                             "--proxy-socket", self.sock("proxy")] + common + gemm + c.extra_prefill_args))
             if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
                 cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", ",".join(d_socks), "--port", str(self.guard_port), "--host", "127.0.0.1",
                                                "--log-level", c.log_level] + c.extra_guard_args))

@@ -11,6 +11,12 @@ milliseconds of launch gaps even inside a CUDA graph):
                              the CUDA-graph padding rows), roped q returned
 - `silu_mul`:                silu(gate) * up from the fused [gate | up] projection
 
+`rms_norm`, `add_rms_norm` and `silu_mul` take `quant=True` for a prefill forward in
+fp8 (engine/model/transformer.py): their output, the next GEMM's input, is then written
+as e4m3 rows with one scale per row (kernels/fp8_gemm.py's `Fp8Rows`, quantised from
+the model-dtype values the unquantised kernel would have stored), which saves the
+GEMM a separate quantising pass over it.
+
 Each kernel rounds to the model dtype at the same points as the torch reference in
 engine/model/transformer.py (norm output, rope output, silu output, product), computing
 in float32 in between, so the GPU path differs from the reference only by summation
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from pdunit.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, Fp8Rows, empty_rows, row_warps
 from pdunit.kernels.paged_attention import INTERPRET
 
 try:
@@ -32,20 +39,24 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
+    from pdunit.kernels.fp8_gemm import write_row
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(X, W, Y, S, stride_x, stride_y, n_cols, eps, fp8_max, min_amax,
+                         BLOCK: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * stride_y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+        y = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)  # the model-dtype output
+        write_row(Y, S, row, stride_y, offs, mask, y, fp8_max, min_amax, QUANT)
 
     @triton.jit
     def _add_rms_norm_kernel(
-        X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n_cols, eps, BLOCK: tl.constexpr
+        X, D, W, R, Y, S, stride_x, stride_d, stride_r, stride_y, n_cols, eps, fp8_max, min_amax,
+        BLOCK: tl.constexpr, QUANT: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -58,7 +69,8 @@ if triton is not None:
         rf = r.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / n_cols + eps)
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * stride_y + offs, (rf * rstd * w).to(Y.dtype.element_ty), mask=mask)
+        y = (rf * rstd * w).to(R.dtype.element_ty).to(tl.float32)
+        write_row(Y, S, row, stride_y, offs, mask, y, fp8_max, min_amax, QUANT)
 
     @triton.jit
     def _qk_norm_rope_store_kernel(
@@ -113,15 +125,17 @@ if triton is not None:
                  mask=kv_mask)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Out, S, stride_gu, stride_o, n_cols, fp8_max, min_amax,
+                         BLOCK: tl.constexpr, QUANT: tl.constexpr):
+        # QUANT: one program per row (BLOCK covers it), as the row's scale needs it all
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_cols
         g = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(GU + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-        dt = Out.dtype.element_ty
+        dt = GU.dtype.element_ty
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(Out + row * stride_o + offs, (s * u).to(dt), mask=mask)
+        write_row(Out, S, row, stride_o, offs, mask, (s * u).to(dt).to(tl.float32), fp8_max, min_amax, QUANT)
 
 
 def _need(cond: bool, what: str) -> None:
@@ -138,36 +152,46 @@ def _on_device(*ts: torch.Tensor) -> None:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] -> RMSNorm(x) * weight, in x's dtype."""
+def _row_out(x: torch.Tensor, n: int, quant: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor, torch.Tensor]:
+    """The output of a row kernel: (what it returns, its Y, its S; S is Y when unused)."""
+    if quant:
+        out = empty_rows(x.shape[0], n, x.device)
+        return out, out.q, out.scale
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    return y, y, y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False) -> torch.Tensor | Fp8Rows:
+    """x [T, N] -> RMSNorm(x) * weight, in x's dtype (quant: as `Fp8Rows`)."""
     _on_device(x, weight)
     _need(x.dim() == 2 and x.stride(1) == 1, f"rms_norm: x must be [T, N] row-major, got {tuple(x.shape)}")
-    y = torch.empty_like(x)
     n = x.shape[1]
+    out, y, s = _row_out(x, n, quant)
     _rms_norm_kernel[(x.shape[0],)](
-        x, weight, y, x.stride(0), y.stride(0), n, eps,
-        BLOCK=triton.next_power_of_2(n), num_warps=8,
+        x, weight, y, s, x.stride(0), y.stride(0), n, eps, FP8_MAX, MIN_AMAX,
+        BLOCK=triton.next_power_of_2(n), QUANT=quant, num_warps=8,
     )
-    return y
+    return out
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, RMSNorm(x + delta) * weight), both [T, N] in x's dtype."""
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+    """(x + delta, RMSNorm(x + delta) * weight), both [T, N] in x's dtype (quant: the
+    second as `Fp8Rows`)."""
     _on_device(x, delta, weight)
     _need(
         x.shape == delta.shape and x.dim() == 2 and x.stride(1) == 1 and delta.stride(1) == 1,
         f"add_rms_norm: x {tuple(x.shape)} and delta {tuple(delta.shape)} must be equal [T, N]",
     )
     r = torch.empty_like(x)
-    y = torch.empty_like(x)
     n = x.shape[1]
+    out, y, s = _row_out(x, n, quant)
     _add_rms_norm_kernel[(x.shape[0],)](
-        x, delta, weight, r, y, x.stride(0), delta.stride(0), r.stride(0), y.stride(0), n, eps,
-        BLOCK=triton.next_power_of_2(n), num_warps=8,
+        x, delta, weight, r, y, s, x.stride(0), delta.stride(0), r.stride(0), y.stride(0), n, eps,
+        FP8_MAX, MIN_AMAX, BLOCK=triton.next_power_of_2(n), QUANT=quant, num_warps=8,
     )
-    return r, y
+    return r, out
 
 
 def qk_norm_rope_store(
@@ -217,16 +241,17 @@ def qk_norm_rope_store(
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2F] (gate columns first) -> silu(gate) * up [T, F]."""
+def silu_mul(gate_up: torch.Tensor, quant: bool = False) -> torch.Tensor | Fp8Rows:
+    """gate_up [T, 2F] (gate columns first) -> silu(gate) * up [T, F] (quant: as `Fp8Rows`)."""
     _on_device(gate_up)
     _need(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
           f"silu_mul: gate_up must be [T, 2F] row-major, got {tuple(gate_up.shape)}")
     t, f2 = gate_up.shape
     f = f2 // 2
-    out = torch.empty((t, f), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    out, y, s = _row_out(gate_up, f, quant)
+    block = triton.next_power_of_2(f) if quant else 1024
     _silu_mul_kernel[(t, triton.cdiv(f, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, num_warps=4,
+        gate_up, y, s, gate_up.stride(0), y.stride(0), f, FP8_MAX, MIN_AMAX,
+        BLOCK=block, QUANT=quant, num_warps=row_warps(block) if quant else 4,
     )
     return out

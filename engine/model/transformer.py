@@ -22,13 +22,21 @@ Two paths behind the same `forward`:
   RoPE + KV store and SwiGLU) and fused q|k|v and gate|up projections, about ten launches
   per layer. `decode_step` is its capture-safe decode-only form, which
   engine/model/cuda_graphs.py records per batch size.
+
+Prefill GEMM precision (`set_prefill_gemm`): "bf16" (the default) runs every GEMM in
+the model dtype; "fp8" runs the four per-layer GEMMs of every forward that has a
+sequence of more than one new row (a prefill, a chunk, a mixed monolith step) and at
+least `min_rows` rows in all in e4m3 with per-channel weight and per-row activation
+scales (kernels/fp8_gemm.py), on both paths (the reference dequantises and multiplies
+in float32). Decode-only forwards, `decode_step` and the CUDA graphs always stay in the
+model dtype. With min_rows > 0 a prompt's numerics depend on what it was batched with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -36,6 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdunit.engine.model.config import ModelConfig, torch_dtype
+
+if TYPE_CHECKING:
+    from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
+
+PREFILL_GEMMS = ("bf16", "fp8")
 
 
 @dataclass
@@ -123,8 +136,14 @@ class Linear(nn.Module):
     def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in, dtype=dtype, device=device))
+        self.fp8: Fp8Weight | None = None  # set by TTSModel.set_prefill_gemm("fp8")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        if fp8:
+            from pdunit.kernels.fp8_gemm import fp8_linear
+
+            assert self.fp8 is not None, "fp8 forward before set_prefill_gemm('fp8')"
+            return fp8_linear(x, self.fp8)
         return F.linear(x, self.weight)
 
 
@@ -192,11 +211,12 @@ class Attention(nn.Module):
         kv_layer: torch.Tensor,
         write_slots: torch.Tensor,
         plan: _AttentionPlan,
+        fp8: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(self.q_proj(x, fp8).view(t, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x, fp8).view(t, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x, fp8).view(t, self.n_kv_heads, self.head_dim)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         # Write first, then read everything (new rows included) back from the pool: a
         # token's K/V takes the same path whether it was computed now or cached earlier,
@@ -204,7 +224,7 @@ class Attention(nn.Module):
         kv_layer[0].index_copy_(0, write_slots, k.to(kv_layer.dtype))
         kv_layer[1].index_copy_(0, write_slots, v.to(kv_layer.dtype))
         out = _paged_attention(q, kv_layer, plan)
-        return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.n_heads * self.head_dim), fp8)
 
 
 def _paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
@@ -236,6 +256,27 @@ class _FusedWeights:
     gate_up: list[torch.Tensor]  # per layer [2 * ffn_hidden, hidden]
 
 
+@dataclass
+class _LayerGemms:
+    """The four GEMM weights of one layer on the GPU path, in one precision."""
+
+    qkv: torch.Tensor | Fp8Weight
+    o: torch.Tensor | Fp8Weight
+    gate_up: torch.Tensor | Fp8Weight
+    down: torch.Tensor | Fp8Weight
+
+
+def _gemm(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ w.T: in the model dtype, or in e4m3 for an Fp8Weight (x already quantised by
+    the kernel that produced it, or quantised here)."""
+    if isinstance(w, torch.Tensor):
+        assert isinstance(x, torch.Tensor)
+        return F.linear(x, w)
+    from pdunit.kernels.fp8_gemm import fp8_gemm, quantize_rows
+
+    return fp8_gemm(quantize_rows(x) if isinstance(x, torch.Tensor) else x, w, out_dtype)
+
+
 @torch.no_grad()
 def _fuse_rows(linears: list[Linear]) -> torch.Tensor:
     fused = torch.cat([m.weight.data for m in linears], dim=0)
@@ -254,8 +295,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden, cfg.ffn_hidden, dtype, device)
         self.down_proj = Linear(cfg.ffn_hidden, cfg.hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, fp8)) * self.up_proj(x, fp8), fp8)
 
 
 class DecoderLayer(nn.Module):
@@ -274,9 +315,10 @@ class DecoderLayer(nn.Module):
         kv_layer: torch.Tensor,
         write_slots: torch.Tensor,
         plan: _AttentionPlan,
+        fp8: bool = False,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_layer, write_slots, plan)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_layer, write_slots, plan, fp8)
+        return x + self.mlp(self.mlp_norm(x), fp8)
 
 
 class TTSModel(nn.Module):
@@ -324,7 +366,10 @@ class TTSModel(nn.Module):
         # GPU path state: "triton" takes the kernels for a CUDA bf16/fp16 model,
         # "reference" forces the torch reference there (baselines, tests).
         self.attention_backend = "triton"
+        self.prefill_gemm = "bf16"
+        self.fp8_min_rows = 0
         self._fused: _FusedWeights | None = None
+        self._gemms: dict[bool, list[_LayerGemms]] = {}
         self._sm_count = 0
 
     @property
@@ -352,11 +397,65 @@ class TTSModel(nn.Module):
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         plan = _plan(batch, x.device)
+        fp8 = self._fp8_forward(batch)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i], batch.write_slots, plan)
+            x = layer(x, cos, sin, kv[i], batch.write_slots, plan, fp8)
         last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
         assert int(last[-1]) == t - 1
         return self._logits(self.norm(x[last]))
+
+    @torch.no_grad()
+    def set_prefill_gemm(self, mode: str, min_rows: int = 0) -> None:
+        """"bf16" or "fp8" for the GEMMs of forwards with prompt rows and at least
+        `min_rows` rows (the module docstring). "fp8" quantises every layer's weights
+        once (+1 byte per weight in memory) and raises ValueError, naming the reason,
+        where the device cannot."""
+        if mode not in PREFILL_GEMMS:
+            raise ValueError(f"prefill_gemm {mode!r}: expected one of {', '.join(PREFILL_GEMMS)}")
+        if min_rows < 0:
+            raise ValueError(f"prefill_gemm min_rows {min_rows} must be >= 0")
+        if mode == "fp8" and not self._gemms.get(True):
+            from pdunit.kernels.fp8_gemm import Fp8Weight, fp8_unsupported
+
+            c = self.config
+            q_dim = c.n_heads * c.head_dim
+            dims = {"hidden": c.hidden, "n_heads * head_dim": q_dim, "n_kv_heads * head_dim":
+                    c.n_kv_heads * c.head_dim, "ffn_hidden": c.ffn_hidden}
+            why = fp8_unsupported(self.device, dims)
+            if why:
+                raise ValueError(f"prefill_gemm fp8: {why}")
+            w = self.fused_weights()
+            layers = []
+            for i, layer in enumerate(self._decoder_layers()):
+                a, m = layer.attn, layer.mlp
+                qkv, gate_up = Fp8Weight.quantize(w.qkv[i]), Fp8Weight.quantize(w.gate_up[i])
+                g = _LayerGemms(qkv, Fp8Weight.quantize(a.o_proj.weight), gate_up,
+                                Fp8Weight.quantize(m.down_proj.weight))
+                # The reference path's separate projections: row views of the fused ones
+                # (per-row scales make them equal to quantising each matrix alone).
+                row = 0
+                for proj in (a.q_proj, a.k_proj, a.v_proj):
+                    proj.fp8 = qkv.rows(row, row + proj.weight.shape[0])
+                    row += proj.weight.shape[0]
+                m.gate_proj.fp8 = gate_up.rows(0, c.ffn_hidden)
+                m.up_proj.fp8 = gate_up.rows(c.ffn_hidden, 2 * c.ffn_hidden)
+                a.o_proj.fp8, m.down_proj.fp8 = g.o, g.down
+                layers.append(g)
+            self._gemms[True] = layers
+        self.prefill_gemm, self.fp8_min_rows = mode, min_rows
+
+    def _fp8_forward(self, batch: ForwardBatch) -> bool:
+        q = batch.query_lens
+        return self.prefill_gemm == "fp8" and max(q) > 1 and sum(q) >= self.fp8_min_rows
+
+    def _layer_gemms(self, fp8: bool) -> list[_LayerGemms]:
+        if fp8 not in self._gemms:  # only bf16 is built here; fp8 by set_prefill_gemm
+            w = self.fused_weights()
+            self._gemms[False] = [
+                _LayerGemms(w.qkv[i], layer.attn.o_proj.weight, w.gate_up[i], layer.mlp.down_proj.weight)
+                for i, layer in enumerate(self._decoder_layers())
+            ]
+        return self._gemms[fp8]
 
     # ------------------------------------------------------------------ GPU path
     @property
@@ -426,7 +525,7 @@ class TTSModel(nn.Module):
                 out.index_copy_(0, dec_rows, o)
             return out
 
-        h = self._gpu_layers(tokens, positions, write_slots, kv, attend)
+        h = self._gpu_layers(tokens, positions, write_slots, kv, attend, self._fp8_forward(batch))
         last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
         return self._logits(h[last])
 
@@ -459,31 +558,35 @@ class TTSModel(nn.Module):
         write_slots: torch.Tensor,
         kv: torch.Tensor,
         attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        fp8: bool = False,
     ) -> torch.Tensor:
         """Every layer, then the final norm, for every row: [T, hidden]. Each residual
         add is fused with the norm that follows it."""
         from pdunit.kernels.fused_ops import add_rms_norm, qk_norm_rope_store, rms_norm, silu_mul
 
         c = self.config
-        w = self.fused_weights()
+        gemms = self._layer_gemms(fp8)
         t = tokens.shape[0]
-        eps = c.rms_eps
+        eps, dt = c.rms_eps, self.dtype
         x = self.embed(tokens + self.codebook_offsets).sum(dim=1)
         layers = self._decoder_layers()
-        h = rms_norm(x, layers[0].attn_norm.weight, eps)
+        # fp8: every GEMM input but the attention output comes quantised from its producer
+        h = rms_norm(x, layers[0].attn_norm.weight, eps, fp8)
         n = len(layers)
         for i, layer in enumerate(layers):
-            a = layer.attn
+            a, g = layer.attn, gemms[i]
             q = qk_norm_rope_store(
-                F.linear(h, w.qkv[i]), a.q_norm.weight, a.k_norm.weight, eps,
+                _gemm(h, g.qkv, dt), a.q_norm.weight, a.k_norm.weight, eps,
                 self.rope_cos, self.rope_sin, positions, write_slots, kv[i],
                 c.n_heads, c.n_kv_heads, c.head_dim,
             )
             o = attend(q, kv[i]).view(t, c.n_heads * c.head_dim)
-            x, h = add_rms_norm(x, F.linear(o, a.o_proj.weight), layer.mlp_norm.weight, eps)
-            m = F.linear(silu_mul(F.linear(h, w.gate_up[i])), layer.mlp.down_proj.weight)
+            x, h = add_rms_norm(x, _gemm(o, g.o, dt), layer.mlp_norm.weight, eps, fp8)
+            m = _gemm(silu_mul(_gemm(h, g.gate_up, dt), fp8), g.down, dt)
             following = layers[i + 1].attn_norm.weight if i + 1 < n else self.norm.weight
-            x, h = add_rms_norm(x, m, following, eps)
+            # the final norm feeds the head (bf16), the others the next layer's GEMM
+            x, h = add_rms_norm(x, m, following, eps, fp8 and i + 1 < n)
+        assert isinstance(h, torch.Tensor)
         return h
 
     def _decoder_layers(self) -> list[DecoderLayer]:

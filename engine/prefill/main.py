@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -36,6 +37,12 @@ class PrefillConfig(BaseModel):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of forwards with prompt rows: "
+                                                 "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
+                                                 "per-row activation scales; CUDA needs compute capability 8.9+)")
+    fp8_min_rows: int = Field(1200, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all stay in "
+                              "bf16 (on an H200 fp8 makes an 800-row forward 0.8x as fast, a 1500-row one 1.3x: "
+                              "bench/results/prefill-20261130-h200x2-fp8.md)")
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default 2048 on CUDA, 0 on CPU")
@@ -85,7 +92,12 @@ async def serve(cfg: PrefillConfig) -> int:
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))
-    model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    try:
+        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, prefill_gemm=cfg.prefill_gemm,
+                           fp8_min_rows=cfg.fp8_min_rows)
+    except ValueError as exc:  # a bad model spec or dtype, or fp8 where the device has none
+        log.error("cannot load the model", extra={"error": str(exc)})
+        return 2
     storage = model.new_kv_storage(cfg.cache_tokens, device=cfg.device)
     warm_up(model, storage, cfg.warmup_rows)
     engine = PrefillEngine(

@@ -36,16 +36,29 @@ def test_points_and_peaks():
     assert peak_for({"gpu_model": None}, 0) is None
 
 
-def test_cpu_run_writes_one_row_per_point(tmp_path):
+def test_cpu_run_writes_one_row_per_point_and_precision(tmp_path):
     out = tmp_path / "prefill.json"
-    assert bench_main(["prefill", "--model", "tiny", "--device", "cpu", "--points", "1x32,2x16",
+    assert bench_main(["prefill", "--model", "tiny", "--device", "cpu", "--points", "1x32,2x16", "--gemm", "bf16,fp8",
                        "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["bench"] == "prefill" and [(r["prompts"], r["rows"]) for r in doc["rows"]] == [(1, 32), (2, 16)]
+    assert doc["bench"] == "prefill"
+    assert [(r["gemm"], r["prompts"], r["rows"]) for r in doc["rows"]] == [
+        ("bf16", 1, 32), ("bf16", 2, 16), ("fp8", 1, 32), ("fp8", 2, 16)]
     for r in doc["rows"]:
         assert r["tokens"] == r["prompts"] * r["rows"] and r["ms"] > 0 and r["mfu"] is None
         assert r["us_per_token"] == pytest.approx(r["ms"] * 1e3 / r["tokens"], rel=1e-3)
+    bf16 = {(r["prompts"], r["rows"]): r["ms"] for r in doc["rows"] if r["gemm"] == "bf16"}
+    for r in doc["rows"]:
+        assert r["speedup"] == pytest.approx(bf16[(r["prompts"], r["rows"])] / r["ms"], rel=1e-2)
+    assert set(doc["summary"]["best_us_per_token"]) == {"bf16", "fp8"}
     assert out.with_suffix(".md").exists()
+
+
+def test_an_unknown_or_repeated_gemm_is_refused(capsys):
+    for bad in ("int8", "fp8,fp8"):
+        with pytest.raises(SystemExit):
+            bench_main(["prefill", "--device", "cpu", "--gemm", bad])
+        assert "invalid gemm (from --gemm)" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

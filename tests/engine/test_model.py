@@ -253,3 +253,62 @@ def test_uneven_vocabularies_pad_logits_with_minus_infinity() -> None:
     assert logits.shape == (1, 11, 1200)
     assert torch.isfinite(logits[0, 0]).all()
     assert torch.isinf(logits[0, 1:, 1024:]).all() and torch.isfinite(logits[0, 1:, :1024]).all()
+
+
+@pytest.fixture(scope="module")
+def fp8_model() -> TTSModel:
+    return load_model("random:tiny:0", dtype="float32", prefill_gemm="fp8")
+
+
+def test_fp8_prefill_gemms_stay_close_to_the_model_dtype_but_are_not_it(fp8_model: TTSModel) -> None:
+    bf = load_model("random:tiny:0", dtype="float32")
+    rows, slots = prompt(40, 31), scattered_slots(40, 128, 32)
+    kv8, kv = fp8_model.new_kv_storage(128), bf.new_kv_storage(128)
+    got, want = prefill(fp8_model, kv8, rows, slots), prefill(bf, kv, rows, slots)
+    assert not torch.equal(got, want)  # the fp8 path really ran
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.99, float(cos)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.5
+    # and so is the K/V it wrote for D
+    k_cos = torch.nn.functional.cosine_similarity(kv8[:, :, slots].flatten(), kv[:, :, slots].flatten(), dim=0)
+    assert k_cos > 0.99, float(k_cos)
+
+
+def test_fp8_leaves_decode_only_forwards_in_the_model_dtype(fp8_model: TTSModel) -> None:
+    bf = load_model("random:tiny:0", dtype="float32")
+    kv = fp8_model.new_kv_storage(64)
+    slots = scattered_slots(21, 64, 33)
+    frame = prefill(fp8_model, kv, prompt(20, 34), slots[:20])[0].argmax(-1)
+    step = ForwardBatch.from_sequences([frame[None]], [slots])
+    kv_a, kv_b = kv.clone(), kv.clone()
+    assert torch.equal(fp8_model(step, kv_a), bf(step, kv_b))
+
+
+def test_fp8_cached_prefix_prefill_equals_full_prefill(fp8_model: TTSModel) -> None:
+    """Activations are scaled per row, so a row's GEMMs never see the other rows of its
+    forward: a prefix computed by an earlier request is what a full prefill computes."""
+    rows, slots = prompt(40, 35), scattered_slots(40, 128, 36)
+    kv_full, kv_cached = fp8_model.new_kv_storage(128), fp8_model.new_kv_storage(128)
+    full = prefill(fp8_model, kv_full, rows, slots)
+    prefill(fp8_model, kv_cached, rows[:32], slots[:32])
+    cached = fp8_model(ForwardBatch.from_sequences([rows[32:]], [slots]), kv_cached)
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_cached, kv_full, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_prefill_gemm_is_refused_naming_the_choices(model: TTSModel) -> None:
+    with pytest.raises(ValueError, match="prefill_gemm 'int4': expected one of bf16, fp8"):
+        model.set_prefill_gemm("int4")
+    assert model.prefill_gemm == "bf16"
+
+
+def test_fp8_min_rows_keeps_smaller_forwards_in_the_model_dtype() -> None:
+    bf = load_model("random:tiny:0", dtype="float32")
+    m = load_model("random:tiny:0", dtype="float32", prefill_gemm="fp8", fp8_min_rows=30)
+    for n, fp8 in ((29, False), (30, True)):
+        rows, slots = prompt(n, 37), scattered_slots(n, 64, 38)
+        got = prefill(m, m.new_kv_storage(64), rows, slots)
+        want = prefill(bf, bf.new_kv_storage(64), rows, slots)
+        assert torch.equal(got, want) != fp8, n
+    with pytest.raises(ValueError, match="min_rows -1 must be >= 0"):
+        m.set_prefill_gemm("fp8", -1)

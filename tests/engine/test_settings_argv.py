@@ -11,9 +11,11 @@ from pdunit.engine.settings import parse_config, to_argv
 
 def test_flags_rebuild_the_config():
     cfg = CompareConfig(model="random:tiny:1", duration=2.5, repeat=3, stop_at_failure=False, variants="1p1d",
+                        prefill_gemm="fp8",
                         variant_concurrency="1p1d=4,8;monolith-chunked=2", plot="", gpu_base=2)
     argv = to_argv(cfg, env={})
     assert "--no-stop-at-failure" in argv and "--duration=2.5" in argv and "--repeat=3" in argv
+    assert "--prefill-gemm=fp8" in argv
     assert parse_config(CompareConfig, argv, "x", env={}) == cfg
 
 
@@ -39,3 +41,16 @@ def test_a_list_item_with_a_comma_has_no_flag_form():
 
     with pytest.raises(ValueError, match="--extra-lb-args"):
         to_argv(LocalConfig(extra_lb_args=["--x=a,b"]), env={})
+
+
+@pytest.mark.parametrize("prog,config", [("pdunit prefill", "PrefillConfig"), ("pdunit monolith", "MonolithConfig")])
+def test_an_unknown_prefill_gemm_names_the_field_and_its_flag(prog, config, capsys):
+    from pdunit.engine.monolith.main import MonolithConfig
+    from pdunit.engine.prefill.main import PrefillConfig
+    from pdunit.engine.settings import ConfigError
+
+    model = {"PrefillConfig": PrefillConfig, "MonolithConfig": MonolithConfig}[config]
+    assert parse_config(model, ["--prefill-gemm", "fp8"], prog, env={}).prefill_gemm == "fp8"
+    with pytest.raises(ConfigError, match=r"invalid prefill_gemm \(from --prefill-gemm\)"):
+        parse_config(model, ["--prefill-gemm", "int8"], prog, env={})
+    assert "'bf16' or 'fp8'" in capsys.readouterr().err

@@ -174,3 +174,18 @@ def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, mon
     assert info["transfer_mode"] == transfer
     assert info["kv_checks_total"] == 2 and info["kv_mismatch_total"] == 0
     assert info["empty"], info
+
+
+def test_fp8_prefill_gemms_reach_p_and_the_monolith_and_keep_pd_equal_to_it(pd_unit):
+    """--prefill-gemm fp8 on both engines (the CPU reference arithmetic): PD still equals
+    the prefill-first monolith frame for frame, and the frames are not bf16's."""
+    fp8 = dict(SMALL, prefill_gemm="fp8")
+    every = ["--fp8-min-rows", "0"]  # these prompts are far below the engines' default threshold
+    with LocalUnit(LocalConfig(mode="pd", extra_prefill_args=every, **fp8)) as pd8, \
+            LocalUnit(LocalConfig(mode="monolith", extra_monolith_args=every, **fp8)) as mono8:
+        got, want = run_all(pd8.url), run_all(mono8.url)
+    bf16 = run_all(pd_unit.url)
+    for (frames, last), (mono_frames, mono_last) in zip(got, want, strict=True):
+        assert last.get("done") and mono_last.get("done"), (last, mono_last)
+        assert frames == mono_frames
+    assert [f for f, _ in got] != [f for f, _ in bf16]
