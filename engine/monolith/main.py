@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import engine_setup
@@ -15,29 +14,19 @@ from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
-from pdunit.engine.model.loader import load_model
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
-from pdunit.engine.prefill.runner import warm_up
+from pdunit.engine.prefill.runner import load_prefill_model, warm_up
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import PrefillModelFields, parse_config
 
 
-class MonolithConfig(BaseModel):
+class MonolithConfig(PrefillModelFields):
     """Monolith: P and D in one process on one device (prefill-first or chunked prefill)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
-    model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
-    device: str = Field("cpu", description="torch device")
-    dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
-    prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of forwards with prompt rows: "
-                                                 "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
-                                                 "per-row activation scales; CUDA needs compute capability 8.9+)")
-    fp8_min_rows: int = Field(1200, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all stay in "
-                              "bf16 (on an H200 fp8 makes an 800-row forward 0.8x as fast, a 1500-row one 1.3x: "
-                              "bench/results/prefill-20261130-h200x2-fp8.md)")
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default 2048 on CUDA, 0 on CPU")
@@ -106,11 +95,8 @@ async def serve(cfg: MonolithConfig) -> int:
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "monolith-exec"))
-    try:
-        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, prefill_gemm=cfg.prefill_gemm,
-                           fp8_min_rows=cfg.fp8_min_rows)
-    except ValueError as exc:  # a bad model spec or dtype, or fp8 where the device has none
-        log.error("cannot load the model", extra={"error": str(exc)})
+    model = load_prefill_model(cfg, log)
+    if model is None:
         return 2
     n_pages = cfg.pool_tokens // cfg.page_size
     storage = model.new_kv_storage(n_pages * cfg.page_size, device=cfg.device)

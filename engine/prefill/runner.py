@@ -7,14 +7,28 @@ so it is the same frame in every mode.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdunit.engine.batching import SeqEntry, make_batch, prefill_entry
+from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams, sample_frames
 from pdunit.engine.model.transformer import TTSModel
+from pdunit.engine.settings import PrefillModelFields
+
+
+def load_prefill_model(cfg: PrefillModelFields, log: logging.Logger) -> TTSModel | None:
+    """The model of P's or the monolith's config, or None with the reason logged: a bad
+    model spec or dtype, or fp8 GEMMs where the device has none."""
+    try:
+        return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, prefill_gemm=cfg.prefill_gemm,
+                          fp8_min_rows=cfg.fp8_min_rows)
+    except ValueError as exc:
+        log.error("cannot load the model", extra={"error": str(exc)})
+        return None
 
 
 @dataclass
