@@ -22,6 +22,10 @@ after `--warmup` untimed forwards. Per point (`--points PROMPTSxROWS,...`):
   pass of its own after the timed one), and where the GPU sat idle inside a forward:
   idle ms, the largest gaps between device operations and the host runtime calls that
   took longest (a blocking copy or a sync holds the GPU idle).
+- `--host-profile`: where a forward's host time goes, Python function by function
+  (cProfile over `--iters` more forwards, per forward): a forward whose wall time does
+  not shrink with its rows is bound by this host work, not by the GPU. Time spent
+  waiting for the device shows up in the call that syncs (the first frames' copy).
 
 `--device cpu` with `--model tiny` runs the same path as a smoke test (no MFU).
 Never re-implements the forward: it calls P's.
@@ -34,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +70,10 @@ COLUMNS = [
     report.Column("mfu", "MFU (bf16 peak)", "{:.1%}"),
     report.Column("speedup", "vs bf16", "{:.2f}x"),
 ]
+HOST_COLUMNS = [
+    report.Column("function", "function", "{}"), report.Column("self_ms", "self ms per forward", "{:.3f}"),
+    report.Column("cum_ms", "incl. callees", "{:.3f}"), report.Column("calls", "calls", "{}"),
+]
 KERNEL_COLUMNS = [
     report.Column("kernel", "kernel", "{}"), report.Column("ms", "device ms per forward", "{:.3f}"),
     report.Column("share", "share", "{:.1%}"), report.Column("calls", "calls", "{}"),
@@ -83,6 +92,7 @@ class PrefillBenchConfig(BaseModel):
     seed: int = Field(0, ge=0)
     peak_tflops: float = Field(0.0, ge=0, description="the GPU's peak for MFU (0: from the GPU name when known)")
     profile: bool = Field(False, description="top CUDA kernels per forward (torch.profiler)")
+    host_profile: bool = Field(False, description="top host functions per forward (cProfile)")
     out: str = Field("", description="results JSON path or folder ('' = print only)")
 
     @field_validator("gemm")
@@ -127,7 +137,7 @@ def peak_for(machine: dict[str, Any], given: float) -> float | None:
 
 
 def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: PrefillBenchConfig,
-            rng: np.random.Generator) -> tuple[list[float], Any]:
+            rng: np.random.Generator) -> tuple[list[float], Any, list[dict[str, Any]] | None]:
     chunks = random_chunks(model, [rows] * prompts, rng)
     for _ in range(cfg.warmup):
         run_prefill(model, storage, chunks)
@@ -146,7 +156,26 @@ def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: Pre
             for _ in range(cfg.iters):
                 with record_function(FORWARD_MARK):
                     run_prefill(model, storage, chunks)
-    return times, prof
+    host = host_profile(model, storage, chunks, cfg.iters) if cfg.host_profile else None
+    return times, prof, host
+
+
+def host_profile(model: Any, storage: torch.Tensor, chunks: list[Any], iters: int, n: int = 15) -> list[dict[str, Any]]:
+    """The `n` functions with the most self host time per forward, by cProfile, in a
+    pass of its own (cProfile slows Python itself: compare shares, not totals)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        run_prefill(model, storage, chunks)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+    return [{"function": f"{Path(f).name}:{line}({name})", "self_ms": round(tt / iters * 1e3, 3),
+             "cum_ms": round(ct / iters * 1e3, 3), "calls": round(nc / iters, 1)}
+            for (f, line, name), (_cc, nc, tt, ct, _callers) in ranked]
 
 
 def trace_events(prof: Any) -> list[dict[str, Any]]:
@@ -260,7 +289,7 @@ def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, i
     rng = np.random.default_rng(cfg.seed)
     rows_out = []
     for prompts, rows in points:
-        times, prof = measure(model, storage, prompts, rows, cfg, rng)
+        times, prof, host = measure(model, storage, prompts, rows, cfg, rng)
         ms = statistics.median(times) * 1e3
         tokens = prompts * rows
         tflops = forward_flops(model.config, prompts, rows) / (ms * 1e-3) / 1e12
@@ -274,6 +303,8 @@ def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, i
             events = trace_events(prof)
             row["kernels"] = top_kernels(events, cfg.iters)
             row["idle"] = device_idle(events)
+        if host is not None:
+            row["host"] = host
         rows_out.append(row)
         print(f"{gemm} {prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
     return rows_out
@@ -284,6 +315,9 @@ def main(argv: list[str]) -> int:
     doc = run_prefill_bench(cfg, report.command_line(argv, prog="pdunit bench prefill"))
     print(report.text_table(doc["rows"], COLUMNS))
     for row in doc["rows"]:
+        if row.get("host"):
+            print(f"\nhost functions, {row['gemm']}, {row['prompts']} x {row['rows']} rows:")
+            print(report.text_table(row["host"], HOST_COLUMNS))
         if row.get("kernels"):
             print(f"\ntop kernels, {row['gemm']}, {row['prompts']} x {row['rows']} rows:")
             print(report.text_table(row["kernels"], KERNEL_COLUMNS))

@@ -39,7 +39,7 @@ def test_points_and_peaks():
 def test_cpu_run_writes_one_row_per_point_and_precision(tmp_path):
     out = tmp_path / "prefill.json"
     assert bench_main(["prefill", "--model", "tiny", "--device", "cpu", "--points", "1x32,2x16", "--gemm", "bf16,fp8",
-                       "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+                       "--iters", "2", "--warmup", "1", "--host-profile", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "prefill"
     assert [(r["gemm"], r["prompts"], r["rows"]) for r in doc["rows"]] == [
@@ -51,6 +51,10 @@ def test_cpu_run_writes_one_row_per_point_and_precision(tmp_path):
     for r in doc["rows"]:
         assert r["speedup"] == pytest.approx(bf16[(r["prompts"], r["rows"])] / r["ms"], rel=1e-2)
     assert set(doc["summary"]["best_us_per_token"]) == {"bf16", "fp8"}
+    for r in doc["rows"]:  # the host profile: the functions with the most self time, per forward
+        host = r["host"]
+        assert 0 < len(host) <= 15 and all(h["calls"] > 0 and h["cum_ms"] >= h["self_ms"] >= 0 for h in host)
+        assert [h["self_ms"] for h in host] == sorted((h["self_ms"] for h in host), reverse=True)
     assert out.with_suffix(".md").exists()
 
 
@@ -117,3 +121,21 @@ def test_top_kernels_count_device_operations_only():
     rows = top_kernels(events, iters=2)
     assert rows == [{"kernel": "gemm", "ms": 0.3, "share": round(600 / 700, 4), "calls": 1.0},
                     {"kernel": "Memcpy HtoD", "ms": 0.05, "share": round(100 / 700, 4), "calls": 0.5}]
+
+
+def test_the_host_profile_sees_the_functions_a_forward_runs():
+    import numpy as np
+
+    from pdunit.bench.prefill import host_profile
+    from pdunit.engine.model.loader import load_model
+    from pdunit.engine.prefill.runner import random_chunks
+
+    model = load_model("random:tiny:0", dtype="float32")
+    storage = model.new_kv_storage(64)
+    chunks = random_chunks(model, [40], np.random.default_rng(0))
+    names = lambda rows: {h["function"].split("(")[-1].rstrip(")") for h in rows}  # noqa: E731
+    bf16 = host_profile(model, storage, chunks, iters=2, n=1000)
+    assert {"run_prefill", "forward"} <= names(bf16) and "fp8_gemm" not in names(bf16)
+    assert all(h["calls"] > 0 for h in bf16)
+    model.set_prefill_gemm("fp8")
+    assert "fp8_gemm" in names(host_profile(model, storage, chunks, iters=2, n=1000))
