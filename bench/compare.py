@@ -77,6 +77,8 @@ class CompareConfig(BaseModel):
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
+    prefill_graphs: bool = Field(False, description="every variant's P or monolith replays prefill CUDA graphs "
+                                 "(--prefill-graphs)")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -101,7 +103,7 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
         return f"{cfg.device}:{cfg.gpu_base + offset}"
 
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
-                prefill_gemm=cfg.prefill_gemm,
+                prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs,
                 log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
     out: list[Unit] = []
     for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:

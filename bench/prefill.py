@@ -22,6 +22,9 @@ after `--warmup` untimed forwards. Per point (`--points PROMPTSxROWS,...`):
   pass of its own after the timed one), and where the GPU sat idle inside a forward:
   idle ms, the largest gaps between device operations and the host runtime calls that
   took longest (a blocking copy or a sync holds the GPU idle).
+- `--graphs`: each (precision, point) again through P's prefill CUDA graphs
+  (`--prefill-graphs`, engine/model/prefill_graphs.py), side by side with the eager
+  rows; `replayed` says whether the point fit a graph;
 - `--host-profile`: where a forward's host time goes, Python function by function
   (cProfile over `--iters` more forwards, per forward): a forward whose wall time does
   not shrink with its rows is bound by this host work, not by the GPU. Time spent
@@ -59,6 +62,8 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0,
 
 COLUMNS = [
     report.Column("gemm", "gemm", "{}"),
+    report.Column("graphs", "graphs", "{}"),
+    report.Column("replayed", "replayed", "{}"),
     report.Column("prompts", "prompts"),
     report.Column("rows", "rows"),
     report.Column("tokens", "tokens"),
@@ -93,6 +98,7 @@ class PrefillBenchConfig(BaseModel):
     peak_tflops: float = Field(0.0, ge=0, description="the GPU's peak for MFU (0: from the GPU name when known)")
     profile: bool = Field(False, description="top CUDA kernels per forward (torch.profiler)")
     host_profile: bool = Field(False, description="top host functions per forward (cProfile)")
+    graphs: bool = Field(False, description="also measure every point through the prefill CUDA graphs (CUDA only)")
     out: str = Field("", description="results JSON path or folder ('' = print only)")
 
     @field_validator("gemm")
@@ -137,14 +143,14 @@ def peak_for(machine: dict[str, Any], given: float) -> float | None:
 
 
 def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: PrefillBenchConfig,
-            rng: np.random.Generator) -> tuple[list[float], Any, list[dict[str, Any]] | None]:
+            rng: np.random.Generator, graphs: Any = None) -> tuple[list[float], Any, list[dict[str, Any]] | None]:
     chunks = random_chunks(model, [rows] * prompts, rng)
     for _ in range(cfg.warmup):
-        run_prefill(model, storage, chunks)
+        run_prefill(model, storage, chunks, graphs)
     times = []
     for _ in range(cfg.iters):
         t0 = time.perf_counter()
-        run_prefill(model, storage, chunks)  # ends with the first frames on the host
+        run_prefill(model, storage, chunks, graphs)  # ends with the first frames on the host
         times.append(time.perf_counter() - t0)
     prof = None
     if cfg.profile and storage.is_cuda:
@@ -155,12 +161,13 @@ def measure(model: Any, storage: torch.Tensor, prompts: int, rows: int, cfg: Pre
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(cfg.iters):
                 with record_function(FORWARD_MARK):
-                    run_prefill(model, storage, chunks)
-    host = host_profile(model, storage, chunks, cfg.iters) if cfg.host_profile else None
+                    run_prefill(model, storage, chunks, graphs)
+    host = host_profile(model, storage, chunks, cfg.iters, graphs=graphs) if cfg.host_profile else None
     return times, prof, host
 
 
-def host_profile(model: Any, storage: torch.Tensor, chunks: list[Any], iters: int, n: int = 15) -> list[dict[str, Any]]:
+def host_profile(model: Any, storage: torch.Tensor, chunks: list[Any], iters: int, n: int = 15,
+                 graphs: Any = None) -> list[dict[str, Any]]:
     """The `n` functions with the most self host time per forward, by cProfile, in a
     pass of its own (cProfile slows Python itself: compare shares, not totals)."""
     import cProfile
@@ -169,7 +176,7 @@ def host_profile(model: Any, storage: torch.Tensor, chunks: list[Any], iters: in
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
-        run_prefill(model, storage, chunks)
+        run_prefill(model, storage, chunks, graphs)
     prof.disable()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
@@ -265,6 +272,8 @@ def top_kernels(events: list[dict[str, Any]], iters: int, n: int = 12) -> list[d
 
 def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
     points = parse_points(cfg.points)
+    if cfg.graphs and not cfg.device.startswith("cuda"):
+        raise SystemExit(f"pdunit bench prefill: --graphs needs a CUDA device, not --device {cfg.device}")
     model = load_model(f"random:{cfg.model}:{cfg.seed}", device=cfg.device, dtype=cfg.dtype)
     storage = model.new_kv_storage(max(p * r for p, r in points), device=cfg.device)
     machine = report.machine_info()
@@ -273,8 +282,14 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
     for gemm in cfg.gemm:
         model.set_prefill_gemm(gemm)
         # the same prompts in every precision: each precision restarts the seed
-        rows_out += _measure_points(model, storage, points, cfg, peak, gemm)
-    by_point = {(r["prompts"], r["rows"]): r["ms"] for r in rows_out if r["gemm"] == "bf16"}
+        rows_out += _measure_points(model, storage, points, cfg, peak, gemm, None)
+        if cfg.graphs:
+            from pdunit.engine.prefill.runner import prefill_graphs
+
+            # captured after the eager points: those compiled every kernel already
+            runner = prefill_graphs(model, storage, True, max(p for p, _ in points))
+            rows_out += _measure_points(model, storage, points, cfg, peak, gemm, runner)
+    by_point = {(r["prompts"], r["rows"]): r["ms"] for r in rows_out if r["gemm"] == "bf16" and not r["graphs"]}
     for r in rows_out:
         bf16 = by_point.get((r["prompts"], r["rows"]))
         r["speedup"] = round(bf16 / r["ms"], 3) if bf16 else None
@@ -285,16 +300,18 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
 
 
 def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, int]], cfg: PrefillBenchConfig,
-                    peak: float | None, gemm: str) -> list[dict[str, Any]]:
+                    peak: float | None, gemm: str, graphs: Any) -> list[dict[str, Any]]:
     rng = np.random.default_rng(cfg.seed)
     rows_out = []
     for prompts, rows in points:
-        times, prof, host = measure(model, storage, prompts, rows, cfg, rng)
+        replays = graphs.stats["replays"] if graphs is not None else 0
+        times, prof, host = measure(model, storage, prompts, rows, cfg, rng, graphs)
         ms = statistics.median(times) * 1e3
         tokens = prompts * rows
         tflops = forward_flops(model.config, prompts, rows) / (ms * 1e-3) / 1e12
         row: dict[str, Any] = {
-            "gemm": gemm, "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
+            "gemm": gemm, "graphs": graphs is not None,
+            "replayed": graphs is not None and graphs.stats["replays"] > replays, "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
             "ms_p90": round(float(np.percentile(times, 90)) * 1e3, 3),
             "tokens_per_s": round(tokens / (ms * 1e-3), 1), "us_per_token": round(ms * 1e3 / tokens, 3),
             "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
@@ -306,7 +323,7 @@ def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, i
         if host is not None:
             row["host"] = host
         rows_out.append(row)
-        print(f"{gemm} {prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
+        print(f"{gemm}{' graphs' if graphs is not None else ''} {prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
     return rows_out
 
 

@@ -96,6 +96,10 @@ P_STAGE_SECONDS = role_metric(Histogram(
     ["stage"], buckets=_FAST, registry=None), _P)
 P_PREFILL_SECONDS = role_metric(Histogram("pdunit_prefill_forward_seconds", "Wall time of one prefill forward",
                                           buckets=_FAST, registry=None), _P, _MONO)
+P_PREFILL_FORWARDS = role_metric(Counter(
+    "pdunit_prefill_forwards_total",
+    "Forwards with prompt rows, by how they ran: graph (a captured prefill CUDA graph replayed, "
+    "--prefill-graphs) or eager", ["path"], registry=None), _P, _MONO)
 P_PREFILL_TOKENS = role_metric(Counter("pdunit_prefill_tokens_total", "Prompt rows, by how they were served",
                                        ["source"], registry=None), _P, _MONO)
 P_TRANSFER_SECONDS = role_metric(Histogram("pdunit_transfer_seconds", "Write time of one request's KV", ["mode"],

@@ -143,17 +143,24 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
 
 class PrefillModelFields(BaseModel):
     """The model fields of every engine that runs prefill forwards (P and the monolith):
-    engine/prefill/runner.load_prefill_model loads the model they describe."""
+    engine/prefill/runner.start_prefill_model loads, warms and captures the model they
+    describe."""
 
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
+                                    "rows (kernel compilation and GEMM choice happen there, not in the first "
+                                    "requests); default 2048 on CUDA, 0 on CPU")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of forwards with prompt rows: "
                                                  "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
                                                  "per-row activation scales; CUDA needs compute capability 8.9+)")
     fp8_min_rows: int = Field(1200, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all stay in "
                               "bf16 (on an H200 fp8 makes an 800-row forward 0.8x as fast, a 1500-row one 1.3x: "
                               "bench/results/prefill-20261130-h200x2-fp8.md)")
+    prefill_graphs: bool = Field(False, description="replay CUDA graphs, one per row bucket up to 2048 rows, for "
+                                 "prefill forwards that fit one (small forwards are bound by kernel launches; "
+                                 "CUDA only)")
 
 
 def parse_decode_sockets(value: str) -> list[str]:

@@ -512,7 +512,11 @@ class TTSModel(nn.Module):
             return self.decode_step(tokens, positions, write_slots, table, lengths, kv, splits)
         plan = prefill_plan([qlens[i] for i in pre], [ctx[i] for i in pre], starts[pre].tolist())
         pf = {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
-        dec_rows = torch.from_numpy(starts[dec]).to(dev, non_blocking=True) if dec else None
+        last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
+        if not dec:
+            return self.prefill_step(tokens, positions, write_slots, pf["table"], pf["ctx_len"], pf["q_len"],
+                                     pf["q_start"], last, kv, int(pf["max_q_len"]), self._fp8_forward(batch))
+        dec_rows = torch.from_numpy(starts[dec]).to(dev, non_blocking=True)
 
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(q)
@@ -520,14 +524,42 @@ class TTSModel(nn.Module):
                 q, kv_layer, pf["table"], pf["ctx_len"], pf["q_len"], pf["q_start"],
                 pf["max_q_len"], out,
             )
-            if dec_rows is not None:
-                o = paged_decode_attention(q[dec_rows], kv_layer, table, lengths, splits)
-                out.index_copy_(0, dec_rows, o)
+            o = paged_decode_attention(q[dec_rows], kv_layer, table, lengths, splits)
+            out.index_copy_(0, dec_rows, o)
             return out
 
         h = self._gpu_layers(tokens, positions, write_slots, kv, attend, self._fp8_forward(batch))
-        last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
         return self._logits(h[last])
+
+    def prefill_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        table: torch.Tensor,
+        ctx_len: torch.Tensor,
+        q_len: torch.Tensor,
+        q_start: torch.Tensor,
+        last: torch.Tensor,
+        kv: torch.Tensor,
+        max_q_len: int,
+        fp8: bool,
+    ) -> torch.Tensor:
+        """The GPU forward of prefill sequences (no decode rows) on device tensors only:
+        no host sync, no host copy, so engine/model/prefill_graphs.py can capture it per
+        row bucket. tokens [T, C], positions and write_slots [T] int64 (a negative slot
+        writes no K/V: padding rows); the attention plan of kernels/prefill_attention.py
+        (table, ctx_len, q_len, q_start; a sequence with q_len 0 is padding);
+        last [S] int64, the row whose logits each sequence returns; `max_q_len` sizes
+        the attention grid; `fp8` picks the GEMM precision. Returns [S, C, V_max]
+        float32. Rows that belong to no sequence are computed and never read."""
+        from pdunit.kernels.prefill_attention import paged_prefill_attention
+
+        def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            return paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
+
+        return self._logits(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
 
     def decode_step(
         self,

@@ -16,20 +16,21 @@ from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
-from pdunit.engine.prefill.runner import load_prefill_model, warm_up
+from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import PrefillModelFields, parse_config
+
+# Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines
+# replay the same shapes.
+PREFILL_GRAPH_SEQS = 16
 
 
 class MonolithConfig(PrefillModelFields):
     """Monolith: P and D in one process on one device (prefill-first or chunked prefill)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
-    warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
-                                    "rows (kernel compilation and GEMM choice happen there, not in the first "
-                                    "requests); default 2048 on CUDA, 0 on CPU")
     policy: str = Field("prefill-first", description=f"scheduling policy: {' | '.join(POLICIES)}")
     chunk_tokens: int = Field(8192, gt=0, description="chunked policy: rows per iteration (decode included)")
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
@@ -95,15 +96,14 @@ async def serve(cfg: MonolithConfig) -> int:
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "monolith-exec"))
-    model = load_prefill_model(cfg, log)
-    if model is None:
-        return 2
     n_pages = cfg.pool_tokens // cfg.page_size
-    storage = model.new_kv_storage(n_pages * cfg.page_size, device=cfg.device)
-    warm_up(model, storage, cfg.warmup_rows)
+    started = start_prefill_model(cfg, n_pages * cfg.page_size, PREFILL_GRAPH_SEQS, log)
+    if started is None:
+        return 2
+    model, storage, graphs = started
     engine = MonolithEngine(
         model, cfg.model, PagePool(n_pages, cfg.page_size), storage, FrameHub(asyncio.get_running_loop()),
-        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs,
+        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs,
     )
     stop = shutdown_event(log)
 

@@ -27,6 +27,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.decode.worker import StepLoop, step_message
 from pdunit.engine.kv.pool import NoCapacity, PagePool
+from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack
@@ -59,11 +60,13 @@ class MonolithEngine:
         max_batch: int,
         max_batch_rows: int,
         cuda_graphs: bool = True,
+        prefill_graphs: PrefillGraphRunner | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         self.instance_id = uuid.uuid4().hex
         self.model = model
+        self.prefill_graphs = prefill_graphs  # --prefill-graphs: prompt forwards that fit replay a graph
         self.model_spec = model_spec
         self.pool = pool
         self.storage = storage
@@ -187,7 +190,8 @@ class MonolithEngine:
             for p, _ in plan:
                 p.job.stamps.setdefault("prefill_start", now_ns())
             logits = run_forward(self.model, self.storage,
-                                 [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan])
+                                 [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan],
+                                 self.prefill_graphs)
             self._complete_prefills(plan, logits)
             m.P_PREFILL_SECONDS.observe(time.perf_counter() - t0)
             return True
@@ -198,9 +202,9 @@ class MonolithEngine:
             return False
         for p, _ in plan:
             p.job.stamps.setdefault("prefill_start", now_ns())
-        if plan:  # a mixed batch: eager
+        if plan:  # a mixed batch: a prefill graph when it fits one (few streams, a small chunk), else eager
             entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
-            logits = run_forward(self.model, self.storage, entries)
+            logits = run_forward(self.model, self.storage, entries, self.prefill_graphs)
         else:  # decode only: the same graph path as D, so the comparison is fair
             logits = self.step_forward(entries) if entries else None
         n_dec = len(streams)

@@ -13,7 +13,7 @@ from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
-from pdunit.engine.prefill.runner import load_prefill_model, warm_up
+from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.worker import (
     FaultInjection,
@@ -32,9 +32,6 @@ class PrefillConfig(PrefillModelFields):
                                "sockets (one P feeding several D's: 1P2D)")
     decode_probe_interval_ms: int = Field(500, gt=0, description="with several D's: how often P asks each D "
                                           "for Info (free pages, streams) to choose the D of a request")
-    warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
-                                    "rows (kernel compilation and GEMM choice happen there, not in the first "
-                                    "requests); default 2048 on CUDA, 0 on CPU")
     transfer: str = Field("auto", description="transport to use among those D offers (auto = D's best)")
     cache_tokens: int = Field(65536, gt=0, description="token rows of P's own KV storage (prefix cache)")
     prefix_block_tokens: int = Field(16, gt=0, description="rows per prefix-cache block")
@@ -81,11 +78,10 @@ async def serve(cfg: PrefillConfig) -> int:
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))
-    model = load_prefill_model(cfg, log)
-    if model is None:
+    started = start_prefill_model(cfg, cfg.cache_tokens, cfg.max_batch_prompts, log)
+    if started is None:
         return 2
-    storage = model.new_kv_storage(cfg.cache_tokens, device=cfg.device)
-    warm_up(model, storage, cfg.warmup_rows)
+    model, storage, graphs = started
     engine = PrefillEngine(
         model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
         PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,
@@ -97,6 +93,7 @@ async def serve(cfg: PrefillConfig) -> int:
                        cfg.fault_tcp_relay),
         decode_probe_interval_s=cfg.decode_probe_interval_ms / 1000,
         transfer_workers=cfg.transfer_workers,
+        graphs=graphs,
     )
     stop = shutdown_event(log)
     loop = asyncio.get_running_loop()

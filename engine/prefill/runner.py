@@ -13,21 +13,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry, make_batch, prefill_entry
 from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.sampling import SamplingParams, sample_frames
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.settings import PrefillModelFields
 
 
-def load_prefill_model(cfg: PrefillModelFields, log: logging.Logger) -> TTSModel | None:
-    """The model of P's or the monolith's config, or None with the reason logged: a bad
-    model spec or dtype, or fp8 GEMMs where the device has none."""
+def start_prefill_model(
+    cfg: PrefillModelFields, n_slots: int, max_seqs: int, log: logging.Logger
+) -> tuple[TTSModel, torch.Tensor, PrefillGraphRunner | None] | None:
+    """P's or the monolith's model, its KV storage of `n_slots` rows, warmed up, and its
+    prefill graphs (for batches of up to `max_seqs` prompts) when the config asks for
+    them; or None with the reason logged: a bad model spec or dtype, fp8 GEMMs or CUDA
+    graphs where the device has none."""
     try:
-        return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, prefill_gemm=cfg.prefill_gemm,
-                          fp8_min_rows=cfg.fp8_min_rows)
+        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, prefill_gemm=cfg.prefill_gemm,
+                           fp8_min_rows=cfg.fp8_min_rows)
+        storage = model.new_kv_storage(n_slots, device=cfg.device)
+        warm_up(model, storage, cfg.warmup_rows)
+        return model, storage, prefill_graphs(model, storage, cfg.prefill_graphs, max_seqs)
     except ValueError as exc:
-        log.error("cannot load the model", extra={"error": str(exc)})
+        log.error("cannot start the model", extra={"error": str(exc)})
         return None
 
 
@@ -44,19 +53,38 @@ class PrefillChunk:
         return self.end == len(self.prompt)
 
 
+def prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool, max_seqs: int) -> PrefillGraphRunner | None:
+    """The CUDA-graph runner of `--prefill-graphs` (engine/model/prefill_graphs.py), built
+    after the warm-up; None when off. ValueError where the model cannot take graphs."""
+    if not enabled:
+        return None
+    if not storage.is_cuda:
+        raise ValueError(f"prefill_graphs: CUDA graphs need a CUDA device, the engine runs on {storage.device}")
+    return PrefillGraphRunner(model, storage, max_seqs=max_seqs)
+
+
 def run_forward(
-    model: TTSModel, storage: torch.Tensor, entries: list[SeqEntry]
+    model: TTSModel, storage: torch.Tensor, entries: list[SeqEntry], graphs: PrefillGraphRunner | None = None
 ) -> torch.Tensor:
+    """One forward over `entries`; through `graphs` (a replay where a bucket covers the
+    batch, else eager) when given."""
+    batch = make_batch(entries)
+    if graphs is not None:
+        replays = graphs.stats["replays"]
+        logits = graphs.run(batch)
+        m.P_PREFILL_FORWARDS.labels(path="graph" if graphs.stats["replays"] > replays else "eager").inc()
+        return logits
+    m.P_PREFILL_FORWARDS.labels(path="eager").inc()
     with torch.inference_mode():
-        return model.forward(make_batch(entries), storage)
+        return model.forward(batch, storage)
 
 
 def run_prefill(
-    model: TTSModel, storage: torch.Tensor, chunks: list[PrefillChunk]
+    model: TTSModel, storage: torch.Tensor, chunks: list[PrefillChunk], graphs: PrefillGraphRunner | None = None
 ) -> list[np.ndarray | None]:
     """Computes the chunks in one forward; returns each prompt's first frame (int32 [C])
     when its last row was computed, else None."""
-    logits = run_forward(model, storage, [prefill_entry(c.prompt, c.slots, c.start, c.end) for c in chunks])
+    logits = run_forward(model, storage, [prefill_entry(c.prompt, c.slots, c.start, c.end) for c in chunks], graphs)
     return first_frames(model, logits, chunks)
 
 

@@ -60,6 +60,7 @@ from pdunit.engine.grpc_server import sync_channel
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease
+from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
@@ -185,11 +186,13 @@ class PrefillEngine:
         faults: FaultInjection | None = None,
         decode_probe_interval_s: float = 0.5,
         transfer_workers: int = 4,
+        graphs: PrefillGraphRunner | None = None,
     ) -> None:
         if transfer_workers < 1:
             raise ValueError(f"transfer_workers must be >= 1 (got {transfer_workers})")
         self.instance_id = uuid.uuid4().hex
         self.model = model
+        self.graphs = graphs  # --prefill-graphs: small forwards replay a captured graph
         self.model_spec = model_spec
         self.device = device
         self.storage = storage
@@ -567,7 +570,7 @@ class PrefillEngine:
         t0 = now_ns()
         for x in live:
             x.job.stamps["prefill_start"] = t0
-        frames = run_prefill(self.model, self.storage, chunks)
+        frames = run_prefill(self.model, self.storage, chunks, self.graphs)
         # The rows are on the default stream; the transfer stage's stream waits for this.
         written = None
         if self.storage.is_cuda:

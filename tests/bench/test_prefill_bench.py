@@ -58,6 +58,25 @@ def test_cpu_run_writes_one_row_per_point_and_precision(tmp_path):
     assert out.with_suffix(".md").exists()
 
 
+def test_graphs_without_a_gpu_are_refused_naming_the_device():
+    with pytest.raises(SystemExit, match="--graphs needs a CUDA device, not --device cpu"):
+        bench_main(["prefill", "--model", "tiny", "--device", "cpu", "--graphs"])
+
+
+@pytest.mark.gpu
+def test_cuda_run_measures_each_point_eager_and_through_the_prefill_graphs(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "prefill.json"
+    assert bench_main(["prefill", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--points",
+                       "1x100,2x2000", "--graphs", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["graphs"], r["replayed"], r["rows"]) for r in rows] == [
+        (False, False, 100), (False, False, 2000), (True, True, 100), (True, False, 2000)]  # 4000 rows: no bucket
+
+
 def test_an_unknown_or_repeated_gemm_is_refused(capsys):
     for bad in ("int8", "fp8,fp8"):
         with pytest.raises(SystemExit):

@@ -3,7 +3,10 @@ must not wait Python's default 5 ms for the step-loop thread)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+
+import pytest
 
 from pdunit.engine.decode.main import DecodeConfig
 from pdunit.engine.decode.worker import engine_setup
@@ -25,3 +28,11 @@ def test_engine_setup_applies_the_interval():
         assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("role", ["prefill", "monolith"])
+def test_prefill_graphs_on_a_cpu_engine_exit_2_naming_the_reason(role, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pdunit.engine.cli", role, "--socket", str(tmp_path / "s.sock"),
+                           "--prefill-graphs"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "CUDA graphs need a CUDA device, the engine runs on cpu" in proc.stdout + proc.stderr

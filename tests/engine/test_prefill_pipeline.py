@@ -83,13 +83,13 @@ class Gates:
         self.batch_sizes: list[int] = []
         real = worker.run_prefill
 
-        def gated(model, storage, chunks):
+        def gated(model, storage, chunks, graphs=None):
             i = self.calls
             self.calls += 1
             self.batch_sizes.append(len(chunks))
             self.entered[i].set()
             assert self.opened[i].wait(20), f"forward {i} was never let through"
-            return real(model, storage, chunks)
+            return real(model, storage, chunks, graphs)
 
         monkeypatch.setattr(worker, "run_prefill", gated)
 

@@ -54,3 +54,25 @@ def test_an_unknown_prefill_gemm_names_the_field_and_its_flag(prog, config, caps
     with pytest.raises(ConfigError, match=r"invalid prefill_gemm \(from --prefill-gemm\)"):
         parse_config(model, ["--prefill-gemm", "int8"], prog, env={})
     assert "'bf16' or 'fp8'" in capsys.readouterr().err
+
+
+def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only():
+    from pdunit.engine.local import LocalConfig, LocalUnit
+
+    def argv_of(**kw):
+        unit = LocalUnit(LocalConfig(lb_port=0, guard=False, run_dir=None, **kw))
+        try:
+            return {name: argv for name, argv in unit.commands()}
+        finally:
+            unit.run_dir.rmdir()
+
+    pd = argv_of(mode="pd", prefill_gemm="fp8", prefill_graphs=True)
+    assert pd["prefill"][-3:] == ["--prefill-gemm", "fp8", "--prefill-graphs"]
+    assert not any(a.startswith("--prefill-g") for a in pd["decode"] + pd["lb"])
+    mono = argv_of(mode="monolith", prefill_graphs=True)
+    assert "--prefill-graphs" in mono["monolith"] and "--prefill-gemm" not in mono["monolith"]
+    # the defaults add nothing: the commands stay the pod's (operator/reconcile.py)
+    assert not any(a.startswith("--prefill-g") for argv in argv_of(mode="pd").values() for a in argv)
+    from pdunit.engine.prefill.main import PrefillConfig
+
+    assert parse_config(PrefillConfig, pd["prefill"][pd["prefill"].index("prefill") + 1:], "p", env={}).prefill_graphs

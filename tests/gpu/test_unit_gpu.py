@@ -62,6 +62,21 @@ def test_pd_unit_on_two_gpus_streams_every_frame(transfer, tmp_path):
         assert len(frames) == FRAMES
 
 
+def test_pd_unit_with_prefill_graphs_streams_every_frame(tmp_path):
+    """--prefill-graphs in P: every prompt here fits a bucket, so forwards replay graphs
+    (their logits against the eager path: tests/kernels/test_prefill_graphs.py)."""
+    port = free_port()
+    cfg = LocalConfig(mode="pd", transfer="ipc", run_dir=str(tmp_path), device="cuda:0", decode_devices="cuda:1",
+                      prefill_graphs=True, extra_prefill_args=["--metrics-port", str(port)], **BASE)
+    with LocalUnit(cfg) as unit:
+        results = _run_streams(unit.url, 6)
+        metrics = scrape_metrics(port)
+    for frames, last in results:
+        assert last.get("done"), last
+        assert len(frames) == FRAMES
+    assert metrics.get('pdunit_prefill_forwards_total{path="graph"}', 0) >= 1, metrics
+
+
 def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
     port = free_port()
     cfg = LocalConfig(mode="monolith", run_dir=str(tmp_path), device="cuda:1",
