@@ -21,7 +21,9 @@ Two paths behind the same `forward`:
   kernels/prefill_attention.py for multi-token rows, kernels/fused_ops.py for norms,
   RoPE + KV store and SwiGLU) and fused q|k|v and gate|up projections, about ten launches
   per layer. `decode_step` is its capture-safe decode-only form, which
-  engine/model/cuda_graphs.py records per batch size.
+  engine/model/cuda_graphs.py records per batch size; `prefill_step` its capture-safe
+  prefill-only form (every prefill-only batch runs it), which
+  engine/model/prefill_graphs.py records per row bucket.
 
 Prefill GEMM precision (`set_prefill_gemm`): "bf16" (the default) runs every GEMM in
 the model dtype; "fp8" runs the four per-layer GEMMs of every forward that has a

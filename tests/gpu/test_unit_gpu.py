@@ -62,31 +62,30 @@ def test_pd_unit_on_two_gpus_streams_every_frame(transfer, tmp_path):
         assert len(frames) == FRAMES
 
 
-def test_pd_unit_with_prefill_graphs_streams_every_frame(tmp_path):
-    """--prefill-graphs in P: every prompt here fits a bucket, so forwards replay graphs
-    (their logits against the eager path: tests/kernels/test_prefill_graphs.py)."""
+def _streams_and_metrics(tmp_path, n: int, metrics_of: str, **cfg) -> dict[str, float]:
+    """Streams n prompts through a unit whose `metrics_of` process serves Prometheus;
+    checks every stream is whole and returns that process's metrics."""
     port = free_port()
-    cfg = LocalConfig(mode="pd", transfer="ipc", run_dir=str(tmp_path), device="cuda:0", decode_devices="cuda:1",
-                      prefill_graphs=True, extra_prefill_args=["--metrics-port", str(port)], **BASE)
-    with LocalUnit(cfg) as unit:
-        results = _run_streams(unit.url, 6)
+    extra = {f"extra_{metrics_of}_args": ["--metrics-port", str(port)]}
+    with LocalUnit(LocalConfig(run_dir=str(tmp_path), **extra, **cfg, **BASE)) as unit:
+        results = _run_streams(unit.url, n)
         metrics = scrape_metrics(port)
     for frames, last in results:
         assert last.get("done"), last
         assert len(frames) == FRAMES
+    return metrics
+
+
+def test_pd_unit_with_prefill_graphs_streams_every_frame(tmp_path):
+    """--prefill-graphs in P: every prompt here fits a bucket, so forwards replay graphs
+    (their logits against the eager path: tests/kernels/test_prefill_graphs.py)."""
+    metrics = _streams_and_metrics(tmp_path, 6, "prefill", mode="pd", transfer="ipc", device="cuda:0",
+                                   decode_devices="cuda:1", prefill_graphs=True)
     assert metrics.get('pdunit_prefill_forwards_total{path="graph"}', 0) >= 1, metrics
 
 
 def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
-    port = free_port()
-    cfg = LocalConfig(mode="monolith", run_dir=str(tmp_path), device="cuda:1",
-                      extra_monolith_args=["--metrics-port", str(port)], **BASE)
-    with LocalUnit(cfg) as unit:
-        results = _run_streams(unit.url, 8)
-        metrics = scrape_metrics(port)
-    for frames, last in results:
-        assert last.get("done"), last
-        assert len(frames) == FRAMES
+    metrics = _streams_and_metrics(tmp_path, 8, "monolith", mode="monolith", device="cuda:1")
     # its GPU busy account (CUDA events around each step), read by `bench compare`
     # (device time within the loop's own wall time: decode steps plus prefill-first forwards)
     busy = metrics["pdunit_decode_gpu_busy_seconds_total"]
