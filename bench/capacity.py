@@ -617,10 +617,12 @@ def rows_level_key(rows: list[dict[str, Any]]) -> str:
 
 def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, Any]:
     """Capacity = the highest level that passes (in every run of it) with every lower
-    level passing too."""
+    level passing too. When that is the highest level measured, the capacity is only a
+    lower bound (`capacity_lower_bound_only`): the sweep never found where it fails."""
     key = rows_level_key(rows)
     capacity = None
-    for level in sorted({r[key] for r in rows}):  # a level with several runs passes only if all do
+    levels = sorted({r[key] for r in rows})
+    for level in levels:  # a level with several runs passes only if all do
         if not all(r["passed"] for r in rows if r[key] == level):
             break
         capacity = level
@@ -645,6 +647,7 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
             cfg.mode_label: round(streams / cfg.gpus, 1) if streams is not None and cfg.gpus else None}
     # concurrent streams per GPU (closed loop), or arrivals/s per GPU (Poisson)
     summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
+    summary["capacity_lower_bound_only"] = {cfg.mode_label: capacity is not None and capacity == levels[-1]}
     return summary
 
 

@@ -479,6 +479,10 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
     # capacity_per_gpu: concurrent streams per GPU (closed loop) or arrivals/s per GPU
     # (Poisson, where realtime_streams_per_gpu gives it in listeners)
     summary: dict[str, Any] = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu, **ratios(per_gpu)}
+    # variants that passed their highest level: their capacity is at least what is shown,
+    # so a ratio over one of them is an upper bound, a ratio of one over another a lower
+    summary["capacity_lower_bound_only"] = {
+        name: bool(doc["summary"].get("capacity_lower_bound_only", {}).get(name)) for name, doc in docs.items()}
     if realtime:
         summary["realtime_streams_per_gpu"] = realtime
     summary["waves"] = [[name for name, _, _ in wave] for wave in plan]
@@ -499,6 +503,10 @@ def main(argv: list[str]) -> int:
     cfg = parse_config(CompareConfig, argv, "pdunit bench compare")
     doc = run_compare(cfg, report.command_line(argv, prog="pdunit bench compare"))
     print("\nsummary:", doc["summary"])
+    for name in (n for n, only in doc["summary"]["capacity_lower_bound_only"].items() if only):
+        print(f"WARNING: {name} passed its highest level: its capacity is at least "
+              f"{doc['summary']['capacity_per_gpu'][name]} per GPU, not that; ratios over it are upper bounds. "
+              "Give it higher levels.", file=sys.stderr)
     return 0
 
 

@@ -346,3 +346,21 @@ def test_client_processes_send_the_same_poisson_level_as_one_process(serve, caps
 def test_client_processes_need_poisson_levels():
     with pytest.raises(ValueError, match="client_procs > 1 needs Poisson levels"):
         CapacityConfig.model_validate({"concurrency": [2], "client_procs": 2})
+
+
+def test_a_capacity_at_the_highest_level_measured_is_flagged_as_a_lower_bound():
+    from pdunit.bench.capacity import summarize_run
+
+    cfg = CapacityConfig(mode_label="m", gpus=1)
+
+    def rows(*passed_by_rate):
+        return [{"concurrency": None, "rate": rate, "passed": ok, "realtime_streams": 10.0 * rate}
+                for rate, ok in passed_by_rate]
+
+    top = summarize_run(rows((8, True), (10, True), (10, True)), cfg)
+    assert top["capacity_rate"] == 10 and top["capacity_lower_bound_only"] == {"m": True}
+    bounded = summarize_run(rows((8, True), (10, True), (12, False)), cfg)
+    assert bounded["capacity_rate"] == 10 and bounded["capacity_lower_bound_only"] == {"m": False}
+    # one failing run of the top level is enough to bound it
+    assert summarize_run(rows((8, True), (10, True), (10, False)), cfg)["capacity_lower_bound_only"] == {"m": False}
+    assert summarize_run(rows((8, False)), cfg)["capacity_lower_bound_only"] == {"m": False}  # no capacity at all

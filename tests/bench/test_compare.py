@@ -41,6 +41,9 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     assert {r["gpus"] for r in doc["rows"] if r["mode"] == "1p1d"} == {2}
     saved = json.loads(out.read_text())
     assert set(saved["summary"]["capacity_per_gpu"]) == modes
+    # one level each: a variant that passed it has only a lower bound for its capacity
+    passed = {m for m in modes if saved["summary"]["capacity_per_gpu"][m] is not None}
+    assert saved["summary"]["capacity_lower_bound_only"] == {m: m in passed for m in modes}
     assert all(r["errors"] == 0 for r in saved["rows"])
     # every level carries its waterfall, and the stages account for the client's time
     for row in saved["rows"]:
