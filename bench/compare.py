@@ -73,7 +73,8 @@ class CompareConfig(BaseModel):
     ramp: float = Field(3.0, ge=0, description="closed-loop workers start spread over this many seconds; streams "
                         "started during the ramp load the unit but are not counted (steady state only)")
     prompt_rows: str = Field("1000-2000", description="prompt rows")
-    frames: str = Field("105-210", description="frames per stream")
+    frames: str = Field("", description="frames per stream, LOW-HIGH ('': BENCHMARKS.md's 105-630, 5-30 s of "
+                        "audio, with a GPU device; 105-210 on cpu, where a run checks the plumbing)")
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
@@ -292,6 +293,21 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     return out
 
 
+def stream_frames(cfg: CompareConfig) -> str:
+    """--frames, or its default for the device."""
+    return cfg.frames or ("105-630" if cfg.device != "cpu" else "105-210")
+
+
+def client_processes(cfg: CompareConfig) -> int:
+    """--client-procs, or its default for the device."""
+    return cfg.client_procs or (4 if cfg.device != "cpu" else 1)
+
+
+def resolved_config(cfg: CompareConfig) -> dict[str, Any]:
+    """The config as the run used it: the device-dependent defaults filled in."""
+    return {**cfg.model_dump(), "frames": stream_frames(cfg), "client_procs": client_processes(cfg)}
+
+
 def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[str, int],
                command: str) -> dict[str, Any]:
     """The variant's levels one at a time, reading the engines' metrics around each."""
@@ -301,9 +317,9 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         url=url, concurrency=levels if key == "concurrency" else [], rate=levels if key == "rate" else [],
         burst_share=cfg.burst_share, burst_size=cfg.burst_size, duration=cfg.duration, ramp=cfg.ramp,
         warmup=cfg.ramp,
-        prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(cfg.frames, "frames"),
+        prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(stream_frames(cfg), "frames"),
         voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False,
-        client_procs=(cfg.client_procs or (4 if cfg.device != "cpu" else 1)) if key == "rate" else 1)
+        client_procs=client_processes(cfg) if key == "rate" else 1)
     rows: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
     for level in levels:
@@ -488,7 +504,7 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
     summary["waves"] = [[name for name, _, _ in wave] for wave in plan]
     if partial:
         summary["partial"] = f"{len(docs)} of {sum(len(w) for w in plan)} variants run so far"
-    results = report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary)
+    results = report.Results(BENCH, report.machine_info(), command, resolved_config(cfg), rows, summary)
     out = results.document()
     if cfg.out:
         path = report.resolve_out(cfg.out, BENCH, results.machine)

@@ -227,3 +227,15 @@ def test_a_run_cut_short_keeps_the_variants_it_finished_marked_partial(tmp_path,
     assert [r["mode"] for r in saved["rows"]] == ["monolith-prefill-first"]
     assert saved["summary"]["capacity_per_gpu"] == {"monolith-prefill-first": 1.0}
     assert saved["summary"]["partial"] == "1 of 2 variants run so far"
+
+
+def test_stream_lengths_default_to_benchmarks_md_on_a_gpu_and_short_on_cpu():
+    from pdunit.bench.compare import stream_frames
+
+    assert stream_frames(CompareConfig(device="cuda")) == "105-630"
+    assert stream_frames(CompareConfig()) == "105-210"
+    assert stream_frames(CompareConfig(device="cuda", frames="105-420")) == "105-420"
+    from pdunit.bench.compare import resolved_config
+
+    assert resolved_config(CompareConfig(device="cuda")) == {
+        **CompareConfig(device="cuda").model_dump(), "frames": "105-630", "client_procs": 4}
