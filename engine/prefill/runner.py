@@ -60,7 +60,13 @@ def prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool, max_se
         return None
     if not storage.is_cuda:
         raise ValueError(f"prefill_graphs: CUDA graphs need a CUDA device, the engine runs on {storage.device}")
-    return PrefillGraphRunner(model, storage, max_seqs=max_seqs)
+    import time
+
+    t0 = time.perf_counter()
+    runner = PrefillGraphRunner(model, storage, max_seqs=max_seqs)
+    logging.getLogger("pdunit.prefill").info("prefill graphs captured", extra={
+        "row_buckets": runner.sizes, "max_seqs": max_seqs, "seconds": round(time.perf_counter() - t0, 2)})
+    return runner
 
 
 def run_forward(
