@@ -25,6 +25,8 @@ order. Must never allocate pool slots or read anything but its arguments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdunit.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, Fp8Rows, empty_rows, row_warps
@@ -138,18 +140,18 @@ if triton is not None:
         write_row(Out, S, row, stride_o, offs, mask, (s * u).to(dt).to(tl.float32), fp8_max, min_amax, QUANT)
 
 
-def _need(cond: bool, what: str) -> None:
+def _need(cond: bool, what: Callable[[], str] | str) -> None:
+    # `what` is formatted only on failure: these checks run ~20 times per layer on the
+    # GPU path, where host time per launch is what bounds a small forward.
     if not cond:
-        raise ValueError(what)
+        raise ValueError(what if isinstance(what, str) else what())
 
 
 def _on_device(*ts: torch.Tensor) -> None:
     dev = ts[0].device
-    for t in ts:
-        _need(
-            t.device == dev and (t.device.type == "cuda" or INTERPRET),
-            f"fused op input on {t.device}: every input must be on one CUDA device",
-        )
+    if (dev.type != "cuda" and not INTERPRET) or any(t.device != dev for t in ts):
+        bad = next((t.device for t in ts if t.device != dev), dev)
+        raise ValueError(f"fused op input on {bad}: every input must be on one CUDA device")
 
 
 def _row_out(x: torch.Tensor, n: int, quant: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor, torch.Tensor]:
@@ -164,7 +166,7 @@ def _row_out(x: torch.Tensor, n: int, quant: bool) -> tuple[torch.Tensor | Fp8Ro
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False) -> torch.Tensor | Fp8Rows:
     """x [T, N] -> RMSNorm(x) * weight, in x's dtype (quant: as `Fp8Rows`)."""
     _on_device(x, weight)
-    _need(x.dim() == 2 and x.stride(1) == 1, f"rms_norm: x must be [T, N] row-major, got {tuple(x.shape)}")
+    _need(x.dim() == 2 and x.stride(1) == 1, lambda: f"rms_norm: x must be [T, N] row-major, got {tuple(x.shape)}")
     n = x.shape[1]
     out, y, s = _row_out(x, n, quant)
     _rms_norm_kernel[(x.shape[0],)](
@@ -182,7 +184,7 @@ def add_rms_norm(
     _on_device(x, delta, weight)
     _need(
         x.shape == delta.shape and x.dim() == 2 and x.stride(1) == 1 and delta.stride(1) == 1,
-        f"add_rms_norm: x {tuple(x.shape)} and delta {tuple(delta.shape)} must be equal [T, N]",
+        lambda: f"add_rms_norm: x {tuple(x.shape)} and delta {tuple(delta.shape)} must be equal [T, N]",
     )
     r = torch.empty_like(x)
     n = x.shape[1]
@@ -215,7 +217,7 @@ def qk_norm_rope_store(
     t = qkv.shape[0]
     _need(
         qkv.dim() == 2 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim and qkv.stride(1) == 1,
-        f"qk_norm_rope_store: qkv has shape {tuple(qkv.shape)}, expected [T, {(n_heads + 2 * n_kv_heads) * head_dim}]",
+        lambda: f"qk_norm_rope_store: qkv has shape {tuple(qkv.shape)}, expected [T, {(n_heads + 2 * n_kv_heads) * head_dim}]",
     )
     _need(
         positions.dtype == torch.int64 and write_slots.dtype == torch.int64
@@ -225,7 +227,7 @@ def qk_norm_rope_store(
     _need(cos.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(1) == 1,
           "qk_norm_rope_store: cos/sin must be float32 [max_positions, D/2] with equal strides")
     _need(kv_layer.stride(3) == 1 and kv_layer.shape[2:] == (n_kv_heads, head_dim),
-          f"qk_norm_rope_store: kv_layer {tuple(kv_layer.shape)} does not fit {n_kv_heads}x{head_dim}")
+          lambda: f"qk_norm_rope_store: kv_layer {tuple(kv_layer.shape)} does not fit {n_kv_heads}x{head_dim}")
     q = torch.empty((t, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k, v = kv_layer[0], kv_layer[1]
     heads_block = 8
@@ -245,7 +247,7 @@ def silu_mul(gate_up: torch.Tensor, quant: bool = False) -> torch.Tensor | Fp8Ro
     """gate_up [T, 2F] (gate columns first) -> silu(gate) * up [T, F] (quant: as `Fp8Rows`)."""
     _on_device(gate_up)
     _need(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
-          f"silu_mul: gate_up must be [T, 2F] row-major, got {tuple(gate_up.shape)}")
+          lambda: f"silu_mul: gate_up must be [T, 2F] row-major, got {tuple(gate_up.shape)}")
     t, f2 = gate_up.shape
     f = f2 // 2
     out, y, s = _row_out(gate_up, f, quant)

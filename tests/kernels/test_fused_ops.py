@@ -73,3 +73,17 @@ def test_qk_norm_rope_store_matches_the_reference_on_gpu() -> None:
     for hq, hkv in [(32, 8), (5, 1), (16, 8)]:
         for dtype in (torch.bfloat16, torch.float16):
             scope["check"](hq, hkv, 128, dtype, "cuda")
+
+
+def test_input_checks_format_their_message_only_when_they_fail():
+    import pytest
+
+    from pdunit.kernels.fused_ops import _need, _on_device, rms_norm
+
+    _need(True, lambda: str(1 / 0))  # a passing check never builds its message
+    with pytest.raises(ValueError, match="^x is wrong$"):
+        _need(False, lambda: "x is wrong")
+    with pytest.raises(ValueError, match="fused op input on cpu: every input must be on one CUDA device"):
+        _on_device(torch.zeros(2), torch.zeros(2))
+    with pytest.raises(ValueError, match="fused op input on cpu"):
+        rms_norm(torch.zeros(2, 4), torch.ones(4), 1e-6)
