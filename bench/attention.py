@@ -279,10 +279,7 @@ def main(argv: list[str]) -> int:
     cfg = parse_config(AttentionBenchConfig, argv, "pdunit bench attention")
     doc = run_attention_bench(cfg, report.command_line(argv, prog="pdunit bench attention"))
     print(report.text_table(doc["rows"], COLUMNS))
-    print("summary:", doc["summary"])
-    if cfg.out:
-        json_path, md_path = report.write_results(doc, cfg.out, COLUMNS, "Prefill attention kernel: launch shapes side by side")
-        print(f"wrote {json_path} and {md_path}")
+    report.print_and_write(doc, cfg.out, COLUMNS, "Prefill attention kernel: launch shapes side by side")
     return 0
 
 

@@ -284,10 +284,10 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         # the same prompts in every precision: each precision restarts the seed
         rows_out += _measure_points(model, storage, points, cfg, peak, gemm, None)
         if cfg.graphs:
-            from pdunit.engine.prefill.runner import prefill_graphs
+            from pdunit.engine.prefill.runner import capture_prefill_graphs
 
             # captured after the eager points: those compiled every kernel already
-            runner = prefill_graphs(model, storage, True, max(p for p, _ in points))
+            runner = capture_prefill_graphs(model, storage, True, max(p for p, _ in points))
             rows_out += _measure_points(model, storage, points, cfg, peak, gemm, runner)
     by_point = {(r["prompts"], r["rows"]): r["ms"] for r in rows_out if r["gemm"] == "bf16" and not r["graphs"]}
     for r in rows_out:
@@ -343,10 +343,7 @@ def main(argv: list[str]) -> int:
                 print(f"GPU idle per forward of {idle['wall_ms']} ms: {idle['lead_ms']} ms before its first "
                       f"operation, {idle['inner_ms']} ms between operations, {idle['tail_ms']} ms after the last")
                 print(f"largest gaps: {idle['gaps']}\nhost runtime calls per forward: {idle['runtime']}")
-    print("summary:", doc["summary"])
-    if cfg.out:
-        json_path, md_path = report.write_results(doc, cfg.out, COLUMNS, "Prefill forward throughput vs the compute peak")
-        print(f"wrote {json_path} and {md_path}")
+    report.print_and_write(doc, cfg.out, COLUMNS, "Prefill forward throughput vs the compute peak")
     return 0
 
 

@@ -253,6 +253,15 @@ def write_results(doc: Mapping[str, Any], out: str, columns: Sequence[Column], t
     return Results.from_document(doc).write(path, columns, title)
 
 
+def print_and_write(doc: Mapping[str, Any], out: str, columns: Sequence[Column], title: str) -> None:
+    """The end of a bench's main: its summary printed, then its results written to `out`
+    ('' = print only) with the paths printed."""
+    print("summary:", doc["summary"])
+    if out:
+        json_path, md_path = write_results(doc, out, columns, title)
+        print(f"wrote {json_path} and {md_path}")
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()

@@ -34,7 +34,7 @@ def start_prefill_model(
                            fp8_min_rows=cfg.fp8_min_rows)
         storage = model.new_kv_storage(n_slots, device=cfg.device)
         warm_up(model, storage, cfg.warmup_rows)
-        return model, storage, prefill_graphs(model, storage, cfg.prefill_graphs, max_seqs)
+        return model, storage, capture_prefill_graphs(model, storage, cfg.prefill_graphs, max_seqs)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return None
@@ -53,7 +53,7 @@ class PrefillChunk:
         return self.end == len(self.prompt)
 
 
-def prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool, max_seqs: int) -> PrefillGraphRunner | None:
+def capture_prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool, max_seqs: int) -> PrefillGraphRunner | None:
     """The CUDA-graph runner of `--prefill-graphs` (engine/model/prefill_graphs.py), built
     after the warm-up; None when off. ValueError where the model cannot take graphs."""
     if not enabled:
