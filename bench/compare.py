@@ -38,7 +38,7 @@ from pdunit.bench.capacity import (
 )
 from pdunit.bench.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
-from pdunit.engine.settings import parse_config, to_argv
+from pdunit.engine.settings import default_prefill_graphs, parse_config, to_argv
 
 BENCH = "capacity"
 
@@ -78,8 +78,8 @@ class CompareConfig(BaseModel):
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
-    prefill_graphs: bool = Field(False, description="every variant's P or monolith replays prefill CUDA graphs "
-                                 "(--prefill-graphs)")
+    prefill_graphs: bool | None = Field(None, description="every variant's P or monolith replays prefill CUDA "
+                                        "graphs (--prefill-graphs; default: the engines', on with CUDA)")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -305,7 +305,9 @@ def client_processes(cfg: CompareConfig) -> int:
 
 def resolved_config(cfg: CompareConfig) -> dict[str, Any]:
     """The config as the run used it: the device-dependent defaults filled in."""
-    return {**cfg.model_dump(), "frames": stream_frames(cfg), "client_procs": client_processes(cfg)}
+    graphs = cfg.prefill_graphs if cfg.prefill_graphs is not None else default_prefill_graphs(cfg.device)
+    return {**cfg.model_dump(), "frames": stream_frames(cfg), "client_procs": client_processes(cfg),
+            "prefill_graphs": graphs}
 
 
 def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[str, int],

@@ -54,8 +54,8 @@ class LocalConfig(BaseModel):
                               "bfloat16 puts tiny on the GPU path)")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of P's and the monolith's "
                                                  "forwards with prompt rows (their --prefill-gemm)")
-    prefill_graphs: bool = Field(False, description="P and the monolith replay prefill CUDA graphs (their "
-                                 "--prefill-graphs; CUDA only)")
+    prefill_graphs: bool | None = Field(None, description="P and the monolith replay prefill CUDA graphs (their "
+                                        "--prefill-graphs; default: theirs, on with CUDA, off on the CPU)")
     pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
@@ -141,7 +141,7 @@ class LocalUnit:
             common += ["--dtype", c.dtype]
         # P and the monolith only; nothing when default, so the commands stay the pod's
         gemm = (["--prefill-gemm", c.prefill_gemm] if c.prefill_gemm != "bf16" else []) + \
-            (["--prefill-graphs"] if c.prefill_graphs else [])
+            ([] if c.prefill_graphs is None else ["--prefill-graphs" if c.prefill_graphs else "--no-prefill-graphs"])
         cmds: list[tuple[str, list[str]]] = []
         if c.mode == "monolith":
             cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,

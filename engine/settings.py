@@ -141,6 +141,13 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
     return str(value)
 
 
+def default_prefill_graphs(device: str) -> bool:
+    """--prefill-graphs when not given: on where the engine runs on a CUDA device."""
+    import torch
+
+    return torch.device(device).type == "cuda"
+
+
 class PrefillModelFields(BaseModel):
     """The model fields of every engine that runs prefill forwards (P and the monolith):
     engine/prefill/runner.start_prefill_model loads, warms and captures the model they
@@ -155,12 +162,20 @@ class PrefillModelFields(BaseModel):
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of forwards with prompt rows: "
                                                  "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
                                                  "per-row activation scales; CUDA needs compute capability 8.9+)")
-    fp8_min_rows: int = Field(1200, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all stay in "
-                              "bf16 (on an H200 fp8 makes an 800-row forward 0.8x as fast, a 1500-row one 1.3x: "
-                              "bench/results/prefill-20261130-h200x2-fp8.md)")
-    prefill_graphs: bool = Field(False, description="replay CUDA graphs, one per row bucket up to 2048 rows, for "
-                                 "prefill forwards that fit one (small forwards are bound by kernel launches; "
-                                 "CUDA only)")
+    fp8_min_rows: int | None = Field(None, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all "
+                                     "stay in bf16; default 0 with prefill graphs, 1200 without (on an H200 an "
+                                     "eager fp8 forward of 800 rows is 0.8x as fast as bf16, one replayed from a "
+                                     "graph 1.4x: bench/results/prefill-20261130-h200x2-graphs.md)")
+    prefill_graphs: bool | None = Field(None, description="replay CUDA graphs, one per row bucket up to 2048 rows, "
+                                        "for prefill forwards that fit one (small forwards are bound by kernel "
+                                        "launches); default on with a CUDA device, off on the CPU, where asking "
+                                        "for them is an error")
+
+    def resolved_prefill(self) -> tuple[bool, int]:
+        """(prefill_graphs, fp8_min_rows) with their device-dependent defaults applied."""
+        graphs = self.prefill_graphs if self.prefill_graphs is not None else default_prefill_graphs(self.device)
+        min_rows = self.fp8_min_rows if self.fp8_min_rows is not None else (0 if graphs else 1200)
+        return graphs, min_rows
 
 
 def parse_decode_sockets(value: str) -> list[str]:

@@ -238,4 +238,6 @@ def test_stream_lengths_default_to_benchmarks_md_on_a_gpu_and_short_on_cpu():
     from pdunit.bench.compare import resolved_config
 
     assert resolved_config(CompareConfig(device="cuda")) == {
-        **CompareConfig(device="cuda").model_dump(), "frames": "105-630", "client_procs": 4}
+        **CompareConfig(device="cuda").model_dump(), "frames": "105-630", "client_procs": 4, "prefill_graphs": True}
+    assert resolved_config(CompareConfig(device="cuda", prefill_graphs=False))["prefill_graphs"] is False
+    assert resolved_config(CompareConfig())["prefill_graphs"] is False

@@ -69,10 +69,27 @@ def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only():
     pd = argv_of(mode="pd", prefill_gemm="fp8", prefill_graphs=True)
     assert pd["prefill"][-3:] == ["--prefill-gemm", "fp8", "--prefill-graphs"]
     assert not any(a.startswith("--prefill-g") for a in pd["decode"] + pd["lb"])
-    mono = argv_of(mode="monolith", prefill_graphs=True)
-    assert "--prefill-graphs" in mono["monolith"] and "--prefill-gemm" not in mono["monolith"]
+    mono = argv_of(mode="monolith", prefill_graphs=False)
+    assert "--no-prefill-graphs" in mono["monolith"] and "--prefill-gemm" not in mono["monolith"]
     # the defaults add nothing: the commands stay the pod's (operator/reconcile.py)
     assert not any(a.startswith("--prefill-g") for argv in argv_of(mode="pd").values() for a in argv)
     from pdunit.engine.prefill.main import PrefillConfig
 
     assert parse_config(PrefillConfig, pd["prefill"][pd["prefill"].index("prefill") + 1:], "p", env={}).prefill_graphs
+    mono_argv = mono["monolith"][mono["monolith"].index("monolith") + 1:]
+    from pdunit.engine.monolith.main import MonolithConfig
+
+    assert parse_config(MonolithConfig, mono_argv, "m", env={}).prefill_graphs is False
+
+
+@pytest.mark.parametrize("device, given, want", [
+    ("cuda:1", {}, (True, 0)),                                    # graphs make fp8 pay from 300 rows
+    ("cpu", {}, (False, 1200)),                                   # eager fp8 loses under ~1000 rows
+    ("cuda", {"prefill_graphs": False}, (False, 1200)),
+    ("cuda", {"fp8_min_rows": 64}, (True, 64)),
+    ("cpu", {"prefill_graphs": True, "fp8_min_rows": 0}, (True, 0)),  # start_prefill_model refuses it
+])
+def test_prefill_graphs_and_the_fp8_threshold_default_by_device(device, given, want):
+    from pdunit.engine.prefill.main import PrefillConfig
+
+    assert PrefillConfig(device=device, **given).resolved_prefill() == want

@@ -76,12 +76,17 @@ def _streams_and_metrics(tmp_path, n: int, metrics_of: str, **cfg) -> dict[str, 
     return metrics
 
 
-def test_pd_unit_with_prefill_graphs_streams_every_frame(tmp_path):
-    """--prefill-graphs in P: every prompt here fits a bucket, so forwards replay graphs
-    (their logits against the eager path: tests/kernels/test_prefill_graphs.py)."""
-    metrics = _streams_and_metrics(tmp_path, 6, "prefill", mode="pd", transfer="ipc", device="cuda:0",
-                                   decode_devices="cuda:1", prefill_graphs=True)
-    assert metrics.get('pdunit_prefill_forwards_total{path="graph"}', 0) >= 1, metrics
+@pytest.mark.parametrize("graphs", [None, False])
+def test_pd_unit_replays_prefill_graphs_by_default_on_cuda(tmp_path, graphs):
+    """P on CUDA captures prefill graphs unless --no-prefill-graphs: every prompt here fits
+    a bucket, so its forwards replay graphs (their logits against the eager path:
+    tests/kernels/test_prefill_graphs.py) or, with the flag, none do. Four prompts of
+    300-420 rows: even packed into one forward they fit the 2048-row bucket."""
+    metrics = _streams_and_metrics(tmp_path, 4, "prefill", mode="pd", transfer="ipc", device="cuda:0",
+                                   decode_devices="cuda:1", prefill_graphs=graphs)
+    replayed = metrics.get('pdunit_prefill_forwards_total{path="graph"}', 0)
+    eager = metrics.get('pdunit_prefill_forwards_total{path="eager"}', 0)
+    assert (replayed >= 1 and eager == 0) if graphs is None else (replayed == 0 and eager >= 1), metrics
 
 
 def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
