@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -80,6 +81,9 @@ class CompareConfig(BaseModel):
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
     prefill_graphs: bool | None = Field(None, description="every variant's P or monolith replays prefill CUDA "
                                         "graphs (--prefill-graphs; default: the engines', on with CUDA)")
+    prefill_args: str = Field("", description="more flags for every variant's P (1p1d, 1p2d), e.g. "
+                              "'--max-batch-rows=2048'; checked against P's flags before anything starts")
+    monolith_args: str = Field("", description="more flags for every monolith variant, checked likewise")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -106,20 +110,22 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
                 prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs,
                 log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
+    p_args, mono_args = engine_args(cfg)
+    pd = dict(base, transfer=cfg.transfer, extra_prefill_args=p_args)
+    mono = dict(base, mode="monolith", extra_monolith_args=mono_args)
     out: list[Unit] = []
     for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
         if name == "1p1d":
-            out.append((name, 2, LocalConfig(mode="pd", transfer=cfg.transfer, decode_devices=device(1) if gpu else "",
-                                             **base)))
+            out.append((name, 2, LocalConfig(mode="pd", decode_devices=device(1) if gpu else "", **pd)))
         elif name == "1p2d":
             devices = f"{device(1)},{device(2)}" if gpu else ""
-            out.append((name, 3, LocalConfig(mode="1p2d", transfer=cfg.transfer, decode_devices=devices, **base)))
+            out.append((name, 3, LocalConfig(mode="1p2d", decode_devices=devices, **pd)))
         elif name == "monolith-prefill-first":
-            out.append((name, 1, LocalConfig(mode="monolith", policy="prefill-first", **base)))
+            out.append((name, 1, LocalConfig(policy="prefill-first", **mono)))
         elif name == "monolith-chunked":
             for chunk in parse_list(cfg.chunks, "chunks", int):
                 out.append((f"monolith-chunked-{chunk}", 1,
-                            LocalConfig(mode="monolith", policy="chunked", chunk_tokens=chunk, **base)))
+                            LocalConfig(policy="chunked", chunk_tokens=chunk, **mono)))
         else:
             raise SystemExit(f"pdunit bench compare: unknown variant {name!r} "
                              "(1p1d, 1p2d, monolith-prefill-first, monolith-chunked)")
@@ -128,6 +134,25 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
         raise SystemExit(f"pdunit bench compare: --variants {cfg.variants!r} with --chunks {cfg.chunks!r} names "
                          f"{sorted({n for n in names if names.count(n) > 1})} more than once")
     return out
+
+
+def engine_args(cfg: CompareConfig) -> tuple[list[str], list[str]]:
+    """--prefill-args and --monolith-args as argv lists, each parsed by its engine's own
+    config first, so a misspelt flag or a bad value stops the run here, named, not as a
+    unit that fails to start minutes later."""
+    from pdunit.engine.monolith.main import MonolithConfig
+    from pdunit.engine.prefill.main import PrefillConfig
+
+    out = []
+    for field, config in (("prefill_args", PrefillConfig), ("monolith_args", MonolithConfig)):
+        argv = shlex.split(getattr(cfg, field))
+        try:
+            parse_config(config, argv, f"pdunit bench compare --{field.replace('_', '-')}", env={})
+        except SystemExit as exc:  # argparse's: an unknown flag (its message is printed)
+            raise SystemExit(f"pdunit bench compare: --{field.replace('_', '-')} {getattr(cfg, field)!r} "
+                             f"is not a valid set of flags for that engine") from exc
+        out.append(argv)
+    return out[0], out[1]
 
 
 def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | str | None]:

@@ -77,15 +77,18 @@ def run_forward(
 ) -> torch.Tensor:
     """One forward over `entries`; through `graphs` (a replay where a bucket covers the
     batch, else eager) when given."""
-    batch = make_batch(entries)
     if graphs is not None:
         replays = graphs.stats["replays"]
-        logits = graphs.run(batch)
+        logits = graphs.run(make_batch(entries))
         m.P_PREFILL_FORWARDS.labels(path="graph" if graphs.stats["replays"] > replays else "eager").inc()
         return logits
     m.P_PREFILL_FORWARDS.labels(path="eager").inc()
+    return _eager_forward(model, storage, entries)
+
+
+def _eager_forward(model: TTSModel, storage: torch.Tensor, entries: list[SeqEntry]) -> torch.Tensor:
     with torch.inference_mode():
-        return model.forward(batch, storage)
+        return model.forward(make_batch(entries), storage)
 
 
 def run_prefill(
@@ -140,8 +143,10 @@ def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None) -> float:
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     shapes = [[rows], [rows // 2 + 1, rows - rows // 2 - 1]] if rows >= 4 else [[rows]]
-    for lengths in shapes:
-        run_prefill(model, storage, random_chunks(model, lengths, rng))
+    for lengths in shapes:  # not through run_prefill: the forwards metric counts served forwards only
+        chunks = random_chunks(model, lengths, rng)
+        logits = _eager_forward(model, storage, [prefill_entry(c.prompt, c.slots, c.start, c.end) for c in chunks])
+        first_frames(model, logits, chunks)
     if storage.is_cuda:
         torch.cuda.synchronize(storage.device)
     seconds = time.perf_counter() - t0

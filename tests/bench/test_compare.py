@@ -176,6 +176,25 @@ def test_devices_start_at_gpu_base():
     assert (cpu.device, cpu.decode_devices) == ("cpu", "")
 
 
+def test_engine_args_reach_p_and_the_monoliths_only_and_bad_ones_stop_the_run(capsys):
+    cfg = CompareConfig(variants="1p1d,1p2d,monolith-prefill-first,monolith-chunked", chunks="64",
+                        prefill_args="--max-batch-rows=2048 --transfer-workers 2", monolith_args="--max-batch=64")
+    units = {name: unit for name, _, unit in variant_units(cfg)}
+    for name in ("1p1d", "1p2d"):
+        assert units[name].extra_prefill_args == ["--max-batch-rows=2048", "--transfer-workers", "2"]
+        assert units[name].extra_monolith_args == []
+    units["1p1d"].extra_prefill_args.append("--metrics-port=1")  # as run_variant does: one unit's own list
+    assert units["1p2d"].extra_prefill_args[-1] == "2"
+    for name in ("monolith-prefill-first", "monolith-chunked-64"):
+        assert (units[name].extra_monolith_args, units[name].extra_prefill_args) == (["--max-batch=64"], [])
+    with pytest.raises(SystemExit, match="--prefill-args '--max-batch-rowz=1' is not a valid set of flags"):
+        variant_units(CompareConfig(variants="1p1d", prefill_args="--max-batch-rowz=1"))
+    assert "unrecognized arguments: --max-batch-rowz=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--monolith-args"):
+        variant_units(CompareConfig(variants="1p1d", monolith_args="--max-batch=0"))
+    assert "invalid max_batch (from --max-batch)" in capsys.readouterr().err
+
+
 def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(tmp_path, capsys):
     out = tmp_path / "capacity.json"
     doc = run_compare(CompareConfig(variants="monolith-prefill-first,monolith-chunked", chunks="64",

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from pdunit.engine import metrics as m
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.prefill.runner import warm_up
+
+
+def _forwards() -> float:
+    return sum(m.P_PREFILL_FORWARDS.labels(path=p)._value.get() for p in ("graph", "eager"))
 
 
 def test_warm_up_prefills_into_the_first_slots_only():
     model = load_model("random:tiny:0")
     storage = model.new_kv_storage(64)
+    before = _forwards()
     assert warm_up(model, storage, 20) > 0
     assert storage[:, :, :20].abs().sum() > 0  # the forwards wrote their K/V there
     assert storage[:, :, 20:].abs().sum() == 0  # and nowhere else
+    assert _forwards() == before  # the forwards metric counts served forwards only
 
 
 def test_warm_up_is_off_by_default_on_the_cpu_and_bounded_by_the_storage():
