@@ -39,7 +39,7 @@ from pdunit.bench.capacity import (
 )
 from pdunit.bench.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
-from pdunit.engine.settings import default_prefill_graphs, parse_config, to_argv
+from pdunit.engine.settings import parse_config, to_argv
 
 BENCH = "capacity"
 
@@ -80,7 +80,8 @@ class CompareConfig(BaseModel):
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
     prefill_graphs: bool | None = Field(None, description="every variant's P or monolith replays prefill CUDA "
-                                        "graphs (--prefill-graphs; default: the engines', on with CUDA)")
+                                        "graphs (--prefill-graphs; default: the engines' own, on where the model takes the GPU path; "
+                                        "the engines table's P graph share says how many forwards replayed one)")
     prefill_args: str = Field("", description="more flags for every variant's P (1p1d, 1p2d), e.g. "
                               "'--max-batch-rows=2048'; checked against P's flags before anything starts")
     monolith_args: str = Field("", description="more flags for every monolith variant, checked likewise")
@@ -235,13 +236,13 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
-           "| LB lag ms | LB lag > 20 ms | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| P graph share | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
-                                              "p_busy", "lb_lag_mean_ms", "lb_lag_over_20ms")]
+                                              "p_busy", "p_graph_share", "lb_lag_mean_ms", "lb_lag_over_20ms")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -263,6 +264,8 @@ _SERIES = {
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
     "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
+    "p_graph": 'pdunit_prefill_forwards_total{path="graph"}',
+    "p_eager": 'pdunit_prefill_forwards_total{path="eager"}',
     "lb_lag_n": "pdunit_lb_loop_lag_seconds_count", "lb_lag_s": "pdunit_lb_loop_lag_seconds_sum",
     "lb_lag_le_20ms": 'pdunit_lb_loop_lag_seconds_bucket{le="0.02"}',
 }
@@ -298,7 +301,8 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """What the engines did during one level: mean D step and batch, the share of steps
-    replayed from a CUDA graph, D's GPU busy share, P's mean forward and busy share, and
+    replayed from a CUDA graph, D's GPU busy share, P's mean forward, busy share and share
+    of forwards replayed from a prefill graph, and
     how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
     d = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in _SERIES.items()}
     out: dict[str, float] = {}
@@ -312,6 +316,8 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     if d["p_forwards"] > 0 and seconds > 0:
         out["p_forward_ms"] = round(1000 * d["p_forward_s"] / d["p_forwards"], 3)
         out["p_busy"] = round(d["p_forward_s"] / seconds, 4)
+    if d["p_graph"] + d["p_eager"] > 0:
+        out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
     if d["lb_lag_n"] > 0:
         out["lb_lag_mean_ms"] = round(1000 * d["lb_lag_s"] / d["lb_lag_n"], 3)
         out["lb_lag_over_20ms"] = round(1 - d["lb_lag_le_20ms"] / d["lb_lag_n"], 4)
@@ -330,9 +336,7 @@ def client_processes(cfg: CompareConfig) -> int:
 
 def resolved_config(cfg: CompareConfig) -> dict[str, Any]:
     """The config as the run used it: the device-dependent defaults filled in."""
-    graphs = cfg.prefill_graphs if cfg.prefill_graphs is not None else default_prefill_graphs(cfg.device)
-    return {**cfg.model_dump(), "frames": stream_frames(cfg), "client_procs": client_processes(cfg),
-            "prefill_graphs": graphs}
+    return {**cfg.model_dump(), "frames": stream_frames(cfg), "client_procs": client_processes(cfg)}
 
 
 def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[str, int],

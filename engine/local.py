@@ -55,7 +55,7 @@ class LocalConfig(BaseModel):
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of P's and the monolith's "
                                                  "forwards with prompt rows (their --prefill-gemm)")
     prefill_graphs: bool | None = Field(None, description="P and the monolith replay prefill CUDA graphs (their "
-                                        "--prefill-graphs; default: theirs, on with CUDA, off on the CPU)")
+                                        "--prefill-graphs; default: theirs, on where the model takes the GPU path)")
     pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")

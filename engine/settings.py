@@ -141,13 +141,6 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
     return str(value)
 
 
-def default_prefill_graphs(device: str) -> bool:
-    """--prefill-graphs when not given: on where the engine runs on a CUDA device."""
-    import torch
-
-    return torch.device(device).type == "cuda"
-
-
 class PrefillModelFields(BaseModel):
     """The model fields of every engine that runs prefill forwards (P and the monolith):
     engine/prefill/runner.start_prefill_model loads, warms and captures the model they
@@ -168,12 +161,14 @@ class PrefillModelFields(BaseModel):
                                      "graph 1.4x: bench/results/prefill-20261130-h200x2-graphs.md)")
     prefill_graphs: bool | None = Field(None, description="replay CUDA graphs, one per row bucket up to 2048 rows, "
                                         "for prefill forwards that fit one (small forwards are bound by kernel "
-                                        "launches); default on with a CUDA device, off on the CPU, where asking "
-                                        "for them is an error")
+                                        "launches); default on where the model takes the GPU path (CUDA, bf16 or "
+                                        "fp16), else off; asking for them elsewhere is an error")
 
-    def resolved_prefill(self) -> tuple[bool, int]:
-        """(prefill_graphs, fp8_min_rows) with their device-dependent defaults applied."""
-        graphs = self.prefill_graphs if self.prefill_graphs is not None else default_prefill_graphs(self.device)
+    def resolved_prefill(self, gpu_path: bool) -> tuple[bool, int]:
+        """(prefill_graphs, fp8_min_rows) with their defaults applied for a model that
+        does or does not take the GPU path (TTSModel.gpu_path: CUDA in bf16/fp16; the
+        graphs capture its kernels)."""
+        graphs = self.prefill_graphs if self.prefill_graphs is not None else gpu_path
         min_rows = self.fp8_min_rows if self.fp8_min_rows is not None else (0 if graphs else 1200)
         return graphs, min_rows
 

@@ -30,11 +30,12 @@ def start_prefill_model(
     them; or None with the reason logged: a bad model spec or dtype, fp8 GEMMs or CUDA
     graphs where the device has none."""
     try:
-        graphs, fp8_min_rows = cfg.resolved_prefill()
-        log.info("prefill model", extra={"prefill_gemm": cfg.prefill_gemm, "fp8_min_rows": fp8_min_rows,
+        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        graphs, fp8_min_rows = cfg.resolved_prefill(model.gpu_path)
+        model.set_prefill_gemm(cfg.prefill_gemm, fp8_min_rows)
+        log.info("prefill model", extra={"dtype": str(model.dtype).replace("torch.", ""), "gpu_path": model.gpu_path,
+                                         "prefill_gemm": cfg.prefill_gemm, "fp8_min_rows": fp8_min_rows,
                                          "prefill_graphs": graphs})
-        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, prefill_gemm=cfg.prefill_gemm,
-                           fp8_min_rows=fp8_min_rows)
         storage = model.new_kv_storage(n_slots, device=cfg.device)
         warm_up(model, storage, cfg.warmup_rows)
         return model, storage, capture_prefill_graphs(model, storage, graphs, max_seqs)

@@ -176,6 +176,20 @@ def test_devices_start_at_gpu_base():
     assert (cpu.device, cpu.decode_devices) == ("cpu", "")
 
 
+def test_engine_deltas_read_each_levels_share_of_graph_replays_in_d_and_p():
+    from pdunit.bench.compare import _SERIES, engine_deltas
+
+    before = {name: 0.0 for name in _SERIES.values()}
+    after = dict(before, **{_SERIES["p_forwards"]: 4, _SERIES["p_forward_s"]: 0.2, _SERIES["p_graph"]: 3,
+                            _SERIES["p_eager"]: 1, _SERIES["d_steps"]: 10, _SERIES["d_step_s"]: 0.1,
+                            _SERIES["d_batch_sum"]: 500, _SERIES["d_graph"]: 9, _SERIES["d_eager"]: 1})
+    got = engine_deltas(before, after, 2.0)
+    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "d_step_ms": 10.0,
+                   "d_batch": 50.0, "d_graph_share": 0.9}
+    assert "p_graph_share" not in engine_deltas(before, dict(after, **{_SERIES["p_graph"]: 0, _SERIES["p_eager"]: 0}),
+                                                2.0)
+
+
 def test_engine_args_reach_p_and_the_monoliths_only_and_bad_ones_stop_the_run(capsys):
     cfg = CompareConfig(variants="1p1d,1p2d,monolith-prefill-first,monolith-chunked", chunks="64",
                         prefill_args="--max-batch-rows=2048 --transfer-workers 2", monolith_args="--max-batch=64")
@@ -257,6 +271,4 @@ def test_stream_lengths_default_to_benchmarks_md_on_a_gpu_and_short_on_cpu():
     from pdunit.bench.compare import resolved_config
 
     assert resolved_config(CompareConfig(device="cuda")) == {
-        **CompareConfig(device="cuda").model_dump(), "frames": "105-630", "client_procs": 4, "prefill_graphs": True}
-    assert resolved_config(CompareConfig(device="cuda", prefill_graphs=False))["prefill_graphs"] is False
-    assert resolved_config(CompareConfig())["prefill_graphs"] is False
+        **CompareConfig(device="cuda").model_dump(), "frames": "105-630", "client_procs": 4}

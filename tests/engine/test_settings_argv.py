@@ -82,14 +82,14 @@ def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only():
     assert parse_config(MonolithConfig, mono_argv, "m", env={}).prefill_graphs is False
 
 
-@pytest.mark.parametrize("device, given, want", [
-    ("cuda:1", {}, (True, 0)),                                    # graphs make fp8 pay from 300 rows
-    ("cpu", {}, (False, 1200)),                                   # eager fp8 loses under ~1000 rows
-    ("cuda", {"prefill_graphs": False}, (False, 1200)),
-    ("cuda", {"fp8_min_rows": 64}, (True, 64)),
-    ("cpu", {"prefill_graphs": True, "fp8_min_rows": 0}, (True, 0)),  # start_prefill_model refuses it
+@pytest.mark.parametrize("gpu_path, given, want", [
+    (True, {}, (True, 0)),                                    # graphs make fp8 pay from 300 rows
+    (False, {}, (False, 1200)),                               # eager fp8 loses under ~1000 rows
+    (True, {"prefill_graphs": False}, (False, 1200)),
+    (True, {"fp8_min_rows": 64}, (True, 64)),
+    (False, {"prefill_graphs": True, "fp8_min_rows": 0}, (True, 0)),  # start_prefill_model refuses it
 ])
-def test_prefill_graphs_and_the_fp8_threshold_default_by_device(device, given, want):
+def test_prefill_graphs_and_the_fp8_threshold_default_by_the_models_path(gpu_path, given, want):
     from pdunit.engine.prefill.main import PrefillConfig
 
-    assert PrefillConfig(device=device, **given).resolved_prefill() == want
+    assert PrefillConfig(**given).resolved_prefill(gpu_path) == want
