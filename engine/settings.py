@@ -157,8 +157,8 @@ class PrefillModelFields(BaseModel):
                                                  "per-row activation scales; CUDA needs compute capability 8.9+)")
     fp8_min_rows: int | None = Field(None, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all "
                                      "stay in bf16; default 0 with prefill graphs, 1200 without (on an H200 an "
-                                     "eager fp8 forward of 800 rows is 0.8x as fast as bf16, one replayed from a "
-                                     "graph 1.4x: bench/results/prefill-20261130-h200x2-graphs.md)")
+                                     "eager fp8 forward of 800 rows is 0.8x as fast as an eager bf16 one, and an fp8 "
+                                     "graph 1.4x a bf16 graph: bench/results/prefill-20261130-h200x2-graphs.md)")
     prefill_graphs: bool | None = Field(None, description="replay CUDA graphs, one per row bucket up to 2048 rows, "
                                         "for prefill forwards that fit one (small forwards are bound by kernel "
                                         "launches); default on where the model takes the GPU path (CUDA, bf16 or "
