@@ -5,8 +5,10 @@ the capacity per GPU of each variant and the ratios of the headline claims.
 
 Variants: `1p1d` (P and D on two devices, `--transfer`), `1p2d` (one P feeding two D's
 on three devices: P on device 0, the D's on devices 1 and 2), `monolith-prefill-first`,
-`monolith-chunked` (one run per `--chunks` size). On CPU (the default) it is a plumbing
-check with the tiny model; on a GPU machine pass `--device cuda` and the model shape.
+`monolith-chunked` (one run per `--chunks` size). `VARIANT+LABEL` adds a copy of a
+variant whose P (or monolith) gets LABEL's flags (`--variant-args`): an A/B of one knob
+side by side in the same run. On CPU (the default) it is a plumbing check with the tiny
+model; on a GPU machine pass `--device cuda` and the model shape.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class CompareConfig(BaseModel):
                         "D's on the next two)")
     transfer: str = Field("host", description="1p1d KV transport (host on CPU; ipc/proxy/auto on GPUs)")
     variants: str = Field("1p1d,monolith-prefill-first,monolith-chunked", description="which variants (1p1d, "
-                          "1p2d, monolith-prefill-first, monolith-chunked)")
+                          "1p2d, monolith-prefill-first, monolith-chunked); VARIANT+LABEL adds a copy of a variant "
+                          "whose engine gets LABEL's flags from --variant-args")
     chunks: str = Field("8192", description="monolith-chunked chunk sizes (comma list)")
     concurrency: str = Field("2,4", description="closed-loop levels")
     variant_concurrency: str = Field("", description="per-variant levels overriding --concurrency, e.g. "
@@ -85,6 +88,12 @@ class CompareConfig(BaseModel):
     prefill_args: str = Field("", description="more flags for every variant's P (1p1d, 1p2d), e.g. "
                               "'--max-batch-rows=2048'; checked against P's flags before anything starts")
     monolith_args: str = Field("", description="more flags for every monolith variant, checked likewise")
+    variant_args: str = Field("", description="flags of the labelled copies in --variants, 'LABEL=FLAGS;...': "
+                              "`--variants 1p1d,1p1d+b2048 --variant-args 'b2048=--max-batch-rows=2048'` runs 1P1D "
+                              "twice in one run, the copy's P with those flags (a monolith copy's monolith), after "
+                              "--prefill-args/--monolith-args. A copy takes its own levels (--variant-rate "
+                              "1p1d+b2048=...) or its variant's; it gets no headline ratio, the summary gives it "
+                              "over its variant (variant_over_base)")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -111,25 +120,25 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
                 prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs,
                 log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
-    p_args, mono_args = engine_args(cfg)
-    pd = dict(base, transfer=cfg.transfer, extra_prefill_args=p_args)
-    mono = dict(base, mode="monolith", extra_monolith_args=mono_args)
+    labels = variant_labels(cfg)
     out: list[Unit] = []
-    for name in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
-        if name == "1p1d":
-            out.append((name, 2, LocalConfig(mode="pd", decode_devices=device(1) if gpu else "", **pd)))
-        elif name == "1p2d":
+    for spec in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
+        family, label = split_variant(spec)
+        suffix = f"+{label}" if label else ""
+        args = engine_argv(cfg, family, label, labels)
+        pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args)
+        mono = dict(base, mode="monolith", extra_monolith_args=args)
+        if family == "1p1d":
+            out.append((spec, 2, LocalConfig(mode="pd", decode_devices=device(1) if gpu else "", **pd)))
+        elif family == "1p2d":
             devices = f"{device(1)},{device(2)}" if gpu else ""
-            out.append((name, 3, LocalConfig(mode="1p2d", decode_devices=devices, **pd)))
-        elif name == "monolith-prefill-first":
-            out.append((name, 1, LocalConfig(policy="prefill-first", **mono)))
-        elif name == "monolith-chunked":
+            out.append((spec, 3, LocalConfig(mode="1p2d", decode_devices=devices, **pd)))
+        elif family == "monolith-prefill-first":
+            out.append((spec, 1, LocalConfig(policy="prefill-first", **mono)))
+        else:  # monolith-chunked: one unit per chunk size
             for chunk in parse_list(cfg.chunks, "chunks", int):
-                out.append((f"monolith-chunked-{chunk}", 1,
+                out.append((f"monolith-chunked-{chunk}{suffix}", 1,
                             LocalConfig(policy="chunked", chunk_tokens=chunk, **mono)))
-        else:
-            raise SystemExit(f"pdunit bench compare: unknown variant {name!r} "
-                             "(1p1d, 1p2d, monolith-prefill-first, monolith-chunked)")
     names = [name for name, _, _ in out]
     if len(set(names)) != len(names):  # a variant's results (and its child's files) are keyed by its name
         raise SystemExit(f"pdunit bench compare: --variants {cfg.variants!r} with --chunks {cfg.chunks!r} names "
@@ -137,33 +146,77 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
     return out
 
 
-def engine_args(cfg: CompareConfig) -> tuple[list[str], list[str]]:
-    """--prefill-args and --monolith-args as argv lists, each parsed by its engine's own
-    config first, so a misspelt flag or a bad value stops the run here, named, not as a
-    unit that fails to start minutes later."""
+FAMILIES = ("1p1d", "1p2d", "monolith-prefill-first", "monolith-chunked")
+
+
+def split_variant(spec: str) -> tuple[str, str]:
+    """'1p1d+b2048' -> ('1p1d', 'b2048'); '1p1d' -> ('1p1d', ''). SystemExit naming the
+    variant when its family is unknown or its label empty."""
+    family, sep, label = (x.strip() for x in spec.partition("+"))
+    if family not in FAMILIES:
+        raise SystemExit(f"pdunit bench compare: unknown variant {spec!r} ({', '.join(FAMILIES)}, each "
+                         "optionally +LABEL)")
+    if sep and not label:
+        raise SystemExit(f"pdunit bench compare: variant {spec!r} has an empty label after '+'")
+    return family, label
+
+
+def variant_labels(cfg: CompareConfig) -> dict[str, str]:
+    """--variant-args as LABEL -> flags; every label --variants uses must be defined and
+    every defined one used (a misspelt label would otherwise run a copy without flags)."""
+    labels: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in cfg.variant_args.split(";"))):
+        label, sep, flags = (x.strip() for x in part.partition("="))
+        if not sep or not label or not flags:
+            raise SystemExit(f"pdunit bench compare: --variant-args: {part!r} is not LABEL=FLAGS")
+        if label in labels:
+            raise SystemExit(f"pdunit bench compare: --variant-args defines {label!r} twice")
+        labels[label] = flags
+    used = {split_variant(v)[1] for v in cfg.variants.split(",") if v.strip()} - {""}
+    if used - set(labels):
+        raise SystemExit(f"pdunit bench compare: --variants uses labels {sorted(used - set(labels))} that "
+                         "--variant-args does not define")
+    if set(labels) - used:
+        raise SystemExit(f"pdunit bench compare: --variant-args defines labels {sorted(set(labels) - used)} that "
+                         "no variant in --variants uses")
+    return labels
+
+
+def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, str]) -> list[str]:
+    """The extra flags of a variant's prefilling engine (P, or the monolith):
+    --prefill-args or --monolith-args, then its label's. Each set is parsed by that
+    engine's own config first, so a misspelt flag or a bad value stops the run here,
+    named, not as a unit that fails to start minutes later."""
     from pdunit.engine.monolith.main import MonolithConfig
     from pdunit.engine.prefill.main import PrefillConfig
 
-    out = []
-    for field, config in (("prefill_args", PrefillConfig), ("monolith_args", MonolithConfig)):
-        argv = shlex.split(getattr(cfg, field))
+    monolith = family.startswith("monolith")
+    config: type[BaseModel] = MonolithConfig if monolith else PrefillConfig
+    field = "--monolith-args" if monolith else "--prefill-args"
+    sources = [(field, getattr(cfg, field[2:].replace("-", "_")))]
+    if label:
+        sources.append((f"--variant-args {label}", labels[label]))
+    argv: list[str] = []
+    for source, text in sources:
         try:
-            parse_config(config, argv, f"pdunit bench compare --{field.replace('_', '-')}", env={})
-        except SystemExit as exc:  # argparse's: an unknown flag (its message is printed)
-            raise SystemExit(f"pdunit bench compare: --{field.replace('_', '-')} {getattr(cfg, field)!r} "
-                             f"is not a valid set of flags for that engine") from exc
-        out.append(argv)
-    return out[0], out[1]
+            parse_config(config, shlex.split(text), f"pdunit bench compare {source}", env={})
+        except SystemExit as exc:  # ConfigError or argparse's (an unknown flag); the message is printed
+            raise SystemExit(f"pdunit bench compare: {source} {text!r} is not a valid set of flags for "
+                             f"{'the monolith' if monolith else 'P'}") from exc
+        argv += shlex.split(text)
+    return argv
 
 
-def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | str | None]:
+def ratios(per_gpu: dict[str, float | None]) -> dict[str, Any]:
     def over(a: str | None, b: str | None) -> float | None:
         x, y = per_gpu.get(a or ""), per_gpu.get(b or "")
         return round(x / y, 3) if x and y else None
 
-    chunked = {k: v for k, v in per_gpu.items() if k.startswith("monolith-chunked")}
+    # the headline ratios are of the variants as they are; labelled copies (NAME+LABEL)
+    # are reported over their own variant instead
+    chunked = {k: v for k, v in per_gpu.items() if k.startswith("monolith-chunked") and "+" not in k}
     best = max(chunked, key=lambda k: chunked[k] or 0) if chunked else None
-    return {
+    out: dict[str, Any] = {
         "pd_over_prefill_first": over("1p1d", "monolith-prefill-first"),
         "pd_over_chunk_8192": over("1p1d", "monolith-chunked-8192"),
         "pd_over_best_chunked": over("1p1d", best),
@@ -171,6 +224,10 @@ def ratios(per_gpu: dict[str, float | None]) -> dict[str, float | str | None]:
         "1p2d_over_prefill_first": over("1p2d", "monolith-prefill-first"),
         "1p2d_over_1p1d": over("1p2d", "1p1d"),
     }
+    copies = {k: over(k, k.partition("+")[0]) for k in per_gpu if "+" in k}
+    if copies:
+        out["variant_over_base"] = copies
+    return out
 
 
 def level_key(cfg: CompareConfig) -> str:
@@ -180,7 +237,8 @@ def level_key(cfg: CompareConfig) -> str:
 
 def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
     """One variant's levels: its entry in --variant-rate / --variant-concurrency (the
-    chunked monoliths share `monolith-chunked`), else --rate / --concurrency."""
+    chunked monoliths share `monolith-chunked`; a labelled copy takes its own entry, else
+    its variant's), else --rate / --concurrency."""
     rate = level_key(cfg) == "rate"
     flag, spec = ("--variant-rate", cfg.variant_rate) if rate else ("--variant-concurrency", cfg.variant_concurrency)
     overrides: dict[str, str] = {}
@@ -189,13 +247,16 @@ def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
         if not sep or not levels.strip():
             raise ValueError(f"{flag}: {part!r} is not VARIANT=LEVELS")
         overrides[name.strip()] = levels
-    known = {"1p1d", "1p2d", "monolith-prefill-first", "monolith-chunked"}
+    known = set(FAMILIES) | {v.strip() for v in cfg.variants.split(",") if "+" in v}
     if set(overrides) - known:
         raise ValueError(f"{flag}: unknown variants {sorted(set(overrides) - known)}; known: {sorted(known)}")
-    key = "monolith-chunked" if variant.startswith("monolith-chunked") else variant
+    base, sep, label = variant.partition("+")
+    family = "monolith-chunked" if base.startswith("monolith-chunked") else base
+    # a labelled copy: its own entry, else its variant's
+    levels = overrides.get(family + sep + label, overrides.get(family))
     if rate:
-        return parse_list(overrides.get(key, cfg.rate), "rate", float)
-    return parse_list(overrides.get(key, cfg.concurrency), "concurrency", int)
+        return parse_list(levels or cfg.rate, "rate", float)
+    return parse_list(levels or cfg.concurrency, "concurrency", int)
 
 
 def attach_waterfall(row: dict[str, Any], streams: list[dict[str, Any]]) -> None:
@@ -417,10 +478,13 @@ def run_variant(cfg: CompareConfig, name: str, gpus: int, unit_cfg: LocalConfig,
 
 
 def child_config(cfg: CompareConfig, name: str, gpu_base: int, out: Path) -> CompareConfig:
-    """The config of a child run of one variant (`monolith-chunked-<c>`: the family with
-    `--chunks c`); its run_dir stays, the child adds /<name> itself."""
-    chunk = name.removeprefix("monolith-chunked-")
-    variant = {"variants": name} if chunk == name else {"variants": "monolith-chunked", "chunks": chunk}
+    """The config of a child run of one variant (`monolith-chunked-<c>[+LABEL]`: the
+    family with `--chunks c`); its run_dir stays, the child adds /<name> itself."""
+    base, sep, label = name.partition("+")
+    chunk = base.removeprefix("monolith-chunked-")
+    variant = {"variants": name} if chunk == base else {"variants": "monolith-chunked" + sep + label, "chunks": chunk}
+    # the child defines only the label it runs (none for a variant as it is)
+    variant["variant_args"] = f"{label}={variant_labels(cfg)[label]}" if label else ""
     return cfg.model_copy(update={**variant, "parallel_gpus": 1, "gpu_base": gpu_base, "out": str(out),
                                   "plot": ""})
 

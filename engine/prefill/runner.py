@@ -66,10 +66,13 @@ def capture_prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool
         raise ValueError(f"prefill_graphs: CUDA graphs need a CUDA device, the engine runs on {storage.device}")
     import time
 
-    t0 = time.perf_counter()
+    t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(storage.device)
     runner = PrefillGraphRunner(model, storage, max_seqs=max_seqs)
+    # what the graphs hold on to (their memory pool and static buffers): memory the
+    # engine's KV storage could otherwise have had
     logging.getLogger("pdunit.prefill").info("prefill graphs captured", extra={
-        "row_buckets": runner.sizes, "max_seqs": max_seqs, "seconds": round(time.perf_counter() - t0, 2)})
+        "row_buckets": runner.sizes, "max_seqs": max_seqs, "seconds": round(time.perf_counter() - t0, 2),
+        "reserved_mib": round((torch.cuda.memory_reserved(storage.device) - reserved) / 2**20)})
     return runner
 
 

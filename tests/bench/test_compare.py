@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -201,21 +202,67 @@ def test_engine_args_reach_p_and_the_monoliths_only_and_bad_ones_stop_the_run(ca
     assert units["1p2d"].extra_prefill_args[-1] == "2"
     for name in ("monolith-prefill-first", "monolith-chunked-64"):
         assert (units[name].extra_monolith_args, units[name].extra_prefill_args) == (["--max-batch=64"], [])
-    with pytest.raises(SystemExit, match="--prefill-args '--max-batch-rowz=1' is not a valid set of flags"):
+    with pytest.raises(SystemExit, match="--prefill-args '--max-batch-rowz=1' is not a valid set of flags for P"):
         variant_units(CompareConfig(variants="1p1d", prefill_args="--max-batch-rowz=1"))
     assert "unrecognized arguments: --max-batch-rowz=1" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--monolith-args"):
-        variant_units(CompareConfig(variants="1p1d", monolith_args="--max-batch=0"))
+    with pytest.raises(SystemExit, match="--monolith-args '--max-batch=0' is not a valid set of flags for the mono"):
+        variant_units(CompareConfig(variants="monolith-prefill-first", monolith_args="--max-batch=0"))
     assert "invalid max_batch (from --max-batch)" in capsys.readouterr().err
+
+
+def test_a_labelled_copy_runs_its_variant_with_its_own_flags_beside_it():
+    from pdunit.bench.compare import child_config
+
+    cfg = CompareConfig(variants="1p1d,1p1d+b2k,monolith-chunked,monolith-chunked+big", chunks="64,128",
+                        prefill_args="--transfer-workers=2", monolith_args="--max-batch=64",
+                        variant_args="b2k=--max-batch-rows=2048; big=--max-batch=128",
+                        variant_rate="1p1d=10,20;1p1d+b2k=5;monolith-chunked=3")
+    units = {name: unit for name, _, unit in variant_units(cfg)}
+    assert list(units) == ["1p1d", "1p1d+b2k", "monolith-chunked-64", "monolith-chunked-128",
+                           "monolith-chunked-64+big", "monolith-chunked-128+big"]
+    assert units["1p1d"].extra_prefill_args == ["--transfer-workers=2"]
+    assert units["1p1d+b2k"].extra_prefill_args == ["--transfer-workers=2", "--max-batch-rows=2048"]
+    assert units["monolith-chunked-128+big"].extra_monolith_args == ["--max-batch=64", "--max-batch=128"]
+    assert units["monolith-chunked-128+big"].chunk_tokens == 128
+    # levels: a copy's own entry, else its variant's
+    assert levels_for(cfg, "1p1d+b2k") == [5.0] and levels_for(cfg, "monolith-chunked-64+big") == [3.0]
+    # a parallel wave's child runs exactly that copy
+    child = child_config(cfg, "monolith-chunked-128+big", 1, Path("/tmp/x.json"))
+    (name, _, unit), = variant_units(child)
+    assert (name, unit.extra_monolith_args, unit.chunk_tokens) == ("monolith-chunked-128+big",
+                                                                    ["--max-batch=64", "--max-batch=128"], 128)
+    # copies do not enter the headline ratios; each is reported over its variant
+    got = ratios({"1p1d": 16.0, "1p1d+b2k": 12.0, "monolith-chunked-64": 8.0, "monolith-chunked-64+big": 10.0})
+    assert got["best_chunked"] == "monolith-chunked-64" and got["pd_over_best_chunked"] == 2.0
+    assert got["variant_over_base"] == {"1p1d+b2k": 0.75, "monolith-chunked-64+big": 1.25}
+    assert "variant_over_base" not in ratios({"1p1d": 16.0})
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(variants="1p1d+x"), r"labels \['x'\] that --variant-args does not define"),
+    (dict(variants="1p1d", variant_args="x=--max-batch-rows=1"), r"defines labels \['x'\] that no variant"),
+    (dict(variants="1p1d+"), "has an empty label"),
+    (dict(variants="2p1d+x", variant_args="x=--a"), "unknown variant '2p1d\\+x'"),
+    (dict(variants="1p1d+x", variant_args="x"), "'x' is not LABEL=FLAGS"),
+    (dict(variants="1p1d+x", variant_args="x=--a=1;x=--b=2"), "defines 'x' twice"),
+    (dict(variants="1p1d+x", variant_args="x=--max-batch=3"), "--variant-args x '--max-batch=3' is not a valid set "
+                                                             "of flags for P"),
+])
+def test_bad_labelled_copies_stop_the_run_naming_what_is_wrong(kw, message, capsys):
+    with pytest.raises(SystemExit, match=message):
+        variant_units(CompareConfig(**kw))
 
 
 def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(tmp_path, capsys):
     out = tmp_path / "capacity.json"
-    doc = run_compare(CompareConfig(variants="monolith-prefill-first,monolith-chunked", chunks="64",
+    # the chunked monolith as a labelled copy: its child gets the label's flags (logging
+    # at info shows them in its resolved config)
+    doc = run_compare(CompareConfig(variants="monolith-prefill-first,monolith-chunked+b", chunks="64",
+                                    variant_args="b=--log-level=info --max-batch=32",
                                     parallel_gpus=2, concurrency="1", duration=2, prompt_rows="50-100",
                                     frames="21-42", pool_tokens=8192, cache_tokens=8192, ramp=0,
                                     run_dir=str(tmp_path / "run"), out=str(out)), command="test")
-    names = ["monolith-prefill-first", "monolith-chunked-64"]
+    names = ["monolith-prefill-first", "monolith-chunked-64+b"]
     assert [r["mode"] for r in doc["rows"]] == names
     assert all(r["gpus"] == 1 and r["engine"]["d_step_ms"] > 0 and r["waterfall"] for r in doc["rows"])
     saved = json.loads(out.read_text())
@@ -224,12 +271,15 @@ def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(t
     assert saved["config"]["parallel_gpus"] == 2
     assert [r["mode"] for r in saved["rows"]] == names
     assert doc["files"] == [str(out), str(out.with_suffix(".md"))]
-    assert "### monolith-chunked-64 at concurrency 1" in out.with_suffix(".md").read_text()
+    assert "### monolith-chunked-64+b at concurrency 1" in out.with_suffix(".md").read_text()
     for name in names:  # each child kept its unit's logs under <run_dir>/<variant>
         assert (tmp_path / "run" / name / "logs").is_dir()
+    assert '"max_batch": 32' in (tmp_path / "run" / names[1] / "logs" / "monolith.log").read_text()
+    assert "resolved config" not in (tmp_path / "run" / names[0] / "logs" / "monolith.log").read_text()
+    assert saved["summary"]["variant_over_base"] == {"monolith-chunked-64+b": None}  # its variant did not run
     printed = capsys.readouterr().out
-    assert "waves: [monolith-prefill-first | monolith-chunked-64]" in printed
-    assert "== monolith-chunked-64 (running alongside monolith-prefill-first on cpu)" in printed
+    assert "waves: [monolith-prefill-first | monolith-chunked-64+b]" in printed
+    assert "== monolith-chunked-64+b (running alongside monolith-prefill-first on cpu)" in printed
     assert "== monolith-prefill-first: output of its process" in printed
 
 
