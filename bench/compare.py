@@ -250,13 +250,13 @@ def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
     known = set(FAMILIES) | {v.strip() for v in cfg.variants.split(",") if "+" in v}
     if set(overrides) - known:
         raise ValueError(f"{flag}: unknown variants {sorted(set(overrides) - known)}; known: {sorted(known)}")
-    base, sep, label = variant.partition("+")
+    base, plus, label = variant.partition("+")
     family = "monolith-chunked" if base.startswith("monolith-chunked") else base
     # a labelled copy: its own entry, else its variant's
-    levels = overrides.get(family + sep + label, overrides.get(family))
+    chosen = overrides.get(family + plus + label) or overrides.get(family)
     if rate:
-        return parse_list(levels or cfg.rate, "rate", float)
-    return parse_list(levels or cfg.concurrency, "concurrency", int)
+        return parse_list(chosen or cfg.rate, "rate", float)
+    return parse_list(chosen or cfg.concurrency, "concurrency", int)
 
 
 def attach_waterfall(row: dict[str, Any], streams: list[dict[str, Any]]) -> None:
