@@ -128,13 +128,14 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
         args = engine_argv(cfg, family, label, labels)
         pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args)
         mono = dict(base, mode="monolith", extra_monolith_args=args)
+        name = family + suffix  # the spec without stray spaces: results are keyed by it
         if family == "1p1d":
-            out.append((spec, 2, LocalConfig(mode="pd", decode_devices=device(1) if gpu else "", **pd)))
+            out.append((name, 2, LocalConfig(mode="pd", decode_devices=device(1) if gpu else "", **pd)))
         elif family == "1p2d":
             devices = f"{device(1)},{device(2)}" if gpu else ""
-            out.append((spec, 3, LocalConfig(mode="1p2d", decode_devices=devices, **pd)))
+            out.append((name, 3, LocalConfig(mode="1p2d", decode_devices=devices, **pd)))
         elif family == "monolith-prefill-first":
-            out.append((spec, 1, LocalConfig(policy="prefill-first", **mono)))
+            out.append((name, 1, LocalConfig(policy="prefill-first", **mono)))
         else:  # monolith-chunked: one unit per chunk size
             for chunk in parse_list(cfg.chunks, "chunks", int):
                 out.append((f"monolith-chunked-{chunk}{suffix}", 1,
@@ -246,8 +247,8 @@ def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
         name, sep, levels = part.partition("=")
         if not sep or not levels.strip():
             raise ValueError(f"{flag}: {part!r} is not VARIANT=LEVELS")
-        overrides[name.strip()] = levels
-    known = set(FAMILIES) | {v.strip() for v in cfg.variants.split(",") if "+" in v}
+        overrides["+".join(x.strip() for x in name.split("+"))] = levels
+    known = set(FAMILIES) | {"+".join(split_variant(v)) for v in cfg.variants.split(",") if "+" in v}
     if set(overrides) - known:
         raise ValueError(f"{flag}: unknown variants {sorted(set(overrides) - known)}; known: {sorted(known)}")
     base, plus, label = variant.partition("+")

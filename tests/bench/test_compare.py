@@ -213,7 +213,7 @@ def test_engine_args_reach_p_and_the_monoliths_only_and_bad_ones_stop_the_run(ca
 def test_a_labelled_copy_runs_its_variant_with_its_own_flags_beside_it():
     from pdunit.bench.compare import child_config
 
-    cfg = CompareConfig(variants="1p1d,1p1d+b2k,monolith-chunked,monolith-chunked+big", chunks="64,128",
+    cfg = CompareConfig(variants="1p1d,1p1d + b2k,monolith-chunked,monolith-chunked+big", chunks="64,128",
                         prefill_args="--transfer-workers=2", monolith_args="--max-batch=64",
                         variant_args="b2k=--max-batch-rows=2048; big=--max-batch=128",
                         variant_rate="1p1d=10,20;1p1d+b2k=5;monolith-chunked=3")
