@@ -298,13 +298,14 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
-           "| P graph share | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| P graph share | P reserve ms | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
-                                              "p_busy", "p_graph_share", "lb_lag_mean_ms", "lb_lag_over_20ms")]
+                                              "p_busy", "p_graph_share", "p_reserve_ms", "lb_lag_mean_ms",
+                                              "lb_lag_over_20ms")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -326,6 +327,8 @@ _SERIES = {
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
     "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
+    "p_reserves": 'pdunit_prefill_stage_seconds_count{stage="reserve"}',
+    "p_reserve_s": 'pdunit_prefill_stage_seconds_sum{stage="reserve"}',
     "p_graph": 'pdunit_prefill_forwards_total{path="graph"}',
     "p_eager": 'pdunit_prefill_forwards_total{path="eager"}',
     "lb_lag_n": "pdunit_lb_loop_lag_seconds_count", "lb_lag_s": "pdunit_lb_loop_lag_seconds_sum",
@@ -363,8 +366,8 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """What the engines did during one level: mean D step and batch, the share of steps
-    replayed from a CUDA graph, D's GPU busy share, P's mean forward, busy share and share
-    of forwards replayed from a prefill graph, and
+    replayed from a CUDA graph, D's GPU busy share, P's mean forward, busy share, share
+    of forwards replayed from a prefill graph and mean reserve stage (RESERVE round trip), and
     how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
     d = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in _SERIES.items()}
     out: dict[str, float] = {}
@@ -378,6 +381,8 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     if d["p_forwards"] > 0 and seconds > 0:
         out["p_forward_ms"] = round(1000 * d["p_forward_s"] / d["p_forwards"], 3)
         out["p_busy"] = round(d["p_forward_s"] / seconds, 4)
+    if d["p_reserves"] > 0:  # prefix lease + RESERVE round trip to D, queueing excluded
+        out["p_reserve_ms"] = round(1000 * d["p_reserve_s"] / d["p_reserves"], 3)
     if d["p_graph"] + d["p_eager"] > 0:
         out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
     if d["lb_lag_n"] > 0:

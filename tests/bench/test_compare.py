@@ -58,6 +58,9 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
         assert row["engine"]["d_step_ms"] > 0 and row["engine"]["p_forward_ms"] > 0, (mode, row["engine"])
         assert row["engine"]["lb_lag_mean_ms"] >= 0 and 0 <= row["engine"]["lb_lag_over_20ms"] <= 1, row["engine"]
         assert row["engine"]["window"] == "steady"  # read over the arrivals, not the drain
+        assert row["engine"]["p_graph_share"] == 0  # no prefill graphs on the CPU: every forward eager
+    pd = next(r for r in saved["rows"] if r["mode"] == "1p1d")["engine"]
+    assert pd["p_reserve_ms"] > 0, pd  # P's RESERVE round trips to D
     md = out.with_suffix(".md").read_text()
     assert "## Engines per level" in md
     assert "## Waterfalls" in md and "### 1p1d at concurrency 1" in md
@@ -177,15 +180,16 @@ def test_devices_start_at_gpu_base():
     assert (cpu.device, cpu.decode_devices) == ("cpu", "")
 
 
-def test_engine_deltas_read_each_levels_share_of_graph_replays_in_d_and_p():
+def test_engine_deltas_read_each_levels_graph_shares_and_ps_reserve_time():
     from pdunit.bench.compare import _SERIES, engine_deltas
 
     before = {name: 0.0 for name in _SERIES.values()}
     after = dict(before, **{_SERIES["p_forwards"]: 4, _SERIES["p_forward_s"]: 0.2, _SERIES["p_graph"]: 3,
+                            _SERIES["p_reserves"]: 5, _SERIES["p_reserve_s"]: 0.02,
                             _SERIES["p_eager"]: 1, _SERIES["d_steps"]: 10, _SERIES["d_step_s"]: 0.1,
                             _SERIES["d_batch_sum"]: 500, _SERIES["d_graph"]: 9, _SERIES["d_eager"]: 1})
     got = engine_deltas(before, after, 2.0)
-    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "d_step_ms": 10.0,
+    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_reserve_ms": 4.0, "d_step_ms": 10.0,
                    "d_batch": 50.0, "d_graph_share": 0.9}
     assert "p_graph_share" not in engine_deltas(before, dict(after, **{_SERIES["p_graph"]: 0, _SERIES["p_eager"]: 0}),
                                                 2.0)
