@@ -208,7 +208,11 @@ def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, s
     return argv
 
 
-def ratios(per_gpu: dict[str, float | None]) -> dict[str, Any]:
+def ratios(per_gpu: dict[str, float | None],
+           bounds: dict[str, tuple[float, float | None]] | None = None) -> dict[str, Any]:
+    """The headline ratios of capacity per GPU, and with `bounds` (capacity_bounds) the
+    range the level spacing allows for each (`ratio_bounds`, [low, high]; None where the
+    sweep left it unbounded)."""
     def over(a: str | None, b: str | None) -> float | None:
         x, y = per_gpu.get(a or ""), per_gpu.get(b or "")
         return round(x / y, 3) if x and y else None
@@ -217,18 +221,54 @@ def ratios(per_gpu: dict[str, float | None]) -> dict[str, Any]:
     # are reported over their own variant instead
     chunked = {k: v for k, v in per_gpu.items() if k.startswith("monolith-chunked") and "+" not in k}
     best = max(chunked, key=lambda k: chunked[k] or 0) if chunked else None
-    out: dict[str, Any] = {
-        "pd_over_prefill_first": over("1p1d", "monolith-prefill-first"),
-        "pd_over_chunk_8192": over("1p1d", "monolith-chunked-8192"),
-        "pd_over_best_chunked": over("1p1d", best),
-        "best_chunked": best,
-        "1p2d_over_prefill_first": over("1p2d", "monolith-prefill-first"),
-        "1p2d_over_1p1d": over("1p2d", "1p1d"),
+    pairs = {
+        "pd_over_prefill_first": ("1p1d", "monolith-prefill-first"),
+        "pd_over_chunk_8192": ("1p1d", "monolith-chunked-8192"),
+        "pd_over_best_chunked": ("1p1d", best),
+        "1p2d_over_prefill_first": ("1p2d", "monolith-prefill-first"),
+        "1p2d_over_1p1d": ("1p2d", "1p1d"),
     }
-    copies = {k: over(k, k.partition("+")[0]) for k in per_gpu if "+" in k}
+    out: dict[str, Any] = {key: over(a, b) for key, (a, b) in pairs.items()}
+    out["best_chunked"] = best
+    copies = {k: (k, k.partition("+")[0]) for k in per_gpu if "+" in k}
     if copies:
-        out["variant_over_base"] = copies
+        out["variant_over_base"] = {k: over(a, b) for k, (a, b) in copies.items()}
+    if bounds is not None:
+        spans = {key: ratio_span(bounds, a, b) for key, (a, b) in {**pairs, **copies}.items()
+                 if a in bounds and b in bounds}
+        out["ratio_bounds"] = {key: span for key, span in spans.items() if key in pairs}
+        if copies:
+            out["ratio_bounds"]["variant_over_base"] = {k: v for k, v in spans.items() if k in copies}
     return out
+
+
+def capacity_bounds(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float | None]]:
+    """Per variant, per GPU, the interval its true capacity lies in: [the capacity (0
+    when no level passed), the lowest failing level above it (None: no level failed, so
+    unbounded above)). A level fails when any of its runs did."""
+    key = rows_level_key(rows)
+    out: dict[str, tuple[float, float | None]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        levels = sorted({r[key] for r in mine})
+        failed = {r[key] for r in mine if not r["passed"]}
+        cap = 0.0
+        for lv in levels:  # the highest level with every level up to it passing
+            if lv in failed:
+                break
+            cap = lv
+        above = [lv for lv in levels if lv > cap and lv in failed]
+        gpus = mine[0]["gpus"]
+        out[mode] = (cap / gpus, above[0] / gpus if above else None)
+    return out
+
+
+def ratio_span(bounds: dict[str, tuple[float, float | None]], a: str, b: str) -> list[float | None]:
+    """[low, high] of capacity(a) / capacity(b) over their intervals."""
+    (lo_a, hi_a), (lo_b, hi_b) = bounds[a], bounds[b]
+    low = round(lo_a / hi_b, 3) if hi_b else 0.0
+    high = round(hi_a / lo_b, 3) if hi_a is not None and lo_b else None
+    return [low, high]
 
 
 def level_key(cfg: CompareConfig) -> str:
@@ -595,7 +635,10 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
                 if "realtime_streams_per_gpu" in doc["summary"]}
     # capacity_per_gpu: concurrent streams per GPU (closed loop) or arrivals/s per GPU
     # (Poisson, where realtime_streams_per_gpu gives it in listeners)
-    summary: dict[str, Any] = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu, **ratios(per_gpu)}
+    bounds = capacity_bounds(rows) if rows else {}
+    summary: dict[str, Any] = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu,
+                               "capacity_bounds_per_gpu": {k: list(v) for k, v in bounds.items()},
+                               **ratios(per_gpu, bounds)}
     # variants that passed their highest level: their capacity is at least what is shown,
     # so a ratio over one of them is an upper bound, a ratio of one over another a lower
     summary["capacity_lower_bound_only"] = {

@@ -27,6 +27,31 @@ def test_ratios_use_capacity_per_gpu_and_the_best_chunk_size():
     assert r["pd_over_best_chunked"] == round(150 / 160, 3)
 
 
+def _row(mode, gpus, rate, passed, run=0):
+    return {"mode": mode, "gpus": gpus, "rate": rate, "concurrency": None, "passed": passed, "repeat": run}
+
+
+def test_capacity_and_ratio_bounds_follow_from_the_level_spacing():
+    from pdunit.bench.compare import capacity_bounds
+
+    rows = [_row("1p1d", 2, 28, True), _row("1p1d", 2, 32, True), _row("1p1d", 2, 36, True),
+            _row("1p1d", 2, 36, False, run=1),                     # one failed run fails the level
+            _row("monolith-prefill-first", 1, 16, True), _row("monolith-prefill-first", 1, 18, True),
+            _row("monolith-chunked-8192", 1, 8, False),            # nothing passed
+            _row("1p1d+b", 2, 32, True), _row("1p1d+b", 2, 40, False), _row("1p1d+b", 2, 44, True)]
+    bounds = capacity_bounds(rows)
+    assert bounds == {"1p1d": (16.0, 18.0), "monolith-prefill-first": (18.0, None),
+                      "monolith-chunked-8192": (0.0, 8.0), "1p1d+b": (16.0, 20.0)}
+    r = ratios({k: (lo or None) for k, (lo, _) in bounds.items()}, bounds)
+    assert r["pd_over_prefill_first"] == round(16 / 18, 3)
+    # prefill-first passed its highest level: the ratio over it has no lower bound but 0
+    assert r["ratio_bounds"]["pd_over_prefill_first"] == [0.0, 1.0]
+    # chunked passed nothing: no capacity, so no upper bound for a ratio over it
+    assert r["ratio_bounds"]["pd_over_chunk_8192"] == [2.0, None] and r["pd_over_chunk_8192"] is None
+    assert r["ratio_bounds"]["variant_over_base"] == {"1p1d+b": [round(16 / 18, 3), 1.25]}
+    assert "1p2d_over_1p1d" not in r["ratio_bounds"]  # 1p2d did not run
+
+
 def test_ratios_are_none_when_a_variant_has_no_capacity():
     r = ratios({"1p1d": 10.0, "monolith-prefill-first": None})
     assert r["pd_over_prefill_first"] is None and r["pd_over_best_chunked"] is None
@@ -42,6 +67,7 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     assert {r["gpus"] for r in doc["rows"] if r["mode"] == "1p1d"} == {2}
     saved = json.loads(out.read_text())
     assert set(saved["summary"]["capacity_per_gpu"]) == modes
+    assert set(saved["summary"]["capacity_bounds_per_gpu"]) == modes
     # one level each: a variant that passed it has only a lower bound for its capacity
     passed = {m for m in modes if saved["summary"]["capacity_per_gpu"][m] is not None}
     assert saved["summary"]["capacity_lower_bound_only"] == {m: m in passed for m in modes}
