@@ -333,6 +333,41 @@ def waterfall_text(row: dict[str, Any]) -> str:
             f"{100 * check['unexplained_p95']:.1f}% ({'adds up' if check['adds_up'] else 'does NOT add up'})")
 
 
+RATIO_NAMES = {
+    "pd_over_prefill_first": "1P1D / prefill-first",
+    "pd_over_chunk_8192": "1P1D / chunked-8192",
+    "pd_over_best_chunked": "1P1D / best chunk size",
+    "1p2d_over_prefill_first": "1P2D / prefill-first",
+    "1p2d_over_1p1d": "1P2D / 1P1D",
+}
+
+
+def ratios_markdown(summary: dict[str, Any]) -> str:
+    """The headline ratios that could be computed, each with the range its level spacing
+    allows (`ratio_bounds`), and every capacity with its interval: what a reader quotes."""
+    def span(b: list[float | None] | None) -> str:
+        if b is None:
+            return "-"
+        return f"{b[0]:g} - {'open' if b[1] is None else format(b[1], 'g')}"
+
+    bounds = summary.get("ratio_bounds", {})
+    out = ["", "## Capacity per GPU and ratios, with the range the levels allow", "",
+           "| variant | capacity per GPU | lies in |", "|---|---:|---:|"]
+    for name, (lo, hi) in summary.get("capacity_bounds_per_gpu", {}).items():
+        cap = summary["capacity_per_gpu"].get(name)
+        top = "open" if hi is None else format(hi, "g")
+        out.append(f"| {name} | {'-' if cap is None else format(cap, 'g')} | [{lo:g}, {top}) |")
+    out += ["", "| ratio | value | bounds |", "|---|---:|---:|"]
+    for key, label in RATIO_NAMES.items():
+        if key in bounds:
+            value = summary.get(key)
+            out.append(f"| {label} | {'-' if value is None else value} | {span(bounds[key])} |")
+    for name, b in bounds.get("variant_over_base", {}).items():
+        value = summary.get("variant_over_base", {}).get(name)
+        out.append(f"| {name} / {name.partition('+')[0]} | {'-' if value is None else value} | {span(b)} |")
+    return "\n".join(out) + "\n"
+
+
 def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
@@ -654,6 +689,7 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
         path = report.resolve_out(cfg.out, BENCH, results.machine)
         json_path, md_path = results.write(path, COLUMNS, "Capacity: PD vs monolith")
         with md_path.open("a") as md:
+            md.write(ratios_markdown(summary))
             md.write(waterfalls_markdown(rows, per_gpu))
         out["files"] = [str(json_path), str(md_path)]
     return out

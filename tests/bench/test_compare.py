@@ -52,6 +52,19 @@ def test_capacity_and_ratio_bounds_follow_from_the_level_spacing():
     assert "1p2d_over_1p1d" not in r["ratio_bounds"]  # 1p2d did not run
 
 
+def test_the_results_markdown_quotes_each_ratio_with_its_bounds():
+    from pdunit.bench.compare import ratios_markdown
+
+    bounds = {"1p1d": (16.0, 18.0), "monolith-prefill-first": (18.0, None), "1p1d+b": (12.0, 14.0)}
+    per_gpu = {k: lo for k, (lo, _) in bounds.items()}
+    md = ratios_markdown({"capacity_per_gpu": per_gpu, "capacity_bounds_per_gpu": bounds,
+                          **ratios(per_gpu, bounds)})
+    assert "| 1p1d | 16 | [16, 18) |" in md and "| monolith-prefill-first | 18 | [18, open) |" in md
+    assert "| 1P1D / prefill-first | 0.889 | 0 - 1 |" in md
+    assert "| 1p1d+b / 1p1d | 0.75 | 0.667 - 0.875 |" in md
+    assert "chunked" not in md  # no chunked variant ran: no row for its ratios
+
+
 def test_ratios_are_none_when_a_variant_has_no_capacity():
     r = ratios({"1p1d": 10.0, "monolith-prefill-first": None})
     assert r["pd_over_prefill_first"] is None and r["pd_over_best_chunked"] is None
@@ -88,7 +101,8 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     pd = next(r for r in saved["rows"] if r["mode"] == "1p1d")["engine"]
     assert pd["p_reserve_ms"] > 0, pd  # P's RESERVE round trips to D
     md = out.with_suffix(".md").read_text()
-    assert "## Engines per level" in md
+    assert "## Engines per level" in md and "## Capacity per GPU and ratios" in md
+    assert "| 1P1D / prefill-first |" in md
     assert "## Waterfalls" in md and "### 1p1d at concurrency 1" in md
 
 
