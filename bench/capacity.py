@@ -618,12 +618,15 @@ def rows_level_key(rows: list[dict[str, Any]]) -> str:
 def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, Any]:
     """Capacity = the highest level that passes (in every run of it) with every lower
     level passing too. When that is the highest level measured, the capacity is only a
-    lower bound (`capacity_lower_bound_only`): the sweep never found where it fails."""
+    lower bound (`capacity_lower_bound_only`): the sweep never found where it fails.
+    `capacity_bounds_per_gpu`: the interval the true capacity lies in, [the capacity (0
+    when no level passed), the level that failed above it (None: none did)), per GPU."""
     key = rows_level_key(rows)
-    capacity = None
+    capacity = failed_at = None
     levels = sorted({r[key] for r in rows})
     for level in levels:  # a level with several runs passes only if all do
         if not all(r["passed"] for r in rows if r[key] == level):
+            failed_at = level
             break
         capacity = level
     summary: dict[str, Any] = {
@@ -648,6 +651,9 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
     # concurrent streams per GPU (closed loop), or arrivals/s per GPU (Poisson)
     summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
     summary["capacity_lower_bound_only"] = {cfg.mode_label: capacity is not None and capacity == levels[-1]}
+    if cfg.gpus:
+        summary["capacity_bounds_per_gpu"] = {cfg.mode_label: [
+            (capacity or 0) / cfg.gpus, None if failed_at is None else failed_at / cfg.gpus]}
     return summary
 
 

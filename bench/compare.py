@@ -209,8 +209,9 @@ def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, s
 
 
 def ratios(per_gpu: dict[str, float | None],
-           bounds: dict[str, tuple[float, float | None]] | None = None) -> dict[str, Any]:
-    """The headline ratios of capacity per GPU, and with `bounds` (capacity_bounds) the
+           bounds: dict[str, list[float | None]] | None = None) -> dict[str, Any]:
+    """The headline ratios of capacity per GPU, and with `bounds` (each variant's
+    capacity interval, capacity.summarize_run's `capacity_bounds_per_gpu`) the
     range the level spacing allows for each (`ratio_bounds`, [low, high]; None where the
     sweep left it unbounded)."""
     def over(a: str | None, b: str | None) -> float | None:
@@ -242,31 +243,10 @@ def ratios(per_gpu: dict[str, float | None],
     return out
 
 
-def capacity_bounds(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float | None]]:
-    """Per variant, per GPU, the interval its true capacity lies in: [the capacity (0
-    when no level passed), the lowest failing level above it (None: no level failed, so
-    unbounded above)). A level fails when any of its runs did."""
-    key = rows_level_key(rows)
-    out: dict[str, tuple[float, float | None]] = {}
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = [r for r in rows if r["mode"] == mode]
-        levels = sorted({r[key] for r in mine})
-        failed = {r[key] for r in mine if not r["passed"]}
-        cap = 0.0
-        for lv in levels:  # the highest level with every level up to it passing
-            if lv in failed:
-                break
-            cap = lv
-        above = [lv for lv in levels if lv > cap and lv in failed]
-        gpus = mine[0]["gpus"]
-        out[mode] = (cap / gpus, above[0] / gpus if above else None)
-    return out
-
-
-def ratio_span(bounds: dict[str, tuple[float, float | None]], a: str, b: str) -> list[float | None]:
+def ratio_span(bounds: dict[str, list[float | None]], a: str, b: str) -> list[float | None]:
     """[low, high] of capacity(a) / capacity(b) over their intervals."""
     (lo_a, hi_a), (lo_b, hi_b) = bounds[a], bounds[b]
-    low = round(lo_a / hi_b, 3) if hi_b else 0.0
+    low = round((lo_a or 0.0) / hi_b, 3) if hi_b else 0.0
     high = round(hi_a / lo_b, 3) if hi_a is not None and lo_b else None
     return [low, high]
 
@@ -670,10 +650,10 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
                 if "realtime_streams_per_gpu" in doc["summary"]}
     # capacity_per_gpu: concurrent streams per GPU (closed loop) or arrivals/s per GPU
     # (Poisson, where realtime_streams_per_gpu gives it in listeners)
-    bounds = capacity_bounds(rows) if rows else {}
+    bounds = {name: doc["summary"]["capacity_bounds_per_gpu"][name] for name, doc in docs.items()
+              if name in doc["summary"].get("capacity_bounds_per_gpu", {})}
     summary: dict[str, Any] = {"levels": level_key(cfg), "capacity_per_gpu": per_gpu,
-                               "capacity_bounds_per_gpu": {k: list(v) for k, v in bounds.items()},
-                               **ratios(per_gpu, bounds)}
+                               "capacity_bounds_per_gpu": bounds, **ratios(per_gpu, bounds)}
     # variants that passed their highest level: their capacity is at least what is shown,
     # so a ratio over one of them is an upper bound, a ratio of one over another a lower
     summary["capacity_lower_bound_only"] = {

@@ -34,14 +34,11 @@ WEIGHTS_FILE = "model.safetensors"
 _HEAD_GAIN = 3.0
 
 
-def load_model(
-    spec: str, device: str = "cpu", dtype: str | None = None, prefill_gemm: str = "bf16", fp8_min_rows: int = 0
-) -> TTSModel:
+def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> TTSModel:
     """`random:<config>:<seed>` or a directory holding config.json + model.safetensors.
     `dtype` overrides the config's compute/KV dtype (the returned model's config says
-    the dtype it really uses); `prefill_gemm` and `fp8_min_rows` are
-    `TTSModel.set_prefill_gemm`'s mode and min_rows.
-    Raises ValueError naming what is wrong."""
+    the dtype it really uses). Its GEMMs run in the model dtype until
+    `TTSModel.set_prefill_gemm`. Raises ValueError naming what is wrong."""
     if dtype is not None:
         torch_dtype(dtype)  # fail fast on a bad name
     if spec.startswith("random:"):
@@ -70,7 +67,6 @@ def load_model(
         _load_weights(model, directory / WEIGHTS_FILE)
     model.eval()
     model.requires_grad_(False)
-    model.set_prefill_gemm(prefill_gemm, fp8_min_rows)
     return model
 
 

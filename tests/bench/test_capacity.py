@@ -364,3 +364,7 @@ def test_a_capacity_at_the_highest_level_measured_is_flagged_as_a_lower_bound():
     # one failing run of the top level is enough to bound it
     assert summarize_run(rows((8, True), (10, True), (10, False)), cfg)["capacity_lower_bound_only"] == {"m": False}
     assert summarize_run(rows((8, False)), cfg)["capacity_lower_bound_only"] == {"m": False}  # no capacity at all
+    # the interval the capacity lies in: up to the level that failed above it
+    assert top["capacity_bounds_per_gpu"] == {"m": [10.0, None]}
+    assert bounded["capacity_bounds_per_gpu"] == {"m": [10.0, 12.0]}
+    assert summarize_run(rows((8, False)), cfg)["capacity_bounds_per_gpu"] == {"m": [0.0, 8.0]}

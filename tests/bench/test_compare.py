@@ -32,16 +32,20 @@ def _row(mode, gpus, rate, passed, run=0):
 
 
 def test_capacity_and_ratio_bounds_follow_from_the_level_spacing():
-    from pdunit.bench.compare import capacity_bounds
+    from pdunit.bench.capacity import CapacityConfig, summarize_run
 
     rows = [_row("1p1d", 2, 28, True), _row("1p1d", 2, 32, True), _row("1p1d", 2, 36, True),
             _row("1p1d", 2, 36, False, run=1),                     # one failed run fails the level
             _row("monolith-prefill-first", 1, 16, True), _row("monolith-prefill-first", 1, 18, True),
             _row("monolith-chunked-8192", 1, 8, False),            # nothing passed
             _row("1p1d+b", 2, 32, True), _row("1p1d+b", 2, 40, False), _row("1p1d+b", 2, 44, True)]
-    bounds = capacity_bounds(rows)
-    assert bounds == {"1p1d": (16.0, 18.0), "monolith-prefill-first": (18.0, None),
-                      "monolith-chunked-8192": (0.0, 8.0), "1p1d+b": (16.0, 20.0)}
+    bounds = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):  # each variant's own summary, as compare reads them
+        mine = [dict(r, realtime_streams=None) for r in rows if r["mode"] == mode]
+        bounds.update(summarize_run(mine, CapacityConfig(mode_label=mode, gpus=mine[0]["gpus"]))
+                      ["capacity_bounds_per_gpu"])
+    assert bounds == {"1p1d": [16.0, 18.0], "monolith-prefill-first": [18.0, None],
+                      "monolith-chunked-8192": [0.0, 8.0], "1p1d+b": [16.0, 20.0]}
     r = ratios({k: (lo or None) for k, (lo, _) in bounds.items()}, bounds)
     assert r["pd_over_prefill_first"] == round(16 / 18, 3)
     # prefill-first passed its highest level: the ratio over it has no lower bound but 0

@@ -257,7 +257,9 @@ def test_uneven_vocabularies_pad_logits_with_minus_infinity() -> None:
 
 @pytest.fixture(scope="module")
 def fp8_model() -> TTSModel:
-    return load_model("random:tiny:0", dtype="float32", prefill_gemm="fp8")
+    m = load_model("random:tiny:0", dtype="float32")
+    m.set_prefill_gemm("fp8")
+    return m
 
 
 def test_fp8_prefill_gemms_stay_close_to_the_model_dtype_but_are_not_it(fp8_model: TTSModel) -> None:
@@ -304,7 +306,8 @@ def test_an_unknown_prefill_gemm_is_refused_naming_the_choices(model: TTSModel) 
 
 def test_fp8_min_rows_keeps_smaller_forwards_in_the_model_dtype() -> None:
     bf = load_model("random:tiny:0", dtype="float32")
-    m = load_model("random:tiny:0", dtype="float32", prefill_gemm="fp8", fp8_min_rows=30)
+    m = load_model("random:tiny:0", dtype="float32")
+    m.set_prefill_gemm("fp8", 30)
     for n, fp8 in ((29, False), (30, True)):
         rows, slots = prompt(n, 37), scattered_slots(n, 64, 38)
         got = prefill(m, m.new_kv_storage(64), rows, slots)

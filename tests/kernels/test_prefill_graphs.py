@@ -84,7 +84,8 @@ def test_a_forward_replays_only_a_bucket_of_its_own_gemm_precision(tmp_path: Pat
         from pdunit.engine.model.loader import load_model
         from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
         from pdunit.engine.model.transformer import ForwardBatch
-        m = load_model("random:tiny:0", dtype="float16", prefill_gemm="fp8", fp8_min_rows=100)
+        m = load_model("random:tiny:0", dtype="float16")
+        m.set_prefill_gemm("fp8", 100)
         r = PrefillGraphRunner(m, m.new_kv_storage(4096), buckets=(64, 128, 256), max_seqs=2, capture=False)
         batch = lambda *n: ForwardBatch.from_sequences(
             [np.zeros((k, 11), np.int64) for k in n], [np.arange(i * 300, i * 300 + k) for i, k in enumerate(n)])
