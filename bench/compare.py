@@ -95,7 +95,7 @@ class CompareConfig(BaseModel):
                               "1p1d+b2048=...) or its variant's; it gets no headline ratio, the summary gives it "
                               "over its variant (variant_over_base)")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
-    cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
+    cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P and of the monoliths")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
     run_dir: str = Field("", description="keep each variant's sockets and process logs under <run_dir>/<variant>")
     parallel_gpus: int = Field(1, ge=1, description="GPUs this run may use at once: variants are packed in the "

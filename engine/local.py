@@ -57,7 +57,8 @@ class LocalConfig(BaseModel):
     prefill_graphs: bool | None = Field(None, description="P and the monolith replay prefill CUDA graphs (their "
                                         "--prefill-graphs; default: theirs, on where the model takes the GPU path)")
     pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
-    cache_tokens: int = Field(65536, gt=0, description="P's prefix-cache rows")
+    cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P, and of the monolith (its "
+                              "--cache-tokens; 0 there turns its cache off: pass it in extra_monolith_args)")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
     run_dir: str | None = Field(None, description="sockets and logs (default: a temp dir, removed after)")
     guard: bool = Field(True, description="start the quiesce-guard sidecar when it is installed")
@@ -146,7 +147,8 @@ class LocalUnit:
         if c.mode == "monolith":
             cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,
                                               "--chunk-tokens", str(c.chunk_tokens),
-                                              "--pool-tokens", str(c.pool_tokens)] + common + gemm +
+                                              "--pool-tokens", str(c.pool_tokens),
+                                              "--cache-tokens", str(c.cache_tokens)] + common + gemm +
                          c.extra_monolith_args))
             p_sock = d_sock = self.sock("monolith")
         elif c.mode in ("pd", "1p2d"):

@@ -12,6 +12,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
@@ -34,6 +35,9 @@ class MonolithConfig(PrefillModelFields):
     policy: str = Field("prefill-first", description=f"scheduling policy: {' | '.join(POLICIES)}")
     chunk_tokens: int = Field(8192, gt=0, description="chunked policy: rows per iteration (decode included)")
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
+    cache_tokens: int = Field(65536, ge=0, description="token rows of a prefix cache beside the pool, as P keeps "
+                              "one: a reused voice skips its cached leading blocks (0 = none)")
+    prefix_block_tokens: int = Field(16, gt=0, description="rows per prefix-cache block")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(256, gt=0, description="streams per decode step")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
@@ -96,14 +100,16 @@ async def serve(cfg: MonolithConfig) -> int:
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "monolith-exec"))
-    n_pages = cfg.pool_tokens // cfg.page_size
-    started = start_prefill_model(cfg, n_pages * cfg.page_size, PREFILL_GRAPH_SEQS, log)
+    pool = PagePool(cfg.pool_tokens // cfg.page_size, cfg.page_size)
+    # one storage: the pool's slots, then the prefix cache's
+    started = start_prefill_model(cfg, pool.n_slots + cfg.cache_tokens, PREFILL_GRAPH_SEQS, log)
     if started is None:
         return 2
     model, storage, graphs = started
+    cache = PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens) if cfg.cache_tokens else None
     engine = MonolithEngine(
-        model, cfg.model, PagePool(n_pages, cfg.page_size), storage, FrameHub(asyncio.get_running_loop()),
-        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs,
+        model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
+        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
     )
     stop = shutdown_event(log)
 

@@ -6,7 +6,12 @@ Policies:
   waits, the iteration runs prefill only, so every decoding stream waits for it.
 - `chunked`: every iteration is one forward over all decoding streams plus prompt rows
   up to `chunk_tokens` in total (the best a monolith can do).
-It never transfers KV: prompt pages are written in place and go straight to decoding.
+It never transfers KV. With a prefix cache (`cache`, P's PrefixCache over a region of
+the storage beside the pool) a prompt is computed into its cache lease, as P computes
+it, so a reused voice skips its cached leading blocks; when its prefill ends the rows
+are copied into the stream's pool pages (one device copy, the monolith's "transfer").
+Without a cache, prompt rows are written in place in the pool and go straight to
+decoding.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.decode.worker import StepLoop, step_message
 from pdunit.engine.kv.pool import NoCapacity, PagePool
+from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
@@ -43,8 +49,9 @@ POLICIES = ("prefill-first", "chunked")
 @dataclass
 class Prefilling:
     job: PrefillJob
-    slots: np.ndarray
-    done_rows: int = 0
+    slots: np.ndarray  # storage slots the prefill reads and writes: the lease's, else the pool's
+    done_rows: int = 0  # rows whose K/V is in `slots` (a cache hit starts past its cached rows)
+    lease: PrefixLease | None = None
 
 
 class MonolithEngine:
@@ -61,7 +68,10 @@ class MonolithEngine:
         max_batch_rows: int,
         cuda_graphs: bool = True,
         prefill_graphs: PrefillGraphRunner | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
+        """`cache`: slot numbers count from `pool.n_slots`, the first storage slot after
+        the pool's (the storage holds both)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         self.instance_id = uuid.uuid4().hex
@@ -74,6 +84,11 @@ class MonolithEngine:
         self.policy = policy
         self.chunk_tokens = chunk_tokens
         self.max_batch_rows = max_batch_rows
+        self.cache = cache
+        self.cache_base = pool.n_slots
+        if cache is not None and storage.shape[2] < self.cache_base + cache.n_slots:
+            raise ValueError(f"storage has {storage.shape[2]} slots: the pool ({self.cache_base}) and the prefix "
+                             f"cache ({cache.n_slots}) need {self.cache_base + cache.n_slots}")
         self.waiting = PrefillScheduler(max_batch_prompts=1 << 30, max_batch_rows=1 << 30)
         self.prefilling: list[Prefilling] = []
         self.batcher = DecodeBatcher(model, pool, storage, max_batch)
@@ -119,18 +134,33 @@ class MonolithEngine:
             except NoCapacity as exc:
                 self._finish(job, pb.NO_CAPACITY, str(exc))
                 continue
+            entry = Prefilling(job, self.pool.slots(job.request_id, rows))
+            if self.cache is not None:
+                try:
+                    lease = self.cache.acquire(job.prompt)
+                except NoCapacity as exc:  # every cache slot is pinned by prompts in flight: as P does
+                    self._drop_reservation(job.request_id)
+                    self._finish(job, pb.NO_CAPACITY, f"prefix cache full: {exc}")
+                    continue
+                # the last row is always computed: its logits give the first frame
+                entry = Prefilling(job, lease.slots + self.cache_base, min(lease.cached_tokens, rows - 1), lease)
             with self._lock:
-                self.prefilling.append(Prefilling(job, self.pool.slots(job.request_id, rows)))
+                self.prefilling.append(entry)
+
+    def _drop_reservation(self, request_id: int) -> None:
+        # No writer other than this thread exists: the pages can go straight back.
+        self.pool.mark_filled(request_id)
+        self.pool.start_decoding(request_id)
+        self.pool.finish(request_id)
 
     def _drop_cancelled_prefills(self) -> None:
         with self._lock:
             gone = [p for p in self.prefilling if p.job.cancelled]
             self.prefilling = [p for p in self.prefilling if not p.job.cancelled]
         for p in gone:
-            # No writer other than this thread exists: the pages can go straight back.
-            self.pool.mark_filled(p.job.request_id)
-            self.pool.start_decoding(p.job.request_id)
-            self.pool.finish(p.job.request_id)
+            self._drop_reservation(p.job.request_id)
+            if p.lease is not None:
+                self.cache.release(p.lease)
             self._finish(p.job, pb.CANCELLED, "cancelled")
 
     def _plan_chunks(self, budget: int) -> list[tuple[Prefilling, PrefillChunk]]:
@@ -157,14 +187,35 @@ class MonolithEngine:
                 continue
             job = p.job
             job.stamps["prefill_end"] = t
+            rows = len(job.prompt)
+            cached = self._take_from_cache(p)
             self.pool.mark_filled(job.request_id)
             self.pool.start_decoding(job.request_id)
             with self._lock:
                 self.prefilling.remove(p)
-            self.batcher.admit(Stream(job.request_id, len(job.prompt), job.params, frame.astype(np.int32),
+            self.batcher.admit(Stream(job.request_id, rows, job.params, frame.astype(np.int32),
                                       stamps=dict(job.stamps)))
-            m.P_PREFILL_TOKENS.labels(source="computed").inc(len(job.prompt))
-            self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt), cached_tokens=0)
+            m.P_PREFILL_TOKENS.labels(source="computed").inc(rows - cached)
+            m.P_PREFILL_TOKENS.labels(source="cached").inc(cached)
+            self._finish(job, pb.STATUS_OK, prefill_tokens=rows - cached, cached_tokens=cached)
+
+    def _take_from_cache(self, p: Prefilling) -> int:
+        """A prompt prefilled in its cache lease: its full blocks become cache entries and
+        its rows are copied into its pool pages; the lease is released. Returns the rows
+        that came from the cache (0 without a lease)."""
+        if p.lease is None:
+            return 0
+        assert self.cache is not None
+        prompt = p.job.prompt
+        self.cache.publish(p.lease, prompt)
+        device = self.storage.device
+        src = torch.from_numpy(p.slots).to(device)
+        dst = torch.from_numpy(self.pool.slots(p.job.request_id, len(prompt))).to(device)
+        # Same thread and stream as the forwards: ordered after the one that wrote the rows
+        # and before the first decode step that reads them.
+        self.storage.index_copy_(2, dst, self.storage.index_select(2, src))
+        self.cache.release(p.lease)
+        return min(p.lease.cached_tokens, len(prompt) - 1)
 
     def _step_once(self) -> bool:
         self.batcher.take_cancelled()

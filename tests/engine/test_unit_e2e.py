@@ -108,6 +108,27 @@ def test_reused_voice_hits_prefix_cache(pd_unit):
     assert other["cached_tokens"] >= 320 - 16
 
 
+@pytest.mark.parametrize("which", ["monolith_unit", "chunked_unit"])
+def test_monolith_reused_voice_hits_its_prefix_cache_with_pd_frames(which, pd_unit, request):
+    """The monolith keeps the prefix cache P keeps (prefill-first, and chunked with a
+    chunk smaller than the prompt): a reused voice computes only its text rows, and
+    every frame equals P + D's for the same request."""
+    unit = request.getfixturevalue(which)
+    voice = random_prompt(320, seed=52)
+    params = dict(max_frames=12, min_frames=12)
+    first_frames, first = stream(unit.url, voice + random_prompt(40, seed=53), **params)
+    again_frames, again = stream(unit.url, voice + random_prompt(40, seed=53), **params)
+    other_frames, other = stream(unit.url, voice + random_prompt(30, seed=54), **params)
+    assert first["done"] and again["done"] and other["done"]
+    assert first["cached_tokens"] == 0 and first["prefill_tokens"] == 360
+    assert again["cached_tokens"] >= 320 - 16 and again["prefill_tokens"] == 360 - again["cached_tokens"]
+    assert other["cached_tokens"] >= 320 - 16
+    assert again_frames == first_frames
+    assert other_frames == stream(pd_unit.url, voice + random_prompt(30, seed=54), **params)[0]
+    # every page went back once the streams ended (a cache hit's pages too)
+    wait_for(lambda: load(unit.url)["free_pages"] == load(unit.url)["pool_pages"], what="the pool whole again")
+
+
 def test_disconnecting_client_frees_its_pages(pd_unit):
     body = {"prompt": random_prompt(100, seed=5), "max_frames": 1500, "min_frames": 1500}
     with httpx.stream("POST", f"{pd_unit.url}/v1/tts/stream", json=body, timeout=60) as r:
