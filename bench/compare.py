@@ -256,18 +256,25 @@ def level_key(cfg: CompareConfig) -> str:
     return "rate" if cfg.rate or cfg.variant_rate else "concurrency"
 
 
-def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
-    """One variant's levels: its entry in --variant-rate / --variant-concurrency (the
-    chunked monoliths share `monolith-chunked`; a labelled copy takes its own entry, else
-    its variant's), else --rate / --concurrency."""
-    rate = level_key(cfg) == "rate"
-    flag, spec = ("--variant-rate", cfg.variant_rate) if rate else ("--variant-concurrency", cfg.variant_concurrency)
+def variant_level_overrides(flag: str, spec: str) -> dict[str, str]:
+    """'VARIANT=LEVELS;...' (a --variant-rate or --variant-concurrency value) -> VARIANT
+    -> LEVELS text; ValueError naming `flag` for a part that is not VARIANT=LEVELS."""
     overrides: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         name, sep, levels = part.partition("=")
         if not sep or not levels.strip():
             raise ValueError(f"{flag}: {part!r} is not VARIANT=LEVELS")
         overrides["+".join(x.strip() for x in name.split("+"))] = levels
+    return overrides
+
+
+def levels_for(cfg: CompareConfig, variant: str) -> list[float]:
+    """One variant's levels: its entry in --variant-rate / --variant-concurrency (the
+    chunked monoliths share `monolith-chunked`; a labelled copy takes its own entry, else
+    its variant's), else --rate / --concurrency."""
+    rate = level_key(cfg) == "rate"
+    flag, spec = ("--variant-rate", cfg.variant_rate) if rate else ("--variant-concurrency", cfg.variant_concurrency)
+    overrides = variant_level_overrides(flag, spec)
     known = set(FAMILIES) | {"+".join(split_variant(v)) for v in cfg.variants.split(",") if "+" in v}
     if set(overrides) - known:
         raise ValueError(f"{flag}: unknown variants {sorted(set(overrides) - known)}; known: {sorted(known)}")

@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "waterfall": ("pdunit.bench.waterfall", "per-stage p50/p99 of a load run (section 5)"),
     "router": ("pdunit.bench.router_bench", "routing decision latency with many units"),
     "faults": ("pdunit.bench.faults", "fault injection under live traffic: the page contract (PROTOCOL.md 7)"),
+    "plan": ("pdunit.bench.plan", "capacity per variant predicted from measured step and prefill costs"),
 }
 
 

@@ -159,7 +159,7 @@ class MonolithEngine:
             self.prefilling = [p for p in self.prefilling if not p.job.cancelled]
         for p in gone:
             self._drop_reservation(p.job.request_id)
-            if p.lease is not None:
+            if p.lease is not None and self.cache is not None:
                 self.cache.release(p.lease)
             self._finish(p.job, pb.CANCELLED, "cancelled")
 

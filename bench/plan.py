@@ -1,0 +1,591 @@
+"""`pdunit bench plan`: the capacity a workload would reach on each variant, predicted
+from two GPU measurements, so a unit can be sized (how many D's per P) and a variant
+judged before a GPU runs it.
+
+Costs are fitted from a `bench step` results JSON (decode step time vs batch and
+context, with and without overlap) and a `bench prefill` results JSON (forward time vs
+prompts and rows, one GEMM precision, eager and through the prefill graphs):
+- decode step ms = base + per_stream * B + per_token * (context tokens of the batch);
+- prefill forward ms = base + per_row * computed rows + per_pair * attention pairs
+  (a prompt computing n rows after c cached ones attends n * c + n * (n + 1) / 2 pairs).
+The fit's worst relative error on its own points is reported beside the prediction.
+
+BENCHMARKS.md section 1's workload (bench/workload.py: the same seeded arrivals,
+prompts, voices and lengths as `bench capacity` with the same flags and seed) goes
+through a discrete-event model of each variant's scheduler as the engines run it:
+- 1PnD: P reserves requests one at a time (`--reserve-ms` each, engine/prefill/worker.py's
+  reserve stage) and runs back-to-back forwards over what is reserved (FIFO, up to
+  `--max-batch-rows` and `--max-batch-prompts`; the first request after an idle P
+  alone); a prefix-cache hit skips a warm voice's full blocks of reference rows once
+  an earlier forward published them; each request reaches a D `--handoff-ms` after its
+  forward (write, checksum, COMMIT), on the D with the fewest streams; D steps back to
+  back (overlap: a stream joins the step after the one being prepared), one frame per
+  stream per step, P's first frame included;
+- prefill-first monolith: whenever a prompt waits, a forward over the waiting prompts
+  (up to `--max-batch-rows`), else a decode step (no overlap), its prefix cache as P's;
+- chunked monolith: every iteration one eager forward of the decode rows plus prompt
+  rows up to the chunk (a mixed forward costs the eager prefill cost of its prompt rows
+  plus the decode rows' per-stream and per-token step costs).
+Each request also takes `--admit-ms` from the client to the engine, and each frame
+`--deliver-ms` back. Streams are judged by the rules `bench capacity` uses
+(engine/playback.py, capacity.summarize_level and summarize_run), levels swept as
+`bench compare` sweeps them (`--repeat` runs, seed + run; stop at the first failure).
+
+It predicts; it measures nothing. What it leaves out (GIL contention between an
+engine's threads, transfer and compute sharing a GPU, the LB's own work) is why a
+prediction is checked against a measured run: `--measured` takes a `bench compare`
+JSON of the same workload and tabulates its levels beside the prediction's.
+`--kv-scale` and `--prefill-scale` multiply the per-token step cost and the prefill
+cost: what-ifs (0.5 = an fp8 KV cache's bytes; 0.8 = a P 25% faster), never results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, Field, field_validator
+
+from pdunit.bench import report
+from pdunit.bench.capacity import (
+    CapacityConfig,
+    StreamResult,
+    poisson_schedule,
+    summarize_level,
+    summarize_run,
+)
+from pdunit.bench.compare import ratios, variant_level_overrides
+from pdunit.bench.workload import StreamSpec, Workload, WorkloadConfig, parse_list, parse_range
+from pdunit.engine.model.config import get_config
+from pdunit.engine.playback import stream_timing
+from pdunit.engine.settings import parse_config
+
+BENCH = "plan"
+
+
+class PlanConfig(BaseModel):
+    """pdunit bench plan: predicted capacity per variant from measured step and prefill costs."""
+
+    step: str = Field(..., description="a `bench step` results JSON (decode step vs batch and context)")
+    prefill: str = Field(..., description="a `bench prefill` results JSON (forward time vs prompts and rows)")
+    gemm: str = Field("fp8", description="which of the prefill JSON's GEMM precisions P and the monolith run")
+    graphs: bool = Field(True, description="P and the monolith replay prefill graphs (the prefill JSON's "
+                         "graphs rows; eager rows when off)")
+    model: str = Field("qwen3-4b-shape", description="model config (its codebooks shape the workload's draws)")
+    variants: str = Field("1p1d,1p2d,monolith-prefill-first,monolith-chunked",
+                          description="1pNd (N D's fed by one P, N+1 GPUs), monolith-prefill-first, "
+                          "monolith-chunked (one per --chunks size)")
+    chunks: str = Field("8192", description="monolith-chunked: rows per iteration, comma list")
+    rate: str = Field("8,16,24,32", description="Poisson levels (arrivals/s) of every variant")
+    variant_rate: str = Field("", description="per-variant levels, 'VARIANT=LIST;...' as bench compare's")
+    repeat: int = Field(2, ge=1, description="runs of every level, seed + run; a level passes when all do")
+    stop_at_failure: bool = Field(True, description="end a variant's sweep at its first failing level")
+    duration: float = Field(12.0, gt=0, description="seconds of arrivals per level")
+    ramp: float = Field(3.0, ge=0, description="streams arriving in the first seconds are not counted")
+    burst_share: float = Field(0.2, ge=0, lt=1, description="share of requests arriving in clumps")
+    burst_size: int = Field(10, ge=1, description="requests per clump")
+    prompt_rows: str = Field("1000-2000", description="prompt rows, LOW-HIGH")
+    frames: str = Field("105-630", description="frames per stream, LOW-HIGH")
+    voices: int = Field(8, ge=0, description="warm voices")
+    voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests using a warm voice")
+    seed: int = Field(0, description="workload seed of run 0")
+    block_tokens: int = Field(16, gt=0, description="prefix-cache block (rows)")
+    max_batch_rows: int = Field(8192, gt=0, description="P's and the prefill-first monolith's rows per forward")
+    max_batch_prompts: int = Field(16, gt=0, description="P's prompts per forward")
+    admit_ms: float = Field(5.0, ge=0, description="client send -> engine admission (the waterfalls' p50 sum)")
+    reserve_ms: float = Field(6.5, ge=0, description="P's reserve stage per request (compare's P reserve ms)")
+    handoff_ms: float = Field(10.0, ge=0, description="P forward end -> D commit (write, checksum, COMMIT)")
+    deliver_ms: float = Field(2.0, ge=0, description="a frame from the engine to the client")
+    kv_scale: float = Field(1.0, gt=0, description="what-if: multiplies the step's per-context-token cost")
+    prefill_scale: float = Field(1.0, gt=0, description="what-if: multiplies every prefill forward's cost")
+    measured: str = Field("", description="a `bench compare` JSON of the same workload: its levels beside ours")
+    out: str = Field("", description="results JSON path or folder ('' = print only)")
+
+    @field_validator("gemm")
+    @classmethod
+    def _gemm(cls, v: str) -> str:
+        if v not in ("bf16", "fp8"):
+            raise ValueError(f"gemm {v!r}: expected bf16 or fp8")
+        return v
+
+
+# ---------------------------------------------------------------------------- costs
+def _fit(x: np.ndarray, y: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+    """Least squares with every coefficient >= 0: a negative one is dropped (fixed at 0)
+    and the rest refitted, so a cost never falls as its term grows."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = dict.fromkeys(names, 0.0)
+    for i, c in zip(keep, coef, strict=True):
+        out[names[i]] = max(0.0, float(c))
+    return out
+
+
+def _worst_error(x: np.ndarray, y: np.ndarray, coef: Sequence[float]) -> float:
+    return float(np.max(np.abs(x @ np.asarray(coef) - y) / y))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Decode step ms = base + per_stream * streams + per_token * their context tokens."""
+
+    base_ms: float
+    per_stream_ms: float
+    per_token_ms: float
+    worst_error: float = 0.0  # of the fit on its own points
+    points: int = 0
+
+    def ms(self, streams: int, context_tokens: int) -> float:
+        return self.base_ms + self.per_stream_ms * streams + self.per_token_ms * context_tokens
+
+    def scaled(self, kv: float) -> StepCost:
+        return StepCost(self.base_ms, self.per_stream_ms, self.per_token_ms * kv, self.worst_error, self.points)
+
+    @classmethod
+    def fit(cls, rows: Sequence[dict[str, Any]], overlap: bool) -> StepCost:
+        pts = [r for r in rows if bool(r.get("overlap")) == overlap and r.get("step_ms")]
+        if len(pts) < 3:
+            raise ValueError(f"the step JSON has {len(pts)} points with overlap={overlap}: need 3 or more")
+        x = np.array([[1.0, r["batch"], r["batch"] * r.get("mean_context", r["context"])] for r in pts])
+        y = np.array([r["step_ms"] for r in pts])
+        c = _fit(x, y, ("base", "stream", "token"))
+        coef = (c["base"], c["stream"], c["token"])
+        return cls(*coef, worst_error=_worst_error(x, y, coef), points=len(pts))
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Forward ms = base + per_row * computed rows + per_pair * attention pairs."""
+
+    base_ms: float
+    per_row_ms: float
+    per_pair_ms: float
+    worst_error: float = 0.0
+    points: int = 0
+
+    def ms(self, seqs: Sequence[tuple[int, int]]) -> float:
+        """`seqs`: (computed rows, cached rows) per prompt of the forward."""
+        rows = sum(n for n, _ in seqs)
+        pairs = sum(n * c + n * (n + 1) / 2 for n, c in seqs)
+        return self.base_ms + self.per_row_ms * rows + self.per_pair_ms * pairs
+
+    def scaled(self, factor: float) -> PrefillCost:
+        return PrefillCost(self.base_ms * factor, self.per_row_ms * factor, self.per_pair_ms * factor,
+                           self.worst_error, self.points)
+
+    @classmethod
+    def fit(cls, rows: Sequence[dict[str, Any]], gemm: str, graphs: bool) -> PrefillCost:
+        pts = [r for r in rows if r.get("gemm") == gemm and bool(r.get("graphs")) == graphs and r.get("ms")]
+        if len(pts) < 3:
+            raise ValueError(f"the prefill JSON has {len(pts)} points for gemm={gemm} graphs={graphs}: "
+                             "need 3 or more (bench prefill --gemm ... --graphs measures both)")
+        x = np.array([[1.0, r["prompts"] * r["rows"], r["prompts"] * r["rows"] * (r["rows"] + 1) / 2]
+                      for r in pts])
+        y = np.array([r["ms"] for r in pts])
+        c = _fit(x, y, ("base", "row", "pair"))
+        coef = (c["base"], c["row"], c["pair"])
+        return cls(*coef, worst_error=_worst_error(x, y, coef), points=len(pts))
+
+
+@dataclass(frozen=True)
+class Costs:
+    step: StepCost           # D (overlap)
+    mono_step: StepCost      # the monolith's decode steps (no overlap)
+    prefill: PrefillCost     # P's and the prefill-first monolith's forwards
+    mixed: PrefillCost       # the chunked monolith's mixed forwards (eager)
+    admit_s: float
+    reserve_s: float
+    handoff_s: float
+    deliver_s: float
+
+
+def load_costs(cfg: PlanConfig) -> tuple[Costs, dict[str, Any]]:
+    step_doc = json.loads(Path(cfg.step).read_text())
+    prefill_doc = json.loads(Path(cfg.prefill).read_text())
+    d = StepCost.fit(step_doc["rows"], overlap=True).scaled(cfg.kv_scale)
+    mono = StepCost.fit(step_doc["rows"], overlap=False).scaled(cfg.kv_scale)
+    p = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, cfg.graphs).scaled(cfg.prefill_scale)
+    mixed = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, False).scaled(cfg.prefill_scale)
+    costs = Costs(d, mono, p, mixed, cfg.admit_ms / 1e3, cfg.reserve_ms / 1e3, cfg.handoff_ms / 1e3,
+                  cfg.deliver_ms / 1e3)
+    sources = {name: {"path": path, "command": doc.get("command"), "machine": report.machine_slug(doc["machine"])}
+               for name, path, doc in (("step", cfg.step, step_doc), ("prefill", cfg.prefill, prefill_doc))}
+    return costs, sources
+
+
+def describe_costs(costs: Costs) -> dict[str, Any]:
+    def rounded(obj: Any) -> dict[str, Any]:
+        return {k: round(v, 7) if isinstance(v, float) else v for k, v in obj.__dict__.items()}
+
+    return {"decode_step_overlap": rounded(costs.step), "decode_step_monolith": rounded(costs.mono_step),
+            "prefill": rounded(costs.prefill), "prefill_eager_mixed": rounded(costs.mixed)}
+
+
+# ---------------------------------------------------------------------------- requests
+@dataclass
+class Request:
+    index: int
+    arrival: float            # s since the level started
+    spec: StreamSpec
+    reference_rows: int       # a warm voice's leading rows (the cacheable part)
+    times: list[float] = field(default_factory=list)  # frame arrival times at the client
+
+    @property
+    def rows(self) -> int:
+        return self.spec.rows
+
+
+class PrefixCacheModel:
+    """Which warm voices an engine's prefix cache holds, and since when (published at the
+    end of the forward that computed them). Capacity is not modelled: the bench's
+    cache holds every warm voice."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block = block_tokens
+        self.published: dict[str, float] = {}
+
+    def cached(self, r: Request, at: float) -> int:
+        if not r.spec.reused or self.published.get(r.spec.voice, float("inf")) > at:
+            return 0
+        return min((r.reference_rows // self.block) * self.block, r.rows - 1)
+
+    def publish(self, r: Request, at: float) -> None:
+        if r.spec.reused:
+            self.published[r.spec.voice] = min(at, self.published.get(r.spec.voice, float("inf")))
+
+
+def _take_fifo(queue: deque[Request], at: float, max_rows: int, max_prompts: int,
+               ready: Callable[[Request], float]) -> list[Request]:
+    """The queue's head requests ready by `at`, FIFO, within the bounds (the first one
+    always)."""
+    batch: list[Request] = []
+    rows = 0
+    while queue and len(batch) < max_prompts:
+        r = queue[0]
+        if ready(r) > at:
+            break
+        if batch and rows + r.rows > max_rows:
+            break
+        batch.append(queue.popleft())
+        rows += r.rows
+    return batch
+
+
+def _stream_frames(r: Request, frame_end: float, costs: Costs) -> None:
+    r.times.append(frame_end + costs.deliver_s)
+
+
+# ---------------------------------------------------------------------------- 1PnD
+def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanConfig) -> None:
+    """P, then each D: frame times into every request's `times`."""
+    cache = PrefixCacheModel(cfg.block_tokens)
+    queue = deque(sorted(requests, key=lambda r: r.arrival))
+    # the reserve stage: one request at a time, in arrival order
+    reserved: dict[int, float] = {}
+    t = 0.0
+    for r in queue:
+        t = max(t, r.arrival + costs.admit_s) + costs.reserve_s
+        reserved[r.index] = t
+    commits: list[tuple[float, Request]] = []
+    free_at = 0.0
+    while queue:
+        head = reserved[queue[0].index]
+        if head > free_at:  # P idle: the first reserved request goes alone
+            start, batch = head, [queue.popleft()]
+        else:
+            start = free_at
+            batch = _take_fifo(queue, start, cfg.max_batch_rows, cfg.max_batch_prompts, lambda r: reserved[r.index])
+        seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, start)]]
+        end = start + costs.prefill.ms(seqs) / 1e3
+        for r in batch:
+            cache.publish(r, end)
+            commits.append((end + costs.handoff_s, r))
+        free_at = end
+    # each request to the D with the fewest streams at its commit
+    lanes: list[list[tuple[float, Request]]] = [[] for _ in range(n_decode)]
+    load: list[list[float]] = [[] for _ in range(n_decode)]  # end estimates of each D's streams
+    for at, r in sorted(commits, key=lambda x: x[0]):
+        counts = [sum(1 for e in ends if e > at) for ends in load]
+        i = int(np.argmin(counts))
+        lanes[i].append((at, r))
+        # a stream lasts about frames x a step at this D's load (enough to balance)
+        load[i].append(at + r.spec.frames * costs.step.ms(counts[i] + 1, (counts[i] + 1) * r.rows) / 1e3)
+    for lane in lanes:
+        simulate_decode(lane, costs.step, costs, overlap=True)
+
+
+def simulate_decode(commits: list[tuple[float, Request]], step: StepCost, costs: Costs, overlap: bool) -> None:
+    """D's loop over committed requests (time, request), P's first frame at commit."""
+    pending = deque(sorted(commits, key=lambda x: x[0]))
+    active: list[list[Any]] = []  # [request, frames done, context tokens]
+    t = 0.0
+    prepared_at = 0.0  # when this step's batch was fixed (overlap: the previous step's start)
+    while pending or active:
+        if not active and pending and pending[0][0] > t:
+            t = prepared_at = pending[0][0]
+        while pending and pending[0][0] <= (prepared_at if overlap else t):
+            at, r = pending.popleft()
+            _stream_frames(r, at, costs)  # P's frame
+            if r.spec.frames > 1:
+                active.append([r, 1, r.rows + 1])
+        if not active:
+            continue
+        dur = step.ms(len(active), sum(a[2] for a in active)) / 1e3
+        prepared_at, t = t, t + dur
+        for a in active:
+            _stream_frames(a[0], t, costs)
+            a[1] += 1
+            a[2] += 1
+        active = [a for a in active if a[1] < a[0].spec.frames]
+
+
+# ---------------------------------------------------------------------------- monoliths
+def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
+    """prefill-first (`chunk` None) or chunked: one loop, one GPU."""
+    cache = PrefixCacheModel(cfg.block_tokens)
+    arrivals = deque(sorted(requests, key=lambda r: r.arrival))
+    waiting: deque[Request] = deque()
+    prefilling: list[list[Any]] = []  # chunked: [request, rows done, cached rows]
+    active: list[list[Any]] = []
+    t = 0.0
+    while arrivals or waiting or prefilling or active:
+        while arrivals and arrivals[0].arrival + costs.admit_s <= t:
+            waiting.append(arrivals.popleft())
+        if not (waiting or prefilling or active):
+            t = arrivals[0].arrival + costs.admit_s
+            continue
+        if chunk is None and waiting:
+            batch = _take_fifo(waiting, t, cfg.max_batch_rows, 1 << 30, lambda r: r.arrival + costs.admit_s)
+            seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, t)]]
+            t += costs.prefill.ms(seqs) / 1e3
+            for r in batch:
+                cache.publish(r, t)
+                _stream_frames(r, t, costs)
+                if r.spec.frames > 1:
+                    active.append([r, 1, r.rows + 1])
+            continue
+        if chunk is not None:
+            while waiting:
+                r = waiting.popleft()
+                c = cache.cached(r, t)
+                prefilling.append([r, c, c])
+        budget = (chunk - len(active)) if chunk is not None else 0
+        pieces: list[tuple[list[Any], int]] = []
+        for p in prefilling:
+            if budget <= 0:
+                break
+            n = min(p[0].rows - p[1], budget)
+            pieces.append((p, n))
+            budget -= n
+        ctx = sum(a[2] for a in active)
+        if pieces:
+            dur = (costs.mixed.ms([(n, p[1]) for p, n in pieces])
+                   + costs.mono_step.per_stream_ms * len(active) + costs.mono_step.per_token_ms * ctx)
+        else:
+            dur = costs.mono_step.ms(len(active), ctx)
+        t += dur / 1e3
+        for a in active:
+            _stream_frames(a[0], t, costs)
+            a[1] += 1
+            a[2] += 1
+        active = [a for a in active if a[1] < a[0].spec.frames]
+        for p, n in pieces:
+            p[1] += n
+            if p[1] == p[0].rows:
+                prefilling.remove(p)
+                cache.publish(p[0], t)
+                _stream_frames(p[0], t, costs)
+                if p[0].spec.frames > 1:
+                    active.append([p[0], 1, p[0].rows + 1])
+
+
+# ---------------------------------------------------------------------------- levels
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    gpus: int
+    decoders: int = 0          # 1PnD: N
+    chunk: int | None = None   # chunked monolith
+
+
+def variants_of(cfg: PlanConfig) -> list[Variant]:
+    out: list[Variant] = []
+    for spec in filter(None, (v.strip() for v in cfg.variants.split(","))):
+        if spec == "monolith-prefill-first":
+            out.append(Variant(spec, 1))
+        elif spec == "monolith-chunked":
+            out += [Variant(f"monolith-chunked-{c}", 1, chunk=c) for c in parse_list(cfg.chunks, "chunks", int)]
+        elif spec.startswith("1p") and spec.endswith("d") and spec[2:-1].isdigit() and int(spec[2:-1]) >= 1:
+            n = int(spec[2:-1])
+            out.append(Variant(spec, n + 1, decoders=n))
+        else:
+            raise ValueError(f"variant {spec!r}: expected 1pNd (N >= 1), monolith-prefill-first or "
+                             "monolith-chunked")
+    return out
+
+
+def levels_of(cfg: PlanConfig, variant: Variant) -> list[float]:
+    overrides = variant_level_overrides("--variant-rate", cfg.variant_rate)
+    family = "monolith-chunked" if variant.chunk is not None else variant.name
+    return parse_list(overrides.get(variant.name) or overrides.get(family) or cfg.rate, "rate", float)
+
+
+def capacity_config(cfg: PlanConfig, variant: Variant, levels: list[float]) -> CapacityConfig:
+    return CapacityConfig(rate=levels, burst_share=cfg.burst_share, burst_size=cfg.burst_size,
+                          duration=cfg.duration, warmup=cfg.ramp, prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"),
+                          frames=parse_range(cfg.frames, "frames"), voices=cfg.voices, voice_reuse=cfg.voice_reuse,
+                          seed=cfg.seed, mode_label=variant.name, gpus=variant.gpus, progress=False)
+
+
+def level_requests(cfg: PlanConfig, cap: CapacityConfig, rate: float, seed: int) -> list[Request]:
+    """The requests `bench capacity` sends at this level and seed."""
+    model = get_config(cfg.model)
+    wcfg = WorkloadConfig(n_codebooks=model.n_codebooks, vocab_sizes=tuple(model.vocab_sizes),
+                          prompt_rows=cap.prompt_rows, frames=cap.frames, voices=cap.voices,
+                          voice_reuse=cap.voice_reuse, seed=seed)
+    schedule = poisson_schedule(Workload(wcfg), cap.model_copy(update={"seed": seed}), rate)
+    return [Request(spec.index, at, spec, wcfg.reference_rows) for at, spec in schedule]
+
+
+def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str, Any]:
+    """The level's row, by capacity.summarize_level's rules, over the streams arriving
+    after the ramp."""
+    results = []
+    for r in requests:
+        if r.arrival < cap.warmup:
+            continue
+        res = StreamResult(index=r.index, voice=r.spec.voice, reused=r.spec.reused, prompt_rows=r.rows,
+                           frames_requested=r.spec.frames, started_s=r.arrival, send_unix_ns=0, status=200)
+        arrivals = np.sort(np.asarray(r.times)) - r.arrival
+        if len(arrivals) != r.spec.frames:
+            raise AssertionError(f"request {r.index}: {len(arrivals)} frames simulated, {r.spec.frames} asked")
+        timing = stream_timing(arrivals, cap.start_frames, cap.fps)
+        res.frames, res.arrivals = len(arrivals), arrivals
+        res.ttft_s, res.ttfa_s, res.rate, res.worst_window = timing.ttft_s, timing.ttfa_s, timing.rate, \
+            timing.worst_window
+        res.stalls, res.stall_s = timing.playback.stalls, timing.playback.stall_s
+        results.append(res)
+    return summarize_level(results, cap, None, rate, cap.duration)
+
+
+def simulate_level(cfg: PlanConfig, costs: Costs, variant: Variant, cap: CapacityConfig, rate: float,
+                   seed: int) -> dict[str, Any]:
+    requests = level_requests(cfg, cap, rate, seed)
+    if variant.decoders:
+        simulate_pd(requests, costs, variant.decoders, cfg)
+    else:
+        simulate_monolith(requests, costs, cfg, variant.chunk)
+    return judge(requests, cap, rate)
+
+
+def plan_variant(cfg: PlanConfig, costs: Costs, variant: Variant) -> dict[str, Any]:
+    levels = levels_of(cfg, variant)
+    cap = capacity_config(cfg, variant, levels)
+    rows: list[dict[str, Any]] = []
+    for level in levels:
+        for run in range(cfg.repeat):
+            row = simulate_level(cfg, costs, variant, cap, level, cfg.seed + run)
+            row["repeat"] = run
+            rows.append(row)
+        if cfg.stop_at_failure and not all(r["passed"] for r in rows if r["rate"] == level):
+            break
+    return {"rows": rows, "summary": summarize_run(rows, cap)}
+
+
+# ---------------------------------------------------------------------------- measured
+def measured_levels(path: str) -> dict[str, dict[float, bool]]:
+    """A `bench compare` JSON's verdict per variant and level (passed in every run)."""
+    doc = json.loads(Path(path).read_text())
+    out: dict[str, dict[float, bool]] = {}
+    for row in doc["rows"]:
+        if row.get("rate") is None:
+            raise ValueError(f"{path}: closed-loop levels; plan predicts Poisson (--rate) levels only")
+        levels = out.setdefault(row["mode"], {})
+        levels[row["rate"]] = levels.get(row["rate"], True) and bool(row["passed"])
+    return out
+
+
+def versus_measured(rows: list[dict[str, Any]], measured: dict[str, dict[float, bool]]) -> list[dict[str, Any]]:
+    """Per variant and level both verdicts, where both exist."""
+    predicted: dict[tuple[str, float], bool] = {}
+    for row in rows:
+        key = (row["mode"], row["rate"])
+        predicted[key] = predicted.get(key, True) and bool(row["passed"])
+    out = []
+    for (mode, rate), passed in sorted(predicted.items()):
+        if rate in measured.get(mode, {}):
+            out.append({"mode": mode, "rate": rate, "predicted": passed, "measured": measured[mode][rate],
+                        "agree": passed == measured[mode][rate]})
+    return out
+
+
+COLUMNS = [
+    report.Column("mode", "mode"),
+    report.Column("rate", "rate/s", "{:g}"),
+    report.Column("repeat", "run"),
+    report.Column("streams", "streams"),
+    report.Column("stutter_share", "stutter", "{:.1%}"),
+    report.Column("min_rate", "min fps", "{:.1f}"),
+    report.Column("worst_window", "worst 1s", "{:.0f}"),
+    report.Column("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+    report.Column("ttft_p95_ms", "p95", "{:.0f}"),
+    report.Column("ttfa_p50_ms", "TTFA p50", "{:.0f}"),
+    report.Column("ttfa_p95_ms", "p95", "{:.0f}"),
+    report.Column("ttfa_p99_ms", "p99", "{:.0f}"),
+    report.Column("passed", "pass"),
+]
+VERSUS_COLUMNS = [report.Column("mode", "mode"), report.Column("rate", "rate/s", "{:g}"),
+                  report.Column("predicted", "predicted pass"), report.Column("measured", "measured pass"),
+                  report.Column("agree", "agree")]
+
+
+def run_plan(cfg: PlanConfig, command: str) -> dict[str, Any]:
+    costs, sources = load_costs(cfg)
+    rows: list[dict[str, Any]] = []
+    per_gpu: dict[str, float | None] = {}
+    bounds: dict[str, list[float | None]] = {}
+    for variant in variants_of(cfg):
+        doc = plan_variant(cfg, costs, variant)
+        for row in doc["rows"]:
+            row["gpus"] = variant.gpus
+        rows += doc["rows"]
+        per_gpu.update(doc["summary"]["capacity_per_gpu"])
+        bounds.update(doc["summary"]["capacity_bounds_per_gpu"])
+    summary: dict[str, Any] = {"predicted": True, "capacity_per_gpu": per_gpu, "capacity_bounds_per_gpu": bounds,
+                               **ratios(per_gpu, bounds), "costs": describe_costs(costs), "sources": sources}
+    if cfg.measured:
+        versus = versus_measured(rows, measured_levels(cfg.measured))
+        summary["versus_measured"] = {"path": cfg.measured, "levels": versus,
+                                      "agree": sum(v["agree"] for v in versus), "of": len(versus)}
+    return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary).document()
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(PlanConfig, argv, "pdunit bench plan")
+    try:
+        doc = run_plan(cfg, report.command_line(argv, prog="pdunit bench plan"))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"pdunit bench plan: {exc}", file=sys.stderr)
+        return 2
+    print(report.text_table(doc["rows"], COLUMNS))
+    versus = doc["summary"].get("versus_measured")
+    if versus:
+        print(f"\nagainst {versus['path']}: {versus['agree']} of {versus['of']} levels agree")
+        print(report.text_table(versus["levels"], VERSUS_COLUMNS))
+    report.print_and_write(doc, cfg.out, COLUMNS, "Capacity predicted from measured costs (not a measurement)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+

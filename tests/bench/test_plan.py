@@ -1,0 +1,181 @@
+"""`pdunit bench plan`: the cost fits, the scheduler models, and the capacity they
+predict under the rules `bench capacity` judges by."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdunit.bench import plan
+from pdunit.bench.workload import StreamSpec
+
+STEP = plan.StepCost(base_ms=3.0, per_stream_ms=0.01, per_token_ms=3e-5)
+PREFILL = plan.PrefillCost(base_ms=3.0, per_row_ms=0.008, per_pair_ms=2e-6)
+
+
+def step_rows(cost: plan.StepCost, overlap: bool) -> list[dict]:
+    return [{"batch": b, "context": c, "mean_context": c + 7, "overlap": overlap,
+             "step_ms": cost.ms(b, b * (c + 7))} for b in (32, 64, 128) for c in (1024, 2048, 4096)]
+
+
+def prefill_rows(cost: plan.PrefillCost, gemm: str, graphs: bool) -> list[dict]:
+    return [{"gemm": gemm, "graphs": graphs, "prompts": p, "rows": n, "ms": cost.ms([(n, 0)] * p)}
+            for p, n in ((1, 300), (1, 1500), (2, 1000), (4, 1500), (8, 1000))]
+
+
+def write_inputs(tmp_path: Path, step: plan.StepCost = STEP, prefill: plan.PrefillCost = PREFILL) -> list[str]:
+    step_doc = {"machine": {"gpu_count": 1, "gpu_model": "test"}, "command": "pdunit bench step",
+                "rows": step_rows(step, True) + step_rows(step, False)}
+    prefill_doc = {"machine": {"gpu_count": 1, "gpu_model": "test"}, "command": "pdunit bench prefill",
+                   "rows": prefill_rows(prefill, "fp8", True) + prefill_rows(prefill, "fp8", False)}
+    (tmp_path / "step.json").write_text(json.dumps(step_doc))
+    (tmp_path / "prefill.json").write_text(json.dumps(prefill_doc))
+    return ["--step", str(tmp_path / "step.json"), "--prefill", str(tmp_path / "prefill.json")]
+
+
+def config(tmp_path: Path, **kw) -> plan.PlanConfig:
+    args = dict(zip(["step", "prefill"], write_inputs(tmp_path)[1::2], strict=True))
+    return plan.PlanConfig(**args, **kw)
+
+
+def costs(**kw) -> plan.Costs:
+    base = dict(step=STEP, mono_step=STEP, prefill=PREFILL, mixed=PREFILL, admit_s=0.005, reserve_s=0.002,
+                handoff_s=0.01, deliver_s=0.001)
+    return plan.Costs(**{**base, **kw})
+
+
+def request(index: int, arrival: float, rows: int = 1000, frames: int = 20, voice: str = "cold",
+            reused: bool = False, reference_rows: int = 750) -> plan.Request:
+    spec = StreamSpec(index=index, voice=voice, reused=reused, prompt=np.zeros((rows, 1), dtype=np.int64),
+                      frames=frames, seed=0)
+    return plan.Request(index, arrival, spec, reference_rows)
+
+
+def test_fits_recover_the_costs_they_were_made_from():
+    step = plan.StepCost.fit(step_rows(STEP, True), overlap=True)
+    assert (step.base_ms, step.per_stream_ms, step.per_token_ms) == pytest.approx((3.0, 0.01, 3e-5), rel=1e-6)
+    assert step.worst_error < 1e-9 and step.points == 9
+    pre = plan.PrefillCost.fit(prefill_rows(PREFILL, "fp8", True), "fp8", True)
+    assert (pre.base_ms, pre.per_row_ms, pre.per_pair_ms) == pytest.approx((3.0, 0.008, 2e-6), rel=1e-6)
+
+
+def test_a_fit_never_makes_a_cost_fall_as_its_term_grows():
+    # step time independent of the context: the per-token term would fit slightly negative
+    rows = [{"batch": b, "context": c, "overlap": True, "step_ms": 4.0 + 0.02 * b - (1e-7 * b * c if c > 2000 else 0)}
+            for b in (16, 64, 128) for c in (1024, 4096)]
+    fit = plan.StepCost.fit(rows, overlap=True)
+    assert min(fit.base_ms, fit.per_stream_ms, fit.per_token_ms) >= 0
+    assert fit.per_token_ms == 0.0
+
+
+def test_a_fit_with_too_few_points_names_what_is_missing():
+    with pytest.raises(ValueError, match="gemm=bf16"):
+        plan.PrefillCost.fit(prefill_rows(PREFILL, "fp8", True), "bf16", True)
+    with pytest.raises(ValueError, match="overlap=False"):
+        plan.StepCost.fit(step_rows(STEP, True), overlap=False)
+
+
+def test_one_pd_request_walks_the_pipeline_stage_by_stage(tmp_path):
+    cfg = config(tmp_path)
+    c = costs()
+    r = request(0, arrival=1.0, rows=1000, frames=4)
+    plan.simulate_pd([r], c, 1, cfg)
+    commit = 1.0 + c.admit_s + c.reserve_s + PREFILL.ms([(1000, 0)]) / 1e3 + c.handoff_s
+    assert r.times[0] == pytest.approx(commit + c.deliver_s)  # P's first frame
+    # then one frame per D step, the context growing by one each step
+    t = commit
+    for k, got in enumerate(r.times[1:]):
+        t += STEP.ms(1, 1000 + 1 + k) / 1e3
+        assert got == pytest.approx(t + c.deliver_s)
+    assert len(r.times) == 4
+
+
+def test_prefill_first_freezes_decoding_streams_for_the_forward_and_pd_does_not(tmp_path):
+    cfg = config(tmp_path)
+    c = costs()
+    early = request(0, arrival=0.0, rows=500, frames=200)
+    clump = [request(i, arrival=0.5, rows=2000, frames=10) for i in range(1, 6)]
+    plan.simulate_monolith([early, *clump], c, cfg, chunk=None)
+    gaps = np.diff(early.times)
+    forward = PREFILL.ms([(2000, 0)] * 4) / 1e3  # 4 x 2000 rows fit the 8192-row forward
+    assert gaps.max() >= forward  # the decoding stream waited for the clump's prefill
+    for r in (early, *clump):
+        r.times.clear()
+    plan.simulate_pd([early, *clump], c, 1, cfg)
+    assert np.diff(early.times).max() < 0.02  # D kept stepping: no gap near a forward's length
+
+
+def test_a_warm_voice_skips_its_cached_blocks_once_published(tmp_path):
+    cfg = config(tmp_path)
+    first = request(0, arrival=0.0, voice="voice-1", reused=True, reference_rows=750)
+    later = request(1, arrival=1.0, voice="voice-1", reused=True, reference_rows=750)
+    plan.simulate_pd([first, later], costs(), 1, cfg)
+    ttft = [r.times[0] - r.arrival for r in (first, later)]
+    cached = (750 // 16) * 16
+    saved = (PREFILL.ms([(1000, 0)]) - PREFILL.ms([(1000 - cached, cached)])) / 1e3
+    assert ttft[0] - ttft[1] == pytest.approx(saved)
+
+
+def test_1p2d_spreads_streams_over_its_decoders(tmp_path):
+    cfg = config(tmp_path)
+    reqs = [request(i, arrival=0.05 * i, frames=300) for i in range(20)]
+    one = [request(i, arrival=0.05 * i, frames=300) for i in range(20)]
+    plan.simulate_pd(reqs, costs(), 2, cfg)
+    plan.simulate_pd(one, costs(), 1, cfg)
+    rate = lambda r: (len(r.times) - 1) / (r.times[-1] - r.times[0])  # noqa: E731
+    assert min(map(rate, reqs)) > min(map(rate, one))  # smaller batches per D, faster steps
+
+
+def test_chunked_monolith_finishes_every_stream_with_all_its_frames(tmp_path):
+    cfg = config(tmp_path)
+    reqs = [request(i, arrival=0.01 * i, rows=1500, frames=30) for i in range(12)]
+    plan.simulate_monolith(reqs, costs(), cfg, chunk=2048)
+    assert all(len(r.times) == 30 for r in reqs)
+    assert all(np.all(np.diff(r.times) > 0) for r in reqs)
+
+
+def test_the_plan_judges_by_the_capacity_rules_and_a_faster_prefill_never_lowers_capacity(tmp_path, capsys):
+    argv = write_inputs(tmp_path) + ["--variants", "1p1d,1p2d,monolith-prefill-first", "--rate", "4,8,16,32,64",
+                                     "--repeat", "1", "--duration", "6", "--ramp", "1",
+                                     "--out", str(tmp_path / "plan.json")]
+    assert plan.main(argv) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    per_gpu = doc["summary"]["capacity_per_gpu"]
+    assert set(per_gpu) == {"1p1d", "1p2d", "monolith-prefill-first"}
+    assert doc["summary"]["predicted"] is True
+    assert {r["gpus"] for r in doc["rows"] if r["mode"] == "1p2d"} == {3}
+    # every row carries the capacity rules' verdict, and a failing level ends the sweep
+    for mode in per_gpu:
+        passed = [r["passed"] for r in doc["rows"] if r["mode"] == mode]
+        assert passed == sorted(passed, reverse=True) and passed.count(False) <= 1
+    assert plan.main(argv[:-1] + [str(tmp_path / "fast.json"), "--prefill-scale", "0.5"]) == 0
+    fast = json.loads((tmp_path / "fast.json").read_text())["summary"]["capacity_per_gpu"]
+    assert all((fast[m] or 0) >= (per_gpu[m] or 0) for m in per_gpu)
+    assert "not a measurement" in (tmp_path / "plan.md").read_text()
+
+
+def test_measured_levels_sit_beside_the_prediction(tmp_path, capsys):
+    measured = {"rows": [{"mode": "1p1d", "rate": 4.0, "passed": True}, {"mode": "1p1d", "rate": 8.0, "passed": True},
+                         {"mode": "1p1d", "rate": 8.0, "passed": False}]}
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    argv = write_inputs(tmp_path) + ["--variants", "1p1d", "--rate", "4,8", "--repeat", "1", "--duration", "4",
+                                     "--ramp", "1", "--no-stop-at-failure", "--measured", str(tmp_path / "measured.json"),
+                                     "--out", str(tmp_path / "plan.json")]
+    assert plan.main(argv) == 0
+    versus = json.loads((tmp_path / "plan.json").read_text())["summary"]["versus_measured"]
+    levels = {v["rate"]: v for v in versus["levels"]}
+    assert levels[4.0]["measured"] is True and levels[8.0]["measured"] is False  # a failed run fails the level
+    assert versus["of"] == 2 and versus["agree"] == sum(v["agree"] for v in versus["levels"])
+    assert "levels agree" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--variants", "2p1d", "variant '2p1d'"),
+    ("--variant-rate", "1p1d", "--variant-rate"),
+])
+def test_bad_input_names_the_field(tmp_path, capsys, flag, value, message):
+    assert plan.main(write_inputs(tmp_path) + [flag, value]) == 2
+    assert message in capsys.readouterr().err
