@@ -37,6 +37,9 @@ class PrefixLease:
     # Slots of `slots` that the cache does not own: returned to the free list at release.
     fresh: list[int] = field(default_factory=list)
     released: bool = False
+    # The prompt's hash chain over its full blocks, taken once at acquire: publish reuses
+    # it, so the thread that publishes (between forwards) hashes nothing.
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -77,14 +80,22 @@ class PrefixCache:
             "evicted_blocks_total": 0,
         }
 
-    def acquire(self, prompt: np.ndarray) -> PrefixLease:
+    def acquire(self, prompt: np.ndarray, chain: list[bytes] | None = None) -> PrefixLease:
         """Pin the prompt's cached leading blocks and allocate fresh slots for the rest
-        (evicting unpinned LRU blocks if needed). Raises NoCapacity, holding nothing."""
+        (evicting unpinned LRU blocks if needed). Raises NoCapacity, holding nothing.
+        `chain`: `block_hashes(prompt, self.block_tokens)` when the caller took it
+        already, off the thread that calls this."""
         if prompt.ndim != 2 or prompt.shape[0] < 1:
             raise ValueError(f"prompt has shape {prompt.shape}, expected [rows >= 1, C]")
         rows = prompt.shape[0]
-        # At most rows - 1 cached rows: the last row is always computed.
-        hashes = block_hashes(prompt[: rows - 1], self.block_tokens)
+        if chain is None:
+            chain = block_hashes(prompt, self.block_tokens)
+        elif len(chain) != rows // self.block_tokens:
+            raise ValueError(f"a chain of {len(chain)} blocks for a prompt of {rows} rows "
+                             f"({rows // self.block_tokens} blocks of {self.block_tokens})")
+        # At most rows - 1 cached rows: the last row is always computed. A chain's first k
+        # hashes are those of the first k blocks alone.
+        hashes = chain[: (rows - 1) // self.block_tokens]
         with self._lock:
             matched: list[bytes] = []
             for h in hashes:
@@ -109,7 +120,7 @@ class PrefixCache:
             self._stats["miss_tokens_total"] += need
             parts = [self._blocks[h].slots for h in matched] + [np.asarray(fresh, dtype=np.int64)]
             slots = np.concatenate(parts).astype(np.int64, copy=False)
-            return PrefixLease(cached_tokens=cached, slots=slots, pinned=matched, fresh=fresh)
+            return PrefixLease(cached_tokens=cached, slots=slots, pinned=matched, fresh=fresh, hashes=list(chain))
 
     def publish(self, lease: PrefixLease, prompt: np.ndarray) -> None:
         """After prefill wrote the fresh rows: every full block of the prompt becomes a
@@ -120,7 +131,7 @@ class PrefixCache:
             raise ValueError(
                 f"prompt has {prompt.shape[0]} rows, the lease {lease.slots.shape[0]} slots"
             )
-        hashes = block_hashes(prompt, self.block_tokens)
+        hashes = lease.hashes
         b = self.block_tokens
         with self._lock:
             fresh = set(lease.fresh)

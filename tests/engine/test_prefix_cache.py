@@ -148,3 +148,20 @@ def test_prefill_of_a_cached_voice_equals_prefill_from_scratch() -> None:
         model.new_kv_storage(len(second)),
     )
     torch.testing.assert_close(cached, scratch, rtol=1e-10, atol=1e-10)
+
+
+def test_a_chain_taken_ahead_gives_the_same_lease_and_a_wrong_one_is_refused() -> None:
+    from pdunit.engine.kv.prefix_cache import block_hashes
+
+    p = prompt(100, seed=3)
+    ahead, inline = PrefixCache(1024, B), PrefixCache(1024, B)
+    chain = block_hashes(p, B)
+    for _ in range(2):  # a miss, then a hit: both caches answer alike
+        a, b = ahead.acquire(p, chain), inline.acquire(p)
+        assert (a.cached_tokens, a.slots.tolist(), a.hashes) == (b.cached_tokens, b.slots.tolist(), b.hashes)
+        for cache, lease in ((ahead, a), (inline, b)):
+            cache.publish(lease, p)
+            cache.release(lease)
+    assert a.cached_tokens == (99 // B) * B
+    with pytest.raises(ValueError, match="chain of 5 blocks"):
+        ahead.acquire(p, chain[:5])
