@@ -360,13 +360,13 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
-           "| P graph share | P reserve ms | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
-                                              "p_busy", "p_graph_share", "p_reserve_ms", "lb_lag_mean_ms",
+                                              "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms", "lb_lag_mean_ms",
                                               "lb_lag_over_20ms")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
@@ -391,6 +391,7 @@ _SERIES = {
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
     "p_reserves": 'pdunit_prefill_stage_seconds_count{stage="reserve"}',
     "p_reserve_s": 'pdunit_prefill_stage_seconds_sum{stage="reserve"}',
+    "p_gaps": "pdunit_prefill_forward_gap_seconds_count", "p_gap_s": "pdunit_prefill_forward_gap_seconds_sum",
     "p_graph": 'pdunit_prefill_forwards_total{path="graph"}',
     "p_eager": 'pdunit_prefill_forwards_total{path="eager"}',
     "lb_lag_n": "pdunit_lb_loop_lag_seconds_count", "lb_lag_s": "pdunit_lb_loop_lag_seconds_sum",
@@ -445,6 +446,8 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["p_busy"] = round(d["p_forward_s"] / seconds, 4)
     if d["p_reserves"] > 0:  # prefix lease + RESERVE round trip to D, queueing excluded
         out["p_reserve_ms"] = round(1000 * d["p_reserve_s"] / d["p_reserves"], 3)
+    if d["p_gaps"] > 0:  # from a forward's end to the next's start, the next batch already reserved
+        out["p_gap_ms"] = round(1000 * d["p_gap_s"] / d["p_gaps"], 3)
     if d["p_graph"] + d["p_eager"] > 0:
         out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
     if d["lb_lag_n"] > 0:

@@ -22,7 +22,8 @@ through a discrete-event model of each variant's scheduler as the engines run it
   back (overlap: a stream joins the step after the one being prepared), one frame per
   stream per step, P's first frame included;
 - prefill-first monolith: whenever a prompt waits, a forward over the waiting prompts
-  (up to `--max-batch-rows`), else a decode step (no overlap), its prefix cache as P's;
+  (up to `--max-batch-rows`), else a decode step (no overlap), its prefix cache as P's
+  (`--no-monolith-cache`: none, as before 4ac169e);
 - chunked monolith: every iteration one eager forward of the decode rows plus prompt
   rows up to the chunk (a mixed forward costs the eager prefill cost of its prompt rows
   plus the decode rows' per-stream and per-token step costs).
@@ -96,6 +97,8 @@ class PlanConfig(BaseModel):
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests using a warm voice")
     seed: int = Field(0, description="workload seed of run 0")
     block_tokens: int = Field(16, gt=0, description="prefix-cache block (rows)")
+    monolith_cache: bool = Field(True, description="the monoliths keep a prefix cache, as P does (their "
+                                 "--cache-tokens > 0; runs before 2026-11-30's 4ac169e had none)")
     max_batch_rows: int = Field(8192, gt=0, description="P's and the prefill-first monolith's rows per forward")
     max_batch_prompts: int = Field(16, gt=0, description="P's prompts per forward")
     admit_ms: float = Field(5.0, ge=0, description="client send -> engine admission (the waterfalls' p50 sum)")
@@ -248,14 +251,15 @@ class Request:
 class PrefixCacheModel:
     """Which warm voices an engine's prefix cache holds, and since when (published at the
     end of the forward that computed them). Capacity is not modelled: the bench's
-    cache holds every warm voice."""
+    cache holds every warm voice. `enabled` False: an engine without one."""
 
-    def __init__(self, block_tokens: int) -> None:
+    def __init__(self, block_tokens: int, enabled: bool = True) -> None:
         self.block = block_tokens
+        self.enabled = enabled
         self.published: dict[str, float] = {}
 
     def cached(self, r: Request, at: float) -> int:
-        if not r.spec.reused or self.published.get(r.spec.voice, float("inf")) > at:
+        if not self.enabled or not r.spec.reused or self.published.get(r.spec.voice, float("inf")) > at:
             return 0
         return min((r.reference_rows // self.block) * self.block, r.rows - 1)
 
@@ -352,7 +356,7 @@ def simulate_decode(commits: list[tuple[float, Request]], step: StepCost, costs:
 # ---------------------------------------------------------------------------- monoliths
 def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
     """prefill-first (`chunk` None) or chunked: one loop, one GPU."""
-    cache = PrefixCacheModel(cfg.block_tokens)
+    cache = PrefixCacheModel(cfg.block_tokens, cfg.monolith_cache)
     arrivals = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
     prefilling: list[list[Any]] = []  # chunked: [request, rows done, cached rows]

@@ -96,6 +96,11 @@ P_STAGE_SECONDS = role_metric(Histogram(
     ["stage"], buckets=_FAST, registry=None), _P)
 P_PREFILL_SECONDS = role_metric(Histogram("pdunit_prefill_forward_seconds", "Wall time of one prefill forward",
                                           buckets=_FAST, registry=None), _P, _MONO)
+P_FORWARD_GAP_SECONDS = role_metric(Histogram(
+    "pdunit_prefill_forward_gap_seconds",
+    "From one forward's end to the next one's start, when the next batch was already reserved: P's own work "
+    "between forwards (handing results on, building the batch), with the GPU idle and requests waiting",
+    buckets=_FAST, registry=None), _P)
 P_PREFILL_FORWARDS = role_metric(Counter(
     "pdunit_prefill_forwards_total",
     "Forwards with prompt rows, by how they ran: graph (a captured prefill CUDA graph replayed, "

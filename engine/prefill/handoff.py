@@ -105,6 +105,10 @@ class OpenBatch(Generic[T]):
             self._rows += rows
             self._cv.notify_all()
 
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._items)
+
     def take(self, timeout: float) -> list[T]:
         """Every item added so far (waiting up to `timeout` for the first); [] if none."""
         with self._cv:

@@ -234,6 +234,7 @@ class PrefillEngine:
         self._cuda = str(device).startswith("cuda")
         self._worker_state = threading.local()  # each transfer worker's CUDA stream
         self._committer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-commit")
+        self._gap_from = 0  # ns: the last forward's end when the next batch was waiting for it, else 0
 
     # One D (the 1P1D unit): the names the rest of the process used before 1P2D.
     @property
@@ -568,6 +569,9 @@ class PrefillEngine:
         chunks = [PrefillChunk(x.job.prompt, x.lease.slots, min(x.lease.cached_tokens, len(x.job.prompt) - 1),
                                len(x.job.prompt), x.job.params) for x in live]
         t0 = now_ns()
+        if self._gap_from:
+            m.P_FORWARD_GAP_SECONDS.observe((t0 - self._gap_from) / 1e9)
+            self._gap_from = 0
         for x in live:
             x.job.stamps["prefill_start"] = t0
         frames = run_prefill(self.model, self.storage, chunks, self.graphs)
@@ -585,6 +589,10 @@ class PrefillEngine:
             self.cache.publish(x.lease, x.job.prompt)
         for x, frame, chunk in zip(live, frames, chunks, strict=True):
             self._computed.put(_Computed(x, frame, chunk.start, written))
+        # The next batch already reserved once this forward's results are handed on: the
+        # time to the next forward's start is P's own overhead, the GPU idle with requests
+        # waiting (counted from the forward's end, so this bookkeeping is in it).
+        self._gap_from = t1 if len(self._open) > 0 else 0
         return True
 
     def _transfer_once(self) -> bool:

@@ -230,11 +230,12 @@ def test_engine_deltas_read_each_levels_graph_shares_and_ps_reserve_time():
     before = {name: 0.0 for name in _SERIES.values()}
     after = dict(before, **{_SERIES["p_forwards"]: 4, _SERIES["p_forward_s"]: 0.2, _SERIES["p_graph"]: 3,
                             _SERIES["p_reserves"]: 5, _SERIES["p_reserve_s"]: 0.02,
+                            _SERIES["p_gaps"]: 2, _SERIES["p_gap_s"]: 0.006,
                             _SERIES["p_eager"]: 1, _SERIES["d_steps"]: 10, _SERIES["d_step_s"]: 0.1,
                             _SERIES["d_batch_sum"]: 500, _SERIES["d_graph"]: 9, _SERIES["d_eager"]: 1})
     got = engine_deltas(before, after, 2.0)
-    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_reserve_ms": 4.0, "d_step_ms": 10.0,
-                   "d_batch": 50.0, "d_graph_share": 0.9}
+    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_reserve_ms": 4.0, "p_gap_ms": 3.0,
+                   "d_step_ms": 10.0, "d_batch": 50.0, "d_graph_share": 0.9}
     assert "p_graph_share" not in engine_deltas(before, dict(after, **{_SERIES["p_graph"]: 0, _SERIES["p_eager"]: 0}),
                                                 2.0)
 

@@ -179,3 +179,14 @@ def test_measured_levels_sit_beside_the_prediction(tmp_path, capsys):
 def test_bad_input_names_the_field(tmp_path, capsys, flag, value, message):
     assert plan.main(write_inputs(tmp_path) + [flag, value]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_monolith_without_a_prefix_cache_recomputes_a_warm_voice(tmp_path):
+    cached, uncached = config(tmp_path), config(tmp_path, monolith_cache=False)
+    ttft = {}
+    for name, cfg in (("cached", cached), ("uncached", uncached)):
+        reqs = [request(0, 0.0, voice="voice-1", reused=True), request(1, 1.0, voice="voice-1", reused=True)]
+        plan.simulate_monolith(reqs, costs(), cfg, chunk=None)
+        ttft[name] = reqs[1].times[0] - reqs[1].arrival
+    saved = (PREFILL.ms([(1000, 0)]) - PREFILL.ms([(1000 - 736, 736)])) / 1e3
+    assert ttft["uncached"] - ttft["cached"] == pytest.approx(saved)

@@ -137,6 +137,32 @@ def test_next_batch_is_reserved_and_previous_batch_sent_while_a_forward_runs(eng
     assert replies[2].status == pb.STATUS_OK and d.seen("commit") == [1, 2]
 
 
+def gap_count() -> float:
+    from pdunit.engine import metrics as m
+
+    return next(s.value for s in m.P_FORWARD_GAP_SECONDS.collect()[0].samples if s.name.endswith("_count"))
+
+
+def test_the_gap_between_forwards_counts_only_when_the_next_batch_was_waiting(engine):
+    e, d, gates = engine
+    replies: dict[int, pb.SubmitReply] = {}
+    before = gap_count()
+    submit(e, 1, replies)  # P idle: its forward starts when request 1 is reserved, no gap
+    assert gates.entered[0].wait(10)
+    submit(e, 2, replies)
+    wait_for(lambda: d.seen("reserve") == [1, 2], what="request 2 reserved during forward 0")
+    gates.opened[0].set()
+    assert gates.entered[1].wait(10)  # request 2's batch was waiting: forward 0's end -> forward 1's start
+    gates.opened[1].set()
+    wait_for(lambda: len(replies) == 2, what="both replies")
+    assert gap_count() == before + 1
+    submit(e, 3, replies)  # P idle again: waiting for work is not a gap
+    assert gates.entered[2].wait(10)
+    gates.opened[2].set()
+    wait_for(lambda: len(replies) == 3, what="request 3's reply")
+    assert gap_count() == before + 1
+
+
 def test_stop_ends_requests_left_between_stages_and_tells_d(engine):
     e, d, gates = engine
     replies: dict[int, pb.SubmitReply] = {}
