@@ -96,3 +96,21 @@ def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
     busy = metrics["pdunit_decode_gpu_busy_seconds_total"]
     wall = metrics["pdunit_decode_step_seconds_sum"] + metrics["pdunit_prefill_forward_seconds_sum"]
     assert 0 < busy <= 1.1 * wall + 0.05, (busy, wall)
+
+
+def test_monolith_prefix_cache_hits_on_cuda_and_streams_whole(tmp_path):
+    """The monolith's prefix cache on CUDA: a warm voice's second request computes only
+    its uncached rows (the cache region and the device copy into its pool pages), and
+    every stream comes back whole. Frames are compared with P + D on the CPU
+    (tests/engine/test_unit_e2e.py); on the GPU a forward's rounding depends on its shape."""
+    voice = random_prompt(640, seed=77)
+    cfg = LocalConfig(mode="monolith", device="cuda:1", run_dir=str(tmp_path), **BASE)
+    with LocalUnit(cfg) as unit:
+        replies = [stream(unit.url, voice + random_prompt(60, seed=78 + i), max_frames=FRAMES, min_frames=FRAMES,
+                          timeout=120) for i in range(3)]
+    for frames, last in replies:
+        assert last.get("done"), last
+        assert len(frames) == FRAMES
+    assert replies[0][1]["cached_tokens"] == 0
+    for _, last in replies[1:]:
+        assert last["cached_tokens"] >= 640 - 16 and last["prefill_tokens"] == 700 - last["cached_tokens"]
