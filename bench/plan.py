@@ -119,23 +119,19 @@ class PlanConfig(BaseModel):
 
 
 # ---------------------------------------------------------------------------- costs
-def _fit(x: np.ndarray, y: np.ndarray, names: Sequence[str]) -> dict[str, float]:
-    """Least squares with every coefficient >= 0: a negative one is dropped (fixed at 0)
-    and the rest refitted, so a cost never falls as its term grows."""
+def _fit(x: np.ndarray, y: np.ndarray) -> tuple[tuple[float, ...], float]:
+    """Least squares with every coefficient >= 0 (a negative one is dropped, fixed at 0,
+    and the rest refitted, so a cost never falls as its term grows); returns the
+    coefficients and the fit's worst relative error on its own points."""
     keep = list(range(x.shape[1]))
     while True:
         coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
         if (coef >= 0).all() or len(keep) == 1:
             break
         keep.pop(int(np.argmin(coef)))
-    out = dict.fromkeys(names, 0.0)
-    for i, c in zip(keep, coef, strict=True):
-        out[names[i]] = max(0.0, float(c))
-    return out
-
-
-def _worst_error(x: np.ndarray, y: np.ndarray, coef: Sequence[float]) -> float:
-    return float(np.max(np.abs(x @ np.asarray(coef) - y) / y))
+    full = np.zeros(x.shape[1])
+    full[keep] = np.maximum(coef, 0.0)
+    return tuple(float(c) for c in full), float(np.max(np.abs(x @ full - y) / y))
 
 
 @dataclass(frozen=True)
@@ -160,10 +156,8 @@ class StepCost:
         if len(pts) < 3:
             raise ValueError(f"the step JSON has {len(pts)} points with overlap={overlap}: need 3 or more")
         x = np.array([[1.0, r["batch"], r["batch"] * r.get("mean_context", r["context"])] for r in pts])
-        y = np.array([r["step_ms"] for r in pts])
-        c = _fit(x, y, ("base", "stream", "token"))
-        coef = (c["base"], c["stream"], c["token"])
-        return cls(*coef, worst_error=_worst_error(x, y, coef), points=len(pts))
+        (base, stream, token), worst = _fit(x, np.array([r["step_ms"] for r in pts]))
+        return cls(base, stream, token, worst_error=worst, points=len(pts))
 
 
 @dataclass(frozen=True)
@@ -194,10 +188,8 @@ class PrefillCost:
                              "need 3 or more (bench prefill --gemm ... --graphs measures both)")
         x = np.array([[1.0, r["prompts"] * r["rows"], r["prompts"] * r["rows"] * (r["rows"] + 1) / 2]
                       for r in pts])
-        y = np.array([r["ms"] for r in pts])
-        c = _fit(x, y, ("base", "row", "pair"))
-        coef = (c["base"], c["row"], c["pair"])
-        return cls(*coef, worst_error=_worst_error(x, y, coef), points=len(pts))
+        (base, row, pair), worst = _fit(x, np.array([r["ms"] for r in pts]))
+        return cls(base, row, pair, worst_error=worst, points=len(pts))
 
 
 @dataclass(frozen=True)
