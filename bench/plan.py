@@ -234,6 +234,7 @@ class Request:
     spec: StreamSpec
     reference_rows: int       # a warm voice's leading rows (the cacheable part)
     times: list[float] = field(default_factory=list)  # frame arrival times at the client
+    stamps: dict[str, float] = field(default_factory=dict)  # the engines' stage stamps (s), as they name them
 
     @property
     def rows(self) -> int:
@@ -290,8 +291,9 @@ def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanC
     reserved: dict[int, float] = {}
     t = 0.0
     for r in queue:
-        t = max(t, r.arrival + costs.admit_s) + costs.reserve_s
-        reserved[r.index] = t
+        r.stamps["p_admitted"] = r.arrival + costs.admit_s
+        t = max(t, r.stamps["p_admitted"]) + costs.reserve_s
+        reserved[r.index] = r.stamps["p_reserved"] = t
     commits: list[tuple[float, Request]] = []
     free_at = 0.0
     while queue:
@@ -305,6 +307,7 @@ def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanC
         end = start + costs.prefill.ms(seqs) / 1e3
         for r in batch:
             cache.publish(r, end)
+            r.stamps.update(prefill_start=start, prefill_end=end, d_committed=end + costs.handoff_s)
             commits.append((end + costs.handoff_s, r))
         free_at = end
     # each request to the D with the fewest streams at its commit
@@ -356,15 +359,18 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
     t = 0.0
     while arrivals or waiting or prefilling or active:
         while arrivals and arrivals[0].arrival + costs.admit_s <= t:
-            waiting.append(arrivals.popleft())
+            r = arrivals.popleft()
+            r.stamps["p_admitted"] = r.arrival + costs.admit_s
+            waiting.append(r)
         if not (waiting or prefilling or active):
             t = arrivals[0].arrival + costs.admit_s
             continue
         if chunk is None and waiting:
             batch = _take_fifo(waiting, t, cfg.max_batch_rows, 1 << 30, lambda r: r.arrival + costs.admit_s)
             seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, t)]]
-            t += costs.prefill.ms(seqs) / 1e3
+            start, t = t, t + costs.prefill.ms(seqs) / 1e3
             for r in batch:
+                r.stamps.update(prefill_start=start, prefill_end=t)
                 cache.publish(r, t)
                 _stream_frames(r, t, costs)
                 if r.spec.frames > 1:
@@ -384,6 +390,8 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
             pieces.append((p, n))
             budget -= n
         ctx = sum(a[2] for a in active)
+        for p, _ in pieces:
+            p[0].stamps.setdefault("prefill_start", t)
         if pieces:
             dur = (costs.mixed.ms([(n, p[1]) for p, n in pieces])
                    + costs.mono_step.per_stream_ms * len(active) + costs.mono_step.per_token_ms * ctx)
@@ -399,6 +407,7 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
             p[1] += n
             if p[1] == p[0].rows:
                 prefilling.remove(p)
+                p[0].stamps["prefill_end"] = t
                 cache.publish(p[0], t)
                 _stream_frames(p[0], t, costs)
                 if p[0].spec.frames > 1:
@@ -471,7 +480,32 @@ def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str
             timing.worst_window
         res.stalls, res.stall_s = timing.playback.stalls, timing.playback.stall_s
         results.append(res)
-    return summarize_level(results, cap, None, rate, cap.duration)
+    row = summarize_level(results, cap, None, rate, cap.duration)
+    row["stages"] = stage_percentiles([r for r in requests if r.arrival >= cap.warmup], cap.start_frames)
+    return row
+
+
+def stage_percentiles(requests: list[Request], start_frames: int) -> dict[str, dict[str, float | None]]:
+    """p50/p99 ms of each stage of the model, after the one before it, named by the
+    engines' stamps (BENCHMARKS.md section 5's waterfall). The model folds the LB's
+    stages into `p_admitted`, RESERVE's into `p_reserved`, and the write, checksum and
+    COMMIT into `d_committed`; a monolith has no reserve and no commit."""
+    pd = bool(requests) and "p_reserved" in requests[0].stamps
+    chain = (["p_admitted", "p_reserved", "prefill_start", "prefill_end", "d_committed"] if pd
+             else ["p_admitted", "prefill_start", "prefill_end"])
+    pairs = [("p_admitted", "client_send"), *zip(chain[1:], chain[:-1], strict=True),
+             ("first_frame_in", "client_send"), ("start_frames_in", "client_send")]
+    out: dict[str, dict[str, float | None]] = {}
+    for stage, after in pairs:
+        values = []
+        for r in requests:
+            times = sorted(r.times)
+            stamps = dict(r.stamps, client_send=r.arrival, first_frame_in=times[0],
+                          start_frames_in=times[min(start_frames, len(times)) - 1])
+            values.append((stamps[stage] - stamps[after]) * 1e3)
+        out[f"{stage} after {after}"] = {k: None if v is None else round(v, 3)
+                                         for k, v in report.percentiles(values, (50, 99)).items()}
+    return out
 
 
 def simulate_level(cfg: PlanConfig, costs: Costs, variant: Variant, cap: CapacityConfig, rate: float,
@@ -540,6 +574,8 @@ COLUMNS = [
     report.Column("ttfa_p99_ms", "p99", "{:.0f}"),
     report.Column("passed", "pass"),
 ]
+STAGE_COLUMNS = [report.Column("stage", "stage"), report.Column("p50", "p50 ms", "{:.1f}"),
+                 report.Column("p99", "p99 ms", "{:.1f}")]
 VERSUS_COLUMNS = [report.Column("mode", "mode"), report.Column("rate", "rate/s", "{:g}"),
                   report.Column("predicted", "predicted pass"), report.Column("measured", "measured pass"),
                   report.Column("agree", "agree")]
@@ -574,6 +610,12 @@ def main(argv: list[str]) -> int:
         print(f"pdunit bench plan: {exc}", file=sys.stderr)
         return 2
     print(report.text_table(doc["rows"], COLUMNS))
+    for mode, per_gpu in doc["summary"]["capacity_per_gpu"].items():
+        mine = [r for r in doc["rows"] if r["mode"] == mode]
+        at = next((r for r in mine if per_gpu and abs(r["rate"] - per_gpu * r["gpus"]) < 1e-6), mine[0])
+        print(f"\nthe model's stages, {mode} at {at['rate']:g}/s run {at['repeat']} (compare them with the "
+              "measured waterfall there):")
+        print(report.text_table([{"stage": k, **v} for k, v in at["stages"].items()], STAGE_COLUMNS))
     versus = doc["summary"].get("versus_measured")
     if versus:
         print(f"\nagainst {versus['path']}: {versus['agree']} of {versus['of']} levels agree")

@@ -91,6 +91,11 @@ def test_one_pd_request_walks_the_pipeline_stage_by_stage(tmp_path):
         t += STEP.ms(1, 1000 + 1 + k) / 1e3
         assert got == pytest.approx(t + c.deliver_s)
     assert len(r.times) == 4
+    stages = plan.stage_percentiles([r], start_frames=3)
+    assert stages["p_reserved after p_admitted"]["p50"] == pytest.approx(c.reserve_s * 1e3)
+    assert stages["prefill_end after prefill_start"]["p50"] == pytest.approx(PREFILL.ms([(1000, 0)]), abs=1e-3)
+    assert stages["d_committed after prefill_end"]["p50"] == pytest.approx(c.handoff_s * 1e3)
+    assert stages["start_frames_in after client_send"]["p50"] == pytest.approx((r.times[2] - 1.0) * 1e3, abs=1e-3)
 
 
 def test_prefill_first_freezes_decoding_streams_for_the_forward_and_pd_does_not(tmp_path):
