@@ -7,7 +7,10 @@ context, with and without overlap) and a `bench prefill` results JSON (forward t
 prompts and rows, one GEMM precision, eager and through the prefill graphs):
 - decode step ms = base + per_stream * B + per_token * (context tokens of the batch);
 - prefill forward ms = base + per_row * computed rows + per_pair * attention pairs
-  (a prompt computing n rows after c cached ones attends n * c + n * (n + 1) / 2 pairs).
+  (a prompt computing n rows after c cached ones attends n * c + n * (n + 1) / 2 pairs),
+  fitted twice: for forwards replayed from a prefill graph (their rows rounded up to
+  the graph's bucket, engine/model/prefill_graphs.py) and for eager ones, which pay
+  the host's launches; a forward replays a graph when it fits the largest bucket.
 The fit's worst relative error on its own points is reported beside the prediction.
 
 BENCHMARKS.md section 1's workload (bench/workload.py: the same seeded arrivals,
@@ -64,6 +67,8 @@ from pdunit.bench.capacity import (
 from pdunit.bench.compare import ratios, variant_level_overrides
 from pdunit.bench.workload import StreamSpec, Workload, WorkloadConfig, parse_list, parse_range
 from pdunit.engine.model.config import get_config
+from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
+from pdunit.engine.monolith.main import PREFILL_GRAPH_SEQS
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.settings import parse_config
 
@@ -162,46 +167,67 @@ class StepCost:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Forward ms = base + per_row * computed rows + per_pair * attention pairs."""
+    """Forward ms = base + per_row * rows + per_pair * attention pairs, where `rows` are
+    the computed rows, or with `buckets` (a replayed prefill graph) the smallest bucket
+    that holds them: a graph computes its whole bucket."""
 
     base_ms: float
     per_row_ms: float
     per_pair_ms: float
     worst_error: float = 0.0
     points: int = 0
+    buckets: tuple[int, ...] = ()
+
+    def gemm_rows(self, rows: int) -> int:
+        return next((b for b in self.buckets if b >= rows), rows)
 
     def ms(self, seqs: Sequence[tuple[int, int]]) -> float:
         """`seqs`: (computed rows, cached rows) per prompt of the forward."""
-        rows = sum(n for n, _ in seqs)
+        rows = self.gemm_rows(sum(n for n, _ in seqs))
         pairs = sum(n * c + n * (n + 1) / 2 for n, c in seqs)
         return self.base_ms + self.per_row_ms * rows + self.per_pair_ms * pairs
 
     def scaled(self, factor: float) -> PrefillCost:
         return PrefillCost(self.base_ms * factor, self.per_row_ms * factor, self.per_pair_ms * factor,
-                           self.worst_error, self.points)
+                           self.worst_error, self.points, self.buckets)
 
     @classmethod
-    def fit(cls, rows: Sequence[dict[str, Any]], gemm: str, graphs: bool) -> PrefillCost:
-        pts = [r for r in rows if r.get("gemm") == gemm and bool(r.get("graphs")) == graphs and r.get("ms")]
+    def fit(cls, rows: Sequence[dict[str, Any]], gemm: str, graphs: bool, buckets: tuple[int, ...] = ()) -> PrefillCost:
+        """From `bench prefill` rows of one GEMM precision: the eager forwards
+        (`graphs` False), or those replayed from a graph (`graphs` True: the rows
+        measured with --graphs that did replay, priced at their bucket)."""
+        pts = [r for r in rows if r.get("gemm") == gemm and bool(r.get("graphs")) == graphs and r.get("ms")
+               and (not graphs or r.get("replayed"))]
         if len(pts) < 3:
-            raise ValueError(f"the prefill JSON has {len(pts)} points for gemm={gemm} graphs={graphs}: "
-                             "need 3 or more (bench prefill --gemm ... --graphs measures both)")
-        x = np.array([[1.0, r["prompts"] * r["rows"], r["prompts"] * r["rows"] * (r["rows"] + 1) / 2]
+            what = "replayed from a graph" if graphs else "eager"
+            raise ValueError(f"the prefill JSON has {len(pts)} points for gemm={gemm}, {what}: need 3 or more "
+                             "(bench prefill --gemm ... --graphs measures both)")
+        bucket = cls(0, 0, 0, buckets=buckets).gemm_rows
+        x = np.array([[1.0, bucket(r["prompts"] * r["rows"]), r["prompts"] * r["rows"] * (r["rows"] + 1) / 2]
                       for r in pts])
         (base, row, pair), worst = _fit(x, np.array([r["ms"] for r in pts]))
-        return cls(base, row, pair, worst_error=worst, points=len(pts))
+        return cls(base, row, pair, worst_error=worst, points=len(pts), buckets=buckets)
 
 
 @dataclass(frozen=True)
 class Costs:
-    step: StepCost           # D (overlap)
-    mono_step: StepCost      # the monolith's decode steps (no overlap)
-    prefill: PrefillCost     # P's and the prefill-first monolith's forwards
-    mixed: PrefillCost       # the chunked monolith's mixed forwards (eager)
+    step: StepCost                 # D (overlap)
+    mono_step: StepCost            # the monolith's decode steps (no overlap)
+    eager: PrefillCost             # forwards that replay no graph; the chunked monolith's mixed ones
+    graph: PrefillCost | None      # forwards that fit a prefill graph (None: graphs off)
+    graph_prompts: int             # prompts a graph holds
     admit_s: float
     reserve_s: float
     handoff_s: float
     deliver_s: float
+
+    def forward_ms(self, seqs: Sequence[tuple[int, int]]) -> float:
+        """A prefill forward as P and the prefill-first monolith run it: replayed from a
+        graph when it fits the largest bucket and the graphs' prompt count, else eager."""
+        g = self.graph
+        if g is not None and len(seqs) <= self.graph_prompts and sum(n for n, _ in seqs) <= g.buckets[-1]:
+            return g.ms(seqs)
+        return self.eager.ms(seqs)
 
 
 def load_costs(cfg: PlanConfig) -> tuple[Costs, dict[str, Any]]:
@@ -209,10 +235,11 @@ def load_costs(cfg: PlanConfig) -> tuple[Costs, dict[str, Any]]:
     prefill_doc = json.loads(Path(cfg.prefill).read_text())
     d = StepCost.fit(step_doc["rows"], overlap=True).scaled(cfg.kv_scale)
     mono = StepCost.fit(step_doc["rows"], overlap=False).scaled(cfg.kv_scale)
-    p = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, cfg.graphs).scaled(cfg.prefill_scale)
-    mixed = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, False).scaled(cfg.prefill_scale)
-    costs = Costs(d, mono, p, mixed, cfg.admit_ms / 1e3, cfg.reserve_ms / 1e3, cfg.handoff_ms / 1e3,
-                  cfg.deliver_ms / 1e3)
+    eager = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, False).scaled(cfg.prefill_scale)
+    graph = (PrefillCost.fit(prefill_doc["rows"], cfg.gemm, True, DEFAULT_ROW_BUCKETS).scaled(cfg.prefill_scale)
+             if cfg.graphs else None)
+    costs = Costs(d, mono, eager, graph, PREFILL_GRAPH_SEQS, cfg.admit_ms / 1e3, cfg.reserve_ms / 1e3,
+                  cfg.handoff_ms / 1e3, cfg.deliver_ms / 1e3)
     sources = {name: {"path": path, "command": doc.get("command"), "machine": report.machine_slug(doc["machine"])}
                for name, path, doc in (("step", cfg.step, step_doc), ("prefill", cfg.prefill, prefill_doc))}
     return costs, sources
@@ -223,7 +250,7 @@ def describe_costs(costs: Costs) -> dict[str, Any]:
         return {k: round(v, 7) if isinstance(v, float) else v for k, v in obj.__dict__.items()}
 
     return {"decode_step_overlap": rounded(costs.step), "decode_step_monolith": rounded(costs.mono_step),
-            "prefill": rounded(costs.prefill), "prefill_eager_mixed": rounded(costs.mixed)}
+            "prefill_eager": rounded(costs.eager), "prefill_graph": rounded(costs.graph) if costs.graph else None}
 
 
 # ---------------------------------------------------------------------------- requests
@@ -284,28 +311,51 @@ def _stream_frames(r: Request, frame_end: float, costs: Costs) -> None:
 
 # ---------------------------------------------------------------------------- 1PnD
 def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanConfig) -> None:
-    """P, then each D: frame times into every request's `times`."""
+    """P, then each D: frame times into every request's `times`.
+
+    P as engine/prefill/worker.py runs it: the reserve stage takes requests in arrival
+    order, one at a time (`reserve_s` each), into the batch the next forward takes, and
+    blocks while that batch is full (`max_batch_rows`, `max_batch_prompts`); the
+    forward stage takes the whole batch when its forward in flight ends, or, idle,
+    starts as soon as one request is reserved."""
     cache = PrefixCacheModel(cfg.block_tokens)
-    queue = deque(sorted(requests, key=lambda r: r.arrival))
-    # the reserve stage: one request at a time, in arrival order
-    reserved: dict[int, float] = {}
-    t = 0.0
-    for r in queue:
+    jobs = sorted(requests, key=lambda r: r.arrival)
+    for r in jobs:
         r.stamps["p_admitted"] = r.arrival + costs.admit_s
-        t = max(t, r.stamps["p_admitted"]) + costs.reserve_s
-        reserved[r.index] = r.stamps["p_reserved"] = t
+    j = 0  # the next request for the reserve stage
+    reserve_free = 0.0  # when the reserve stage can start its next RESERVE
+    batch: list[Request] = []  # reserved, for the next forward
+
+    def fits(r: Request) -> bool:
+        rows = sum(x.rows for x in batch)
+        return not batch or (len(batch) < cfg.max_batch_prompts and rows + r.rows <= cfg.max_batch_rows)
+
+    def reserve_next() -> float:
+        nonlocal j, reserve_free
+        r = jobs[j]
+        reserve_free = r.stamps["p_reserved"] = max(reserve_free, r.stamps["p_admitted"]) + costs.reserve_s
+        batch.append(r)
+        j += 1
+        return reserve_free
+
     commits: list[tuple[float, Request]] = []
-    free_at = 0.0
-    while queue:
-        head = reserved[queue[0].index]
-        if head > free_at:  # P idle: the first reserved request goes alone
-            start, batch = head, [queue.popleft()]
-        else:
+    free_at = 0.0  # when the forward in flight ends
+    while j < len(jobs) or batch:
+        # reservations that complete while the forward in flight runs, while there is room
+        while (j < len(jobs) and fits(jobs[j])
+               and max(reserve_free, jobs[j].stamps["p_admitted"]) + costs.reserve_s <= free_at):
+            reserve_next()
+        blocked = j < len(jobs) and not fits(jobs[j])
+        if batch:
             start = free_at
-            batch = _take_fifo(queue, start, cfg.max_batch_rows, cfg.max_batch_prompts, lambda r: reserved[r.index])
-        seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, start)]]
-        end = start + costs.prefill.ms(seqs) / 1e3
-        for r in batch:
+        else:  # P idle: its forward starts with the first request reserved
+            start = reserve_next()
+        taken, batch[:] = list(batch), []
+        if blocked:  # the reserve stage waited for this take to make room
+            reserve_free = max(reserve_free, start)
+        seqs = [(r.rows - c, c) for r in taken for c in [cache.cached(r, start)]]
+        end = start + costs.forward_ms(seqs) / 1e3
+        for r in taken:
             cache.publish(r, end)
             r.stamps.update(prefill_start=start, prefill_end=end, d_committed=end + costs.handoff_s)
             commits.append((end + costs.handoff_s, r))
@@ -368,7 +418,7 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
         if chunk is None and waiting:
             batch = _take_fifo(waiting, t, cfg.max_batch_rows, 1 << 30, lambda r: r.arrival + costs.admit_s)
             seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, t)]]
-            start, t = t, t + costs.prefill.ms(seqs) / 1e3
+            start, t = t, t + costs.forward_ms(seqs) / 1e3
             for r in batch:
                 r.stamps.update(prefill_start=start, prefill_end=t)
                 cache.publish(r, t)
@@ -393,7 +443,7 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
         for p, _ in pieces:
             p[0].stamps.setdefault("prefill_start", t)
         if pieces:
-            dur = (costs.mixed.ms([(n, p[1]) for p, n in pieces])
+            dur = (costs.eager.ms([(n, p[1]) for p, n in pieces])
                    + costs.mono_step.per_stream_ms * len(active) + costs.mono_step.per_token_ms * ctx)
         else:
             dur = costs.mono_step.ms(len(active), ctx)

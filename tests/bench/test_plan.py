@@ -22,8 +22,10 @@ def step_rows(cost: plan.StepCost, overlap: bool) -> list[dict]:
 
 
 def prefill_rows(cost: plan.PrefillCost, gemm: str, graphs: bool) -> list[dict]:
-    return [{"gemm": gemm, "graphs": graphs, "prompts": p, "rows": n, "ms": cost.ms([(n, 0)] * p)}
-            for p, n in ((1, 300), (1, 1500), (2, 1000), (4, 1500), (8, 1000))]
+    # with --graphs, the points within the largest bucket replayed one
+    return [{"gemm": gemm, "graphs": graphs, "replayed": graphs and p * n <= 2048, "prompts": p, "rows": n,
+             "ms": cost.ms([(n, 0)] * p)}
+            for p, n in ((1, 300), (1, 1500), (2, 1000), (4, 1500), (8, 1000), (1, 700))]
 
 
 def write_inputs(tmp_path: Path, step: plan.StepCost = STEP, prefill: plan.PrefillCost = PREFILL) -> list[str]:
@@ -42,8 +44,8 @@ def config(tmp_path: Path, **kw) -> plan.PlanConfig:
 
 
 def costs(**kw) -> plan.Costs:
-    base = dict(step=STEP, mono_step=STEP, prefill=PREFILL, mixed=PREFILL, admit_s=0.005, reserve_s=0.002,
-                handoff_s=0.01, deliver_s=0.001)
+    base = dict(step=STEP, mono_step=STEP, eager=PREFILL, graph=None, graph_prompts=16, admit_s=0.005,
+                reserve_s=0.002, handoff_s=0.01, deliver_s=0.001)
     return plan.Costs(**{**base, **kw})
 
 
@@ -58,8 +60,23 @@ def test_fits_recover_the_costs_they_were_made_from():
     step = plan.StepCost.fit(step_rows(STEP, True), overlap=True)
     assert (step.base_ms, step.per_stream_ms, step.per_token_ms) == pytest.approx((3.0, 0.01, 3e-5), rel=1e-6)
     assert step.worst_error < 1e-9 and step.points == 9
-    pre = plan.PrefillCost.fit(prefill_rows(PREFILL, "fp8", True), "fp8", True)
+    pre = plan.PrefillCost.fit(prefill_rows(PREFILL, "fp8", False), "fp8", False)
     assert (pre.base_ms, pre.per_row_ms, pre.per_pair_ms) == pytest.approx((3.0, 0.008, 2e-6), rel=1e-6)
+
+
+def test_a_graph_forward_is_priced_at_its_bucket_and_a_larger_one_runs_eager():
+    buckets = (512, 1024, 2048)
+    graph = plan.PrefillCost(1.0, 0.005, 1e-6, buckets=buckets)
+    rows = [{"gemm": "fp8", "graphs": True, "replayed": p * n <= 2048, "prompts": p, "rows": n,
+             "ms": graph.ms([(n, 0)] * p)} for p, n in ((1, 300), (1, 700), (1, 1500), (2, 1000), (4, 1500))]
+    fit = plan.PrefillCost.fit(rows, "fp8", True, buckets)
+    assert fit.points == 4  # 4 x 1500 did not replay: it is no graph point
+    assert (fit.base_ms, fit.per_row_ms, fit.per_pair_ms) == pytest.approx((1.0, 0.005, 1e-6), rel=1e-6)
+    assert graph.ms([(600, 0)]) == pytest.approx(1.0 + 0.005 * 1024 + 1e-6 * 600 * 601 / 2)
+    c = costs(graph=graph)
+    assert c.forward_ms([(1500, 0)]) == graph.ms([(1500, 0)])
+    assert c.forward_ms([(1500, 0), (1000, 0)]) == PREFILL.ms([(1500, 0), (1000, 0)])  # > 2048 rows: eager
+    assert c.forward_ms([(100, 0)] * 17) == PREFILL.ms([(100, 0)] * 17)  # more prompts than a graph holds
 
 
 def test_a_fit_never_makes_a_cost_fall_as_its_term_grows():
@@ -72,7 +89,7 @@ def test_a_fit_never_makes_a_cost_fall_as_its_term_grows():
 
 
 def test_a_fit_with_too_few_points_names_what_is_missing():
-    with pytest.raises(ValueError, match="gemm=bf16"):
+    with pytest.raises(ValueError, match="gemm=bf16, replayed from a graph"):
         plan.PrefillCost.fit(prefill_rows(PREFILL, "fp8", True), "bf16", True)
     with pytest.raises(ValueError, match="overlap=False"):
         plan.StepCost.fit(step_rows(STEP, True), overlap=False)
