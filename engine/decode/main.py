@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setup, serve_debug
@@ -18,11 +18,12 @@ from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import parse_config
+from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
 
 
-class DecodeConfig(BaseModel):
+class DecodeConfig(StackSamplingFields):
     """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
 
     socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
@@ -78,6 +79,7 @@ async def serve(cfg: DecodeConfig) -> int:
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
         overlap=model.gpu_path if cfg.overlap is None else cfg.overlap,
     )
+    sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_DecodeServicer_to_server(DecodeService(engine), s), log)
@@ -96,6 +98,7 @@ async def serve(cfg: DecodeConfig) -> int:
         t.cancel()
     engine.loop.stop()
     receiver.close()
+    stop_sampler(sampler, log)
     log.info("decode stopped")
     return 0
 

@@ -22,13 +22,14 @@ from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import PrefillModelFields, parse_config
+from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 
 # Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines
 # replay the same shapes.
 PREFILL_GRAPH_SEQS = 16
 
 
-class MonolithConfig(PrefillModelFields):
+class MonolithConfig(PrefillModelFields, StackSamplingFields):
     """Monolith: P and D in one process on one device (prefill-first or chunked prefill)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
@@ -111,6 +112,7 @@ async def serve(cfg: MonolithConfig) -> int:
         model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
         cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
     )
+    sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
 
     def register(server) -> None:
@@ -124,6 +126,7 @@ async def serve(cfg: MonolithConfig) -> int:
     engine.hub.close()
     await server.stop(grace=5)
     engine.loop.stop()
+    stop_sampler(sampler, log)
     log.info("monolith stopped")
     return 0
 

@@ -22,9 +22,10 @@ from pdunit.engine.prefill.worker import (
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import PrefillModelFields, parse_config, parse_decode_sockets
+from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 
 
-class PrefillConfig(PrefillModelFields):
+class PrefillConfig(PrefillModelFields, StackSamplingFields):
     """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
 
     socket: str = Field("/run/pdunit/prefill.sock", description="unix socket P serves on")
@@ -95,6 +96,7 @@ async def serve(cfg: PrefillConfig) -> int:
         transfer_workers=cfg.transfer_workers,
         graphs=graphs,
     )
+    sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
     loop = asyncio.get_running_loop()
     # Serve only once D answered: the LB's readiness follows from P answering Info.
@@ -113,6 +115,7 @@ async def serve(cfg: PrefillConfig) -> int:
     for link in engine.links:
         if link.sender is not None:
             link.sender.close()
+    stop_sampler(sampler, log)
     log.info("prefill stopped")
     return 0
 

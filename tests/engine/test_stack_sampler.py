@@ -1,0 +1,50 @@
+"""--sample-stacks: each thread's Python stacks, folded, from inside the process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.stack_sampler import StackSampler
+from tests.engine.unit_client import random_prompt, stream
+
+
+def spin_marker(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(200))
+
+
+def test_the_sampler_sees_each_thread_where_it_runs_and_not_itself(tmp_path):
+    stop = threading.Event()
+    spinner = threading.Thread(target=spin_marker, args=(stop,), name="spinner")
+    idle = threading.Thread(target=stop.wait, name="idler")
+    spinner.start()
+    idle.start()
+    sampler = StackSampler(tmp_path / "stacks.folded", hz=500).start()
+    time.sleep(0.3)
+    per_thread = sampler.stop()
+    stop.set()
+    spinner.join()
+    idle.join()
+    lines = (tmp_path / "stacks.folded").read_text().splitlines()
+    stacks = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in lines}
+    assert sampler.samples >= 20
+    assert per_thread["spinner"] == per_thread["idler"] == sampler.samples  # every sample saw both
+    assert all("test_stack_sampler.py:spin_marker" in k for k in stacks if k.startswith("spinner;"))
+    assert any(k.startswith("idler;") and "threading.py:wait" in k for k in stacks)
+    assert "stack-sampler" not in per_thread
+    assert sum(stacks.values()) == sum(per_thread.values())
+
+
+def test_p_writes_its_threads_stacks_when_it_stops(tmp_path):
+    path = tmp_path / "p.folded"
+    cfg = LocalConfig(mode="pd", pool_tokens=8192, cache_tokens=8192, lb_port=0, guard=False, log_level="warning",
+                      extra_prefill_args=["--sample-stacks", str(path), "--sample-hz", "400"])
+    with LocalUnit(cfg) as unit:
+        frames, last = stream(unit.url, random_prompt(200, seed=9), max_frames=8, min_frames=8)
+        assert last.get("done") and len(frames) == 8
+        assert not path.exists()  # written at the stop, not before
+    text = path.read_text()
+    assert "worker.py:_step_once" in text  # P's forward loop
+    assert "worker.py:_reserve_once" in text  # its reserve stage
