@@ -167,9 +167,11 @@ class StepCost:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Forward ms = base + per_row * rows + per_pair * attention pairs, where `rows` are
-    the computed rows, or with `buckets` (a replayed prefill graph) the smallest bucket
-    that holds them: a graph computes its whole bucket."""
+    """Forward ms = max(floor, base + per_row * rows + per_pair * attention pairs), where
+    `rows` are the computed rows, or with `buckets` (a replayed prefill graph) the
+    smallest bucket that holds them (a graph computes its whole bucket); `floor` is an
+    eager forward's host time: it launches every kernel from Python while the GPU runs
+    them, so a small eager forward takes the launches' time, not the GPU's."""
 
     base_ms: float
     per_row_ms: float
@@ -177,6 +179,7 @@ class PrefillCost:
     worst_error: float = 0.0
     points: int = 0
     buckets: tuple[int, ...] = ()
+    floor_ms: float = 0.0
 
     def gemm_rows(self, rows: int) -> int:
         return next((b for b in self.buckets if b >= rows), rows)
@@ -185,11 +188,11 @@ class PrefillCost:
         """`seqs`: (computed rows, cached rows) per prompt of the forward."""
         rows = self.gemm_rows(sum(n for n, _ in seqs))
         pairs = sum(n * c + n * (n + 1) / 2 for n, c in seqs)
-        return self.base_ms + self.per_row_ms * rows + self.per_pair_ms * pairs
+        return max(self.floor_ms, self.base_ms + self.per_row_ms * rows + self.per_pair_ms * pairs)
 
     def scaled(self, factor: float) -> PrefillCost:
         return PrefillCost(self.base_ms * factor, self.per_row_ms * factor, self.per_pair_ms * factor,
-                           self.worst_error, self.points, self.buckets)
+                           self.worst_error, self.points, self.buckets, self.floor_ms * factor)
 
     @classmethod
     def fit(cls, rows: Sequence[dict[str, Any]], gemm: str, graphs: bool, buckets: tuple[int, ...] = ()) -> PrefillCost:
@@ -202,11 +205,16 @@ class PrefillCost:
             what = "replayed from a graph" if graphs else "eager"
             raise ValueError(f"the prefill JSON has {len(pts)} points for gemm={gemm}, {what}: need 3 or more "
                              "(bench prefill --gemm ... --graphs measures both)")
+        floor = 0.0
+        if not graphs:  # the cheapest eager forward is its launches' time; the line fits the rest
+            floor = min(r["ms"] for r in pts)
+            above = [r for r in pts if r["ms"] > 1.1 * floor]
+            pts = above if len(above) >= 3 else pts
         bucket = cls(0, 0, 0, buckets=buckets).gemm_rows
         x = np.array([[1.0, bucket(r["prompts"] * r["rows"]), r["prompts"] * r["rows"] * (r["rows"] + 1) / 2]
                       for r in pts])
         (base, row, pair), worst = _fit(x, np.array([r["ms"] for r in pts]))
-        return cls(base, row, pair, worst_error=worst, points=len(pts), buckets=buckets)
+        return cls(base, row, pair, worst_error=worst, points=len(pts), buckets=buckets, floor_ms=floor)
 
 
 @dataclass(frozen=True)

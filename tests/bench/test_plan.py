@@ -212,3 +212,14 @@ def test_a_monolith_without_a_prefix_cache_recomputes_a_warm_voice(tmp_path):
         ttft[name] = reqs[1].times[0] - reqs[1].arrival
     saved = (PREFILL.ms([(1000, 0)]) - PREFILL.ms([(1000 - 736, 736)])) / 1e3
     assert ttft["uncached"] - ttft["cached"] == pytest.approx(saved)
+
+
+def test_an_eager_forward_costs_at_least_its_launches():
+    # eager forwards of a few hundred rows all take the host's launch time
+    rows = [{"gemm": "fp8", "graphs": False, "prompts": p, "rows": n, "ms": max(16.0, 2.0 + 0.01 * p * n)}
+            for p, n in ((1, 300), (1, 800), (2, 1500), (4, 1500), (8, 1000))]
+    fit = plan.PrefillCost.fit(rows, "fp8", False)
+    assert fit.floor_ms == 16.0 and fit.points == 3  # the line is fitted above the floor
+    assert (fit.base_ms, fit.per_row_ms) == pytest.approx((2.0, 0.01), rel=1e-6)
+    assert fit.ms([(300, 0)]) == 16.0 and fit.ms([(4000, 0)]) == pytest.approx(42.0)
+    assert fit.scaled(0.5).ms([(300, 0)]) == 8.0
