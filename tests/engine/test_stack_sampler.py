@@ -48,3 +48,4 @@ def test_p_writes_its_threads_stacks_when_it_stops(tmp_path):
     text = path.read_text()
     assert "worker.py:_step_once" in text  # P's forward loop
     assert "worker.py:_reserve_once" in text  # its reserve stage
+

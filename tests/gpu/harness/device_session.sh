@@ -21,7 +21,9 @@ run_step() {
     gpu-tests) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
         ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} 2>&1 | tee "$dir/pytest.txt" ;;
     compare) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
-        --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} 2>&1 | tee "$dir/compare.log" ;;
+        --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} 2>&1 | tee "$dir/compare.log"
+      # an engine's --sample-stacks file written there (e.g. --prefill-args=--sample-stacks=/tmp/res/compare/p.folded)
+      for f in "$dir"/*.folded; do [ -f "$f" ] && python3 -m pdunit.bench.stacks --file "$f" --out "${f%.folded}.md" > /dev/null; done ;;
     faults)
       stem=${FAULTS_STEM:-faults-gpu}
       timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy \
