@@ -98,11 +98,16 @@ EXIT_STEP_LOOP_CRASHED = 70
 
 
 class StepLoop:
-    """Runs `step_once` in a thread until stopped; sleeps while there is no work."""
+    """Runs `step_once` in a thread until stopped. While there is no work (`step_once`
+    returns False) it sleeps on `work` (set it to wake the loop), unless `idle_wait` is
+    False: for a `step_once` that blocks on its own queue until work comes (with a
+    timeout, so that stopping is seen), where a second sleep would leave work that
+    arrives during it waiting up to 50 ms with nobody to wake the loop."""
 
-    def __init__(self, name: str, step_once, device: str | torch.device = "cpu") -> None:
+    def __init__(self, name: str, step_once, device: str | torch.device = "cpu", idle_wait: bool = True) -> None:
         self._step_once = step_once
         self._device = device
+        self._idle_wait = idle_wait
         self.work = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -120,7 +125,7 @@ class StepLoop:
         try:
             bind_thread(self._device)  # a new thread is on CUDA device 0 (engine/model/device.py)
             while not self._stop.is_set():
-                if not self._step_once():
+                if not self._step_once() and self._idle_wait:
                     self.work.wait(timeout=0.05)
                     self.work.clear()
         except BaseException as exc:
