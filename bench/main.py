@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "router": ("pdunit.bench.router_bench", "routing decision latency with many units"),
     "faults": ("pdunit.bench.faults", "fault injection under live traffic: the page contract (PROTOCOL.md 7)"),
     "plan": ("pdunit.bench.plan", "capacity per variant predicted from measured step and prefill costs"),
+    "pipeline": ("pdunit.bench.pipeline", "P's real pipeline against bench plan's model of it, on a CPU"),
     "stacks": ("pdunit.bench.stacks", "per-thread summary of an engine's --sample-stacks file"),
 }
 

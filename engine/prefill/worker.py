@@ -46,6 +46,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -187,12 +188,16 @@ class PrefillEngine:
         decode_probe_interval_s: float = 0.5,
         transfer_workers: int = 4,
         graphs: PrefillGraphRunner | None = None,
+        forward: Callable[..., list[np.ndarray | None]] | None = None,
     ) -> None:
+        """`forward`: run_prefill's stand-in (`pdunit bench pipeline` times P's pipeline
+        around a forward of a modelled duration); the real one when None."""
         if transfer_workers < 1:
             raise ValueError(f"transfer_workers must be >= 1 (got {transfer_workers})")
         self.instance_id = uuid.uuid4().hex
         self.model = model
         self.graphs = graphs  # --prefill-graphs: small forwards replay a captured graph
+        self._forward = forward or run_prefill
         self.model_spec = model_spec
         self.device = device
         self.storage = storage
@@ -579,7 +584,7 @@ class PrefillEngine:
             self._gap_from = 0
         for x in live:
             x.job.stamps["prefill_start"] = t0
-        frames = run_prefill(self.model, self.storage, chunks, self.graphs)
+        frames = self._forward(self.model, self.storage, chunks, self.graphs)
         # The rows are on the default stream; the transfer stage's stream waits for this.
         written = None
         if self.storage.is_cuda:

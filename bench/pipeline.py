@@ -1,0 +1,184 @@
+"""`pdunit bench pipeline`: P's real pipeline (engine/prefill/worker.py: its reserve
+thread, forward loop and transfer workers, the scheduler, OpenBatch, Handoff, prefix
+cache) timed against `bench plan`'s model of it, on a CPU, with no GPU anywhere.
+
+The forward sleeps what `bench plan` prices it at (its fits of a `bench step` and a
+`bench prefill` result), D is a stub whose RESERVE takes `--reserve-ms` and whose
+COMMIT is instant, the write is instant. The requests are `bench capacity`'s own
+(same seeds), submitted in real time. So any difference between the two columns is P's
+own scheduling: its threads, its hand-offs, its waits. (That is how a 50-ms idle sleep
+in each of P's stages was found: it held requests that the model sent on at once.)
+Per level: forwards and prompts per forward, and each stage's p50/p99 on both sides.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from pdunit.bench import plan, report
+from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.packing import pack
+from pdunit.engine.prefill.runner import PrefillChunk
+from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
+from pdunit.engine.prefill.worker import PrefillEngine
+from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.settings import parse_config
+
+BENCH = "pipeline"
+STAGES = (("p_reserved", "p_admitted"), ("prefill_start", "p_reserved"), ("prefill_end", "prefill_start"))
+
+
+class PipelineConfig(BaseModel):
+    """pdunit bench pipeline: P's pipeline against bench plan's model of it (CPU)."""
+
+    step: str = Field(..., description="a `bench step` results JSON (bench plan needs it for its costs)")
+    prefill: str = Field(..., description="a `bench prefill` results JSON: what a forward sleeps")
+    rate: str = Field("16,32", description="Poisson levels (arrivals/s), comma list")
+    duration: float = Field(8.0, gt=0, description="seconds of arrivals per level")
+    burst_share: float = Field(0.2, ge=0, lt=1, description="share of requests arriving in clumps")
+    burst_size: int = Field(10, ge=1, description="requests per clump")
+    prompt_rows: str = Field("1000-2000", description="prompt rows, LOW-HIGH")
+    reserve_ms: float = Field(6.5, ge=0, description="the stub D's RESERVE time (compare's P reserve ms)")
+    seed: int = Field(0, description="workload seed")
+    out: str = Field("", description="results JSON path or folder ('' = print only)")
+
+    def plan_config(self) -> plan.PlanConfig:
+        return plan.PlanConfig(step=self.step, prefill=self.prefill, duration=self.duration, ramp=0.0,
+                               burst_share=self.burst_share, burst_size=self.burst_size,
+                               prompt_rows=self.prompt_rows, reserve_ms=self.reserve_ms, handoff_ms=0.0,
+                               deliver_ms=0.0, seed=self.seed)
+
+
+class StubDecode:
+    """D's Reserve/Commit/Cancel as P's stub calls them: a RESERVE that takes `reserve_s`."""
+
+    def __init__(self, reserve_s: float) -> None:
+        self.reserve_s = reserve_s
+
+    def Reserve(self, req: pb.ReserveRequest, timeout: float) -> pb.ReserveReply:  # noqa: N802 - gRPC's names
+        time.sleep(self.reserve_s)
+        return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(np.arange(req.n_tokens, dtype=np.int64), "i8"))
+
+    def Commit(self, req: pb.CommitRequest, timeout: float) -> pb.CommitReply:  # noqa: N802
+        return pb.CommitReply(status=pb.STATUS_OK)
+
+    def Cancel(self, req: pb.CancelRequest, timeout: float) -> pb.CancelReply:  # noqa: N802
+        return pb.CancelReply(found=True)
+
+
+class InstantSender:
+    mode = "stub"
+
+    def write(self, request_id: int, src: Any, src_slots: Any, dst_slots: Any, deadline_unix_ms: int) -> None:
+        pass
+
+    def quiesce(self, request_id: int) -> bool:
+        return True
+
+    def in_flight(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    return {k: None if v is None else round(v, 2) for k, v in report.percentiles(values, (50, 99)).items()}
+
+
+def run_engine(cfg: PipelineConfig, costs: plan.Costs, requests: list[plan.Request]) -> dict[str, Any]:
+    """The requests through a real PrefillEngine whose forward sleeps the model's price."""
+    model = load_model("random:tiny:0", device="cpu")  # shapes only: no forward runs
+    c = model.config.n_codebooks
+    rows = sum(r.rows for r in requests)
+    forwards: list[int] = []
+
+    def forward(model_: Any, storage: Any, chunks: list[PrefillChunk], graphs: Any = None) -> list[np.ndarray | None]:
+        time.sleep(costs.forward_ms([(ch.end - ch.start, ch.start) for ch in chunks]) / 1e3)
+        forwards.append(len(chunks))
+        return [np.zeros(c, dtype=np.int32) for _ in chunks]
+
+    engine = PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(rows + 1), PrefixCache(rows + 1),
+                           PrefillScheduler(16, 8192), "stub.sock", "host", {}, forward=forward)
+    link = engine.links[0]
+    link.stub, link.sender, link.instance = StubDecode(costs.reserve_s), InstantSender(), "stub"  # type: ignore[assignment]
+    link.pool_pages = link.free_pages = 1 << 40
+    done: dict[int, pb.SubmitReply] = {}
+    all_done = threading.Event()
+
+    def finish(index: int, reply: pb.SubmitReply) -> None:
+        done[index] = reply
+        if len(done) == len(requests):
+            all_done.set()
+
+    engine.start()
+    t0 = time.perf_counter() + 0.2
+    for r in sorted(requests, key=lambda r: r.arrival):
+        wait = t0 + r.arrival - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        # a voice's reference rows must hash alike and differ between voices: the spec's
+        # own ids, folded into the stub model's vocabulary
+        prompt = np.ascontiguousarray(r.spec.prompt[:, :c] % min(model.config.vocab_sizes))
+        engine.submit(PrefillJob(r.index, prompt, SamplingParams(max_frames=2), int(time.time() * 1000) + 600_000,
+                                 {}, done=lambda reply, i=r.index: finish(i, reply)))
+    all_done.wait(60 + cfg.duration)
+    engine.stop()
+    stamps = [dict(done[r.index].stamps.ns) for r in requests if r.index in done]
+    return {"forwards": len(forwards), "prompts_per_forward": round(float(np.mean(forwards)), 3) if forwards else None,
+            "answered": len(done), "stages": {f"{a} after {b}": _percentiles([(s[a] - s[b]) / 1e6 for s in stamps])
+                                              for a, b in STAGES}}
+
+
+def run_model(costs: plan.Costs, requests: list[plan.Request], pcfg: plan.PlanConfig) -> dict[str, Any]:
+    plan.simulate_pd(requests, costs, 1, pcfg)
+    per_forward = Counter(r.stamps["prefill_start"] for r in requests)
+    return {"forwards": len(per_forward), "prompts_per_forward": round(float(np.mean(list(per_forward.values()))), 3),
+            "answered": len(requests), "stages": {f"{a} after {b}": _percentiles([(r.stamps[a] - r.stamps[b]) * 1e3
+                                                                                   for r in requests])
+                                                  for a, b in STAGES}}
+
+
+COLUMNS = [report.Column("rate", "rate/s", "{:g}"), report.Column("side", "side"),
+           report.Column("forwards", "forwards"), report.Column("prompts_per_forward", "prompts/forward"),
+           *[report.Column(f"{a} after {b} {q}", f"{a} after {b} {q} ms", "{:.1f}")
+             for a, b in STAGES for q in ("p50", "p99")]]
+
+
+def run_pipeline(cfg: PipelineConfig, command: str) -> dict[str, Any]:
+    pcfg = cfg.plan_config()
+    costs, sources = plan.load_costs(pcfg)
+    variant = plan.Variant("1p1d", 2, decoders=1)
+    rows = []
+    for rate in plan.parse_list(cfg.rate, "rate", float):
+        cap = plan.capacity_config(pcfg, variant, [rate])
+        for side, result in (("engine", run_engine(cfg, costs, plan.level_requests(pcfg, cap, rate, cfg.seed))),
+                             ("model", run_model(costs, plan.level_requests(pcfg, cap, rate, cfg.seed), pcfg))):
+            row = {"rate": rate, "side": side, **{k: v for k, v in result.items() if k != "stages"}}
+            for stage, p in result["stages"].items():
+                row.update({f"{stage} {q}": v for q, v in p.items()})
+            rows.append(row)
+            print(report.text_table([row], COLUMNS), flush=True)
+    summary = {"sources": sources, "reserve_ms": cfg.reserve_ms}
+    return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary).document()
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(PipelineConfig, argv, "pdunit bench pipeline")
+    doc = run_pipeline(cfg, report.command_line(argv, prog="pdunit bench pipeline"))
+    print(report.text_table(doc["rows"], COLUMNS))
+    report.print_and_write(doc, cfg.out, COLUMNS, "P's pipeline against bench plan's model of it (CPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
