@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,6 @@ from pdunit.bench.compare import ratios, variant_level_overrides
 from pdunit.bench.workload import StreamSpec, Workload, WorkloadConfig, parse_list, parse_range
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
-from pdunit.engine.monolith.main import PREFILL_GRAPH_SEQS
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.settings import parse_config
 
@@ -246,7 +245,8 @@ def load_costs(cfg: PlanConfig) -> tuple[Costs, dict[str, Any]]:
     eager = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, False).scaled(cfg.prefill_scale)
     graph = (PrefillCost.fit(prefill_doc["rows"], cfg.gemm, True, DEFAULT_ROW_BUCKETS).scaled(cfg.prefill_scale)
              if cfg.graphs else None)
-    costs = Costs(d, mono, eager, graph, PREFILL_GRAPH_SEQS, cfg.admit_ms / 1e3, cfg.reserve_ms / 1e3,
+    # P captures its graphs for --max-batch-prompts prompts; the monolith for the same 16
+    costs = Costs(d, mono, eager, graph, cfg.max_batch_prompts, cfg.admit_ms / 1e3, cfg.reserve_ms / 1e3,
                   cfg.handoff_ms / 1e3, cfg.deliver_ms / 1e3)
     sources = {name: {"path": path, "command": doc.get("command"), "machine": report.machine_slug(doc["machine"])}
                for name, path, doc in (("step", cfg.step, step_doc), ("prefill", cfg.prefill, prefill_doc))}
@@ -296,20 +296,14 @@ class PrefixCacheModel:
             self.published[r.spec.voice] = min(at, self.published.get(r.spec.voice, float("inf")))
 
 
-def _take_fifo(queue: deque[Request], at: float, max_rows: int, max_prompts: int,
-               ready: Callable[[Request], float]) -> list[Request]:
-    """The queue's head requests ready by `at`, FIFO, within the bounds (the first one
-    always)."""
-    batch: list[Request] = []
-    rows = 0
-    while queue and len(batch) < max_prompts:
-        r = queue[0]
-        if ready(r) > at:
-            break
-        if batch and rows + r.rows > max_rows:
-            break
+def _take_rows(queue: deque[Request], max_rows: int) -> list[Request]:
+    """The prefill-first monolith's next forward: its waiting prompts, FIFO, up to
+    `max_rows` (the first one always)."""
+    batch = [queue.popleft()]
+    rows = batch[0].rows
+    while queue and rows + queue[0].rows <= max_rows:
+        rows += queue[0].rows
         batch.append(queue.popleft())
-        rows += r.rows
     return batch
 
 
@@ -412,7 +406,7 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
     cache = PrefixCacheModel(cfg.block_tokens, cfg.monolith_cache)
     arrivals = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
-    prefilling: list[list[Any]] = []  # chunked: [request, rows done, cached rows]
+    prefilling: list[list[Any]] = []  # chunked: [request, rows done (its cached rows to start)]
     active: list[list[Any]] = []
     t = 0.0
     while arrivals or waiting or prefilling or active:
@@ -424,7 +418,7 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
             t = arrivals[0].arrival + costs.admit_s
             continue
         if chunk is None and waiting:
-            batch = _take_fifo(waiting, t, cfg.max_batch_rows, 1 << 30, lambda r: r.arrival + costs.admit_s)
+            batch = _take_rows(waiting, cfg.max_batch_rows)
             seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, t)]]
             start, t = t, t + costs.forward_ms(seqs) / 1e3
             for r in batch:
@@ -437,8 +431,7 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
         if chunk is not None:
             while waiting:
                 r = waiting.popleft()
-                c = cache.cached(r, t)
-                prefilling.append([r, c, c])
+                prefilling.append([r, cache.cached(r, t)])
         budget = (chunk - len(active)) if chunk is not None else 0
         pieces: list[tuple[list[Any], int]] = []
         for p in prefilling:
@@ -553,14 +546,14 @@ def stage_percentiles(requests: list[Request], start_frames: int) -> dict[str, d
              else ["p_admitted", "prefill_start", "prefill_end"])
     pairs = [("p_admitted", "client_send"), *zip(chain[1:], chain[:-1], strict=True),
              ("first_frame_in", "client_send"), ("start_frames_in", "client_send")]
+    stamps = []
+    for r in requests:
+        times = sorted(r.times)
+        stamps.append(dict(r.stamps, client_send=r.arrival, first_frame_in=times[0],
+                           start_frames_in=times[min(start_frames, len(times)) - 1]))
     out: dict[str, dict[str, float | None]] = {}
     for stage, after in pairs:
-        values = []
-        for r in requests:
-            times = sorted(r.times)
-            stamps = dict(r.stamps, client_send=r.arrival, first_frame_in=times[0],
-                          start_frames_in=times[min(start_frames, len(times)) - 1])
-            values.append((stamps[stage] - stamps[after]) * 1e3)
+        values = [(st[stage] - st[after]) * 1e3 for st in stamps]
         out[f"{stage} after {after}"] = {k: None if v is None else round(v, 3)
                                          for k, v in report.percentiles(values, (50, 99)).items()}
     return out

@@ -120,7 +120,7 @@ class PrefixCache:
             self._stats["miss_tokens_total"] += need
             parts = [self._blocks[h].slots for h in matched] + [np.asarray(fresh, dtype=np.int64)]
             slots = np.concatenate(parts).astype(np.int64, copy=False)
-            return PrefixLease(cached_tokens=cached, slots=slots, pinned=matched, fresh=fresh, hashes=list(chain))
+            return PrefixLease(cached_tokens=cached, slots=slots, pinned=matched, fresh=fresh, hashes=chain)
 
     def publish(self, lease: PrefixLease, prompt: np.ndarray) -> None:
         """After prefill wrote the fresh rows: every full block of the prompt becomes a

@@ -85,7 +85,6 @@ class MonolithEngine:
         self.chunk_tokens = chunk_tokens
         self.max_batch_rows = max_batch_rows
         self.cache = cache
-        self._chains: dict[int, list[bytes]] = {}  # request -> its prompt's block hashes (submit)
         self.cache_base = pool.n_slots
         if cache is not None and storage.shape[2] < self.cache_base + cache.n_slots:
             raise ValueError(f"storage has {storage.shape[2]} slots: the pool ({self.cache_base}) and the prefix "
@@ -101,19 +100,14 @@ class MonolithEngine:
     # ------------------------------------------------------------------ requests
     def submit(self, job: PrefillJob) -> None:
         job.stamps["p_admitted"] = now_ns()
-        if self.cache is not None:
-            # hashed here, on the caller's thread: the loop thread would hash with the GPU idle
-            chain = block_hashes(job.prompt, self.cache.block_tokens)
-            with self._lock:
-                self._chains[job.request_id] = chain
+        if self.cache is not None:  # hashed on the caller's thread: the loop's would leave the GPU idle
+            job.prefix_chain = block_hashes(job.prompt, self.cache.block_tokens)
         self.waiting.put(job)
         self.loop.work.set()
 
     def cancel(self, request_id: int) -> bool:
         job = self.waiting.cancel(request_id)
         if job is not None:
-            with self._lock:
-                self._chains.pop(request_id, None)
             self._finish(job, pb.CANCELLED, "cancelled by the client")
             return True
         with self._lock:
@@ -134,8 +128,6 @@ class MonolithEngine:
     def _admit_waiting(self) -> None:
         for job in self.waiting.next_batch(timeout=0):
             rows = len(job.prompt)
-            with self._lock:
-                chain = self._chains.pop(job.request_id, None)
             if job.deadline_unix_ms and time.time() * 1000 > job.deadline_unix_ms:
                 self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued")
                 continue
@@ -147,7 +139,7 @@ class MonolithEngine:
             entry = Prefilling(job, self.pool.slots(job.request_id, rows))
             if self.cache is not None:
                 try:
-                    lease = self.cache.acquire(job.prompt, chain)
+                    lease = self.cache.acquire(job.prompt, job.prefix_chain)
                 except NoCapacity as exc:  # every cache slot is pinned by prompts in flight: as P does
                     self._drop_reservation(job.request_id)
                     self._finish(job, pb.NO_CAPACITY, f"prefix cache full: {exc}")

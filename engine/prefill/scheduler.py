@@ -26,6 +26,9 @@ class PrefillJob:
     done: Any = None              # callable(reply) resolving the Submit RPC
     cancelled: bool = False
     result: Any = field(default=None, repr=False)
+    # the prompt's prefix-cache hash chain when taken at submit (the monolith: off its
+    # loop thread); None: PrefixCache.acquire hashes it
+    prefix_chain: list[bytes] | None = field(default=None, repr=False)
 
 
 class PrefillScheduler:

@@ -1,6 +1,6 @@
 """The monolith's prefix cache on the paths a stream rarely takes end to end: a request
 cancelled while queued or mid-prefill, and a cache with every slot pinned. Nothing
-leaks: no hash chain, no lease, no pool page."""
+leaks: no lease, no pool page."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ def job(rid: int, rows: int, replies: dict[int, pb.SubmitReply]) -> PrefillJob:
 def whole(e: MonolithEngine) -> bool:
     stats = e.cache.stats()
     return (e.pool.free_pages == POOL and stats["pinned_blocks"] == 0
-            and stats["free_slots"] + 16 * stats["cached_blocks"] == CACHE and not e._chains)
+            and stats["free_slots"] + 16 * stats["cached_blocks"] == CACHE)
 
 
-def test_a_request_cancelled_while_queued_leaves_no_hash_chain(engine):
+def test_a_request_cancelled_while_queued_leaves_nothing_behind(engine):
     replies: dict[int, pb.SubmitReply] = {}
-    engine.submit(job(1, 100, replies))
-    assert 1 in engine._chains
+    queued = job(1, 100, replies)
+    engine.submit(queued)
+    assert queued.prefix_chain is not None and len(queued.prefix_chain) == 100 // 16  # hashed at submit
     assert engine.cancel(1)
     assert replies[1].status == pb.CANCELLED and whole(engine)
 
