@@ -82,6 +82,8 @@ class CompareConfig(BaseModel):
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description="KV pool precision of every variant's "
+                                                       "engines (their --kv-cache-dtype)")
     prefill_graphs: bool | None = Field(None, description="every variant's P or monolith replays prefill CUDA "
                                         "graphs (--prefill-graphs; default: the engines' own, on where the model takes the GPU path; "
                                         "the engines table's P graph share says how many forwards replayed one)")
@@ -118,7 +120,7 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
         return f"{cfg.device}:{cfg.gpu_base + offset}"
 
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
-                prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs,
+                prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs, kv_cache_dtype=cfg.kv_cache_dtype,
                 log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
     labels = variant_labels(cfg)
     out: list[Unit] = []

@@ -429,7 +429,7 @@ class HostReplayer:
 
         hello = unit.d_hello()
         g = hello.geometry
-        self.geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, torch_dtype(g.dtype), g.n_slots,
+        self.geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, torch_dtype(g.dtype, pool=True), g.n_slots,
                                      g.page_size)
         desc = next(t for t in hello.transports if t.mode == "host")
         self.sender = HostSender(Descriptor(desc.mode, dict(desc.params), desc.handle), self.geometry)

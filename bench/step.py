@@ -46,8 +46,9 @@ Columns:
   forward; sampling and the small staging/frame copies are not counted: a lower bound.
   Without overlap, 1 - gpu_busy is about the host's share of the step; with overlap it
   should reach ~1 when the host keeps ahead;
-- `roofline_ms` = (weight bytes + the batch's embedding rows + K/V bytes of the mean
-  timed context, `context + warmup + iters/2`) / the HBM bandwidth measured in the same
+- `roofline_ms` = (weight bytes + the batch's embedding rows + K/V bytes, in the pool's
+  `--kv-cache-dtype`, of the mean timed context, `context + warmup + iters/2`) / the
+  HBM bandwidth measured in the same
   run (a large device-to-device copy, bytes read + written); `of roofline` =
   roofline / step_ms, `gpu of roofline` = roofline / gpu_ms (what the forward reaches);
 - `attn_gbps`: one layer's decode attention kernel alone on the staged slot table
@@ -81,6 +82,7 @@ from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
+from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
 
 COLUMNS = [
     report.Column("batch", "batch"),
@@ -121,6 +123,7 @@ class StepConfig:
     batches: list[int] = dataclasses.field(default_factory=lambda: [1, 8, 16, 32, 64, 128, 256])
     contexts: list[int] = dataclasses.field(default_factory=lambda: [1024, 2048, 4096])
     page_size: int = 16
+    kv_cache_dtype: str = "auto"
     iters: int = 20
     warmup: int = 3
     seed: int = 0
@@ -493,7 +496,8 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         print(f"HBM copy bandwidth: {gbps:.0f} GB/s (read + write)", flush=True)
     m = random_model(config.model, config.seed, dev)
     c = m.config
-    kv_token = c.kv_bytes_per_token(m.dtype)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, m.dtype)
+    kv_token = c.kv_bytes_per_token(kv_dtype)
     w_bytes = weight_bytes(m)
     page = config.page_size
     frames_cap = config.warmup + config.iters + FRAME_MARGIN
@@ -517,10 +521,10 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         if n_pages < 1:
             raise SystemExit(f"pdunit bench step: {free / 2**30:.1f} GiB free leaves no room for a KV pool "
                              f"after --reserve-gib {config.reserve_gib}")
-    storage = m.new_kv_storage(n_pages * page, device=dev)
+    storage = m.new_kv_storage(n_pages * page, device=dev, kv_cache_dtype=config.kv_cache_dtype)
     for layer in storage:  # random K/V (never zeros: zeros run faster than data)
-        layer.normal_()
-    print(f"pool: {n_pages} pages of {page}, {n_pages * page * kv_token / 2**30:.2f} GiB; "
+        layer.copy_(to_kv(torch.randn(layer.shape, dtype=m.dtype, device=dev), kv_dtype))
+    print(f"pool: {n_pages} pages of {page} in {kv_dtype}, {n_pages * page * kv_token / 2**30:.2f} GiB; "
           f"weights {w_bytes / 2**30:.2f} GiB", flush=True)
     tuning = _tune_decode(m, storage, rng, config) if config.tune else []
     e = EngineUnderTest(m, storage, page, max(config.batches), rng)
@@ -539,7 +543,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
                 continue
             row, extra = measure_row(e, b, ctx, overlap, config, rng)
             if gbps is not None:
-                embed_bytes = b * c.n_codebooks * c.hidden * storage.element_size()
+                embed_bytes = b * c.n_codebooks * c.hidden * m.embed.weight.element_size()
                 kv_bytes = b * row["mean_context"] * kv_token
                 roof = (w_bytes + embed_bytes + kv_bytes) / (gbps * 1e9) * 1e3
                 row["roofline_ms"] = roof
@@ -683,6 +687,8 @@ def _check_config(cfg: StepConfig) -> None:
         problems.append(f"--page-size must be >= 1 (got {cfg.page_size})")
     if min(cfg.contexts) < 2:
         problems.append(f"--contexts must be >= 2 tokens (a prompt of >= 1 plus the step's; got {cfg.contexts})")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        problems.append(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {cfg.kv_cache_dtype!r})")
     if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
         problems.append(f"--device must be cuda, cuda:N or cpu (got {cfg.device!r})")
     if problems:
@@ -706,6 +712,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=_ints, default=d.batches, help="comma-separated batch sizes")
     p.add_argument("--contexts", type=_ints, default=d.contexts, help="comma-separated context lengths")
     p.add_argument("--page-size", type=int, default=d.page_size, help="slots per page of D's pool")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="the pool's precision, as D's --kv-cache-dtype (the roofline counts its bytes)")
     p.add_argument("--iters", type=int, default=d.iters, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed iterations after admission")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -733,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     cfg = StepConfig(
         model=a.model, batches=a.batches, contexts=a.contexts, page_size=a.page_size,
+        kv_cache_dtype=a.kv_cache_dtype,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
         compare=[x for x in a.compare.split(",") if x], tune=a.tune, overlap=a.overlap,
         device=a.device, temperature=a.temperature, top_k=a.top_k, profile=a.profile, out=a.out,

@@ -52,6 +52,8 @@ class LocalConfig(BaseModel):
     device: str = Field("cpu", description="torch device (cpu for the local unit)")
     dtype: str | None = Field(None, description="compute/KV dtype of every engine (default: the model config's; "
                               "bfloat16 puts tiny on the GPU path)")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description="KV pool precision of every engine "
+                                                       "(their --kv-cache-dtype)")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of P's and the monolith's "
                                                  "forwards with prompt rows (their --prefill-gemm)")
     prefill_graphs: bool | None = Field(None, description="P and the monolith replay prefill CUDA graphs (their "
@@ -140,6 +142,8 @@ class LocalUnit:
         common = ["--model", c.model, "--device", c.device, "--log-level", c.log_level]
         if c.dtype:
             common += ["--dtype", c.dtype]
+        if c.kv_cache_dtype != "auto":
+            common += ["--kv-cache-dtype", c.kv_cache_dtype]
         # P and the monolith only; nothing when default, so the commands stay the pod's
         gemm = (["--prefill-gemm", c.prefill_gemm] if c.prefill_gemm != "bf16" else []) + \
             ([] if c.prefill_graphs is None else ["--prefill-graphs" if c.prefill_graphs else "--no-prefill-graphs"])

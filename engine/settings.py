@@ -141,6 +141,14 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
     return str(value)
 
 
+def kv_cache_dtype_field() -> Any:
+    """`--kv-cache-dtype`, one definition for P, D and the monolith (P and D must agree:
+    D's Hello carries its pool dtype and P refuses a different one)."""
+    return Field("auto", description="KV pool precision: auto (the model dtype) or fp8_e4m3 (scale 1, "
+                 "saturating at +-448, as vLLM's and SGLang's uncalibrated fp8 KV cache): half the KV bytes "
+                 "per token, so a decode step reads about half as much KV; P and D must agree")
+
+
 class PrefillModelFields(BaseModel):
     """The model fields of every engine that runs prefill forwards (P and the monolith):
     engine/prefill/runner.start_prefill_model loads, warms and captures the model they
@@ -149,6 +157,7 @@ class PrefillModelFields(BaseModel):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = kv_cache_dtype_field()
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default 2048 on CUDA, 0 on CPU")

@@ -8,7 +8,8 @@ milliseconds of launch gaps even inside a CUDA graph):
 - `qk_norm_rope_store`:      per-head q/k RMSNorm + rotate-half RoPE from the model's
                              cos/sin tables at each row's position, K and V written into
                              the pool at `write_slots` (a negative slot writes nothing:
-                             the CUDA-graph padding rows), roped q returned
+                             the CUDA-graph padding rows), roped q returned; an fp8
+                             pool gets `kv_dtype.to_kv` of those rows, bit for bit
 - `silu_mul`:                silu(gate) * up from the fused [gate | up] projection
 
 `rms_norm`, `add_rms_norm` and `silu_mul` take `quant=True` for a prefill forward in
@@ -30,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from pdunit.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, Fp8Rows, empty_rows, row_warps
+from pdunit.kernels.kv_dtype import FP8_KV
 from pdunit.kernels.paged_attention import INTERPRET
 
 try:
@@ -75,6 +77,22 @@ if triton is not None:
         write_row(Y, S, row, stride_y, offs, mask, y, fp8_max, min_amax, QUANT)
 
     @triton.jit
+    def _round_e4m3(x):
+        # float32 -> the e4m3 value `kv_dtype.to_kv` stores (clamped to +-448, then nearest,
+        # ties to even), still as float32: the cast after it is exact, so the stored bits
+        # depend neither on the hardware's conversion (satfinite or not) nor on Triton's
+        # interpreter, whose fp8 downcast neither ties to even nor carries into the exponent.
+        a = tl.minimum(tl.abs(x), 448.0)
+        bits = a.to(tl.uint32, bitcast=True)
+        # normal e4m3 (>= 2**-6): keep 3 of the 23 mantissa bits, rounding the other 20
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
+        # subnormal e4m3 steps by 2**-9, float32's ulp at 1.5 * 2**14: the addition rounds
+        small = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+        r = tl.where(a < 0.015625, small, normal)
+        y = (r | (x.to(tl.uint32, bitcast=True) >> 31 << 31)).to(tl.float32, bitcast=True)
+        return tl.where(x == x, y, x)  # a NaN stays NaN, as under torch's clamp
+
+    @triton.jit
     def _qk_norm_rope_store_kernel(
         QKV, QW, KW, Cos, Sin, Pos, Slots, Qout, Kpool, Vpool,
         stride_t, stride_qo_t, stride_qo_h,
@@ -82,7 +100,7 @@ if triton is not None:
         stride_cos,
         eps,
         N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEADS_BLOCK: tl.constexpr,
+        HEADS_BLOCK: tl.constexpr, FP8: tl.constexpr,
     ):
         # One program per (row, block of HEADS_BLOCK heads) over the q heads then the k
         # heads (a k head also moves its v head): a [heads, D/2] tile per program, where
@@ -117,14 +135,18 @@ if triton is not None:
         # a negative slot (a CUDA-graph padding row) writes nothing
         kv_mask = (live & (j >= N_HEADS))[:, None] & (tl.full([1, HALF], 0, tl.int64) + slot >= 0)
         hk = tl.where(is_q, 0, j - N_HEADS)[:, None]
+        vsrc = QKV + t * stride_t + (N_HEADS + N_KV_HEADS + hk) * HEAD_DIM + offs[None, :]
+        v1 = tl.load(vsrc, mask=kv_mask, other=0.0)
+        v2 = tl.load(vsrc + HALF, mask=kv_mask, other=0.0)
+        if FP8:  # the model-dtype rows above, as `kv_dtype.to_kv` stores them
+            o1, o2 = _round_e4m3(o1.to(tl.float32)), _round_e4m3(o2.to(tl.float32))
+            v1, v2 = _round_e4m3(v1.to(tl.float32)), _round_e4m3(v2.to(tl.float32))
         kdst = Kpool + slot * stride_ks + hk * stride_kh + offs[None, :]
         tl.store(kdst, o1.to(Kpool.dtype.element_ty), mask=kv_mask)
         tl.store(kdst + HALF, o2.to(Kpool.dtype.element_ty), mask=kv_mask)
-        vsrc = QKV + t * stride_t + (N_HEADS + N_KV_HEADS + hk) * HEAD_DIM + offs[None, :]
         vdst = Vpool + slot * stride_vs + hk * stride_vh + offs[None, :]
-        tl.store(vdst, tl.load(vsrc, mask=kv_mask, other=0.0).to(Vpool.dtype.element_ty), mask=kv_mask)
-        tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=kv_mask, other=0.0).to(Vpool.dtype.element_ty),
-                 mask=kv_mask)
+        tl.store(vdst, v1.to(Vpool.dtype.element_ty), mask=kv_mask)
+        tl.store(vdst + HALF, v2.to(Vpool.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
     def _silu_mul_kernel(GU, Out, S, stride_gu, stride_o, n_cols, fp8_max, min_amax,
@@ -212,7 +234,8 @@ def qk_norm_rope_store(
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) * D] (the fused projection) -> roped q [T, Hq, D]; writes the
     normed, roped K and the raw V of row t into kv_layer[0/1][write_slots[t]] unless
-    write_slots[t] < 0. cos/sin [max_positions, D/2] float32; positions, write_slots int64."""
+    write_slots[t] < 0, converted by `kv_dtype.to_kv` (kv_layer: qkv's dtype or fp8 e4m3).
+    cos/sin [max_positions, D/2] float32; positions, write_slots int64."""
     _on_device(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, write_slots, kv_layer)
     t = qkv.shape[0]
     _need(
@@ -228,6 +251,8 @@ def qk_norm_rope_store(
           "qk_norm_rope_store: cos/sin must be float32 [max_positions, D/2] with equal strides")
     _need(kv_layer.stride(3) == 1 and kv_layer.shape[2:] == (n_kv_heads, head_dim),
           lambda: f"qk_norm_rope_store: kv_layer {tuple(kv_layer.shape)} does not fit {n_kv_heads}x{head_dim}")
+    _need(kv_layer.dtype in (qkv.dtype, FP8_KV),
+          lambda: f"qk_norm_rope_store: kv_layer dtype {kv_layer.dtype}: need qkv's ({qkv.dtype}) or {FP8_KV}")
     q = torch.empty((t, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k, v = kv_layer[0], kv_layer[1]
     heads_block = 8
@@ -238,7 +263,7 @@ def qk_norm_rope_store(
         cos.stride(0),
         eps,
         N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, HEADS_BLOCK=heads_block,
-        num_warps=4,
+        FP8=kv_layer.dtype == FP8_KV, num_warps=4,
     )
     return q
 

@@ -11,7 +11,7 @@ sum; the partials are added on the host with wrapping uint64 arithmetic, so the 
 does not depend on the reduction order.
 
 Must never write the pool. Needs a contiguous pool `[n_layers, 2, n_slots, n_kv_heads,
-head_dim]` with 2-, 4- or 8-byte elements.
+head_dim]` with 1-, 2-, 4- or 8-byte elements (1: an fp8 pool, kernels/kv_dtype.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
 # Triton's interpreter runs the kernel on CPU tensors (tests without a GPU).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
@@ -70,7 +70,7 @@ if triton is not None:
         tl.store(partial + i * n_planes + p, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
 
-_UNSIGNED = {2: "uint16", 4: "uint32", 8: "uint64"}
+_UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 def kv_checksum_device(storage: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> int:
@@ -78,7 +78,7 @@ def kv_checksum_device(storage: torch.Tensor, slots: torch.Tensor, tokens: torch
     request in order, int64; tokens: the sampled token indices, int64), both on the host
     or on storage's device. Blocks until the result is on the host."""
     if not available(storage):
-        raise RuntimeError("the checksum kernel needs Triton and a contiguous CUDA pool of 2/4/8-byte elements "
+        raise RuntimeError("the checksum kernel needs Triton and a contiguous CUDA pool of 1/2/4/8-byte elements "
                            f"(got {storage.device}, contiguous={storage.is_contiguous()}, {storage.dtype})")
     n_layers, _, n_slots = storage.shape[:3]
     row_elems = int(storage.shape[3] * storage.shape[4])

@@ -18,8 +18,9 @@ length: the grid depends only on (batch, n_splits), never on the context length,
 captured CUDA graph stays valid while contexts grow. Each split writes its partial
 output and log-sum-exp; a second kernel merges them (skipped when n_splits == 1).
 
-Half precision only (bf16/fp16 pools and queries), float32 accumulation; the torch
-reference covers every dtype and is what CPU runs.
+Half precision only (bf16/fp16 queries; the pool in the query's dtype or fp8 e4m3,
+kernels/kv_dtype.py, whose elements are widened to the query's dtype on load), float32
+accumulation; the torch reference covers every dtype and is what CPU runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from pdunit.kernels.kv_dtype import FP8_KV
 
 try:  # CPU-only installs (CI) have no usable Triton; the table code still works there.
     import triton
@@ -135,7 +138,9 @@ def reference_decode_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Torch reference: q [B, Hq, D], kv_layer [2, S, Hkv, D] -> [B, Hq, D] in q's dtype,
-    computed in float32 (float64 for float64 inputs) over the first lengths[b] slots."""
+    computed in float32 (float64 for float64 inputs) over the first lengths[b] slots. An
+    fp8 kv_layer is widened straight to float32: the same values as the kernel's widening
+    to q's dtype, since every e4m3 value is exact in bf16 and fp16."""
     b, hq, d = q.shape
     hkv = kv_layer.shape[2]
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -209,7 +214,8 @@ if triton is not None:
                 mask=n_mask[:, None],
                 other=0.0,
             )
-            qk = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
+            # an fp8 pool's elements are widened to q's dtype (exact), then the same dot
+            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -220,7 +226,7 @@ if triton is not None:
                 mask=n_mask[:, None],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.
@@ -281,10 +287,10 @@ def _check(q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, lengths
             f"q heads/dim {hq}x{d} do not fit kv heads/dim {hkv}x{kv_layer.shape[3]} "
             "(n_heads must be a multiple of n_kv_heads, head_dim equal)"
         )
-    if q.dtype not in HALF_DTYPES or kv_layer.dtype != q.dtype:
+    if q.dtype not in HALF_DTYPES or kv_layer.dtype not in (q.dtype, FP8_KV):
         problems.append(
-            f"dtypes q={q.dtype} kv={kv_layer.dtype}: the kernel takes bf16 or fp16, both equal "
-            "(use reference_decode_attention for others)"
+            f"dtypes q={q.dtype} kv_layer={kv_layer.dtype}: the kernel takes a bf16 or fp16 q and "
+            f"a kv_layer of q's dtype or {FP8_KV} (use reference_decode_attention for others)"
         )
     if d & (d - 1) or d < 16:
         problems.append(f"head_dim {d} must be a power of two >= 16")

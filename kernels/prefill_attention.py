@@ -17,7 +17,8 @@ rows times the query heads that share the kv head (GQA maps query head h to kv h
 h // group), so each K/V tile is read once per group, not once per query head. K/V
 tiles that every row sees run without masks; the rest stop at the block's last
 position, so causal work is skipped, not masked. Online softmax in float32, base-2
-exponentials; bf16/fp16 only. The launch shape is a `PrefillTile`.
+exponentials; bf16/fp16 q and out, the pool in q's dtype or fp8 e4m3 (kernels/kv_dtype.py:
+its elements are widened to q's dtype before the dots). The launch shape is a `PrefillTile`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdunit.kernels.kv_dtype import FP8_KV
 from pdunit.kernels.paged_attention import HALF_DTYPES, INTERPRET, build_slot_table
 
 try:
@@ -106,8 +108,9 @@ def reference_prefill_attention(
     q_start: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Torch reference of `paged_prefill_attention` (float32 math, float64 for float64);
-    rows of q that belong to no sequence come back as zeros."""
+    """Torch reference of `paged_prefill_attention` (float32 math, float64 for float64; an
+    fp8 kv_layer widened exactly, as the kernel's widening to q's dtype is); rows of q
+    that belong to no sequence come back as zeros."""
     t, hq, d = q.shape
     hkv = kv_layer.shape[2]
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -180,20 +183,21 @@ if triton is not None:
             for n0 in range(0, open_end, BLOCK_N):
                 slots = tl.load(row_table + n0 + offs_n).to(tl.int64)
                 k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :])
-                qk = tl.dot(q, tl.trans(k)) * scale_log2e
+                # an fp8 pool's elements are widened to q's dtype (exact), then the same dots
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
                 pr = tl.exp2(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(pr, 1)
                 v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :])
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
                 m_i = m_new
             for n0 in range(open_end, kv_end, BLOCK_N):
                 offs = n0 + offs_n
                 n_mask = offs < kv_end
                 slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k)) * scale_log2e
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
                 qk = tl.where(n_mask[None, :] & (offs[None, :] <= pos[:, None]), qk, float("-inf"))
                 # Each row sees entry `first` or an earlier one by the time this loop ends
                 # its first tile (entry 0 if open_end is 0), so m_new is finite from here on.
@@ -202,7 +206,7 @@ if triton is not None:
                 pr = tl.exp2(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(pr, 1)
                 v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
                 m_i = m_new
             o = acc / l_i[:, None]
             tl.store(
@@ -234,8 +238,9 @@ def paged_prefill_attention(
     hkv = kv_layer.shape[2]
     n = table.shape[0]
     problems = []
-    if q.dtype not in HALF_DTYPES or kv_layer.dtype != q.dtype or out.dtype != q.dtype:
-        problems.append(f"dtypes q={q.dtype} kv={kv_layer.dtype} out={out.dtype}: need equal bf16/fp16")
+    if q.dtype not in HALF_DTYPES or kv_layer.dtype not in (q.dtype, FP8_KV) or out.dtype != q.dtype:
+        problems.append(f"dtypes q={q.dtype} kv_layer={kv_layer.dtype} out={out.dtype}: need a bf16/fp16 q, "
+                        f"out of q's dtype and a kv_layer of q's dtype or {FP8_KV}")
     if kv_layer.dim() != 4 or kv_layer.shape[0] != 2 or kv_layer.shape[3] != d or hq % hkv:
         problems.append(f"kv_layer {tuple(kv_layer.shape)} does not fit q {tuple(q.shape)}")
     if d & (d - 1) or d < 16:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from pdunit.kernels.kv_dtype import index_copy_kv
+
 
 def _check_pool(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[1] != 2:
@@ -78,7 +80,7 @@ def copy_rows(
 ) -> None:
     """dst[:, :, dst_slots] = src[:, :, src_slots] for pool tensors [L, 2, S, H, D]."""
     validate_copy(src, src_slots, dst, dst_slots)
-    dst.index_copy_(2, dst_slots.to(dst.device), src.index_select(2, src_slots.to(src.device)))
+    index_copy_kv(dst, 2, dst_slots.to(dst.device), src.index_select(2, src_slots.to(src.device)))
 
 
 def gather_rows(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -96,4 +98,4 @@ def scatter_rows(staging: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) 
     _check_slots("slots", slots, dst.shape[2], distinct=True)
     if staging.shape[2] != slots.numel():
         raise ValueError(f"staging holds {staging.shape[2]} rows but slots has {slots.numel()}")
-    dst.index_copy_(2, slots.to(dst.device), staging)
+    index_copy_kv(dst, 2, slots.to(dst.device), staging)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Literal
 
 from pydantic import Field
 
@@ -12,15 +13,16 @@ from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setu
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
-from pdunit.engine.model.config import torch_dtype
+from pdunit.engine.model.config import dtype_name
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import kv_cache_dtype_field, parse_config
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
+from pdunit.kernels.kv_dtype import kv_storage_dtype
 
 
 class DecodeConfig(StackSamplingFields):
@@ -31,6 +33,7 @@ class DecodeConfig(StackSamplingFields):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device of the pool and the model")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = kv_cache_dtype_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
     page_size: int = Field(1, gt=0, description="tokens per page")
@@ -67,7 +70,7 @@ async def serve(cfg: DecodeConfig) -> int:
     n_pages = cfg.pool_tokens // cfg.page_size
     geometry = PoolGeometry(
         n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
-        dtype=torch_dtype(cfg.dtype or mc.dtype), n_slots=n_pages * cfg.page_size, page_size=cfg.page_size,
+        dtype=kv_storage_dtype(cfg.kv_cache_dtype, model.dtype), n_slots=n_pages * cfg.page_size, page_size=cfg.page_size,
     )
     receiver = make_receiver(cfg.transfer, geometry, cfg.device, {
         "tcp_host": cfg.tcp_host, "tcp_port": str(cfg.tcp_port), "proxy_socket": cfg.proxy_socket,
@@ -90,6 +93,7 @@ async def serve(cfg: DecodeConfig) -> int:
              asyncio.create_task(engine.probe_loop())]
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "overlap": engine.overlap is not None,
+                                    "kv_dtype": dtype_name(geometry.dtype),
                                     "kv_bytes": geometry.bytes_for(geometry.n_slots)})
     await stop.wait()
     engine.hub.close()

@@ -10,8 +10,9 @@ Owns the definition, which a GPU implementation must reproduce bit for bit:
 - t is the token index within the request (0-based position in `slots`); with
   `sample_every = k` only t = 0, k, 2k, ... are summed (t keeps its full value).
 - E = n_kv_heads * head_dim; e = head * head_dim + dim.
-- word = the element's bits read as an unsigned integer (16, 32 or 64 bits), so the
-  check is bit-exact, NaN payloads and signed zeros included.
+- word = the element's bits read as an unsigned integer (8, 16, 32 or 64 bits: an fp8
+  pool's elements are 8-bit words), so the check is bit-exact, NaN payloads and signed
+  zeros included.
 - splitmix64 is the standard finaliser (constants below). The weight is odd, so flipping
   any single bit changes the sum (w * 2**b != 0 mod 2**64 for odd w, b < 64); distinct
   weights per (t, l, kv, e) make swapped or misplaced rows change it.
@@ -35,8 +36,8 @@ _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 
 _MASK64 = (1 << 64) - 1
-_UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SIGNED_TORCH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED_TORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Elements per chunk of the host computation (bounds memory for big models).
 _CHUNK_ELEMENTS = 1 << 22

@@ -14,28 +14,33 @@ from typing import Any
 
 import torch
 
+# Compute dtypes (a model's weights and activations) ...
 _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# ... and what a KV pool may also hold (`--kv-cache-dtype fp8_e4m3`, kernels/kv_dtype.py).
+_POOL_DTYPES: dict[str, torch.dtype] = {**_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """`"bfloat16"` -> `torch.bfloat16`; a clear error lists the supported names."""
+def torch_dtype(name: str, pool: bool = False) -> torch.dtype:
+    """`"bfloat16"` -> `torch.bfloat16`, a compute dtype (`pool`: or a KV pool's, which
+    may also be fp8); a clear error lists the supported names."""
+    names = _POOL_DTYPES if pool else _DTYPES
     key = name.removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(_DTYPES)}")
-    return _DTYPES[key]
+    if key not in names:
+        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(names)}")
+    return names[key]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `"bfloat16"` (the inverse of `torch_dtype`)."""
-    for name, value in _DTYPES.items():
+    """`torch.bfloat16` -> `"bfloat16"` (the inverse of `torch_dtype`, pool dtypes included)."""
+    for name, value in _POOL_DTYPES.items():
         if value == dtype:
             return name
-    raise ValueError(f"unsupported dtype {dtype}: expected one of {', '.join(_DTYPES)}")
+    raise ValueError(f"unsupported dtype {dtype}: expected one of {', '.join(_POOL_DTYPES)}")
 
 
 # kw_only: the spec orders `n_codebooks` (defaulted) before `vocab_sizes` (required).
@@ -101,7 +106,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """K and V of every layer for one token, in `dtype` (default: the config's)."""
-        dt = torch_dtype(self.dtype) if dtype is None else dtype
+        dt = torch_dtype(self.dtype) if dtype is None else dtype  # a pool's dtype may be fp8
         element = torch.empty((), dtype=dt).element_size()
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * element
 

@@ -32,6 +32,10 @@ least `min_rows` rows in all in e4m3 with per-channel weight and per-row activat
 scales (kernels/fp8_gemm.py), on both paths (the reference dequantises and multiplies
 in float32). Decode-only forwards, `decode_step` and the CUDA graphs always stay in the
 model dtype. With min_rows > 0 a prompt's numerics depend on what it was batched with.
+
+KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
+"fp8_e4m3")`); both paths store through kernels/kv_dtype.py's saturating cast and
+widen on read, so an fp8 pool gives the same frames whichever engine wrote it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdunit.engine.model.config import ModelConfig, torch_dtype
+from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_kv
 
 if TYPE_CHECKING:
     from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
@@ -223,8 +228,8 @@ class Attention(nn.Module):
         # Write first, then read everything (new rows included) back from the pool: a
         # token's K/V takes the same path whether it was computed now or cached earlier,
         # which is what makes cached-prefix prefill equal full prefill.
-        kv_layer[0].index_copy_(0, write_slots, k.to(kv_layer.dtype))
-        kv_layer[1].index_copy_(0, write_slots, v.to(kv_layer.dtype))
+        index_copy_kv(kv_layer[0], 0, write_slots, to_kv(k, kv_layer.dtype))
+        index_copy_kv(kv_layer[1], 0, write_slots, to_kv(v, kv_layer.dtype))
         out = _paged_attention(q, kv_layer, plan)
         return self.o_proj(out.reshape(t, self.n_heads * self.head_dim), fp8)
 
@@ -378,10 +383,15 @@ class TTSModel(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def new_kv_storage(self, n_slots: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    def new_kv_storage(
+        self, n_slots: int, device: str | torch.device = "cpu", kv_cache_dtype: str = "auto"
+    ) -> torch.Tensor:
+        """A zeroed pool [n_layers, 2, n_slots, n_kv_heads, head_dim] in the model's dtype,
+        or fp8 (`kv_cache_dtype`, kernels/kv_dtype.py)."""
         c = self.config
         return torch.zeros(
-            (c.n_layers, 2, n_slots, c.n_kv_heads, c.head_dim), dtype=self.dtype, device=device
+            (c.n_layers, 2, n_slots, c.n_kv_heads, c.head_dim),
+            dtype=kv_storage_dtype(kv_cache_dtype, self.dtype), device=device,
         )
 
     @torch.no_grad()
@@ -672,8 +682,8 @@ class TTSModel(nn.Module):
                 f"kv has shape {tuple(kv.shape)}, expected [{c.n_layers}, 2, n_slots, "
                 f"{c.n_kv_heads}, {c.head_dim}]"
             )
-        elif kv.dtype != self.dtype:
-            problems.append(f"kv dtype {kv.dtype} differs from the model dtype {self.dtype}")
+        elif kv.dtype not in (self.dtype, FP8_KV):
+            problems.append(f"kv dtype {kv.dtype} is neither the model dtype {self.dtype} nor {FP8_KV}")
         if problems:
             raise ValueError("invalid forward batch: " + "; ".join(problems))
         if batch.tokens.device.type != "cpu":

@@ -40,6 +40,7 @@ from pdunit.engine.packing import pack
 from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.monolith")
 
@@ -215,7 +216,7 @@ class MonolithEngine:
         dst = torch.from_numpy(self.pool.slots(p.job.request_id, len(prompt))).to(device)
         # Same thread and stream as the forwards: ordered after the one that wrote the rows
         # and before the first decode step that reads them.
-        self.storage.index_copy_(2, dst, self.storage.index_select(2, src))
+        index_copy_kv(self.storage, 2, dst, self.storage.index_select(2, src))
         self.cache.release(p.lease)
         return min(p.lease.cached_tokens, len(prompt) - 1)
 

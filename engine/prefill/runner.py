@@ -35,8 +35,8 @@ def start_prefill_model(
         model.set_prefill_gemm(cfg.prefill_gemm, fp8_min_rows)
         log.info("prefill model", extra={"dtype": str(model.dtype).replace("torch.", ""), "gpu_path": model.gpu_path,
                                          "prefill_gemm": cfg.prefill_gemm, "fp8_min_rows": fp8_min_rows,
-                                         "prefill_graphs": graphs})
-        storage = model.new_kv_storage(n_slots, device=cfg.device)
+                                         "prefill_graphs": graphs, "kv_cache_dtype": cfg.kv_cache_dtype})
+        storage = model.new_kv_storage(n_slots, device=cfg.device, kv_cache_dtype=cfg.kv_cache_dtype)
         warm_up(model, storage, cfg.warmup_rows)
         return model, storage, capture_prefill_graphs(model, storage, graphs, max_seqs)
     except ValueError as exc:

@@ -61,6 +61,7 @@ from pdunit.engine.grpc_server import sync_channel
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease
+from pdunit.engine.model.config import dtype_name
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
@@ -285,8 +286,9 @@ class PrefillEngine:
             raise PeerMismatch(f"P runs model {self.model_spec!r} but D at {link.socket} runs {hello.model!r}")
         if (g.n_layers, g.n_kv_heads, g.head_dim) != (mc.n_layers, mc.n_kv_heads, mc.head_dim):
             raise PeerMismatch(f"D pool geometry {g} at {link.socket} does not match the model {mc.name}")
-        if g.dtype != str(self.storage.dtype).replace("torch.", ""):
-            raise PeerMismatch(f"D pool dtype {g.dtype} at {link.socket} != P dtype {self.storage.dtype}")
+        if g.dtype != dtype_name(self.storage.dtype):
+            raise PeerMismatch(f"D pool dtype {g.dtype} at {link.socket} != P pool dtype {dtype_name(self.storage.dtype)}: "
+                               "run P and D with the same --dtype and --kv-cache-dtype")
         geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, self.storage.dtype, g.n_slots, g.page_size)
         offered = [Descriptor(t.mode, dict(t.params), t.handle) for t in hello.transports]
         if self.faults.tcp_relay:

@@ -35,6 +35,7 @@ from pdunit.engine.transfer.base import (
     KVSender,
     PoolGeometry,
     TransferError,
+    exact_pattern,
 )
 
 log = logging.getLogger("pdunit.transfer.auto")
@@ -188,8 +189,7 @@ class _ProbeOnly(KVReceiver):
 # ---------------------------------------------------------------- P side
 def _probe_source(geometry: PoolGeometry, device: str) -> tuple[torch.Tensor, np.ndarray]:
     shape = (geometry.n_layers, 2, PROBE_ROWS * 2, geometry.n_kv_heads, geometry.head_dim)
-    gen = torch.Generator().manual_seed(int(time.time_ns() & 0xFFFFFFFF))
-    src = torch.randint(-(1 << 14), 1 << 14, shape, generator=gen, dtype=torch.int32).to(geometry.dtype)
+    src = exact_pattern(shape, geometry.dtype, time.time_ns() & 0xFFFFFFFF)
     slots = np.array([5, 0, 7, 2][:PROBE_ROWS], dtype=np.int64)  # scattered, out of order
     return src.to(device), slots
 

@@ -331,18 +331,18 @@ class _CudaArray:
 
 
 _TYPESTR = {torch.bfloat16: "<i2", torch.float16: "<f2", torch.float32: "<f4",
-            torch.float64: "<f8", torch.uint8: "|u1", torch.int16: "<i2"}
+            torch.float64: "<f8", torch.uint8: "|u1", torch.int16: "<i2", torch.float8_e4m3fn: "|u1"}
 
 
 def tensor_view(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: int,
                 owner: Any = None) -> torch.Tensor:
     """A torch tensor over `ptr` (no copy). `owner` is kept alive by the tensor's
-    base object. bf16 is viewed through int16 because the interface has no bf16."""
+    base object. bf16 (fp8) is viewed through int16 (uint8): the interface has neither."""
     typestr = _TYPESTR[dtype]
     # No device= argument: torch takes the device from the pointer itself, and a
     # mismatching device= would make it copy instead of view.
     with torch.cuda.device(device):
         t = torch.as_tensor(_CudaArray(ptr, shape, typestr, owner))
-    if dtype == torch.bfloat16:
-        t = t.view(torch.bfloat16)
+    if dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        t = t.view(dtype)
     return t

@@ -35,6 +35,7 @@ from pdunit.engine.transfer.base import (
     KVSender,
     PoolGeometry,
     TransferError,
+    exact_pattern,
 )
 
 PROBE_SLOTS = 16
@@ -50,11 +51,8 @@ def probe_shape(geometry: PoolGeometry) -> tuple[int, int, int, int, int]:
 
 def pattern(geometry: PoolGeometry, seed: int) -> torch.Tensor:
     """Deterministic probe pattern for slots [0, PATTERN_SLOTS) (CPU tensor)."""
-    gen = torch.Generator().manual_seed(seed)
     shape = (geometry.n_layers, 2, PATTERN_SLOTS, geometry.n_kv_heads, geometry.head_dim)
-    words = torch.randint(-(1 << 14), 1 << 14, shape, generator=gen, dtype=torch.int32)
-    # Small integers are exact in every float dtype: the pattern never holds NaNs.
-    return words.to(geometry.dtype)
+    return exact_pattern(shape, geometry.dtype, seed)
 
 
 def _cuda_index(device: str | torch.device) -> int:

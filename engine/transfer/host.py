@@ -158,13 +158,13 @@ class HostSender(KVSender):
                 "and pool size"
             )
         try:
-            dtype = torch_dtype(descriptor.params["dtype"])
+            dtype = torch_dtype(descriptor.params["dtype"], pool=True)
         except ValueError as e:
             raise TransferError(f"D's pool {name}: {e}") from None
         if dtype != geometry.dtype:
             raise TransferError(
                 f"D's pool {name} has dtype {dtype_name(dtype)} but P's KV is "
-                f"{dtype_name(geometry.dtype)}: run both with the same --dtype"
+                f"{dtype_name(geometry.dtype)}: run both with the same --dtype and --kv-cache-dtype"
             )
         self.path = os.path.join(SHM_DIR, name)
         try:

@@ -44,6 +44,7 @@ from pdunit.engine.transfer.base import (
     PoolGeometry,
     TransferError,
 )
+from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.transfer.tcp")
 
@@ -278,7 +279,7 @@ class TcpReceiver(KVReceiver):
                 shape = (g.n_layers, 2, k, g.n_kv_heads, g.head_dim)
                 rows = torch.frombuffer(payload, dtype=torch.uint8).view(g.dtype).view(shape)
                 target = self.probe_storage if req.probe else self._storage
-                target.index_copy_(2, req.dst_slots[t0:t0 + k], rows.to(self.device))
+                index_copy_kv(target, 2, req.dst_slots[t0:t0 + k], rows.to(self.device))
                 fresh = ~req.received[t0:t0 + k]
                 req.received[t0:t0 + k] = True
                 req.count += int(fresh.sum())

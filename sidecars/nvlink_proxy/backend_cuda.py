@@ -285,5 +285,5 @@ class CudaBackend:
     def checksum(self, region: Region, slots: np.ndarray) -> int:
         dev = self.device_of(region)
         view = cudadrv.tensor_view(self.map(region, dev), region.layout.shape(),
-                                   torch_dtype(region.layout.dtype), dev)
+                                   torch_dtype(region.layout.dtype, pool=True), dev)
         return kv_checksum(view, np.array(slots))

@@ -36,9 +36,9 @@ class HostBackend:
         if size < region.layout.nbytes:
             raise JobRejected("INVALID_ARGUMENT", f"segment {path} has {size} bytes, the layout "
                               f"needs {region.layout.nbytes}")
-        numel = region.layout.nbytes // torch.empty((), dtype=torch_dtype(region.layout.dtype)).element_size()
+        numel = region.layout.nbytes // torch.empty((), dtype=torch_dtype(region.layout.dtype, pool=True)).element_size()
         region.backend_state["tensor"] = torch.from_file(
-            path, shared=True, size=numel, dtype=torch_dtype(region.layout.dtype)
+            path, shared=True, size=numel, dtype=torch_dtype(region.layout.dtype, pool=True)
         ).view(region.layout.shape())
 
     def _tensor(self, region: Region) -> torch.Tensor:

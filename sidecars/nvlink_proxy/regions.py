@@ -26,7 +26,7 @@ import numpy as np
 
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1}
 _POSITIONS = np.arange(1 << 17, dtype=np.int64)  # read-only: 0..n-1 without an arange per job
 _POSITIONS.flags.writeable = False
 

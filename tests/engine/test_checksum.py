@@ -31,7 +31,7 @@ def naive(storage: torch.Tensor, slots: list[int], sample_every: int = 1) -> int
     n_layers, _, _, heads, dim = storage.shape
     e_per_row = heads * dim
     width = storage.element_size() * 8
-    ints = storage.view({16: torch.int16, 32: torch.int32, 64: torch.int64}[width])
+    ints = storage.view({8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width])
     total = 0
     for t in range(0, len(slots), sample_every):
         for layer in range(n_layers):
@@ -43,7 +43,7 @@ def naive(storage: torch.Tensor, slots: list[int], sample_every: int = 1) -> int
     return total & MASK
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64])
 def test_checksum_matches_the_documented_formula(dtype: torch.dtype) -> None:
     storage = pool(dtype)
     slots = [9, 3, 40, 41, 0]
@@ -61,12 +61,12 @@ def test_equal_rows_at_other_slots_give_the_same_checksum() -> None:
     assert kv_checksum(src, src_slots) == kv_checksum(dst, dst_slots)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64])
 def test_one_flipped_bit_anywhere_changes_the_checksum(dtype: torch.dtype) -> None:
     storage = pool(dtype, 3)
     slots = np.array([4, 8, 15, 16, 23, 42])
     reference = kv_checksum(storage, slots)
-    ints = storage.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[storage.element_size()])
+    ints = storage.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[storage.element_size()])
     rng = np.random.default_rng(0)
     bits = storage.element_size() * 8
     for _ in range(40):

@@ -13,6 +13,7 @@ import torch
 from pdunit.engine.model.config import CONFIGS, ModelConfig, torch_dtype
 from pdunit.engine.model.loader import load_model, save_model
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
+from pdunit.kernels.kv_dtype import index_copy_kv, to_kv
 
 # float64 equivalence: only BLAS blocking differs between the paths compared below.
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -315,3 +316,62 @@ def test_fp8_min_rows_keeps_smaller_forwards_in_the_model_dtype() -> None:
         assert torch.equal(got, want) != fp8, n
     with pytest.raises(ValueError, match="min_rows -1 must be >= 0"):
         m.set_prefill_gemm("fp8", -1)
+
+
+def _bytes(kv: torch.Tensor) -> torch.Tensor:
+    return kv.view(torch.uint8)
+
+
+def test_an_fp8_kv_pool_stores_every_row_as_the_saturating_e4m3_cast(model: TTSModel) -> None:
+    """Rows are computed in the model dtype, then stored by kernels/kv_dtype.to_kv: the
+    fp8 pool holds exactly the cast of what a full-precision pool holds. Layer 0 only:
+    its K/V come from the embeddings alone, later layers' from attention over fp8 rows."""
+    rows, slots = prompt(40, 41), scattered_slots(40, 128, 42)
+    kv8, kv = model.new_kv_storage(128, kv_cache_dtype="fp8_e4m3"), model.new_kv_storage(128)
+    assert kv8.dtype == torch.float8_e4m3fn and kv8.element_size() == 1
+    prefill(model, kv8, rows, slots)
+    prefill(model, kv, rows, slots)
+    assert torch.equal(_bytes(kv8[0]), _bytes(to_kv(kv[0], torch.float8_e4m3fn)))
+    assert kv8[0, :, slots].float().any()  # the rows were written
+
+
+def test_fp8_kv_logits_stay_close_to_the_full_precision_pool_but_are_not_them(model: TTSModel) -> None:
+    rows, slots = prompt(40, 43), scattered_slots(41, 128, 44)
+    kv8, kv = model.new_kv_storage(128, kv_cache_dtype="fp8_e4m3"), model.new_kv_storage(128)
+    got, want = prefill(model, kv8, rows, slots[:40]), prefill(model, kv, rows, slots[:40])
+    assert not torch.equal(got, want)  # every row's attention read fp8 K/V
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.99, float(cos)
+    step = ForwardBatch.from_sequences([want[0].argmax(-1)[None]], [slots])
+    d_cos = torch.nn.functional.cosine_similarity(model(step, kv8).flatten(), model(step, kv).flatten(), dim=0)
+    assert d_cos > 0.99, float(d_cos)
+
+
+def test_fp8_kv_cached_prefix_and_chunked_prefill_equal_full_prefill(model: TTSModel) -> None:
+    """A token's K/V is stored, then read back, in the same forward that computed it: a
+    prefix cached by an earlier request, or an earlier chunk, is read exactly as a full
+    prefill reads it, so P, D and both monoliths agree on an fp8 pool too."""
+    rows, slots = prompt(45, 45), scattered_slots(45, 128, 46)
+    pools = [model.new_kv_storage(128, kv_cache_dtype="fp8_e4m3") for _ in range(3)]
+    full = prefill(model, pools[0], rows, slots)
+    prefill(model, pools[1], rows[:32], slots[:32])
+    cached = model(ForwardBatch.from_sequences([rows[32:]], [slots]), pools[1])
+    for start, end in ((0, 16), (16, 32), (32, 45)):
+        chunked = model(ForwardBatch.from_sequences([rows[start:end]], [slots[:end]]), pools[2])
+    for out, kv in ((cached, pools[1]), (chunked, pools[2])):
+        torch.testing.assert_close(out, full, **TOL)
+        assert torch.equal(_bytes(kv), _bytes(pools[0]))
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices(model: TTSModel) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp4'.*auto, fp8_e4m3"):
+        model.new_kv_storage(8, kv_cache_dtype="fp4")
+
+
+def test_kv_index_copy_writes_fp8_rows_on_the_cpu_where_torch_has_no_fp8_index_copy() -> None:
+    dst = torch.zeros(2, 6, 3, dtype=torch.float8_e4m3fn)
+    src = to_kv(torch.tensor([[[500.0, -1000.0, 0.3]] * 3, [[1.5, 2.0, -3.0]] * 3]), torch.float8_e4m3fn)
+    index_copy_kv(dst[0], 0, torch.tensor([4, 1]), src[:, 0])
+    assert dst[0, 4].float().tolist() == [448.0, -448.0, 0.3125]  # saturated, and rounded to e4m3
+    assert dst[0, 1].float().tolist() == [1.5, 2.0, -3.0]
+    assert not dst[1].float().any() and not dst[0, [0, 2, 3, 5]].float().any()

@@ -210,3 +210,35 @@ def test_fp8_prefill_gemms_reach_p_and_the_monolith_and_keep_pd_equal_to_it(pd_u
         assert last.get("done") and mono_last.get("done"), (last, mono_last)
         assert frames == mono_frames
     assert [f for f, _ in got] != [f for f, _ in bf16]
+
+
+def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit):
+    """--kv-cache-dtype fp8_e4m3 on every engine: P writes fp8 rows, they cross to D
+    (host and tcp transports, checksummed), D decodes from them, and the frames equal
+    both monoliths' (their pools fp8 too: prefill-first, and chunked, which reads its
+    earlier chunks back from the pool), and differ from the full-precision pool's."""
+    fp8 = dict(SMALL, kv_cache_dtype="fp8_e4m3")
+    with LocalUnit(LocalConfig(mode="pd", **fp8)) as pd8, \
+            LocalUnit(LocalConfig(mode="monolith", **fp8)) as mono8, \
+            LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **fp8)) as chunk8:
+        got, want, chunked = run_all(pd8.url), run_all(mono8.url), run_all(chunk8.url)
+        info = load(pd8.url)
+    with LocalUnit(LocalConfig(mode="pd", transfer="tcp", **fp8)) as tcp8:
+        over_tcp = [stream(tcp8.url, p, **params) for p, params in REQUESTS[:2]]
+    full = run_all(pd_unit.url)
+    for (frames, last), (mono_frames, mono_last), (chunk_frames, _) in zip(got, want, chunked, strict=True):
+        assert last.get("done") and mono_last.get("done"), (last, mono_last)
+        assert frames == mono_frames == chunk_frames
+    assert [f for f, _ in over_tcp] == [f for f, _ in got[:2]]
+    assert info["kv_checks_total"] == len(REQUESTS) and info["kv_mismatch_total"] == 0
+    assert [f for f, _ in got] != [f for f, _ in full]
+
+
+def test_p_refuses_a_d_whose_kv_cache_dtype_differs(tmp_path):
+    """P fp8, D full precision: no transfer could be right, so P stops at Hello, naming
+    both dtypes and the flag to fix, and the unit never reports ready."""
+    cfg = LocalConfig(mode="pd", run_dir=str(tmp_path), ready_timeout_s=60,
+                      extra_prefill_args=["--kv-cache-dtype", "fp8_e4m3"], **SMALL)
+    with pytest.raises(RuntimeError, match="prefill exited") as err, LocalUnit(cfg):
+        pass
+    assert "float8_e4m3fn" in str(err.value) and "--kv-cache-dtype" in str(err.value)

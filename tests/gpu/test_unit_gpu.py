@@ -16,7 +16,7 @@ import torch
 from pdunit.bench.report import scrape_metrics
 from pdunit.engine.decode.worker import StepLoop
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
-from tests.engine.unit_client import random_prompt, stream
+from tests.engine.unit_client import load, random_prompt, stream
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,15 +51,21 @@ def _run_streams(url: str, n: int) -> list[tuple[list, dict]]:
         return list(pool.map(lambda p: stream(url, p, max_frames=FRAMES, min_frames=FRAMES, timeout=120), prompts))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("transfer", ["ipc", "proxy"])
-def test_pd_unit_on_two_gpus_streams_every_frame(transfer, tmp_path):
+def test_pd_unit_on_two_gpus_streams_every_frame(transfer, kv_cache_dtype, tmp_path):
+    """fp8_e4m3: P's fused store writes e4m3 rows, the transport moves 1-byte rows (the
+    proxy's copy kernel picks its vector width from the row bytes), both sides checksum
+    them, D's graphs decode from them."""
     cfg = LocalConfig(mode="pd", transfer=transfer, run_dir=str(tmp_path), device="cuda:0",
-                      decode_devices="cuda:1", **BASE)
+                      decode_devices="cuda:1", kv_cache_dtype=kv_cache_dtype, **BASE)
     with LocalUnit(cfg) as unit:
         results = _run_streams(unit.url, 12)
+        info = load(unit.url)
     for frames, last in results:
         assert last.get("done"), last
         assert len(frames) == FRAMES
+    assert info["kv_checks_total"] == 12 and info["kv_mismatch_total"] == 0, info
 
 
 def _streams_and_metrics(tmp_path, n: int, metrics_of: str, **cfg) -> dict[str, float]:
@@ -89,8 +95,10 @@ def test_pd_unit_replays_prefill_graphs_by_default_on_cuda(tmp_path, graphs):
     assert (replayed >= 1 and eager == 0) if graphs is None else (replayed == 0 and eager >= 1), metrics
 
 
-def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path):
-    metrics = _streams_and_metrics(tmp_path, 8, "monolith", mode="monolith", device="cuda:1")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_monolith_on_the_second_gpu_streams_every_frame(tmp_path, kv_cache_dtype):
+    metrics = _streams_and_metrics(tmp_path, 8, "monolith", mode="monolith", device="cuda:1",
+                                   kv_cache_dtype=kv_cache_dtype)
     # its GPU busy account (CUDA events around each step), read by `bench compare`
     # (device time within the loop's own wall time: decode steps plus prefill-first forwards)
     busy = metrics["pdunit_decode_gpu_busy_seconds_total"]

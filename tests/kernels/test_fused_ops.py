@@ -1,7 +1,8 @@
 """The fused q/k norm + RoPE + pool-store kernel against the model's torch reference
 (RMSNorm, rotate-half RoPE, index_copy_ into the pool), under Triton's CPU interpreter
-and on a GPU: head counts that do not fill the kernel's head blocks, and negative write
-slots (CUDA-graph padding rows) that must write nothing."""
+and on a GPU: head counts that do not fill the kernel's head blocks, negative write slots
+(CUDA-graph padding rows) that must write nothing, and an fp8 pool that must get exactly
+`kv_dtype.to_kv` of what a model-dtype pool gets."""
 
 from __future__ import annotations
 
@@ -59,6 +60,68 @@ INTERPRETED = CHECK + textwrap.dedent(
         check(hq, hkv, 32, torch.float16, "cpu")
     """
 )
+
+
+FP8_CHECK = textwrap.dedent(
+    """
+    import torch
+    from pdunit.kernels.fused_ops import qk_norm_rope_store
+    from pdunit.kernels.kv_dtype import FP8_KV, to_kv
+
+
+    def check_fp8(dtype, device):
+        # The same inputs into a model-dtype pool and an fp8 pool: the fp8 pool must hold
+        # exactly to_kv of the other's rows. V (the raw projection) carries every 16-bit
+        # pattern of the model dtype but NaN (ties, subnormals, carries into the exponent,
+        # values beyond +-448, +-inf); a k norm weight of ~1000 on every 4th dim puts K
+        # values beyond +-448 too. Row 64 is a padding row (slot -1).
+        hq, hkv, d, t, slots = 1, 8, 128, 65, 80
+        torch.manual_seed(0)
+        words = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+        qkv[:64, (hq + hkv) * d:] = words.masked_fill(words.isnan(), 0.0).view(64, hkv * d)
+        qkv = qkv.to(device)
+        qw = (torch.rand(d) + 0.5).to(dtype).to(device)
+        kw = torch.rand(d) + 0.5
+        kw[::4] *= 1000
+        kw = kw.to(dtype).to(device)
+        pos = torch.arange(t, device=device) % 64
+        write = torch.randperm(slots)[:t].to(device)
+        write[64] = -1
+        ang = torch.arange(64).double()[:, None] * (1e4 ** (-torch.arange(0, d, 2).double() / d))
+        cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+        kv = torch.full((2, slots, hkv, d), 7.0, device=device).to(dtype)
+        kv8 = to_kv(kv, FP8_KV)
+        q = qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, pos, write, kv, hq, hkv, d)
+        q8 = qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, pos, write, kv8, hq, hkv, d)
+        assert torch.equal(q8, q), "the returned q depends on the pool's dtype"
+        assert kv[0].float().abs().max() > 448 and kv[1].float().abs().max() > 448, "nothing saturated"
+        want = to_kv(kv, FP8_KV)
+        bad = kv8.view(torch.uint8) != want.view(torch.uint8)
+        assert not bad.any(), (int(bad.sum()), kv[bad][:8].tolist(), kv8[bad][:8].float().tolist())
+        print("ok fp8", dtype)
+    """
+)
+
+
+def test_qk_norm_rope_store_into_an_fp8_pool_stores_to_kv_of_the_rows_interpreted(tmp_path: Path) -> None:
+    script = FP8_CHECK + textwrap.dedent(
+        """
+        torch.set_num_threads(1)
+        for dtype in (torch.float16, torch.bfloat16):
+            check_fp8(dtype, "cpu")
+        """
+    )
+    out = run_interpreted(script, tmp_path)
+    assert out.count("ok fp8") == 2, out
+
+
+@gpu
+def test_qk_norm_rope_store_into_an_fp8_pool_stores_to_kv_of_the_rows_on_gpu() -> None:
+    scope: dict = {}
+    exec(FP8_CHECK, scope)  # noqa: S102 - the interpreted test's check, in-process
+    for dtype in (torch.bfloat16, torch.float16):
+        scope["check_fp8"](dtype, "cuda")
 
 
 def test_qk_norm_rope_store_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Paged decode attention: the slot table, the split heuristic, the torch reference
 against the model's reference attention (CPU), and the Triton kernel against the
-reference on fresh random inputs with fragmented tables (GPU; CPU via Triton's
-interpreter)."""
+reference on fresh random inputs with fragmented tables, from a pool of the model's
+dtype or fp8 e4m3 (GPU; CPU via Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
+from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
 from pdunit.kernels.paged_attention import (
     DECODE_CANDIDATES,
     MAX_SPLITS,
@@ -99,6 +100,7 @@ INTERPRETED_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
     torch.set_num_threads(1)
+    from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
     from pdunit.kernels.paged_attention import build_slot_table, paged_decode_attention, reference_decode_attention
     rng = np.random.default_rng(7)
     torch.manual_seed(7)
@@ -106,12 +108,12 @@ INTERPRETED_CHECK = textwrap.dedent(
     for page, splits, (hq, hkv) in [(1, 1, (4, 2)), (16, 3, (8, 2)), (4, 2, (4, 4))]:
         lengths = [1, 70, 33]
         ctx = paged_slots(lengths, page, 512, rng)
-        kv = torch.randn(2, 512, hkv, 32).half()
+        kv = to_kv(torch.randn(2, 512, hkv, 32), kv_storage_dtype(KV_CACHE_DTYPE, torch.float16))
         q = torch.randn(3, hq, 32).half()
         table, lens = build_slot_table(ctx, width=130)
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(q, kv, table, lens, splits, out=out)
-        ref = reference_decode_attention(q.double(), kv.double(), table, lens)
+        ref = reference_decode_attention(q.double(), kv, table, lens)
         assert torch.isfinite(out).all(), "unwritten output rows"
         worst = max(worst, float((out.double() - ref).norm() / ref.norm()))
     print("worst", worst)
@@ -120,18 +122,74 @@ INTERPRETED_CHECK = textwrap.dedent(
 )
 
 
-def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path, kv_cache_dtype) -> None:
     """The same kernel source, run by Triton's interpreter on CPU tensors (fp16: the
-    interpreter's bf16 dot is wrong). Runs from tmp_path: the repo root would shadow
-    the stdlib `operator` module with the operator/ folder."""
-    run_interpreted(inspect.getsource(paging_module) + INTERPRETED_CHECK, tmp_path)
+    interpreter's bf16 dot is wrong), the reference on the same pool (fp8: widened).
+    Runs from tmp_path: the repo root would shadow the stdlib `operator` module with
+    the operator/ folder."""
+    script = f"KV_CACHE_DTYPE = {kv_cache_dtype!r}\n" + INTERPRETED_CHECK
+    run_interpreted(inspect.getsource(paging_module) + script, tmp_path)
+
+
+# A pool rounded to e4m3 against the model-dtype pool it came from, on the same queries.
+# A one-token context returns its V row (softmax weight exactly 1), so there the output
+# differs by exactly that row's rounding: nearest with 3 mantissa bits is within 2**-4 of
+# the value (relative), or 2**-10 (half the 2**-9 subnormal step) below 2**-6. Longer
+# contexts mix many rows through perturbed scores: no such element bound holds, but the
+# elements' errors are independent, about 2**-4 / sqrt(3) RMS, and the outputs' relative
+# error stays near that (0.02..0.03 on these inputs), so the whole batch must stay within
+# 2**-4; a misread byte is off by O(1).
+FP8_VS_MODEL_DTYPE_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from pdunit.kernels.kv_dtype import FP8_KV, to_kv
+    from pdunit.kernels.paged_attention import build_slot_table, paged_decode_attention
+
+
+    def check_fp8_pool(dtype, device, hq, hkv, d, page, splits):
+        rng = np.random.default_rng(page * 100 + hq)
+        torch.manual_seed(page * 100 + hq)
+        lengths = [1, 2, 70, 300]
+        ctx = paged_slots(lengths, page, 1024, rng)
+        table, lens = (x.to(device) for x in build_slot_table(ctx))
+        kv = torch.randn(2, 1024, hkv, d, device=device).to(dtype)
+        kv8 = to_kv(kv, FP8_KV)
+        q = torch.randn(len(lengths), hq, d, device=device).to(dtype)
+        out = paged_decode_attention(q, kv, table, lens, splits).double()
+        out8 = paged_decode_attention(q, kv8, table, lens, splits)
+        # widening is exact: an fp8 pool computes what a model-dtype pool of its values does
+        # (bit for bit interpreted; on a GPU the two compiled kernels may sum the dots in
+        # another order, a last-bit difference: seen <= 1.6e-5 on outputs of ~0.1..1)
+        wide = paged_decode_attention(q, kv8.to(dtype), table, lens, splits)
+        torch.testing.assert_close(out8, wide, rtol=2 * torch.finfo(dtype).eps, atol=2**-12)
+        out8 = out8.double()
+        bound = torch.clamp(out[0].abs() * 2**-4, min=2**-10)
+        assert ((out8[0] - out[0]).abs() <= bound).all(), (out8[0] - out[0]).abs().max()
+        err = float((out8 - out).norm() / out.norm())
+        print("fp8 vs", dtype, "relative error", err)
+        assert err < 2**-4, err
+    """
+)
+
+
+def test_fp8_pool_decode_stays_within_e4m3_rounding_of_the_model_dtype_pool_interpreted(tmp_path: Path) -> None:
+    script = FP8_VS_MODEL_DTYPE_CHECK + textwrap.dedent(
+        """
+        torch.set_num_threads(1)
+        check_fp8_pool(torch.float16, "cpu", 8, 2, 32, 16, 3)
+        """
+    )
+    out = run_interpreted(inspect.getsource(paging_module) + script, tmp_path)
+    assert "relative error" in out, out
 
 
 @gpu
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (16, 16, 64), (8, 1, 128)])
-def test_decode_kernel_matches_the_reference_on_fragmented_pages(dtype, page_size, hq, hkv, d) -> None:
+def test_decode_kernel_matches_the_reference_on_fragmented_pages(kv_cache_dtype, dtype, page_size, hq, hkv, d) -> None:
     from pdunit.kernels.paged_attention import paged_decode_attention
 
     rng = np.random.default_rng(page_size * 1000 + hq)
@@ -139,7 +197,7 @@ def test_decode_kernel_matches_the_reference_on_fragmented_pages(dtype, page_siz
     n_slots = 8192
     lengths = [1, 2, 63, 64, 65, 700, 2049, 17]
     ctx = paged_slots(lengths, page_size, n_slots, rng)
-    kv = torch.randn(2, n_slots, hkv, d, device=dev).to(dtype)
+    kv = to_kv(torch.randn(2, n_slots, hkv, d, device=dev), kv_storage_dtype(kv_cache_dtype, dtype))
     table, lens = build_slot_table(ctx, width=2100)
     table, lens = table.to(dev), lens.to(dev)
     ref = None
@@ -147,10 +205,19 @@ def test_decode_kernel_matches_the_reference_on_fragmented_pages(dtype, page_siz
         q = torch.randn(len(lengths), hq, d, device=dev).to(dtype)
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(q, kv, table, lens, splits, out=out)
-        ref = reference_decode_attention(q.double(), kv.double(), table, lens)
+        ref = reference_decode_attention(q.double(), kv, table, lens)
         assert torch.isfinite(out).all(), f"unwritten rows with {splits} splits"
         err = float((out.double() - ref).norm() / ref.norm())
         assert err < 1e-2, f"{splits} splits: relative error {err}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hkv", "d", "page", "splits"), [(32, 8, 128, 16, 4), (8, 1, 128, 1, 1), (16, 16, 64, 4, 3)])
+def test_fp8_pool_decode_stays_within_e4m3_rounding_of_the_model_dtype_pool_on_gpu(dtype, hq, hkv, d, page, splits) -> None:
+    scope: dict = {"paged_slots": paged_slots}
+    exec(FP8_VS_MODEL_DTYPE_CHECK, scope)  # noqa: S102 - the interpreted test's check, in-process
+    scope["check_fp8_pool"](dtype, "cuda", hq, hkv, d, page, splits)
 
 
 @gpu
@@ -183,6 +250,23 @@ def test_decode_kernel_rejects_a_float32_pool_naming_the_fix() -> None:
     table, lens = build_slot_table([np.arange(3)])
     with pytest.raises(ValueError, match="bf16 or fp16"):
         paged_decode_attention(q, kv, table.to(dev), lens.to(dev), 1)
+
+
+def test_decode_kernel_accepts_an_fp8_pool_and_names_both_dtypes_otherwise(monkeypatch) -> None:
+    """The launch checks, on CPU tensors (let through as under the interpreter): an fp8
+    pool under a bf16 q passes; an fp16 one is refused naming both dtypes and what is
+    accepted."""
+    from pdunit.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "INTERPRET", True)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    table, lens = build_slot_table([np.arange(3)])
+    pa._check(q, torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn), table, lens)
+    with pytest.raises(ValueError, match=re.escape(
+        "dtypes q=torch.bfloat16 kv_layer=torch.float16: the kernel takes a bf16 or fp16 q and a kv_layer "
+        "of q's dtype or torch.float8_e4m3fn"
+    )):
+        pa._check(q, torch.zeros(2, 16, 2, 64, dtype=torch.float16), table, lens)
 
 
 def test_sdpa_reference_and_kernel_reference_agree_on_gqa_grouping() -> None:

@@ -4,7 +4,7 @@
 # most 8 files), with a one-line status per step in $OUT/summary.txt.
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
 # Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags),
-# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS),
+# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS; ';' between runs), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS),
 # transfer ($TRANSFER_ARGS),
 # mooncake (carry .out/mooncake-whl).
 set -uo pipefail
@@ -31,8 +31,11 @@ run_step() {
         --transfers 2000 --faults 50 --max-seconds $((secs * 2 / 3)) --run-dir /tmp/units-faults/unit \
         --out "$dir/faults.json" --results "$stem" 2>&1 | tee "$dir/faults.log"
       cp bench/results/"$stem".* "$dir/" 2>/dev/null ;;
-    step) timeout "$secs" python3 -m pdunit.bench.step ${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2} \
-        --out "$dir" 2>&1 | tee "$dir/step.log" ;;
+    step) # runs separated by ';' (e.g. one per --kv-cache-dtype, each with its own --machine-tag), one after another
+      IFS=';' read -ra runs <<< "${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2}"
+      for a in "${runs[@]}"; do
+        timeout $((secs / ${#runs[@]})) python3 -m pdunit.bench.step $a --out "$dir" 2>&1 | tee -a "$dir/step.log"
+      done ;;
     prefill) timeout "$secs" python3 -m pdunit.bench.prefill ${PREFILL_ARGS:---profile} --out "$dir" 2>&1 | tee "$dir/prefill.log" ;;
     attention) timeout "$secs" python3 -m pdunit.bench.attention ${ATTENTION_ARGS:-} --out "$dir" 2>&1 | tee "$dir/attention.log" ;;
     transfer) timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} 2>&1 | tee "$dir/transfer.log" ;;
