@@ -31,7 +31,13 @@ through a discrete-event model of each variant's scheduler as the engines run it
   rows up to the chunk (a mixed forward costs the eager prefill cost of its prompt rows
   plus the decode rows' per-stream and per-token step costs).
 Each request also takes `--admit-ms` from the client to the engine, and each frame
-`--deliver-ms` back. Streams are judged by the rules `bench capacity` uses
+`--deliver-ms` back. Each D's pool, and the monolith's, holds `--pool-tokens`: a
+request holds its prompt rows plus its frames from its RESERVE (the monolith: the
+forward that takes it) to its last frame, and one that does not fit is refused, as
+the engines answer `no_capacity` (an error: the level fails). Refusals are found over
+the simulated timeline afterwards: a refused request's work stays in it (latencies a
+little pessimistic there), and 1PnD charges each request to the D the model sends it
+to at commit. Streams are judged by the rules `bench capacity` uses
 (engine/playback.py, capacity.summarize_level and summarize_run), levels swept as
 `bench compare` sweeps them (`--repeat` runs, seed + run; stop at the first failure).
 
@@ -45,6 +51,7 @@ cost: what-ifs (0.5 = an fp8 KV cache's bytes; 0.8 = a P 25% faster), never resu
 
 from __future__ import annotations
 
+import heapq
 import json
 import sys
 from collections import deque
@@ -105,6 +112,8 @@ class PlanConfig(BaseModel):
                                  "--cache-tokens > 0; runs before 2026-11-30's 4ac169e had none)")
     max_batch_rows: int = Field(8192, gt=0, description="P's and the prefill-first monolith's rows per forward")
     max_batch_prompts: int = Field(16, gt=0, description="P's prompts per forward")
+    pool_tokens: int = Field(400000, gt=0, description="each D's KV pool, and the monolith's, in tokens (the "
+                             "device harness's --pool-tokens): a request holds prompt rows + frames")
     admit_ms: float = Field(5.0, ge=0, description="client send -> engine admission (the waterfalls' p50 sum)")
     reserve_ms: float = Field(6.5, ge=0, description="P's reserve stage per request (compare's P reserve ms)")
     handoff_ms: float = Field(10.0, ge=0, description="P forward end -> D commit (write, checksum, COMMIT)")
@@ -270,6 +279,7 @@ class Request:
     reference_rows: int       # a warm voice's leading rows (the cacheable part)
     times: list[float] = field(default_factory=list)  # frame arrival times at the client
     stamps: dict[str, float] = field(default_factory=dict)  # the engines' stage stamps (s), as they name them
+    refused: bool = False     # its pool could not hold it (the engines' no_capacity)
 
     @property
     def rows(self) -> int:
@@ -309,6 +319,23 @@ def _take_rows(queue: deque[Request], max_rows: int) -> list[Request]:
 
 def _stream_frames(r: Request, frame_end: float, costs: Costs) -> None:
     r.times.append(frame_end + costs.deliver_s)
+
+
+def refuse_beyond_pool(requests: Sequence[Request], pool_tokens: int, held_from: str, costs: Costs) -> None:
+    """Marks `refused` the requests one pool could not hold: each holds rows + frames
+    tokens from its `held_from` stamp to its last frame, in the order they ask."""
+    held: list[tuple[float, int]] = []  # (release time, tokens), a heap
+    used = 0
+    for r in sorted(requests, key=lambda x: x.stamps[held_from]):
+        at = r.stamps[held_from]
+        while held and held[0][0] <= at:
+            used -= heapq.heappop(held)[1]
+        need = r.rows + r.spec.frames
+        if used + need > pool_tokens:
+            r.refused = True
+            continue
+        used += need
+        heapq.heappush(held, (max(r.times) - costs.deliver_s, need))
 
 
 # ---------------------------------------------------------------------------- 1PnD
@@ -373,6 +400,7 @@ def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanC
         load[i].append(at + r.spec.frames * costs.step.ms(counts[i] + 1, (counts[i] + 1) * r.rows) / 1e3)
     for lane in lanes:
         simulate_decode(lane, costs.step, costs, overlap=True)
+        refuse_beyond_pool([r for _, r in lane], cfg.pool_tokens, "p_reserved", costs)
 
 
 def simulate_decode(commits: list[tuple[float, Request]], step: StepCost, costs: Costs, overlap: bool) -> None:
@@ -403,6 +431,11 @@ def simulate_decode(commits: list[tuple[float, Request]], step: StepCost, costs:
 # ---------------------------------------------------------------------------- monoliths
 def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
     """prefill-first (`chunk` None) or chunked: one loop, one GPU."""
+    _loop_monolith(requests, costs, cfg, chunk)
+    refuse_beyond_pool(requests, cfg.pool_tokens, "prefill_start", costs)
+
+
+def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
     cache = PrefixCacheModel(cfg.block_tokens, cfg.monolith_cache)
     arrivals = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
@@ -522,6 +555,10 @@ def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str
             continue
         res = StreamResult(index=r.index, voice=r.spec.voice, reused=r.spec.reused, prompt_rows=r.rows,
                            frames_requested=r.spec.frames, started_s=r.arrival, send_unix_ns=0, status=200)
+        if r.refused:
+            res.status, res.error = 429, "http_429:no_capacity"
+            results.append(res)
+            continue
         arrivals = np.sort(np.asarray(r.times)) - r.arrival
         if len(arrivals) != r.spec.frames:
             raise AssertionError(f"request {r.index}: {len(arrivals)} frames simulated, {r.spec.frames} asked")
@@ -615,6 +652,7 @@ COLUMNS = [
     report.Column("rate", "rate/s", "{:g}"),
     report.Column("repeat", "run"),
     report.Column("streams", "streams"),
+    report.Column("errors", "errors"),
     report.Column("stutter_share", "stutter", "{:.1%}"),
     report.Column("min_rate", "min fps", "{:.1f}"),
     report.Column("worst_window", "worst 1s", "{:.0f}"),

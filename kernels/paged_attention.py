@@ -19,8 +19,14 @@ captured CUDA graph stays valid while contexts grow. Each split writes its parti
 output and log-sum-exp; a second kernel merges them (skipped when n_splits == 1).
 
 Half precision only (bf16/fp16 queries; the pool in the query's dtype or fp8 e4m3,
-kernels/kv_dtype.py, whose elements are widened to the query's dtype on load), float32
-accumulation; the torch reference covers every dtype and is what CPU runs.
+kernels/kv_dtype.py), float32 accumulation; the torch reference covers every dtype and
+is what CPU runs. The dots run in `compute_dtype`: the query's, or fp16 for an fp8 pool,
+because e4m3 -> fp16 is one native conversion per pair of elements on the GPUs that
+have fp8 while e4m3 -> bf16 is a sequence of integer ops: widening to bf16 made the
+fp8 kernel as slow as the bf16 one at half the bytes (bench/results/
+step-20261130-h200x2-kv-fp8.md). Both widenings are exact (every e4m3 value is an fp16
+value), and so is a bf16 query's move to fp16 while |q| < 65504 (a normed, roped query
+is far below that).
 """
 
 from __future__ import annotations
@@ -130,6 +136,11 @@ def choose_splits(batch: int, n_kv_heads: int, sm_count: int, max_context: int) 
     return int(max(1, min(want, MAX_SPLITS, tiles)))
 
 
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
+    """The dtype a kernel's dots take their operands in (see the module docstring)."""
+    return tl.float16 if kv_dtype == FP8_KV or q_dtype == torch.float16 else tl.bfloat16
+
+
 def reference_decode_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -176,7 +187,7 @@ if triton is not None:
         n_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
-        HEAD_MAJOR: tl.constexpr,
+        HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr,
     ):
         if HEAD_MAJOR:
             hkv = tl.program_id(0)
@@ -200,7 +211,7 @@ if triton is not None:
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=g_mask[:, None],
             other=0.0,
-        )
+        ).to(WIDE)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
@@ -214,8 +225,7 @@ if triton is not None:
                 mask=n_mask[:, None],
                 other=0.0,
             )
-            # an fp8 pool's elements are widened to q's dtype (exact), then the same dot
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
+            qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -226,7 +236,7 @@ if triton is not None:
                 mask=n_mask[:, None],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
             m_i = m_new
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.
@@ -347,7 +357,7 @@ def paged_decode_attention(
         n_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
-        HEAD_MAJOR=head_major,
+        HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:

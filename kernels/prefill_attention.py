@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pdunit.kernels.kv_dtype import FP8_KV
-from pdunit.kernels.paged_attention import HALF_DTYPES, INTERPRET, build_slot_table
+from pdunit.kernels.paged_attention import HALF_DTYPES, INTERPRET, build_slot_table, compute_dtype
 
 try:
     import triton
@@ -141,7 +141,7 @@ if triton is not None:
         stride_tb,
         scale_log2e,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
     ):
         # Tile row r is query head hk * GROUP + r % GROUP at new row p0 + r // GROUP: the
         # GROUP query heads that share kv head hk ride in one tile, so each K/V tile is
@@ -166,7 +166,7 @@ if triton is not None:
                 Q + (q_start + p)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=r_mask[:, None],
                 other=0.0,
-            )
+            ).to(WIDE)  # the dots' dtype: paged_attention.compute_dtype
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -183,21 +183,20 @@ if triton is not None:
             for n0 in range(0, open_end, BLOCK_N):
                 slots = tl.load(row_table + n0 + offs_n).to(tl.int64)
                 k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :])
-                # an fp8 pool's elements are widened to q's dtype (exact), then the same dots
-                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+                qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
                 pr = tl.exp2(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(pr, 1)
                 v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :])
-                acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
+                acc = acc * alpha[:, None] + tl.dot(pr.to(WIDE), v.to(WIDE))
                 m_i = m_new
             for n0 in range(open_end, kv_end, BLOCK_N):
                 offs = n0 + offs_n
                 n_mask = offs < kv_end
                 slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+                qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e
                 qk = tl.where(n_mask[None, :] & (offs[None, :] <= pos[:, None]), qk, float("-inf"))
                 # Each row sees entry `first` or an earlier one by the time this loop ends
                 # its first tile (entry 0 if open_end is 0), so m_new is finite from here on.
@@ -206,7 +205,7 @@ if triton is not None:
                 pr = tl.exp2(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(pr, 1)
                 v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
+                acc = acc * alpha[:, None] + tl.dot(pr.to(WIDE), v.to(WIDE))
                 m_i = m_new
             o = acc / l_i[:, None]
             tl.store(
@@ -270,6 +269,7 @@ def paged_prefill_attention(
         table.stride(0),
         scale * 1.4426950408889634,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+        WIDE=compute_dtype(q.dtype, kv_layer.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

@@ -223,3 +223,21 @@ def test_an_eager_forward_costs_at_least_its_launches():
     assert (fit.base_ms, fit.per_row_ms) == pytest.approx((2.0, 0.01), rel=1e-6)
     assert fit.ms([(300, 0)]) == 16.0 and fit.ms([(4000, 0)]) == pytest.approx(42.0)
     assert fit.scaled(0.5).ms([(300, 0)]) == 8.0
+
+
+@pytest.mark.parametrize("variant", ["1p1d", "monolith"])
+def test_a_request_the_pool_cannot_hold_is_refused_until_a_stream_ends(tmp_path, variant):
+    """Pool of 2500 tokens: the first stream holds 1000 + 200; a clump of 1000-row
+    prompts then fits once (2400 held), the rest are refused as the engines refuse
+    them (no_capacity), and a request after every stream ended fits again."""
+    cfg = config(tmp_path, pool_tokens=2500)
+    reqs = [request(0, 0.0, frames=200), *[request(i, 0.5, frames=200) for i in range(1, 4)],
+            request(4, 30.0, frames=200)]
+    if variant == "1p1d":
+        plan.simulate_pd(reqs, costs(), 1, cfg)
+    else:
+        plan.simulate_monolith(reqs, costs(), cfg, chunk=None)
+    assert [r.refused for r in reqs] == [False, False, True, True, False]
+    cap = plan.capacity_config(cfg, plan.Variant("x", 1), [1.0]).model_copy(update={"warmup": 0.0})
+    row = plan.judge(reqs, cap, 1.0)
+    assert row["errors"] == 2 and row["error_kinds"] == {"http_429:no_capacity": 2} and not row["passed"]
