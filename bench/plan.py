@@ -46,7 +46,9 @@ engine's threads, transfer and compute sharing a GPU, the LB's own work) is why 
 prediction is checked against a measured run: `--measured` takes a `bench compare`
 JSON of the same workload and tabulates its levels beside the prediction's.
 `--kv-scale` and `--prefill-scale` multiply the per-token step cost and the prefill
-cost: what-ifs (0.5 = an fp8 KV cache's bytes; 0.8 = a P 25% faster), never results.
+cost: what-ifs (0.8 = a P 25% faster), never results. An fp8 KV cache needs no
+what-if: give `--step` a `bench step --kv-cache-dtype fp8_e4m3` result (and
+`--pool-tokens` the tokens its pool holds).
 """
 
 from __future__ import annotations

@@ -13,37 +13,42 @@ RES=/tmp/res; mkdir -p "$RES"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/env.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$RES/env.txt" 2>&1
 CAP="--model random:qwen3-4b-shape:0 --device cuda --transfer ipc --pool-tokens 400000 --cache-tokens 60000 --ready-timeout-s 240"
+# runs a command with its output also appended to LOG; its exit status is the command's
+logged() { local log=$1; shift; "$@" 2>&1 | tee -a "$log"; return "${PIPESTATUS[0]}"; }
 run_step() {
   local step=${1%%:*} secs=${1#*:}; [ "$secs" = "$1" ] && secs=300
-  local dir="$RES/$step"; mkdir -p "$dir"; local t0=$SECONDS rc
+  local dir="$RES/$step"; mkdir -p "$dir"; local t0=$SECONDS rc=0
   echo "### $step (limit ${secs}s)"
   case $step in
-    gpu-tests) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-        ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} 2>&1 | tee "$dir/pytest.txt" ;;
-    compare) timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
-        --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} 2>&1 | tee "$dir/compare.log"
+    gpu-tests) logged "$dir/pytest.txt" timeout "$secs" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+        ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} || rc=$? ;;
+    compare) logged "$dir/compare.log" timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
+        --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} || rc=$?
       # an engine's --sample-stacks file written there (e.g. --prefill-args=--sample-stacks=/tmp/res/compare/p.folded)
-      for f in "$dir"/*.folded; do [ -f "$f" ] && python3 -m pdunit.bench.stacks --file "$f" --out "${f%.folded}.md" > /dev/null; done ;;
+      for f in "$dir"/*.folded; do
+        if [ -f "$f" ]; then python3 -m pdunit.bench.stacks --file "$f" --out "${f%.folded}.md" > /dev/null; fi
+      done ;;
     faults)
       stem=${FAULTS_STEM:-faults-gpu}
-      timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy \
+      logged "$dir/faults.log" timeout "$secs" python3 -m pdunit.bench.faults --isolate --device cuda --transfer proxy \
         --kinds "${FAULTS_KINDS:-corrupt,slow,p_stop,lb_stop,p_kill,held_exit,proxy_stop}" \
         --transfers 2000 --faults 50 --max-seconds $((secs * 2 / 3)) --run-dir /tmp/units-faults/unit \
-        --out "$dir/faults.json" --results "$stem" 2>&1 | tee "$dir/faults.log"
+        --out "$dir/faults.json" --results "$stem" || rc=$?
       cp bench/results/"$stem".* "$dir/" 2>/dev/null ;;
     step) # runs separated by ';' (e.g. one per --kv-cache-dtype, each with its own --machine-tag), one after another
       IFS=';' read -ra runs <<< "${STEP_ARGS:---batches 64,128 --contexts 2048 --iters 10 --warmup 2}"
       for a in "${runs[@]}"; do
-        timeout $((secs / ${#runs[@]})) python3 -m pdunit.bench.step $a --out "$dir" 2>&1 | tee -a "$dir/step.log"
+        logged "$dir/step.log" timeout $((secs / ${#runs[@]})) python3 -m pdunit.bench.step $a --out "$dir" || rc=$?
       done ;;
-    prefill) timeout "$secs" python3 -m pdunit.bench.prefill ${PREFILL_ARGS:---profile} --out "$dir" 2>&1 | tee "$dir/prefill.log" ;;
-    attention) timeout "$secs" python3 -m pdunit.bench.attention ${ATTENTION_ARGS:-} --out "$dir" 2>&1 | tee "$dir/attention.log" ;;
-    transfer) timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} 2>&1 | tee "$dir/transfer.log" ;;
-    mooncake) python3 -m pip install -q --no-index --no-deps --target /tmp/mc .out/mooncake-whl/*.whl && \
-      PYTHONPATH=/tmp/mc${PYTHONPATH:+:$PYTHONPATH} timeout "$secs" python3 bench/mooncake_probe.py --out "$dir/mooncake.json" 2>&1 | tee "$dir/mooncake.log" ;;
-    *) echo "unknown step $step" ;;
+    prefill) logged "$dir/prefill.log" timeout "$secs" python3 -m pdunit.bench.prefill ${PREFILL_ARGS:---profile} --out "$dir" || rc=$? ;;
+    attention) logged "$dir/attention.log" timeout "$secs" python3 -m pdunit.bench.attention ${ATTENTION_ARGS:-} --out "$dir" || rc=$? ;;
+    transfer) logged "$dir/transfer.log" timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} || rc=$? ;;
+    mooncake) if python3 -m pip install -q --no-index --no-deps --target /tmp/mc .out/mooncake-whl/*.whl; then
+        PYTHONPATH=/tmp/mc${PYTHONPATH:+:$PYTHONPATH} logged "$dir/mooncake.log" timeout "$secs" \
+          python3 bench/mooncake_probe.py --out "$dir/mooncake.json" || rc=$?
+      else rc=$?; fi ;;
+    *) echo "unknown step $step"; rc=2 ;;
   esac
-  rc=${PIPESTATUS[0]}
   # every unit's process logs, bounded: what went wrong
   for f in /tmp/units*/*/logs/*.log /tmp/pdw/*/*.log; do [ -f "$f" ] && { echo "=== $f"; tail -c 5000 "$f"; }; done > "$dir/process_logs.txt" 2>&1
   rm -rf /tmp/units*/*/logs
