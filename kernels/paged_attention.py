@@ -60,17 +60,23 @@ MAX_SPLITS = 64
 # layer, launches back to back): 0.141 ms = 3.81 TB/s of K/V against a 4.22 TB/s copy;
 # bench/results/step-20261129-h200.json lists every candidate's time.
 DECODE_CONFIG: dict[str, int] = {
-    "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4,
+    "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
 }
+# `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
+# dots' first operand, which Hopper's tensor cores take from registers (the second must
+# sit in shared memory: a tile widened in registers goes back there before each dot);
+# 0 the plain S = Q K^T, O = P V; -1 picks 1 for an fp8 pool, 0 otherwise.
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
 DECODE_CANDIDATES: list[dict[str, int]] = [
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 4},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 8},
-    {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": 1, "programs_per_sm": 8},
-    {"block_n": 128, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 4},
-    {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 1, "programs_per_sm": 8},
-    {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 8},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 4, "kv_as_a": -1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 128, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 4, "kv_as_a": -1},
+    {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
 ]
 
 
@@ -187,7 +193,7 @@ if triton is not None:
         n_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
-        HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr,
+        HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr,
     ):
         if HEAD_MAJOR:
             hkv = tl.program_id(0)
@@ -214,30 +220,57 @@ if triton is not None:
         ).to(WIDE)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
         row_table = Table + b.to(tl.int64) * stride_tb
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + offs_n
-            n_mask = offs < end
-            slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(
-                K + slots[:, None] * stride_ks + hkv * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None],
-                other=0.0,
-            )
-            qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V + slots[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
-                mask=n_mask[:, None],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
-            m_i = m_new
+        if KV_AS_A:  # transposed: K and V^T are the dots' first operands (DECODE_CONFIG)
+            q_t = tl.trans(q)  # [HEAD_DIM, BLOCK_G]
+            acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                offs = n0 + offs_n
+                n_mask = offs < end
+                slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(
+                    K + slots[:, None] * stride_ks + hkv * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None],
+                    other=0.0,
+                )
+                s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e  # [BLOCK_N, BLOCK_G] fp32
+                s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s_t, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p_t = tl.exp2(s_t - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p_t, 0)
+                v_t = tl.load(  # [HEAD_DIM, BLOCK_N]: V's rows as columns
+                    V + slots[None, :] * stride_vs + hkv * stride_vh + offs_d[:, None],
+                    mask=n_mask[None, :],
+                    other=0.0,
+                )
+                acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
+                m_i = m_new
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                offs = n0 + offs_n
+                n_mask = offs < end
+                slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(
+                    K + slots[:, None] * stride_ks + hkv * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None],
+                    other=0.0,
+                )
+                qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
+                qk = tl.where(n_mask[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    V + slots[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None],
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
+                m_i = m_new
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -346,6 +379,7 @@ def paged_decode_attention(
     else:
         part_o = part_lse = out  # unused
     head_major = bool(DECODE_CONFIG["head_major"])
+    kv_as_a = DECODE_CONFIG["kv_as_a"]
     grid = (hkv, b, n_splits) if head_major else (b, hkv, n_splits)
     _decode_split_kernel[grid](
         q, k, v, table, lengths, out, part_o, part_lse,
@@ -358,6 +392,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
         HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
+        KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV),
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:

@@ -101,7 +101,9 @@ INTERPRETED_CHECK = textwrap.dedent(
     import numpy as np, torch
     torch.set_num_threads(1)
     from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
-    from pdunit.kernels.paged_attention import build_slot_table, paged_decode_attention, reference_decode_attention
+    from pdunit.kernels.paged_attention import (
+        DECODE_CONFIG, build_slot_table, paged_decode_attention, reference_decode_attention)
+    DECODE_CONFIG["kv_as_a"] = KV_AS_A
     rng = np.random.default_rng(7)
     torch.manual_seed(7)
     worst = 0.0
@@ -122,13 +124,16 @@ INTERPRETED_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("kv_as_a", [0, 1])
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
-def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path, kv_cache_dtype) -> None:
+def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(
+    tmp_path: Path, kv_cache_dtype, kv_as_a
+) -> None:
     """The same kernel source, run by Triton's interpreter on CPU tensors (fp16: the
-    interpreter's bf16 dot is wrong), the reference on the same pool (fp8: widened).
-    Runs from tmp_path: the repo root would shadow the stdlib `operator` module with
-    the operator/ folder."""
-    script = f"KV_CACHE_DTYPE = {kv_cache_dtype!r}\n" + INTERPRETED_CHECK
+    interpreter's bf16 dot is wrong), the reference on the same pool (fp8: widened),
+    in both operand orders (DECODE_CONFIG's kv_as_a). Runs from tmp_path: the repo
+    root would shadow the stdlib `operator` module with the operator/ folder."""
+    script = f"KV_CACHE_DTYPE = {kv_cache_dtype!r}\nKV_AS_A = {kv_as_a}\n" + INTERPRETED_CHECK
     run_interpreted(inspect.getsource(paging_module) + script, tmp_path)
 
 
@@ -284,9 +289,11 @@ def test_sdpa_reference_and_kernel_reference_agree_on_gqa_grouping() -> None:
 
 
 @gpu
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("candidate", range(len(DECODE_CANDIDATES)))
-def test_every_tunable_launch_configuration_computes_the_same_attention(candidate) -> None:
-    """`pdunit bench step --tune` may apply any of these: each must be correct."""
+def test_every_tunable_launch_configuration_computes_the_same_attention(candidate, kv_cache_dtype) -> None:
+    """`pdunit bench step --tune` may apply any of these, to either pool: each must be
+    correct."""
     from pdunit.kernels import paged_attention as pa
 
     saved = dict(pa.DECODE_CONFIG)
@@ -296,7 +303,7 @@ def test_every_tunable_launch_configuration_computes_the_same_attention(candidat
         rng = np.random.default_rng(candidate)
         lengths = [1, 130, 2048, 77, 1000, 64]
         ctx = paged_slots(lengths, 16, 16384, rng)
-        kv = torch.randn(2, 16384, 8, 128, device=dev).bfloat16()
+        kv = to_kv(torch.randn(2, 16384, 8, 128, device=dev), kv_storage_dtype(kv_cache_dtype, torch.bfloat16))
         table, lens = build_slot_table(ctx)
         table, lens = table.to(dev), lens.to(dev)
         q = torch.randn(len(lengths), 32, 128, device=dev).bfloat16()
