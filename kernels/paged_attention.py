@@ -65,7 +65,9 @@ DECODE_CONFIG: dict[str, int] = {
 # `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
 # dots' first operand, which Hopper's tensor cores take from registers (the second must
 # sit in shared memory: a tile widened in registers goes back there before each dot);
-# 0 the plain S = Q K^T, O = P V; -1 picks 1 for an fp8 pool, 0 otherwise.
+# 0 the plain S = Q K^T, O = P V; -1 picks 1 for an fp8 pool, 0 otherwise, as `--tune`
+# found on one H200 (bench/results/step-20261130-h200-kv-fp8-kva.md: fp8 2.33 against
+# 2.09 TB/s, bf16 3.54 against 3.91).
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
 DECODE_CANDIDATES: list[dict[str, int]] = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
