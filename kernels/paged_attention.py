@@ -61,7 +61,6 @@ MAX_SPLITS = 64
 # bench/results/step-20261129-h200.json lists every candidate's time.
 DECODE_CONFIG: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
-    "bit_widen": 0,
 }
 # `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
 # dots' first operand, which Hopper's tensor cores take from registers (the second must
@@ -69,23 +68,17 @@ DECODE_CONFIG: dict[str, int] = {
 # 0 the plain S = Q K^T, O = P V; -1 picks 1 for an fp8 pool, 0 otherwise, as `--tune`
 # found on one H200 (bench/results/step-20261130-h200-kv-fp8-kva.md: fp8 2.33 against
 # 2.09 TB/s, bf16 3.54 against 3.91).
-# `bit_widen` (fp8 pools only): widen e4m3 to fp16 by moving bits (`_widen`) instead of
-# the conversion instruction.
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
-_C = {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4}
 DECODE_CANDIDATES: list[dict[str, int]] = [
-    {**_C, "kv_as_a": 0, "bit_widen": 0},
-    {**_C, "kv_as_a": 1, "bit_widen": 0},
-    {**_C, "kv_as_a": 1, "bit_widen": 1},
-    {**_C, "kv_as_a": 0, "bit_widen": 1},
-    {**_C, "block_n": 128, "kv_as_a": 1, "bit_widen": 1},
-    {**_C, "block_n": 128, "kv_as_a": 1, "bit_widen": 0},
-    {**_C, "head_major": 1, "kv_as_a": -1, "bit_widen": 0},
-    {**_C, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1, "bit_widen": 0},
-    {**_C, "head_major": 1, "programs_per_sm": 8, "num_stages": 2, "kv_as_a": -1, "bit_widen": 0},
-    {**_C, "head_major": 1, "block_n": 128, "num_warps": 8, "kv_as_a": -1, "bit_widen": 0},
-    {**_C, "head_major": 1, "programs_per_sm": 8, "block_n": 32, "num_stages": 4, "kv_as_a": -1, "bit_widen": 0},
-    {**_C, "head_major": 1, "programs_per_sm": 8, "num_warps": 8, "kv_as_a": -1, "bit_widen": 0},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 4, "kv_as_a": -1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 128, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 4, "kv_as_a": -1},
+    {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
+    {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
 ]
 
 
@@ -192,19 +185,6 @@ def reference_decode_attention(
 if triton is not None:
 
     @triton.jit
-    def _widen(x, WIDE: tl.constexpr, BITS: tl.constexpr):
-        # BITS (an fp8 pool): e4m3 -> fp16 by moving bits, integer ops on packed bytes
-        # instead of a conversion instruction per pair: the sign to bit 15, exponent and
-        # mantissa below it. fp16's exponent bias is 8 above e4m3's, so the result is the
-        # value * 2**-8, exactly (subnormals included); the caller scales back by 2**8.
-        # (The byte 0x7F, e4m3's NaN, reads as 480: the store never writes NaN from finite rows.)
-        if BITS:
-            u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-            return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
-        else:
-            return x.to(WIDE)
-
-    @triton.jit
     def _decode_split_kernel(
         Q, K, V, Table, Lens, Out, PartO, PartLse,
         stride_qb, stride_qh,
@@ -216,7 +196,6 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
         HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr,
-        BITS: tl.constexpr,
     ):
         if HEAD_MAJOR:
             hkv = tl.program_id(0)
@@ -256,7 +235,7 @@ if triton is not None:
                     mask=n_mask[:, None],
                     other=0.0,
                 )
-                s_t = tl.dot(_widen(k, WIDE, BITS), q_t) * scale_log2e  # [BLOCK_N, BLOCK_G] fp32
+                s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e  # [BLOCK_N, BLOCK_G] fp32
                 s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s_t, 0))
                 alpha = tl.exp2(m_i - m_new)
@@ -267,7 +246,7 @@ if triton is not None:
                     mask=n_mask[None, :],
                     other=0.0,
                 )
-                acc_t = acc_t * alpha[None, :] + tl.dot(_widen(v_t, WIDE, BITS), p_t.to(WIDE))
+                acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
                 m_i = m_new
             acc = tl.trans(acc_t)
         else:
@@ -281,7 +260,7 @@ if triton is not None:
                     mask=n_mask[:, None],
                     other=0.0,
                 )
-                qk = tl.dot(q, tl.trans(_widen(k, WIDE, BITS))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
+                qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
                 qk = tl.where(n_mask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -292,13 +271,11 @@ if triton is not None:
                     mask=n_mask[:, None],
                     other=0.0,
                 )
-                acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), _widen(v, WIDE, BITS))
+                acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
                 m_i = m_new
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-        if BITS:  # V was read at 2**-8 of its value (`_widen`)
-            acc = acc * 256.0
         o = acc / safe_l[:, None]
         if DIRECT:  # one split: the normalised output is final
             tl.store(
@@ -405,9 +382,6 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     head_major = bool(DECODE_CONFIG["head_major"])
     kv_as_a = DECODE_CONFIG["kv_as_a"]
-    bits = bool(DECODE_CONFIG["bit_widen"]) and kv_layer.dtype == FP8_KV
-    if bits:  # K is read at 2**-8 of its value (`_widen`): the scores scale back here
-        scale *= 256.0
     grid = (hkv, b, n_splits) if head_major else (b, hkv, n_splits)
     _decode_split_kernel[grid](
         q, k, v, table, lengths, out, part_o, part_lse,
@@ -420,7 +394,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
         HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
-        KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV), BITS=bits,
+        KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV),
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:

@@ -189,38 +189,6 @@ def test_fp8_pool_decode_stays_within_e4m3_rounding_of_the_model_dtype_pool_inte
     assert "relative error" in out, out
 
 
-BIT_WIDEN_CHECK = textwrap.dedent(
-    """
-    import numpy as np, torch
-    torch.set_num_threads(1)
-    from pdunit.kernels.paged_attention import DECODE_CONFIG, build_slot_table, paged_decode_attention
-    rng = np.random.default_rng(11)
-    # every finite e4m3 byte (0x7F and 0xFF are NaN), subnormals and +-448 included
-    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)
-    pool = torch.from_numpy(rng.choice(finite, size=(2, 512, 2, 32))).view(torch.float8_e4m3fn)
-    ctx = paged_slots([1, 70, 300], 4, 512, rng)
-    table, lens = build_slot_table(ctx)
-    q = (torch.randn(3, 4, 32) * 0.05).half()
-    for kv_as_a in (0, 1):
-        outs = []
-        for bits in (0, 1):
-            DECODE_CONFIG.update(kv_as_a=kv_as_a, bit_widen=bits)
-            outs.append(paged_decode_attention(q, pool, table, lens, 2))
-        assert torch.isfinite(outs[0]).all()
-        assert torch.equal(outs[0], outs[1]), float((outs[0] - outs[1]).abs().max())
-    print("ok")
-    """
-)
-
-
-def test_bit_widening_an_fp8_pool_gives_the_conversions_result_bit_for_bit_interpreted(tmp_path: Path) -> None:
-    """`bit_widen` reads every e4m3 byte as fp16 at 2**-8 of its value and scales the
-    scores and the output back by powers of two: the output must equal the conversion
-    instruction's, to the bit, in both operand orders."""
-    out = run_interpreted(inspect.getsource(paging_module) + BIT_WIDEN_CHECK, tmp_path)
-    assert out.strip().endswith("ok"), out
-
-
 @gpu
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
