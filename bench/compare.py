@@ -90,6 +90,8 @@ class CompareConfig(BaseModel):
     prefill_args: str = Field("", description="more flags for every variant's P (1p1d, 1p2d), e.g. "
                               "'--max-batch-rows=2048'; checked against P's flags before anything starts")
     monolith_args: str = Field("", description="more flags for every monolith variant, checked likewise")
+    decode_args: str = Field("", description="more flags for every variant's D, checked likewise, e.g. "
+                             "'--pool-tokens=0' (D's pool sized to its GPU)")
     variant_args: str = Field("", description="flags of the labelled copies in --variants, 'LABEL=FLAGS;...': "
                               "`--variants 1p1d,1p1d+b2048 --variant-args 'b2048=--max-batch-rows=2048'` runs 1P1D "
                               "twice in one run, the copy's P with those flags (a monolith copy's monolith), after "
@@ -119,16 +121,18 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
     def device(offset: int) -> str:
         return f"{cfg.device}:{cfg.gpu_base + offset}"
 
+    first = device(0) if gpu else "cpu"
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
                 prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs, kv_cache_dtype=cfg.kv_cache_dtype,
-                log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=device(0) if gpu else "cpu")
+                log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=first)
     labels = variant_labels(cfg)
+    decode_args = checked_argv(cfg.decode_args, "--decode-args", "D", first)
     out: list[Unit] = []
     for spec in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
         family, label = split_variant(spec)
         suffix = f"+{label}" if label else ""
-        args = engine_argv(cfg, family, label, labels)
-        pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args)
+        args = engine_argv(cfg, family, label, labels, first)
+        pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args, extra_decode_args=list(decode_args))
         mono = dict(base, mode="monolith", extra_monolith_args=args)
         name = family + suffix  # the spec without stray spaces: results are keyed by it
         if family == "1p1d":
@@ -185,28 +189,34 @@ def variant_labels(cfg: CompareConfig) -> dict[str, str]:
     return labels
 
 
-def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, str]) -> list[str]:
+def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, str], device: str) -> list[str]:
     """The extra flags of a variant's prefilling engine (P, or the monolith):
     --prefill-args or --monolith-args, then its label's. Each set is parsed by that
     engine's own config first, so a misspelt flag or a bad value stops the run here,
     named, not as a unit that fails to start minutes later."""
-    from pdunit.engine.monolith.main import MonolithConfig
-    from pdunit.engine.prefill.main import PrefillConfig
-
     monolith = family.startswith("monolith")
-    config: type[BaseModel] = MonolithConfig if monolith else PrefillConfig
     field = "--monolith-args" if monolith else "--prefill-args"
     sources = [(field, getattr(cfg, field[2:].replace("-", "_")))]
     if label:
         sources.append((f"--variant-args {label}", labels[label]))
-    argv: list[str] = []
-    for source, text in sources:
-        try:
-            parse_config(config, shlex.split(text), f"pdunit bench compare {source}", env={})
-        except SystemExit as exc:  # ConfigError or argparse's (an unknown flag); the message is printed
-            raise SystemExit(f"pdunit bench compare: {source} {text!r} is not a valid set of flags for "
-                             f"{'the monolith' if monolith else 'P'}") from exc
-        argv += shlex.split(text)
+    return [a for source, text in sources
+            for a in checked_argv(text, source, "monolith" if monolith else "P", device)]
+
+
+def checked_argv(text: str, source: str, engine: str, device: str) -> list[str]:
+    """`text` split into flags, once `engine`'s (P, D or monolith) own config accepts
+    them on `device`."""
+    from pdunit.engine.decode.main import DecodeConfig
+    from pdunit.engine.monolith.main import MonolithConfig
+    from pdunit.engine.prefill.main import PrefillConfig
+
+    config: type[BaseModel] = {"P": PrefillConfig, "D": DecodeConfig, "monolith": MonolithConfig}[engine]
+    argv = shlex.split(text)
+    try:
+        parse_config(config, ["--device", device, *argv], f"pdunit bench compare {source}", env={})
+    except SystemExit as exc:  # ConfigError or argparse's (an unknown flag); the message is printed
+        raise SystemExit(f"pdunit bench compare: {source} {text!r} is not a valid set of flags for "
+                         f"{'the monolith' if engine == 'monolith' else engine}") from exc
     return argv
 
 

@@ -6,7 +6,8 @@ import asyncio
 import sys
 from typing import Literal
 
-from pydantic import Field
+import torch
+from pydantic import Field, ValidationInfo, field_validator
 
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setup, serve_debug
@@ -35,7 +36,10 @@ class DecodeConfig(StackSamplingFields):
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = kv_cache_dtype_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
-    pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
+    pool_tokens: int = Field(65536, ge=0, description="token rows in the KV pool; 0 sizes the pool to the "
+                             "device: its free memory once the model is loaded, less --pool-reserve-gib (CUDA only)")
+    pool_reserve_gib: float = Field(8.0, ge=0, description="--pool-tokens 0: device memory kept out of the pool, "
+                                    "for the decode CUDA graphs, activations and the allocator's scratch")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(256, gt=0, description="streams per decode step")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode steps (GPU path only)")
@@ -56,6 +60,30 @@ class DecodeConfig(StackSamplingFields):
                                  "handler waits for the step-loop thread (Python's default is 5)")
     log_level: str = Field("info", description="log level")
 
+    @field_validator("pool_tokens")
+    @classmethod
+    def _pool_needs_a_gpu_to_size_itself(cls, v: int, info: ValidationInfo) -> int:
+        device = str(info.data.get("device", ""))
+        if v == 0 and not device.startswith("cuda"):
+            raise ValueError(f"0 sizes the pool to a CUDA device's free memory, and device {device!r} is "
+                             "not one: give the pool's token count")
+        return v
+
+
+def pool_pages(cfg: DecodeConfig, bytes_per_token: int, free_bytes: int) -> int:
+    """The pool's pages: `--pool-tokens` of them, or with 0 as many as `free_bytes` of
+    device memory hold once `--pool-reserve-gib` is left out. Raises ValueError naming
+    the flags when nothing is left for a pool."""
+    if cfg.pool_tokens:
+        return cfg.pool_tokens // cfg.page_size
+    usable = free_bytes - int(cfg.pool_reserve_gib * 2**30)
+    pages = usable // (bytes_per_token * cfg.page_size)
+    if pages < 1:
+        raise ValueError(f"--pool-tokens 0: {free_bytes / 2**30:.1f} GiB free on the device, less "
+                         f"--pool-reserve-gib {cfg.pool_reserve_gib}, leaves no room for a page of "
+                         f"{bytes_per_token * cfg.page_size} bytes: lower the reserve or give --pool-tokens")
+    return int(pages)
+
 
 async def serve(cfg: DecodeConfig) -> int:
     log = setup_logging("decode", cfg.log_level)
@@ -67,10 +95,15 @@ async def serve(cfg: DecodeConfig) -> int:
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "decode-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     mc = model.config
-    n_pages = cfg.pool_tokens // cfg.page_size
+    kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, model.dtype)
+    free = torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cfg.pool_tokens == 0 else 0
+    n_pages = pool_pages(cfg, mc.kv_bytes_per_token(kv_dtype), free)
+    if cfg.pool_tokens == 0:
+        log.info("pool sized to the device", extra={"free_gib": round(free / 2**30, 2), "pool_pages": n_pages,
+                                                    "pool_tokens": n_pages * cfg.page_size})
     geometry = PoolGeometry(
         n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
-        dtype=kv_storage_dtype(cfg.kv_cache_dtype, model.dtype), n_slots=n_pages * cfg.page_size, page_size=cfg.page_size,
+        dtype=kv_dtype, n_slots=n_pages * cfg.page_size, page_size=cfg.page_size,
     )
     receiver = make_receiver(cfg.transfer, geometry, cfg.device, {
         "tcp_host": cfg.tcp_host, "tcp_port": str(cfg.tcp_port), "proxy_socket": cfg.proxy_socket,

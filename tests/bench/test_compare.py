@@ -371,3 +371,16 @@ def test_stream_lengths_default_to_benchmarks_md_on_a_gpu_and_short_on_cpu():
 
     assert resolved_config(CompareConfig(device="cuda")) == {
         **CompareConfig(device="cuda").model_dump(), "frames": "105-630", "client_procs": 4}
+
+
+def test_decode_args_reach_every_d_and_are_checked_on_the_runs_device(capsys):
+    cfg = CompareConfig(variants="1p1d,1p2d,monolith-prefill-first", decode_args="--max-batch=128")
+    units = {name: unit for name, _, unit in variant_units(cfg)}
+    assert units["1p1d"].extra_decode_args == units["1p2d"].extra_decode_args == ["--max-batch=128"]
+    assert units["monolith-prefill-first"].extra_decode_args == []
+    # a pool sized to the device needs a GPU: refused here, on a cpu run, before anything starts
+    with pytest.raises(SystemExit, match="--decode-args '--pool-tokens=0' is not a valid set of flags for D"):
+        variant_units(CompareConfig(variants="1p1d", decode_args="--pool-tokens=0"))
+    assert "invalid pool_tokens (from --pool-tokens)" in capsys.readouterr().err
+    gpu = CompareConfig(variants="1p1d", device="cuda", decode_args="--pool-tokens=0")
+    assert variant_units(gpu)[0][2].extra_decode_args == ["--pool-tokens=0"]
