@@ -36,6 +36,7 @@ ANNOTATION_LB_PORT_OVERRIDE = f"{GROUP}/lb-port-override"
 FINALIZER = f"{GROUP}/drain"
 
 TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
+KvCacheDtype = Literal["auto", "fp8_e4m3"]
 Phase = Literal["Pending", "Starting", "Ready", "Draining", "Drained", "Failed"]
 Device = Literal["cuda", "cpu"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
@@ -147,6 +148,14 @@ class PDUnitSpec(_Api):
     )
     transfer: TransferMode = Field(
         default="auto", description="KV transfer mode; auto probes fabric -> proxy -> tcp."
+    )
+    # No CRD default: a defaulted new field would appear in every stored unit and set on
+    # read, change their spec and template hashes, and roll every unit on upgrade.
+    kv_cache_dtype: KvCacheDtype | None = Field(
+        default=None,
+        description="KV pool precision of prefill and every decode engine (their --kv-cache-dtype, "
+        "always the same: P refuses a D of another pool dtype): unset or auto = the model dtype; "
+        "fp8_e4m3 halves the KV bytes per token (docs/performance.md).",
     )
     lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port.")
     decoders: int = Field(

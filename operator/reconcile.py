@@ -209,6 +209,8 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
     transfer = spec["transfer"]
     socks = decode_sockets(spec)
     all_decoders = ",".join(socks)
+    kv_dtype = spec.get("kvCacheDtype") or "auto"  # one value for P and every D
+    kv_cache_flags = [] if kv_dtype == "auto" else ["--kv-cache-dtype", kv_dtype]
     if role == "lb":
         cmd = [
             "pdunit",
@@ -236,6 +238,7 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             transfer,
             "--device",
             spec["device"],
+            *kv_cache_flags,
         ]
     elif role == "decode":
         cmd = [
@@ -251,6 +254,7 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             transfer,
             "--device",
             spec["device"],
+            *kv_cache_flags,
         ]
     elif role == "proxy":
         cmd = ["pdunit", "proxy", "--socket", PROXY_SOCKET]

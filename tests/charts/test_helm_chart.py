@@ -420,6 +420,7 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("examplePDUnitSet.replicas=-1", "/examplePDUnitSet/replicas"),
         ("router.replicas=-1", "/router/replicas"),
         ("examplePDUnitSet.transfer=warp", "/examplePDUnitSet/transfer"),
+        ("examplePDUnitSet.kvCacheDtype=fp4", "/examplePDUnitSet/kvCacheDtype"),
         ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
         ("keda.targetInFlightPerUnit=0", "/keda/targetInFlightPerUnit"),
         ("operator.logLevel=loud", "/operator/logLevel"),
@@ -465,6 +466,15 @@ def test_cpu_units_need_a_host_or_tcp_transfer() -> None:
     )
     spec = one(docs, "PDUnitSet")["spec"]["template"]["spec"]
     assert (spec["device"], spec["transfer"]) == ("cpu", "host")
+
+
+def test_the_example_set_carries_kv_cache_dtype_only_when_it_is_not_auto() -> None:
+    """An upgrade that adds the key at its default must not change the set's template
+    (its hash rolls every unit)."""
+    default = one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert "kvCacheDtype" not in default
+    fp8 = one(render(["--set", "examplePDUnitSet.kvCacheDtype=fp8_e4m3"]), "PDUnitSet")
+    assert fp8["spec"]["template"]["spec"]["kvCacheDtype"] == "fp8_e4m3"
 
 
 def test_keda_max_below_min_is_refused_naming_both_fields() -> None:

@@ -289,6 +289,7 @@ def test_image_change_rolls_one_unit_at_a_time_never_below_replicas(
     ("manifest", "field", "fragment"),
     [
         (unit("bad-transfer", transfer="rdma"), "spec.transfer", "Unsupported value"),
+        (unit("bad-kv", kvCacheDtype="fp4"), "spec.kvCacheDtype", "Unsupported value"),
         (unit("bad-port", lbPort=0), "spec.lbPort", "greater than or equal to 1"),
         (unit("bad-model", model="qwen"), "spec.model", "random:<config>:<seed>"),
         (

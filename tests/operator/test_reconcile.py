@@ -255,6 +255,20 @@ def test_a_1p2d_unit_runs_two_decode_engines_each_on_its_own_gpu_and_socket() ->
     assert "/run/pdunit/decode.sock" in one["decode"]["command"]
 
 
+def test_kv_cache_dtype_reaches_prefill_and_every_decode_engine_alike() -> None:
+    """One spec field, so P and its D's cannot disagree (P would refuse the D at Hello)."""
+    by_name = {c["name"]: c for c in r.desired_pod(a_unit(decoders=2, kvCacheDtype="fp8_e4m3"))["spec"]["containers"]}
+    for name, module in (("prefill", "pdunit.engine.prefill.main"), ("decode-0", "pdunit.engine.decode.main"),
+                         ("decode-1", "pdunit.engine.decode.main")):
+        argv = by_name[name]["command"][2:]
+        cfg = parse_config(_config_model(module), argv, f"pdunit {name}", env={})
+        assert cfg.kv_cache_dtype == "fp8_e4m3", name  # type: ignore[attr-defined]
+    assert "--kv-cache-dtype" not in by_name["lb"]["command"]
+    with pytest.raises(ValidationError) as exc:
+        r.desired_pod(a_unit(kvCacheDtype="fp4"))
+    assert "spec.kvCacheDtype" in m.validation_message(exc.value)
+
+
 def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
     pod = r.desired_pod(a_unit("tts-abc12-x7"))
     assert pod["metadata"]["name"] == "tts-abc12-x7"
