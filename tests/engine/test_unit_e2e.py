@@ -214,7 +214,7 @@ def test_fp8_prefill_gemms_reach_p_and_the_monolith_and_keep_pd_equal_to_it(pd_u
 
 def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit):
     """--kv-cache-dtype fp8_e4m3 on every engine: P writes fp8 rows, they cross to D
-    (host and tcp transports, checksummed), D decodes from them, and the frames equal
+    (host, tcp and proxy transports, checksummed), D decodes from them, and the frames equal
     both monoliths' (their pools fp8 too: prefill-first, and chunked, which reads its
     earlier chunks back from the pool), and differ from the full-precision pool's."""
     fp8 = dict(SMALL, kv_cache_dtype="fp8_e4m3")
@@ -223,13 +223,17 @@ def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit):
             LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **fp8)) as chunk8:
         got, want, chunked = run_all(pd8.url), run_all(mono8.url), run_all(chunk8.url)
         info = load(pd8.url)
-    with LocalUnit(LocalConfig(mode="pd", transfer="tcp", **fp8)) as tcp8:
-        over_tcp = [stream(tcp8.url, p, **params) for p, params in REQUESTS[:2]]
+    others = {}
+    for transfer in ("tcp", "proxy"):
+        with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **fp8)) as unit:
+            others[transfer] = [stream(unit.url, p, **params) for p, params in REQUESTS[:2]]
+            assert load(unit.url)["kv_mismatch_total"] == 0
     full = run_all(pd_unit.url)
     for (frames, last), (mono_frames, mono_last), (chunk_frames, _) in zip(got, want, chunked, strict=True):
         assert last.get("done") and mono_last.get("done"), (last, mono_last)
         assert frames == mono_frames == chunk_frames
-    assert [f for f, _ in over_tcp] == [f for f, _ in got[:2]]
+    for transfer, frames in others.items():
+        assert [f for f, _ in frames] == [f for f, _ in got[:2]], transfer
     assert info["kv_checks_total"] == len(REQUESTS) and info["kv_mismatch_total"] == 0
     assert [f for f, _ in got] != [f for f, _ in full]
 
