@@ -41,7 +41,7 @@ from pdunit.bench.capacity import (
 )
 from pdunit.bench.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
-from pdunit.engine.settings import parse_config, to_argv
+from pdunit.engine.settings import KvCacheDtype, parse_config, to_argv
 
 BENCH = "capacity"
 
@@ -82,7 +82,7 @@ class CompareConfig(BaseModel):
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description="KV pool precision of every variant's "
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV pool precision of every variant's "
                                                        "engines (their --kv-cache-dtype)")
     prefill_graphs: bool | None = Field(None, description="every variant's P or monolith replays prefill CUDA "
                                         "graphs (--prefill-graphs; default: the engines' own, on where the model takes the GPU path; "

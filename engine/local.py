@@ -26,7 +26,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
-from pdunit.engine.settings import decode_names, parse_config
+from pdunit.engine.settings import KvCacheDtype, decode_names, parse_config
 
 log = logging.getLogger("pdunit.local")
 
@@ -52,7 +52,7 @@ class LocalConfig(BaseModel):
     device: str = Field("cpu", description="torch device (cpu for the local unit)")
     dtype: str | None = Field(None, description="compute/KV dtype of every engine (default: the model config's; "
                               "bfloat16 puts tiny on the GPU path)")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description="KV pool precision of every engine "
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV pool precision of every engine "
                                                        "(their --kv-cache-dtype)")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of P's and the monolith's "
                                                  "forwards with prompt rows (their --prefill-gemm)")

@@ -141,6 +141,9 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
     return str(value)
 
 
+KvCacheDtype = Literal["auto", "fp8_e4m3"]  # kernels/kv_dtype.py says what each means
+
+
 def kv_cache_dtype_field() -> Any:
     """`--kv-cache-dtype`, one definition for P, D and the monolith (P and D must agree:
     D's Hello carries its pool dtype and P refuses a different one)."""
@@ -157,7 +160,7 @@ class PrefillModelFields(BaseModel):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = kv_cache_dtype_field()
+    kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default 2048 on CUDA, 0 on CPU")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+# `--kv-cache-dtype`'s values; the configs' type is engine/settings.KvCacheDtype (a module
+# the LB, router and operator import without torch), kept equal by a test.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 FP8_KV = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0  # the largest finite e4m3fn value

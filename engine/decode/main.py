@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Literal
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator
@@ -19,7 +18,7 @@ from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import kv_cache_dtype_field, parse_config
+from pdunit.engine.settings import KvCacheDtype, kv_cache_dtype_field, parse_config
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
@@ -34,7 +33,7 @@ class DecodeConfig(StackSamplingFields):
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device of the pool and the model")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = kv_cache_dtype_field()
+    kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
     pool_tokens: int = Field(65536, ge=0, description="token rows in the KV pool; 0 sizes the pool to the "
                              "device: its free memory once the model is loaded, less --pool-reserve-gib (CUDA only)")
