@@ -188,7 +188,7 @@ async def reconcile_unit(
     )
     if pod and not draining:
         current = (pod["metadata"].get("annotations") or {}).get(m.ANNOTATION_SPEC_HASH)
-        fresh = current == r.spec_hash(spec)
+        fresh = current in r.spec_hashes(spec)
         status["conditions"] = r.set_condition(
             status["conditions"],
             "PodUpToDate",
@@ -362,6 +362,13 @@ async def reconcile_set(ctx: Context, body: dict[str, Any], logger: logging.Logg
                 reason="UnitDraining" if action.kind == "drain" else "UnitUndrained",
                 message=message,
             )
+        elif action.kind == "relabel":
+            assert action.unit and action.template_hash
+            await ctx.kube.patch_unit(
+                ns, action.unit, {"metadata": {"labels": {m.LABEL_TEMPLATE_HASH: action.template_hash}}}
+            )
+            message = f"unit {action.unit}: {action.reason}"
+            _info(body, reason="UnitRelabelled", message=message)
         elif action.kind == "delete":
             assert action.unit
             await ctx.kube.delete_unit(ns, action.unit)

@@ -149,8 +149,9 @@ class PDUnitSpec(_Api):
     transfer: TransferMode = Field(
         default="auto", description="KV transfer mode; auto probes fabric -> proxy -> tcp."
     )
-    # No CRD default: a defaulted new field would appear in every stored unit and set on
-    # read, change their spec and template hashes, and roll every unit on upgrade.
+    # No CRD default: the apiserver would fill it into every stored set it serves, and
+    # units an older operator labelled with a hash of the full spec would roll on this
+    # upgrade (reconcile.template_hashes leaves defaults out from now on).
     kv_cache_dtype: KvCacheDtype | None = Field(
         default=None,
         description="KV pool precision of prefill and every decode engine (their --kv-cache-dtype, "

@@ -96,15 +96,37 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:10]
 
 
-def template_hash(template: dict[str, Any]) -> str:
-    """Stable hash of a PDUnitSet template (labels + spec): a change starts a rollout."""
+# Every PDUnit spec field that has a value without being set: its default, by wire name.
+_UNIT_DEFAULTS: dict[str, Any] = {
+    f.alias or name: f.default for name, f in m.PDUnitSpec.model_fields.items() if not f.is_required()
+}
+
+
+def _without_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec's fields that differ from the API's defaults. The apiserver fills a
+    field's CRD default into every stored object it serves, so a CRD upgrade adding a
+    defaulted field would change every hash of the full spec, and roll every unit."""
+    return {k: v for k, v in spec.items() if k not in _UNIT_DEFAULTS or _UNIT_DEFAULTS[k] != v}
+
+
+def template_hashes(template: dict[str, Any]) -> tuple[str, str]:
+    """(current, legacy) hashes of a PDUnitSet template (labels + spec): a change starts a
+    rollout. The current one leaves out fields at their defaults; a unit labelled with
+    the legacy one (the full spec, before 2026-11-30) has the same template."""
     labels = (template.get("metadata") or {}).get("labels") or {}
-    return _hash({"labels": labels, "spec": template.get("spec") or {}})
+    spec = template.get("spec") or {}
+    return _hash({"labels": labels, "spec": _without_defaults(spec)}), _hash({"labels": labels, "spec": spec})
 
 
-def spec_hash(spec: dict[str, Any]) -> str:
-    """Hash of the pod-shaping part of a PDUnit spec (`draining` does not reshape the pod)."""
-    return _hash({k: v for k, v in spec.items() if k != "draining"})
+def template_hash(template: dict[str, Any]) -> str:
+    return template_hashes(template)[0]
+
+
+def spec_hashes(spec: dict[str, Any]) -> tuple[str, str]:
+    """(current, legacy) hashes of the pod-shaping part of a PDUnit spec (`draining` does
+    not reshape the pod), as `template_hashes`."""
+    shaping = {k: v for k, v in spec.items() if k != "draining"}
+    return _hash(_without_defaults(shaping)), _hash(shaping)
 
 
 def _meta(obj: dict[str, Any]) -> dict[str, Any]:
@@ -400,7 +422,7 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
             "name": name,
             "namespace": meta.get("namespace"),
             "labels": labels,
-            "annotations": {m.ANNOTATION_SPEC_HASH: spec_hash(spec)},
+            "annotations": {m.ANNOTATION_SPEC_HASH: spec_hashes(spec)[0]},
             "ownerReferences": [owner],
         },
         "spec": pod_spec,
@@ -658,7 +680,8 @@ def drain_step(
 
 @dataclass
 class Action:
-    """One decision of the set controller. kind: create | drain | undrain | delete."""
+    """One decision of the set controller. kind: create | drain | undrain | delete |
+    relabel (a unit of the current template labelled with its legacy hash)."""
 
     kind: str
     unit: str | None = None
@@ -727,8 +750,13 @@ def plan_units(unitset: dict[str, Any], units: list[dict[str, Any]]) -> Plan:
     strategy = spec.get("strategy") or {}
     max_surge = int(strategy.get("maxSurge", 1))
     max_unavailable = int(strategy.get("maxUnavailable", 0))
-    current = template_hash(spec.get("template") or {})
+    hashes = template_hashes(spec.get("template") or {})
+    current = hashes[0]
     plan = Plan(template_hash=current)
+    for u in units:
+        if _labels(u).get(m.LABEL_TEMPLATE_HASH) == hashes[1] != current and not unit_deleting(u):
+            plan.actions.append(Action("relabel", unit=_meta(u)["name"], template_hash=current,
+                                       reason="its template, hashed without API defaults"))
 
     active: list[dict[str, Any]] = []
     draining: list[dict[str, Any]] = []
@@ -742,15 +770,15 @@ def plan_units(unitset: dict[str, Any], units: list[dict[str, Any]]) -> Plan:
             draining.append(u)
         else:
             active.append(u)
-    new = [u for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) == current]
-    old = [u for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) != current]
+    new = [u for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) in hashes]
+    old = [u for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) not in hashes]
 
     missing = replicas - len(new)
     if missing > 0:
         reclaimable = [
             u
             for u in draining
-            if not unit_deleting(u) and _labels(u).get(m.LABEL_TEMPLATE_HASH) == current
+            if not unit_deleting(u) and _labels(u).get(m.LABEL_TEMPLATE_HASH) in hashes
         ]
         for u in reclaimable[:missing]:
             plan.actions.append(
@@ -799,10 +827,10 @@ def set_status(
     spec = unitset.get("spec") or {}
     replicas = int(spec.get("replicas", 1))
     max_unavailable = int((spec.get("strategy") or {}).get("maxUnavailable", 0))
-    current = template_hash(spec.get("template") or {})
+    hashes = template_hashes(spec.get("template") or {})
     active = [u for u in units if not (unit_deleting(u) or unit_draining(u) or unit_drained(u))]
     ready = sum(1 for u in active if unit_is_ready(u))
-    updated = sum(1 for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) == current)
+    updated = sum(1 for u in active if _labels(u).get(m.LABEL_TEMPLATE_HASH) in hashes)
     name = _meta(unitset)["name"]
     conditions = _status(unitset).get("conditions")
     available = ready >= replicas - max_unavailable
@@ -831,7 +859,7 @@ def set_status(
         "updatedReplicas": updated,
         "drainingReplicas": len(units) - len(active),
         "selector": f"{m.LABEL_SET}={name}",
-        "templateHash": current,
+        "templateHash": hashes[0],
         "observedGeneration": _meta(unitset).get("generation"),
         "conditions": conditions,
     }

@@ -285,6 +285,35 @@ def test_image_change_rolls_one_unit_at_a_time_never_below_replicas(
     assert status["templateHash"] != old_hash
 
 
+def test_units_of_an_older_operator_are_kept_through_an_upgrade_and_relabelled(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    """An operator before 2026-11-30 labelled units with the hash of the template as the
+    apiserver serves it, CRD defaults included. After an upgrade those units are the
+    current template: relabelled in place, none drained, none created."""
+    from pdunit.operator.reconcile import template_hashes
+
+    ns = namespace
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit_set("tts", 2))
+    names = {u["metadata"]["name"] for u in wait_ready(api, ns, "tts", 2)}
+    served = api.get(f"{GROUP_PATH}/namespaces/{ns}/pdunitsets/tts")["spec"]["template"]
+    current, legacy = template_hashes(served)
+    assert current != legacy, "the served template carries defaults: the two hashes differ"
+    victim = sorted(names)[0]
+    resp = api.patch(f"{GROUP_PATH}/namespaces/{ns}/pdunits/{victim}",
+                     {"metadata": {"labels": {"pdunit.dev/template-hash": legacy}}})
+    assert resp.status_code == 200, resp.text
+    wait_for(
+        lambda: (get_unit(api, ns, victim) or {})["metadata"]["labels"]["pdunit.dev/template-hash"] == current,
+        20,
+        f"{victim} relabelled to {current}",
+    )
+    units = units_of(api, ns, "tts")
+    assert {u["metadata"]["name"] for u in units} == names
+    assert not any(u["spec"].get("draining") for u in units), summary(units)
+    assert "UnitRelabelled" in reasons(control_plane, ns, "tts")
+
+
 @pytest.mark.parametrize(
     ("manifest", "field", "fragment"),
     [

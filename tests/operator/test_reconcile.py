@@ -740,3 +740,30 @@ def test_template_hash_changes_with_the_image_only() -> None:
     a, b = a_set(1, image="img:1"), a_set(5, image="img:1")
     assert cur(a) == cur(b), "replicas must not change the template hash"
     assert cur(a) != cur(a_set(1, image="img:2"))
+
+
+def test_template_hash_leaves_out_fields_at_their_api_defaults() -> None:
+    """The apiserver serves every stored template with the CRD's defaults filled in: a CRD
+    upgrade adding a defaulted field must not change the hash (it would roll every unit)."""
+    bare = a_set(1)["spec"]["template"]
+    served = {"spec": {**bare["spec"], "transfer": "auto", "decoders": 1, "device": "cuda", "lbPort": 8000}}
+    assert r.template_hash(served) == r.template_hash(bare)
+    assert r.template_hashes(served)[1] != r.template_hashes(bare)[1]  # the legacy hash sees them
+    assert r.template_hash({"spec": {**bare["spec"], "decoders": 2}}) != r.template_hash(bare)
+    unit_spec = {**bare["spec"], "draining": True}
+    assert r.spec_hashes({**unit_spec, "transfer": "auto"})[0] == r.spec_hashes(unit_spec)[0]
+
+
+def test_units_labelled_with_the_legacy_hash_are_current_and_get_relabelled() -> None:
+    """Units an older operator created carry the full-spec hash: they are the current
+    template (no rollout on upgrade), and are relabelled once."""
+    s = a_set(2)
+    s["spec"]["template"]["spec"]["transfer"] = "auto"  # as served: a default filled in
+    current, legacy = r.template_hashes(s["spec"]["template"])
+    assert current != legacy
+    units = [set_unit("a", legacy), set_unit("b", current)]
+    plan = r.plan_units(s, units)
+    assert plan.kinds() == ["relabel"]
+    assert (plan.actions[0].unit, plan.actions[0].template_hash) == ("a", current)
+    assert r.set_status(s, units, T0)["updatedReplicas"] == 2
+    assert r.plan_units(s, [set_unit("a", current), set_unit("b", current)]).kinds() == []
