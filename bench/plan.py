@@ -78,9 +78,14 @@ from pdunit.bench.workload import StreamSpec, Workload, WorkloadConfig, parse_li
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
 from pdunit.engine.playback import stream_timing
+from pdunit.engine.prefill.main import PrefillConfig
 from pdunit.engine.settings import parse_config
 
 BENCH = "plan"
+
+
+# The engines' own defaults, so the model runs what `pdunit prefill` and the monolith run.
+_ENGINE = {k: f.default for k, f in PrefillConfig.model_fields.items()}
 
 
 class PlanConfig(BaseModel):
@@ -109,11 +114,12 @@ class PlanConfig(BaseModel):
     voices: int = Field(8, ge=0, description="warm voices")
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests using a warm voice")
     seed: int = Field(0, description="workload seed of run 0")
-    block_tokens: int = Field(16, gt=0, description="prefix-cache block (rows)")
+    block_tokens: int = Field(_ENGINE["prefix_block_tokens"], gt=0, description="prefix-cache block (rows)")
     monolith_cache: bool = Field(True, description="the monoliths keep a prefix cache, as P does (their "
                                  "--cache-tokens > 0; runs before 2026-11-30's 4ac169e had none)")
-    max_batch_rows: int = Field(8192, gt=0, description="P's and the prefill-first monolith's rows per forward")
-    max_batch_prompts: int = Field(16, gt=0, description="P's prompts per forward")
+    max_batch_rows: int = Field(_ENGINE["max_batch_rows"], gt=0,
+                                description="P's and the prefill-first monolith's rows per forward")
+    max_batch_prompts: int = Field(_ENGINE["max_batch_prompts"], gt=0, description="P's prompts per forward")
     pool_tokens: int = Field(400000, gt=0, description="each D's KV pool, and the monolith's, in tokens (the "
                              "device harness's --pool-tokens): a request holds prompt rows + frames")
     admit_ms: float = Field(5.0, ge=0, description="client send -> engine admission (the waterfalls' p50 sum)")

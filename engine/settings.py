@@ -141,7 +141,9 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
     return str(value)
 
 
-KvCacheDtype = Literal["auto", "fp8_e4m3"]  # kernels/kv_dtype.py says what each means
+# `--kv-cache-dtype` of every engine, bench and the CRD; kernels/kv_dtype.py says what
+# each means. Here, not there: the LB, router and operator import this module without torch.
+KvCacheDtype = Literal["auto", "fp8_e4m3"]
 
 
 def kv_cache_dtype_field() -> Any:
@@ -161,6 +163,9 @@ class PrefillModelFields(BaseModel):
     device: str = Field("cpu", description="torch device")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
     kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
+    prefix_block_tokens: int = Field(16, gt=0, description="rows per prefix-cache block")
+    max_batch_rows: int = Field(8192, gt=0, description="prompt rows per prefill forward (the monolith: "
+                                "prefill-first's; chunked takes --chunk-tokens)")
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default 2048 on CUDA, 0 on CPU")

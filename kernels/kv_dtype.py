@@ -13,11 +13,13 @@ Must never choose which slots to use or allocate a pool.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-# `--kv-cache-dtype`'s values; the configs' type is engine/settings.KvCacheDtype (a module
-# the LB, router and operator import without torch), kept equal by a test.
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+from pdunit.engine.settings import KvCacheDtype
+
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)  # `--kv-cache-dtype`'s values
 FP8_KV = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0  # the largest finite e4m3fn value
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pdunit.engine.settings import KvCacheDtype
+
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -36,7 +38,6 @@ ANNOTATION_LB_PORT_OVERRIDE = f"{GROUP}/lb-port-override"
 FINALIZER = f"{GROUP}/drain"
 
 TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
-KvCacheDtype = Literal["auto", "fp8_e4m3"]
 Phase = Literal["Pending", "Starting", "Ready", "Draining", "Drained", "Failed"]
 Device = Literal["cuda", "cpu"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]

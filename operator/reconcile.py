@@ -118,10 +118,6 @@ def template_hashes(template: dict[str, Any]) -> tuple[str, str]:
     return _hash({"labels": labels, "spec": _without_defaults(spec)}), _hash({"labels": labels, "spec": spec})
 
 
-def template_hash(template: dict[str, Any]) -> str:
-    return template_hashes(template)[0]
-
-
 def spec_hashes(spec: dict[str, Any]) -> tuple[str, str]:
     """(current, legacy) hashes of the pod-shaping part of a PDUnit spec (`draining` does
     not reshape the pod), as `template_hashes`."""

@@ -38,11 +38,9 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields):
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
     cache_tokens: int = Field(65536, ge=0, description="token rows of a prefix cache beside the pool, as P keeps "
                               "one: a reused voice skips its cached leading blocks (0 = none)")
-    prefix_block_tokens: int = Field(16, gt=0, description="rows per prefix-cache block")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(256, gt=0, description="streams per decode step")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
-    max_batch_rows: int = Field(8192, gt=0, description="prefill-first: prompt rows per prefill forward")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "

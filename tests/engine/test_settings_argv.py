@@ -98,16 +98,6 @@ def test_prefill_graphs_and_the_fp8_threshold_default_by_the_models_path(gpu_pat
     assert PrefillConfig(**given).resolved_prefill(gpu_path) == want
 
 
-def test_one_kv_cache_dtype_vocabulary_for_the_engines_the_kernels_and_the_crd():
-    from typing import get_args
-
-    from pdunit.engine.settings import KvCacheDtype
-    from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES
-    from pdunit.operator.models import KvCacheDtype as CrdKvCacheDtype
-
-    assert get_args(KvCacheDtype) == KV_CACHE_DTYPES == get_args(CrdKvCacheDtype)
-
-
 @pytest.mark.parametrize("module", ["pdunit.engine.lb.main", "pdunit.sidecars.quiesce_guard.main",
                                     "pdunit.engine.local"])
 def test_processes_without_a_model_do_not_import_torch(module, tmp_path):

@@ -545,7 +545,7 @@ def a_set(
 
 
 def cur(s: dict[str, Any]) -> str:
-    return r.template_hash(s["spec"]["template"])
+    return r.template_hashes(s["spec"]["template"])[0]
 
 
 def test_victims_are_not_ready_first_then_fewest_in_flight() -> None:
@@ -747,9 +747,9 @@ def test_template_hash_leaves_out_fields_at_their_api_defaults() -> None:
     upgrade adding a defaulted field must not change the hash (it would roll every unit)."""
     bare = a_set(1)["spec"]["template"]
     served = {"spec": {**bare["spec"], "transfer": "auto", "decoders": 1, "device": "cuda", "lbPort": 8000}}
-    assert r.template_hash(served) == r.template_hash(bare)
+    assert r.template_hashes(served)[0] == r.template_hashes(bare)[0]
     assert r.template_hashes(served)[1] != r.template_hashes(bare)[1]  # the legacy hash sees them
-    assert r.template_hash({"spec": {**bare["spec"], "decoders": 2}}) != r.template_hash(bare)
+    assert r.template_hashes({"spec": {**bare["spec"], "decoders": 2}})[0] != r.template_hashes(bare)[0]
     unit_spec = {**bare["spec"], "draining": True}
     assert r.spec_hashes({**unit_spec, "transfer": "auto"})[0] == r.spec_hashes(unit_spec)[0]
 
