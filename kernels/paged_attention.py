@@ -185,6 +185,15 @@ def reference_decode_attention(
 if triton is not None:
 
     @triton.jit
+    def _load_k_tile(row_table, K, offs, end, offs_d, head_offset, stride_ks):
+        """One tile of a sequence's K rows through its slot table: the slots (int64, for
+        the V load that follows), the rows' mask, and the K tile [len(offs), HEAD_DIM]."""
+        n_mask = offs < end
+        slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + head_offset + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        return slots, n_mask, k
+
+    @triton.jit
     def _decode_split_kernel(
         Q, K, V, Table, Lens, Out, PartO, PartLse,
         stride_qb, stride_qh,
@@ -227,14 +236,7 @@ if triton is not None:
             q_t = tl.trans(q)  # [HEAD_DIM, BLOCK_G]
             acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
-                offs = n0 + offs_n
-                n_mask = offs < end
-                slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(
-                    K + slots[:, None] * stride_ks + hkv * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                )
+                slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
                 s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e  # [BLOCK_N, BLOCK_G] fp32
                 s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s_t, 0))
@@ -252,14 +254,7 @@ if triton is not None:
         else:
             acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
-                offs = n0 + offs_n
-                n_mask = offs < end
-                slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(
-                    K + slots[:, None] * stride_ks + hkv * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                )
+                slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
                 qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
                 qk = tl.where(n_mask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
