@@ -98,6 +98,10 @@ class CompareConfig(BaseModel):
                               "--prefill-args/--monolith-args. A copy takes its own levels (--variant-rate "
                               "1p1d+b2048=...) or its variant's; it gets no headline ratio, the summary gives it "
                               "over its variant (variant_over_base)")
+    variant_decode_args: str = Field("", description="flags of the labelled copies' D, 'LABEL=FLAGS;...', after "
+                                     "--decode-args: `--variants 1p1d,1p1d+start --variant-decode-args "
+                                     "'start=--start-frames=9'` runs 1P1D twice, the copy's D with start steps. A "
+                                     "label may have flags here, in --variant-args, or in both")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P and of the monoliths")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -125,14 +129,20 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
                 prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs, kv_cache_dtype=cfg.kv_cache_dtype,
                 log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=first)
-    labels = variant_labels(cfg)
+    labels, decode_labels = variant_labels(cfg)
     decode_args = checked_argv(cfg.decode_args, "--decode-args", "D", first)
     out: list[Unit] = []
     for spec in [v.strip() for v in cfg.variants.split(",") if v.strip()]:
         family, label = split_variant(spec)
         suffix = f"+{label}" if label else ""
         args = engine_argv(cfg, family, label, labels, first)
-        pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args, extra_decode_args=list(decode_args))
+        own_decode: list[str] = []
+        if label in decode_labels:
+            if family.startswith("monolith"):
+                raise SystemExit(f"pdunit bench compare: --variant-decode-args {label}: {spec} is a monolith, "
+                                 "it has no D (its flags go in --variant-args)")
+            own_decode = checked_argv(decode_labels[label], f"--variant-decode-args {label}", "D", first)
+        pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args, extra_decode_args=decode_args + own_decode)
         mono = dict(base, mode="monolith", extra_monolith_args=args)
         name = family + suffix  # the spec without stray spaces: results are keyed by it
         if family == "1p1d":
@@ -168,25 +178,34 @@ def split_variant(spec: str) -> tuple[str, str]:
     return family, label
 
 
-def variant_labels(cfg: CompareConfig) -> dict[str, str]:
-    """--variant-args as LABEL -> flags; every label --variants uses must be defined and
-    every defined one used (a misspelt label would otherwise run a copy without flags)."""
+def label_flags(text: str, flag: str) -> dict[str, str]:
+    """'LABEL=FLAGS;...' as LABEL -> flags; SystemExit naming `flag` when malformed."""
     labels: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in cfg.variant_args.split(";"))):
+    for part in filter(None, (p.strip() for p in text.split(";"))):
         label, sep, flags = (x.strip() for x in part.partition("="))
         if not sep or not label or not flags:
-            raise SystemExit(f"pdunit bench compare: --variant-args: {part!r} is not LABEL=FLAGS")
+            raise SystemExit(f"pdunit bench compare: {flag}: {part!r} is not LABEL=FLAGS")
         if label in labels:
-            raise SystemExit(f"pdunit bench compare: --variant-args defines {label!r} twice")
+            raise SystemExit(f"pdunit bench compare: {flag} defines {label!r} twice")
         labels[label] = flags
-    used = {split_variant(v)[1] for v in cfg.variants.split(",") if v.strip()} - {""}
-    if used - set(labels):
-        raise SystemExit(f"pdunit bench compare: --variants uses labels {sorted(used - set(labels))} that "
-                         "--variant-args does not define")
-    if set(labels) - used:
-        raise SystemExit(f"pdunit bench compare: --variant-args defines labels {sorted(set(labels) - used)} that "
-                         "no variant in --variants uses")
     return labels
+
+
+def variant_labels(cfg: CompareConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """--variant-args and --variant-decode-args as LABEL -> flags; every label --variants
+    uses must be defined in one of them and every defined one used (a misspelt label
+    would otherwise run a copy without flags)."""
+    labels = label_flags(cfg.variant_args, "--variant-args")
+    decode = label_flags(cfg.variant_decode_args, "--variant-decode-args")
+    used = {split_variant(v)[1] for v in cfg.variants.split(",") if v.strip()} - {""}
+    if used - set(labels) - set(decode):
+        raise SystemExit(f"pdunit bench compare: --variants uses labels {sorted(used - set(labels) - set(decode))} "
+                         "that neither --variant-args nor --variant-decode-args defines")
+    for flag, defined in (("--variant-args", labels), ("--variant-decode-args", decode)):
+        if set(defined) - used:
+            raise SystemExit(f"pdunit bench compare: {flag} defines labels {sorted(set(defined) - used)} that "
+                             "no variant in --variants uses")
+    return labels, decode
 
 
 def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, str], device: str) -> list[str]:
@@ -197,7 +216,7 @@ def engine_argv(cfg: CompareConfig, family: str, label: str, labels: dict[str, s
     monolith = family.startswith("monolith")
     field = "--monolith-args" if monolith else "--prefill-args"
     sources = [(field, getattr(cfg, field[2:].replace("-", "_")))]
-    if label:
+    if label in labels:
         sources.append((f"--variant-args {label}", labels[label]))
     return [a for source, text in sources
             for a in checked_argv(text, source, "monolith" if monolith else "P", device)]
@@ -371,15 +390,16 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
-           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
-           "| P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"| mode | {rows_level_key(rows)} | D step ms | D batch | D start steps | graph share | D GPU busy "
+           "| P forward ms | P busy | P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms "
+           "| client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
-            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "p_forward_ms",
-                                              "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms", "lb_lag_mean_ms",
-                                              "lb_lag_over_20ms")]
+            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_start_share", "d_graph_share", "d_gpu_busy",
+                                              "p_forward_ms", "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms",
+                                              "lb_lag_mean_ms", "lb_lag_over_20ms")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -398,6 +418,7 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
 _SERIES = {
     "d_steps": "pdunit_decode_step_seconds_count", "d_step_s": "pdunit_decode_step_seconds_sum",
     "d_batch_sum": "pdunit_decode_step_batch_sum", "d_gpu_busy_s": "pdunit_decode_gpu_busy_seconds_total",
+    "d_start": "pdunit_decode_start_steps_total",
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
     "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
@@ -449,6 +470,7 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     if d["d_steps"] > 0:
         out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
         out["d_batch"] = round(d["d_batch_sum"] / d["d_steps"], 1)
+        out["d_start_share"] = round(d["d_start"] / d["d_steps"], 4)  # start steps (D --start-frames)
     if d["d_graph"] + d["d_eager"] > 0:
         out["d_graph_share"] = round(d["d_graph"] / (d["d_graph"] + d["d_eager"]), 4)
     if d["d_gpu_busy_s"] > 0 and seconds > 0:
@@ -567,7 +589,8 @@ def child_config(cfg: CompareConfig, name: str, gpu_base: int, out: Path) -> Com
     chunk = base.removeprefix("monolith-chunked-")
     variant = {"variants": name} if chunk == base else {"variants": "monolith-chunked" + sep + label, "chunks": chunk}
     # the child defines only the label it runs (none for a variant as it is)
-    variant["variant_args"] = f"{label}={variant_labels(cfg)[label]}" if label else ""
+    for field, defined in zip(("variant_args", "variant_decode_args"), variant_labels(cfg), strict=True):
+        variant[field] = f"{label}={defined[label]}" if label in defined else ""
     return cfg.model_copy(update={**variant, "parallel_gpus": 1, "gpu_base": gpu_base, "out": str(out),
                                   "plot": ""})
 
