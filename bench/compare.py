@@ -99,8 +99,8 @@ class CompareConfig(BaseModel):
                               "1p1d+b2048=...) or its variant's; it gets no headline ratio, the summary gives it "
                               "over its variant (variant_over_base)")
     variant_decode_args: str = Field("", description="flags of the labelled copies' D, 'LABEL=FLAGS;...', after "
-                                     "--decode-args: `--variants 1p1d,1p1d+start --variant-decode-args "
-                                     "'start=--start-frames=9'` runs 1P1D twice, the copy's D with start steps. A "
+                                     "--decode-args: `--variants 1p1d,1p1d+b128 --variant-decode-args "
+                                     "'b128=--max-batch=128'` runs 1P1D twice, the copy's D with 128-stream steps. A "
                                      "label may have flags here, in --variant-args, or in both")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P and of the monoliths")
@@ -390,14 +390,13 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
-           f"| mode | {rows_level_key(rows)} | D step ms | D batch | D start steps | graph share | D GPU busy "
-           "| P forward ms | P busy | P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms "
-           "| client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
+           "| P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
-            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_start_share", "d_graph_share", "d_gpu_busy",
+            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy",
                                               "p_forward_ms", "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms",
                                               "lb_lag_mean_ms", "lb_lag_over_20ms")]
             cells.append(r.get("client_lag_p99_ms", "-"))
@@ -418,7 +417,6 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
 _SERIES = {
     "d_steps": "pdunit_decode_step_seconds_count", "d_step_s": "pdunit_decode_step_seconds_sum",
     "d_batch_sum": "pdunit_decode_step_batch_sum", "d_gpu_busy_s": "pdunit_decode_gpu_busy_seconds_total",
-    "d_start": "pdunit_decode_start_steps_total",
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
     "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
@@ -470,7 +468,6 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     if d["d_steps"] > 0:
         out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
         out["d_batch"] = round(d["d_batch_sum"] / d["d_steps"], 1)
-        out["d_start_share"] = round(d["d_start"] / d["d_steps"], 4)  # start steps (D --start-frames)
     if d["d_graph"] + d["d_eager"] > 0:
         out["d_graph_share"] = round(d["d_graph"] / (d["d_graph"] + d["d_eager"]), 4)
     if d["d_gpu_busy_s"] > 0 and seconds > 0:

@@ -45,9 +45,6 @@ class DecodeConfig(StackSamplingFields):
     overlap: bool | None = Field(None, description="overlap scheduling: queue decode step n+1 before step n's "
                                  "frames reach the host (same frames); default: on when the model takes the GPU "
                                  "path, off on CPU (--overlap turns it on there too)")
-    start_frames: int = Field(0, ge=0, description="streams with fewer frames than this (the LB's --start-frames, "
-                              "9: their first audio) get an extra decode step after each full step: first audio "
-                              "sooner, every other stream's step a little later; 0 = off; needs overlap")
     held_drain_fraction: float = Field(0.25, gt=0, le=1, description="held/pool pages above which D drains")
     abort_resend_ms: int = Field(200, gt=0, description="ABORT re-send period for held requests")
     probe_interval_ms: int = Field(500, gt=0, description="P instance-id probe period")
@@ -69,16 +66,6 @@ class DecodeConfig(StackSamplingFields):
         if v == 0 and not device.startswith("cuda"):
             raise ValueError(f"0 sizes the pool to a CUDA device's free memory, and device {device!r} is "
                              "not one: give the pool's token count")
-        return v
-
-    @field_validator("start_frames")
-    @classmethod
-    def _start_steps_need_overlap(cls, v: int, info: ValidationInfo) -> int:
-        overlap, device = info.data.get("overlap"), str(info.data.get("device", ""))
-        if v and (overlap is False or (overlap is None and not device.startswith("cuda"))):
-            raise ValueError(f"{v} asks for start steps, which run in the overlap pipeline, and overlap is off "
-                             f"({'--no-overlap' if overlap is False else f'the default on device {device!r}'}): "
-                             "pass --overlap, or --start-frames 0")
         return v
 
 
@@ -125,7 +112,7 @@ async def serve(cfg: DecodeConfig) -> int:
         model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
         cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
-        overlap=model.gpu_path if cfg.overlap is None else cfg.overlap, start_frames=cfg.start_frames,
+        overlap=model.gpu_path if cfg.overlap is None else cfg.overlap,
     )
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)

@@ -22,16 +22,6 @@ stream's own reservation: a stream is scheduled only while it has fewer than
 the bound without overlap (the pool reserves prompt + max_frames tokens). The length
 end is known up front and costs no extra step.
 
-Start steps (`start_frames` > 0, `pdunit decode --start-frames`): a listener hears
-nothing until `start_frames` frames are buffered (TTFA), and a new stream gets one
-frame per full step. After each full step that has streams younger than
-`start_frames` frames beside older ones, one extra step runs for the young ones only:
-they get two frames per full period, everyone else's period grows by one small step
-(a small batch costs about the weights' read). The extra step is an ordinary step of
-the pipeline (its tokens are the previous step's device frames; an old stream's come
-from the host, whose frame was applied when that step completed), so the frames are
-the same as without it.
-
 Pages of an ended or cancelled stream return to the pool only after the last queued
 step that writes them has completed (its event), never while a step can still write
 them. On CPU the same code runs with CPU tensors; the "async" copy and the event are
@@ -72,9 +62,6 @@ WAIT_SECONDS = m.role_metric(Histogram(
 GPU_BUSY_RATIO = m.role_metric(Gauge(
     "pdunit_decode_gpu_busy_ratio",
     "Share of device time spent in decode steps over the last steps of a busy period (CUDA only)", registry=None), "decode")
-START_STEPS = m.role_metric(Counter(
-    "pdunit_decode_start_steps_total",
-    "Extra steps run for streams still short of their first audio (--start-frames)", registry=None), "decode")
 DISCARDED_ROWS = m.role_metric(Counter(
     "pdunit_decode_discarded_rows_total",
     "Rows computed for streams that had already ended (EOS seen one step late, or cancelled)", registry=None), "decode")
@@ -98,7 +85,6 @@ class OverlapScheduler:
     model: TTSModel
     batcher: DecodeBatcher
     step_forward: StepForward
-    start_frames: int = 0   # streams with fewer frames get a start step after each full step (0 = off)
     _inflight: _Step | None = None
     _scheduled: dict[int, int] = field(default_factory=dict)    # request id -> frames scheduled
     _last_step: dict[int, int] = field(default_factory=dict)    # request id -> last step writing its pages
@@ -106,7 +92,6 @@ class OverlapScheduler:
     _launched: int = 0
     _completed: int = 0
     _busy: deque = field(default_factory=lambda: deque(maxlen=BUSY_WINDOW))
-    _last_was_start: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -146,8 +131,7 @@ class OverlapScheduler:
                 ended.append(s)
                 b.pool.finish(s.request_id)  # never in a step
         prev = self._inflight
-        batch = self._start_step(
-            [s for s in b.running.values() if self._scheduled[s.request_id] < s.params.max_frames])
+        batch = [s for s in b.running.values() if self._scheduled[s.request_id] < s.params.max_frames]
         self._inflight = self._launch(batch, prev) if batch else None
         if batch:
             HOST_SECONDS.observe(time.perf_counter() - t0)
@@ -192,17 +176,6 @@ class OverlapScheduler:
         )
 
     # ------------------------------------------------------------------ internals
-    def _start_step(self, batch: list[Stream]) -> list[Stream]:
-        """`batch`, or after a full step only its streams short of `start_frames` frames
-        when there are some beside older ones (a start step)."""
-        young = [s for s in batch if self._scheduled[s.request_id] < self.start_frames]
-        start = not self._last_was_start and 0 < len(young) < len(batch)
-        self._last_was_start = start
-        if start:
-            START_STEPS.inc()
-            return young
-        return batch
-
     def _launch(self, batch: list[Stream], prev: _Step | None) -> _Step:
         """Queues one step for `batch`; its tokens come from `prev`'s device frames for
         streams in `prev`, from the host's newest frame for the others."""

@@ -155,11 +155,7 @@ class DecodeEngine:
         probe_interval_s: float = 0.5,
         cuda_graphs: bool = True,
         overlap: bool = False,
-        start_frames: int = 0,
     ) -> None:
-        if start_frames and not overlap:
-            raise ValueError(f"--start-frames {start_frames}: start steps run in the overlap pipeline; "
-                             "turn overlap on (--overlap) or set --start-frames 0")
         self.instance_id = uuid.uuid4().hex
         self.model = model
         self.model_spec = model_spec
@@ -174,7 +170,7 @@ class DecodeEngine:
         self.probe_interval_s = probe_interval_s
         self.batcher = DecodeBatcher(model, pool, self.storage, max_batch)
         self.step_forward = StepForward(model, self.storage, cuda_graphs, max_batch)
-        self.overlap = OverlapScheduler(model, self.batcher, self.step_forward, start_frames) if overlap else None
+        self.overlap = OverlapScheduler(model, self.batcher, self.step_forward) if overlap else None
         self.reservations: dict[int, Reservation] = {}
         self.held: dict[int, Held] = {}
         self.p_instance = ""          # the newest P instance seen (Reserve or probe)

@@ -232,11 +232,10 @@ def test_engine_deltas_read_each_levels_graph_shares_and_ps_reserve_time():
                             _SERIES["p_reserves"]: 5, _SERIES["p_reserve_s"]: 0.02,
                             _SERIES["p_gaps"]: 2, _SERIES["p_gap_s"]: 0.006,
                             _SERIES["p_eager"]: 1, _SERIES["d_steps"]: 10, _SERIES["d_step_s"]: 0.1,
-                            _SERIES["d_batch_sum"]: 500, _SERIES["d_graph"]: 9, _SERIES["d_eager"]: 1,
-                            _SERIES["d_start"]: 3})
+                            _SERIES["d_batch_sum"]: 500, _SERIES["d_graph"]: 9, _SERIES["d_eager"]: 1})
     got = engine_deltas(before, after, 2.0)
     assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_reserve_ms": 4.0, "p_gap_ms": 3.0,
-                   "d_step_ms": 10.0, "d_batch": 50.0, "d_start_share": 0.3, "d_graph_share": 0.9}
+                   "d_step_ms": 10.0, "d_batch": 50.0, "d_graph_share": 0.9}
     assert "p_graph_share" not in engine_deltas(before, dict(after, **{_SERIES["p_graph"]: 0, _SERIES["p_eager"]: 0}),
                                                 2.0)
 
@@ -282,18 +281,18 @@ def test_a_labelled_copy_runs_its_variant_with_its_own_flags_beside_it():
     assert (name, unit.extra_monolith_args, unit.chunk_tokens) == ("monolith-chunked-128+big",
                                                                     ["--max-batch=64", "--max-batch=128"], 128)
     # a copy's D flags: after --decode-args, its P's untouched; its child gets them too
-    cfg = CompareConfig(variants="1p1d,1p1d+start,1p1d+both", decode_args="--max-batch=64",
-                        variant_decode_args="start=--start-frames=9 --overlap;both=--max-batch=32",
+    cfg = CompareConfig(variants="1p1d,1p1d+p16,1p1d+both", decode_args="--max-batch=64",
+                        variant_decode_args="p16=--page-size=16 --overlap;both=--max-batch=32",
                         variant_args="both=--max-batch-rows=2048")
     units = {name: unit for name, _, unit in variant_units(cfg)}
     assert units["1p1d"].extra_decode_args == ["--max-batch=64"]
-    assert units["1p1d+start"].extra_decode_args == ["--max-batch=64", "--start-frames=9", "--overlap"]
-    assert units["1p1d+start"].extra_prefill_args == []
+    assert units["1p1d+p16"].extra_decode_args == ["--max-batch=64", "--page-size=16", "--overlap"]
+    assert units["1p1d+p16"].extra_prefill_args == []
     assert units["1p1d+both"].extra_decode_args == ["--max-batch=64", "--max-batch=32"]
     assert units["1p1d+both"].extra_prefill_args == ["--max-batch-rows=2048"]
-    child = child_config(cfg, "1p1d+start", 0, Path("/tmp/y.json"))
+    child = child_config(cfg, "1p1d+p16", 0, Path("/tmp/y.json"))
     (name, _, unit), = variant_units(child)
-    assert (name, unit.extra_decode_args) == ("1p1d+start", ["--max-batch=64", "--start-frames=9", "--overlap"])
+    assert (name, unit.extra_decode_args) == ("1p1d+p16", ["--max-batch=64", "--page-size=16", "--overlap"])
     # copies do not enter the headline ratios; each is reported over its variant
     got = ratios({"1p1d": 16.0, "1p1d+b2k": 12.0, "monolith-chunked-64": 8.0, "monolith-chunked-64+big": 10.0})
     assert got["best_chunked"] == "monolith-chunked-64" and got["pd_over_best_chunked"] == 2.0
@@ -303,12 +302,12 @@ def test_a_labelled_copy_runs_its_variant_with_its_own_flags_beside_it():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(variants="1p1d+x"), r"labels \['x'\] that neither --variant-args nor --variant-decode-args defines"),
-    (dict(variants="1p1d", variant_decode_args="x=--start-frames=9"),
+    (dict(variants="1p1d", variant_decode_args="x=--max-batch=9"),
      r"--variant-decode-args defines labels \['x'\] that no variant"),
-    (dict(variants="monolith-prefill-first+x", variant_decode_args="x=--start-frames=9"),
+    (dict(variants="monolith-prefill-first+x", variant_decode_args="x=--max-batch=9"),
      r"monolith-prefill-first\+x is a monolith, it has no D"),
-    (dict(variants="1p1d+x", variant_decode_args="x=--start-frames=-1"),
-     "--variant-decode-args x '--start-frames=-1' is not a valid set of flags for D"),
+    (dict(variants="1p1d+x", variant_decode_args="x=--page-size=0"),
+     "--variant-decode-args x '--page-size=0' is not a valid set of flags for D"),
     (dict(variants="1p1d", variant_args="x=--max-batch-rows=1"), r"defines labels \['x'\] that no variant"),
     (dict(variants="1p1d+"), "has an empty label"),
     (dict(variants="2p1d+x", variant_args="x=--a"), "unknown variant '2p1d\\+x'"),

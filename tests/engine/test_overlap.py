@@ -8,14 +8,12 @@ GPU test at the end checks the same identity through CUDA graphs on a real devic
 from __future__ import annotations
 
 import dataclasses
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from pdunit.bench.report import scrape_metrics
 from pdunit.engine.decode.batcher import (
     FINISHED_EOS,
     FINISHED_LENGTH,
@@ -26,7 +24,6 @@ from pdunit.engine.decode.batcher import (
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.kv.pool import PagePool, PageState
-from pdunit.engine.local import free_port
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.prefill.runner import PrefillChunk, run_forward, run_prefill
@@ -62,7 +59,7 @@ class Harness:
     """One D: a pool, the tiny model, and either the plain step loop or the overlap one."""
 
     def __init__(self, overlap: bool, eos_id: int | None = None, device: str = "cpu",
-                 dtype: str | None = None, start_frames: int = 0) -> None:
+                 dtype: str | None = None) -> None:
         self.model = load_model("random:tiny:0", device=device, dtype=dtype)
         if eos_id is not None:
             self.model.config = dataclasses.replace(self.model.config, eos_id=eos_id)
@@ -70,8 +67,7 @@ class Harness:
         self.storage = self.model.new_kv_storage(POOL_TOKENS, device=device)
         self.batcher = DecodeBatcher(self.model, self.pool, self.storage, max_batch=8)
         self.forward = StepForward(self.model, self.storage, use_graphs=True, max_batch=8)
-        self.overlap = OverlapScheduler(self.model, self.batcher, self.forward, start_frames) if overlap else None
-        self.published: list[list[int]] = []   # request ids of each published message, in order
+        self.overlap = OverlapScheduler(self.model, self.batcher, self.forward) if overlap else None
         self.max_index: dict[int, int] = {}
         self.prompts: dict[int, np.ndarray] = {}
         slot_of = self.pool.slot_of
@@ -117,7 +113,6 @@ class Harness:
                 if len(states[rid]) == 1:
                     states[rid].append(self.pool.state_of(rid))
             if out is not None:
-                self.published.append(out.request_ids.tolist())
                 for rid, frame, code in zip(out.request_ids.tolist(), out.frames.tolist(), out.finished.tolist(),
                                             strict=True):
                     frames[rid].append(frame)
@@ -241,107 +236,14 @@ def test_cancel_frees_pages_only_after_the_queued_step_that_writes_them_complete
     assert h.pool.free_pages == h.pool.n_pages
 
 
-START_FRAMES = 5
-# Old streams decoding when young ones join, one of them at the same iteration as an old
-# stream leaves; greedy, seeded and top-k, one ending at its first frame.
-STAGGERED = [
-    Req(1, 24, SamplingParams(max_frames=30, min_frames=30)),
-    Req(2, 40, SamplingParams(max_frames=26, temperature=0.9, seed=7)),
-    Req(3, 17, SamplingParams(max_frames=12, min_frames=3, temperature=1.3, top_k=40, seed=11), join=6),
-    Req(4, 31, SamplingParams(max_frames=1), join=7),
-    Req(5, 22, SamplingParams(max_frames=9, temperature=0.7, seed=5), join=8),
-    Req(6, 28, SamplingParams(max_frames=14), join=20),
-]
-
-
-def test_start_steps_publish_the_plain_loops_frames_and_free_everything() -> None:
-    eos = eos_that_occurs()
-    for eos_id in (None, eos):
-        plain = Harness(False, eos_id).run(STAGGERED)
-        started = Harness(True, eos_id, start_frames=START_FRAMES)
-        got = started.run(STAGGERED)
-        for r in STAGGERED:
-            assert got.frames[r.rid] == plain.frames[r.rid], f"stream {r.rid} (eos {eos_id})"
-            assert got.codes[r.rid] == plain.codes[r.rid], f"stream {r.rid} (eos {eos_id})"
-            assert got.max_index.get(r.rid, -1) <= r.rows + r.params.max_frames - 2
-        assert got.pool.free_pages == got.pool.n_pages
-
-
-def iterations_to(run_published: list[list[int]], rid: int, n: int) -> int:
-    """Published messages until stream `rid` has `n` frames."""
-    seen = 0
-    for i, ids in enumerate(run_published):
-        seen += ids.count(rid)
-        if seen >= n:
-            return i + 1
-    raise AssertionError(f"stream {rid} never reached {n} frames")
-
-
-def test_start_steps_bring_a_joining_streams_first_audio_sooner_and_skip_no_old_stream() -> None:
-    from pdunit.engine.decode.overlap import START_STEPS
-
-    reqs = [Req(1, 24, SamplingParams(max_frames=40, min_frames=40)),
-            Req(2, 30, SamplingParams(max_frames=40, min_frames=40)),
-            Req(3, 20, SamplingParams(max_frames=20, min_frames=20), join=6)]
-    plain = Harness(True)
-    plain.run(reqs)
-    started = Harness(True, start_frames=START_FRAMES)
-    before = START_STEPS._value.get()
-    started.run(reqs)
-    # the joining stream's first audio, counted in full steps (messages with an old
-    # stream, each a full step's frames): START_FRAMES - 1 of them without start steps,
-    # about half with them (a start step's small batch costs about the weights' read)
-    def full_steps_to_first_audio(published: list[list[int]]) -> int:
-        first, audio = iterations_to(published, 3, 1), iterations_to(published, 3, START_FRAMES)
-        return sum(1 in ids for ids in published[first:audio])
-
-    assert full_steps_to_first_audio(plain.published) == START_FRAMES - 1
-    assert full_steps_to_first_audio(started.published) == (START_FRAMES - 1) // 2
-    # one start step after each full step while it is young: START_FRAMES - 1 frames
-    # in about half as many full steps, and as many start steps as it needed
-    n_start = START_STEPS._value.get() - before
-    assert n_start == (START_FRAMES - 1) // 2
-    # an old stream misses at most the one message of a start step in a row, never two
-    for rid in (1, 2):
-        gaps, run = [], 0
-        for ids in started.published:
-            if rid in ids:
-                gaps.append(run)
-                run = 0
-            else:
-                run += 1
-        assert max(gaps) <= 1
-    # no start step when every running stream is young (a full step is as fast)
-    alone = Harness(True, start_frames=START_FRAMES)
-    before = START_STEPS._value.get()
-    alone.run([Req(9, 20, SamplingParams(max_frames=12, min_frames=12))])
-    assert START_STEPS._value.get() == before
-
-
-UNIT_REQUESTS = [  # the first one long: the others join it while it decodes
-    (random_prompt(90, seed=21), dict(max_frames=240, min_frames=240)),
+UNIT_REQUESTS = [
+    (random_prompt(90, seed=21), dict(max_frames=16, min_frames=16)),
     (random_prompt(150, seed=22), dict(max_frames=12, min_frames=0, temperature=1.0, seed=5)),
     (random_prompt(60, seed=23), dict(max_frames=20, min_frames=4, temperature=0.8, top_k=40, seed=9)),
 ]
 
 
-def test_start_frames_without_overlap_is_refused_naming_the_flag(capsys) -> None:
-    from pdunit.engine.decode.main import DecodeConfig
-    from pdunit.engine.settings import ConfigError, parse_config
-
-    for argv, why in ((["--start-frames", "9"], "the default on device 'cpu'"),
-                      (["--device", "cuda", "--no-overlap", "--start-frames", "9"], "--no-overlap")):
-        with pytest.raises(ConfigError):
-            parse_config(DecodeConfig, argv, "pdunit decode", env={})
-        err = capsys.readouterr().err
-        assert "invalid start_frames (from --start-frames)" in err and why in err, err
-    ok = parse_config(DecodeConfig, ["--overlap", "--start-frames", "9"], "pdunit decode", env={})
-    assert ok.start_frames == 9
-
-
-@pytest.mark.parametrize("decode_args", [["--overlap"], ["--overlap", "--start-frames", "6"]],
-                         ids=["overlap", "start-steps"])
-def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everything(decode_args) -> None:
+def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everything() -> None:
     from pdunit.engine.local import LocalConfig, LocalUnit
 
     reference = Harness(False)
@@ -350,26 +252,16 @@ def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everythin
         reference.prompts[i] = np.array(p, dtype=np.int64)
         reqs.append(Req(i, len(p), SamplingParams(**params)))
     expected = reference.run(reqs)
-    metrics_port = free_port()
     cfg = LocalConfig(mode="pd", pool_tokens=8192, cache_tokens=8192, lb_port=0, guard=False,
-                      log_level="warning", extra_decode_args=decode_args + ["--metrics-port", str(metrics_port)])
+                      log_level="warning", extra_decode_args=["--overlap"])
     with LocalUnit(cfg) as unit:
         before = load(unit.url)
-        decoding = threading.Event()
         with ThreadPoolExecutor(len(UNIT_REQUESTS)) as pool:
-            first_p, first_params = UNIT_REQUESTS[0]
-            first = pool.submit(stream, unit.url, first_p, on_frame=lambda n: n >= 12 and decoding.set(),
-                                **first_params)
-            assert decoding.wait(60), "the first stream never reached 12 frames"
-            got = [first] + [pool.submit(stream, unit.url, p, **params) for p, params in UNIT_REQUESTS[1:]]
-            got = [f.result() for f in got]
+            got = list(pool.map(lambda r: stream(unit.url, r[0], **r[1]), UNIT_REQUESTS))
         for i, (frames, last) in enumerate(got):
             assert last.get("done"), last
             assert frames == expected.frames[i], f"request {i}"
         wait_for(lambda: load(unit.url)["free_pages"] == before["free_pages"], what="every page back in D's pool")
-        start_steps = scrape_metrics(metrics_port).get("pdunit_decode_start_steps_total", 0.0)
-        # the joining streams ran start steps beside the long one exactly when asked to
-        assert (start_steps > 0) == ("--start-frames" in decode_args), start_steps
 
 
 @pytest.mark.gpu
@@ -377,20 +269,18 @@ def test_overlap_frames_identical_on_cuda_with_graphs() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     reqs = MIXED + [Req(7, 50, SamplingParams(max_frames=40, temperature=1.1, top_k=30, seed=99), join=1)]
-    reqs += [dataclasses.replace(r, rid=r.rid + 100, join=r.join + 12) for r in STAGGERED]
 
-    def cuda_run(overlap: bool, start_frames: int = 0) -> Run:
-        h = Harness(overlap, device="cuda", dtype="bfloat16", start_frames=start_frames)
+    def cuda_run(overlap: bool) -> Run:
+        h = Harness(overlap, device="cuda", dtype="bfloat16")
         assert h.forward.graphs is not None, "the bf16 CUDA model must take the graph path"
         if not overlap:
             h.iterate = lambda: _plain_graph_iteration(h)  # type: ignore[method-assign]
         return h.run(reqs)
 
-    plain, over, started = cuda_run(False), cuda_run(True), cuda_run(True, START_FRAMES)
+    plain, over = cuda_run(False), cuda_run(True)
     for r in reqs:
-        for run in (over, started):
-            assert run.frames[r.rid] == plain.frames[r.rid], f"stream {r.rid}"
-            assert run.codes[r.rid] == plain.codes[r.rid], f"stream {r.rid}"
+        assert over.frames[r.rid] == plain.frames[r.rid], f"stream {r.rid}"
+        assert over.codes[r.rid] == plain.codes[r.rid], f"stream {r.rid}"
 
 
 def _plain_graph_iteration(h: Harness):

@@ -15,10 +15,8 @@ def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> li
     return rng.integers(0, vocab - 2, size=(rows, cols)).tolist()
 
 
-def stream(url: str, prompt: list[list[int]], timeout: float = 120.0, on_frame=None,
-           **params) -> tuple[list[list[int]], dict]:
-    """Returns (frames, last record). The last record is the `done` or `error` line.
-    `on_frame(n)`, when given, is called with the count after each frame arrives."""
+def stream(url: str, prompt: list[list[int]], timeout: float = 120.0, **params) -> tuple[list[list[int]], dict]:
+    """Returns (frames, last record). The last record is the `done` or `error` line."""
     body = {"prompt": prompt, **params}
     frames: list[list[int]] = []
     last: dict = {}
@@ -32,8 +30,6 @@ def stream(url: str, prompt: list[list[int]], timeout: float = 120.0, on_frame=N
             rec = json.loads(line)
             if "frame" in rec:
                 frames.append(rec["frame"])
-                if on_frame is not None:
-                    on_frame(len(frames))
             else:
                 last = rec
     return frames, last
