@@ -390,15 +390,16 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
-           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | P forward ms | P busy "
-           "| P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"| mode | {rows_level_key(rows)} | D step ms | D batch | graph share | D GPU busy | D GC ms/s "
+           "| P forward ms | P busy | P graph share | P reserve ms | P gap ms | LB lag ms | LB lag > 20 ms "
+           "| LB GC ms/s | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
-            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy",
+            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_graph_share", "d_gpu_busy", "d_gc_ms_per_s",
                                               "p_forward_ms", "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms",
-                                              "lb_lag_mean_ms", "lb_lag_over_20ms")]
+                                              "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -427,6 +428,8 @@ _SERIES = {
     "p_eager": 'pdunit_prefill_forwards_total{path="eager"}',
     "lb_lag_n": "pdunit_lb_loop_lag_seconds_count", "lb_lag_s": "pdunit_lb_loop_lag_seconds_sum",
     "lb_lag_le_20ms": 'pdunit_lb_loop_lag_seconds_bucket{le="0.02"}',
+    # garbage-collection pauses (every thread of the process waits), per generation
+    **{f"{role}_gc{g}_s": f'pdunit_gc_pause_seconds_sum{{generation="{g}"}}' for role in ("d", "lb") for g in "012"},
 }
 
 
@@ -445,7 +448,8 @@ def engine_ports(unit_cfg: LocalConfig) -> dict[str, int]:
 
 def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
     """The `_SERIES` of each role from its own process (each exports its role's series
-    only, engine/metrics.py)."""
+    only, engine/metrics.py), keyed by `_SERIES` key: a series every process exports
+    (the GC pauses) is one key per role."""
     out: dict[str, float] = {}
     for role, port in ports.items():
         try:
@@ -454,7 +458,7 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
             continue  # a process that went away: its level shows errors anyway
         # the monolith's one loop exports both: decode steps and the prefill parts of them
         prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_"), "lb": ("lb_",)}[role]
-        out.update({name: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefixes)})
+        out.update({key: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefixes)})
     return out
 
 
@@ -463,7 +467,7 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     replayed from a CUDA graph, D's GPU busy share, P's mean forward, busy share, share
     of forwards replayed from a prefill graph and mean reserve stage (RESERVE round trip), and
     how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
-    d = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in _SERIES.items()}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
     out: dict[str, float] = {}
     if d["d_steps"] > 0:
         out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
@@ -481,6 +485,9 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["p_gap_ms"] = round(1000 * d["p_gap_s"] / d["p_gaps"], 3)
     if d["p_graph"] + d["p_eager"] > 0:
         out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
+    for role in ("d", "lb"):  # ms per second of the level spent in GC pauses
+        if seconds > 0:
+            out[f"{role}_gc_ms_per_s"] = round(1000 * sum(d[f"{role}_gc{g}_s"] for g in "012") / seconds, 3)
     if d["lb_lag_n"] > 0:
         out["lb_lag_mean_ms"] = round(1000 * d["lb_lag_s"] / d["lb_lag_n"], 3)
         out["lb_lag_over_20ms"] = round(1 - d["lb_lag_le_20ms"] / d["lb_lag_n"], 4)

@@ -6,6 +6,10 @@
 - Metrics: prometheus_client's default registry, names prefixed `pdunit_` with units in
   the name (`_seconds`, `_bytes`, `_total`). Processes without an HTTP server expose
   them with `serve_metrics(port)`.
+- GC pauses: `setup_logging` also times every cyclic garbage collection of the process
+  (`pdunit_gc_pause_seconds{generation}`): a decode step is 10-20 ms, so a long
+  collection in D or the LB is a stall every stream sees, and prometheus_client's own
+  `python_gc_*` series count collections without their durations.
 - Shutdown: `shutdown_event()` returns an asyncio.Event set on SIGTERM/SIGINT, so every
   server drains the same way; `die_with_parent()` ties a child of `pdunit local` to it.
 This module owns no business logic.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -23,6 +28,7 @@ import sys
 import time
 from typing import Any
 
+from prometheus_client import Histogram
 from pydantic import BaseModel
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -49,8 +55,32 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+GC_PAUSE_SECONDS = Histogram(
+    "pdunit_gc_pause_seconds", "Time the process spent in one cyclic garbage collection (every thread waits)",
+    ["generation"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+_gc_started = 0.0
+
+
+def _time_gc(phase: str, info: dict[str, int]) -> None:
+    # Runs inside the collection, GIL held: no other thread can collect at the same time.
+    global _gc_started
+    if phase == "start":
+        _gc_started = time.perf_counter()
+    elif _gc_started:
+        GC_PAUSE_SECONDS.labels(generation=str(info["generation"])).observe(time.perf_counter() - _gc_started)
+        _gc_started = 0.0
+
+
+def watch_gc_pauses() -> None:
+    """Times the process's garbage collections into `pdunit_gc_pause_seconds` (idempotent)."""
+    if _time_gc not in gc.callbacks:
+        gc.callbacks.append(_time_gc)
+
+
 def setup_logging(component: str, level: str = "info") -> logging.Logger:
-    """JSON lines on stderr for the whole process; returns the component's logger."""
+    """JSON lines on stderr for the whole process; returns the component's logger. Also
+    starts timing the process's GC pauses (every process calls this first)."""
+    watch_gc_pauses()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(component))
     root = logging.getLogger()

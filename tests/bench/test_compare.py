@@ -227,17 +227,17 @@ def test_devices_start_at_gpu_base():
 def test_engine_deltas_read_each_levels_graph_shares_and_ps_reserve_time():
     from pdunit.bench.compare import _SERIES, engine_deltas
 
-    before = {name: 0.0 for name in _SERIES.values()}
-    after = dict(before, **{_SERIES["p_forwards"]: 4, _SERIES["p_forward_s"]: 0.2, _SERIES["p_graph"]: 3,
-                            _SERIES["p_reserves"]: 5, _SERIES["p_reserve_s"]: 0.02,
-                            _SERIES["p_gaps"]: 2, _SERIES["p_gap_s"]: 0.006,
-                            _SERIES["p_eager"]: 1, _SERIES["d_steps"]: 10, _SERIES["d_step_s"]: 0.1,
-                            _SERIES["d_batch_sum"]: 500, _SERIES["d_graph"]: 9, _SERIES["d_eager"]: 1})
+    before = {key: 0.0 for key in _SERIES}  # what _scrape_all returns: one value per key
+    after = dict(before, p_forwards=4, p_forward_s=0.2, p_graph=3, p_reserves=5, p_reserve_s=0.02, p_gaps=2,
+                 p_gap_s=0.006, p_eager=1, d_steps=10, d_step_s=0.1, d_batch_sum=500, d_graph=9, d_eager=1,
+                 d_gc0_s=0.002, d_gc2_s=0.008, lb_gc1_s=0.003)
     got = engine_deltas(before, after, 2.0)
     assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_reserve_ms": 4.0, "p_gap_ms": 3.0,
-                   "d_step_ms": 10.0, "d_batch": 50.0, "d_graph_share": 0.9}
-    assert "p_graph_share" not in engine_deltas(before, dict(after, **{_SERIES["p_graph"]: 0, _SERIES["p_eager"]: 0}),
-                                                2.0)
+                   "d_step_ms": 10.0, "d_batch": 50.0, "d_graph_share": 0.9,
+                   "d_gc_ms_per_s": 5.0, "lb_gc_ms_per_s": 1.5}  # GC pauses: ms per second of the level
+    # D's and the LB's pauses are one series name in two processes: one key each
+    assert _SERIES["d_gc2_s"] == _SERIES["lb_gc2_s"] == 'pdunit_gc_pause_seconds_sum{generation="2"}'
+    assert "p_graph_share" not in engine_deltas(before, dict(after, p_graph=0, p_eager=0), 2.0)
 
 
 def test_engine_args_reach_p_and_the_monoliths_only_and_bad_ones_stop_the_run(capsys):
@@ -333,6 +333,9 @@ def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(t
     names = ["monolith-prefill-first", "monolith-chunked-64+b"]
     assert [r["mode"] for r in doc["rows"]] == names
     assert all(r["gpus"] == 1 and r["engine"]["d_step_ms"] > 0 and r["waterfall"] for r in doc["rows"])
+    # the engine's and the LB's GC pauses, scraped from each process (a busy Python
+    # process collects its youngest generation many times a second)
+    assert all(r["engine"]["d_gc_ms_per_s"] > 0 and r["engine"]["lb_gc_ms_per_s"] > 0 for r in doc["rows"])
     saved = json.loads(out.read_text())
     assert saved["summary"]["waves"] == [names]
     assert set(saved["summary"]["capacity_per_gpu"]) == set(names)
