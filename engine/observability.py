@@ -9,7 +9,8 @@
 - GC pauses: `setup_logging` also times every cyclic garbage collection of the process
   (`pdunit_gc_pause_seconds{generation}`): a decode step is 10-20 ms, so a long
   collection in D or the LB is a stall every stream sees, and prometheus_client's own
-  `python_gc_*` series count collections without their durations.
+  `python_gc_*` series count collections without their durations. The serving processes
+  (LB, P, D, monolith) call `freeze_startup_objects` once started.
 - Shutdown: `shutdown_event()` returns an asyncio.Event set on SIGTERM/SIGINT, so every
   server drains the same way; `die_with_parent()` ties a child of `pdunit local` to it.
 This module owns no business logic.
@@ -28,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 from pydantic import BaseModel
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -69,6 +70,23 @@ def _time_gc(phase: str, info: dict[str, int]) -> None:
     elif _gc_started:
         GC_PAUSE_SECONDS.labels(generation=str(info["generation"])).observe(time.perf_counter() - _gc_started)
         _gc_started = 0.0
+
+
+GC_FROZEN_OBJECTS = Gauge(
+    "pdunit_gc_frozen_objects", "Objects alive at the end of start-up, moved out of the collector's reach")
+
+
+def freeze_startup_objects(logger: logging.Logger) -> None:
+    """Called once a serving process has started (imports, model, config done): collects
+    start-up garbage, then moves every surviving object into the permanent generation, so
+    that a full collection walks only what serving created since. A D process holds
+    ~200k tracked objects after start and a full collection of them took ~89 ms on a
+    2-core CPU (the LB's 65k: ~20 ms), every thread stopped: a stall of every stream
+    whenever the collector reaches its oldest generation. vLLM freezes the same way."""
+    gc.collect()
+    gc.freeze()
+    GC_FROZEN_OBJECTS.set(gc.get_freeze_count())
+    logger.info("start-up objects frozen out of the garbage collector", extra={"objects": gc.get_freeze_count()})
 
 
 def watch_gc_pauses() -> None:

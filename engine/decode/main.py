@@ -16,7 +16,13 @@ from pdunit.engine.metrics import register_role
 from pdunit.engine.model.config import dtype_name
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
-from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.observability import (
+    freeze_startup_objects,
+    log_config,
+    serve_metrics,
+    setup_logging,
+    shutdown_event,
+)
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import KvCacheDtype, kv_cache_dtype_field, parse_config
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
@@ -123,6 +129,7 @@ async def serve(cfg: DecodeConfig) -> int:
         serve_debug(engine, cfg.debug_port)
     tasks = [asyncio.create_task(engine.expiry_loop()), asyncio.create_task(engine.abort_loop()),
              asyncio.create_task(engine.probe_loop())]
+    freeze_startup_objects(log)
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "overlap": engine.overlap is not None,
                                     "kv_dtype": dtype_name(geometry.dtype),

@@ -16,7 +16,13 @@ from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
-from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.observability import (
+    freeze_startup_objects,
+    log_config,
+    serve_metrics,
+    setup_logging,
+    shutdown_event,
+)
 from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
@@ -119,6 +125,7 @@ async def serve(cfg: MonolithConfig) -> int:
 
     server = await start_unix_server(cfg.socket, register, log)
     engine.loop.start()
+    freeze_startup_objects(log)
     log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy})
     await stop.wait()
     engine.hub.close()

@@ -12,7 +12,13 @@ from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
-from pdunit.engine.observability import log_config, serve_metrics, setup_logging, shutdown_event
+from pdunit.engine.observability import (
+    freeze_startup_objects,
+    log_config,
+    serve_metrics,
+    setup_logging,
+    shutdown_event,
+)
 from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.worker import (
@@ -104,6 +110,7 @@ async def serve(cfg: PrefillConfig) -> int:
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
     engine.start()
+    freeze_startup_objects(log)
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
                                      "decoders": len(engine.links), "transfer": engine.transfer_mode})
     await stop.wait()

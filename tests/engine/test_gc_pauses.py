@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import httpx
+import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from pdunit.engine.observability import _time_gc, setup_logging, watch_gc_pauses
@@ -33,3 +35,22 @@ def test_a_full_collection_is_timed_into_the_histogram_once_per_collection():
     assert _count("2") == count + 3
     assert _sum("2") > total
     assert 'pdunit_gc_pause_seconds_count{generation="2"}' in generate_latest(REGISTRY).decode()
+
+
+@pytest.mark.parametrize("mode", ["pd", "monolith"])
+def test_every_serving_process_freezes_its_start_up_objects(mode):
+    """LB, P and D (or the monolith) each move what start-up left alive out of the
+    collector's reach: a full collection in D walked ~200k objects, ~89 ms on this CPU."""
+    from pdunit.bench.report import scrape_metrics
+    from pdunit.engine.local import LocalConfig, LocalUnit, free_port
+
+    ports = {role: free_port() for role in (("prefill", "decode") if mode == "pd" else ("monolith",))}
+    extra = {f"extra_{role}_args": ["--metrics-port", str(port)] for role, port in ports.items()}
+    cfg = LocalConfig(mode=mode, pool_tokens=4096, cache_tokens=4096, lb_port=0, guard=False, log_level="warning",
+                      **extra)
+    with LocalUnit(cfg) as unit:
+        frozen = {role: scrape_metrics(port)["pdunit_gc_frozen_objects"] for role, port in ports.items()}
+        frozen["lb"] = float(next(line.split()[-1] for line in httpx.get(f"{unit.url}/metrics").text.splitlines()
+                                  if line.startswith("pdunit_gc_frozen_objects ")))
+    # thousands each: the imports alone leave tens of thousands of tracked objects
+    assert all(n > 10_000 for n in frozen.values()), frozen
