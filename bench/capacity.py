@@ -538,6 +538,24 @@ class _suppress_cancel:
         return exc_type is asyncio.CancelledError
 
 
+# A level must hold this many lifetimes of its longest stream (max frames at the rate
+# floor) to reach the unit's steady state: until then the streams in flight, and with
+# them D's batch and every step's time, are still growing. Measured on 2026-11-30: 12-s
+# levels (under one lifetime) put both PD and the monolith 20-40% above 60-s levels.
+STEADY_LIFETIMES = 3.0
+
+
+def steady_duration_s(cfg: CapacityConfig) -> float:
+    """The shortest --duration whose levels reach the steady state (STEADY_LIFETIMES)."""
+    return STEADY_LIFETIMES * cfg.frames[1] / cfg.min_rate
+
+
+def short_levels_warning(name: str, duration: float, needed: float) -> str:
+    return (f"WARNING: {name}: levels of {duration:g} s hold fewer than {STEADY_LIFETIMES:g} lifetimes of the "
+            f"longest stream ({needed / STEADY_LIFETIMES:.0f} s at the rate floor): the unit does not reach its "
+            f"steady state within a level and the capacities are optimistic; give --duration {needed:.0f} or more")
+
+
 def summarize_level(
     results: list[StreamResult],
     cfg: CapacityConfig,
@@ -651,6 +669,9 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
     # concurrent streams per GPU (closed loop), or arrivals/s per GPU (Poisson)
     summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
     summary["capacity_lower_bound_only"] = {cfg.mode_label: capacity is not None and capacity == levels[-1]}
+    # levels too short for the steady state (a --requests level has no set length)
+    summary["steady_state_s"] = round(steady_duration_s(cfg), 1)
+    summary["levels_too_short"] = {cfg.mode_label: not cfg.requests and cfg.duration < steady_duration_s(cfg)}
     if cfg.gpus:
         summary["capacity_bounds_per_gpu"] = {cfg.mode_label: [
             (capacity or 0) / cfg.gpus, None if failed_at is None else failed_at / cfg.gpus]}
@@ -815,6 +836,10 @@ def print_report(doc: dict[str, Any]) -> None:
             level = row["concurrency"] if row["concurrency"] is not None else f"rate {row['rate']}"
             print(f"errors at {level}: {row['error_kinds']}")
     print(f"summary: {json.dumps(doc['summary'], sort_keys=True)}")
+    for name, short in doc["summary"].get("levels_too_short", {}).items():
+        if short:
+            print(short_levels_warning(name, doc["config"]["duration"], doc["summary"]["steady_state_s"]),
+                  file=sys.stderr)
     for path in doc.get("files", []):
         print(f"wrote {path}")
 

@@ -37,6 +37,7 @@ from pdunit.bench.capacity import (
     print_report,
     rows_level_key,
     run_capacity,
+    short_levels_warning,
     summarize_run,
 )
 from pdunit.bench.workload import parse_list, parse_range
@@ -73,7 +74,8 @@ class CompareConfig(BaseModel):
                                   "for the plot")
     repeat: int = Field(1, ge=1, description="runs of every level, each with its own workload seed (seed + run): "
                         "a level counts as passed only when every run passes")
-    duration: float = Field(20.0, gt=0, description="seconds of arrivals per level")
+    duration: float = Field(60.0, gt=0, description="seconds of arrivals per level: at least 3 lifetimes of the "
+                            "longest stream at the rate floor (shorter levels end before the steady state and say so)")
     ramp: float = Field(3.0, ge=0, description="closed-loop workers start spread over this many seconds; streams "
                         "started during the ramp load the unit but are not counted (steady state only)")
     prompt_rows: str = Field("1000-2000", description="prompt rows")
@@ -542,6 +544,7 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
             row["engine"]["window"] = "steady" if "end" in marks else "level"
             row["gpu_busy"] = row["engine"].get("d_gpu_busy")
             attach_waterfall(row, doc["streams"])  # this run's streams only
+            row["slowest_streams"] = slowest_streams(doc["streams"])
             rows.append(row)
         if cfg.stop_at_failure and not all(r["passed"] for r in rows if r[key] == level):
             if level != levels[-1]:
@@ -551,6 +554,17 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
     # summarize_run: a level whose any run failed ends the capacity below it
     return {**doc, "config": {**doc.get("config", {}), key: levels, "repeat": cfg.repeat}, "rows": rows,
             "summary": summarize_run(rows, base)}
+
+
+def slowest_streams(streams: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
+    """The level's `n` slowest served streams (by frames/s), with when they started and
+    how long they were: slow streams that started together point at a stall the unit
+    had (a pause of D or the LB), long ones at the batch's peak."""
+    served = sorted((s for s in streams if s.get("error") is None and s.get("rate") is not None),
+                    key=lambda s: s["rate"])
+    return [{"index": s["index"], "started_s": round(s["started_s"], 2), "frames": s["frames"],
+             "prompt_rows": s["prompt_rows"], "rate": round(s["rate"], 1), "worst_window": s["worst_window"],
+             "ttfa_ms": None if s["ttfa_s"] is None else round(s["ttfa_s"] * 1000, 1)} for s in served[:n]]
 
 
 def waves(units: list[Unit], parallel_gpus: int) -> list[list[Unit]]:
@@ -707,6 +721,9 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
     # so a ratio over one of them is an upper bound, a ratio of one over another a lower
     summary["capacity_lower_bound_only"] = {
         name: bool(doc["summary"].get("capacity_lower_bound_only", {}).get(name)) for name, doc in docs.items()}
+    summary["levels_too_short"] = {name: bool(doc["summary"].get("levels_too_short", {}).get(name))
+                                   for name, doc in docs.items()}
+    summary["steady_state_s"] = max((doc["summary"].get("steady_state_s", 0.0) for doc in docs.values()), default=0.0)
     if realtime:
         summary["realtime_streams_per_gpu"] = realtime
     summary["waves"] = [[name for name, _, _ in wave] for wave in plan]
@@ -732,6 +749,9 @@ def main(argv: list[str]) -> int:
         print(f"WARNING: {name} passed its highest level: its capacity is at least "
               f"{doc['summary']['capacity_per_gpu'][name]} per GPU, not that; ratios over it are upper bounds. "
               "Give it higher levels.", file=sys.stderr)
+    for name, short in doc["summary"]["levels_too_short"].items():
+        if short:
+            print(short_levels_warning(name, cfg.duration, doc["summary"]["steady_state_s"]), file=sys.stderr)
     return 0
 
 

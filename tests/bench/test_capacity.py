@@ -368,3 +368,20 @@ def test_a_capacity_at_the_highest_level_measured_is_flagged_as_a_lower_bound():
     assert top["capacity_bounds_per_gpu"] == {"m": [10.0, None]}
     assert bounded["capacity_bounds_per_gpu"] == {"m": [10.0, 12.0]}
     assert summarize_run(rows((8, False)), cfg)["capacity_bounds_per_gpu"] == {"m": [0.0, 8.0]}
+
+
+def test_levels_shorter_than_three_stream_lifetimes_are_flagged_as_short():
+    from pdunit.bench.capacity import short_levels_warning, steady_duration_s, summarize_run
+
+    rows = [{"concurrency": None, "rate": 10.0, "passed": True, "realtime_streams": 1.0}]
+    # BENCHMARKS.md's streams: 630 frames at the 42 frames/s floor last 15 s: 45 s of level
+    spec = CapacityConfig(mode_label="m", gpus=1, frames="105-630", duration=12.0)
+    assert steady_duration_s(spec) == 45.0
+    short = summarize_run(rows, spec)
+    assert short["levels_too_short"] == {"m": True} and short["steady_state_s"] == 45.0
+    assert summarize_run(rows, spec.model_copy(update={"duration": 60.0}))["levels_too_short"] == {"m": False}
+    # a level ended by a stream count has no set length to judge
+    assert summarize_run(rows, spec.model_copy(update={"requests": 50}))["levels_too_short"] == {"m": False}
+    text = short_levels_warning("m", 12.0, 45.0)
+    assert "levels of 12 s hold fewer than 3 lifetimes of the longest stream (15 s" in text
+    assert "--duration 45 or more" in text

@@ -137,11 +137,17 @@ def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
     mean_frames = row["frames_total"] / row["ok"]
     assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1), row
     assert doc["summary"]["levels"] == "rate"
+    # 3-s levels of 42-frame streams: 3 lifetimes at 42 frames/s would be 3 s, so not short
+    assert doc["summary"]["levels_too_short"] == {"1p1d": False} and doc["summary"]["steady_state_s"] == 3.0
     if row["passed"]:
         assert doc["summary"]["capacity_per_gpu"]["1p1d"] == 1.5
         assert doc["summary"]["realtime_streams_per_gpu"]["1p1d"] == round(row["realtime_streams"] / 2, 1)
     assert row["waterfall_check"].get("streams", 0) > 0, row["waterfall_check"]  # found by arrival rate
     assert "### 1p1d at rate 3" in out.with_suffix(".md").read_text()
+    # the slowest streams of the level, slowest first, the first being the row's minimum
+    slow = row["slowest_streams"]
+    assert 0 < len(slow) <= 5 and [s["rate"] for s in slow] == sorted(s["rate"] for s in slow)
+    assert slow[0]["rate"] == round(row["min_rate"], 1) and slow[0]["started_s"] >= 0
 
 
 def test_repeated_levels_run_each_with_its_own_seed_and_all_must_pass(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ stops every thread, so in D or the LB it is a stall every stream sees."""
 from __future__ import annotations
 
 import gc
+import logging
 
 import httpx
 import pytest
@@ -21,7 +22,12 @@ def _sum(generation: str) -> float:
 
 
 def test_a_full_collection_is_timed_into_the_histogram_once_per_collection():
-    setup_logging("test")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging("test")  # what every process calls first: it starts the timing
+    finally:  # the process-wide logging setup would leak into later tests (their caplog)
+        root.handlers[:], root.level = handlers, level
     watch_gc_pauses()  # a second call adds no second callback
     assert gc.callbacks.count(_time_gc) == 1
     count, total = _count("2"), _sum("2")
@@ -32,7 +38,7 @@ def test_a_full_collection_is_timed_into_the_histogram_once_per_collection():
             b.append(a)
         del junk
         gc.collect(2)
-    assert _count("2") == count + 3
+    assert _count("2") >= count + 3  # the three asked for (the collector may run one more itself)
     assert _sum("2") > total
     assert 'pdunit_gc_pause_seconds_count{generation="2"}' in generate_latest(REGISTRY).decode()
 
