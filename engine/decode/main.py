@@ -17,9 +17,9 @@ from pdunit.engine.model.config import dtype_name
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import (
-    freeze_startup_objects,
     log_config,
     serve_metrics,
+    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -129,7 +129,7 @@ async def serve(cfg: DecodeConfig) -> int:
         serve_debug(engine, cfg.debug_port)
     tasks = [asyncio.create_task(engine.expiry_loop()), asyncio.create_task(engine.abort_loop()),
              asyncio.create_task(engine.probe_loop())]
-    freeze_startup_objects(log)
+    settle_gc_for_serving(log)
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "overlap": engine.overlap is not None,
                                     "kv_dtype": dtype_name(geometry.dtype),

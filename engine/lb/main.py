@@ -19,8 +19,8 @@ import uvicorn
 from pdunit.engine.lb.app import LoadBalancer, create_app
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.observability import (
-    freeze_startup_objects,
     log_config,
+    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -51,7 +51,7 @@ async def serve(config: LBConfig) -> int:
     lb = LoadBalancer(config)
     app = create_app(lb)
     sock = bind_socket(config.host, config.port)
-    freeze_startup_objects(logger)
+    settle_gc_for_serving(logger)
     logger.info("listening", extra={"host": config.host, "port": sock.getsockname()[1], "http": "httptools"})
     server = _Server(
         uvicorn.Config(

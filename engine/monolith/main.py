@@ -17,9 +17,9 @@ from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.observability import (
-    freeze_startup_objects,
     log_config,
     serve_metrics,
+    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -125,7 +125,7 @@ async def serve(cfg: MonolithConfig) -> int:
 
     server = await start_unix_server(cfg.socket, register, log)
     engine.loop.start()
-    freeze_startup_objects(log)
+    settle_gc_for_serving(log)
     log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy})
     await stop.wait()
     engine.hub.close()

@@ -13,9 +13,9 @@ from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.observability import (
-    freeze_startup_objects,
     log_config,
     serve_metrics,
+    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -110,7 +110,7 @@ async def serve(cfg: PrefillConfig) -> int:
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
     engine.start()
-    freeze_startup_objects(log)
+    settle_gc_for_serving(log)
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
                                      "decoders": len(engine.links), "transfer": engine.transfer_mode})
     await stop.wait()

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from pdunit.engine.observability import _time_gc, setup_logging, watch_gc_pauses
+from pdunit.engine.observability import (
+    SERVING_GEN0_THRESHOLD,
+    _time_gc,
+    settle_gc_for_serving,
+    setup_logging,
+    watch_gc_pauses,
+)
 
 
 def _count(generation: str) -> float:
@@ -60,3 +67,25 @@ def test_every_serving_process_freezes_its_start_up_objects(mode):
                                   if line.startswith("pdunit_gc_frozen_objects ")))
     # thousands each: the imports alone leave tens of thousands of tracked objects
     assert all(n > 10_000 for n in frozen.values()), frozen
+
+
+def test_settling_freezes_what_start_up_left_and_collects_the_young_generation_less_often():
+    class Node:
+        other: object = None
+
+    thresholds = gc.get_threshold()
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle only the collector frees
+    garbage = weakref.ref(a)
+    del a, b
+    kept = [[i] for i in range(5000)]  # lists: always tracked by the collector
+    try:
+        settle_gc_for_serving(logging.getLogger("test"))
+        assert garbage() is None  # start-up garbage collected first, not frozen
+        assert gc.get_threshold() == (SERVING_GEN0_THRESHOLD, *thresholds[1:])
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(x) in tracked for x in kept)  # alive at the call: out of the collector's reach
+        assert REGISTRY.get_sample_value("pdunit_gc_frozen_objects") == gc.get_freeze_count()
+    finally:  # this test process is not a server
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)

@@ -1,10 +1,15 @@
 """CPU probe (not a test): the LB's garbage-collection pauses while it relays frames,
-with and without freezing its start-up objects (engine/observability.freeze_startup_objects).
+with Python's collector as it starts and as the serving processes settle it
+(engine/observability.settle_gc_for_serving: start-up objects frozen, young collections
+less frequent).
 
 The real LB runs as a process of its own (`pdunit lb`, or the same with the freeze
 turned into a no-op), in front of the fake P and D of tests/lb/fakes.py (this process):
 the fake D sends one frame per stream every `--step-ms`, so `--streams` streams at 10 ms
-are 100 frames/s each. Client processes keep `--streams` streams open for `--seconds`.
+are 100 frames/s each (on a 2-core machine a run relays either ~10.5k or ~5.4k frames/s
+with 120 streams, whatever the mode: compare runs at the same rate). Modes: `no-freeze`
+(Python's defaults), `shipped` (the LB as it ships), `gen0=N` (as it ships with another
+young-generation threshold; `gen0=700` is the freeze alone). Client processes keep `--streams` streams open for `--seconds`.
 At the end it reads the LB's own metrics: frames relayed, its CPU seconds, and its GC
 pauses per generation.
 
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import httpx
 
@@ -30,10 +36,12 @@ from tests.lb.fakes import FakeUnit, LoopThread
 
 # The LB's own main, with the freeze optionally replaced before lb.main imports it.
 LB_CODE = """
-import sys
+import gc, sys
 import pdunit.engine.observability as o
-if sys.argv[1] == "no-freeze":
-    o.freeze_startup_objects = lambda logger: None
+if sys.argv[1] == "no-freeze":  # Python's collector as it starts
+    o.settle_gc_for_serving = lambda logger: None
+if sys.argv[1].startswith("gen0="):  # the freeze, with this young-generation threshold
+    o.SERVING_GEN0_THRESHOLD = int(sys.argv[1][5:])
 from pdunit.engine.lb.main import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -56,7 +64,7 @@ async def _client(url: str, streams: int, seconds: float, frames: int) -> int:
     return got
 
 
-def _client_proc(url: str, streams: int, seconds: float, frames: int, out: mp.Queue) -> None:
+def _client_proc(url: str, streams: int, seconds: float, frames: int, out: Any) -> None:
     out.put(asyncio.run(_client(url, streams, seconds, frames)))
 
 
@@ -67,17 +75,20 @@ def probe(mode: str, args: argparse.Namespace, unit: FakeUnit) -> dict[str, floa
                            "--unit-name", "probe", "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
+        for _ in range(300):
             try:
                 if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        else:
+            raise SystemExit(f"{mode}: the LB never became ready at {url}")
         before = scrape_metrics(port)
-        out: mp.Queue = mp.Queue()
+        ctx = mp.get_context("spawn")  # this process runs gRPC threads: a forked child can crash
+        out = ctx.Queue()
         per = args.streams // args.client_procs
-        procs = [mp.Process(target=_client_proc, args=(url, per, args.seconds, args.frames, out))
+        procs = [ctx.Process(target=_client_proc, args=(url, per, args.seconds, args.frames, out))
                  for _ in range(args.client_procs)]
         t0 = time.monotonic()
         for p in procs:
@@ -85,6 +96,8 @@ def probe(mode: str, args: argparse.Namespace, unit: FakeUnit) -> dict[str, floa
         for p in procs:
             p.join()
         wall = time.monotonic() - t0
+        if any(p.exitcode for p in procs) or out.qsize() < len(procs):
+            raise SystemExit(f"{mode}: a client process failed (exit codes {[p.exitcode for p in procs]})")
         after = scrape_metrics(port)
     finally:
         lb.terminate()
@@ -114,7 +127,7 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=300, help="frames per stream (then the client starts another)")
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--client-procs", type=int, default=2)
-    ap.add_argument("--modes", default="no-freeze,freeze")
+    ap.add_argument("--modes", default="no-freeze,shipped")
     args = ap.parse_args()
     loop = LoopThread()
     try:
