@@ -339,9 +339,9 @@ def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(t
     names = ["monolith-prefill-first", "monolith-chunked-64+b"]
     assert [r["mode"] for r in doc["rows"]] == names
     assert all(r["gpus"] == 1 and r["engine"]["d_step_ms"] > 0 and r["waterfall"] for r in doc["rows"])
-    # the engine's and the LB's GC pauses, scraped from each process (a busy Python
-    # process collects its youngest generation many times a second)
-    assert all(r["engine"]["d_gc_ms_per_s"] > 0 and r["engine"]["lb_gc_ms_per_s"] > 0 for r in doc["rows"])
+    # the engine's and the LB's GC pauses per level (settled for serving, a process may
+    # not collect at all in a 2-s level; tests/engine/test_gc_pauses.py checks the export)
+    assert all(r["engine"]["d_gc_ms_per_s"] >= 0 and r["engine"]["lb_gc_ms_per_s"] >= 0 for r in doc["rows"])
     saved = json.loads(out.read_text())
     assert saved["summary"]["waves"] == [names]
     assert set(saved["summary"]["capacity_per_gpu"]) == set(names)

@@ -24,11 +24,11 @@ def test_flags_rebuild_the_config():
 
 def test_default_fields_give_no_flags_unless_the_env_sets_them():
     assert to_argv(CompareConfig(), env={}) == []
-    assert to_argv(CompareConfig(stop_at_failure=True, duration=20.0), env={}) == []
+    assert to_argv(CompareConfig(stop_at_failure=True, duration=60.0), env={}) == []
     # PDUNIT_DURATION would replace the default in the parsing process: the flag must win
     env = {"PDUNIT_DURATION": "5"}
     argv = to_argv(CompareConfig(), env=env)
-    assert argv == ["--duration=20.0"]
+    assert argv == ["--duration=60.0"]
     assert parse_config(CompareConfig, argv, "x", env=env) == CompareConfig()
 
 
