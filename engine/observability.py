@@ -75,13 +75,15 @@ def _time_gc(phase: str, info: dict[str, int]) -> None:
 
 GC_FROZEN_OBJECTS = Gauge(
     "pdunit_gc_frozen_objects", "Objects alive at the end of start-up, moved out of the collector's reach")
-# Serving processes collect their youngest generation after this many net allocations
-# (Python's default: 700). A young collection walks the young objects alive at that
-# moment (frames in flight), not the ones already freed, so collecting 14x less often
-# costs about 14x less: the LB relaying ~10.5k frames/s spent 5.9 ms per second in GC
-# at 700 and 0.3-0.6 ms at 10000 (tests/lb/gc_probe.py, 2-core CPU), its longest pause
-# 2-4 ms instead of a 9-10 ms full collection.
-SERVING_GEN0_THRESHOLD = 10_000
+# The collector's thresholds in serving processes (Python's: 700, 10, 10). A young
+# collection walks the young objects alive at that moment (frames in flight), not the
+# ones already freed, so collecting the youngest generation after 10000 net allocations
+# instead of 700 costs far less; the older ones follow after 2 and 2 collections instead
+# of 10 and 10, so that garbage in reference cycles still goes within about as many
+# seconds as before (vLLM 0.11.1 collected less often and its cyclic requests piled up
+# by gigabytes, vllm-project/vllm#28726). The LB relaying ~10.4k frames/s on a 2-core
+# CPU: gcprobe-20261130-cpu.md.
+SERVING_GC_THRESHOLDS = (10_000, 2, 2)
 
 
 def settle_gc_for_serving(logger: logging.Logger) -> None:
@@ -93,10 +95,10 @@ def settle_gc_for_serving(logger: logging.Logger) -> None:
        took ~89 ms on a 2-core CPU (the LB's 65k: ~20 ms; in the LB relaying frames, 51
        ms without the freeze, 8-9 ms with it), every thread stopped: a stall of every
        stream. vLLM freezes the same way.
-    2. Raises the young-generation threshold to SERVING_GEN0_THRESHOLD."""
+    2. Sets the thresholds to SERVING_GC_THRESHOLDS."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(SERVING_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
     GC_FROZEN_OBJECTS.set(gc.get_freeze_count())
     logger.info("garbage collector settled for serving", extra={
         "frozen_objects": gc.get_freeze_count(), "thresholds": list(gc.get_threshold())})

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from pdunit.engine.observability import (
-    SERVING_GEN0_THRESHOLD,
+    SERVING_GC_THRESHOLDS,
     _time_gc,
     settle_gc_for_serving,
     setup_logging,
@@ -88,7 +88,7 @@ def test_settling_freezes_what_start_up_left_and_collects_the_young_generation_l
     try:
         settle_gc_for_serving(logging.getLogger("test"))
         assert garbage() is None  # start-up garbage collected first, not frozen
-        assert gc.get_threshold() == (SERVING_GEN0_THRESHOLD, *thresholds[1:])
+        assert gc.get_threshold() == SERVING_GC_THRESHOLDS
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(x) in tracked for x in kept)  # alive at the call: out of the collector's reach
         assert REGISTRY.get_sample_value("pdunit_gc_frozen_objects") == gc.get_freeze_count()

@@ -8,8 +8,8 @@ turned into a no-op), in front of the fake P and D of tests/lb/fakes.py (this pr
 the fake D sends one frame per stream every `--step-ms`, so `--streams` streams at 10 ms
 are 100 frames/s each (on a 2-core machine a run relays either ~10.5k or ~5.4k frames/s
 with 120 streams, whatever the mode: compare runs at the same rate). Modes: `no-freeze`
-(Python's defaults), `shipped` (the LB as it ships), `gen0=N` (as it ships with another
-young-generation threshold; `gen0=700` is the freeze alone). Client processes keep `--streams` streams open for `--seconds`.
+(Python's defaults), `shipped` (the LB as it ships), `gc=A/B/C` (as it ships with
+other collector thresholds; `gc=700/10/10` is the freeze alone). Client processes keep `--streams` streams open for `--seconds`.
 At the end it reads the LB's own metrics: frames relayed, its CPU seconds, and its GC
 pauses per generation.
 
@@ -40,8 +40,8 @@ import gc, sys
 import pdunit.engine.observability as o
 if sys.argv[1] == "no-freeze":  # Python's collector as it starts
     o.settle_gc_for_serving = lambda logger: None
-if sys.argv[1].startswith("gen0="):  # the freeze, with this young-generation threshold
-    o.SERVING_GEN0_THRESHOLD = int(sys.argv[1][5:])
+if sys.argv[1].startswith("gc="):  # the freeze, with these thresholds
+    o.SERVING_GC_THRESHOLDS = tuple(int(x) for x in sys.argv[1][3:].split("/"))
 from pdunit.engine.lb.main import main
 sys.exit(main(sys.argv[2:]))
 """
