@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -69,6 +70,8 @@ class Stream:
     decode: int | None = None  # index of the D whose subscription delivered it (None: not yet)
     prefill_tokens: int = 0  # rows P computed (from SubmitReply)
     cached_tokens: int = 0  # rows P served from its prefix cache
+    writing: bool = False  # its response is being written: frame_timeout_ms applies
+    last_event: float = 0.0  # monotonic time of the last event queued (or of the write's start)
 
     @property
     def hex_id(self) -> str:
@@ -79,7 +82,12 @@ class Stream:
             return
         if isinstance(event, StreamFailure) or event.finished:
             self.ended = True
+        self.last_event = time.monotonic()
         self.queue.put_nowait(event)
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since its last event while its response is being written (0 otherwise)."""
+        return now - self.last_event if self.writing and not self.ended else 0.0
 
     def drain_ready(self) -> list[StreamEvent]:
         """Everything queued now, without waiting: lets a slow client catch up in one write."""

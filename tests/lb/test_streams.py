@@ -85,3 +85,18 @@ def test_fail_all_reaches_only_streams_still_running_and_wait_empty_follows_clos
         assert await table.wait_empty(0.01)
 
     run(main())
+
+
+def test_a_stream_is_silent_only_while_its_response_is_written_and_until_it_ends():
+    async def main():
+        s = StreamTable(LBMetrics(CollectorRegistry()), lambda: 11).open(7, {})
+        s.last_event = 100.0
+        assert s.silent_for(105.0) == 0.0  # not written yet: P may still be prefilling it
+        s.writing = True
+        assert s.silent_for(105.0) == 5.0
+        s.push(Frames([[1] * 11]))  # an event restarts the count
+        assert s.silent_for(s.last_event + 0.5) == 0.5
+        s.push(StreamFailure("frame_timeout", "x"))
+        assert s.ended and s.silent_for(s.last_event + 60) == 0.0  # ended: the watchdog leaves it
+
+    run(main())
