@@ -670,8 +670,9 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
     summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
     summary["capacity_lower_bound_only"] = {cfg.mode_label: capacity is not None and capacity == levels[-1]}
     # levels too short for the steady state (a --requests level has no set length)
-    summary["steady_state_s"] = round(steady_duration_s(cfg), 1)
-    summary["levels_too_short"] = {cfg.mode_label: not cfg.requests and cfg.duration < steady_duration_s(cfg)}
+    steady_s = steady_duration_s(cfg)
+    summary["steady_state_s"] = round(steady_s, 1)
+    summary["levels_too_short"] = {cfg.mode_label: not cfg.requests and cfg.duration < steady_s}
     if cfg.gpus:
         summary["capacity_bounds_per_gpu"] = {cfg.mode_label: [
             (capacity or 0) / cfg.gpus, None if failed_at is None else failed_at / cfg.gpus]}

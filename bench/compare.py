@@ -487,8 +487,8 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["p_gap_ms"] = round(1000 * d["p_gap_s"] / d["p_gaps"], 3)
     if d["p_graph"] + d["p_eager"] > 0:
         out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
-    for role in ("d", "lb"):  # ms per second of the level spent in GC pauses
-        if seconds > 0:
+    if seconds > 0:  # ms per second of the level spent in GC pauses
+        for role in ("d", "lb"):
             out[f"{role}_gc_ms_per_s"] = round(1000 * sum(d[f"{role}_gc{g}_s"] for g in "012") / seconds, 3)
     if d["lb_lag_n"] > 0:
         out["lb_lag_mean_ms"] = round(1000 * d["lb_lag_s"] / d["lb_lag_n"], 3)

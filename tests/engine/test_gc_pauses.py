@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from urllib.parse import urlparse
 
-import httpx
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
@@ -62,17 +62,15 @@ def test_every_serving_process_freezes_its_start_up_objects(mode):
     cfg = LocalConfig(mode=mode, pool_tokens=4096, cache_tokens=4096, lb_port=0, guard=False, log_level="warning",
                       **extra)
     with LocalUnit(cfg) as unit:
+        ports["lb"] = int(urlparse(unit.url).port or 0)  # the LB serves /metrics on its own port
         scraped = {role: scrape_metrics(port) for role, port in ports.items()}
-        lb_text = httpx.get(f"{unit.url}/metrics").text
     frozen = {role: values["pdunit_gc_frozen_objects"] for role, values in scraped.items()}
-    frozen["lb"] = float(next(line.split()[-1] for line in lb_text.splitlines()
-                              if line.startswith("pdunit_gc_frozen_objects ")))
     # thousands each: the imports alone leave tens of thousands of tracked objects
     assert all(n > 10_000 for n in frozen.values()), frozen
     # and each times its collections (start-up collects before the settling)
     for role, values in scraped.items():
         assert any(k.startswith("pdunit_gc_pause_seconds_count{") for k in values), role
-    assert 'pdunit_gc_pause_seconds_count{generation="0"}' in lb_text
+    assert 'pdunit_gc_pause_seconds_count{generation="0"}' in scraped["lb"]
 
 
 def test_settling_freezes_what_start_up_left_and_collects_the_young_generation_less_often():
