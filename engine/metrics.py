@@ -67,7 +67,12 @@ D_STREAMS = role_metric(Gauge("pdunit_decode_streams", "Streams decoding in D (o
 D_STEP_SECONDS = role_metric(Histogram("pdunit_decode_step_seconds", "Wall time of one decode step",
                                        buckets=_FAST, registry=None), _D, _MONO)
 D_STEP_BATCH = role_metric(Histogram("pdunit_decode_step_batch", "Streams per decode step",
-                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=None), _D, _MONO)
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                                              768, 1024), registry=None), _D, _MONO)
+D_ADMIT_WAIT_SECONDS = role_metric(Histogram(
+    "pdunit_decode_admit_wait_seconds",
+    "From a stream's admission to the batcher to the first step with room for it (> one step: the batch was full, "
+    "--max-batch)", buckets=_FAST, registry=None), _D, _MONO)
 D_FRAMES = role_metric(Counter("pdunit_decode_frames_total", "Frames emitted", registry=None), _D, _MONO)
 D_GPU_BUSY_SECONDS = role_metric(Counter(
     "pdunit_decode_gpu_busy_seconds_total",

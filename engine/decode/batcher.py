@@ -9,11 +9,13 @@ transfer pages itself except `pool.finish` of its own finished/cancelled streams
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.sampling import SamplingParams, is_eos, sample_frames
@@ -31,6 +33,7 @@ class Stream:
     frames_out: int = 0               # frames emitted so far (the first frame counts)
     stamps: dict[str, int] = field(default_factory=dict)
     first_out: bool = False           # its first frame already went out (D publishes it at COMMIT)
+    admitted_at: float = 0.0          # perf_counter() at `DecodeBatcher.admit`
 
 
 @dataclass
@@ -55,8 +58,9 @@ class DecodeBatcher:
 
     # -- called from any thread -------------------------------------------------------
     def admit(self, stream: Stream) -> None:
-        """The stream's pages are DECODING and hold its prompt KV; its first frame goes
-        out with the next step."""
+        """The stream's pages are DECODING and hold its prompt KV; it joins the next step
+        with room for it (`max_batch`)."""
+        stream.admitted_at = time.perf_counter()
         with self._lock:
             self._incoming.append(stream)
 
@@ -93,9 +97,15 @@ class DecodeBatcher:
         return dropped
 
     def take_incoming(self) -> list[Stream]:
+        """The admitted streams the next step has room for, oldest first; each one's wait
+        since `admit` goes to `pdunit_decode_admit_wait_seconds` (long waits: the batch
+        was full)."""
         with self._lock:
             room = max(0, self.max_batch - len(self.running))
             new, self._incoming = self._incoming[:room], self._incoming[room:]
+        now = time.perf_counter()
+        for s in new:
+            m.D_ADMIT_WAIT_SECONDS.observe(now - s.admitted_at)
         return new
 
     def decode_entries(self) -> tuple[list[Stream], list[SeqEntry]]:

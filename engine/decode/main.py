@@ -46,7 +46,7 @@ class DecodeConfig(StackSamplingFields):
     pool_reserve_gib: float = Field(8.0, ge=0, description="--pool-tokens 0: device memory kept out of the pool, "
                                     "for the decode CUDA graphs, activations and the allocator's scratch")
     page_size: int = Field(1, gt=0, description="tokens per page")
-    max_batch: int = Field(256, gt=0, description="streams per decode step")
+    max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode steps (GPU path only)")
     overlap: bool | None = Field(None, description="overlap scheduling: queue decode step n+1 before step n's "
                                  "frames reach the host (same frames); default: on when the model takes the GPU "

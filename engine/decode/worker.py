@@ -316,7 +316,16 @@ class DecodeEngine:
         now, not with D's next step: it needs nothing from D, and the next step boundary
         is one to two steps away (22-26 ms p50 at 128+ streams on the H200s). A stream
         that this frame ends (EOS past min_frames, or max_frames == 1) never enters the
-        batch."""
+        batch.
+
+        Unless the batch is full (`--max-batch` streams running or waiting): the stream
+        then waits for room, and a first frame sent now would open a gap of that wait
+        inside the stream (its rate and worst 1-s window count from its first frame).
+        Its first frame goes out with the step that takes it in, so the wait falls
+        before the stream's first frame, where the TTFA budget covers it."""
+        if len(self.batcher) >= self.batcher.max_batch:
+            self.batcher.admit(stream)  # first_out stays False: the batcher emits it
+            return
         code = self.batcher.finish_code(stream, stream.last_frame, self.model.config.eos_id)
         ended = code != RUNNING
         out = StepOutput(request_ids=np.array([stream.request_id], dtype=np.uint64),

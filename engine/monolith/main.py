@@ -45,7 +45,7 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields):
     cache_tokens: int = Field(65536, ge=0, description="token rows of a prefix cache beside the pool, as P keeps "
                               "one: a reused voice skips its cached leading blocks (0 = none)")
     page_size: int = Field(1, gt=0, description="tokens per page")
-    max_batch: int = Field(256, gt=0, description="streams per decode step")
+    max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")

@@ -108,3 +108,31 @@ def test_a_cancel_right_after_commit_stops_the_stream():
     while d._step_once():
         pass
     assert len(hub.frames_of(5)) == 1 and d.pool.state_of(5) is None
+
+
+def _admit_waits() -> float:
+    from pdunit.engine import metrics as m
+
+    return next(s.value for s in m.D_ADMIT_WAIT_SECONDS.collect()[0].samples if s.name.endswith("_count"))
+
+
+def test_a_stream_committed_into_a_full_batch_sends_its_first_frame_when_it_joins_a_step():
+    d, hub = engine()  # --max-batch 8
+    waits = _admit_waits()
+    for rid in range(1, 9):
+        assert commit(d, rid, np.full(11, rid, dtype=np.int32), max_frames=6).status == pb.STATUS_OK
+    assert all(len(hub.frames_of(rid)) == 1 for rid in range(1, 9))  # room: out with the commit
+    late = np.full(11, 42, dtype=np.int32)
+    assert commit(d, 99, late, max_frames=6).status == pb.STATUS_OK
+    assert hub.frames_of(99) == []  # the batch is full: no frame yet, so no gap inside the stream
+    joined = None
+    while d._step_once():
+        if joined is None and hub.frames_of(99):
+            joined = len(hub.messages)
+            assert all(d.pool.state_of(rid) is None for rid in range(1, 9))  # it took a finished stream's room
+    frames = hub.frames_of(99)
+    assert len(frames) == 6 and frames[0] == late.tolist()  # its first frame once, then its own steps
+    first_msg = next(msg for msg in hub.messages if 99 in unpack(msg.request_ids, "u8").tolist())
+    assert "first_frame_step" in first_msg.stamps[99].ns
+    assert _admit_waits() - waits == 9  # every stream's wait for room is in the histogram
+    assert d.pool.free_pages == d.pool.n_pages
