@@ -61,6 +61,7 @@ MAX_SPLITS = 64
 # bench/results/step-20261129-h200.json lists every candidate's time.
 DECODE_CONFIG: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
+    "fp8_dots": 0,
 }
 # `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
 # dots' first operand, which Hopper's tensor cores take from registers (the second must
@@ -68,6 +69,11 @@ DECODE_CONFIG: dict[str, int] = {
 # 0 the plain S = Q K^T, O = P V; -1 picks 1 for an fp8 pool, 0 otherwise, as `--tune`
 # found on one H200 (bench/results/step-20261130-h200-kv-fp8-kva.md: fp8 2.33 against
 # 2.09 TB/s, bf16 3.54 against 3.91).
+# `fp8_dots` (fp8 pools only; ignored otherwise): 0 widens K and V to fp16 for every dot;
+# 1 runs Q K^T on fp8 tensor cores, the query quantised to e4m3 per head row (scaled by
+# its largest |value| / 448, the scale undone on the scores: what vLLM's FlashAttention-3
+# path does with an fp8 cache), P V widened as in 0; 2 also runs P V in fp8, P scaled by
+# 256 into e4m3 (3 mantissa bits on the softmax weights: lossier, for `--tune` to price).
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
 DECODE_CANDIDATES: list[dict[str, int]] = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
@@ -79,7 +85,21 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
     {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
     {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
     {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
+     "fp8_dots": 1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
+     "fp8_dots": 1},
+    {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
+     "fp8_dots": 1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
+     "fp8_dots": 2},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
+     "fp8_dots": 2},
+    {"block_n": 128, "num_warps": 8, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
+     "fp8_dots": 2},
 ]
+for _cand in DECODE_CANDIDATES:  # a candidate without the key widens, as the default does
+    _cand.setdefault("fp8_dots", 0)
 
 
 # ---------------------------------------------------------------- slot tables (pure torch)
@@ -204,7 +224,7 @@ if triton is not None:
         n_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
-        HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr,
+        HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr, FP8_DOTS: tl.constexpr,
     ):
         if HEAD_MAJOR:
             hkv = tl.program_id(0)
@@ -228,7 +248,16 @@ if triton is not None:
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=g_mask[:, None],
             other=0.0,
-        ).to(WIDE)
+        )
+        if FP8_DOTS >= 1:  # Q K^T on fp8 tensor cores: each query head's row scaled into e4m3's range
+            q32 = q.to(tl.float32)
+            amax = tl.max(tl.abs(q32), 1)
+            q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+            q = (q32 / q_scale[:, None]).to(tl.float8e4nv)
+            s_scale = q_scale * scale_log2e  # [BLOCK_G]: undoes the row scale in the scores
+        else:
+            q = q.to(WIDE)
+            s_scale = tl.full([BLOCK_G], scale_log2e, dtype=tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         row_table = Table + b.to(tl.int64) * stride_tb
@@ -237,7 +266,10 @@ if triton is not None:
             acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
-                s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e  # [BLOCK_N, BLOCK_G] fp32
+                if FP8_DOTS >= 1:
+                    s_t = tl.dot(k, q_t) * s_scale[None, :]  # [BLOCK_N, BLOCK_G] fp32
+                else:
+                    s_t = tl.dot(k.to(WIDE), q_t) * s_scale[None, :]
                 s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s_t, 0))
                 alpha = tl.exp2(m_i - m_new)
@@ -248,14 +280,20 @@ if triton is not None:
                     mask=n_mask[None, :],
                     other=0.0,
                 )
-                acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
+                if FP8_DOTS == 2:  # P V on fp8 tensor cores too: P (in [0, 1]) times 256 into e4m3
+                    acc_t = acc_t * alpha[None, :] + tl.dot(v_t, (p_t * 256.0).to(tl.float8e4nv)) * (1.0 / 256.0)
+                else:
+                    acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
                 m_i = m_new
             acc = tl.trans(acc_t)
         else:
             acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
-                qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e  # [BLOCK_G, BLOCK_N] fp32
+                if FP8_DOTS >= 1:
+                    qk = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [BLOCK_G, BLOCK_N] fp32
+                else:
+                    qk = tl.dot(q, tl.trans(k.to(WIDE))) * s_scale[:, None]
                 qk = tl.where(n_mask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -266,7 +304,10 @@ if triton is not None:
                     mask=n_mask[:, None],
                     other=0.0,
                 )
-                acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
+                if FP8_DOTS == 2:
+                    acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(tl.float8e4nv), v) * (1.0 / 256.0)
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
                 m_i = m_new
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.
@@ -390,6 +431,7 @@ def paged_decode_attention(
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
         HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
         KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV),
+        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if kv_layer.dtype == FP8_KV else 0,
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:
