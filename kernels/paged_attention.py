@@ -72,8 +72,10 @@ DECODE_CONFIG: dict[str, int] = {
 # `fp8_dots` (fp8 pools only; ignored otherwise): 0 widens K and V to fp16 for every dot;
 # 1 runs Q K^T on fp8 tensor cores, the query quantised to e4m3 per head row (scaled by
 # its largest |value| / 448, the scale undone on the scores: what vLLM's FlashAttention-3
-# path does with an fp8 cache), P V widened as in 0; 2 also runs P V in fp8, P scaled by
-# 256 into e4m3 (3 mantissa bits on the softmax weights: lossier, for `--tune` to price).
+# path does with an fp8 cache), P V widened as in 0. On one H200 (64 x 2k, one layer) 1
+# was 5% faster than 0 in the same order (2428 against 2308 GB/s of fp8 K/V), short of
+# moving the default off exact widening; P V in fp8 too (P scaled into e4m3) was slower
+# in all three forms tried (bench/results/step-20261130-h200-fp8-dots.md).
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
 DECODE_CANDIDATES: list[dict[str, int]] = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
@@ -91,12 +93,6 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
      "fp8_dots": 1},
     {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
      "fp8_dots": 1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
-     "fp8_dots": 2},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
-     "fp8_dots": 2},
-    {"block_n": 128, "num_warps": 8, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
-     "fp8_dots": 2},
 ]
 for _cand in DECODE_CANDIDATES:  # a candidate without the key widens, as the default does
     _cand.setdefault("fp8_dots", 0)
@@ -249,7 +245,7 @@ if triton is not None:
             mask=g_mask[:, None],
             other=0.0,
         )
-        if FP8_DOTS >= 1:  # Q K^T on fp8 tensor cores: each query head's row scaled into e4m3's range
+        if FP8_DOTS:  # Q K^T on fp8 tensor cores: each query head's row scaled into e4m3's range
             q32 = q.to(tl.float32)
             amax = tl.max(tl.abs(q32), 1)
             q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
@@ -266,7 +262,7 @@ if triton is not None:
             acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
-                if FP8_DOTS >= 1:
+                if FP8_DOTS:
                     s_t = tl.dot(k, q_t) * s_scale[None, :]  # [BLOCK_N, BLOCK_G] fp32
                 else:
                     s_t = tl.dot(k.to(WIDE), q_t) * s_scale[None, :]
@@ -280,17 +276,14 @@ if triton is not None:
                     mask=n_mask[None, :],
                     other=0.0,
                 )
-                if FP8_DOTS == 2:  # P V on fp8 tensor cores too: P (in [0, 1]) times 256 into e4m3
-                    acc_t = acc_t * alpha[None, :] + tl.dot(v_t, (p_t * 256.0).to(tl.float8e4nv)) * (1.0 / 256.0)
-                else:
-                    acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
+                acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
                 m_i = m_new
             acc = tl.trans(acc_t)
         else:
             acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
-                if FP8_DOTS >= 1:
+                if FP8_DOTS:
                     qk = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [BLOCK_G, BLOCK_N] fp32
                 else:
                     qk = tl.dot(q, tl.trans(k.to(WIDE))) * s_scale[:, None]
@@ -304,10 +297,7 @@ if triton is not None:
                     mask=n_mask[:, None],
                     other=0.0,
                 )
-                if FP8_DOTS == 2:
-                    acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(tl.float8e4nv), v) * (1.0 / 256.0)
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
+                acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
                 m_i = m_new
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.

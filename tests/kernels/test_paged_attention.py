@@ -315,8 +315,7 @@ def test_the_quantised_query_keeps_each_rows_largest_value_and_zero_rows():
 def test_every_tunable_launch_configuration_computes_the_same_attention(candidate, kv_cache_dtype) -> None:
     """`pdunit bench step --tune` may apply any of these, to either pool: each must be
     correct. On an fp8 pool a candidate with fp8 dots computes with a query quantised
-    per head row (`quantised_query`, checked against that to the same 1e-2), and with P
-    in e4m3 too (fp8_dots 2) within 5e-2: the price of 3 mantissa bits on the weights."""
+    per head row: checked against the reference on `quantised_query`, to the same 1e-2."""
     from pdunit.kernels import paged_attention as pa
 
     saved = dict(pa.DECODE_CONFIG)
@@ -336,7 +335,7 @@ def test_every_tunable_launch_configuration_computes_the_same_attention(candidat
         fp8_dots = pa.DECODE_CONFIG["fp8_dots"] if kv.dtype == FP8_KV else 0
         ref = reference_decode_attention((quantised_query(q) if fp8_dots else q).double(), kv.double(), table, lens)
         assert torch.isfinite(out).all()
-        assert float((out.double() - ref).norm() / ref.norm()) < (5e-2 if fp8_dots == 2 else 1e-2)
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
     finally:
         pa.DECODE_CONFIG.clear()
         pa.DECODE_CONFIG.update(saved)
