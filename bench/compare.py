@@ -620,6 +620,10 @@ def child_config(cfg: CompareConfig, name: str, gpu_base: int, out: Path) -> Com
     # the child defines only the label it runs (none for a variant as it is)
     for field, defined in zip(("variant_args", "variant_decode_args"), variant_labels(cfg), strict=True):
         variant[field] = f"{label}={defined[label]}" if label in defined else ""
+    # and only its own levels: the other entries of --variant-rate/--variant-concurrency name
+    # variants it does not run (its check would refuse them)
+    variant.update({level_key(cfg): ",".join(f"{x:g}" for x in levels_for(cfg, name)),
+                    "variant_rate": "", "variant_concurrency": ""})
     return cfg.model_copy(update={**variant, "parallel_gpus": 1, "gpu_base": gpu_base, "out": str(out),
                                   "plot": ""})
 
@@ -694,7 +698,10 @@ def stop_children(children: list[ChildRun], timeout_s: float = 30.0) -> None:
 
 
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
-    plan = waves(variant_units(cfg), cfg.parallel_gpus)
+    units = variant_units(cfg)
+    for name, _, _ in units:  # a bad --variant-rate/--variant-concurrency stops the run before any unit starts
+        levels_for(cfg, name)
+    plan = waves(units, cfg.parallel_gpus)
     print("waves: " + " ".join("[" + " | ".join(name for name, _, _ in wave) + "]" for wave in plan), flush=True)
     docs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pdu-compare-") as tmp:

@@ -414,3 +414,26 @@ def test_decode_args_reach_every_d_and_are_checked_on_the_runs_device(capsys):
     assert "invalid pool_tokens (from --pool-tokens)" in capsys.readouterr().err
     gpu = CompareConfig(variants="1p1d", device="cuda", decode_args="--pool-tokens=0")
     assert variant_units(gpu)[0][2].extra_decode_args == ["--pool-tokens=0"]
+
+
+def test_a_waves_child_gets_its_own_levels_when_other_waves_run_labelled_copies():
+    """--variant-rate names copies of every wave; a child runs one variant, so it gets that
+    variant's levels alone (on the H200s the children refused the other waves' entries,
+    and a labelled chunked copy's entry, and the run lost its monoliths)."""
+    from pdunit.bench.compare import child_config
+
+    cfg = CompareConfig(variants="1p1d+fp8,monolith-prefill-first+kv8,monolith-chunked+kv8", chunks="8192",
+                        device="cuda", parallel_gpus=2, variant_args="fp8=--kv-cache-dtype=fp8_e4m3;kv8=--max-batch=64",
+                        variant_decode_args="fp8=--kv-cache-dtype=fp8_e4m3",
+                        variant_rate="1p1d+fp8=34,38;monolith-prefill-first+kv8=12,14;monolith-chunked+kv8=10")
+    got = {}
+    for name, _, _ in variant_units(cfg):
+        child = child_config(cfg, name, 0, Path("/tmp/z.json"))
+        (child_name, _, _), = variant_units(child)
+        assert child_name == name
+        got[name] = levels_for(child, child_name)
+    assert got == {"1p1d+fp8": [34.0, 38.0], "monolith-prefill-first+kv8": [12.0, 14.0],
+                   "monolith-chunked-8192+kv8": [10.0]}
+    # a misspelt entry still stops the whole run, before any unit starts
+    with pytest.raises(ValueError, match="unknown variants"):
+        levels_for(cfg.model_copy(update={"variant_rate": "1p1d+fp9=3"}), "1p1d+fp8")
