@@ -99,11 +99,14 @@ class CompareConfig(BaseModel):
                               "twice in one run, the copy's P with those flags (a monolith copy's monolith), after "
                               "--prefill-args/--monolith-args. A copy takes its own levels (--variant-rate "
                               "1p1d+b2048=...) or its variant's; it gets no headline ratio, the summary gives it "
-                              "over its variant (variant_over_base)")
+                              "over its variant (variant_over_base), and the copies of one label the headline "
+                              "ratios among themselves (label_ratios)")
     variant_decode_args: str = Field("", description="flags of the labelled copies' D, 'LABEL=FLAGS;...', after "
                                      "--decode-args: `--variants 1p1d,1p1d+b128 --variant-decode-args "
                                      "'b128=--max-batch=128'` runs 1P1D twice, the copy's D with 128-stream steps. A "
-                                     "label may have flags here, in --variant-args, or in both")
+                                     "label may have flags here, in --variant-args, or in both; a monolith may carry "
+                                     "a label with both (one label for a family: `fp8` in P, D and the monolith), "
+                                     "not one with D's flags alone")
     pool_tokens: int = Field(65536, gt=0, description="D's (and the monolith's) KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P and of the monoliths")
     ready_timeout_s: float = Field(600.0, gt=0, description="unit start (model load, graph capture)")
@@ -141,9 +144,13 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
         own_decode: list[str] = []
         if label in decode_labels:
             if family.startswith("monolith"):
-                raise SystemExit(f"pdunit bench compare: --variant-decode-args {label}: {spec} is a monolith, "
-                                 "it has no D (its flags go in --variant-args)")
-            own_decode = checked_argv(decode_labels[label], f"--variant-decode-args {label}", "D", first)
+                # a label of a whole family (P, D and the monolith: `fp8` on each) is fine;
+                # one whose only flags are D's would run the monolith as it is
+                if label not in labels:
+                    raise SystemExit(f"pdunit bench compare: --variant-decode-args {label}: {spec} is a monolith, "
+                                     "it has no D (its flags go in --variant-args)")
+            else:
+                own_decode = checked_argv(decode_labels[label], f"--variant-decode-args {label}", "D", first)
         pd = dict(base, transfer=cfg.transfer, extra_prefill_args=args, extra_decode_args=decode_args + own_decode)
         mono = dict(base, mode="monolith", extra_monolith_args=args)
         name = family + suffix  # the spec without stray spaces: results are keyed by it
@@ -252,28 +259,50 @@ def ratios(per_gpu: dict[str, float | None],
         return round(x / y, 3) if x and y else None
 
     # the headline ratios are of the variants as they are; labelled copies (NAME+LABEL)
-    # are reported over their own variant instead
-    chunked = {k: v for k, v in per_gpu.items() if k.startswith("monolith-chunked") and "+" not in k}
-    best = max(chunked, key=lambda k: chunked[k] or 0) if chunked else None
-    pairs = {
-        "pd_over_prefill_first": ("1p1d", "monolith-prefill-first"),
-        "pd_over_chunk_8192": ("1p1d", "monolith-chunked-8192"),
-        "pd_over_best_chunked": ("1p1d", best),
-        "1p2d_over_prefill_first": ("1p2d", "monolith-prefill-first"),
-        "1p2d_over_1p1d": ("1p2d", "1p1d"),
-    }
+    # are reported over their own variant, and the copies of one label among themselves
+    # (`label_ratios`: a run of `1p1d+fp8,monolith-prefill-first+fp8` compares a family)
+    pairs, best = headline_pairs(per_gpu, "")
     out: dict[str, Any] = {key: over(a, b) for key, (a, b) in pairs.items()}
     out["best_chunked"] = best
     copies = {k: (k, k.partition("+")[0]) for k in per_gpu if "+" in k}
+    families = {label: headline_pairs(per_gpu, label)[0]
+                for label in dict.fromkeys(k.partition("+")[2] for k in copies)}
+    families = {label: {key: ab for key, ab in fam.items() if ab[0] in per_gpu and ab[1] in per_gpu}
+                for label, fam in families.items()}
+    families = {label: fam for label, fam in families.items() if fam}
     if copies:
         out["variant_over_base"] = {k: over(a, b) for k, (a, b) in copies.items()}
+    if families:
+        out["label_ratios"] = {label: {key: over(a, b) for key, (a, b) in fam.items()}
+                               for label, fam in families.items()}
     if bounds is not None:
         spans = {key: ratio_span(bounds, a, b) for key, (a, b) in {**pairs, **copies}.items()
                  if a in bounds and b in bounds}
         out["ratio_bounds"] = {key: span for key, span in spans.items() if key in pairs}
         if copies:
             out["ratio_bounds"]["variant_over_base"] = {k: v for k, v in spans.items() if k in copies}
+        if families:
+            out["ratio_bounds"]["label_ratios"] = {
+                label: {key: ratio_span(bounds, a, b) for key, (a, b) in fam.items() if a in bounds and b in bounds}
+                for label, fam in families.items()}
     return out
+
+
+def headline_pairs(per_gpu: dict[str, float | None], label: str) -> tuple[dict[str, tuple[str, str]], str | None]:
+    """The headline ratios' (numerator, denominator) variant names among the variants
+    with `label` ("" for those as they are), and the best chunked monolith among them."""
+    tag = f"+{label}" if label else ""
+    chunked = {k: v for k, v in per_gpu.items()
+               if k.startswith("monolith-chunked") and k.partition("+")[2] == label}
+    best = max(chunked, key=lambda k: chunked[k] or 0) if chunked else None
+    pairs = {
+        "pd_over_prefill_first": ("1p1d" + tag, "monolith-prefill-first" + tag),
+        "pd_over_chunk_8192": ("1p1d" + tag, "monolith-chunked-8192" + tag),
+        "pd_over_best_chunked": ("1p1d" + tag, best or ""),
+        "1p2d_over_prefill_first": ("1p2d" + tag, "monolith-prefill-first" + tag),
+        "1p2d_over_1p1d": ("1p2d" + tag, "1p1d" + tag),
+    }
+    return pairs, best
 
 
 def ratio_span(bounds: dict[str, list[float | None]], a: str, b: str) -> list[float | None]:
@@ -385,6 +414,10 @@ def ratios_markdown(summary: dict[str, Any]) -> str:
     for name, b in bounds.get("variant_over_base", {}).items():
         value = summary.get("variant_over_base", {}).get(name)
         out.append(f"| {name} / {name.partition('+')[0]} | {'-' if value is None else value} | {span(b)} |")
+    for label, fam in bounds.get("label_ratios", {}).items():
+        for key, b in fam.items():
+            value = summary.get("label_ratios", {}).get(label, {}).get(key)
+            out.append(f"| {RATIO_NAMES[key]}, both +{label} | {'-' if value is None else value} | {span(b)} |")
     return "\n".join(out) + "\n"
 
 

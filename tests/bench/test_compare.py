@@ -437,3 +437,27 @@ def test_a_waves_child_gets_its_own_levels_when_other_waves_run_labelled_copies(
     # a misspelt entry still stops the whole run, before any unit starts
     with pytest.raises(ValueError, match="unknown variants"):
         levels_for(cfg.model_copy(update={"variant_rate": "1p1d+fp9=3"}), "1p1d+fp8")
+
+
+def test_one_label_can_run_a_whole_family_and_its_ratios_are_reported_among_themselves():
+    from pdunit.bench.compare import ratios_markdown
+
+    cfg = CompareConfig(variants="1p1d+fp8,monolith-prefill-first+fp8,monolith-chunked+fp8", chunks="8192",
+                        variant_args="fp8=--kv-cache-dtype=fp8_e4m3", variant_decode_args="fp8=--max-batch=64")
+    units = {name: unit for name, _, unit in variant_units(cfg)}
+    assert units["1p1d+fp8"].extra_prefill_args == ["--kv-cache-dtype=fp8_e4m3"]
+    assert units["1p1d+fp8"].extra_decode_args == ["--max-batch=64"]
+    for name in ("monolith-prefill-first+fp8", "monolith-chunked-8192+fp8"):  # --variant-args only: no D
+        assert units[name].extra_monolith_args == ["--kv-cache-dtype=fp8_e4m3"]
+    per_gpu = {"1p1d+fp8": 19.0, "monolith-prefill-first+fp8": 12.0, "monolith-chunked-8192+fp8": 10.0}
+    bounds = {"1p1d+fp8": [19.0, 20.0], "monolith-prefill-first+fp8": [12.0, 14.0],
+              "monolith-chunked-8192+fp8": [10.0, 12.0]}
+    got = ratios(per_gpu, bounds)
+    assert got["pd_over_prefill_first"] is None  # the headline is of the variants as they are
+    assert got["label_ratios"] == {"fp8": {"pd_over_prefill_first": 1.583, "pd_over_chunk_8192": 1.9,
+                                           "pd_over_best_chunked": 1.9}}
+    assert got["ratio_bounds"]["label_ratios"]["fp8"]["pd_over_prefill_first"] == [1.357, 1.667]
+    text = ratios_markdown({**got, "capacity_per_gpu": per_gpu, "capacity_bounds_per_gpu": bounds})
+    assert "| 1P1D / prefill-first, both +fp8 | 1.583 | 1.357 - 1.667 |" in text
+    # a copy alone (no other variant with its label) has no family ratios
+    assert "label_ratios" not in ratios({"1p1d": 16.0, "1p1d+b2k": 12.0})
