@@ -212,8 +212,9 @@ class MonolithEngine:
         prompt = p.job.prompt
         self.cache.publish(p.lease, prompt)
         device = self.storage.device
-        src = torch.from_numpy(p.slots).to(device)
-        dst = torch.from_numpy(self.pool.slots(p.job.request_id, len(prompt))).to(device)
+        # torch.tensor copies: the cache's slot arrays are read-only, which from_numpy warns of
+        src = torch.tensor(p.slots, dtype=torch.int64, device=device)
+        dst = torch.tensor(self.pool.slots(p.job.request_id, len(prompt)), dtype=torch.int64, device=device)
         # Same thread and stream as the forwards: ordered after the one that wrote the rows
         # and before the first decode step that reads them.
         index_copy_kv(self.storage, 2, dst, self.storage.index_select(2, src))
