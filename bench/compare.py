@@ -427,15 +427,15 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | D wait > 50 ms | graph share "
            "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P reserve ms | P gap ms | LB lag ms "
-           "| LB lag > 20 ms | LB GC ms/s | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| LB lag > 20 ms | LB GC ms/s | compiles s | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_batch_over_256", "d_admit_wait_over_50ms",
                                               "d_graph_share", "d_gpu_busy", "d_gc_ms_per_s",
                                               "p_forward_ms", "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms",
-                                              "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s")]
+                                              "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s", "compile_s")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -470,6 +470,10 @@ _SERIES = {
     "lb_lag_le_20ms": 'pdunit_lb_loop_lag_seconds_bucket{le="0.02"}',
     # garbage-collection pauses (every thread of the process waits), per generation
     **{f"{role}_gc{g}_s": f'pdunit_gc_pause_seconds_sum{{generation="{g}"}}' for role in ("d", "lb") for g in "012"},
+    # Triton compiles while serving (engine/kernel_compiles.py), each engine process its own:
+    # the monolith's one process exports it once, so these keys are per process, not per prefix
+    **{f"{role}_compile_s": 'pdunit_kernel_compile_seconds_total{phase="serving"}'
+       for role in ("decode", "prefill", "monolith")},
 }
 
 
@@ -498,12 +502,14 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
             continue  # a process that went away: its level shows errors anyway
         # the monolith's one loop exports both: decode steps and the prefill parts of them
         prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_"), "lb": ("lb_",)}[role]
-        out.update({key: values.get(name, 0.0) for key, name in _SERIES.items() if key.startswith(prefixes)})
+        out.update({key: values.get(name, 0.0) for key, name in _SERIES.items()
+                    if key.startswith(prefixes) or key.startswith(f"{role}_")})
     return out
 
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    """What the engines did during one level: mean D step and batch, the share of steps
+    """What the engines did during one level: seconds of Triton compiles while serving,
+    mean D step and batch, the share of steps
     over 256 streams, D's admission wait (mean, share over 50 ms: streams that waited
     for room in a full batch), the share of steps replayed from a CUDA graph, D's GPU
     busy share, P's mean forward, busy share, share
@@ -531,6 +537,8 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["p_gap_ms"] = round(1000 * d["p_gap_s"] / d["p_gaps"], 3)
     if d["p_graph"] + d["p_eager"] > 0:
         out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
+    # seconds the unit's engines spent compiling kernels during the level (each a stall)
+    out["compile_s"] = round(sum(d[f"{role}_compile_s"] for role in ("decode", "prefill", "monolith")), 3)
     if seconds > 0:  # ms per second of the level spent in GC pauses
         for role in ("d", "lb"):
             out[f"{role}_gc_ms_per_s"] = round(1000 * sum(d[f"{role}_gc{g}_s"] for g in "012") / seconds, 3)

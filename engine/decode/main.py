@@ -11,6 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setup, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kernel_compiles import serving_started
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.config import dtype_name
@@ -130,6 +131,7 @@ async def serve(cfg: DecodeConfig) -> int:
     tasks = [asyncio.create_task(engine.expiry_loop()), asyncio.create_task(engine.abort_loop()),
              asyncio.create_task(engine.probe_loop())]
     settle_gc_for_serving(log)
+    serving_started()  # a kernel compiled from here on stalls a step: counted and logged
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "overlap": engine.overlap is not None,
                                     "kv_dtype": dtype_name(geometry.dtype),

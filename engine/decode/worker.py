@@ -34,6 +34,7 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import channel
+from pdunit.engine.kernel_compiles import watch_kernel_compiles
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
 from pdunit.engine.model.device import bind_thread
@@ -582,3 +583,4 @@ def engine_setup(threads: int, gil_switch_ms: float) -> None:
     ms; not yet measured in an engine on the GPUs)."""
     torch.set_num_threads(max(1, threads))
     sys.setswitchinterval(gil_switch_ms / 1000)
+    watch_kernel_compiles()  # start-up compiles counted as such; serving ones named (engine/kernel_compiles.py)

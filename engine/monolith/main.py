@@ -11,6 +11,7 @@ from pydantic import Field
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kernel_compiles import serving_started
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
@@ -126,6 +127,7 @@ async def serve(cfg: MonolithConfig) -> int:
     server = await start_unix_server(cfg.socket, register, log)
     engine.loop.start()
     settle_gc_for_serving(log)
+    serving_started()  # a kernel compiled from here on stalls a step: counted and logged
     log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy})
     await stop.wait()
     engine.hub.close()

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 
 from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kernel_compiles import serving_started
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
@@ -111,6 +112,7 @@ async def serve(cfg: PrefillConfig) -> int:
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
     engine.start()
     settle_gc_for_serving(log)
+    serving_started()  # a kernel compiled from here on stalls a step: counted and logged
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
                                      "decoders": len(engine.links), "transfer": engine.transfer_mode})
     await stop.wait()

@@ -237,11 +237,11 @@ def test_engine_deltas_read_each_levels_graph_shares_and_ps_reserve_time():
     after = dict(before, p_forwards=4, p_forward_s=0.2, p_graph=3, p_reserves=5, p_reserve_s=0.02, p_gaps=2,
                  p_gap_s=0.006, p_eager=1, d_steps=10, d_step_s=0.1, d_batch_sum=500, d_graph=9, d_eager=1,
                  d_batch_le_256=8, d_waits=4, d_wait_s=0.2, d_waits_le_50ms=3,
-                 d_gc0_s=0.002, d_gc2_s=0.008, lb_gc1_s=0.003)
+                 d_gc0_s=0.002, d_gc2_s=0.008, lb_gc1_s=0.003, decode_compile_s=0.5, prefill_compile_s=0.25)
     got = engine_deltas(before, after, 2.0)
     assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_reserve_ms": 4.0, "p_gap_ms": 3.0,
                    "d_step_ms": 10.0, "d_batch": 50.0, "d_batch_over_256": 0.2, "d_graph_share": 0.9,
-                   "d_admit_wait_ms": 50.0, "d_admit_wait_over_50ms": 0.25,
+                   "d_admit_wait_ms": 50.0, "d_admit_wait_over_50ms": 0.25, "compile_s": 0.75,
                    "d_gc_ms_per_s": 5.0, "lb_gc_ms_per_s": 1.5}  # GC pauses: ms per second of the level
     # D's and the LB's pauses are one series name in two processes: one key each
     assert _SERIES["d_gc2_s"] == _SERIES["lb_gc2_s"] == 'pdunit_gc_pause_seconds_sum{generation="2"}'
@@ -461,3 +461,18 @@ def test_one_label_can_run_a_whole_family_and_its_ratios_are_reported_among_them
     assert "| 1P1D / prefill-first, both +fp8 | 1.583 | 1.357 - 1.667 |" in text
     # a copy alone (no other variant with its label) has no family ratios
     assert "label_ratios" not in ratios({"1p1d": 16.0, "1p1d+b2k": 12.0})
+
+
+def test_serving_compiles_are_read_once_per_engine_process(monkeypatch):
+    """The monolith's one process exports both D's and P's series; its compile seconds
+    must count once, and a PD unit's P and D each once."""
+    from pdunit.bench import compare
+
+    serving = 'pdunit_kernel_compile_seconds_total{phase="serving"}'
+    by_port = {1: {serving: 2.0}, 2: {serving: 0.5}, 3: {serving: 0.25}}
+    monkeypatch.setattr(compare.report, "scrape_metrics", lambda port: by_port[port])
+    zero = {key: 0.0 for key in compare._SERIES}
+    mono = compare._scrape_all({"monolith": 1})
+    assert compare.engine_deltas(zero, mono, 1.0)["compile_s"] == 2.0
+    pd = compare._scrape_all({"decode": 2, "prefill": 3})
+    assert compare.engine_deltas(zero, pd, 1.0)["compile_s"] == 0.75
