@@ -71,8 +71,9 @@ D_STEP_BATCH = role_metric(Histogram("pdunit_decode_step_batch", "Streams per de
                                               768, 1024), registry=None), _D, _MONO)
 D_ADMIT_WAIT_SECONDS = role_metric(Histogram(
     "pdunit_decode_admit_wait_seconds",
-    "From a stream's admission to the batcher to the first step with room for it (> one step: the batch was full, "
-    "--max-batch)", buckets=_FAST, registry=None), _D, _MONO)
+    "From a stream's admission to the batcher to the first step that takes it in: more than one step when the "
+    "batch was full (--max-batch), or in the prefill-first monolith while the next prompts prefill",
+    buckets=_FAST, registry=None), _D, _MONO)
 D_FRAMES = role_metric(Counter("pdunit_decode_frames_total", "Frames emitted", registry=None), _D, _MONO)
 D_GPU_BUSY_SECONDS = role_metric(Counter(
     "pdunit_decode_gpu_busy_seconds_total",

@@ -253,7 +253,7 @@ if triton is not None:
             s_scale = q_scale * scale_log2e  # [BLOCK_G]: undoes the row scale in the scores
         else:
             q = q.to(WIDE)
-            s_scale = tl.full([BLOCK_G], scale_log2e, dtype=tl.float32)
+            s_scale = scale_log2e  # unused: the widened dots below scale by it directly, as before fp8 dots
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         row_table = Table + b.to(tl.int64) * stride_tb
@@ -265,7 +265,7 @@ if triton is not None:
                 if FP8_DOTS:
                     s_t = tl.dot(k, q_t) * s_scale[None, :]  # [BLOCK_N, BLOCK_G] fp32
                 else:
-                    s_t = tl.dot(k.to(WIDE), q_t) * s_scale[None, :]
+                    s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e
                 s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s_t, 0))
                 alpha = tl.exp2(m_i - m_new)
@@ -286,7 +286,7 @@ if triton is not None:
                 if FP8_DOTS:
                     qk = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [BLOCK_G, BLOCK_N] fp32
                 else:
-                    qk = tl.dot(q, tl.trans(k.to(WIDE))) * s_scale[:, None]
+                    qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e
                 qk = tl.where(n_mask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 alpha = tl.exp2(m_i - m_new)
