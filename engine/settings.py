@@ -168,7 +168,7 @@ class PrefillModelFields(BaseModel):
                                 "prefill-first's; chunked takes --chunk-tokens)")
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
-                                    "requests); default 2048 on CUDA, 0 on CPU")
+                                    "requests); default --max-batch-rows on CUDA (the largest forward), 0 on CPU")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of forwards with prompt rows: "
                                                  "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
                                                  "per-row activation scales; CUDA needs compute capability 8.9+)")

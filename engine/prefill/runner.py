@@ -37,7 +37,7 @@ def start_prefill_model(
                                          "prefill_gemm": cfg.prefill_gemm, "fp8_min_rows": fp8_min_rows,
                                          "prefill_graphs": graphs, "kv_cache_dtype": cfg.kv_cache_dtype})
         storage = model.new_kv_storage(n_slots, device=cfg.device, kv_cache_dtype=cfg.kv_cache_dtype)
-        warm_up(model, storage, cfg.warmup_rows)
+        warm_up(model, storage, cfg.warmup_rows, cfg.max_batch_rows)
         return model, storage, capture_prefill_graphs(model, storage, graphs, max_seqs)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
@@ -129,18 +129,22 @@ def random_chunks(model: TTSModel, lengths: list[int], rng: np.random.Generator)
     return chunks
 
 
-def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None) -> float:
+def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None, largest: int) -> float:
     """Runs prefills of random prompts (one of `rows` rows, and a batch of two of
     different lengths) into the first slots of `storage` before the engine serves: the
-    first forwards of a process compile Triton kernels and pick GEMM algorithms, which
-    on a GPU stalled the first requests' prefill by up to ~1 s. `rows` None: 2048 on
-    CUDA, none on the CPU. Must run before any request owns a slot (it overwrites slots
-    [0, rows)). Returns the seconds it took."""
+    first forwards of a process compile Triton kernels, pick GEMM algorithms and grow the
+    allocator's pool, which on a GPU stalled the first requests' prefill by up to ~1 s.
+    `rows` None: `largest` (the engine's largest forward, `--max-batch-rows`) on CUDA, so
+    that the first full-size forward of a clump pays none of that either (a warm-up of
+    2048 rows left the chunked monolith's first 8192-row chunks unwarmed; whether that is
+    its early freeze in bench/results/capacity-20261130-h200x2-60s-bf16.md is not yet
+    measured); none on the CPU. Must run before any request owns a slot (it overwrites
+    slots [0, rows)). Returns the seconds it took."""
     import logging
     import time
 
     if rows is None:
-        rows = 2048 if storage.is_cuda else 0
+        rows = largest if storage.is_cuda else 0
     rows = min(rows, int(storage.shape[2]))
     if rows < 2:
         return 0.0
