@@ -24,6 +24,11 @@ ABORT_ACK only on True.
 from __future__ import annotations
 
 import abc
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,3 +140,66 @@ class KVSender(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the receiver."""
+
+
+class WriteGate:
+    """A sender's side of quiesce (the module docstring): which requests have a write in
+    flight, and which were quiesced, so that no write of theirs starts afterwards. The
+    quiesced ids are remembered up to `memory` of the latest (a quiesce comes within a
+    request's transfer deadline of its writes, so the oldest are long settled).
+
+    `enter` and `quiesce` take one lock: a write either entered before the quiesce (and
+    the quiesce answers False until it leaves) or is refused. A sender with steps of its
+    own (chunks, connections) calls `check` between them to stop a quiesced write early."""
+
+    def __init__(self, memory: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._memory = memory
+        self._in_flight: dict[int, int] = {}
+        self._quiesced: OrderedDict[int, None] = OrderedDict()
+
+    @contextmanager
+    def writing(self, request_id: int, deadline_unix_ms: int) -> Iterator[None]:
+        """Around one write: refused (TransferError) when the request was quiesced or its
+        deadline passed; counted in flight until it ends, whichever way."""
+        with self._lock:
+            self._refuse_if_stopped(request_id, deadline_unix_ms, "write refused")
+            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._in_flight[request_id] - 1
+                if left:
+                    self._in_flight[request_id] = left
+                else:
+                    del self._in_flight[request_id]
+
+    def check(self, request_id: int, deadline_unix_ms: int, what: str) -> None:
+        """Inside a write, between its steps: raises when it must stop (`what` says where)."""
+        with self._lock:
+            self._refuse_if_stopped(request_id, deadline_unix_ms, what)
+
+    def quiesced(self, request_id: int) -> bool:
+        return request_id in self._quiesced
+
+    def quiesce(self, request_id: int) -> bool:
+        """KVSender.quiesce: no write of `request_id` starts from now on; True iff none is
+        in flight."""
+        with self._lock:
+            self._quiesced[request_id] = None
+            self._quiesced.move_to_end(request_id)
+            while len(self._quiesced) > self._memory:
+                self._quiesced.popitem(last=False)
+            return request_id not in self._in_flight
+
+    def in_flight(self) -> list[int]:
+        with self._lock:
+            return list(self._in_flight)
+
+    def _refuse_if_stopped(self, request_id: int, deadline_unix_ms: int, what: str) -> None:
+        if request_id in self._quiesced:
+            raise TransferError(f"request {request_id} was cancelled (quiesced): {what}")
+        late_ms = time.time() * 1000.0 - deadline_unix_ms
+        if late_ms > 0:
+            raise TransferError(f"request {request_id}: transfer deadline passed {late_ms:.0f} ms ago: {what}")

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import abc
 import os
-import threading
-import time
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -35,6 +32,7 @@ from pdunit.engine.transfer.base import (
     KVSender,
     PoolGeometry,
     TransferError,
+    WriteGate,
     exact_pattern,
 )
 
@@ -42,7 +40,6 @@ PROBE_SLOTS = 16
 PATTERN_SLOTS = 8
 # Identifies this process across PID namespaces (two pods' processes can share a pid).
 PROCESS_TOKEN = os.urandom(8).hex()
-_CANCELLED_MEMORY = 100_000
 
 
 def probe_shape(geometry: PoolGeometry) -> tuple[int, int, int, int, int]:
@@ -120,9 +117,7 @@ class DirectSender(KVSender):
         # writes D's memory over the peer link.
         self.dst_ptr, self.probe_ptr, owners = self._open(descriptor)
         self._owners = owners
-        self._lock = threading.Lock()
-        self._in_flight: dict[int, int] = {}
-        self._cancelled: OrderedDict[int, None] = OrderedDict()
+        self._gate = WriteGate()
 
     @abc.abstractmethod
     def _open(self, descriptor: Descriptor) -> tuple[int, int, list[Any]]:
@@ -155,24 +150,11 @@ class DirectSender(KVSender):
             raise TransferError(f"request {request_id}: dst_slots out of [0, {self.geometry.n_slots}) or duplicated")
         if s.size and (s.min() < 0 or s.max() >= src.shape[2]):
             raise TransferError(f"request {request_id}: src_slots out of [0, {src.shape[2]})")
-        with self._lock:
-            if request_id in self._cancelled:
-                raise TransferError(f"request {request_id} was cancelled (quiesced): write refused")
-            late = time.time() * 1000 - deadline_unix_ms
-            if late > 0:
-                raise TransferError(f"request {request_id}: transfer deadline passed {late:.0f} ms ago")
-            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
-        try:
-            self._copy(src, s, self.dst_ptr, d, self.geometry.n_slots)
-        except cudadrv.CudaError as e:
-            raise TransferError(f"request {request_id}: {self.mode} copy failed: {e}") from e
-        finally:
-            with self._lock:
-                left = self._in_flight[request_id] - 1
-                if left:
-                    self._in_flight[request_id] = left
-                else:
-                    del self._in_flight[request_id]
+        with self._gate.writing(request_id, deadline_unix_ms):
+            try:
+                self._copy(src, s, self.dst_ptr, d, self.geometry.n_slots)
+            except cudadrv.CudaError as e:
+                raise TransferError(f"request {request_id}: {self.mode} copy failed: {e}") from e
 
     def probe(self, src: torch.Tensor, src_slots: np.ndarray, request_id: int) -> tuple[int, int]:
         """Verify the mapping: D's published pattern reads back, then written rows read
@@ -209,13 +191,7 @@ class DirectSender(KVSender):
         return local
 
     def quiesce(self, request_id: int) -> bool:
-        with self._lock:
-            self._cancelled[request_id] = None
-            self._cancelled.move_to_end(request_id)
-            while len(self._cancelled) > _CANCELLED_MEMORY:
-                self._cancelled.popitem(last=False)
-            return request_id not in self._in_flight
+        return self._gate.quiesce(request_id)
 
     def in_flight(self) -> list[int]:
-        with self._lock:
-            return list(self._in_flight)
+        return self._gate.in_flight()

@@ -24,7 +24,6 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from multiprocessing import resource_tracker
 
 import numpy as np
@@ -37,6 +36,7 @@ from pdunit.engine.transfer.base import (
     KVSender,
     PoolGeometry,
     TransferError,
+    WriteGate,
 )
 from pdunit.kernels.reference import copy_rows, validate_copy
 
@@ -46,7 +46,6 @@ SHM_DIR = "/dev/shm"
 # between a write already dequeued in P and the quiesce of its request (milliseconds);
 # P drops a cancelled request's queued work itself. Bounded so a long-lived P does not
 # grow without limit.
-_CANCELLED_MEMORY = 100_000
 
 
 def _numel(geometry: PoolGeometry) -> int:
@@ -185,9 +184,8 @@ class HostSender(KVSender):
         self._dst: torch.Tensor | None = torch.from_file(
             self.path, shared=True, size=_numel(geometry), dtype=geometry.dtype
         ).view(geometry.shape())
-        self._lock = threading.Lock()
-        self._in_flight: dict[int, int] = {}
-        self._cancelled: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()  # guards _dst (close detaches it)
+        self._gate = WriteGate()
 
     def write(
         self,
@@ -199,11 +197,9 @@ class HostSender(KVSender):
     ) -> None:
         with self._lock:
             dst = self._dst
-            if dst is None:
-                raise TransferError(f"request {request_id}: sender is closed")
-            self._refuse_if_stopped(request_id, deadline_unix_ms, "write refused")
-            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
-        try:
+        if dst is None:
+            raise TransferError(f"request {request_id}: sender is closed")
+        with self._gate.writing(request_id, deadline_unix_ms):
             s = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64))
             d = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64))
             try:
@@ -216,40 +212,14 @@ class HostSender(KVSender):
                 if start:
                     if self.chunk_delay_s:
                         time.sleep(self.chunk_delay_s)
-                    with self._lock:
-                        self._refuse_if_stopped(
-                            request_id, deadline_unix_ms, f"stopped after {start} of {n} rows"
-                        )
+                    self._gate.check(request_id, deadline_unix_ms, f"stopped after {start} of {n} rows")
                 copy_rows(src, s[start : start + step], dst, d[start : start + step])
-        finally:
-            with self._lock:
-                left = self._in_flight[request_id] - 1
-                if left:
-                    self._in_flight[request_id] = left
-                else:
-                    del self._in_flight[request_id]
-
-    def _refuse_if_stopped(self, request_id: int, deadline_unix_ms: int, what: str) -> None:
-        """Under the lock: raise if the request was quiesced or its deadline passed."""
-        if request_id in self._cancelled:
-            raise TransferError(f"request {request_id} was cancelled (quiesced): {what}")
-        late_ms = time.time() * 1000.0 - deadline_unix_ms
-        if late_ms > 0:
-            raise TransferError(
-                f"request {request_id}: transfer deadline passed {late_ms:.0f} ms ago: {what}"
-            )
 
     def quiesce(self, request_id: int) -> bool:
-        with self._lock:
-            self._cancelled[request_id] = None
-            self._cancelled.move_to_end(request_id)
-            while len(self._cancelled) > _CANCELLED_MEMORY:
-                self._cancelled.popitem(last=False)
-            return request_id not in self._in_flight
+        return self._gate.quiesce(request_id)
 
     def in_flight(self) -> list[int]:
-        with self._lock:
-            return list(self._in_flight)
+        return self._gate.in_flight()
 
     def close(self) -> None:
         """Detach: later writes are refused. Never unlinks D's segment."""

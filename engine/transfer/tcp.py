@@ -43,6 +43,7 @@ from pdunit.engine.transfer.base import (
     KVSender,
     PoolGeometry,
     TransferError,
+    WriteGate,
 )
 from pdunit.kernels.kv_dtype import index_copy_kv
 
@@ -367,8 +368,7 @@ class TcpSender(KVSender):
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._waiters: dict[int, _Waiter] = {}
-        self._in_flight: dict[int, int] = {}
-        self._cancelled: OrderedDict[int, None] = OrderedDict()
+        self._gate = WriteGate(MAX_STATES)
         self._conns: list[_Conn] = []
         self._pool = ThreadPoolExecutor(self.n_conns, thread_name_prefix="tcp-kv-send")
         self.last_checksum = 0
@@ -407,14 +407,19 @@ class TcpSender(KVSender):
         d = np.ascontiguousarray(dst_slots, dtype=np.int64)
         if s.size != d.size:
             raise TransferError(f"request {request_id}: src_slots has {s.size} entries, dst_slots {d.size}")
-        with self._lock:
-            if request_id in self._cancelled:
-                raise TransferError(f"request {request_id} was cancelled (quiesced): write refused")
-            if time.time() * 1000 > deadline_unix_ms:
-                raise TransferError(f"request {request_id}: transfer deadline passed before the write")
+        with self._gate.writing(request_id, deadline_unix_ms):
             waiter = _Waiter()
-            self._waiters[request_id] = waiter
-            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+            with self._lock:
+                self._waiters[request_id] = waiter
+            try:
+                return self._send_request(request_id, src, s, d, deadline_unix_ms, flags, waiter)
+            finally:
+                with self._lock:
+                    self._waiters.pop(request_id, None)
+
+    def _send_request(self, request_id: int, src: torch.Tensor, s: np.ndarray, d: np.ndarray,
+                      deadline_unix_ms: int, flags: int, waiter: _Waiter) -> int:
+        """BEGIN, the chunks over every connection, then the receiver's terminal state."""
         try:
             with self._connect_lock:  # P writes from several threads: one reconnects
                 if not all(c.alive for c in self._conns):
@@ -434,7 +439,7 @@ class TcpSender(KVSender):
             def send_share(ci: int) -> None:
                 conn = self._conns[ci]
                 for t0 in starts[ci::self.n_conns]:
-                    if request_id in self._cancelled or waiter.event.is_set():
+                    if self._gate.quiesced(request_id) or waiter.event.is_set():
                         return
                     k = min(self.chunk_tokens, n - t0)
                     rows = src.index_select(2, idx[t0:t0 + k]).contiguous().cpu()
@@ -444,7 +449,7 @@ class TcpSender(KVSender):
 
             for f in [self._pool.submit(send_share, i) for i in range(self.n_conns)]:
                 f.result()
-            if request_id in self._cancelled and not waiter.event.is_set():
+            if self._gate.quiesced(request_id) and not waiter.event.is_set():
                 raise TransferError(f"request {request_id} was cancelled (quiesced) while sending")
             left = deadline_unix_ms / 1000 - time.time()
             if not waiter.event.wait(max(0.0, left)):
@@ -455,14 +460,6 @@ class TcpSender(KVSender):
             return waiter.checksum
         except OSError as e:
             raise TransferError(f"request {request_id}: tcp KV connection failed: {e}", retryable=True) from e
-        finally:
-            with self._lock:
-                self._waiters.pop(request_id, None)
-                left_n = self._in_flight[request_id] - 1
-                if left_n:
-                    self._in_flight[request_id] = left_n
-                else:
-                    del self._in_flight[request_id]
 
     def probe(self, src: torch.Tensor, src_slots: np.ndarray, request_id: int) -> int:
         """Write rows into D's probe slots; returns the checksum D computed over them."""
@@ -472,16 +469,10 @@ class TcpSender(KVSender):
 
     def quiesce(self, request_id: int) -> bool:
         """Stops sending; chunks already on the wire are D's to drop (its aborted state)."""
-        with self._lock:
-            self._cancelled[request_id] = None
-            self._cancelled.move_to_end(request_id)
-            while len(self._cancelled) > MAX_STATES:
-                self._cancelled.popitem(last=False)
-            return request_id not in self._in_flight
+        return self._gate.quiesce(request_id)
 
     def in_flight(self) -> list[int]:
-        with self._lock:
-            return list(self._in_flight)
+        return self._gate.in_flight()
 
     def close(self) -> None:
         for c in self._conns:
