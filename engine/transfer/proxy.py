@@ -24,7 +24,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 
 import grpc
 import numpy as np
@@ -37,6 +36,7 @@ from pdunit.engine.transfer.base import (
     KVSender,
     PoolGeometry,
     TransferError,
+    WriteGate,
 )
 from pdunit.engine.transfer.host import HostReceiver
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
@@ -46,7 +46,6 @@ from pdunit.sidecars.nvlink_proxy.lane_framing import recv_frame, send_frame
 SESSION_KEY = "x-pdunit-session"
 DEFAULT_SOCKET = "/run/pdunit/proxy.sock"
 PROBE_SLOTS = 16
-_CANCELLED_MEMORY = 100_000
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -322,9 +321,8 @@ class ProxySender(KVSender):
         self.dst_region = descriptor.params["region"]
         self.probe_region = descriptor.params["probe_region"]
         self.probe_slots = int(descriptor.params.get("probe_slots", PROBE_SLOTS))
-        self._lock = threading.Lock()
-        self._in_flight: dict[int, int] = {}
-        self._cancelled: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()  # source registration and staging segments
+        self._gate = WriteGate()
         self._sources: dict[tuple[int, int], str] = {}
         # CPU sources: a staging segment per writing thread (P writes from several),
         # every one listed for close().
@@ -369,13 +367,6 @@ class ProxySender(KVSender):
         return mine[1], np.arange(n, dtype=np.int64)
 
     # ------------------------------------------------------------ writes
-    def _refuse_if_stopped(self, request_id: int, deadline_unix_ms: int) -> None:
-        if request_id in self._cancelled:
-            raise TransferError(f"request {request_id} was cancelled (quiesced): write refused")
-        late_ms = time.time() * 1000.0 - deadline_unix_ms
-        if late_ms > 0:
-            raise TransferError(f"request {request_id}: transfer deadline passed {late_ms:.0f} ms ago")
-
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
               dst_slots: np.ndarray, deadline_unix_ms: int) -> None:
         self._write(request_id, src, src_slots, dst_slots, deadline_unix_ms, self.dst_region, False)
@@ -383,10 +374,7 @@ class ProxySender(KVSender):
     def _write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray, dst_slots: np.ndarray,
                deadline_unix_ms: int, dst_region: str, verify: bool) -> pb.CopyReply:
         t0 = time.perf_counter()
-        with self._lock:
-            self._refuse_if_stopped(request_id, deadline_unix_ms)
-            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
-        try:
+        with self._gate.writing(request_id, deadline_unix_ms):
             s = np.ascontiguousarray(src_slots, dtype=np.int64)
             d = np.ascontiguousarray(dst_slots, dtype=np.int64)
             if src.is_cuda:
@@ -409,13 +397,6 @@ class ProxySender(KVSender):
             stages["total"] = time.perf_counter() - t0
             self.last_reply, self.last_stages = reply, stages
             return reply
-        finally:
-            with self._lock:
-                left = self._in_flight[request_id] - 1
-                if left:
-                    self._in_flight[request_id] = left
-                else:
-                    del self._in_flight[request_id]
 
     def probe(self, src: torch.Tensor, src_slots: np.ndarray, request_id: int) -> tuple[int, int]:
         """Write rows into D's probe region with verification: returns (src, dst)
@@ -427,13 +408,8 @@ class ProxySender(KVSender):
         return int(reply.src_checksum), int(reply.dst_checksum)
 
     def quiesce(self, request_id: int) -> bool:
-        with self._lock:
-            self._cancelled[request_id] = None
-            self._cancelled.move_to_end(request_id)
-            while len(self._cancelled) > _CANCELLED_MEMORY:
-                self._cancelled.popitem(last=False)
-            if request_id in self._in_flight:
-                return False
+        if not self._gate.quiesce(request_id):
+            return False  # a write of ours is still between P and the proxy
         try:
             quiesced, _ = self.client.quiesce([request_id], cancel=True)
         except TransferError:
@@ -441,8 +417,7 @@ class ProxySender(KVSender):
         return quiesced
 
     def in_flight(self) -> list[int]:
-        with self._lock:
-            return list(self._in_flight)
+        return self._gate.in_flight()
 
     def close(self) -> None:
         with self._lock:
