@@ -508,13 +508,13 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
 
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    """What the engines did during one level: seconds of Triton compiles while serving,
-    mean D step and batch, the share of steps
-    over 256 streams, D's admission wait (mean, share over 50 ms: streams that waited
-    for room in a full batch), the share of steps replayed from a CUDA graph, D's GPU
-    busy share, P's mean forward, busy share, share
-    of forwards replayed from a prefill graph and mean reserve stage (RESERVE round trip), and
-    how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
+    """What the engines did during one level: mean D step and batch, the share of steps
+    over 256 streams, D's admission wait (mean; share over 50 ms: streams that waited for
+    room in a full batch), the share of steps replayed from a CUDA graph, D's GPU busy
+    share; P's mean forward, busy share, share of forwards replayed from a prefill graph
+    and mean reserve stage (RESERVE round trip); the seconds the unit's engines spent
+    compiling Triton kernels while serving; D's and the LB's GC pauses per second; how
+    late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
     out: dict[str, float] = {}
     if d["d_steps"] > 0:
