@@ -129,6 +129,9 @@ class PlanConfig(BaseModel):
     kv_scale: float = Field(1.0, gt=0, description="what-if: multiplies the step's per-context-token cost")
     prefill_scale: float = Field(1.0, gt=0, description="what-if: multiplies every prefill forward's cost")
     measured: str = Field("", description="a `bench compare` JSON of the same workload: its levels beside ours")
+    measured_labels: str = Field("", description="--measured's labelled copies to read as their variants, "
+                                 "comma-separated (`fp8`: its `1p1d+fp8` rows beside our `1p1d`); by default its "
+                                 "variants as they are")
     out: str = Field("", description="results JSON path or folder ('' = print only)")
 
     @field_validator("gemm")
@@ -629,15 +632,28 @@ def plan_variant(cfg: PlanConfig, costs: Costs, variant: Variant) -> dict[str, A
 
 
 # ---------------------------------------------------------------------------- measured
-def measured_levels(path: str) -> dict[str, dict[float, bool]]:
-    """A `bench compare` JSON's verdict per variant and level (passed in every run)."""
+def measured_levels(path: str, labels: Sequence[str] = ()) -> dict[str, dict[float, bool]]:
+    """A `bench compare` JSON's verdict per variant and level (passed in every run): its
+    variants as they are, or with `labels` its copies of those labels, read as their
+    variants (a run of one family, `1p1d+fp8,monolith-prefill-first+fp8`, beside a plan
+    priced for that family). ValueError when two rows would be read as one variant."""
     doc = json.loads(Path(path).read_text())
+    wanted = set(labels) or {""}
     out: dict[str, dict[float, bool]] = {}
+    source: dict[str, str] = {}
     for row in doc["rows"]:
         if row.get("rate") is None:
             raise ValueError(f"{path}: closed-loop levels; plan predicts Poisson (--rate) levels only")
-        levels = out.setdefault(row["mode"], {})
+        mode, _, label = row["mode"].partition("+")
+        if label not in wanted:
+            continue
+        if source.setdefault(mode, row["mode"]) != row["mode"]:
+            raise ValueError(f"{path}: {source[mode]} and {row['mode']} would both be read as {mode}: "
+                             "give --measured-labels one label per variant")
+        levels = out.setdefault(mode, {})
         levels[row["rate"]] = levels.get(row["rate"], True) and bool(row["passed"])
+    if not out:
+        raise ValueError(f"{path}: no rows of {'the variants as they are' if wanted == {''} else sorted(wanted)}")
     return out
 
 
@@ -693,8 +709,9 @@ def run_plan(cfg: PlanConfig, command: str) -> dict[str, Any]:
     summary: dict[str, Any] = {"predicted": True, "capacity_per_gpu": per_gpu, "capacity_bounds_per_gpu": bounds,
                                **ratios(per_gpu, bounds), "costs": describe_costs(costs), "sources": sources}
     if cfg.measured:
-        versus = versus_measured(rows, measured_levels(cfg.measured))
-        summary["versus_measured"] = {"path": cfg.measured, "levels": versus,
+        labels = [x.strip() for x in cfg.measured_labels.split(",") if x.strip()]
+        versus = versus_measured(rows, measured_levels(cfg.measured, labels))
+        summary["versus_measured"] = {"path": cfg.measured, "labels": labels, "levels": versus,
                                       "agree": sum(v["agree"] for v in versus), "of": len(versus)}
     return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary).document()
 

@@ -241,3 +241,24 @@ def test_a_request_the_pool_cannot_hold_is_refused_until_a_stream_ends(tmp_path,
     cap = plan.capacity_config(cfg, plan.Variant("x", 1), [1.0]).model_copy(update={"warmup": 0.0})
     row = plan.judge(reqs, cap, 1.0)
     assert row["errors"] == 2 and row["error_kinds"] == {"http_429:no_capacity": 2} and not row["passed"]
+
+
+def test_a_labelled_familys_run_sits_beside_the_plan_with_measured_labels(tmp_path, capsys):
+    measured = {"rows": [{"mode": "1p1d+fp8", "rate": 4.0, "passed": True},
+                         {"mode": "monolith-prefill-first+kv8", "rate": 4.0, "passed": False},
+                         {"mode": "1p1d", "rate": 4.0, "passed": False}]}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(measured))
+    assert plan.measured_levels(str(path), ["fp8", "kv8"]) == {"1p1d": {4.0: True},
+                                                               "monolith-prefill-first": {4.0: False}}
+    assert plan.measured_levels(str(path)) == {"1p1d": {4.0: False}}  # as they are: the unlabelled rows
+    with pytest.raises(ValueError, match=r"1p1d\+fp8 and 1p1d would both be read as 1p1d"):
+        plan.measured_levels(str(path), ["", "fp8"])
+    with pytest.raises(ValueError, match=r"no rows of \['bf16'\]"):
+        plan.measured_levels(str(path), ["bf16"])
+    argv = write_inputs(tmp_path) + ["--variants", "1p1d", "--rate", "4", "--repeat", "1", "--duration", "4",
+                                     "--ramp", "1", "--measured", str(path), "--measured-labels", "fp8, kv8",
+                                     "--out", str(tmp_path / "plan.json")]
+    assert plan.main(argv) == 0
+    versus = json.loads((tmp_path / "plan.json").read_text())["summary"]["versus_measured"]
+    assert versus["labels"] == ["fp8", "kv8"] and [v["measured"] for v in versus["levels"]] == [True]
