@@ -101,17 +101,29 @@ for _cand in DECODE_CANDIDATES:  # a candidate without the key widens, as the de
 # ---------------------------------------------------------------- slot tables (pure torch)
 
 
+# Triton compiles a kernel again for an integer argument whose divisibility by 16
+# differs from every earlier call's, and a slot table's width is the kernels' row stride
+# (`stride_tb`). Eager forwards (the monolith's mixed chunks, batches past the largest
+# graph) would otherwise pass the longest context, any number: a kernel variant that the
+# graphs (width max_context) and the warm-up never compiled, compiled mid-serving while
+# every stream waits.
+TABLE_ALIGN = 16
+
+
 def build_slot_table(
     context_slots: Sequence[torch.Tensor | np.ndarray],
     width: int | None = None,
     out: np.ndarray | None = None,
+    align: int = TABLE_ALIGN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad per-sequence slot lists into `table` int32 [B, width] (padding: slot 0, never
     read because `lengths` bounds every row) and `lengths` int32 [B], both on the CPU.
-    `width` defaults to the longest context; a context longer than `width`, an empty one,
-    or a slot outside int32 is an error naming the sequence. `out`, a flat int32 array
-    of at least B * width entries (a pinned staging buffer), receives the table
-    instead of a new allocation; the returned table is then a view of it."""
+    `width` defaults to the longest context rounded up to a multiple of `align`
+    (TABLE_ALIGN; 1 for a graph runner's staging, whose kernels read a fixed table); a
+    context longer than `width`, an empty one, or a slot outside int32 is an error naming
+    the sequence. `out`, a flat int32 array of at least B * width entries (a pinned
+    staging buffer), receives the table instead of a new allocation; the returned table
+    is then a view of it."""
     n = len(context_slots)
     if n == 0:
         raise ValueError("build_slot_table: no sequences")
@@ -121,7 +133,7 @@ def build_slot_table(
     ]
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=n)
     longest = int(lengths.max())
-    w = longest if width is None else int(width)
+    w = -(-longest // align) * align if width is None else int(width)
     for i, a in enumerate(arrays):
         if a.ndim != 1 or a.shape[0] == 0:
             raise ValueError(f"sequence {i}: context slots must be a non-empty 1-D list")

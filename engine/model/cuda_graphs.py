@@ -176,7 +176,7 @@ class DecodeGraphRunner:
         g = self._graphs[size]
         c = self.model.config.n_codebooks
         self._staged.synchronize()  # the previous step's staging copies have read the buffers
-        table, lengths = build_slot_table(context_slots, out=self._h_table.numpy())
+        table, lengths = build_slot_table(context_slots, out=self._h_table.numpy(), align=1)
         tokens = host_tokens if host_tokens is not None else np.zeros((n, c), np.int64)
         self._validate(tokens, positions, write_slots, table.numpy(), lengths.numpy())
         # Host staging: the real rows, then the padding rows' harmless values (device

@@ -158,7 +158,7 @@ class PrefillGraphRunner:
         n, rows = len(q), int(q.sum())
         if self._staged is not None:
             self._staged.synchronize()  # the previous forward's copies have read the staging
-        table, lengths = build_slot_table(batch.context_slots, out=self._h_table.numpy())
+        table, lengths = build_slot_table(batch.context_slots, out=self._h_table.numpy(), align=1)
         width = int(table.shape[1])
         ints = self._h_ints.numpy()
         tokens = ints[: big * c].reshape(big, c)

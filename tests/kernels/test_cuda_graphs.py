@@ -254,3 +254,45 @@ def test_a_batch_whose_write_slot_is_not_its_last_context_slot_is_rejected() -> 
     far = decode_batch([np.array([5, 1024])], rng)
     with pytest.raises(ValueError, match=r"outside the pool \[0, 1024\)"):
         runner.run(far)
+
+
+@gpu
+def test_eager_forwards_after_the_warm_up_and_the_graph_capture_compile_no_kernel() -> None:
+    """What an engine compiles at start (P's and the monolith's warm-up, D's and the
+    monolith's decode graphs) covers its eager forwards too: a decode batch past the
+    graphs and the chunked monolith's mixed batch (a continuing chunk beside decode rows),
+    at context lengths of any divisibility. A compile there stalls every stream of the
+    engine (engine/kernel_compiles.py counts them; kernels/paged_attention.TABLE_ALIGN is
+    why the slot tables' widths keep to one class)."""
+    from pdunit.engine import kernel_compiles as kc
+    from pdunit.engine.model.cuda_graphs import DecodeGraphRunner
+    from pdunit.engine.prefill.runner import warm_up
+
+    def serving_compiles() -> float:
+        return next(s.value for s in kc.COMPILES.collect()[0].samples
+                    if s.name.endswith("_total") and s.labels["phase"] == "serving")
+
+    assert kc.watch_kernel_compiles()
+    m = gpu_model()
+    rng = np.random.default_rng(5)
+    kv = m.new_kv_storage(8192, device="cuda")
+    warm_up(m, kv, None, largest=512)  # slots [0, 512)
+    DecodeGraphRunner(m, kv)  # the default buckets, as D captures them
+    kc.serving_started()
+    try:
+        before = serving_compiles()
+        perm = 512 + rng.permutation(8192 - 512)
+        lengths = (37, 501, 1001, 77)
+        ctx, at = [], 0
+        for n in lengths:
+            ctx.append(perm[at:at + n])
+            at += n
+        m(decode_batch(ctx, rng), kv)  # eager: the runner is not asked
+        chunk = perm[at:at + 300 + 217]  # 217 rows already in the pool, 300 new ones
+        mixed = ForwardBatch.from_sequences([rows(1, rng), rows(300, rng), rows(1, rng)],
+                                            [np.append(ctx[0], perm[-1]), chunk, np.append(ctx[1], perm[-2])])
+        m(mixed, kv)
+        torch.cuda.synchronize()
+        assert serving_compiles() == before
+    finally:
+        kc._phase = "startup"

@@ -33,10 +33,19 @@ from tests.kernels.paging import gpu, paged_slots, run_interpreted
 
 def test_slot_table_pads_each_sequence_to_the_longest_and_records_lengths() -> None:
     ctx = [np.array([7, 3, 9]), torch.tensor([5], dtype=torch.int64), np.array([1, 2, 4, 8, 6])]
-    table, lengths = build_slot_table(ctx)
+    table, lengths = build_slot_table(ctx, align=1)
     assert table.dtype == torch.int32 and lengths.dtype == torch.int32
     assert table.tolist() == [[7, 3, 9, 0, 0], [5, 0, 0, 0, 0], [1, 2, 4, 8, 6]]
     assert lengths.tolist() == [3, 1, 5]
+
+
+def test_slot_table_width_is_a_multiple_of_16_by_default() -> None:
+    """The width is the kernels' row stride: Triton compiles a kernel again for an integer
+    argument whose divisibility by 16 is new, so eager forwards keep to one class."""
+    for longest, width in ((1, 16), (5, 16), (16, 16), (17, 32), (1025, 1040)):
+        table, lengths = build_slot_table([np.arange(longest), np.arange(1)])
+        assert table.shape == (2, width) and lengths.tolist() == [longest, 1]
+        assert not table[0, longest:].any() and not table[1, 1:].any()  # padding: slot 0, never read
 
 
 def test_slot_table_fills_a_given_staging_buffer_and_clears_stale_entries() -> None:
