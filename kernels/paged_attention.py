@@ -61,7 +61,7 @@ MAX_SPLITS = 64
 # bench/results/step-20261129-h200.json lists every candidate's time.
 DECODE_CONFIG: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
-    "fp8_dots": 0,
+    "fp8_dots": 0, "kv_per_program": 1,
 }
 # `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
 # dots' first operand, which Hopper's tensor cores take from registers (the second must
@@ -76,6 +76,11 @@ DECODE_CONFIG: dict[str, int] = {
 # was 5% faster than 0 in the same order (2428 against 2308 GB/s of fp8 K/V), short of
 # moving the default off exact widening; P V in fp8 too (P scaled into e4m3) was slower
 # in all three forms tried (bench/results/step-20261130-h200-fp8-dots.md).
+# `kv_per_program` (1 by default): kv heads one program attends for, side by side. An fp8
+# pool's row of one head is 128 bytes, half a bf16 row, and the fp8 kernel moves about
+# as many rows per second as the bf16 one (~19 against ~16 billion on the H200, at
+# 2.4 against 4.1 TB/s): 2 gathers 256-byte rows of two heads, at the price of dots
+# twice as wide with the other head's half zero. Not yet timed on a GPU.
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
 DECODE_CANDIDATES: list[dict[str, int]] = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
@@ -93,9 +98,18 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
      "fp8_dots": 1},
     {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
      "fp8_dots": 1},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
+     "kv_per_program": 2},
+    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
+     "kv_per_program": 2},
+    {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
+     "kv_per_program": 2},
+    {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
+     "kv_per_program": 4},
 ]
-for _cand in DECODE_CANDIDATES:  # a candidate without the key widens, as the default does
+for _cand in DECODE_CANDIDATES:  # a candidate without these keys runs as the default does
     _cand.setdefault("fp8_dots", 0)
+    _cand.setdefault("kv_per_program", 1)
 
 
 # ---------------------------------------------------------------- slot tables (pure torch)
@@ -163,10 +177,21 @@ def build_slot_table(
     return torch.from_numpy(table), torch.from_numpy(lengths.astype(np.int32))
 
 
+def kv_per_program(n_kv_heads: int, kv_layer: torch.Tensor | None = None) -> int:
+    """DECODE_CONFIG's `kv_per_program` where it applies: it divides the kv heads and a
+    slot's heads sit side by side in the pool (else 1)."""
+    kpp = int(DECODE_CONFIG["kv_per_program"])
+    if kpp <= 1 or n_kv_heads % kpp:
+        return 1
+    if kv_layer is not None and kv_layer.stride(2) != kv_layer.shape[3]:
+        return 1
+    return kpp
+
+
 def choose_splits(batch: int, n_kv_heads: int, sm_count: int, max_context: int) -> int:
-    """Splits per sequence so that batch x kv heads x splits fills the GPU
+    """Splits per sequence so that batch x programs per sequence x splits fills the GPU
     `programs_per_sm` programs deep, never splitting below one tile per split."""
-    programs = max(1, batch * n_kv_heads)
+    programs = max(1, batch * n_kv_heads // kv_per_program(n_kv_heads))
     want = math.ceil(DECODE_CONFIG["programs_per_sm"] * sm_count / programs)
     tiles = max(1, math.ceil(max_context / DECODE_CONFIG["block_n"]))
     return int(max(1, min(want, MAX_SPLITS, tiles)))
@@ -233,13 +258,14 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
         HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr, FP8_DOTS: tl.constexpr,
+        KPP: tl.constexpr,
     ):
         if HEAD_MAJOR:
-            hkv = tl.program_id(0)
+            hkv = tl.program_id(0) * KPP  # this program's first kv head
             b = tl.program_id(1)
         else:
             b = tl.program_id(0)
-            hkv = tl.program_id(1)
+            hkv = tl.program_id(1) * KPP
         split = tl.program_id(2)
         length = tl.load(Lens + b)
         # Equal chunks rounded up to a whole tile, computed from the live length.
@@ -247,14 +273,27 @@ if triton is not None:
         start = split * chunk
         end = tl.minimum(start + chunk, length)
 
+        # KPP kv heads per program (`kv_per_program`): a tile's row is KPP adjacent heads of
+        # one slot, KPP * HEAD_DIM contiguous elements, one gathered row where KPP = 1
+        # loads KPP short ones. Tile row r is query head hkv * GROUP + r, of kv head
+        # hkv + r // GROUP; column c is dim c % HEAD_DIM of kv head hkv + c // HEAD_DIM.
+        # The query tile is zero off its own head's columns, so one dot over the wide rows
+        # gives each query head the scores of its own kv head only; the output keeps, per
+        # row, its own head's columns (`own`).
         offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = tl.arange(0, KPP * HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        g_mask = offs_g < GROUP
+        g_mask = offs_g < GROUP * KPP
         heads = hkv * GROUP + offs_g
+        if KPP == 1:
+            dims = offs_d
+            own = g_mask[:, None]
+        else:
+            dims = offs_d % HEAD_DIM
+            own = g_mask[:, None] & ((offs_g // GROUP)[:, None] == (offs_d // HEAD_DIM)[None, :])
         q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None],
+            Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=own,
             other=0.0,
         )
         if FP8_DOTS:  # Q K^T on fp8 tensor cores: each query head's row scaled into e4m3's range
@@ -270,8 +309,8 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         row_table = Table + b.to(tl.int64) * stride_tb
         if KV_AS_A:  # transposed: K and V^T are the dots' first operands (DECODE_CONFIG)
-            q_t = tl.trans(q)  # [HEAD_DIM, BLOCK_G]
-            acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
+            q_t = tl.trans(q)  # [KPP * HEAD_DIM, BLOCK_G]
+            acc_t = tl.zeros([KPP * HEAD_DIM, BLOCK_G], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
                 if FP8_DOTS:
@@ -283,7 +322,7 @@ if triton is not None:
                 alpha = tl.exp2(m_i - m_new)
                 p_t = tl.exp2(s_t - m_new[None, :])
                 l_i = l_i * alpha + tl.sum(p_t, 0)
-                v_t = tl.load(  # [HEAD_DIM, BLOCK_N]: V's rows as columns
+                v_t = tl.load(  # [KPP * HEAD_DIM, BLOCK_N]: V's rows as columns
                     V + slots[None, :] * stride_vs + hkv * stride_vh + offs_d[:, None],
                     mask=n_mask[None, :],
                     other=0.0,
@@ -292,7 +331,7 @@ if triton is not None:
                 m_i = m_new
             acc = tl.trans(acc_t)
         else:
-            acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, KPP * HEAD_DIM], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
                 if FP8_DOTS:
@@ -317,15 +356,15 @@ if triton is not None:
         o = acc / safe_l[:, None]
         if DIRECT:  # one split: the normalised output is final
             tl.store(
-                Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                 o.to(Out.dtype.element_ty),
-                mask=g_mask[:, None],
+                mask=own,
             )
         else:
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
             # PartO [B, Hq, N_SPLITS, D] and PartLse [B, Hq, N_SPLITS], contiguous.
             row = (b * (N_KV * GROUP) + heads) * n_splits + split
-            tl.store(PartO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+            tl.store(PartO + row[:, None] * HEAD_DIM + dims[None, :], o, mask=own)
             tl.store(PartLse + row, lse, mask=g_mask)
 
     @triton.jit
@@ -420,7 +459,8 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     head_major = bool(DECODE_CONFIG["head_major"])
     kv_as_a = DECODE_CONFIG["kv_as_a"]
-    grid = (hkv, b, n_splits) if head_major else (b, hkv, n_splits)
+    kpp = kv_per_program(hkv, kv_layer)
+    grid = (hkv // kpp, b, n_splits) if head_major else (b, hkv // kpp, n_splits)
     _decode_split_kernel[grid](
         q, k, v, table, lengths, out, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -429,11 +469,11 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         n_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group * kpp)),
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
         HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
         KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV),
-        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if kv_layer.dtype == FP8_KV else 0,
+        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if kv_layer.dtype == FP8_KV else 0, KPP=kpp,
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:

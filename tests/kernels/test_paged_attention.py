@@ -348,3 +348,40 @@ def test_every_tunable_launch_configuration_computes_the_same_attention(candidat
     finally:
         pa.DECODE_CONFIG.clear()
         pa.DECODE_CONFIG.update(saved)
+
+
+def test_two_and_four_kv_heads_per_program_compute_the_same_attention_interpreted(tmp_path: Path) -> None:
+    """`kv_per_program` (a `--tune` candidate): wide rows of adjacent kv heads, the query
+    tile zero off each head's own columns. Both operand orders, one and three splits,
+    fp16 and fp8 pools, against the reference; a head count it does not divide falls
+    back to one head per program."""
+    script = textwrap.dedent(
+        """
+        import numpy as np, torch
+        torch.set_num_threads(1)
+        from pdunit.kernels import paged_attention as pa
+        from pdunit.kernels.kv_dtype import FP8_KV, to_kv
+        torch.manual_seed(0)
+        rng = np.random.default_rng(0)
+        for hq, hkv in ((8, 2), (8, 4)):
+            for dtype in (torch.float16, FP8_KV):
+                kv = to_kv(torch.randn(2, 300, hkv, 32), dtype)
+                ctx = [rng.permutation(300)[:n] for n in (1, 70, 200)]
+                table, lens = pa.build_slot_table(ctx)
+                q = torch.randn(3, hq, 32).to(torch.float16)
+                ref = pa.reference_decode_attention(q.double(), kv.double(), table, lens)
+                for kpp in (2, 4):
+                    for kv_as_a in (0, 1):
+                        for splits in (1, 3):
+                            pa.DECODE_CONFIG.update(kv_per_program=kpp, kv_as_a=kv_as_a, block_n=16)
+                            out = torch.full_like(q, float("nan"))
+                            pa.paged_decode_attention(q, kv, table, lens, splits, out=out)
+                            err = float((out.double() - ref).norm() / ref.norm())
+                            assert torch.isfinite(out).all() and err < 1e-3, (hq, hkv, dtype, kpp, kv_as_a, splits, err)
+        pa.DECODE_CONFIG.update(kv_per_program=4)
+        assert pa.kv_per_program(2) == 1 and pa.kv_per_program(8) == 4
+        assert pa.kv_per_program(8, torch.zeros(2, 10, 16, 32)[:, :, ::2]) == 1  # heads not side by side
+        print("ok")
+        """
+    )
+    assert run_interpreted(script, tmp_path).strip().endswith("ok")
