@@ -122,3 +122,17 @@ def test_monolith_prefix_cache_hits_on_cuda_and_streams_whole(tmp_path):
     assert replies[0][1]["cached_tokens"] == 0
     for _, last in replies[1:]:
         assert last["cached_tokens"] >= 640 - 16 and last["prefill_tokens"] == 700 - last["cached_tokens"]
+
+
+def test_chunked_monolith_compiles_no_kernel_while_serving(tmp_path):
+    """The chunked monolith's forwards mix decode rows with a chunk of a prompt (a
+    continuing one attends to its earlier rows), eagerly, at whatever context lengths
+    the streams have: its warm-up and decode graphs must have compiled every kernel
+    variant they need, or each new one stalls every stream while it compiles (its
+    slowest streams on the H200s started right after the warm-up:
+    bench/results/capacity-20261130-h200x2-60s-bf16.md)."""
+    metrics = _streams_and_metrics(tmp_path, 8, "monolith", mode="monolith", policy="chunked", chunk_tokens=256,
+                                   device="cuda:1")
+    assert metrics['pdunit_kernel_compiles_total{phase="startup"}'] > 0  # the counter works here
+    assert metrics['pdunit_kernel_compiles_total{phase="serving"}'] == 0, \
+        {k: v for k, v in metrics.items() if "kernel_compile" in k}
