@@ -60,6 +60,18 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Waterfall p50 by stage", "s", [
         ("histogram_quantile(0.50, sum by (le, stage) (rate(pdunit_lb_stage_seconds_bucket[5m])))", "{{stage}}"),
     ]),
+    # what stops every stream of a process at once: its GC pauses and kernel compiles
+    # while serving (each should stay near 0)
+    ("Engine stalls (seconds per second)", "s", [
+        ("sum by (pod, container) (rate(pdunit_gc_pause_seconds_sum[5m]))", "{{pod}} {{container}} GC"),
+        ("sum by (pod, container) (rate(pdunit_kernel_compile_seconds_total{phase=\"serving\"}[5m]))",
+         "{{pod}} {{container}} kernel compiles"),
+    ]),
+    ("D: admission wait and batch", "short", [
+        ("histogram_quantile(0.99, sum by (le) (rate(pdunit_decode_admit_wait_seconds_bucket[5m])))",
+         "admission wait p99 (s; > one step: batch full)"),
+        ("histogram_quantile(0.99, sum by (le) (rate(pdunit_decode_step_batch_bucket[5m])))", "streams per step p99"),
+    ]),
 ]
 
 
