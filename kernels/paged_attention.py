@@ -59,10 +59,11 @@ MAX_SPLITS = 64
 # fastest for its run. This default won on one H200 (2026-11-29, 64 streams x 2k, one
 # layer, launches back to back): 0.141 ms = 3.81 TB/s of K/V against a 4.22 TB/s copy;
 # bench/results/step-20261129-h200.json lists every candidate's time.
-DECODE_CONFIG: dict[str, int] = {
+_DECODE_DEFAULT: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
     "fp8_dots": 0, "kv_per_program": 1,
 }
+DECODE_CONFIG: dict[str, int] = dict(_DECODE_DEFAULT)
 # `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
 # dots' first operand, which Hopper's tensor cores take from registers (the second must
 # sit in shared memory: a tile widened in registers goes back there before each dot);
@@ -82,34 +83,33 @@ DECODE_CONFIG: dict[str, int] = {
 # 2.4 against 4.1 TB/s): 2 gathers 256-byte rows of two heads, at the price of dots
 # twice as wide with the other head's half zero. Not yet timed on a GPU.
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
+def _candidate(**changes: int) -> dict[str, int]:
+    """A launch configuration: the default's settings with `changes` (the default as it
+    was before any `--tune` applied one)."""
+    unknown = set(changes) - set(_DECODE_DEFAULT)
+    if unknown:
+        raise ValueError(f"unknown decode kernel settings {sorted(unknown)}")
+    return {**_DECODE_DEFAULT, **changes}
+
+
 DECODE_CANDIDATES: list[dict[str, int]] = [
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 4, "kv_as_a": -1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
-    {"block_n": 128, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 4, "kv_as_a": -1},
-    {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
-    {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 1, "programs_per_sm": 8, "kv_as_a": -1},
-    {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
-     "fp8_dots": 1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
-     "fp8_dots": 1},
-    {"block_n": 128, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
-     "fp8_dots": 1},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
-     "kv_per_program": 2},
-    {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 0,
-     "kv_per_program": 2},
-    {"block_n": 64, "num_warps": 8, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
-     "kv_per_program": 2},
-    {"block_n": 32, "num_warps": 4, "num_stages": 4, "head_major": 0, "programs_per_sm": 4, "kv_as_a": 1,
-     "kv_per_program": 4},
+    _candidate(kv_as_a=0),
+    _candidate(kv_as_a=1),
+    _candidate(head_major=1),
+    _candidate(head_major=1, programs_per_sm=8),
+    _candidate(num_stages=2, head_major=1, programs_per_sm=8),
+    _candidate(block_n=128, num_warps=8, head_major=1),
+    _candidate(block_n=32, num_stages=4, head_major=1, programs_per_sm=8),
+    _candidate(num_warps=8, head_major=1, programs_per_sm=8),
+    _candidate(block_n=128, kv_as_a=1),
+    _candidate(kv_as_a=0, fp8_dots=1),
+    _candidate(kv_as_a=1, fp8_dots=1),
+    _candidate(block_n=128, kv_as_a=0, fp8_dots=1),
+    _candidate(kv_as_a=1, kv_per_program=2),
+    _candidate(kv_as_a=0, kv_per_program=2),
+    _candidate(num_warps=8, kv_as_a=1, kv_per_program=2),
+    _candidate(block_n=32, num_stages=4, kv_as_a=1, kv_per_program=4),
 ]
-for _cand in DECODE_CANDIDATES:  # a candidate without these keys runs as the default does
-    _cand.setdefault("fp8_dots", 0)
-    _cand.setdefault("kv_per_program", 1)
 
 
 # ---------------------------------------------------------------- slot tables (pure torch)

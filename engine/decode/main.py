@@ -9,9 +9,14 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator
 
 from pdunit.engine.decode.hub import FrameHub
-from pdunit.engine.decode.worker import DecodeEngine, DecodeService, engine_setup, serve_debug
+from pdunit.engine.decode.worker import (
+    DecodeEngine,
+    DecodeService,
+    engine_ready,
+    engine_setup,
+    serve_debug,
+)
 from pdunit.engine.grpc_server import start_unix_server
-from pdunit.engine.kernel_compiles import serving_started
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.config import dtype_name
@@ -20,7 +25,6 @@ from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import (
     log_config,
     serve_metrics,
-    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -130,8 +134,7 @@ async def serve(cfg: DecodeConfig) -> int:
         serve_debug(engine, cfg.debug_port)
     tasks = [asyncio.create_task(engine.expiry_loop()), asyncio.create_task(engine.abort_loop()),
              asyncio.create_task(engine.probe_loop())]
-    settle_gc_for_serving(log)
-    serving_started()  # a kernel compiled from here on stalls a step: counted and logged
+    engine_ready(log)
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "overlap": engine.overlap is not None,
                                     "kv_dtype": dtype_name(geometry.dtype),

@@ -34,13 +34,13 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import channel
-from pdunit.engine.kernel_compiles import watch_kernel_compiles
+from pdunit.engine.kernel_compiles import serving_started, watch_kernel_compiles
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
 from pdunit.engine.model.device import bind_thread
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
-from pdunit.engine.observability import now_ns
+from pdunit.engine.observability import now_ns, settle_gc_for_serving
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
@@ -584,3 +584,11 @@ def engine_setup(threads: int, gil_switch_ms: float) -> None:
     torch.set_num_threads(max(1, threads))
     sys.setswitchinterval(gil_switch_ms / 1000)
     watch_kernel_compiles()  # start-up compiles counted as such; serving ones named (engine/kernel_compiles.py)
+
+
+def engine_ready(log: logging.Logger) -> None:
+    """The end of an engine's start (P, D, monolith), right before it says ready: its
+    garbage collector settled for serving, and every kernel compiled from here on counted
+    as a serving one (it stalls the step that needs it)."""
+    settle_gc_for_serving(log)
+    serving_started()

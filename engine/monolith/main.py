@@ -9,9 +9,8 @@ import sys
 from pydantic import Field
 
 from pdunit.engine.decode.hub import FrameHub
-from pdunit.engine.decode.worker import engine_setup
+from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
-from pdunit.engine.kernel_compiles import serving_started
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
@@ -20,7 +19,6 @@ from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.observability import (
     log_config,
     serve_metrics,
-    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -126,8 +124,7 @@ async def serve(cfg: MonolithConfig) -> int:
 
     server = await start_unix_server(cfg.socket, register, log)
     engine.loop.start()
-    settle_gc_for_serving(log)
-    serving_started()  # a kernel compiled from here on stalls a step: counted and logged
+    engine_ready(log)
     log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy})
     await stop.wait()
     engine.hub.close()

@@ -7,16 +7,14 @@ import sys
 
 from pydantic import Field, field_validator
 
-from pdunit.engine.decode.worker import engine_setup
+from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
-from pdunit.engine.kernel_compiles import serving_started
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.observability import (
     log_config,
     serve_metrics,
-    settle_gc_for_serving,
     setup_logging,
     shutdown_event,
 )
@@ -111,8 +109,7 @@ async def serve(cfg: PrefillConfig) -> int:
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
     engine.start()
-    settle_gc_for_serving(log)
-    serving_started()  # a kernel compiled from here on stalls a step: counted and logged
+    engine_ready(log)
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
                                      "decoders": len(engine.links), "transfer": engine.transfer_mode})
     await stop.wait()
