@@ -82,6 +82,8 @@ from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
+from pdunit.kernels.decode_settings import parse as parse_decode_kernel
+from pdunit.kernels.decode_settings import render
 from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
 
 COLUMNS = [
@@ -131,6 +133,7 @@ class StepConfig:
     reserve_gib: float = 14.0  # left free for activations, graph pools, scratch
     compare: list[str] = dataclasses.field(default_factory=lambda: ["64x2048"])
     tune: bool = False
+    decode_kernel: str = ""  # the engines' --decode-kernel: settings the rows (and --tune's start) run with
     overlap: str = "both"
     device: str = "cuda"
     temperature: float = 0.0
@@ -248,6 +251,8 @@ def _tune_decode(m: TTSModel, kv: torch.Tensor, rng: np.random.Generator, cfg: S
             best = row
     assert best is not None, "no decode kernel configuration ran"
     pa.DECODE_CONFIG.update({k: best[k] for k in pa.DECODE_CONFIG})
+    print(f"tune: fastest {best['ms']:.4f} ms; engines take it as --decode-kernel={render(pa.DECODE_CONFIG)!r}",
+          flush=True)
     return results
 
 
@@ -526,6 +531,10 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         layer.copy_(to_kv(torch.randn(layer.shape, dtype=m.dtype, device=dev), kv_dtype))
     print(f"pool: {n_pages} pages of {page} in {kv_dtype}, {n_pages * page * kv_token / 2**30:.2f} GiB; "
           f"weights {w_bytes / 2**30:.2f} GiB", flush=True)
+    if cuda:
+        from pdunit.kernels import paged_attention as pa
+
+        print(f"decode kernel: {pa.configure_decode(config.decode_kernel)}", flush=True)
     tuning = _tune_decode(m, storage, rng, config) if config.tune else []
     e = EngineUnderTest(m, storage, page, max(config.batches), rng)
     graph_buckets = e.forward.graphs.sizes if e.forward.graphs is not None else None
@@ -579,6 +588,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         from pdunit.kernels import paged_attention as pa
 
         summary["decode_kernel_config"] = dict(pa.DECODE_CONFIG)
+        summary["decode_kernel"] = render(pa.DECODE_CONFIG)  # the engines' flag for these settings
     res = report.Results(
         bench="step",
         machine=report.machine_info(),
@@ -722,6 +732,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", default=",".join(d.compare),
                    help="points (BxCTX) where eager and the torch reference are timed too (CUDA); '' for none")
     p.add_argument("--tune", action="store_true", help="time decode kernel launch configs first, use the best")
+    p.add_argument("--decode-kernel", default=d.decode_kernel,
+                   help="decode kernel settings KEY=VALUE,... over the defaults, as the engines' --decode-kernel")
     p.add_argument("--overlap", choices=list(MODES), default=d.overlap,
                    help="both: each point without and with D's overlap scheduler, side by side (default); "
                         "on / off: one of them")
@@ -739,11 +751,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
+    try:  # a bad setting stops here, named, before the device is touched
+        parse_decode_kernel(a.decode_kernel)
+    except ValueError as exc:
+        raise SystemExit(f"pdunit bench step: {exc}") from None
     cfg = StepConfig(
         model=a.model, batches=a.batches, contexts=a.contexts, page_size=a.page_size,
         kv_cache_dtype=a.kv_cache_dtype,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
-        compare=[x for x in a.compare.split(",") if x], tune=a.tune, overlap=a.overlap,
+        compare=[x for x in a.compare.split(",") if x], tune=a.tune, decode_kernel=a.decode_kernel,
+        overlap=a.overlap,
         device=a.device, temperature=a.temperature, top_k=a.top_k, profile=a.profile, out=a.out,
         machine_tag=a.machine_tag,
         command="pdunit bench step " + " ".join(shlex.quote(x) for x in argv),

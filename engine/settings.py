@@ -14,9 +14,11 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
+
+from pdunit.kernels import decode_settings
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -152,6 +154,22 @@ def kv_cache_dtype_field() -> Any:
     return Field("auto", description="KV pool precision: auto (the model dtype) or fp8_e4m3 (scale 1, "
                  "saturating at +-448, as vLLM's and SGLang's uncalibrated fp8 KV cache): half the KV bytes "
                  "per token, so a decode step reads about half as much KV; P and D must agree")
+
+
+def _decode_kernel(text: str) -> str:
+    """`--decode-kernel` checked, in its canonical form (the settings that differ from
+    the default, in the default's order)."""
+    return decode_settings.render({**decode_settings.DECODE_DEFAULT, **decode_settings.parse(text)})
+
+
+# `--decode-kernel` of D and the monolith (the engines that run decode attention).
+DecodeKernel = Annotated[str, AfterValidator(_decode_kernel)]
+
+
+def decode_kernel_field() -> Any:
+    return Field("", description="decode attention kernel settings over its defaults, KEY=VALUE,... (e.g. "
+                 "kv_as_a=1,fp8_dots=1; kernels/decode_settings.py lists them and their values; `pdunit bench "
+                 "step --tune` prints the fastest on its GPU as this flag)")
 
 
 class PrefillModelFields(BaseModel):

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdunit.kernels.decode_settings import DECODE_DEFAULT, checked, parse
 from pdunit.kernels.kv_dtype import FP8_KV
 
 try:  # CPU-only installs (CI) have no usable Triton; the table code still works there.
@@ -51,45 +52,17 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Triton's interpreter runs the same kernels on CPU tensors (slow; for tests without a GPU).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPLITS = 64
-# Launch configuration of the split kernel: context tokens per tile (64 x 256 B rows =
-# 16 KiB of K, and as much V, per load), warps, pipeline depth; `head_major` launches
-# the kv heads of one (sequence, split) next to each other (else sequences vary fastest);
-# `programs_per_sm` is how many programs the split heuristic aims for per SM.
-# `pdunit bench step --tune` times DECODE_CANDIDATES on the device and applies the
-# fastest for its run. This default won on one H200 (2026-11-29, 64 streams x 2k, one
-# layer, launches back to back): 0.141 ms = 3.81 TB/s of K/V against a 4.22 TB/s copy;
-# bench/results/step-20261129-h200.json lists every candidate's time.
-_DECODE_DEFAULT: dict[str, int] = {
-    "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
-    "fp8_dots": 0, "kv_per_program": 1,
-}
-DECODE_CONFIG: dict[str, int] = dict(_DECODE_DEFAULT)
-# `kv_as_a`: 1 computes S^T = K Q^T and O^T = V^T P^T, so the widened K/V tile is the
-# dots' first operand, which Hopper's tensor cores take from registers (the second must
-# sit in shared memory: a tile widened in registers goes back there before each dot);
-# 0 the plain S = Q K^T, O = P V; -1 picks 1 for an fp8 pool, 0 otherwise, as `--tune`
-# found on one H200 (bench/results/step-20261130-h200-kv-fp8-kva.md: fp8 2.33 against
-# 2.09 TB/s, bf16 3.54 against 3.91).
-# `fp8_dots` (fp8 pools only; ignored otherwise): 0 widens K and V to fp16 for every dot;
-# 1 runs Q K^T on fp8 tensor cores, the query quantised to e4m3 per head row (scaled by
-# its largest |value| / 448, the scale undone on the scores: what vLLM's FlashAttention-3
-# path does with an fp8 cache), P V widened as in 0. On one H200 (64 x 2k, one layer) 1
-# was 5% faster than 0 in the same order (2428 against 2308 GB/s of fp8 K/V), short of
-# moving the default off exact widening; P V in fp8 too (P scaled into e4m3) was slower
-# in all three forms tried (bench/results/step-20261130-h200-fp8-dots.md).
-# `kv_per_program` (1 by default): kv heads one program attends for, side by side. An fp8
-# pool's row of one head is 128 bytes, half a bf16 row, and the fp8 kernel moves about
-# as many rows per second as the bf16 one (~19 against ~16 billion on the H200, at
-# 2.4 against 4.1 TB/s): 2 gathers 256-byte rows of two heads, at the price of dots
-# twice as wide with the other head's half zero. Not yet timed on a GPU.
+# The split kernel's launch settings, read at every launch: kernels/decode_settings.py
+# says what each does and what it may be; an engine's `--decode-kernel` or `pdunit bench
+# step --tune` changes them before the first launch (graphs capture what they were then).
+DECODE_CONFIG: dict[str, int] = dict(DECODE_DEFAULT)
+
+
 # The alternatives `--tune` times (each is checked against the reference by the GPU tests).
 def _candidate(**changes: int) -> dict[str, int]:
     """A launch configuration: the default's settings with `changes` (the default as it
     was before any `--tune` applied one)."""
-    unknown = set(changes) - set(_DECODE_DEFAULT)
-    if unknown:
-        raise ValueError(f"unknown decode kernel settings {sorted(unknown)}")
-    return {**_DECODE_DEFAULT, **changes}
+    return {**DECODE_DEFAULT, **checked(changes)}
 
 
 DECODE_CANDIDATES: list[dict[str, int]] = [
@@ -110,6 +83,16 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
     _candidate(num_warps=8, kv_as_a=1, kv_per_program=2),
     _candidate(block_n=32, num_stages=4, kv_as_a=1, kv_per_program=4),
 ]
+
+
+def configure_decode(text: str) -> dict[str, int]:
+    """DECODE_CONFIG set to the default with `--decode-kernel`'s settings (`text`,
+    KEY=VALUE,...; a ValueError names a bad one). Before the first launch: captured
+    graphs keep the settings they were captured with. Returns the settings now live."""
+    settings = {**DECODE_DEFAULT, **parse(text)}
+    DECODE_CONFIG.clear()
+    DECODE_CONFIG.update(settings)
+    return dict(DECODE_CONFIG)
 
 
 # ---------------------------------------------------------------- slot tables (pure torch)

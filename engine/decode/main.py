@@ -29,11 +29,18 @@ from pdunit.engine.observability import (
     shutdown_event,
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import KvCacheDtype, kv_cache_dtype_field, parse_config
+from pdunit.engine.settings import (
+    DecodeKernel,
+    KvCacheDtype,
+    decode_kernel_field,
+    kv_cache_dtype_field,
+    parse_config,
+)
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
 from pdunit.kernels.kv_dtype import kv_storage_dtype
+from pdunit.kernels.paged_attention import configure_decode
 
 
 class DecodeConfig(StackSamplingFields):
@@ -45,6 +52,7 @@ class DecodeConfig(StackSamplingFields):
     device: str = Field("cpu", description="torch device of the pool and the model")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
     kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
+    decode_kernel: DecodeKernel = decode_kernel_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
     pool_tokens: int = Field(65536, ge=0, description="token rows in the KV pool; 0 sizes the pool to the "
                              "device: its free memory once the model is loaded, less --pool-reserve-gib (CUDA only)")
@@ -99,6 +107,7 @@ async def serve(cfg: DecodeConfig) -> int:
     log = setup_logging("decode", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
+    log.info("decode kernel settings", extra={"settings": configure_decode(cfg.decode_kernel)})
     register_role("decode")  # this process's series only (engine/metrics.py)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU

@@ -26,8 +26,14 @@ from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import PrefillModelFields, parse_config
+from pdunit.engine.settings import (
+    DecodeKernel,
+    PrefillModelFields,
+    decode_kernel_field,
+    parse_config,
+)
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
+from pdunit.kernels.paged_attention import configure_decode
 
 # Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines
 # replay the same shapes.
@@ -46,6 +52,7 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields):
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
+    decode_kernel: DecodeKernel = decode_kernel_field()
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
@@ -100,6 +107,7 @@ async def serve(cfg: MonolithConfig) -> int:
     log = setup_logging("monolith", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
+    log.info("decode kernel settings", extra={"settings": configure_decode(cfg.decode_kernel)})
     register_role("monolith")  # this process's series only (engine/metrics.py)
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU

@@ -65,6 +65,11 @@ def test_unknown_overlap_mode_is_refused_naming_the_choices() -> None:
         step.run_step(step.StepConfig(model="tiny", device="cpu", overlap="sometimes"))
 
 
+def test_bad_decode_kernel_is_refused_before_the_device_is_touched() -> None:
+    with pytest.raises(SystemExit, match="--decode-kernel: fp8_dots=4 is not one of"):
+        step.main(["--decode-kernel", "fp8_dots=4"])
+
+
 def _launches() -> float:
     """Steps the overlap scheduler queued (its host-time histogram counts one each)."""
     register_role("decode")  # what D's main does before serving /metrics
@@ -144,3 +149,23 @@ def test_gpu_run_replays_graphs_in_both_modes_and_reads_the_schedulers_events() 
         if r["overlap"]:
             assert 0 < r["event_gpu_ms"] and 0 < r["event_busy"] <= 1.0 + 1e-6, where
     assert doc["summary"]["graph_buckets"] == [1, 2, 4, 8]
+
+
+@pytest.mark.gpu
+def test_gpu_run_takes_the_engines_decode_kernel_flag() -> None:
+    """`--decode-kernel` sets the kernel the rows run (graphs capture it), and the summary
+    gives the flag back in the engines' canonical form."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pdunit.kernels import paged_attention as pa
+
+    saved = dict(pa.DECODE_CONFIG)
+    try:
+        doc = step.run_step(step.StepConfig(batches=[8], contexts=[64], iters=2, warmup=1, copy_gib=0.5,
+                                            compare=[], overlap="on", decode_kernel="kv_as_a=1,head_major=1"))
+    finally:
+        pa.DECODE_CONFIG.clear()
+        pa.DECODE_CONFIG.update(saved)
+    assert doc["summary"]["decode_kernel"] == "head_major=1,kv_as_a=1"
+    assert doc["summary"]["decode_kernel_config"]["head_major"] == 1
+    assert doc["rows"][0]["graph_steps"] == 2

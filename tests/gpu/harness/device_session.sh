@@ -3,7 +3,8 @@
 # files go to /tmp/res/<step>/ and come back as $OUT/results.tgz (the tool returns at
 # most 8 files), with a one-line status per step in $OUT/summary.txt.
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
-# Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags),
+# Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags, split as a shell
+# would but with ';' a plain character: 'fp8=--a=1 --b=2' is one word),
 # faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS; ';' between runs), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS),
 # transfer ($TRANSFER_ARGS),
 # mooncake (carry .out/mooncake-whl).
@@ -22,8 +23,10 @@ run_step() {
   case $step in
     gpu-tests) logged "$dir/pytest.txt" timeout "$secs" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
         ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} || rc=$? ;;
-    compare) logged "$dir/compare.log" timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
-        --out "$dir/capacity.json" --plot "$dir/capacity.png" ${COMPARE_ARGS:-} || rc=$?
+    compare) # COMPARE_ARGS split as a shell would, ';' kept inside a word: quotes group flags with spaces
+      mapfile -d '' -t compare_argv < <(python3 -c 'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' "${COMPARE_ARGS:-}")
+      logged "$dir/compare.log" timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
+        --out "$dir/capacity.json" --plot "$dir/capacity.png" "${compare_argv[@]}" || rc=$?
       # an engine's --sample-stacks file written there (e.g. --prefill-args=--sample-stacks=/tmp/res/compare/p.folded)
       for f in "$dir"/*.folded; do
         if [ -f "$f" ]; then python3 -m pdunit.bench.stacks --file "$f" --out "${f%.folded}.md" > /dev/null; fi
