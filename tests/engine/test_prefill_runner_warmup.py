@@ -36,6 +36,6 @@ def test_warm_up_is_off_by_default_on_the_cpu_and_bounded_by_the_storage():
 @gpu
 def test_warm_up_on_cuda_defaults_to_the_engines_largest_forward():
     model = load_model("random:tiny:0", device="cuda")
-    storage = model.new_kv_storage(256)
+    storage = model.new_kv_storage(256, device="cuda")
     assert warm_up(model, storage, None, largest=100) > 0
     assert storage[:, :, :100].abs().sum() > 0 and storage[:, :, 100:].abs().sum() == 0
