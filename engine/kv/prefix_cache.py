@@ -73,6 +73,12 @@ class PrefixCache:
         self._free: deque[int] = deque(range(n_slots))
         # LRU order: first = least recently used.
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        # Slots of unpinned blocks, kept as pins change: a full cache (every acquire at
+        # steady state) would otherwise sum over all its blocks per acquire, ~1-2 ms of
+        # Python holding the GIL that P's forward launches wait on (3750 blocks at 60k
+        # slots; P's stack samples on the H200s, bench/results/capacity-20261130-h200x2-
+        # 60s-c4.md).
+        self._evictable = 0
         self._stats = {
             "lookups_total": 0,
             "hit_tokens_total": 0,
@@ -103,15 +109,14 @@ class PrefixCache:
                     break
                 matched.append(h)
             for h in matched:
-                self._blocks[h].pins += 1
+                self._pin(self._blocks[h])
             cached = len(matched) * self.block_tokens
             need = rows - cached
             if need > len(self._free):
-                evictable = sum(b.slots.shape[0] for b in self._blocks.values() if not b.pins)
-                if need > len(self._free) + evictable:
+                if need > len(self._free) + self._evictable:
                     for h in matched:
-                        self._blocks[h].pins -= 1
-                    raise NoCapacity(len(self._free) + evictable, need, unit="slots")
+                        self._unpin(self._blocks[h])
+                    raise NoCapacity(len(self._free) + self._evictable, need, unit="slots")
                 self._evict(need - len(self._free))
             fresh = [self._free.popleft() for _ in range(need)]
             self._touch(matched)
@@ -155,7 +160,7 @@ class PrefixCache:
                 raise ValueError("lease released twice")
             lease.released = True
             for h in lease.pinned:
-                self._blocks[h].pins -= 1
+                self._unpin(self._blocks[h])
             self._free.extend(lease.fresh)
 
     def stats(self) -> dict[str, int]:
@@ -172,16 +177,30 @@ class PrefixCache:
         for h in reversed(chain):
             self._blocks.move_to_end(h)
 
+    def _pin(self, blk: _Block) -> None:
+        if not blk.pins:
+            self._evictable -= blk.slots.shape[0]
+        blk.pins += 1
+
+    def _unpin(self, blk: _Block) -> None:
+        blk.pins -= 1
+        if not blk.pins:
+            self._evictable += blk.slots.shape[0]
+
     def _evict(self, n_slots: int) -> None:
-        """Evict unpinned blocks, least recently used first, until n_slots are freed."""
+        """Evict unpinned blocks, least recently used first, until n_slots are freed.
+        Walks from the LRU end only as far as it needs (pinned blocks are mostly recent,
+        near the other end), never copying the whole key list."""
         freed = 0
-        for h in list(self._blocks):
+        victims: list[bytes] = []
+        for h, blk in self._blocks.items():
             if freed >= n_slots:
                 break
-            blk = self._blocks[h]
-            if blk.pins:
-                continue
-            del self._blocks[h]
+            if not blk.pins:
+                victims.append(h)
+                freed += blk.slots.shape[0]
+        for h in victims:
+            blk = self._blocks.pop(h)
+            self._evictable -= blk.slots.shape[0]
             self._free.extend(blk.slots.tolist())
-            freed += blk.slots.shape[0]
             self._stats["evicted_blocks_total"] += 1

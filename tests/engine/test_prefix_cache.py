@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdunit.engine.kv.pool import NoCapacity
-from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.kv.prefix_cache import PrefixCache, block_hashes
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.transformer import ForwardBatch
 
@@ -122,6 +122,57 @@ def test_concurrent_leases_never_share_fresh_slots() -> None:
     assert cache.stats()["free_slots"] == 200
     with pytest.raises(ValueError, match="twice"):
         cache.release(leases[0])
+
+
+def _check_counts(cache: PrefixCache) -> None:
+    """The cache's running count of evictable slots against a count from scratch."""
+    unpinned = sum(b.slots.shape[0] for b in cache._blocks.values() if not b.pins)
+    assert cache._evictable == unpinned
+
+
+def test_a_busy_cache_keeps_its_evictable_count_and_its_refusals_exact() -> None:
+    """Random voices, shared prefixes, leases held across other requests, refusals and
+    evictions: after every step the running count of unpinned slots equals a full count,
+    and a request is refused exactly when free plus unpinned slots cannot hold it."""
+    rng = np.random.default_rng(7)
+    cache = PrefixCache(400, block_tokens=B)
+    voices = [prompt(96, 100 + v) for v in range(6)]
+    held: list[tuple] = []
+    refused = 0
+    for step in range(600):
+        if held and rng.random() < 0.45:
+            lease, p = held.pop(int(rng.integers(len(held))))
+            cache.publish(lease, p)
+            cache.release(lease)
+        else:
+            head = voices[int(rng.integers(len(voices)))][: int(rng.integers(16, 97))]
+            p = np.concatenate([head, prompt(int(rng.integers(1, 80)), 1000 + step)])
+            free = cache.stats()["free_slots"]
+            matched = []
+            for h in block_hashes(p, B)[: (p.shape[0] - 1) // B]:
+                if h not in cache._blocks:
+                    break
+                matched.append(h)
+            need = p.shape[0] - B * len(matched)
+            # what eviction may take: unpinned blocks other than the ones this prompt hits
+            room = free + sum(b.slots.shape[0] for h, b in cache._blocks.items() if not b.pins and h not in matched)
+            try:
+                lease = cache.acquire(p)
+            except NoCapacity:
+                refused += 1
+                assert need > room, (step, need, room)
+                assert cache.stats()["free_slots"] == free
+            else:
+                assert need <= room, (step, need, room)
+                assert lease.cached_tokens == B * len(matched)
+                held.append((lease, p))
+        _check_counts(cache)
+    assert refused > 0  # the pool was small enough to refuse some
+    for lease, _ in held:
+        cache.release(lease)
+    _check_counts(cache)
+    assert cache.stats()["pinned_blocks"] == 0
+    assert cache._evictable + cache.stats()["free_slots"] == 400
 
 
 def test_prefill_of_a_cached_voice_equals_prefill_from_scratch() -> None:
