@@ -17,10 +17,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -87,6 +89,10 @@ class Child:
     log_path: Path
 
 
+class Interrupted(Exception):
+    """A signal asked `pdunit local` to stop while the unit was starting."""
+
+
 @dataclass
 class LocalUnit:
     """Starts and stops one unit; usable from tests and benchmarks as a context manager."""
@@ -97,6 +103,9 @@ class LocalUnit:
     lb_port: int = 0
     guard_port: int = 0
     _own_dir: bool = False
+    # Set from a signal handler: start() and wait_ready() stop waiting and raise
+    # Interrupted (a handler must not raise itself: see main()).
+    interrupted: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         if self.cfg.run_dir:
@@ -197,6 +206,7 @@ class LocalUnit:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         paths = [Path(self.sock("proxy")), Path(self.sock("proxy") + ".auth")]
         while not all(p.exists() for p in paths):
+            self._check_interrupted()
             if proc.poll() is not None:
                 raise RuntimeError(f"proxy exited with {proc.returncode}; its log:\n{self.tail('proxy')}")
             if time.monotonic() > deadline:
@@ -221,6 +231,7 @@ class LocalUnit:
         deadline = time.monotonic() + (timeout_s or self.cfg.ready_timeout_s)
         last = ""
         while time.monotonic() < deadline:
+            self._check_interrupted()
             for child in self.children:
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before the unit was "
@@ -233,8 +244,12 @@ class LocalUnit:
                 last = r.text
             except httpx.HTTPError as exc:
                 last = str(exc)
-            time.sleep(0.2)
+            self.interrupted.wait(0.2)
         raise TimeoutError(f"unit not ready after {timeout_s or self.cfg.ready_timeout_s}s: {last}")
+
+    def _check_interrupted(self) -> None:
+        if self.interrupted.is_set():
+            raise Interrupted("stopped before the unit was ready")
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -320,18 +335,45 @@ def run_short_load(unit: LocalUnit) -> dict:
     return run_capacity(cfg)
 
 
+def _run_interruptibly(unit: LocalUnit, work: Callable[[LocalUnit], dict]) -> dict | None:
+    """`work(unit)` on a thread of its own, its result; None when a signal came first (the
+    unit's stop then ends the work's requests, and the daemon thread with the process)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = work(unit)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="short-load", daemon=True)
+    thread.start()
+    while thread.is_alive() and not unit.interrupted.wait(0.2):
+        pass
+    if thread.is_alive():
+        return None
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_config(LocalConfig, argv, "pdunit local")
     setup_logging("local", cfg.log_level)
     log_config(log, cfg)
     unit = LocalUnit(cfg)
-    stopping = {"signal": None}
 
-    def on_signal(signum, frame):  # Ctrl-C / SIGTERM: stop the children, then exit
-        stopping["signal"] = signum
-        raise KeyboardInterrupt
+    # Ctrl-C / SIGTERM: stop the children, then exit 0. The handler only sets an event
+    # that every wait below watches. Raising KeyboardInterrupt from it (Python's way) lost
+    # the signal when it landed in the GC callback that times collections (the exception
+    # is reported there and dropped, and the unit kept serving), or inside Popen.poll()
+    # between its lock's acquire and release (every later wait on that child then times
+    # out).
+    def on_signal(signum, frame):
+        unit.interrupted.set()
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         unit.start()
         unit.wait_ready()
@@ -339,7 +381,9 @@ def main(argv: list[str]) -> int:
         if cfg.load_streams:
             from pdunit.bench.capacity import print_report
 
-            result = run_short_load(unit)
+            result = _run_interruptibly(unit, run_short_load)
+            if result is None:
+                return 0
             print_report(result)
             load = httpx.get(f"{unit.url}/v1/load", timeout=5).json()
             print(f"\nKV checks: {load.get('kv_checks_total')}  mismatches: {load.get('kv_mismatch_total')}  "
@@ -347,13 +391,15 @@ def main(argv: list[str]) -> int:
             errors = sum(r.get("errors", 0) for r in result.get("rows", []))
             return 1 if load.get("kv_mismatch_total") or errors else 0
         print("Ctrl-C stops the unit.", flush=True)
-        while all(c.proc.poll() is None for c in unit.children):
-            time.sleep(0.5)
+        while not unit.interrupted.is_set() and all(c.proc.poll() is None for c in unit.children):
+            unit.interrupted.wait(0.5)
+        if unit.interrupted.is_set():
+            return 0
         dead = [c for c in unit.children if c.proc.poll() is not None]
         for c in dead:
             print(f"{c.name} exited with {c.proc.returncode}:\n{unit.tail(c.name)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except Interrupted:
         return 0
     finally:
         codes = unit.stop()

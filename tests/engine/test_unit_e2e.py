@@ -183,6 +183,36 @@ def test_pdunit_local_leaves_no_process_behind(tmp_path, how):
             proc.kill()
 
 
+@pytest.mark.parametrize("when", ["starting", "loading"])
+def test_pdunit_local_stopped_while_starting_or_loading_leaves_no_process_behind(tmp_path, when):
+    """A signal before the unit is ready abandons the start, one during `--load-streams`
+    the load: every child started so far is stopped and the command exits 0 (the signal
+    handler raised KeyboardInterrupt once, and a signal that landed in the GC callback was
+    lost there: the unit then served on)."""
+    load = ["--load-streams", "4", "--load-requests", "400", "--load-frames", "200"] if when == "loading" else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdunit.engine.cli", "local", "--lb-port", "0", "--pool-tokens", "16384",
+         "--cache-tokens", "4096", "--log-level", "warning", "--run-dir", str(tmp_path / "run"), *load],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        if when == "starting":
+            kids = wait_for(lambda: _children(proc.pid) or None, what="the first child started")
+        else:
+            assert "unit ready" in proc.stdout.readline()
+            kids = _children(proc.pid)
+            time.sleep(1.0)  # the load is running (400 requests take far longer)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        if when == "starting":
+            assert "unit ready" not in proc.stdout.read()
+        time.sleep(0.2)
+        assert [k for k in kids if _alive(k)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.parametrize("transfer", ["proxy", "tcp"])
 def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, monolith_unit):
     with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **SMALL)) as unit:
