@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import numpy as np
 from pydantic import Field, field_validator
 
 from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
+from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
@@ -86,6 +88,11 @@ async def serve(cfg: PrefillConfig) -> int:
     if started is None:
         return 2
     model, storage, graphs = started
+    if storage.is_cuda:
+        # The KV checksum kernel compiles at its first use; the transfer workers' first
+        # requests arrive together and each compiled it (four serving compiles in the
+        # H200 runs, bench/results/capacity-20261130-h200x2-60s-q8.md).
+        kv_checksum(storage, np.arange(min(16, storage.shape[2])))
     engine = PrefillEngine(
         model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
         PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,
