@@ -74,6 +74,13 @@ class CompareConfig(BaseModel):
                                   "for the plot")
     repeat: int = Field(1, ge=1, description="runs of every level, each with its own workload seed (seed + run): "
                         "a level counts as passed only when every run passes")
+    bracket: int = Field(0, ge=0, description="levels a variant may add to its listed ones to close its capacity "
+                         "bracket: above its highest when every listed level passed (until one fails), below its "
+                         "lowest when that one failed (until one passes); each costs a level's time. A device "
+                         "call then brackets every variant even when its edge moved since the last run")
+    bracket_step: float = Field(0.0, ge=0, description="--bracket: the spacing of the added levels (0: the spacing "
+                                "of the variant's two highest listed levels above, its two lowest below; a variant "
+                                "with one listed level needs it)")
     duration: float = Field(60.0, gt=0, description="seconds of arrivals per level: at least 3 lifetimes of the "
                             "longest stream at the rate floor (shorter levels end before the steady state and say so)")
     ramp: float = Field(3.0, ge=0, description="closed-loop workers start spread over this many seconds; streams "
@@ -577,7 +584,10 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         client_procs=client_processes(cfg) if key == "rate" else 1)
     rows: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
-    for level in levels:
+
+    def run_level(level: float) -> bool:
+        """Every run of one level, appended to `rows`; whether all passed."""
+        nonlocal doc
         for run in range(cfg.repeat):
             marks: dict[str, tuple[float, dict[str, float]]] = {}
 
@@ -598,14 +608,57 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
             attach_waterfall(row, doc["streams"])  # this run's streams only
             row["slowest_streams"] = slowest_streams(doc["streams"])
             rows.append(row)
-        if cfg.stop_at_failure and not all(r["passed"] for r in rows if r[key] == level):
+        return all(r["passed"] for r in rows if r[key] == level)
+
+    passed: dict[float, bool] = {}
+    for level in levels:
+        passed[level] = run_level(level)
+        if cfg.stop_at_failure and not passed[level]:
             if level != levels[-1]:
                 print(f"{name}: level {level:g} failed; the levels above it are skipped (--no-stop-at-failure "
                       "runs them)", flush=True)
             break
+    going_up = bool(passed.get(max(levels)))
+    for level in bracket_levels(cfg, name, levels, passed):
+        print(f"{name}: bracketing its capacity: level {level:g}", flush=True)
+        passed[level] = run_level(level)
+        if passed[level] != going_up:  # the first failure above, or the first pass below
+            break
     # summarize_run: a level whose any run failed ends the capacity below it
-    return {**doc, "config": {**doc.get("config", {}), key: levels, "repeat": cfg.repeat}, "rows": rows,
+    return {**doc, "config": {**doc.get("config", {}), key: sorted(passed), "repeat": cfg.repeat}, "rows": rows,
             "summary": summarize_run(rows, base)}
+
+
+def bracket_levels(cfg: CompareConfig, name: str, levels: list[float], passed: dict[float, bool]) -> list[float]:
+    """The levels --bracket adds, in the order to run them (the caller stops at the first
+    that closes the bracket): above the highest listed level when it passed, below the
+    lowest when it failed, none when the listed levels already bracket the capacity."""
+    if not cfg.bracket or not passed:
+        return []
+    top, bottom = max(levels), min(levels)
+    if passed.get(top):
+        step = bracket_step(cfg, name, levels, up=True)
+        return [top + step * (i + 1) for i in range(cfg.bracket)]
+    if passed.get(bottom) is False:
+        step = bracket_step(cfg, name, levels, up=False)
+        return [x for x in (bottom - step * (i + 1) for i in range(cfg.bracket)) if x > 0]
+    return []
+
+
+def bracket_step(cfg: CompareConfig, name: str, levels: list[float], up: bool) -> float:
+    """--bracket-step, else the spacing of the two listed levels nearest the side it
+    extends; integral for closed-loop levels."""
+    ordered = sorted(levels)
+    if cfg.bracket_step:
+        step = cfg.bracket_step
+    elif len(ordered) >= 2:
+        step = ordered[-1] - ordered[-2] if up else ordered[1] - ordered[0]
+    else:
+        raise SystemExit(f"pdunit bench compare: --bracket: {name} has one level ({ordered[0]:g}); give "
+                         "--bracket-step")
+    if level_key(cfg) == "concurrency" and step != int(step):
+        raise SystemExit(f"pdunit bench compare: --bracket-step {step:g}: closed-loop levels are whole streams")
+    return int(step) if level_key(cfg) == "concurrency" else step
 
 
 def slowest_streams(streams: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
@@ -741,7 +794,9 @@ def stop_children(children: list[ChildRun], timeout_s: float = 30.0) -> None:
 def run_compare(cfg: CompareConfig, command: str) -> dict[str, Any]:
     units = variant_units(cfg)
     for name, _, _ in units:  # a bad --variant-rate/--variant-concurrency stops the run before any unit starts
-        levels_for(cfg, name)
+        levels = levels_for(cfg, name)
+        if cfg.bracket:  # and a --bracket that cannot find its step
+            bracket_step(cfg, name, levels, up=True)
     plan = waves(units, cfg.parallel_gpus)
     print("waves: " + " ".join("[" + " | ".join(name for name, _, _ in wave) + "]" for wave in plan), flush=True)
     docs: dict[str, dict[str, Any]] = {}

@@ -193,6 +193,91 @@ def test_a_sweep_stops_at_its_first_failing_level_unless_asked_not_to(monkeypatc
     assert seen == [1, 2, 3, 4]
 
 
+def _scripted(monkeypatch, passes):
+    """run_capacity replaced by a script: a level passes when `passes(level)`; returns the
+    levels run, in order."""
+    from pdunit.bench import compare
+
+    seen: list[float] = []
+
+    def fake_run_capacity(cfg, command=None, keep_streams=False, window=None):
+        level = cfg.rate[0] if cfg.rate else cfg.concurrency[0]
+        seen.append(level)
+        row = {"mode": cfg.mode_label, "gpus": cfg.gpus, "concurrency": None if cfg.rate else level,
+               "rate": level if cfg.rate else None, "passed": passes(level), "realtime_streams": None}
+        return {"rows": [row], "streams": [], "config": {}}
+
+    monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
+    return seen
+
+
+def test_bracket_adds_levels_above_until_one_fails(monkeypatch):
+    from pdunit.bench import compare
+
+    seen = _scripted(monkeypatch, lambda level: level <= 42)
+    doc = compare.run_levels(CompareConfig(rate="36,38", bracket=4), "1p1d", 2, "http://unused", {}, "test")
+    assert seen == [36, 38, 40, 42, 44]  # the step of the two highest listed levels; stops at 44's failure
+    assert doc["summary"]["capacity_rate"] == 42 and doc["config"]["rate"] == [36, 38, 40, 42, 44]
+    seen.clear()
+    compare.run_levels(CompareConfig(rate="36,38", bracket=2), "1p1d", 2, "http://unused", {}, "test")
+    assert seen == [36, 38, 40, 42]  # at most --bracket levels, even with the bracket still open
+
+
+def test_bracket_adds_levels_below_until_one_passes(monkeypatch):
+    from pdunit.bench import compare
+
+    seen = _scripted(monkeypatch, lambda level: level <= 11)
+    doc = compare.run_levels(CompareConfig(rate="13,14", bracket=3, bracket_step=1), "monolith-prefill-first", 1,
+                             "http://unused", {}, "test")
+    assert seen == [13, 12, 11]  # 13 failed (14 skipped), then down by --bracket-step to the first pass
+    assert doc["summary"]["capacity_rate"] == 11
+    seen = _scripted(monkeypatch, lambda level: False)
+    compare.run_levels(CompareConfig(concurrency="2,4", bracket=5), "monolith-prefill-first", 1, "http://unused",
+                       {}, "test")
+    assert seen == [2]  # nothing below 2 - 2: levels stay positive
+
+
+def test_bracket_adds_nothing_when_the_listed_levels_bracket_the_capacity(monkeypatch):
+    from pdunit.bench import compare
+
+    seen = _scripted(monkeypatch, lambda level: level < 3)
+    compare.run_levels(CompareConfig(concurrency="1,2,3,4", bracket=3), "1p1d", 2, "http://unused", {}, "test")
+    assert seen == [1, 2, 3]
+
+
+def test_bracket_needs_a_step_it_can_use():
+    from pdunit.bench import compare
+
+    with pytest.raises(SystemExit, match="1p1d has one level .*--bracket-step"):
+        compare.bracket_step(CompareConfig(rate="38", bracket=2), "1p1d", [38.0], up=True)
+    with pytest.raises(SystemExit, match="closed-loop levels are whole streams"):
+        compare.bracket_step(CompareConfig(concurrency="8", bracket=2, bracket_step=0.5), "1p1d", [8], up=True)
+    assert compare.bracket_step(CompareConfig(rate="38", bracket=2, bracket_step=2), "1p1d", [38.0], up=True) == 2
+
+
+def test_a_waves_child_brackets_as_its_parent_was_asked_to():
+    from pdunit.bench.compare import child_config
+    from pdunit.engine.settings import to_argv
+
+    cfg = CompareConfig(variants="1p1d,monolith-prefill-first", device="cuda", parallel_gpus=2,
+                        variant_rate="1p1d=38,40;monolith-prefill-first=13", bracket=2, bracket_step=1)
+    argv = to_argv(child_config(cfg, "monolith-prefill-first", 0, Path("/tmp/b.json")))
+    assert "--bracket=2" in argv and "--bracket-step=1.0" in argv
+
+
+def test_a_bracket_without_a_step_stops_the_compare_before_any_unit_starts(monkeypatch):
+    from pdunit.bench import compare
+
+    def no_unit(*args, **kwargs):
+        raise AssertionError("no unit may start")
+
+    monkeypatch.setattr(compare, "run_variant", no_unit)
+    cfg = CompareConfig(variants="1p1d,monolith-prefill-first", variant_rate="1p1d=38;monolith-prefill-first=12,14",
+                        bracket=1)
+    with pytest.raises(SystemExit, match="1p1d has one level"):
+        compare.run_compare(cfg, "test")
+
+
 def _names(plan):
     return [[name for name, _, _ in wave] for wave in plan]
 
