@@ -99,6 +99,9 @@ class PrefillBenchConfig(BaseModel):
     profile: bool = Field(False, description="top CUDA kernels per forward (torch.profiler)")
     host_profile: bool = Field(False, description="top host functions per forward (cProfile)")
     graphs: bool = Field(False, description="also measure every point through the prefill CUDA graphs (CUDA only)")
+    graph_rows: list[int] = Field(default_factory=list, description="--graphs: the graphs' row buckets, as the "
+                                  "engines' --prefill-graph-rows (default: theirs, 128 to 2048): a point larger "
+                                  "than the largest runs eagerly on the graph row too")
     out: str = Field("", description="results JSON path or folder ('' = print only)")
 
     @field_validator("gemm")
@@ -284,10 +287,12 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         # the same prompts in every precision: each precision restarts the seed
         rows_out += _measure_points(model, storage, points, cfg, peak, gemm, None)
         if cfg.graphs:
+            from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
             from pdunit.engine.prefill.runner import capture_prefill_graphs
 
             # captured after the eager points: those compiled every kernel already
-            runner = capture_prefill_graphs(model, storage, True, max(p for p, _ in points))
+            runner = capture_prefill_graphs(model, storage, True, max(p for p, _ in points),
+                                            cfg.graph_rows or DEFAULT_ROW_BUCKETS)
             rows_out += _measure_points(model, storage, points, cfg, peak, gemm, runner)
     by_point = {(r["prompts"], r["rows"]): r["ms"] for r in rows_out if r["gemm"] == "bf16" and not r["graphs"]}
     for r in rows_out:

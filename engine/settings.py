@@ -16,7 +16,14 @@ import typing
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pdunit.kernels import decode_settings
 
@@ -172,6 +179,14 @@ def decode_kernel_field() -> Any:
                  "step --tune` prints the fastest on its GPU as this flag)")
 
 
+# Row buckets of the prefill CUDA graphs (engine/model/prefill_graphs.py): below ~1000
+# rows a forward is bound by its kernel launches from Python, and a graph replays them at
+# once (bench/results/prefill-20261130-h200x2-graphs.md); from ~1500 rows up the GPU
+# bounds it when the host is free. A bucket pads a forward to its size, and every GEMM
+# computes the padding rows.
+PREFILL_GRAPH_ROWS = (128, 256, 512, 768, 1024, 1536, 2048)
+
+
 class PrefillModelFields(BaseModel):
     """The model fields of every engine that runs prefill forwards (P and the monolith):
     engine/prefill/runner.start_prefill_model loads, warms and captures the model they
@@ -198,6 +213,36 @@ class PrefillModelFields(BaseModel):
                                         "for prefill forwards that fit one (small forwards are bound by kernel "
                                         "launches); default on where the model takes the GPU path (CUDA, bf16 or "
                                         "fp16), else off; asking for them elsewhere is an error")
+
+    prefill_graph_rows: list[int] = Field(default_factory=list,
+                                          description="row buckets of the prefill graphs (comma list; default "
+                                          "128,256,512,768,1024,1536,2048, up to the first that holds --max-batch-rows): a forward "
+                                          "of up to the largest replays the smallest bucket that holds it, its rows "
+                                          "padded to the bucket (GEMMs compute the padding); larger forwards run "
+                                          "eagerly. Larger buckets take memory and capture time at start")
+
+    @field_validator("prefill_graph_rows")
+    @classmethod
+    def _buckets_are_row_counts(cls, v: list[int]) -> list[int]:
+        if v and min(v) < 1:
+            raise ValueError(f"{v}: give positive row counts")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _buckets_fit_a_forward(self) -> PrefillModelFields:
+        if self.prefill_graph_rows and max(self.prefill_graph_rows) > self.max_batch_rows:
+            raise ValueError(f"prefill_graph_rows: a bucket of {max(self.prefill_graph_rows)} rows is larger than "
+                             f"--max-batch-rows {self.max_batch_rows}, the largest forward: it would never replay")
+        return self
+
+    def graph_buckets(self) -> list[int]:
+        """The prefill graphs' row buckets: `--prefill-graph-rows`, else the default ones
+        up to the first that holds `--max-batch-rows` (none larger: they would never
+        replay)."""
+        if self.prefill_graph_rows:
+            return list(self.prefill_graph_rows)
+        holds = next((b for b in PREFILL_GRAPH_ROWS if b >= self.max_batch_rows), PREFILL_GRAPH_ROWS[-1])
+        return [b for b in PREFILL_GRAPH_ROWS if b <= holds]
 
     def resolved_prefill(self, gpu_path: bool) -> tuple[bool, int]:
         """(prefill_graphs, fp8_min_rows) with their defaults applied for a model that

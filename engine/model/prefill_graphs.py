@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
-
-DEFAULT_ROW_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
+from pdunit.engine.settings import PREFILL_GRAPH_ROWS as DEFAULT_ROW_BUCKETS
 
 
 class PrefillGraphRunner:

@@ -8,6 +8,7 @@ so it is the same frame in every mode.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry, make_batch, prefill_entry
 from pdunit.engine.model.loader import load_model
-from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
+from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS, PrefillGraphRunner
 from pdunit.engine.model.sampling import SamplingParams, sample_frames
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.settings import PrefillModelFields
@@ -38,7 +39,7 @@ def start_prefill_model(
                                          "prefill_graphs": graphs, "kv_cache_dtype": cfg.kv_cache_dtype})
         storage = model.new_kv_storage(n_slots, device=cfg.device, kv_cache_dtype=cfg.kv_cache_dtype)
         warm_up(model, storage, cfg.warmup_rows, cfg.max_batch_rows)
-        return model, storage, capture_prefill_graphs(model, storage, graphs, max_seqs)
+        return model, storage, capture_prefill_graphs(model, storage, graphs, max_seqs, cfg.graph_buckets())
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return None
@@ -57,7 +58,8 @@ class PrefillChunk:
         return self.end == len(self.prompt)
 
 
-def capture_prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool, max_seqs: int) -> PrefillGraphRunner | None:
+def capture_prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool, max_seqs: int,
+                           buckets: Sequence[int] = DEFAULT_ROW_BUCKETS) -> PrefillGraphRunner | None:
     """The CUDA-graph runner of `--prefill-graphs` (engine/model/prefill_graphs.py), built
     after the warm-up; None when off. ValueError where the model cannot take graphs."""
     if not enabled:
@@ -67,7 +69,7 @@ def capture_prefill_graphs(model: TTSModel, storage: torch.Tensor, enabled: bool
     import time
 
     t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(storage.device)
-    runner = PrefillGraphRunner(model, storage, max_seqs=max_seqs)
+    runner = PrefillGraphRunner(model, storage, buckets=buckets, max_seqs=max_seqs)
     # what the graphs hold on to (their memory pool and static buffers): memory the
     # engine's KV storage could otherwise have had
     logging.getLogger("pdunit.prefill").info("prefill graphs captured", extra={

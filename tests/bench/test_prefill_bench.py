@@ -77,6 +77,20 @@ def test_cuda_run_measures_each_point_eager_and_through_the_prefill_graphs(tmp_p
         (False, False, 100), (False, False, 2000), (True, True, 100), (True, False, 2000)]  # 4000 rows: no bucket
 
 
+@pytest.mark.gpu
+def test_graph_rows_give_the_graphs_larger_buckets(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "prefill.json"
+    assert bench_main(["prefill", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--points",
+                       "2x2000", "--graphs", "--graph-rows", "2048,4096", "--iters", "2", "--warmup", "1",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["graphs"], r["replayed"]) for r in rows] == [(False, False), (True, True)]  # 4000 rows: bucket 4096
+
+
 def test_an_unknown_or_repeated_gemm_is_refused(capsys):
     for bad in ("int8", "fp8,fp8"):
         with pytest.raises(SystemExit):

@@ -118,3 +118,29 @@ def test_captured_prefill_graphs_replay_the_eager_gpu_forward(fp8: bool) -> None
     m = load_model("random:tiny:0", device="cuda", dtype="bfloat16")
     scope["check"](m, "cuda", True, (64, 128), fp8=fp8, tol=3e-2 if not fp8 else 8e-2)
     torch.cuda.synchronize()
+
+
+@gpu
+def test_a_large_bucket_replays_a_large_forward_as_the_eager_gpu_forward() -> None:
+    """`--prefill-graph-rows` beyond 2048: a 3000-row forward of two prompts replays the
+    4096-row bucket (its 1096 padding rows computed and written nowhere) and gives the
+    eager forward's logits and K/V."""
+    import numpy as np
+
+    from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
+    from pdunit.engine.model.transformer import ForwardBatch
+
+    m = load_model("random:tiny:0", device="cuda", dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    kv = m.new_kv_storage(8192, device="cuda")
+    kv_want = kv.clone()
+    runner = PrefillGraphRunner(m, kv, buckets=(2048, 4096), max_seqs=4)
+    slots = rng.permutation(8192)
+    batch = ForwardBatch.from_sequences([rng.integers(0, 1024, (n, 11)).astype(np.int64) for n in (1800, 1200)],
+                                        [slots[:1800], slots[1800:3000]])
+    assert runner.bucket_for(batch) == 4096
+    got = runner.run(batch)
+    want = m.forward(batch, kv_want)
+    assert runner.stats == {"replays": 1, "eager": 0}
+    assert float((got.double() - want.double()).norm() / want.double().norm()) < 3e-2
+    assert float((kv.double() - kv_want.double()).norm() / kv_want.double().norm()) < 3e-2
