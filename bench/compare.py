@@ -618,7 +618,7 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
                 print(f"{name}: level {level:g} failed; the levels above it are skipped (--no-stop-at-failure "
                       "runs them)", flush=True)
             break
-    going_up = bool(passed.get(max(levels)))
+    going_up = bool(passed.get(max(levels))) and all(passed.values())
     for level in bracket_levels(cfg, name, levels, passed):
         print(f"{name}: bracketing its capacity: level {level:g}", flush=True)
         passed[level] = run_level(level)
@@ -631,12 +631,13 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
 
 def bracket_levels(cfg: CompareConfig, name: str, levels: list[float], passed: dict[float, bool]) -> list[float]:
     """The levels --bracket adds, in the order to run them (the caller stops at the first
-    that closes the bracket): above the highest listed level when it passed, below the
-    lowest when it failed, none when the listed levels already bracket the capacity."""
+    that closes the bracket): above the highest listed level when every listed level
+    passed, below the lowest when it failed, none when the listed levels already bracket
+    the capacity."""
     if not cfg.bracket or not passed:
         return []
     top, bottom = max(levels), min(levels)
-    if passed.get(top):
+    if passed.get(top) and all(passed.values()):  # a failed level below would cap the capacity already
         step = bracket_step(cfg, name, levels, up=True)
         return [top + step * (i + 1) for i in range(cfg.bracket)]
     if passed.get(bottom) is False:

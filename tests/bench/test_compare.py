@@ -243,6 +243,10 @@ def test_bracket_adds_nothing_when_the_listed_levels_bracket_the_capacity(monkey
     seen = _scripted(monkeypatch, lambda level: level < 3)
     compare.run_levels(CompareConfig(concurrency="1,2,3,4", bracket=3), "1p1d", 2, "http://unused", {}, "test")
     assert seen == [1, 2, 3]
+    seen = _scripted(monkeypatch, lambda level: level != 2)  # swept past a failure: 2 caps the capacity
+    compare.run_levels(CompareConfig(concurrency="1,2,3", bracket=3, stop_at_failure=False), "1p1d", 2,
+                       "http://unused", {}, "test")
+    assert seen == [1, 2, 3]
 
 
 def test_bracket_needs_a_step_it_can_use():
