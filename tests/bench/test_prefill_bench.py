@@ -63,32 +63,28 @@ def test_graphs_without_a_gpu_are_refused_naming_the_device():
         bench_main(["prefill", "--model", "tiny", "--device", "cpu", "--graphs"])
 
 
-@pytest.mark.gpu
-def test_cuda_run_measures_each_point_eager_and_through_the_prefill_graphs(tmp_path):
+def _graph_rows_on_cuda(tmp_path, *flags: str) -> list[tuple]:
+    """`bench prefill --graphs` of the tiny model on CUDA: (graphs, replayed, rows) per row."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     out = tmp_path / "prefill.json"
-    assert bench_main(["prefill", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--points",
-                       "1x100,2x2000", "--graphs", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["graphs"], r["replayed"], r["rows"]) for r in rows] == [
+    assert bench_main(["prefill", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--graphs",
+                       "--iters", "2", "--warmup", "1", "--out", str(out), *flags]) == 0
+    return [(r["graphs"], r["replayed"], r["rows"]) for r in json.loads(out.read_text())["rows"]]
+
+
+@pytest.mark.gpu
+def test_cuda_run_measures_each_point_eager_and_through_the_prefill_graphs(tmp_path):
+    assert _graph_rows_on_cuda(tmp_path, "--points", "1x100,2x2000") == [
         (False, False, 100), (False, False, 2000), (True, True, 100), (True, False, 2000)]  # 4000 rows: no bucket
 
 
 @pytest.mark.gpu
 def test_graph_rows_give_the_graphs_larger_buckets(tmp_path):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    out = tmp_path / "prefill.json"
-    assert bench_main(["prefill", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--points",
-                       "2x2000", "--graphs", "--graph-rows", "2048,4096", "--iters", "2", "--warmup", "1",
-                       "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["graphs"], r["replayed"]) for r in rows] == [(False, False), (True, True)]  # 4000 rows: bucket 4096
+    assert _graph_rows_on_cuda(tmp_path, "--points", "2x2000", "--graph-rows", "2048,4096") == [
+        (False, False, 2000), (True, True, 2000)]  # 4000 rows: the 4096 bucket
 
 
 def test_an_unknown_or_repeated_gemm_is_refused(capsys):
