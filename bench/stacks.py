@@ -1,7 +1,8 @@
 """`pdunit bench stacks`: what an engine's `--sample-stacks` file says, per thread, as
-text: each thread's share of the samples, the frames it was found in last (its own
-time: where it runs, or the call it is blocked in) and the functions anywhere on its
-stack (inclusive). Reads the folded file (`thread;outer;...;inner count`), writes
+text: each thread's share of the samples and its share outside known waits (running
+Python or waiting for the GIL: P's forward launches contend with that), the frames it
+was found in last (its own time: where it runs, or the call it is blocked in) and the
+functions anywhere on its stack (inclusive). Reads the folded file (`thread;outer;...;inner count`), writes
 nothing but stdout, or a Markdown copy with --out.
 """
 
@@ -36,12 +37,23 @@ def read_folded(path: Path) -> dict[str, Counter[tuple[str, ...]]]:
     return threads
 
 
+# Innermost frames of a thread blocked with the GIL released: a condition or queue wait,
+# a selector, a gRPC call's wait, an idle pool worker, a thread in C alone (gRPC's
+# poller), a join. Any other innermost frame is Python running, or waiting for the GIL
+# to run, or a C call made from it: what other threads' kernel launches contend with.
+WAITING = frozenset({
+    "threading.py:wait", "threading.py:wait_for", "threading.py:_wait_for_tstate_lock", "threading.py:run",
+    "selectors.py:select", "_channel.py:_blocking", "thread.py:_worker", "queue.py:get",
+})
+
+
 def summarize(threads: dict[str, Counter[tuple[str, ...]]], top: int) -> str:
     total = {t: sum(c.values()) for t, c in threads.items()}
-    out = ["| thread | samples | share of all |", "|---|---:|---:|"]
+    out = ["| thread | samples | share of all | outside known waits |", "|---|---:|---:|---:|"]
     everything = sum(total.values()) or 1
     for t in sorted(total, key=lambda t: -total[t]):
-        out.append(f"| {t} | {total[t]} | {total[t] / everything:.1%} |")
+        running = sum(n for frames, n in threads[t].items() if frames and frames[-1] not in WAITING)
+        out.append(f"| {t} | {total[t]} | {total[t] / everything:.1%} | {running / (total[t] or 1):.1%} |")
     for t in sorted(total, key=lambda t: -total[t]):
         own: Counter[str] = Counter()
         inclusive: Counter[str] = Counter()
