@@ -272,11 +272,12 @@ def ratios(per_gpu: dict[str, float | None],
     out: dict[str, Any] = {key: over(a, b) for key, (a, b) in pairs.items()}
     out["best_chunked"] = best
     copies = {k: (k, k.partition("+")[0]) for k in per_gpu if "+" in k}
-    families = {label: headline_pairs(per_gpu, label)[0]
-                for label in dict.fromkeys(k.partition("+")[2] for k in copies)}
-    families = {label: {key: ab for key, ab in fam.items() if ab[0] in per_gpu and ab[1] in per_gpu}
-                for label, fam in families.items()}
-    families = {label: fam for label, fam in families.items() if fam}
+    families: dict[str, dict[str, tuple[str, str]]] = {}  # label -> its pairs that both ran
+    for label in dict.fromkeys(k.partition("+")[2] for k in copies):
+        fam = {key: ab for key, ab in headline_pairs(per_gpu, label)[0].items()
+               if ab[0] in per_gpu and ab[1] in per_gpu}
+        if fam:
+            families[label] = fam
     if copies:
         out["variant_over_base"] = {k: over(a, b) for k, (a, b) in copies.items()}
     if families:
@@ -618,11 +619,10 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
                 print(f"{name}: level {level:g} failed; the levels above it are skipped (--no-stop-at-failure "
                       "runs them)", flush=True)
             break
-    going_up = bool(passed.get(max(levels))) and all(passed.values())
     for level in bracket_levels(cfg, name, levels, passed):
         print(f"{name}: bracketing its capacity: level {level:g}", flush=True)
         passed[level] = run_level(level)
-        if passed[level] != going_up:  # the first failure above, or the first pass below
+        if passed[level] != (level > max(levels)):  # the first failure above, or the first pass below
             break
     # summarize_run: a level whose any run failed ends the capacity below it
     return {**doc, "config": {**doc.get("config", {}), key: sorted(passed), "repeat": cfg.repeat}, "rows": rows,

@@ -212,7 +212,7 @@ class MonolithEngine:
         prompt = p.job.prompt
         self.cache.publish(p.lease, prompt)
         device = self.storage.device
-        # torch.tensor copies: the cache's slot arrays are read-only, which from_numpy warns of
+        # torch.tensor copies: the pool's slot arrays are read-only views, which from_numpy warns of
         src = torch.tensor(p.slots, dtype=torch.int64, device=device)
         dst = torch.tensor(self.pool.slots(p.job.request_id, len(prompt)), dtype=torch.int64, device=device)
         # Same thread and stream as the forwards: ordered after the one that wrote the rows
