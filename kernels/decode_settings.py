@@ -25,10 +25,6 @@ What each setting does:
   step-20261130-h200-fp8-dots.md, step-20261130-h200-kpp.md); the default stays exact
   widening, since 1 quantises the query too. P V in fp8 (P scaled into e4m3) was slower
   in all three forms tried and is gone.
-- `kv_per_program` 2 or 4: kv heads one program attends for, side by side (one gathered
-  row of 256 or 512 bytes of an fp8 pool, dots as wide with the other heads' columns
-  zero). Slower than 1 on one H200 (2167 against 2309 GB/s, step-20261130-h200-kpp.md):
-  kept as a `--tune` candidate, not a default.
 
 The default won on one H200 (2026-11-29, 64 streams x 2k, one layer, launches back to
 back): 0.141 ms = 3.81 TB/s of K/V against a 4.22 TB/s copy
@@ -41,7 +37,7 @@ from collections.abc import Mapping
 
 DECODE_DEFAULT: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
-    "fp8_dots": 0, "kv_per_program": 1,
+    "fp8_dots": 0,
 }
 
 # Values the kernel is built for (powers of two where Triton's tiles need them); the GPU
@@ -54,7 +50,6 @@ ALLOWED: dict[str, tuple[int, ...]] = {
     "programs_per_sm": tuple(range(1, 17)),
     "kv_as_a": (-1, 0, 1),
     "fp8_dots": (0, 1),
-    "kv_per_program": (1, 2, 4),
 }
 
 

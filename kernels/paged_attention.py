@@ -78,10 +78,6 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
     _candidate(kv_as_a=0, fp8_dots=1),
     _candidate(kv_as_a=1, fp8_dots=1),
     _candidate(block_n=128, kv_as_a=0, fp8_dots=1),
-    _candidate(kv_as_a=1, kv_per_program=2),
-    _candidate(kv_as_a=0, kv_per_program=2),
-    _candidate(num_warps=8, kv_as_a=1, kv_per_program=2),
-    _candidate(block_n=32, num_stages=4, kv_as_a=1, kv_per_program=4),
 ]
 
 
@@ -160,21 +156,10 @@ def build_slot_table(
     return torch.from_numpy(table), torch.from_numpy(lengths.astype(np.int32))
 
 
-def kv_per_program(n_kv_heads: int, kv_layer: torch.Tensor | None = None) -> int:
-    """DECODE_CONFIG's `kv_per_program` where it applies: it divides the kv heads and a
-    slot's heads sit side by side in the pool (else 1)."""
-    kpp = int(DECODE_CONFIG["kv_per_program"])
-    if kpp <= 1 or n_kv_heads % kpp:
-        return 1
-    if kv_layer is not None and kv_layer.stride(2) != kv_layer.shape[3]:
-        return 1
-    return kpp
-
-
 def choose_splits(batch: int, n_kv_heads: int, sm_count: int, max_context: int) -> int:
     """Splits per sequence so that batch x programs per sequence x splits fills the GPU
     `programs_per_sm` programs deep, never splitting below one tile per split."""
-    programs = max(1, batch * n_kv_heads // kv_per_program(n_kv_heads))
+    programs = max(1, batch * n_kv_heads)
     want = math.ceil(DECODE_CONFIG["programs_per_sm"] * sm_count / programs)
     tiles = max(1, math.ceil(max_context / DECODE_CONFIG["block_n"]))
     return int(max(1, min(want, MAX_SPLITS, tiles)))
@@ -241,14 +226,13 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
         HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr, FP8_DOTS: tl.constexpr,
-        KPP: tl.constexpr,
     ):
         if HEAD_MAJOR:
-            hkv = tl.program_id(0) * KPP  # this program's first kv head
+            hkv = tl.program_id(0)
             b = tl.program_id(1)
         else:
             b = tl.program_id(0)
-            hkv = tl.program_id(1) * KPP
+            hkv = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(Lens + b)
         # Equal chunks rounded up to a whole tile, computed from the live length.
@@ -256,29 +240,12 @@ if triton is not None:
         start = split * chunk
         end = tl.minimum(start + chunk, length)
 
-        # KPP kv heads per program (`kv_per_program`): a tile's row is KPP adjacent heads of
-        # one slot, KPP * HEAD_DIM contiguous elements, one gathered row where KPP = 1
-        # loads KPP short ones. Tile row r is query head hkv * GROUP + r, of kv head
-        # hkv + r // GROUP; column c is dim c % HEAD_DIM of kv head hkv + c // HEAD_DIM.
-        # The query tile is zero off its own head's columns, so one dot over the wide rows
-        # gives each query head the scores of its own kv head only; the output keeps, per
-        # row, its own head's columns (`own`).
         offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, KPP * HEAD_DIM)
+        offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        g_mask = offs_g < GROUP * KPP
+        g_mask = offs_g < GROUP
         heads = hkv * GROUP + offs_g
-        if KPP == 1:
-            dims = offs_d
-            own = g_mask[:, None]
-        else:
-            dims = offs_d % HEAD_DIM
-            own = g_mask[:, None] & ((offs_g // GROUP)[:, None] == (offs_d // HEAD_DIM)[None, :])
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=own,
-            other=0.0,
-        )
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
         if FP8_DOTS:  # Q K^T on fp8 tensor cores: each query head's row scaled into e4m3's range
             q32 = q.to(tl.float32)
             amax = tl.max(tl.abs(q32), 1)
@@ -292,8 +259,8 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         row_table = Table + b.to(tl.int64) * stride_tb
         if KV_AS_A:  # transposed: K and V^T are the dots' first operands (DECODE_CONFIG)
-            q_t = tl.trans(q)  # [KPP * HEAD_DIM, BLOCK_G]
-            acc_t = tl.zeros([KPP * HEAD_DIM, BLOCK_G], dtype=tl.float32)
+            q_t = tl.trans(q)  # [HEAD_DIM, BLOCK_G]
+            acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
                 if FP8_DOTS:
@@ -305,7 +272,7 @@ if triton is not None:
                 alpha = tl.exp2(m_i - m_new)
                 p_t = tl.exp2(s_t - m_new[None, :])
                 l_i = l_i * alpha + tl.sum(p_t, 0)
-                v_t = tl.load(  # [KPP * HEAD_DIM, BLOCK_N]: V's rows as columns
+                v_t = tl.load(  # [HEAD_DIM, BLOCK_N]: V's rows as columns
                     V + slots[None, :] * stride_vs + hkv * stride_vh + offs_d[:, None],
                     mask=n_mask[None, :],
                     other=0.0,
@@ -314,7 +281,7 @@ if triton is not None:
                 m_i = m_new
             acc = tl.trans(acc_t)
         else:
-            acc = tl.zeros([BLOCK_G, KPP * HEAD_DIM], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
                 if FP8_DOTS:
@@ -339,15 +306,15 @@ if triton is not None:
         o = acc / safe_l[:, None]
         if DIRECT:  # one split: the normalised output is final
             tl.store(
-                Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                 o.to(Out.dtype.element_ty),
-                mask=own,
+                mask=g_mask[:, None],
             )
         else:
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
             # PartO [B, Hq, N_SPLITS, D] and PartLse [B, Hq, N_SPLITS], contiguous.
             row = (b * (N_KV * GROUP) + heads) * n_splits + split
-            tl.store(PartO + row[:, None] * HEAD_DIM + dims[None, :], o, mask=own)
+            tl.store(PartO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
             tl.store(PartLse + row, lse, mask=g_mask)
 
     @triton.jit
@@ -442,8 +409,7 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     head_major = bool(DECODE_CONFIG["head_major"])
     kv_as_a = DECODE_CONFIG["kv_as_a"]
-    kpp = kv_per_program(hkv, kv_layer)
-    grid = (hkv // kpp, b, n_splits) if head_major else (b, hkv // kpp, n_splits)
+    grid = (hkv, b, n_splits) if head_major else (b, hkv, n_splits)
     _decode_split_kernel[grid](
         q, k, v, table, lengths, out, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -452,11 +418,11 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         n_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group * kpp)),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
         HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
         KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV),
-        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if kv_layer.dtype == FP8_KV else 0, KPP=kpp,
+        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if kv_layer.dtype == FP8_KV else 0,
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:
