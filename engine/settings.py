@@ -68,7 +68,10 @@ def _is_list(annotation: Any) -> bool:
 def build_parser(model: type[BaseModel], prog: str, description: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description or model.__doc__)
     for name, field in model.model_fields.items():
-        help_text = (field.description or "") + f" (env {_env(name)}; default {field.default!r})"
+        # A default_factory field has no `default` (pydantic's PydanticUndefined): its
+        # factory's value is the default a user gets.
+        default = field.get_default(call_default_factory=True)
+        help_text = (field.description or "") + f" (env {_env(name)}; default {default!r})"
         if _is_bool(field.annotation):
             parser.add_argument(
                 _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
@@ -209,13 +212,13 @@ class PrefillModelFields(BaseModel):
                                      "stay in bf16; default 0 with prefill graphs, 1200 without (on an H200 an "
                                      "eager fp8 forward of 800 rows is 0.8x as fast as an eager bf16 one, and an fp8 "
                                      "graph 1.4x a bf16 graph: bench/results/prefill-20261130-h200x2-graphs.md)")
-    prefill_graphs: bool | None = Field(None, description="replay CUDA graphs, one per row bucket up to 2048 rows, "
+    prefill_graphs: bool | None = Field(None, description="replay CUDA graphs, one per row bucket (--prefill-graph-rows), "
                                         "for prefill forwards that fit one (small forwards are bound by kernel "
                                         "launches); default on where the model takes the GPU path (CUDA, bf16 or "
                                         "fp16), else off; asking for them elsewhere is an error")
 
     prefill_graph_rows: list[int] = Field(default_factory=list,
-                                          description="row buckets of the prefill graphs (comma list; default "
+                                          description="row buckets of the prefill graphs (comma list; empty, the default: "
                                           "128,256,512,768,1024,1536,2048, up to the first that holds --max-batch-rows): a forward "
                                           "of up to the largest replays the smallest bucket that holds it, its rows "
                                           "padded to the bucket (GEMMs compute the padding); larger forwards run "

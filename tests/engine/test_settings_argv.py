@@ -108,3 +108,12 @@ def test_processes_without_a_model_do_not_import_torch(module, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_help_shows_a_default_factory_fields_default_not_pydantics_marker():
+    from pdunit.engine.prefill.main import PrefillConfig
+    from pdunit.engine.settings import build_parser
+
+    text = build_parser(PrefillConfig, "pdunit prefill").format_help()
+    assert "PydanticUndefined" not in text
+    assert "PDUNIT_PREFILL_GRAPH_ROWS; default []" in " ".join(text.split())
