@@ -434,16 +434,17 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | start steps | D wait > 50 ms | graph share "
-           "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P reserve ms | P gap ms | LB lag ms "
+           "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P cached rows | P reserve ms | P gap ms | LB lag ms "
            "| LB lag > 20 ms | LB GC ms/s | compiles s | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
             cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_batch_over_256", "d_start_step_share",
                                               "d_admit_wait_over_50ms",
                                               "d_graph_share", "d_gpu_busy", "d_gc_ms_per_s",
-                                              "p_forward_ms", "p_busy", "p_graph_share", "p_reserve_ms", "p_gap_ms",
+                                              "p_forward_ms", "p_busy", "p_graph_share", "p_cached_share",
+                                              "p_reserve_ms", "p_gap_ms",
                                               "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s", "compile_s")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
@@ -475,6 +476,9 @@ _SERIES = {
     "p_reserve_s": 'pdunit_prefill_stage_seconds_sum{stage="reserve"}',
     "p_gaps": "pdunit_prefill_forward_gap_seconds_count", "p_gap_s": "pdunit_prefill_forward_gap_seconds_sum",
     "p_graph": 'pdunit_prefill_forwards_total{path="graph"}',
+    # prompt rows served from the prefix cache and computed (P, or the monolith's prefills)
+    "p_cached_rows": 'pdunit_prefill_tokens_total{source="cached"}',
+    "p_computed_rows": 'pdunit_prefill_tokens_total{source="computed"}',
     "p_eager": 'pdunit_prefill_forwards_total{path="eager"}',
     "lb_lag_n": "pdunit_lb_loop_lag_seconds_count", "lb_lag_s": "pdunit_lb_loop_lag_seconds_sum",
     "lb_lag_le_20ms": 'pdunit_lb_loop_lag_seconds_bucket{le="0.02"}',
@@ -519,12 +523,13 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """What the engines did during one level: mean D step and batch, the share of steps
-    over 256 streams and of start steps (--start-steps), D's admission wait (mean; share over 50 ms: streams that waited for
-    room in a full batch), the share of steps replayed from a CUDA graph, D's GPU busy
-    share; P's mean forward, busy share, share of forwards replayed from a prefill graph
-    and mean reserve stage (RESERVE round trip); the seconds the unit's engines spent
-    compiling Triton kernels while serving; D's and the LB's GC pauses per second; how
-    late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
+    over 256 streams and of start steps (--start-steps), D's admission wait (mean; share
+    over 50 ms: streams that waited for room in a full batch), the share of steps
+    replayed from a CUDA graph, D's GPU busy share; P's mean forward, busy share, share
+    of forwards replayed from a prefill graph, share of prompt rows served from the
+    prefix cache and mean reserve stage (RESERVE round trip); the seconds the unit's
+    engines spent compiling Triton kernels while serving; D's and the LB's GC pauses per
+    second; how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
     out: dict[str, float] = {}
     if d["d_steps"] > 0:
@@ -547,6 +552,8 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["p_reserve_ms"] = round(1000 * d["p_reserve_s"] / d["p_reserves"], 3)
     if d["p_gaps"] > 0:  # from a forward's end to the next's start, the next batch already reserved
         out["p_gap_ms"] = round(1000 * d["p_gap_s"] / d["p_gaps"], 3)
+    if d["p_cached_rows"] + d["p_computed_rows"] > 0:
+        out["p_cached_share"] = round(d["p_cached_rows"] / (d["p_cached_rows"] + d["p_computed_rows"]), 4)
     if d["p_graph"] + d["p_eager"] > 0:
         out["p_graph_share"] = round(d["p_graph"] / (d["p_graph"] + d["p_eager"]), 4)
     # seconds the unit's engines spent compiling kernels during the level (each a stall)
