@@ -433,15 +433,14 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
-           f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | start steps | D wait > 50 ms | graph share "
+           f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | D wait > 50 ms | graph share "
            "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P cached rows | P reserve ms | P gap ms | LB lag ms "
            "| LB lag > 20 ms | LB GC ms/s | compiles s | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
-            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_batch_over_256", "d_start_step_share",
-                                              "d_admit_wait_over_50ms",
+            cells = [e.get(k, "-") for k in ("d_step_ms", "d_batch", "d_batch_over_256", "d_admit_wait_over_50ms",
                                               "d_graph_share", "d_gpu_busy", "d_gc_ms_per_s",
                                               "p_forward_ms", "p_busy", "p_graph_share", "p_cached_share",
                                               "p_reserve_ms", "p_gap_ms",
@@ -466,7 +465,6 @@ _SERIES = {
     "d_batch_sum": "pdunit_decode_step_batch_sum", "d_gpu_busy_s": "pdunit_decode_gpu_busy_seconds_total",
     # steps with more streams than the old 256-stream --max-batch; streams that waited for room in the batch
     "d_batch_le_256": 'pdunit_decode_step_batch_bucket{le="256.0"}',
-    "d_start_steps": "pdunit_decode_start_steps_total",  # steps of only starting streams (--start-steps)
     "d_waits": "pdunit_decode_admit_wait_seconds_count", "d_wait_s": "pdunit_decode_admit_wait_seconds_sum",
     "d_waits_le_50ms": 'pdunit_decode_admit_wait_seconds_bucket{le="0.05"}',
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
@@ -523,11 +521,10 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """What the engines did during one level: mean D step and batch, the share of steps
-    over 256 streams and of start steps (--start-steps), D's admission wait (mean; share
-    over 50 ms: streams that waited for room in a full batch), the share of steps
-    replayed from a CUDA graph, D's GPU busy share; P's mean forward, busy share, share
-    of forwards replayed from a prefill graph, share of prompt rows served from the
-    prefix cache and mean reserve stage (RESERVE round trip); the seconds the unit's
+    over 256 streams, D's admission wait (mean; share over 50 ms: streams that waited
+    for room in a full batch), the share of steps replayed from a CUDA graph, D's GPU
+    busy share; P's mean forward, busy share, share of forwards replayed from a prefill
+    graph, share of prompt rows served from the prefix cache and mean reserve stage (RESERVE round trip); the seconds the unit's
     engines spent compiling Triton kernels while serving; D's and the LB's GC pauses per
     second; how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
@@ -536,8 +533,6 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
         out["d_batch"] = round(d["d_batch_sum"] / d["d_steps"], 1)
         out["d_batch_over_256"] = round(1 - d["d_batch_le_256"] / d["d_steps"], 4)
-        # D's step time and batch above average full and start steps together
-        out["d_start_step_share"] = round(d["d_start_steps"] / d["d_steps"], 4)
     if d["d_waits"] > 0:  # admission to the first step with room; > 50 ms: the batch was full
         out["d_admit_wait_ms"] = round(1000 * d["d_wait_s"] / d["d_waits"], 3)
         out["d_admit_wait_over_50ms"] = round(1 - d["d_waits_le_50ms"] / d["d_waits"], 4)

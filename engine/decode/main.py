@@ -30,7 +30,6 @@ from pdunit.engine.observability import (
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import (
-    ConfigError,
     DecodeKernel,
     KvCacheDtype,
     decode_kernel_field,
@@ -65,11 +64,6 @@ class DecodeConfig(StackSamplingFields):
     overlap: bool | None = Field(None, description="overlap scheduling: queue decode step n+1 before step n's "
                                  "frames reach the host (same frames); default: on when the model takes the GPU "
                                  "path, off on CPU (--overlap turns it on there too)")
-    start_steps: int = Field(0, ge=0, le=8, description="overlap only: after each full decode step, up to this "
-                             "many steps of only the streams short of --start-frames frames, so a new stream's "
-                             "first audio comes sooner; every running stream pays their time (0 = off)")
-    start_frames: int = Field(9, ge=2, description="--start-steps: frames a stream needs before it leaves the "
-                              "start steps (the client's first playable audio: 9 frames)")
     held_drain_fraction: float = Field(0.25, gt=0, le=1, description="held/pool pages above which D drains")
     abort_resend_ms: int = Field(200, gt=0, description="ABORT re-send period for held requests")
     probe_interval_ms: int = Field(500, gt=0, description="P instance-id probe period")
@@ -119,12 +113,6 @@ async def serve(cfg: DecodeConfig) -> int:
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "decode-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    overlap = model.gpu_path if cfg.overlap is None else cfg.overlap
-    if cfg.start_steps and not overlap:
-        message = ("pdunit decode: invalid start_steps (from --start-steps): start steps need overlap scheduling "
-                   "(on by default on the GPU path; --overlap elsewhere)")
-        print(message, file=sys.stderr)
-        raise ConfigError(message)
     mc = model.config
     kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, model.dtype)
     free = torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cfg.pool_tokens == 0 else 0
@@ -144,7 +132,7 @@ async def serve(cfg: DecodeConfig) -> int:
         model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
         cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
-        overlap=overlap, start_steps=cfg.start_steps, start_frames=cfg.start_frames,
+        overlap=model.gpu_path if cfg.overlap is None else cfg.overlap,
     )
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)

@@ -28,16 +28,6 @@ them. On CPU the same code runs with CPU tensors; the "async" copy and the event
 then no-ops, so the pipeline, the one-step-late publication and the page rule are what
 the CPU tests exercise.
 
-Start steps (`start_steps` > 0, `pdunit decode --start-steps`): after each full step,
-up to `start_steps` steps of only the streams scheduled for fewer than `start_frames`
-frames (the client's first playable audio, BENCHMARKS.md: 9). A full step at ~240
-streams takes ~17 ms on an H200 and a start step of a few streams ~2 ms (the weights'
-read), so a new stream's frames 2-9 take about (full + start) x 8 / (1 + start_steps)
-instead of full x 8: TTFA falls by most of D's share, and every running stream pays
-the start steps' time. A start step is queued like a full one (one step in flight);
-a stream not in the previous step takes its newest frame from the host, which holds
-it by then: every step before the previous one has completed when the next is queued.
-
 Owns: the in-flight step, per-stream scheduled-frame counts, deferred page frees and
 the overlap metrics. Must never publish a frame computed after its stream ended, and
 never free pages a queued step may still write.
@@ -72,11 +62,6 @@ WAIT_SECONDS = m.role_metric(Histogram(
 GPU_BUSY_RATIO = m.role_metric(Gauge(
     "pdunit_decode_gpu_busy_ratio",
     "Share of device time spent in decode steps over the last steps of a busy period (CUDA only)", registry=None), "decode")
-START_STEPS = m.role_metric(Counter(
-    "pdunit_decode_start_steps_total",
-    "Start steps queued: only streams short of --start-frames frames (--start-steps)", registry=None), "decode")
-START_ROWS = m.role_metric(Counter(
-    "pdunit_decode_start_rows_total", "Stream rows of start steps", registry=None), "decode")
 DISCARDED_ROWS = m.role_metric(Counter(
     "pdunit_decode_discarded_rows_total",
     "Rows computed for streams that had already ended (EOS seen one step late, or cancelled)", registry=None), "decode")
@@ -100,9 +85,6 @@ class OverlapScheduler:
     model: TTSModel
     batcher: DecodeBatcher
     step_forward: StepForward
-    start_steps: int = 0                  # start steps after each full step (0: every step is full)
-    start_frames: int = 9                 # a stream is starting while scheduled for fewer frames
-    _start_run: int = 0                   # start steps queued since the last full step
     _inflight: _Step | None = None
     _scheduled: dict[int, int] = field(default_factory=dict)    # request id -> frames scheduled
     _last_step: dict[int, int] = field(default_factory=dict)    # request id -> last step writing its pages
@@ -149,7 +131,7 @@ class OverlapScheduler:
                 ended.append(s)
                 b.pool.finish(s.request_id)  # never in a step
         prev = self._inflight
-        batch = self._next_batch()
+        batch = [s for s in b.running.values() if self._scheduled[s.request_id] < s.params.max_frames]
         self._inflight = self._launch(batch, prev) if batch else None
         if batch:
             HOST_SECONDS.observe(time.perf_counter() - t0)
@@ -194,21 +176,6 @@ class OverlapScheduler:
         )
 
     # ------------------------------------------------------------------ internals
-    def _next_batch(self) -> list[Stream]:
-        """The streams of the next step: every running stream still short of its
-        max_frames, or (a start step) only the starting ones, when some are and some
-        are not and fewer than `start_steps` start steps followed the last full step."""
-        live = [s for s in self.batcher.running.values() if self._scheduled[s.request_id] < s.params.max_frames]
-        if self._start_run < self.start_steps:
-            starting = [s for s in live if self._scheduled[s.request_id] < self.start_frames]
-            if starting and len(starting) < len(live):
-                self._start_run += 1
-                START_STEPS.inc()
-                START_ROWS.inc(len(starting))
-                return starting
-        self._start_run = 0
-        return live
-
     def _launch(self, batch: list[Stream], prev: _Step | None) -> _Step:
         """Queues one step for `batch`; its tokens come from `prev`'s device frames for
         streams in `prev`, from the host's newest frame for the others."""

@@ -156,8 +156,6 @@ class DecodeEngine:
         probe_interval_s: float = 0.5,
         cuda_graphs: bool = True,
         overlap: bool = False,
-        start_steps: int = 0,
-        start_frames: int = 9,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
         self.model = model
@@ -173,8 +171,7 @@ class DecodeEngine:
         self.probe_interval_s = probe_interval_s
         self.batcher = DecodeBatcher(model, pool, self.storage, max_batch)
         self.step_forward = StepForward(model, self.storage, cuda_graphs, max_batch)
-        self.overlap = (OverlapScheduler(model, self.batcher, self.step_forward, start_steps, start_frames)
-                        if overlap else None)
+        self.overlap = OverlapScheduler(model, self.batcher, self.step_forward) if overlap else None
         self.reservations: dict[int, Reservation] = {}
         self.held: dict[int, Held] = {}
         self.p_instance = ""          # the newest P instance seen (Reserve or probe)

@@ -324,13 +324,13 @@ def test_engine_deltas_read_each_levels_graph_shares_and_ps_reserve_time():
 
     before = {key: 0.0 for key in _SERIES}  # what _scrape_all returns: one value per key
     after = dict(before, p_forwards=4, p_forward_s=0.2, p_graph=3, p_reserves=5, p_reserve_s=0.02, p_gaps=2,
-                 p_gap_s=0.006, p_eager=1, p_cached_rows=300, p_computed_rows=900, d_steps=10, d_step_s=0.1, d_batch_sum=500, d_graph=9, d_eager=1,
-                 d_batch_le_256=8, d_start_steps=3, d_waits=4, d_wait_s=0.2, d_waits_le_50ms=3,
+                 p_gap_s=0.006, p_eager=1, p_cached_rows=300, p_computed_rows=900, d_steps=10, d_step_s=0.1,
+                 d_batch_sum=500, d_graph=9, d_eager=1, d_batch_le_256=8, d_waits=4, d_wait_s=0.2, d_waits_le_50ms=3,
                  d_gc0_s=0.002, d_gc2_s=0.008, lb_gc1_s=0.003, decode_compile_s=0.5, prefill_compile_s=0.25)
     got = engine_deltas(before, after, 2.0)
-    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_cached_share": 0.25, "p_reserve_ms": 4.0, "p_gap_ms": 3.0,
-                   "d_step_ms": 10.0, "d_batch": 50.0, "d_batch_over_256": 0.2, "d_start_step_share": 0.3,
-                   "d_graph_share": 0.9,
+    assert got == {"p_forward_ms": 50.0, "p_busy": 0.1, "p_graph_share": 0.75, "p_cached_share": 0.25,
+                   "p_reserve_ms": 4.0, "p_gap_ms": 3.0,
+                   "d_step_ms": 10.0, "d_batch": 50.0, "d_batch_over_256": 0.2, "d_graph_share": 0.9,
                    "d_admit_wait_ms": 50.0, "d_admit_wait_over_50ms": 0.25, "compile_s": 0.75,
                    "d_gc_ms_per_s": 5.0, "lb_gc_ms_per_s": 1.5}  # GC pauses: ms per second of the level
     # D's and the LB's pauses are one series name in two processes: one key each

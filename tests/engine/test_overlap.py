@@ -59,7 +59,7 @@ class Harness:
     """One D: a pool, the tiny model, and either the plain step loop or the overlap one."""
 
     def __init__(self, overlap: bool, eos_id: int | None = None, device: str = "cpu",
-                 dtype: str | None = None, start_steps: int = 0, start_frames: int = 9) -> None:
+                 dtype: str | None = None) -> None:
         self.model = load_model("random:tiny:0", device=device, dtype=dtype)
         if eos_id is not None:
             self.model.config = dataclasses.replace(self.model.config, eos_id=eos_id)
@@ -67,8 +67,7 @@ class Harness:
         self.storage = self.model.new_kv_storage(POOL_TOKENS, device=device)
         self.batcher = DecodeBatcher(self.model, self.pool, self.storage, max_batch=8)
         self.forward = StepForward(self.model, self.storage, use_graphs=True, max_batch=8)
-        self.overlap = (OverlapScheduler(self.model, self.batcher, self.forward, start_steps, start_frames)
-                        if overlap else None)
+        self.overlap = OverlapScheduler(self.model, self.batcher, self.forward) if overlap else None
         self.max_index: dict[int, int] = {}
         self.prompts: dict[int, np.ndarray] = {}
         slot_of = self.pool.slot_of
@@ -237,76 +236,6 @@ def test_cancel_frees_pages_only_after_the_queued_step_that_writes_them_complete
     assert h.pool.free_pages == h.pool.n_pages
 
 
-def launched_batches(h: Harness, left_out: list[int] | None = None) -> list[list[tuple[int, int]]]:
-    """Spies on `h`'s launches: per queued step, (request id, frames scheduled before it);
-    `left_out` gets, per step, how many running streams short of max_frames it left out."""
-    assert h.overlap is not None
-    o = h.overlap
-    launch, batches = o._launch, []
-
-    def spy(batch, prev):
-        batches.append([(s.request_id, o._scheduled[s.request_id]) for s in batch])
-        if left_out is not None:
-            live = [s for s in h.batcher.running.values() if o._scheduled[s.request_id] < s.params.max_frames]
-            left_out.append(len(live) - len(batch))
-        return launch(batch, prev)
-
-    h.overlap._launch = spy  # type: ignore[method-assign]
-    return batches
-
-
-@pytest.mark.parametrize("start_steps", [0, 1, 2])
-def test_start_steps_publish_the_same_frames_and_free_every_page(start_steps: int) -> None:
-    """Start steps (only the streams short of start_frames) change which streams share a
-    step, never a stream's frames, its EOS, its count or its pages."""
-    eos = eos_that_occurs()
-    reqs = MIXED + [Req(7, 24, SamplingParams(max_frames=20), join=4),   # greedy, eos_that_occurs' prompt
-                    Req(8, 36, SamplingParams(max_frames=16, temperature=1.0, seed=3), join=6, cancel_at=9)]
-    plain, h = Harness(False, eos_id=eos), Harness(True, eos_id=eos, start_steps=start_steps, start_frames=5)
-    for harness in (plain, h):
-        harness.prompts[7] = prompt(24, seed=1)
-    expected = plain.run([dataclasses.replace(r, cancel_at=None) for r in reqs])
-    left_out: list[int] = []
-    batches = launched_batches(h, left_out)
-    started = h.run(reqs)
-    assert started.codes[7][-1] == FINISHED_EOS
-    for r in reqs:
-        if r.cancel_at is None:
-            assert started.frames[r.rid] == expected.frames[r.rid], f"stream {r.rid}"
-            assert started.codes[r.rid] == expected.codes[r.rid], f"stream {r.rid}"
-        else:  # a prefix: nothing wrong, nothing after the cancel
-            got = started.frames[r.rid]
-            assert 0 < len(got) < r.params.max_frames and got == expected.frames[r.rid][: len(got)]
-        assert started.max_index.get(r.rid, -1) <= r.rows + r.params.max_frames - 2
-    assert started.pool.free_pages == started.pool.n_pages
-    # start steps ran (and only with some): each holds only streams short of 5 frames and
-    # leaves running ones out
-    start = [b for b, out in zip(batches, left_out, strict=True) if out]
-    assert len(start) >= 3 if start_steps else not start
-    assert all(sched < 5 for b in start for _, sched in b)
-
-
-def test_start_steps_follow_each_full_step_until_the_new_stream_has_its_start_frames() -> None:
-    h = Harness(True, start_steps=2, start_frames=5)
-    batches = launched_batches(h)
-    h.run([Req(1, 24, SamplingParams(max_frames=30, min_frames=30)),
-           Req(2, 30, SamplingParams(max_frames=12, min_frames=12), join=6)])
-    joined = next(i for i, b in enumerate(batches) if any(rid == 2 for rid, _ in b))
-    before = batches[:joined]
-    assert all(len(b) == 1 and b[0][0] == 1 for b in before)  # alone: every step full
-    # stream 2 joins with its first frame (from P): full, start, start, full, start ...
-    # until it is scheduled for 5 frames; then every step is full again
-    shape = ["full" if len(b) == 2 else "start" for b in batches[joined:joined + 6]]
-    assert shape[:3] in (["full", "start", "start"], ["start", "start", "full"]), shape
-    frames_of_2 = [sched for b in batches[joined:] for rid, sched in b if rid == 2]
-    assert frames_of_2[:4] == [1, 2, 3, 4]
-    after = [b for b in batches[joined:] if any(rid == 2 and sched >= 5 for rid, sched in b)]
-    assert after and all(len(b) == 2 for b in after)
-    # stream 1 got one step in three while stream 2 started: 4 frames of 2 in 2 of 1's
-    steps_of_1 = [b for b in batches[joined:joined + 4] if any(rid == 1 for rid, _ in b)]
-    assert len(steps_of_1) <= 2
-
-
 UNIT_REQUESTS = [
     (random_prompt(90, seed=21), dict(max_frames=16, min_frames=16)),
     (random_prompt(150, seed=22), dict(max_frames=12, min_frames=0, temperature=1.0, seed=5)),
@@ -314,8 +243,7 @@ UNIT_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("decode_args", [["--overlap"], ["--overlap", "--start-steps=2", "--start-frames=4"]])
-def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everything(decode_args) -> None:
+def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everything() -> None:
     from pdunit.engine.local import LocalConfig, LocalUnit
 
     reference = Harness(False)
@@ -325,7 +253,7 @@ def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everythin
         reqs.append(Req(i, len(p), SamplingParams(**params)))
     expected = reference.run(reqs)
     cfg = LocalConfig(mode="pd", pool_tokens=8192, cache_tokens=8192, lb_port=0, guard=False,
-                      log_level="warning", extra_decode_args=decode_args)
+                      log_level="warning", extra_decode_args=["--overlap"])
     with LocalUnit(cfg) as unit:
         before = load(unit.url)
         with ThreadPoolExecutor(len(UNIT_REQUESTS)) as pool:
@@ -336,38 +264,23 @@ def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everythin
         wait_for(lambda: load(unit.url)["free_pages"] == before["free_pages"], what="every page back in D's pool")
 
 
-def test_decode_refuses_start_steps_without_overlap_naming_the_flag(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdunit.engine.cli", "decode", "--start-steps=1", "--transfer=host",
-         f"--socket={tmp_path}/d.sock", "--pool-tokens=1024"],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "start_steps (from --start-steps)" in proc.stderr and "--overlap" in proc.stderr
-
-
 @pytest.mark.gpu
 def test_overlap_frames_identical_on_cuda_with_graphs() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     reqs = MIXED + [Req(7, 50, SamplingParams(max_frames=40, temperature=1.1, top_k=30, seed=99), join=1)]
 
-    def cuda_run(overlap: bool, start_steps: int = 0) -> Run:
-        h = Harness(overlap, device="cuda", dtype="bfloat16", start_steps=start_steps, start_frames=5)
+    def cuda_run(overlap: bool) -> Run:
+        h = Harness(overlap, device="cuda", dtype="bfloat16")
         assert h.forward.graphs is not None, "the bf16 CUDA model must take the graph path"
         if not overlap:
             h.iterate = lambda: _plain_graph_iteration(h)  # type: ignore[method-assign]
         return h.run(reqs)
 
-    plain, over, started = cuda_run(False), cuda_run(True), cuda_run(True, start_steps=2)
+    plain, over = cuda_run(False), cuda_run(True)
     for r in reqs:
         assert over.frames[r.rid] == plain.frames[r.rid], f"stream {r.rid}"
         assert over.codes[r.rid] == plain.codes[r.rid], f"stream {r.rid}"
-        # start steps put a stream in smaller batches: the same frames only where the GPU
-        # kernels compute a row the same whatever the batch (what this checks)
-        assert started.frames[r.rid] == plain.frames[r.rid], f"stream {r.rid} with start steps"
 
 
 def _plain_graph_iteration(h: Harness):
