@@ -127,7 +127,17 @@ class MonolithEngine:
 
     # ------------------------------------------------------------------ the loop
     def _admit_waiting(self) -> None:
-        for job in self.waiting.next_batch(timeout=0):
+        """Queued prompts into `prefilling` (their pool pages and cache lease taken) while
+        fewer than `max_batch_rows` prompt rows wait there: the next forward's worth.
+        The rest stay queued, holding nothing: a backlog pinning every cache slot and
+        pool page at once would refuse requests that a moment later would fit. A prompt
+        whose cache lease cannot be had while others are in flight waits at the head of
+        the queue for their slots; one that cannot fit an idle cache is refused."""
+        while self._pending_rows() < self.max_batch_rows:
+            jobs = self.waiting.next_batch(timeout=0, max_prompts=1)
+            if not jobs:
+                return
+            job = jobs[0]
             rows = len(job.prompt)
             if job.deadline_unix_ms and time.time() * 1000 > job.deadline_unix_ms:
                 self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued")
@@ -141,14 +151,24 @@ class MonolithEngine:
             if self.cache is not None:
                 try:
                     lease = self.cache.acquire(job.prompt, job.prefix_chain)
-                except NoCapacity as exc:  # every cache slot is pinned by prompts in flight: as P does
+                except NoCapacity as exc:
                     self._drop_reservation(job.request_id)
+                    with self._lock:
+                        in_flight = bool(self.prefilling)
+                    if in_flight:  # their leases come back as their prefills end
+                        self.waiting.put_back(job)
+                        return
                     self._finish(job, pb.NO_CAPACITY, f"prefix cache full: {exc}")
                     continue
                 # the last row is always computed: its logits give the first frame
                 entry = Prefilling(job, lease.slots + self.cache_base, min(lease.cached_tokens, rows - 1), lease)
             with self._lock:
                 self.prefilling.append(entry)
+
+    def _pending_rows(self) -> int:
+        """Prompt rows admitted and not yet prefilled."""
+        with self._lock:
+            return sum(len(p.job.prompt) - p.done_rows for p in self.prefilling)
 
     def _drop_reservation(self, request_id: int) -> None:
         # No writer other than this thread exists: the pages can go straight back.

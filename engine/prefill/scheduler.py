@@ -43,6 +43,12 @@ class PrefillScheduler:
             self._queue.append(job)
             self._cv.notify()
 
+    def put_back(self, job: PrefillJob) -> None:
+        """Returns a job taken by `next_batch` to the head of the queue (the monolith: its
+        prefix-cache slots are all pinned by prompts in flight for now)."""
+        with self._cv:
+            self._queue.appendleft(job)
+
     def cancel(self, request_id: int) -> PrefillJob | None:
         """Removes a queued job; returns it (None when not queued)."""
         with self._cv:

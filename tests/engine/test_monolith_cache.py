@@ -67,13 +67,47 @@ def test_a_request_cancelled_mid_prefill_returns_its_lease_and_pages(engine):
     assert replies[1].status == pb.CANCELLED and whole(engine)
 
 
-def test_a_full_cache_ends_the_request_and_returns_its_pool_pages(engine):
+def test_a_prompt_waits_queued_while_prompts_in_flight_pin_the_cache_then_runs(engine):
+    """The cache's slots pinned by a prompt in flight: the next one stays queued holding
+    nothing (no pool pages, no lease), and runs once they come back."""
     replies: dict[int, pb.SubmitReply] = {}
     engine.submit(job(1, 400, replies))
     engine.submit(job(2, 400, replies))  # 800 rows > the cache's 512 slots, the first one pinned
     engine._admit_waiting()
-    assert replies[2].status == pb.NO_CAPACITY and "prefix cache full" in replies[2].message
+    assert [p.job.request_id for p in engine.prefilling] == [1] and 2 not in replies
+    assert engine.waiting.request_ids() == [2]
     assert engine.pool.free_pages == POOL - (400 + 4)  # only request 1 holds pages
-    assert engine.cancel(1)
+    for _ in range(200):
+        if 1 in replies and 2 in replies:
+            break
+        engine._admit_waiting()
+        engine._run_step()
+    assert replies[1].status == replies[2].status == pb.STATUS_OK
+    while engine._run_step():  # both decode their 4 frames and end
+        pass
+    assert whole(engine)
+
+
+def test_a_prompt_larger_than_the_idle_cache_is_refused_and_returns_its_pool_pages(engine):
+    replies: dict[int, pb.SubmitReply] = {}
+    engine.submit(job(1, 600, replies))  # > the cache's 512 slots with nothing in flight
+    engine.submit(job(2, 100, replies))
+    engine._admit_waiting()
+    assert replies[1].status == pb.NO_CAPACITY and "prefix cache full" in replies[1].message
+    assert [p.job.request_id for p in engine.prefilling] == [2]  # the queue goes on behind it
+    assert engine.cancel(2)
     engine._drop_cancelled_prefills()
     assert whole(engine)
+
+
+def test_admission_stops_at_a_forwards_worth_of_prompt_rows(engine):
+    """Prompts past `max_batch_rows` pending rows stay queued, holding no pages."""
+    replies: dict[int, pb.SubmitReply] = {}
+    engine.max_batch_rows = 250
+    engine.cache = None  # the pool alone: nothing else limits admission here
+    for rid in range(1, 5):
+        engine.submit(job(rid, 100, replies))
+    engine._admit_waiting()
+    assert [p.job.request_id for p in engine.prefilling] == [1, 2, 3]  # 300 rows: the third crosses 250
+    assert engine.waiting.request_ids() == [4]
+    assert engine.pool.free_pages == POOL - 3 * (100 + 4)
