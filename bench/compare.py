@@ -435,8 +435,8 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | D wait > 50 ms | graph share "
            "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P cached rows | P reserve ms | P gap ms | LB lag ms "
-           "| LB lag > 20 ms | LB GC ms/s | compiles s | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| LB lag > 20 ms | LB GC ms/s | compiles s | host CPU busy | host CPU stolen | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
@@ -444,7 +444,8 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
                                               "d_graph_share", "d_gpu_busy", "d_gc_ms_per_s",
                                               "p_forward_ms", "p_busy", "p_graph_share", "p_cached_share",
                                               "p_reserve_ms", "p_gap_ms",
-                                              "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s", "compile_s")]
+                                              "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s", "compile_s",
+                                              "host_busy", "host_steal")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -516,7 +517,32 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
         prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_"), "lb": ("lb_",)}[role]
         out.update({key: values.get(name, 0.0) for key, name in _SERIES.items()
                     if key.startswith(prefixes) or key.startswith(f"{role}_")})
+    out.update(host_cpu_ticks())
     return out
+
+
+# /proc/stat's aggregate "cpu" line: user nice system idle iowait irq softirq steal ...
+_IDLE_FIELDS, _STEAL_FIELD = (3, 4), 7
+
+
+def host_cpu_ticks(stat: str = "/proc/stat") -> dict[str, float]:
+    """The host's CPU time so far, in clock ticks over all CPUs: total, busy (neither
+    idle nor waiting for I/O) and stolen by the hypervisor (a VM's CPUs running another
+    guest). Empty where there is no /proc/stat. The engines table shows the shares per
+    level: the monoliths' steps moved 20-45% between calls on the same code
+    (bench/results/capacity-20261130-h200x2-60s-s1.md), and a busy or stolen host is
+    one cause a level can show."""
+    try:
+        with open(stat) as f:
+            first = f.readline().split()
+    except OSError:
+        return {}
+    if not first or first[0] != "cpu":
+        return {}
+    ticks = [float(x) for x in first[1:9]]
+    total = sum(ticks)
+    idle = sum(ticks[i] for i in _IDLE_FIELDS)
+    return {"host_total": total, "host_busy": total - idle - ticks[_STEAL_FIELD], "host_steal": ticks[_STEAL_FIELD]}
 
 
 def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
@@ -526,9 +552,13 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     busy share; P's mean forward, busy share, share of forwards replayed from a prefill
     graph, share of prompt rows served from the prefix cache and mean reserve stage (RESERVE round trip); the seconds the unit's
     engines spent compiling Triton kernels while serving; D's and the LB's GC pauses per
-    second; how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms late)."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
+    second; how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms
+    late); the host's CPU busy and stolen shares."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (*_SERIES, "host_total", "host_busy", "host_steal")}
     out: dict[str, float] = {}
+    if d["host_total"] > 0:  # every CPU of the host, whatever ran on it (both units of a wave)
+        out["host_busy"] = round(d["host_busy"] / d["host_total"], 4)
+        out["host_steal"] = round(d["host_steal"] / d["host_total"], 4)
     if d["d_steps"] > 0:
         out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
         out["d_batch"] = round(d["d_batch_sum"] / d["d_steps"], 1)

@@ -566,3 +566,19 @@ def test_serving_compiles_are_read_once_per_engine_process(monkeypatch):
     assert compare.engine_deltas(zero, mono, 1.0)["compile_s"] == 2.0
     pd = compare._scrape_all({"decode": 2, "prefill": 3})
     assert compare.engine_deltas(zero, pd, 1.0)["compile_s"] == 0.75
+
+
+def test_host_cpu_shares_per_level_from_proc_stat(tmp_path):
+    from pdunit.bench.compare import engine_deltas, host_cpu_ticks
+
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal (guest fields after are ignored)
+    stat.write_text("cpu  100 0 50 800 30 5 5 10 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    before = host_cpu_ticks(str(stat))
+    assert before == {"host_total": 1000.0, "host_busy": 160.0, "host_steal": 10.0}
+    stat.write_text("cpu  400 0 150 1100 30 15 15 90 0 0\n")
+    after = host_cpu_ticks(str(stat))
+    got = engine_deltas(before, after, 1.0)
+    # 800 ticks passed: 420 busy (user 300, system 100, irq 10, softirq 10), 80 stolen, 300 idle
+    assert (got["host_busy"], got["host_steal"]) == (0.525, 0.1)
+    assert host_cpu_ticks(str(tmp_path / "missing")) == {}
