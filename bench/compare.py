@@ -40,6 +40,7 @@ from pdunit.bench.capacity import (
     short_levels_warning,
     summarize_run,
 )
+from pdunit.bench.gpu_clocks import GpuSampler
 from pdunit.bench.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit, free_port
 from pdunit.engine.settings import KvCacheDtype, parse_config, to_argv
@@ -435,8 +436,9 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | D wait > 50 ms | graph share "
            "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P cached rows | P reserve ms | P gap ms | LB lag ms "
-           "| LB lag > 20 ms | LB GC ms/s | compiles s | host CPU busy | host CPU stolen | client lag p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| LB lag > 20 ms | LB GC ms/s | compiles s | host CPU busy | host CPU stolen | GPU MHz min | GPU W "
+           "| GPU C max | client lag p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
         if e:
@@ -445,7 +447,8 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
                                               "p_forward_ms", "p_busy", "p_graph_share", "p_cached_share",
                                               "p_reserve_ms", "p_gap_ms",
                                               "lb_lag_mean_ms", "lb_lag_over_20ms", "lb_gc_ms_per_s", "compile_s",
-                                              "host_busy", "host_steal")]
+                                              "host_busy", "host_steal", "gpu_sm_mhz_min", "gpu_power_w_mean",
+                                              "gpu_temp_c_max")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
@@ -621,6 +624,7 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         client_procs=client_processes(cfg) if key == "rate" else 1)
     rows: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
+    sample_gpus = cfg.device != "cpu" and GpuSampler.available()
 
     def run_level(level: float) -> bool:
         """Every run of one level, appended to `rows`; whether all passed."""
@@ -632,8 +636,10 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
                 marks[name] = (time.monotonic(), _scrape_all(ports))
 
             before = (time.monotonic(), _scrape_all(ports))
+            sampler = GpuSampler(range(cfg.gpu_base, cfg.gpu_base + gpus)).start() if sample_gpus else None
             doc = run_capacity(base.model_copy(update={key: [level], "seed": base.seed + run}), command=command,
                                keep_streams=True, window=window if ports else None)
+            clocks = sampler.stop() if sampler is not None else {}
             row = doc["rows"][0]
             row["repeat"] = run
             # the steady window (ramp and drain left out) when the level had one
@@ -641,6 +647,7 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
                 (before, (time.monotonic(), _scrape_all(ports)))
             row["engine"] = engine_deltas(a, b, t_b - t_a)
             row["engine"]["window"] = "steady" if "end" in marks else "level"
+            row["engine"].update(clocks)  # the variant's GPUs over the whole level (bench/gpu_clocks.py)
             row["gpu_busy"] = row["engine"].get("d_gpu_busy")
             attach_waterfall(row, doc["streams"])  # this run's streams only
             row["slowest_streams"] = slowest_streams(doc["streams"])
