@@ -166,14 +166,14 @@ def kv_cache_dtype_field() -> Any:
                  "per token, so a decode step reads about half as much KV; P and D must agree")
 
 
-def _decode_kernel(text: str) -> str:
+def canonical_decode_kernel(text: str) -> str:
     """`--decode-kernel` checked, in its canonical form (the settings that differ from
     the default, in the default's order)."""
     return decode_settings.render({**decode_settings.DECODE_DEFAULT, **decode_settings.parse(text)})
 
 
 # `--decode-kernel` of D and the monolith (the engines that run decode attention).
-DecodeKernel = Annotated[str, AfterValidator(_decode_kernel)]
+DecodeKernel = Annotated[str, AfterValidator(canonical_decode_kernel)]
 
 
 def decode_kernel_field() -> Any:

@@ -10,12 +10,12 @@ use either. This module holds no logic beyond validation and must never do I/O.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from pdunit.engine.settings import KvCacheDtype
+from pdunit.engine.settings import KvCacheDtype, canonical_decode_kernel
 
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"
@@ -36,6 +36,16 @@ ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
 # when started with --allow-lb-port-override (off by default, never on in the chart).
 ANNOTATION_LB_PORT_OVERRIDE = f"{GROUP}/lb-port-override"
 FINALIZER = f"{GROUP}/drain"
+
+# --decode-kernel of every D: its syntax checked by the apiserver (the pattern: KEY=VALUE,...
+# or empty), its keys and values by the operator (kernels/decode_settings.py, torch-free),
+# whose refusal is an InvalidSpec condition naming the field. The constraints go before the
+# validator: after it, pydantic checks them in Python and leaves them out of the schema.
+DecodeKernelSpec = Annotated[
+    str,
+    StringConstraints(max_length=256, pattern=r"^$|^[a-z0-9_]+=-?[0-9]+(,[a-z0-9_]+=-?[0-9]+)*$"),
+    AfterValidator(canonical_decode_kernel),
+]
 
 TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
 Phase = Literal["Pending", "Starting", "Ready", "Draining", "Drained", "Failed"]
@@ -158,6 +168,12 @@ class PDUnitSpec(_Api):
         description="KV pool precision of prefill and every decode engine (their --kv-cache-dtype, "
         "always the same: P refuses a D of another pool dtype): unset or auto = the model dtype; "
         "fp8_e4m3 halves the KV bytes per token (docs/performance.md).",
+    )
+    decode_kernel: DecodeKernelSpec | None = Field(
+        default=None,
+        description="Decode attention kernel settings of every decode engine (their --decode-kernel), "
+        "KEY=VALUE,... over the kernel's defaults; with fp8_e4m3 pools kv_as_a=1,fp8_dots=1 is the "
+        "measured best for 1P1D (docs/performance.md). Unset: the defaults.",
     )
     lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port.")
     decoders: int = Field(

@@ -274,6 +274,8 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             spec["device"],
             *kv_cache_flags,
         ]
+        if spec.get("decodeKernel"):  # every D alike
+            cmd += ["--decode-kernel", spec["decodeKernel"]]
     elif role == "proxy":
         cmd = ["pdunit", "proxy", "--socket", PROXY_SOCKET]
     elif role == "guard":

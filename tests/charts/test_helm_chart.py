@@ -421,6 +421,7 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("router.replicas=-1", "/router/replicas"),
         ("examplePDUnitSet.transfer=warp", "/examplePDUnitSet/transfer"),
         ("examplePDUnitSet.kvCacheDtype=fp4", "/examplePDUnitSet/kvCacheDtype"),
+        ("examplePDUnitSet.decodeKernel=fp8_dots", "/examplePDUnitSet/decodeKernel"),
         ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
         ("keda.targetInFlightPerUnit=0", "/keda/targetInFlightPerUnit"),
         ("operator.logLevel=loud", "/operator/logLevel"),
@@ -475,6 +476,13 @@ def test_the_example_set_carries_kv_cache_dtype_only_when_it_is_not_auto() -> No
     assert "kvCacheDtype" not in default
     fp8 = one(render(["--set", "examplePDUnitSet.kvCacheDtype=fp8_e4m3"]), "PDUnitSet")
     assert fp8["spec"]["template"]["spec"]["kvCacheDtype"] == "fp8_e4m3"
+
+
+def test_the_example_set_carries_decode_kernel_only_when_set() -> None:
+    default = one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert "decodeKernel" not in default
+    set_ = one(render(["--set", "examplePDUnitSet.decodeKernel=kv_as_a=1\\,fp8_dots=1"]), "PDUnitSet")
+    assert set_["spec"]["template"]["spec"]["decodeKernel"] == "kv_as_a=1,fp8_dots=1"
 
 
 def test_keda_max_below_min_is_refused_naming_both_fields() -> None:

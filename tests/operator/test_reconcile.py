@@ -269,6 +269,30 @@ def test_kv_cache_dtype_reaches_prefill_and_every_decode_engine_alike() -> None:
     assert "spec.kvCacheDtype" in m.validation_message(exc.value)
 
 
+def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() -> None:
+    spec = a_unit(decoders=2, kvCacheDtype="fp8_e4m3", decodeKernel="fp8_dots=1,kv_as_a=1,block_n=64")
+    by_name = {c["name"]: c for c in r.desired_pod(spec)["spec"]["containers"]}
+    for name in ("decode-0", "decode-1"):
+        cfg = parse_config(_config_model("pdunit.engine.decode.main"), by_name[name]["command"][2:],
+                           f"pdunit {name}", env={})
+        assert cfg.decode_kernel == "kv_as_a=1,fp8_dots=1", name  # type: ignore[attr-defined]
+    others = [n for n in by_name if not n.startswith("decode")]
+    assert "prefill" in others and "lb" in others
+    for name in others:
+        assert "--decode-kernel" not in by_name[name]["command"], name
+    # unset, empty or the defaults only: no flag at all
+    for value in (None, "", "block_n=64"):
+        pod = r.desired_pod(a_unit(**({} if value is None else {"decodeKernel": value})))
+        decode = next(c for c in pod["spec"]["containers"] if c["name"] == "decode")
+        assert "--decode-kernel" not in decode["command"], value
+    for bad, fragment in (("nope=1", "unknown setting 'nope'"), ("fp8_dots=3", "fp8_dots=3 is not one of"),
+                          ("fp8_dots", "should match pattern")):
+        with pytest.raises(ValidationError) as exc:
+            r.desired_pod(a_unit(decodeKernel=bad))
+        message = m.validation_message(exc.value)
+        assert "spec.decodeKernel" in message and fragment in message, message
+
+
 def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
     pod = r.desired_pod(a_unit("tts-abc12-x7"))
     assert pod["metadata"]["name"] == "tts-abc12-x7"
