@@ -435,9 +435,9 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
            "",
            f"| mode | {rows_level_key(rows)} | D step ms | D batch | steps > 256 | D wait > 50 ms | graph share "
-           "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P cached rows | P reserve ms | P gap ms | LB lag ms "
-           "| LB lag > 20 ms | LB GC ms/s | compiles s | host CPU busy | host CPU stolen | GPU MHz min | GPU W "
-           "| GPU C max | client lag p99 ms |",
+           "| D GPU busy | D GC ms/s | P forward ms | P busy | P graph share | P cached rows | P reserve ms | P gap ms "
+           "| LB lag ms | LB lag > 20 ms | LB GC ms/s | compiles s | host CPU busy | host CPU stolen | GPU MHz min "
+           "| GPU W | GPU C max | client lag p99 ms |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r.get("engine") or {}
@@ -553,10 +553,11 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
     over 256 streams, D's admission wait (mean; share over 50 ms: streams that waited
     for room in a full batch), the share of steps replayed from a CUDA graph, D's GPU
     busy share; P's mean forward, busy share, share of forwards replayed from a prefill
-    graph, share of prompt rows served from the prefix cache and mean reserve stage (RESERVE round trip); the seconds the unit's
-    engines spent compiling Triton kernels while serving; D's and the LB's GC pauses per
-    second; how late the LB's event loop ran (mean, and the share of wake-ups > 20 ms
-    late); the host's CPU busy and stolen shares."""
+    graph, share of prompt rows served from the prefix cache and mean reserve stage
+    (RESERVE round trip); the seconds the unit's engines spent compiling Triton kernels
+    while serving; D's and the LB's GC pauses per second; how late the LB's event loop
+    ran (mean, and the share of wake-ups > 20 ms late); the host's CPU busy and stolen
+    shares."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (*_SERIES, "host_total", "host_busy", "host_steal")}
     out: dict[str, float] = {}
     if d["host_total"] > 0:  # every CPU of the host, whatever ran on it (both units of a wave)
