@@ -238,8 +238,8 @@ class PrefillCost:
 
 @dataclass(frozen=True)
 class Costs:
-    step: StepCost                 # D (overlap)
-    mono_step: StepCost            # the monolith's decode steps (no overlap)
+    step: StepCost | None          # D (overlap); None when no 1pNd variant is planned
+    mono_step: StepCost | None     # the monolith's decode steps (no overlap); None without a monolith
     eager: PrefillCost             # forwards that replay no graph; the chunked monolith's mixed ones
     graph: PrefillCost | None      # forwards that fit a prefill graph (None: graphs off)
     graph_prompts: int             # prompts a graph holds
@@ -260,8 +260,11 @@ class Costs:
 def load_costs(cfg: PlanConfig) -> tuple[Costs, dict[str, Any]]:
     step_doc = json.loads(Path(cfg.step).read_text())
     prefill_doc = json.loads(Path(cfg.prefill).read_text())
-    d = StepCost.fit(step_doc["rows"], overlap=True).scaled(cfg.kv_scale)
-    mono = StepCost.fit(step_doc["rows"], overlap=False).scaled(cfg.kv_scale)
+    # each decode cost only where a planned variant runs it: `bench step --overlap on`
+    # (what --tune emits) has no plain steps, and a plan of PD alone needs none
+    kinds = {v.decoders > 0 for v in variants_of(cfg)}
+    d = StepCost.fit(step_doc["rows"], overlap=True).scaled(cfg.kv_scale) if True in kinds else None
+    mono = StepCost.fit(step_doc["rows"], overlap=False).scaled(cfg.kv_scale) if False in kinds else None
     eager = PrefillCost.fit(prefill_doc["rows"], cfg.gemm, False).scaled(cfg.prefill_scale)
     graph = (PrefillCost.fit(prefill_doc["rows"], cfg.gemm, True, DEFAULT_ROW_BUCKETS).scaled(cfg.prefill_scale)
              if cfg.graphs else None)
@@ -277,7 +280,8 @@ def describe_costs(costs: Costs) -> dict[str, Any]:
     def rounded(obj: Any) -> dict[str, Any]:
         return {k: round(v, 7) if isinstance(v, float) else v for k, v in obj.__dict__.items()}
 
-    return {"decode_step_overlap": rounded(costs.step), "decode_step_monolith": rounded(costs.mono_step),
+    return {"decode_step_overlap": rounded(costs.step) if costs.step else None,
+            "decode_step_monolith": rounded(costs.mono_step) if costs.mono_step else None,
             "prefill_eager": rounded(costs.eager), "prefill_graph": rounded(costs.graph) if costs.graph else None}
 
 
@@ -358,6 +362,8 @@ def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanC
     blocks while that batch is full (`max_batch_rows`, `max_batch_prompts`); the
     forward stage takes the whole batch when its forward in flight ends, or, idle,
     starts as soon as one request is reserved."""
+    assert costs.step is not None, "load_costs fits D's step for every planned 1pNd variant"
+    step = costs.step
     cache = PrefixCacheModel(cfg.block_tokens)
     jobs = sorted(requests, key=lambda r: r.arrival)
     for r in jobs:
@@ -408,9 +414,9 @@ def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanC
         i = int(np.argmin(counts))
         lanes[i].append((at, r))
         # a stream lasts about frames x a step at this D's load (enough to balance)
-        load[i].append(at + r.spec.frames * costs.step.ms(counts[i] + 1, (counts[i] + 1) * r.rows) / 1e3)
+        load[i].append(at + r.spec.frames * step.ms(counts[i] + 1, (counts[i] + 1) * r.rows) / 1e3)
     for lane in lanes:
-        simulate_decode(lane, costs.step, costs, overlap=True)
+        simulate_decode(lane, step, costs, overlap=True)
         refuse_beyond_pool([r for _, r in lane], cfg.pool_tokens, "p_reserved", costs)
 
 
@@ -447,6 +453,8 @@ def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, ch
 
 
 def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
+    assert costs.mono_step is not None, "load_costs fits the plain step for every planned monolith"
+    mono_step = costs.mono_step
     cache = PrefixCacheModel(cfg.block_tokens, cfg.monolith_cache)
     arrivals = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
@@ -489,9 +497,9 @@ def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk
             p[0].stamps.setdefault("prefill_start", t)
         if pieces:
             dur = (costs.eager.ms([(n, p[1]) for p, n in pieces])
-                   + costs.mono_step.per_stream_ms * len(active) + costs.mono_step.per_token_ms * ctx)
+                   + mono_step.per_stream_ms * len(active) + mono_step.per_token_ms * ctx)
         else:
-            dur = costs.mono_step.ms(len(active), ctx)
+            dur = mono_step.ms(len(active), ctx)
         t += dur / 1e3
         for a in active:
             _stream_frames(a[0], t, costs)

@@ -262,3 +262,22 @@ def test_a_labelled_familys_run_sits_beside_the_plan_with_measured_labels(tmp_pa
     assert plan.main(argv) == 0
     versus = json.loads((tmp_path / "plan.json").read_text())["summary"]["versus_measured"]
     assert versus["labels"] == ["fp8", "kv8"] and [v["measured"] for v in versus["levels"]] == [True]
+
+
+def test_each_decode_cost_is_needed_only_by_the_variants_that_run_it(tmp_path):
+    """`bench step --overlap on` (what --tune emits) has no plain steps: a plan of PD
+    alone takes it, a plan with a monolith names what its step JSON lacks."""
+    args = write_inputs(tmp_path)
+    doc = json.loads((tmp_path / "step.json").read_text())
+    doc["rows"] = [r for r in doc["rows"] if r["overlap"]]
+    (tmp_path / "step.json").write_text(json.dumps(doc))
+    pd_only = plan.PlanConfig(step=args[1], prefill=args[3], variants="1p1d")
+    costs_pd, _ = plan.load_costs(pd_only)
+    assert costs_pd.step is not None and costs_pd.mono_step is None
+    assert plan.describe_costs(costs_pd)["decode_step_monolith"] is None
+    with pytest.raises(ValueError, match="0 points with overlap=False"):
+        plan.load_costs(plan.PlanConfig(step=args[1], prefill=args[3], variants="1p1d,monolith-prefill-first"))
+    write_inputs(tmp_path)  # both kinds of steps again
+    mono_only, _ = plan.load_costs(plan.PlanConfig(step=args[1], prefill=args[3], variants="monolith-chunked",
+                                                   chunks="512"))
+    assert mono_only.step is None and mono_only.mono_step is not None
