@@ -20,6 +20,7 @@ from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _pla
 from pdunit.kernels.kv_dtype import FP8_KV, KV_CACHE_DTYPES, kv_storage_dtype, to_kv
 from pdunit.kernels.paged_attention import (
     DECODE_CANDIDATES,
+    DECODE_CONFIG,
     MAX_SPLITS,
     build_slot_table,
     choose_splits,
@@ -113,6 +114,7 @@ INTERPRETED_CHECK = textwrap.dedent(
     from pdunit.kernels.paged_attention import (
         DECODE_CONFIG, build_slot_table, paged_decode_attention, reference_decode_attention)
     DECODE_CONFIG["kv_as_a"] = KV_AS_A
+    DECODE_CONFIG["fp8_dots"] = 0  # exact widening, whatever the default (the fp8 dots: the candidates test)
     rng = np.random.default_rng(7)
     torch.manual_seed(7)
     worst = 0.0
@@ -158,10 +160,12 @@ FP8_VS_MODEL_DTYPE_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
     from pdunit.kernels.kv_dtype import FP8_KV, to_kv
-    from pdunit.kernels.paged_attention import build_slot_table, paged_decode_attention
+    from pdunit.kernels.paged_attention import DECODE_CONFIG, build_slot_table, paged_decode_attention
 
 
     def check_fp8_pool(dtype, device, hq, hkv, d, page, splits):
+        # the exact widening: fp8_dots 0, set by the caller (the fp8 dots: the candidates test)
+        assert DECODE_CONFIG["fp8_dots"] == 0
         rng = np.random.default_rng(page * 100 + hq)
         torch.manual_seed(page * 100 + hq)
         lengths = [1, 2, 70, 300]
@@ -194,6 +198,7 @@ def test_fp8_pool_decode_stays_within_e4m3_rounding_of_the_model_dtype_pool_inte
     script = FP8_VS_MODEL_DTYPE_CHECK + textwrap.dedent(
         """
         torch.set_num_threads(1)
+        DECODE_CONFIG["fp8_dots"] = 0
         check_fp8_pool(torch.float16, "cpu", 8, 2, 32, 16, 3)
         """
     )
@@ -222,7 +227,9 @@ def test_decode_kernel_matches_the_reference_on_fragmented_pages(kv_cache_dtype,
         q = torch.randn(len(lengths), hq, d, device=dev).to(dtype)
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(q, kv, table, lens, splits, out=out)
-        ref = reference_decode_attention(q.double(), kv, table, lens)
+        # with the fp8 dots on (an fp8 pool), the kernel attends with the quantised query
+        dots = kv.dtype == FP8_KV and DECODE_CONFIG["fp8_dots"]  # the live settings: the default here
+        ref = reference_decode_attention((quantised_query(q) if dots else q).double(), kv, table, lens)
         assert torch.isfinite(out).all(), f"unwritten rows with {splits} splits"
         err = float((out.double() - ref).norm() / ref.norm())
         assert err < 1e-2, f"{splits} splits: relative error {err}"
@@ -232,9 +239,17 @@ def test_decode_kernel_matches_the_reference_on_fragmented_pages(kv_cache_dtype,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("hq", "hkv", "d", "page", "splits"), [(32, 8, 128, 16, 4), (8, 1, 128, 1, 1), (16, 16, 64, 4, 3)])
 def test_fp8_pool_decode_stays_within_e4m3_rounding_of_the_model_dtype_pool_on_gpu(dtype, hq, hkv, d, page, splits) -> None:
+    from pdunit.kernels import paged_attention as pa
+
     scope: dict = {"paged_slots": paged_slots}
     exec(FP8_VS_MODEL_DTYPE_CHECK, scope)  # noqa: S102 - the interpreted test's check, in-process
-    scope["check_fp8_pool"](dtype, "cuda", hq, hkv, d, page, splits)
+    saved = dict(pa.DECODE_CONFIG)
+    pa.DECODE_CONFIG["fp8_dots"] = 0
+    try:
+        scope["check_fp8_pool"](dtype, "cuda", hq, hkv, d, page, splits)
+    finally:
+        pa.DECODE_CONFIG.clear()
+        pa.DECODE_CONFIG.update(saved)
 
 
 @gpu
