@@ -2,8 +2,9 @@
 text: each thread's share of the samples and its share outside known waits (running
 Python or waiting for the GIL: P's forward launches contend with that), the frames it
 was found in last (its own time: where it runs, or the call it is blocked in) and the
-functions anywhere on its stack (inclusive). Reads the folded file (`thread;outer;...;inner count`), writes
-nothing but stdout, or a Markdown copy with --out.
+functions anywhere on its stack (inclusive). Reads the folded file
+(`thread;outer;...;inner count`), writes nothing but stdout, or a Markdown copy with
+--out.
 """
 
 from __future__ import annotations

@@ -142,17 +142,13 @@ class MonolithEngine:
             if job.deadline_unix_ms and time.time() * 1000 > job.deadline_unix_ms:
                 self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued")
                 continue
-            try:
-                self.pool.reserve(job.request_id, rows, rows + job.params.max_frames)
-            except NoCapacity as exc:
-                self._finish(job, pb.NO_CAPACITY, str(exc))
-                continue
-            entry = Prefilling(job, self.pool.slots(job.request_id, rows))
+            # The cache lease first: a prompt waiting for cache slots retries each
+            # iteration, and must not take and give back its pool pages every time.
+            lease = None
             if self.cache is not None:
                 try:
                     lease = self.cache.acquire(job.prompt, job.prefix_chain)
                 except NoCapacity as exc:
-                    self._drop_reservation(job.request_id)
                     with self._lock:
                         in_flight = bool(self.prefilling)
                     if in_flight:  # their leases come back as their prefills end
@@ -160,7 +156,16 @@ class MonolithEngine:
                         return
                     self._finish(job, pb.NO_CAPACITY, f"prefix cache full: {exc}")
                     continue
-                # the last row is always computed: its logits give the first frame
+            try:
+                self.pool.reserve(job.request_id, rows, rows + job.params.max_frames)
+            except NoCapacity as exc:
+                if self.cache is not None and lease is not None:
+                    self.cache.release(lease)
+                self._finish(job, pb.NO_CAPACITY, str(exc))
+                continue
+            if lease is None:
+                entry = Prefilling(job, self.pool.slots(job.request_id, rows))
+            else:  # the last row is always computed: its logits give the first frame
                 entry = Prefilling(job, lease.slots + self.cache_base, min(lease.cached_tokens, rows - 1), lease)
             with self._lock:
                 self.prefilling.append(entry)

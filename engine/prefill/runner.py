@@ -140,8 +140,8 @@ def warm_up(model: TTSModel, storage: torch.Tensor, rows: int | None, largest: i
     that the first full-size forward of a clump pays none of that either (a warm-up of
     2048 rows left the chunked monolith's first 8192-row chunks unwarmed; with this and
     16-aligned slot tables its early freeze of bench/results/capacity-20261130-h200x2-
-    60s-bf16.md is gone in -60s-fam8.md); none on the CPU. Must run before any request owns a slot (it overwrites
-    slots [0, rows)). Returns the seconds it took."""
+    60s-bf16.md is gone in -60s-fam8.md); none on the CPU. Must run before any request
+    owns a slot (it overwrites slots [0, rows)). Returns the seconds it took."""
     import logging
     import time
 
