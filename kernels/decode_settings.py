@@ -22,9 +22,10 @@ What each setting does:
   (scaled by its largest |value| / 448, the scale undone on the scores: what vLLM's
   FlashAttention-3 path does with an fp8 cache), P V widened as in 0. Faster by 5% and
   18% in two calls on one H200 (64 x 2k, one layer, one sample each:
-  step-20261130-h200-fp8-dots.md, step-20261130-h200-kpp.md); the default stays exact
-  widening, since 1 quantises the query too. P V in fp8 (P scaled into e4m3) was slower
-  in all three forms tried and is gone.
+  step-20261130-h200-fp8-dots.md, step-20261130-h200-kpp.md) and worth three levels to
+  1P1D's D (19 -> >= 22 per GPU, capacity-20261130-h200x2-60s-q8b.md): the default. 0
+  keeps K and the query exact (the GPU tests' exact-widening checks pin it). P V in fp8
+  (P scaled into e4m3) was slower in all three forms tried and is gone.
 
 The default won on one H200 (2026-11-29, 64 streams x 2k, one layer, launches back to
 back): 0.141 ms = 3.81 TB/s of K/V against a 4.22 TB/s copy
@@ -37,7 +38,7 @@ from collections.abc import Mapping
 
 DECODE_DEFAULT: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
-    "fp8_dots": 0,
+    "fp8_dots": 1,
 }
 
 # Values the kernel is built for (powers of two where Triton's tiles need them); the GPU

@@ -75,9 +75,9 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
     _candidate(block_n=32, num_stages=4, head_major=1, programs_per_sm=8),
     _candidate(num_warps=8, head_major=1, programs_per_sm=8),
     _candidate(block_n=128, kv_as_a=1),
-    _candidate(kv_as_a=0, fp8_dots=1),
-    _candidate(kv_as_a=1, fp8_dots=1),
-    _candidate(block_n=128, kv_as_a=0, fp8_dots=1),
+    _candidate(kv_as_a=0, fp8_dots=0),
+    _candidate(kv_as_a=1, fp8_dots=0),
+    _candidate(block_n=128, kv_as_a=0, fp8_dots=0),
 ]
 
 

@@ -172,8 +172,8 @@ class PDUnitSpec(_Api):
     decode_kernel: DecodeKernelSpec | None = Field(
         default=None,
         description="Decode attention kernel settings of every decode engine (their --decode-kernel), "
-        "KEY=VALUE,... over the kernel's defaults; with fp8_e4m3 pools kv_as_a=1,fp8_dots=1 is the "
-        "measured best for 1P1D (docs/performance.md). Unset: the defaults.",
+        "KEY=VALUE,... over the kernel's defaults, which are the measured best (with fp8_e4m3 pools: "
+        "Q K^T on fp8 tensor cores; fp8_dots=0 keeps the query exact; docs/performance.md). Unset: the defaults.",
     )
     lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port.")
     decoders: int = Field(

@@ -34,9 +34,9 @@ def test_parse_names_what_is_wrong(text, says):
 
 
 def test_render_lists_what_differs_from_the_default_and_parses_back():
-    settings = {**ds.DECODE_DEFAULT, "fp8_dots": 1, "kv_as_a": 1}
+    settings = {**ds.DECODE_DEFAULT, "fp8_dots": 0, "kv_as_a": 1}
     text = ds.render(settings)
-    assert text == "kv_as_a=1,fp8_dots=1"  # the default's order
+    assert text == "kv_as_a=1,fp8_dots=0"  # the default's order
     assert {**ds.DECODE_DEFAULT, **ds.parse(text)} == settings
     assert ds.render(ds.DECODE_DEFAULT) == ""
 
@@ -53,8 +53,8 @@ def test_configure_decode_sets_the_live_settings_from_the_default():
     saved = dict(pa.DECODE_CONFIG)
     try:
         pa.DECODE_CONFIG["block_n"] = 128  # left over from an earlier change: reset, not kept
-        live = pa.configure_decode("fp8_dots=1")
-        assert live == {**ds.DECODE_DEFAULT, "fp8_dots": 1} == pa.DECODE_CONFIG
+        live = pa.configure_decode("fp8_dots=0")
+        assert live == {**ds.DECODE_DEFAULT, "fp8_dots": 0} == pa.DECODE_CONFIG
         assert pa.configure_decode("") == ds.DECODE_DEFAULT
         with pytest.raises(ValueError, match="fp8_dots=5"):
             pa.configure_decode("fp8_dots=5")
@@ -66,8 +66,8 @@ def test_configure_decode_sets_the_live_settings_from_the_default():
 
 @pytest.mark.parametrize("config", [DecodeConfig, MonolithConfig])
 def test_engines_take_the_flag_in_canonical_form_and_refuse_a_bad_one(config, capsys):
-    cfg = parse_config(config, ["--decode-kernel", "fp8_dots=1,kv_as_a=1,block_n=64"], "test", env={})
-    assert cfg.decode_kernel == "kv_as_a=1,fp8_dots=1"  # block_n=64 is the default
+    cfg = parse_config(config, ["--decode-kernel", "fp8_dots=0,kv_as_a=1,block_n=64"], "test", env={})
+    assert cfg.decode_kernel == "kv_as_a=1,fp8_dots=0"  # block_n=64 is the default
     assert parse_config(config, [], "test", env={}).decode_kernel == ""
     with pytest.raises(ConfigError):
         parse_config(config, ["--decode-kernel", "fp8_dots=7"], "test", env={})

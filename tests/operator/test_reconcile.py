@@ -270,12 +270,12 @@ def test_kv_cache_dtype_reaches_prefill_and_every_decode_engine_alike() -> None:
 
 
 def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() -> None:
-    spec = a_unit(decoders=2, kvCacheDtype="fp8_e4m3", decodeKernel="fp8_dots=1,kv_as_a=1,block_n=64")
+    spec = a_unit(decoders=2, kvCacheDtype="fp8_e4m3", decodeKernel="fp8_dots=0,kv_as_a=1,block_n=64")
     by_name = {c["name"]: c for c in r.desired_pod(spec)["spec"]["containers"]}
     for name in ("decode-0", "decode-1"):
         cfg = parse_config(_config_model("pdunit.engine.decode.main"), by_name[name]["command"][2:],
                            f"pdunit {name}", env={})
-        assert cfg.decode_kernel == "kv_as_a=1,fp8_dots=1", name  # type: ignore[attr-defined]
+        assert cfg.decode_kernel == "kv_as_a=1,fp8_dots=0", name  # type: ignore[attr-defined]
     others = [n for n in by_name if not n.startswith("decode")]
     assert "prefill" in others and "lb" in others
     for name in others:
