@@ -29,7 +29,8 @@ from pydantic import BaseModel, Field
 from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import CONFIGS
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import KvCacheDtype, parse_config
+from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
 from pdunit.kernels.prefill_attention import (
     DEFAULT_TILE,
     PrefillTile,
@@ -60,8 +61,12 @@ class AttentionBenchConfig(BaseModel):
     iters: int = Field(20, gt=0)
     warmup: int = Field(3, ge=0)
     sdpa: bool = Field(True, description="also time torch SDPA on contiguous K/V (equal-length points only)")
-    library: bool = Field(True, description="also time torch's varlen flash attention (torch.nn.attention.varlen) "
-                          "on the same pool: through its block table, and on K/V gathered first")
+    library: bool = Field(True, description="also time torch's varlen flash attention (torch.nn.attention.varlen, "
+                          "and the aten op under it, which takes GQA) on the same pool: through its block table, "
+                          "and on K/V gathered first")
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto", description="the pool's element type: auto (--dtype) or fp8_e4m3 (as P's with --kv-cache-dtype "
+        "fp8_e4m3: the kernel widens it; the library rows widen it in their gather)")
     seed: int = Field(0, ge=0)
     out: str = Field("", description="results JSON path or folder ('' = print only)")
 
@@ -117,7 +122,7 @@ def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: lis
     dp = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
     g = torch.Generator(device=dev).manual_seed(cfg.seed)
     q = torch.randn(prompts * rows, hq, d, device=dev, generator=g).to(dtype)
-    kv = torch.randn(2, n_slots, hkv, d, device=dev, generator=g).to(dtype)
+    kv = to_kv(torch.randn(2, n_slots, hkv, d, device=dev, generator=g), kv_storage_dtype(cfg.kv_cache_dtype, dtype))
     out = torch.empty_like(q)
     name = f"{prompts}x{rows}" + (f"+{cached}" if cached else "")
     flops = attention_flops(hq, d, prompts, rows, cached)
@@ -168,7 +173,7 @@ def sdpa_per_prompt(q: torch.Tensor, kv: torch.Tensor, q_rows: list[tuple[int, i
 
     for (a, n), idx in zip(q_rows, slots, strict=True):
         qs = q[a:a + n].transpose(0, 1).unsqueeze(0)
-        ks, vs = kv[0][idx].transpose(0, 1).unsqueeze(0), kv[1][idx].transpose(0, 1).unsqueeze(0)
+        ks, vs = (kv[i][idx].to(q.dtype).transpose(0, 1).unsqueeze(0) for i in (0, 1))  # an fp8 pool widened
         mask = causal_lower_right(n, idx.numel()) if idx.numel() > n else None
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                                              enable_gqa=True)
@@ -197,6 +202,9 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
     flat = torch.from_numpy(np.concatenate(ctx)).to(dev)
     max_k = int(ctx_lens.max())
 
+    def gather(i: int) -> torch.Tensor:  # [total context, Hkv, D] in q's dtype (an fp8 pool widened exactly)
+        return kv[i][flat].to(q.dtype)
+
     import inspect
 
     params = inspect.signature(varlen_attn).parameters
@@ -209,13 +217,17 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
                            seqused_k=ctx_lens, block_table=dp["table"], enable_gqa=True, **causal)
 
     def gathered() -> Any:
-        return varlen_attn(q, kv[0][flat], kv[1][flat], cu_q, cu_k, dp["max_q_len"], max_k, enable_gqa=True,
-                           **causal)
+        return varlen_attn(q, gather(0), gather(1), cu_q, cu_k, dp["max_q_len"], max_k, enable_gqa=True, **causal)
 
     def repeated() -> Any:  # a torch without GQA in varlen: K/V heads repeated to the query heads
-        k = kv[0][flat].repeat_interleave(group, dim=1)
-        v = kv[1][flat].repeat_interleave(group, dim=1)
+        k = gather(0).repeat_interleave(group, dim=1)
+        v = gather(1).repeat_interleave(group, dim=1)
         return varlen_attn(q, k, v, cu_q, cu_k, dp["max_q_len"], max_k, **causal)
+
+    def aten_flash() -> Any:  # the flash kernel under varlen_attn: it takes fewer K/V heads than query heads
+        # causal with fewer query than key rows aligns bottom-right (a cached prefix seen by every new row)
+        return torch.ops.aten._flash_attention_forward(q, gather(0), gather(1), cu_q, cu_k, dp["max_q_len"], max_k,
+                                                       0.0, True, False)[0]
 
     q_rows = [(int(a), int(n)) for a, n in zip(dp["q_start"].tolist(), dp["q_len"].tolist(), strict=True)]
     slots = [torch.from_numpy(c).to(dev) for c in ctx]
@@ -227,6 +239,7 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
     rows: list[dict[str, Any]] = []
     for label, fn in (("torch varlen, paged (page 1)", paged), ("torch varlen, K/V gathered first", gathered),
                       ("torch varlen, K/V gathered, heads repeated", repeated),
+                      ("aten flash varlen (GQA), K/V gathered first", aten_flash),
                       ("torch sdpa per prompt, K/V gathered first", per_prompt)):
         try:
             got = fn()

@@ -61,9 +61,10 @@ def test_without_a_gpu_it_refuses_naming_the_interpreter_tests() -> None:
 
 
 @gpu
-def test_a_short_sweep_writes_rows_for_every_tile_and_sdpa(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_a_short_sweep_writes_rows_for_every_tile_and_sdpa(tmp_path: Path, kv_dtype: str) -> None:
     rc = attention.main(["--points", "2x300,1x200+300", "--tiles", "64x64w4s2", "--iters", "2", "--warmup", "1",
-                         "--out", str(tmp_path)])
+                         "--kv-cache-dtype", kv_dtype, "--out", str(tmp_path)])
     assert rc == 0
     doc = json.loads(next(tmp_path.glob("attention-*.json")).read_text())
     kernels = {(r["point"], r["tile"] or r["kernel"]) for r in doc["rows"]}
@@ -72,6 +73,7 @@ def test_a_short_sweep_writes_rows_for_every_tile_and_sdpa(tmp_path: Path) -> No
     assert {("2x300", "64x64w4s2"), ("2x300", default), ("1x200+300", default), ("2x300", sdpa)} <= kernels
     assert ("1x200+300", sdpa) not in kernels  # contiguous SDPA has no prefix to see
     assert all(r["err"] < 1e-2 for r in doc["rows"] if r["err"] is not None), doc["rows"]  # library rows too
+    assert ("2x300", "aten flash varlen (GQA), K/V gathered first") in kernels  # ran (else its label says why)
     assert doc["summary"]["best_tile"] in {"64x64w4s2", default}
 
 

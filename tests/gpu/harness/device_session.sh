@@ -5,7 +5,7 @@
 #   bash tests/gpu/harness/device_session.sh STEP[:SECONDS] ...
 # Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags, split as a shell
 # would but with ';' a plain character: 'fp8=--a=1 --b=2' is one word),
-# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS; ';' between runs), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS),
+# faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS; ';' between runs), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS; ';' between runs),
 # transfer ($TRANSFER_ARGS),
 # mooncake (carry .out/mooncake-whl).
 set -uo pipefail
@@ -44,7 +44,13 @@ run_step() {
         logged "$dir/step.log" timeout $((secs / ${#runs[@]})) python3 -m pdunit.bench.step $a --out "$dir" || rc=$?
       done ;;
     prefill) logged "$dir/prefill.log" timeout "$secs" python3 -m pdunit.bench.prefill ${PREFILL_ARGS:---profile} --out "$dir" || rc=$? ;;
-    attention) logged "$dir/attention.log" timeout "$secs" python3 -m pdunit.bench.attention ${ATTENTION_ARGS:-} --out "$dir" || rc=$? ;;
+    attention) # runs separated by ';' (e.g. one per --kv-cache-dtype), one after another
+      IFS=';' read -ra runs <<< "${ATTENTION_ARGS:-}"
+      [ ${#runs[@]} -gt 0 ] || runs=("")
+      for i in "${!runs[@]}"; do  # a folder per run: the results file's name is the same for each
+        logged "$dir/attention.log" timeout $((secs / ${#runs[@]})) python3 -m pdunit.bench.attention ${runs[$i]} \
+          --out "$dir/$i" || rc=$?
+      done ;;
     transfer) logged "$dir/transfer.log" timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} || rc=$? ;;
     mooncake) if python3 -m pip install -q --no-index --no-deps --target /tmp/mc .out/mooncake-whl/*.whl; then
         PYTHONPATH=/tmp/mc${PYTHONPATH:+:$PYTHONPATH} logged "$dir/mooncake.log" timeout "$secs" \
