@@ -73,7 +73,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -82,6 +82,7 @@ from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
+from pdunit.engine.settings import DecodeGemm
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
 from pdunit.kernels.decode_settings import render
 from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
@@ -134,6 +135,7 @@ class StepConfig:
     compare: list[str] = dataclasses.field(default_factory=lambda: ["64x2048"])
     tune: bool = False
     decode_kernel: str = ""  # the engines' --decode-kernel: settings the rows (and --tune's start) run with
+    decode_gemm: str = "bf16"  # the engines' --decode-gemm
     overlap: str = "both"
     device: str = "cuda"
     temperature: float = 0.0
@@ -195,8 +197,12 @@ def random_model(name: str, seed: int, device: str | torch.device = "cuda") -> T
 
 def weight_bytes(m: TTSModel) -> int:
     """Bytes of weights one decode step reads: every matrix but the embedding table,
-    of which only the batch's rows are read (added per point)."""
-    return sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "embed.weight")
+    of which only the batch's rows are read (added per point); with fp8 decode GEMMs
+    their e4m3 weights and scales in place of the model-dtype ones."""
+    total = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "embed.weight")
+    if m.decode_gemm == "fp8":
+        total += m.gemm_weight_bytes(True) - m.gemm_weight_bytes(False)
+    return total
 
 
 def paged_contexts(
@@ -500,6 +506,10 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         torch.cuda.empty_cache()  # the copy's buffers: back to the device before sizing the pool
         print(f"HBM copy bandwidth: {gbps:.0f} GB/s (read + write)", flush=True)
     m = random_model(config.model, config.seed, dev)
+    try:
+        m.set_decode_gemm(config.decode_gemm)
+    except ValueError as exc:
+        raise SystemExit(f"pdunit bench step: --decode-gemm: {exc}") from None
     c = m.config
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, m.dtype)
     kv_token = c.kv_bytes_per_token(kv_dtype)
@@ -734,6 +744,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true", help="time decode kernel launch configs first, use the best")
     p.add_argument("--decode-kernel", default=d.decode_kernel,
                    help="decode kernel settings KEY=VALUE,... over the defaults, as the engines' --decode-kernel")
+    p.add_argument("--decode-gemm", choices=list(get_args(DecodeGemm)), default=d.decode_gemm,
+                   help="GEMM precision of the decode steps, as the engines' --decode-gemm")
     p.add_argument("--overlap", choices=list(MODES), default=d.overlap,
                    help="both: each point without and with D's overlap scheduler, side by side (default); "
                         "on / off: one of them")
@@ -760,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_dtype=a.kv_cache_dtype,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
         compare=[x for x in a.compare.split(",") if x], tune=a.tune, decode_kernel=a.decode_kernel,
+        decode_gemm=a.decode_gemm,
         overlap=a.overlap,
         device=a.device, temperature=a.temperature, top_k=a.top_k, profile=a.profile, out=a.out,
         machine_tag=a.machine_tag,

@@ -182,6 +182,16 @@ def decode_kernel_field() -> Any:
                  "step --tune` prints the fastest on its GPU as this flag)")
 
 
+DecodeGemm = Literal["bf16", "fp8"]
+
+
+def decode_gemm_field() -> Any:
+    """`--decode-gemm`, one definition for D and the monolith."""
+    return Field("bf16", description="GEMM precision of decode-only steps: bf16 (the model dtype) or fp8 (e4m3, "
+                 "the weights and scales of --prefill-gemm fp8; CUDA needs compute capability 8.9+). At a batch of "
+                 "~250 streams a 4B model's bf16 GEMMs are bound by the tensor cores: fp8 halves their time")
+
+
 # Row buckets of the prefill CUDA graphs (engine/model/prefill_graphs.py): below ~1000
 # rows a forward is bound by its kernel launches from Python, and a graph replays them at
 # once (bench/results/prefill-20261130-h200x2-graphs.md); from ~1500 rows up the GPU

@@ -30,8 +30,10 @@ from pdunit.engine.observability import (
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import (
+    DecodeGemm,
     DecodeKernel,
     KvCacheDtype,
+    decode_gemm_field,
     decode_kernel_field,
     kv_cache_dtype_field,
     parse_config,
@@ -53,6 +55,7 @@ class DecodeConfig(StackSamplingFields):
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
     kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
     decode_kernel: DecodeKernel = decode_kernel_field()
+    decode_gemm: DecodeGemm = decode_gemm_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
     pool_tokens: int = Field(65536, ge=0, description="token rows in the KV pool; 0 sizes the pool to the "
                              "device: its free memory once the model is loaded, less --pool-reserve-gib (CUDA only)")
@@ -113,6 +116,11 @@ async def serve(cfg: DecodeConfig) -> int:
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "decode-exec"))
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    try:
+        model.set_decode_gemm(cfg.decode_gemm)  # before the decode graphs record the GEMMs
+    except ValueError as exc:
+        log.error("cannot start the model", extra={"error": str(exc)})
+        return 2
     mc = model.config
     kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, model.dtype)
     free = torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cfg.pool_tokens == 0 else 0

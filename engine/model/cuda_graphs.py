@@ -13,7 +13,8 @@ largest bucket, a context longer than `max_context`) runs eagerly through
 
 Must never allocate or free pool slots, sample, or change the model; the pool tensor
 and the model's weights must stay where they were at capture (a graph holds their
-addresses): build a new runner after reallocating either.
+addresses): build a new runner after reallocating either, or after changing the model's
+`decode_gemm` (a replay refuses then).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class DecodeGraphRunner:
             raise ValueError(f"max_context must be >= 1, got {self.max_context}")
         self.sizes = sizes
         self.stats = {"replays": 0, "eager": 0}
+        self.decode_gemm = model.decode_gemm  # the GEMMs the graphs record
         dev = model.device
         c = model.config
         big = sizes[-1]
@@ -234,5 +236,8 @@ class DecodeGraphRunner:
             problems.append("write_slots must equal each sequence's last context slot")
         if int(table.max()) >= self.kv.shape[2]:
             problems.append(f"a context slot is outside the pool [0, {self.kv.shape[2]})")
+        if self.model.decode_gemm != self.decode_gemm:
+            problems.append(f"the model's decode_gemm is {self.model.decode_gemm!r}, the graphs recorded "
+                            f"{self.decode_gemm!r} GEMMs: build a new runner after set_decode_gemm")
         if problems:
             raise ValueError("invalid forward batch: " + "; ".join(problems))

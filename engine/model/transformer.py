@@ -30,8 +30,15 @@ the model dtype; "fp8" runs the four per-layer GEMMs of every forward that has a
 sequence of more than one new row (a prefill, a chunk, a mixed monolith step) and at
 least `min_rows` rows in all in e4m3 with per-channel weight and per-row activation
 scales (kernels/fp8_gemm.py), on both paths (the reference dequantises and multiplies
-in float32). Decode-only forwards, `decode_step` and the CUDA graphs always stay in the
-model dtype. With min_rows > 0 a prompt's numerics depend on what it was batched with.
+in float32). With min_rows > 0 a prompt's numerics depend on what it was batched with.
+
+Decode GEMM precision (`set_decode_gemm`): decode-only forwards (`decode_step`, the
+decode CUDA graphs, the reference path's one-row sequences) run their four GEMMs in the
+model dtype ("bf16", the default) or in e4m3 ("fp8", the same weights and scales as the
+prefill's). At a decode batch of ~250 streams the bf16 GEMMs are bound by the tensor
+cores, not by the weight bytes (2 x 3.6 GFLOP per stream for a 4B model), so fp8 halves
+both. A forward with prompt rows (a monolith's mixed step included) follows the prefill
+rule.
 
 KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
 "fp8_e4m3")`); both paths store through kernels/kv_dtype.py's saturating cast and
@@ -375,6 +382,7 @@ class TTSModel(nn.Module):
         self.attention_backend = "triton"
         self.prefill_gemm = "bf16"
         self.fp8_min_rows = 0
+        self.decode_gemm = "bf16"
         self._fused: _FusedWeights | None = None
         self._gemms: dict[bool, list[_LayerGemms]] = {}
         self._sm_count = 0
@@ -426,42 +434,72 @@ class TTSModel(nn.Module):
             raise ValueError(f"prefill_gemm {mode!r}: expected one of {', '.join(PREFILL_GEMMS)}")
         if min_rows < 0:
             raise ValueError(f"prefill_gemm min_rows {min_rows} must be >= 0")
-        if mode == "fp8" and not self._gemms.get(True):
-            from pdunit.kernels.fp8_gemm import Fp8Weight, fp8_unsupported
-
-            c = self.config
-            q_dim = c.n_heads * c.head_dim
-            dims = {"hidden": c.hidden, "n_heads * head_dim": q_dim, "n_kv_heads * head_dim":
-                    c.n_kv_heads * c.head_dim, "ffn_hidden": c.ffn_hidden}
-            why = fp8_unsupported(self.device, dims)
-            if why:
-                raise ValueError(f"prefill_gemm fp8: {why}")
-            w = self.fused_weights()
-            layers = []
-            for i, layer in enumerate(self._decoder_layers()):
-                a, m = layer.attn, layer.mlp
-                qkv, gate_up = Fp8Weight.quantize(w.qkv[i]), Fp8Weight.quantize(w.gate_up[i])
-                g = _LayerGemms(qkv, Fp8Weight.quantize(a.o_proj.weight), gate_up,
-                                Fp8Weight.quantize(m.down_proj.weight))
-                # The reference path's separate projections: row views of the fused ones
-                # (per-row scales make them equal to quantising each matrix alone).
-                row = 0
-                for proj in (a.q_proj, a.k_proj, a.v_proj):
-                    proj.fp8 = qkv.rows(row, row + proj.weight.shape[0])
-                    row += proj.weight.shape[0]
-                m.gate_proj.fp8 = gate_up.rows(0, c.ffn_hidden)
-                m.up_proj.fp8 = gate_up.rows(c.ffn_hidden, 2 * c.ffn_hidden)
-                a.o_proj.fp8, m.down_proj.fp8 = g.o, g.down
-                layers.append(g)
-            self._gemms[True] = layers
+        if mode == "fp8":
+            self._quantise_gemms("prefill_gemm")
         self.prefill_gemm, self.fp8_min_rows = mode, min_rows
+
+    @torch.no_grad()
+    def set_decode_gemm(self, mode: str) -> None:
+        """"bf16" or "fp8" for the GEMMs of decode-only forwards (the module docstring).
+        Set it before decode graphs are captured: they record the GEMMs of the mode
+        live at capture. "fp8" quantises the weights as set_prefill_gemm does (once,
+        shared) and raises ValueError, naming the reason, where the device cannot."""
+        if mode not in PREFILL_GEMMS:
+            raise ValueError(f"decode_gemm {mode!r}: expected one of {', '.join(PREFILL_GEMMS)}")
+        if mode == "fp8":
+            self._quantise_gemms("decode_gemm")
+        self.decode_gemm = mode
+
+    def _quantise_gemms(self, what: str) -> None:
+        """Every layer's e4m3 weights (per output channel), built once for both modes."""
+        if self._gemms.get(True):
+            return
+        from pdunit.kernels.fp8_gemm import Fp8Weight, fp8_unsupported
+
+        c = self.config
+        q_dim = c.n_heads * c.head_dim
+        dims = {"hidden": c.hidden, "n_heads * head_dim": q_dim, "n_kv_heads * head_dim":
+                c.n_kv_heads * c.head_dim, "ffn_hidden": c.ffn_hidden}
+        why = fp8_unsupported(self.device, dims)
+        if why:
+            raise ValueError(f"{what} fp8: {why}")
+        w = self.fused_weights()
+        layers = []
+        for i, layer in enumerate(self._decoder_layers()):
+            a, m = layer.attn, layer.mlp
+            qkv, gate_up = Fp8Weight.quantize(w.qkv[i]), Fp8Weight.quantize(w.gate_up[i])
+            g = _LayerGemms(qkv, Fp8Weight.quantize(a.o_proj.weight), gate_up,
+                            Fp8Weight.quantize(m.down_proj.weight))
+            # The reference path's separate projections: row views of the fused ones
+            # (per-row scales make them equal to quantising each matrix alone).
+            row = 0
+            for proj in (a.q_proj, a.k_proj, a.v_proj):
+                proj.fp8 = qkv.rows(row, row + proj.weight.shape[0])
+                row += proj.weight.shape[0]
+            m.gate_proj.fp8 = gate_up.rows(0, c.ffn_hidden)
+            m.up_proj.fp8 = gate_up.rows(c.ffn_hidden, 2 * c.ffn_hidden)
+            a.o_proj.fp8, m.down_proj.fp8 = g.o, g.down
+            layers.append(g)
+        self._gemms[True] = layers
 
     def _fp8_forward(self, batch: ForwardBatch) -> bool:
         q = batch.query_lens
-        return self.prefill_gemm == "fp8" and max(q) > 1 and sum(q) >= self.fp8_min_rows
+        if max(q) == 1:
+            return self.decode_gemm == "fp8"
+        return self.prefill_gemm == "fp8" and sum(q) >= self.fp8_min_rows
+
+    def gemm_weight_bytes(self, fp8: bool) -> int:
+        """Bytes of the four per-layer GEMM weights in one precision (fp8: values and
+        scales; built by set_prefill_gemm / set_decode_gemm)."""
+        total = 0
+        for g in self._layer_gemms(fp8):
+            for w in (g.qkv, g.o, g.gate_up, g.down):
+                parts = (w,) if isinstance(w, torch.Tensor) else (w.q, w.scale)
+                total += sum(t.numel() * t.element_size() for t in parts)
+        return total
 
     def _layer_gemms(self, fp8: bool) -> list[_LayerGemms]:
-        if fp8 not in self._gemms:  # only bf16 is built here; fp8 by set_prefill_gemm
+        if fp8 not in self._gemms:  # only bf16 is built here; fp8 by _quantise_gemms
             w = self.fused_weights()
             self._gemms[False] = [
                 _LayerGemms(w.qkv[i], layer.attn.o_proj.weight, w.gate_up[i], layer.mlp.down_proj.weight)
@@ -593,7 +631,8 @@ class TTSModel(nn.Module):
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             return paged_decode_attention(q, kv_layer, table, lengths, n_splits)
 
-        return self._logits(self._gpu_layers(tokens, positions, write_slots, kv, attend))
+        fp8 = self.decode_gemm == "fp8"
+        return self._logits(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8))
 
     def _gpu_layers(
         self,

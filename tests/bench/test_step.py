@@ -121,6 +121,19 @@ def test_overlap_only_mode_measures_only_overlapped_rows() -> None:
     assert doc["summary"]["modes"] == ["overlap"]
 
 
+def test_fp8_decode_gemms_run_the_steps_and_count_their_weight_bytes(capsys) -> None:
+    def run(gemm: str) -> dict:
+        return step.run_step(step.StepConfig(model="tiny", device="cpu", page_size=4, batches=[2], contexts=[9],
+                                             iters=2, warmup=0, overlap="on", decode_gemm=gemm))
+
+    bf16, fp8 = run("bf16"), run("fp8")
+    assert [r["frames"] for r in fp8["rows"]] == [4]
+    assert fp8["summary"]["weight_gib"] < bf16["summary"]["weight_gib"]  # the GEMMs' e4m3 bytes
+    with pytest.raises(SystemExit):
+        step.main(["--device", "cpu", "--decode-gemm", "int8"])
+    assert "--decode-gemm: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_profile_lists_the_top_host_ops_of_a_step() -> None:
     doc = step.run_step(step.StepConfig(model="tiny", device="cpu", page_size=4, batches=[2], contexts=[9],
                                         iters=3, warmup=0, overlap="both", profile=True))

@@ -287,6 +287,27 @@ def test_fp8_leaves_decode_only_forwards_in_the_model_dtype(fp8_model: TTSModel)
     assert torch.equal(fp8_model(step, kv_a), bf(step, kv_b))
 
 
+def test_fp8_decode_gemms_change_decode_only_forwards_and_nothing_else() -> None:
+    bf = load_model("random:tiny:0", dtype="float32")
+    m = load_model("random:tiny:0", dtype="float32")
+    m.set_decode_gemm("fp8")
+    assert (m.decode_gemm, m.prefill_gemm) == ("fp8", "bf16")
+    kv_m, kv_bf = m.new_kv_storage(64), bf.new_kv_storage(64)
+    slots = scattered_slots(21, 64, 39)
+    rows = prompt(20, 40)
+    first = prefill(m, kv_m, rows, slots[:20])
+    assert torch.equal(first, prefill(bf, kv_bf, rows, slots[:20]))  # prompt rows: bf16 GEMMs
+    step = ForwardBatch.from_sequences([first[0].argmax(-1)[None]], [slots])
+    got, want = m(step, kv_m), bf(step, kv_bf)
+    assert not torch.equal(got, want)  # the decode step's GEMMs ran in e4m3
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 0.99, float(cos)
+    assert m.gemm_weight_bytes(True) < m.gemm_weight_bytes(False) / 3  # 1 byte a weight against 4
+    with pytest.raises(ValueError, match="decode_gemm 'int8': expected one of bf16, fp8"):
+        m.set_decode_gemm("int8")
+    assert m.decode_gemm == "fp8"  # a refused mode changes nothing
+
+
 def test_fp8_cached_prefix_prefill_equals_full_prefill(fp8_model: TTSModel) -> None:
     """Activations are scaled per row, so a row's GEMMs never see the other rows of its
     forward: a prefix computed by an earlier request is what a full prefill computes."""

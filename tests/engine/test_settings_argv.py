@@ -59,6 +59,20 @@ def test_an_unknown_prefill_gemm_names_the_field_and_its_flag(prog, config, caps
     assert "'bf16' or 'fp8'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("config", ["DecodeConfig", "MonolithConfig"])
+def test_an_unknown_decode_gemm_names_the_field_and_its_flag(config, capsys):
+    from pdunit.engine.decode.main import DecodeConfig
+    from pdunit.engine.monolith.main import MonolithConfig
+    from pdunit.engine.settings import ConfigError
+
+    model = {"DecodeConfig": DecodeConfig, "MonolithConfig": MonolithConfig}[config]
+    assert parse_config(model, [], "x", env={}).decode_gemm == "bf16"
+    assert parse_config(model, ["--decode-gemm", "fp8"], "x", env={}).decode_gemm == "fp8"
+    with pytest.raises(ConfigError, match=r"invalid decode_gemm \(from --decode-gemm\)"):
+        parse_config(model, ["--decode-gemm", "int8"], "x", env={})
+    assert "'bf16' or 'fp8'" in capsys.readouterr().err
+
+
 def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only():
     from pdunit.engine.local import LocalConfig, LocalUnit
 

@@ -115,6 +115,7 @@ def decode_batch(ctx: list[np.ndarray], rng: np.random.Generator) -> ForwardBatc
 def test_gpu_path_matches_the_torch_reference_for_prefill_mixed_and_decode(name, layers, gemm) -> None:
     m = gpu_model(name, layers)
     m.set_prefill_gemm(gemm)  # fp8: both paths quantise the GEMMs of forwards with prompt rows
+    m.set_decode_gemm(gemm)  # and of the decode-only step
     rng = np.random.default_rng(1)
     kv_fast = m.new_kv_storage(4096, device="cuda")
     kv_ref = kv_fast.clone()
@@ -180,6 +181,30 @@ def test_graph_replay_matches_the_eager_gpu_path_and_writes_the_same_kv() -> Non
     assert got.shape == want.shape
     assert rel(got, want) < 1e-2
     torch.testing.assert_close(kv, kv_eager)
+
+
+@gpu
+def test_fp8_decode_graphs_replay_the_eager_fp8_step_and_refuse_a_changed_mode() -> None:
+    from pdunit.engine.model.cuda_graphs import DecodeGraphRunner
+
+    m = gpu_model("qwen3-4b-shape", 2)
+    rng = np.random.default_rng(4)
+    kv = m.new_kv_storage(8192, device="cuda")
+    kv.normal_()
+    batch = decode_batch(fresh_contexts(8, 500, 8192, rng), rng)
+    want_bf16 = m(batch, kv.clone())
+    m.set_decode_gemm("fp8")
+    kv_eager = kv.clone()
+    runner = DecodeGraphRunner(m, kv, buckets=(4, 8), max_context=1024)
+    got = runner.run(batch)
+    want = m(batch, kv_eager)
+    assert runner.stats == {"replays": 1, "eager": 0}
+    assert rel(got, want) < 1e-2
+    torch.testing.assert_close(kv, kv_eager)
+    assert not torch.equal(want, want_bf16) and rel(want, want_bf16) < 0.1, rel(want, want_bf16)
+    m.set_decode_gemm("bf16")
+    with pytest.raises(ValueError, match="graphs recorded 'fp8' GEMMs"):
+        runner.run(batch)
 
 
 @gpu
