@@ -62,13 +62,15 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _gpus() -> tuple[list[str], str | None]:
-    """GPU names and driver: nvidia-smi when present (no torch import), else torch.cuda."""
+def _gpus() -> tuple[list[str], str | None, list[str]]:
+    """GPU names, driver and UUIDs: nvidia-smi when present (no torch import), else
+    torch.cuda (no UUIDs). The UUIDs say whether two runs had the same physical GPUs: a
+    lent machine may be a different host at every call."""
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
             out = subprocess.run(
-                [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                [smi, "--query-gpu=name,driver_version,uuid", "--format=csv,noheader"],
                 capture_output=True,
                 text=True,
                 timeout=20,
@@ -78,7 +80,8 @@ def _gpus() -> tuple[list[str], str | None]:
                 [c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()
             ]
             if rows:
-                return [r[0] for r in rows], rows[0][1] if len(rows[0]) > 1 else None
+                return ([r[0] for r in rows], rows[0][1] if len(rows[0]) > 1 else None,
+                        [r[2] for r in rows if len(r) > 2])
         except (OSError, subprocess.SubprocessError):
             pass
     if "torch" in sys.modules or os.environ.get("PDUNIT_BENCH_PROBE_TORCH") == "1":
@@ -87,19 +90,20 @@ def _gpus() -> tuple[list[str], str | None]:
 
             if torch.cuda.is_available():
                 names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                return names, f"cuda {torch.version.cuda}"
+                return names, f"cuda {torch.version.cuda}", []
         except Exception:  # noqa: BLE001 - no usable torch means no GPU info, not a failure
             pass
-    return [], None
+    return [], None, []
 
 
 def machine_info() -> dict[str, Any]:
-    names, driver = _gpus()
+    names, driver, uuids = _gpus()
     return {
         "hostname": platform.node(),
         "gpu_model": names[0] if names else None,
         "gpu_count": len(names),
         "gpus": names,
+        "gpu_uuids": uuids,
         "driver": driver,
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -215,6 +219,8 @@ class Results:
             if m.get("gpu_count")
             else "no GPU"
         )
+        if m.get("gpu_uuids"):  # enough of each to tell two calls' GPUs apart
+            gpu += " [" + ", ".join(u[:12] for u in m["gpu_uuids"]) + "]"
         lines = [
             f"# {title or self.bench}",
             "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 
 import pytest
 
@@ -24,6 +25,19 @@ def test_machine_info_names_gpus_and_cpus():
     for key in ("gpu_model", "gpu_count", "driver", "cpu_count", "cpu_model", "hostname"):
         assert key in m
     assert m["cpu_count"] >= 1
+
+
+def test_machine_info_reads_each_gpus_uuid_from_nvidia_smi(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"  # a stand-in printing two GPUs as the real one does
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.04, GPU-1a2b3c4d-0000-1111-2222-333344445555'\n"
+                   "echo 'NVIDIA H200, 580.159.04, GPU-9f8e7d6c-0000-1111-2222-333344445555'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    m = report.machine_info()
+    assert (m["gpu_count"], m["driver"]) == (2, "580.159.04")
+    assert m["gpu_uuids"] == ["GPU-1a2b3c4d-0000-1111-2222-333344445555", "GPU-9f8e7d6c-0000-1111-2222-333344445555"]
+    md = report.Results("x", m, "cmd", {}).markdown([report.Column("a", "a")])
+    assert "2 x NVIDIA H200 (driver 580.159.04) [GPU-1a2b3c4d, GPU-9f8e7d6c]" in md
 
 
 @pytest.mark.parametrize(
