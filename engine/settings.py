@@ -182,6 +182,7 @@ def decode_kernel_field() -> Any:
                  "step --tune` prints the fastest on its GPU as this flag)")
 
 
+PrefillGemm = Literal["bf16", "fp8"]
 DecodeGemm = Literal["bf16", "fp8"]
 
 
@@ -215,9 +216,9 @@ class PrefillModelFields(BaseModel):
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default --max-batch-rows on CUDA (the largest forward), 0 on CPU")
-    prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of forwards with prompt rows: "
-                                                 "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
-                                                 "per-row activation scales; CUDA needs compute capability 8.9+)")
+    prefill_gemm: PrefillGemm = Field("bf16", description="GEMM precision of forwards with prompt rows: "
+                                      "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
+                                      "per-row activation scales; CUDA needs compute capability 8.9+)")
     fp8_min_rows: int | None = Field(None, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all "
                                      "stay in bf16; default 0 with prefill graphs, 1200 without (on an H200 an "
                                      "eager fp8 forward of 800 rows is 0.8x as fast as an eager bf16 one, and an fp8 "

@@ -258,6 +258,8 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             spec["device"],
             *kv_cache_flags,
         ]
+        if spec.get("prefillGemm") == "fp8":  # bf16 is the engine's default
+            cmd += ["--prefill-gemm", "fp8"]
     elif role == "decode":
         cmd = [
             "pdunit",
@@ -276,6 +278,8 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
         ]
         if spec.get("decodeKernel"):  # every D alike
             cmd += ["--decode-kernel", spec["decodeKernel"]]
+        if spec.get("decodeGemm") == "fp8":  # every D alike; bf16 is the engine's default
+            cmd += ["--decode-gemm", "fp8"]
     elif role == "proxy":
         cmd = ["pdunit", "proxy", "--socket", PROXY_SOCKET]
     elif role == "guard":

@@ -421,6 +421,8 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("router.replicas=-1", "/router/replicas"),
         ("examplePDUnitSet.transfer=warp", "/examplePDUnitSet/transfer"),
         ("examplePDUnitSet.kvCacheDtype=fp4", "/examplePDUnitSet/kvCacheDtype"),
+        ("examplePDUnitSet.prefillGemm=int8", "/examplePDUnitSet/prefillGemm"),
+        ("examplePDUnitSet.decodeGemm=int8", "/examplePDUnitSet/decodeGemm"),
         ("examplePDUnitSet.decodeKernel=fp8_dots", "/examplePDUnitSet/decodeKernel"),
         ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
         ("keda.targetInFlightPerUnit=0", "/keda/targetInFlightPerUnit"),
@@ -483,6 +485,17 @@ def test_the_example_set_carries_decode_kernel_only_when_set() -> None:
     assert "decodeKernel" not in default
     set_ = one(render(["--set", "examplePDUnitSet.decodeKernel=kv_as_a=1\\,fp8_dots=1"]), "PDUnitSet")
     assert set_["spec"]["template"]["spec"]["decodeKernel"] == "kv_as_a=1,fp8_dots=1"
+
+
+@pytest.mark.parametrize("key", ["prefillGemm", "decodeGemm"])
+def test_the_example_set_carries_a_gemm_precision_only_when_it_is_not_bf16(key: str) -> None:
+    """As kvCacheDtype: the key at its default would change the template's hash."""
+    default = one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert key not in default
+    bf16 = one(render(["--set", f"examplePDUnitSet.{key}=bf16"]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert key not in bf16
+    fp8 = one(render(["--set", f"examplePDUnitSet.{key}=fp8"]), "PDUnitSet")
+    assert fp8["spec"]["template"]["spec"][key] == "fp8"
 
 
 def test_keda_max_below_min_is_refused_naming_both_fields() -> None:

@@ -319,6 +319,8 @@ def test_units_of_an_older_operator_are_kept_through_an_upgrade_and_relabelled(
     [
         (unit("bad-transfer", transfer="rdma"), "spec.transfer", "Unsupported value"),
         (unit("bad-kv", kvCacheDtype="fp4"), "spec.kvCacheDtype", "Unsupported value"),
+        (unit("bad-prefill-gemm", prefillGemm="int8"), "spec.prefillGemm", "Unsupported value"),
+        (unit("bad-decode-gemm", decodeGemm="int8"), "spec.decodeGemm", "Unsupported value"),
         (unit("bad-kernel", decodeKernel="fp8_dots"), "spec.decodeKernel", "should match"),
         (unit("bad-port", lbPort=0), "spec.lbPort", "greater than or equal to 1"),
         (unit("bad-model", model="qwen"), "spec.model", "random:<config>:<seed>"),
