@@ -293,44 +293,28 @@ def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() 
         assert "spec.decodeKernel" in message and fragment in message, message
 
 
-def test_prefill_gemm_reaches_the_prefill_engine_only_and_only_when_fp8() -> None:
-    by_name = containers(r.desired_pod(a_unit(decoders=2, prefillGemm="fp8")))
-    cfg = parse_config(_config_model("pdunit.engine.prefill.main"), by_name["prefill"]["command"][2:],
-                       "pdunit prefill", env={})
-    assert cfg.prefill_gemm == "fp8"  # type: ignore[attr-defined]
-    others = [n for n in by_name if n != "prefill"]
-    assert {"decode-0", "decode-1", "lb", "nvlink-proxy", "quiesce-guard"} <= set(others), others
+@pytest.mark.parametrize(("field", "flag", "engines"), [
+    ("prefillGemm", "--prefill-gemm", {"prefill": "pdunit.engine.prefill.main"}),
+    ("decodeGemm", "--decode-gemm", {"decode-0": "pdunit.engine.decode.main", "decode-1": "pdunit.engine.decode.main"}),
+])
+def test_a_gemm_field_reaches_its_engines_only_and_only_when_fp8(field: str, flag: str,
+                                                                 engines: dict[str, str]) -> None:
+    by_name = containers(r.desired_pod(a_unit(decoders=2, **{field: "fp8"})))
+    for name, module in engines.items():
+        cfg = parse_config(_config_model(module), by_name[name]["command"][2:], f"pdunit {name}", env={})
+        assert getattr(cfg, flag[2:].replace("-", "_")) == "fp8", name
+    others = set(by_name) - set(engines)
+    assert {"lb", "nvlink-proxy", "quiesce-guard"} <= others, others
     for name in others:
-        assert "--prefill-gemm" not in by_name[name]["command"], name
+        assert flag not in by_name[name]["command"], name
     # unset or bf16 (the engine's default): no flag at all
     for value in (None, "bf16"):
-        pod = r.desired_pod(a_unit(**({} if value is None else {"prefillGemm": value})))
+        pod = r.desired_pod(a_unit(decoders=2, **({} if value is None else {field: value})))
         for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
-            assert "--prefill-gemm" not in c["command"], (value, c["name"])
+            assert flag not in c["command"], (value, c["name"])
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(prefillGemm="int8"))
-    assert "spec.prefillGemm" in m.validation_message(exc.value)
-
-
-def test_decode_gemm_reaches_every_decode_engine_only_and_only_when_fp8() -> None:
-    pod = r.desired_pod(a_unit(decoders=2, decodeGemm="fp8"))
-    by_name = containers(pod)
-    for name in ("decode-0", "decode-1"):
-        cfg = parse_config(_config_model("pdunit.engine.decode.main"), by_name[name]["command"][2:],
-                           f"pdunit {name}", env={})
-        assert cfg.decode_gemm == "fp8", name  # type: ignore[attr-defined]
-    others = [n for n in by_name if not n.startswith("decode")]
-    assert {"prefill", "lb", "nvlink-proxy", "quiesce-guard"} <= set(others), others
-    for name in others:
-        assert "--decode-gemm" not in by_name[name]["command"], name
-    # unset or bf16 (the engine's default): no flag at all
-    for value in (None, "bf16"):
-        pod = r.desired_pod(a_unit(decoders=2, **({} if value is None else {"decodeGemm": value})))
-        for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
-            assert "--decode-gemm" not in c["command"], (value, c["name"])
-    with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(decodeGemm="int8"))
-    assert "spec.decodeGemm" in m.validation_message(exc.value)
+        r.desired_pod(a_unit(**{field: "int8"}))
+    assert f"spec.{field}" in m.validation_message(exc.value)
 
 
 def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
