@@ -51,7 +51,7 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.bench import report
 from pdunit.engine.model.config import ModelConfig
 from pdunit.engine.model.loader import load_model
-from pdunit.engine.model.transformer import PREFILL_GEMMS
+from pdunit.engine.model.transformer import GEMM_PRECISIONS
 from pdunit.engine.prefill.runner import random_chunks, run_prefill
 from pdunit.engine.settings import parse_config
 
@@ -107,9 +107,9 @@ class PrefillBenchConfig(BaseModel):
     @field_validator("gemm")
     @classmethod
     def _gemms(cls, v: list[str]) -> list[str]:
-        bad = [g for g in v if g not in PREFILL_GEMMS]
+        bad = [g for g in v if g not in GEMM_PRECISIONS]
         if bad or not v or len(set(v)) != len(v):
-            raise ValueError(f"{v}: give each of {', '.join(PREFILL_GEMMS)} at most once")
+            raise ValueError(f"{v}: give each of {', '.join(GEMM_PRECISIONS)} at most once")
         return v
 
 

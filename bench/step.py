@@ -82,7 +82,7 @@ from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
-from pdunit.engine.settings import DecodeGemm
+from pdunit.engine.settings import GemmPrecision
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
 from pdunit.kernels.decode_settings import render
 from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
@@ -744,7 +744,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true", help="time decode kernel launch configs first, use the best")
     p.add_argument("--decode-kernel", default=d.decode_kernel,
                    help="decode kernel settings KEY=VALUE,... over the defaults, as the engines' --decode-kernel")
-    p.add_argument("--decode-gemm", choices=list(get_args(DecodeGemm)), default=d.decode_gemm,
+    p.add_argument("--decode-gemm", choices=list(get_args(GemmPrecision)), default=d.decode_gemm,
                    help="GEMM precision of the decode steps, as the engines' --decode-gemm")
     p.add_argument("--overlap", choices=list(MODES), default=d.overlap,
                    help="both: each point without and with D's overlap scheduler, side by side (default); "

@@ -182,8 +182,7 @@ def decode_kernel_field() -> Any:
                  "step --tune` prints the fastest on its GPU as this flag)")
 
 
-PrefillGemm = Literal["bf16", "fp8"]
-DecodeGemm = Literal["bf16", "fp8"]
+GemmPrecision = Literal["bf16", "fp8"]  # --prefill-gemm and --decode-gemm
 
 
 def decode_gemm_field() -> Any:
@@ -216,7 +215,7 @@ class PrefillModelFields(BaseModel):
     warmup_rows: int | None = Field(None, ge=0, description="before serving, prefill random prompts of this many "
                                     "rows (kernel compilation and GEMM choice happen there, not in the first "
                                     "requests); default --max-batch-rows on CUDA (the largest forward), 0 on CPU")
-    prefill_gemm: PrefillGemm = Field("bf16", description="GEMM precision of forwards with prompt rows: "
+    prefill_gemm: GemmPrecision = Field("bf16", description="GEMM precision of forwards with prompt rows: "
                                       "bf16 (the model dtype) or fp8 (e4m3, per-channel weight and "
                                       "per-row activation scales; CUDA needs compute capability 8.9+)")
     fp8_min_rows: int | None = Field(None, ge=0, description="prefill_gemm fp8: forwards with fewer rows in all "

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from pdunit.engine.settings import DecodeGemm, KvCacheDtype, PrefillGemm, canonical_decode_kernel
+from pdunit.engine.settings import GemmPrecision, KvCacheDtype, canonical_decode_kernel
 
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"
@@ -176,13 +176,13 @@ class PDUnitSpec(_Api):
         "Q K^T on fp8 tensor cores; fp8_dots=0 keeps the query exact; docs/performance.md). Unset: the defaults.",
     )
     # No CRD default either (as kv_cache_dtype): unset and bf16 both mean no flag.
-    prefill_gemm: PrefillGemm | None = Field(
+    prefill_gemm: GemmPrecision | None = Field(
         default=None,
         description="GEMM precision of the prefill engine's forwards (its --prefill-gemm): bf16 (the model "
         "dtype) or fp8 (e4m3 weights per channel, activations per row; 1.3-1.4x faster prefill from ~1500 "
         "rows up on H200, docs/performance.md); needs compute capability 8.9+. Unset: bf16.",
     )
-    decode_gemm: DecodeGemm | None = Field(
+    decode_gemm: GemmPrecision | None = Field(
         default=None,
         description="GEMM precision of every decode engine's decode steps (their --decode-gemm): bf16 or "
         "fp8; fp8 made 1P1D's D pass 44 req/s where bf16 failed it in the same run (docs/performance.md); "

@@ -30,8 +30,8 @@ from pdunit.engine.observability import (
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import (
-    DecodeGemm,
     DecodeKernel,
+    GemmPrecision,
     KvCacheDtype,
     decode_gemm_field,
     decode_kernel_field,
@@ -55,7 +55,7 @@ class DecodeConfig(StackSamplingFields):
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
     kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
     decode_kernel: DecodeKernel = decode_kernel_field()
-    decode_gemm: DecodeGemm = decode_gemm_field()
+    decode_gemm: GemmPrecision = decode_gemm_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
     pool_tokens: int = Field(65536, ge=0, description="token rows in the KV pool; 0 sizes the pool to the "
                              "device: its free memory once the model is loaded, less --pool-reserve-gib (CUDA only)")

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, cast, get_args
 
 import numpy as np
 import torch
@@ -57,12 +57,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdunit.engine.model.config import ModelConfig, torch_dtype
+from pdunit.engine.settings import GemmPrecision
 from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_kv
 
 if TYPE_CHECKING:
     from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
 
-PREFILL_GEMMS = ("bf16", "fp8")
+GEMM_PRECISIONS: tuple[str, ...] = get_args(GemmPrecision)  # set_prefill_gemm, set_decode_gemm
 
 
 @dataclass
@@ -430,8 +431,8 @@ class TTSModel(nn.Module):
         `min_rows` rows (the module docstring). "fp8" quantises every layer's weights
         once (+1 byte per weight in memory) and raises ValueError, naming the reason,
         where the device cannot."""
-        if mode not in PREFILL_GEMMS:
-            raise ValueError(f"prefill_gemm {mode!r}: expected one of {', '.join(PREFILL_GEMMS)}")
+        if mode not in GEMM_PRECISIONS:
+            raise ValueError(f"prefill_gemm {mode!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
         if min_rows < 0:
             raise ValueError(f"prefill_gemm min_rows {min_rows} must be >= 0")
         if mode == "fp8":
@@ -444,8 +445,8 @@ class TTSModel(nn.Module):
         Set it before decode graphs are captured: they record the GEMMs of the mode
         live at capture. "fp8" quantises the weights as set_prefill_gemm does (once,
         shared) and raises ValueError, naming the reason, where the device cannot."""
-        if mode not in PREFILL_GEMMS:
-            raise ValueError(f"decode_gemm {mode!r}: expected one of {', '.join(PREFILL_GEMMS)}")
+        if mode not in GEMM_PRECISIONS:
+            raise ValueError(f"decode_gemm {mode!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
         if mode == "fp8":
             self._quantise_gemms("decode_gemm")
         self.decode_gemm = mode

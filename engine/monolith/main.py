@@ -27,8 +27,8 @@ from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import (
-    DecodeGemm,
     DecodeKernel,
+    GemmPrecision,
     PrefillModelFields,
     decode_gemm_field,
     decode_kernel_field,
@@ -55,7 +55,7 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields):
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
     decode_kernel: DecodeKernel = decode_kernel_field()
-    decode_gemm: DecodeGemm = decode_gemm_field()
+    decode_gemm: GemmPrecision = decode_gemm_field()
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
