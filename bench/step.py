@@ -731,7 +731,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="model config name (random weights)")
     p.add_argument("--batches", type=_ints, default=d.batches, help="comma-separated batch sizes")
     p.add_argument("--contexts", type=_ints, default=d.contexts, help="comma-separated context lengths")
-    p.add_argument("--page-size", type=int, default=d.page_size, help="slots per page of D's pool")
+    p.add_argument("--page-size", type=int, default=d.page_size,
+                   help="slots per page of the pool (D's own --page-size defaults to 1; the step results of "
+                        "record use this default, 16)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="the pool's precision, as D's --kv-cache-dtype (the roofline counts its bytes)")
     p.add_argument("--iters", type=int, default=d.iters, help="timed iterations per row")
