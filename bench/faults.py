@@ -568,7 +568,11 @@ class Scenario:
         self.fault_outcomes: list[Outcome] = []
         self.stats: Counter = Counter()
         self.violations: list[str] = []
-        self.client = httpx.Client()
+        # A fresh connection per fault request: between faults the client idles for about
+        # the LB's keep-alive timeout (uvicorn's 5 s), and a request sent on a pooled
+        # connection the LB is closing at that moment never reaches it ("Server
+        # disconnected without sending a response"): a fault injected into nothing.
+        self.client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
         self.replayer = HostReplayer(unit) if cfg.transfer == "host" else None
         self.seq = 0
 
