@@ -189,7 +189,7 @@ def decode_gemm_field() -> Any:
     """`--decode-gemm`, one definition for D and the monolith."""
     return Field("bf16", description="GEMM precision of decode-only steps: bf16 (the model dtype) or fp8 (e4m3, "
                  "the weights and scales of --prefill-gemm fp8; CUDA needs compute capability 8.9+). On an H200: a "
-                 "step 2.8% faster at 256 streams, slower below ~128 (docs/performance.md)")
+                 "step 1.5-3% faster at 224-256 streams, slower below (docs/performance.md)")
 
 
 # Row buckets of the prefill CUDA graphs (engine/model/prefill_graphs.py): below ~1000

@@ -35,9 +35,9 @@ in float32). With min_rows > 0 a prompt's numerics depend on what it was batched
 Decode GEMM precision (`set_decode_gemm`): decode-only forwards (`decode_step`, the
 decode CUDA graphs, the reference path's one-row sequences) run their four GEMMs in the
 model dtype ("bf16", the default) or in e4m3 ("fp8", the same weights and scales as the
-prefill's). On an H200 (bench/results/step-20261130-h200x2-dg-*.md) an fp8 step is
-2.8% faster at 256 streams x 2k and slower at 64-128 (the activations' quantisation,
-small-M fp8 GEMMs): attention is most of a large step. A forward with prompt rows (a
+prefill's). On an H200 (bench/results/step-20261130-h200x2-dg-*.md, -p16-*.md) an fp8
+step is 1.5-3% faster at 224-256 streams x 2k and slower below (the activations'
+quantisation, small-M fp8 GEMMs): attention is most of a large step. A forward with prompt rows (a
 monolith's mixed step included) follows the prefill rule.
 
 KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
