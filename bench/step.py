@@ -73,7 +73,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,8 +81,7 @@ import torch
 from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.model.config import get_config
-from pdunit.engine.model.transformer import ForwardBatch, TTSModel
-from pdunit.engine.settings import GemmPrecision
+from pdunit.engine.model.transformer import GEMM_PRECISIONS, ForwardBatch, TTSModel
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
 from pdunit.kernels.decode_settings import render
 from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
@@ -746,7 +745,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true", help="time decode kernel launch configs first, use the best")
     p.add_argument("--decode-kernel", default=d.decode_kernel,
                    help="decode kernel settings KEY=VALUE,... over the defaults, as the engines' --decode-kernel")
-    p.add_argument("--decode-gemm", choices=list(get_args(GemmPrecision)), default=d.decode_gemm,
+    p.add_argument("--decode-gemm", choices=list(GEMM_PRECISIONS), default=d.decode_gemm,
                    help="GEMM precision of the decode steps, as the engines' --decode-gemm")
     p.add_argument("--overlap", choices=list(MODES), default=d.overlap,
                    help="both: each point without and with D's overlap scheduler, side by side (default); "
