@@ -42,7 +42,8 @@ from pdunit.bench.capacity import (
 )
 from pdunit.bench.gpu_clocks import GpuSampler
 from pdunit.bench.workload import parse_list, parse_range
-from pdunit.engine.local import LocalConfig, LocalUnit, free_port
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.ports import free_port
 from pdunit.engine.settings import KvCacheDtype, parse_config, to_argv
 
 BENCH = "capacity"

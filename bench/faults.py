@@ -57,7 +57,8 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from pdunit.bench import report
-from pdunit.engine.local import LocalConfig, LocalUnit, free_port
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.ports import free_port
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 

@@ -28,17 +28,10 @@ import httpx
 from pydantic import BaseModel, Field
 
 from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
+from pdunit.engine.ports import free_port
 from pdunit.engine.settings import KvCacheDtype, decode_names, parse_config
 
 log = logging.getLogger("pdunit.local")
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class LocalConfig(BaseModel):
     """Run a whole unit (LB, P, D or a monolith, sidecars) as local processes."""

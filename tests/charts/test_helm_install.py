@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from pdunit.engine.ports import free_port
 from pdunit.operator.proto import externalscaler_pb2 as pb
 from pdunit.operator.proto import externalscaler_pb2_grpc as pb_grpc
 from tests.charts.test_helm_chart import CHART, helm
@@ -26,7 +27,6 @@ from tests.operator.envtest import (
     ControlPlane,
     Kubelet,
     ensure_assets,
-    free_port,
     start_operator,
     wait_for,
 )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -29,6 +28,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
+from pdunit.engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -86,9 +87,7 @@ class Cluster:
         ]
 
     def port_forward(self, pod: str, port: int) -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            local = s.getsockname()[1]
+        local = free_port()
         proc = subprocess.Popen(
             [self.kubectl_bin, "-n", self.ns, "port-forward", f"pod/{pod}", f"{local}:{port}"],
             stdout=subprocess.DEVNULL,

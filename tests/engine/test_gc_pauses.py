@@ -55,7 +55,8 @@ def test_every_serving_process_freezes_its_start_up_objects(mode):
     """LB, P and D (or the monolith) each move what start-up left alive out of the
     collector's reach: a full collection in D walked ~200k objects, ~89 ms on this CPU."""
     from pdunit.bench.report import scrape_metrics
-    from pdunit.engine.local import LocalConfig, LocalUnit, free_port
+    from pdunit.engine.local import LocalConfig, LocalUnit
+    from pdunit.engine.ports import free_port
 
     ports = {role: free_port() for role in (("prefill", "decode") if mode == "pd" else ("monolith",))}
     extra = {f"extra_{role}_args": ["--metrics-port", str(port)] for role, port in ports.items()}

@@ -14,7 +14,8 @@ import pdunit.engine.prefill.worker  # noqa: F401
 import pdunit.engine.transfer.auto  # noqa: F401
 import pdunit.engine.transfer.tcp  # noqa: F401
 from pdunit.engine import metrics
-from pdunit.engine.local import LocalConfig, LocalUnit, free_port
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.ports import free_port
 from tests.engine.unit_client import random_prompt, stream
 
 

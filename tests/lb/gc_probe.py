@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from pdunit.bench.report import scrape_metrics
-from pdunit.engine.local import free_port
+from pdunit.engine.ports import free_port
 from tests.lb.fakes import FakeUnit, LoopThread
 
 # The LB's own main, with the freeze optionally replaced before lb.main imports it.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -32,14 +31,10 @@ from typing import Any
 import httpx
 import yaml
 
+from pdunit.engine.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDE = "pdunit.dev/lb-port-override"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(

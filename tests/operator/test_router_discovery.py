@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from tests.operator.envtest import ControlPlane, free_port, wait_for
+from pdunit.engine.ports import free_port
+from tests.operator.envtest import ControlPlane, wait_for
 from tests.operator.test_integration import unit_set, wait_ready
 
 

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from pdunit.bench.scaler_bench import FakeLBFleet, bench_scaler
+from pdunit.engine.ports import free_port
 from pdunit.operator import scaler
 from pdunit.operator.proto import externalscaler_pb2 as pb
 from pdunit.operator.proto import externalscaler_pb2_grpc as pb_grpc
@@ -261,7 +262,7 @@ def test_unreachable_units_are_excluded_logged_and_counted(
     closed = {
         "name": "gone",
         "podIP": "127.0.0.1",
-        "lbPort": _closed_port(),
+        "lbPort": free_port(),  # nothing listens there
         "ready": True,
         "draining": False,
     }
@@ -493,7 +494,7 @@ def test_standalone_scaler_serves_from_a_units_file_and_stops_on_sigterm(tmp_pat
         units_file.write_text(
             json.dumps({f"{NS}/{SET}": [u.endpoint() for u in fleet.units.values()]})
         )
-        port = _closed_port()
+        port = free_port()  # nothing listens there
         env = dict(os.environ, PDUNIT_CACHE_TTL_S="0")
         proc = subprocess.Popen(
             [
@@ -539,14 +540,6 @@ def test_bench_scaler_reports_getmetrics_latency_percentiles() -> None:
     assert 0 < result["p50_ms"] <= result["p99_ms"]
     cached, uncached = result["rows"][1], result["rows"][0]
     assert cached["case"] == "cached" and uncached["case"] == "scrape every call"
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- against the real operator and a real apiserver (envtest) ------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -46,9 +45,3 @@ def proxy_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield sock
     finally:
         stop(proc)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdunit.engine.ports import free_port
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver, make_sender
 from pdunit.engine.transfer.host import HostReceiver
@@ -24,7 +25,7 @@ from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy.backend_host import HostBackend
 from pdunit.sidecars.nvlink_proxy.regions import AllowList, PeerCreds
 from pdunit.sidecars.nvlink_proxy.server import CopyLane, ProxyService
-from tests.proxy.conftest import free_port, start_proxy, stop
+from tests.proxy.conftest import start_proxy, stop
 
 GEO = PoolGeometry(n_layers=2, n_kv_heads=2, head_dim=8, dtype=torch.bfloat16, n_slots=64, page_size=1)
 FAR = 2**62
