@@ -113,6 +113,9 @@ P_PREFILL_FORWARDS = role_metric(Counter(
     "--prefill-graphs) or eager", ["path"], registry=None), _P, _MONO)
 P_PREFILL_TOKENS = role_metric(Counter("pdunit_prefill_tokens_total", "Prompt rows, by how they were served",
                                        ["source"], registry=None), _P, _MONO)
+P_TRANSFER_MODE = role_metric(Gauge(
+    "pdunit_transfer_mode_info", "Transfer mode P writes KV with (1 = in use), whether --transfer named it or "
+    "auto's verified probe chose it", ["mode"], registry=None), _P)
 P_TRANSFER_SECONDS = role_metric(Histogram("pdunit_transfer_seconds", "Write time of one request's KV", ["mode"],
                                            buckets=_FAST, registry=None), _P)
 P_TRANSFER_BYTES = role_metric(Counter("pdunit_transfer_bytes_total", "KV bytes written to D", ["mode"],

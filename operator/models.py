@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from pdunit.engine.settings import GemmPrecision, KvCacheDtype, canonical_decode_kernel
@@ -114,6 +122,25 @@ class RoleArgs(_Api):
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
 
 
+# The metrics ports run from metricsPort to metricsPort + 2 + decoders (module docstring
+# of operator/reconcile.py: metrics_ports); the apiserver checks what the operator checks.
+_METRICS_PORTS_RULE = (
+    "!has(self.metricsPort) || self.metricsPort == 0 || "
+    "(self.metricsPort + 2 + (has(self.decoders) ? self.decoders : 1) <= 65535 && "
+    "!((has(self.lbPort) ? self.lbPort : 8000) >= self.metricsPort && "
+    "(has(self.lbPort) ? self.lbPort : 8000) <= self.metricsPort + 2 + (has(self.decoders) ? self.decoders : 1)))"
+)
+_METRICS_PORTS_MESSAGE = (
+    "metricsPort takes ports metricsPort .. metricsPort + 2 + decoders: they must end by 65535 "
+    "and leave out lbPort"
+)
+
+
+def metrics_port_block(metrics_port: int, decoders: int) -> range:
+    """The ports a unit's processes serve /metrics on (empty when metrics_port is 0)."""
+    return range(metrics_port, metrics_port + 3 + decoders) if metrics_port else range(0)
+
+
 class PDUnitSpec(_Api):
     """One unit = one pod: LB + prefill (1 GPU) + decode (1 GPU) + sidecars."""
 
@@ -125,7 +152,12 @@ class PDUnitSpec(_Api):
                     "message": "device cpu needs transfer host or tcp (the other modes move "
                     "GPU memory)",
                     "fieldPath": ".transfer",
-                }
+                },
+                {
+                    "rule": _METRICS_PORTS_RULE,
+                    "message": _METRICS_PORTS_MESSAGE,
+                    "fieldPath": ".metricsPort",
+                },
             ]
         }
     )
@@ -194,6 +226,26 @@ class PDUnitSpec(_Api):
         description="Decode engines fed by the unit's one prefill engine (1 = 1P1D, 2 = 1P2D), "
         "one GPU each.",
     )
+    metrics_port: int = Field(
+        default=9400, ge=0, le=65535, validate_default=True,  # the default must clear lbPort too
+        description="First of the unit's Prometheus /metrics ports, one per process: prefill on it, the "
+        "nvlink proxy on +1, the quiesce guard on +2 (with its /status), decode engine i on +3+i; each a "
+        "named container port (metrics-prefill, metrics-proxy, metrics-guard, metrics-decode<i>) for a "
+        "PodMonitor. The LB serves its own /metrics on lbPort. 0 = none of them (the guard then serves "
+        "no HTTP).",
+    )
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _metrics_ports_fit(cls, value: int, info: ValidationInfo) -> int:
+        block = metrics_port_block(value, int(info.data.get("decoders") or 1))
+        if block and block[-1] > 65535:
+            raise ValueError(f"{_METRICS_PORTS_MESSAGE}: {value} + 2 + decoders is {block[-1]}")
+        lb_port = info.data.get("lb_port")
+        if lb_port in block:
+            raise ValueError(f"{_METRICS_PORTS_MESSAGE}: lbPort {lb_port} is one of {block[0]}..{block[-1]}")
+        return value
+
     resources: RoleResources | None = None
     drain_timeout_seconds: int = Field(
         default=600,
@@ -322,9 +374,24 @@ def validation_message(exc: Exception, prefix: str = "spec") -> str:
         return str(exc)
     parts = []
     for err in errors():
-        loc = ".".join(str(p) for p in (prefix, *err.get("loc", ())))
+        # pydantic names a field by its alias when the input had it, by its Python name
+        # when the error is about its default (metricsPort's check of the default 9400)
+        loc = ".".join(_WIRE_NAMES.get(str(p), str(p)) for p in (prefix, *err.get("loc", ())))
         parts.append(f"{loc}: {err.get('msg')}")
     return "; ".join(parts)
+
+
+def _wire_names() -> dict[str, str]:
+    names: dict[str, str] = {}
+    pending: list[type[_Api]] = [_Api]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        names.update({name: f.alias for name, f in cls.model_fields.items() if f.alias and f.alias != name})
+    return names
+
+
+_WIRE_NAMES = _wire_names()
 
 
 def unit_spec(spec: dict[str, Any]) -> PDUnitSpec:

@@ -220,6 +220,23 @@ def decode_sockets(spec: dict[str, Any]) -> list[str]:
     return [DECODE_SOCKET] if n == 1 else [f"{RUN_DIR}/decode-{i}.sock" for i in range(n)]
 
 
+# Where each process sits in the spec's metricsPort block (models.metrics_port_block).
+_METRICS_OFFSETS = {"prefill": 0, "proxy": 1, "guard": 2, "decode": 3}
+
+
+def metrics_port(spec: dict[str, Any], role: str, index: int = 0) -> tuple[str, int] | None:
+    """(container port name, port) that `role`'s process serves Prometheus /metrics on,
+    decode engine `index` for a decode role; None for the LB (its /metrics is on lbPort)
+    and for every role when metricsPort is 0. Names are fixed so that one PodMonitor
+    (the chart's) lists them all."""
+    base = int(spec["metricsPort"])
+    if not base or role not in _METRICS_OFFSETS:
+        return None
+    if role == "decode":
+        return f"metrics-decode{index}", base + _METRICS_OFFSETS["decode"] + index
+    return f"metrics-{role}", base + _METRICS_OFFSETS[role]
+
+
 def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
     """The `pdunit <role>` command line of one container (the real CLI); `index` picks
     the decode engine of a 1PnD unit."""
@@ -293,10 +310,17 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
         ]
     else:
         raise ValueError(f"unknown role {role!r}; expected one of {m.ROLES}")
+    metrics = metrics_port(spec, role, index)
+    if role == "guard":  # one HTTP server: /status, /healthz and /metrics, or none at all
+        cmd += ["--port", str(metrics[1] if metrics else 0)]
+    elif metrics:
+        cmd += ["--metrics-port", str(metrics[1])]
     return cmd + list(((spec.get("extraArgs") or {}).get(role)) or [])
 
 
 def _container(unit_name: str, spec: dict[str, Any], role: str, name: str, index: int = 0) -> dict[str, Any]:
+    metrics = metrics_port(spec, role, index)
+    ports = [{"name": metrics[0], "containerPort": metrics[1], "protocol": "TCP"}] if metrics else []
     return {
         "name": name,
         "image": spec["image"],
@@ -309,6 +333,7 @@ def _container(unit_name: str, spec: dict[str, Any], role: str, name: str, index
         "volumeMounts": _mounts(),
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **({"ports": ports} if ports else {}),
     }
 
 
@@ -337,7 +362,7 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
         labels[m.LABEL_SET] = _labels(unit)[m.LABEL_SET]
 
     lb = _container(name, spec, "lb", "lb")
-    lb["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    lb["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]  # /v1/..., /metrics
     lb["readinessProbe"] = {
         "httpGet": {"path": "/readyz", "port": port},
         "periodSeconds": 2,

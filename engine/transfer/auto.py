@@ -10,8 +10,8 @@ exact error (`unavailable`).
 P side (`probe_auto`): tries fabric -> posix-fd -> ipc -> host -> proxy -> tcp, each
 with a real mapping and a VERIFIED test transfer into D's probe region (checksums of
 what landed in D's memory, never a device attribute), picks the first that passes,
-logs the choice and every failure reason, and exports
-`pdunit_transfer_mode_info{mode=...}`. Nothing downgrades later without a new probe.
+logs the choice and every failure reason (P then exports the mode it uses as
+`pdunit_transfer_mode_info{mode=...}`). Nothing downgrades later without a new probe.
 Must never write probe rows into D's pool slots.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.metrics import role_metric
@@ -43,9 +43,8 @@ log = logging.getLogger("pdunit.transfer.auto")
 ORDER = ("fabric", "posix-fd", "ipc", "host", "proxy", "tcp")
 PROBE_ROWS = 4
 
-# P chooses (its sender's probe)
-MODE_INFO = role_metric(Gauge("pdunit_transfer_mode_info", "Transfer mode chosen at start (1 = in use)", ["mode"],
-                              registry=None), "prefill")
+# P chooses (its sender's probe); P's worker exports the mode it then uses
+# (pdunit_transfer_mode_info), as for a mode named by --transfer.
 PROBES = role_metric(Counter("pdunit_transfer_probe_total", "Verified test transfers by mode and outcome",
                              ["mode", "outcome"], registry=None), "prefill")
 
@@ -262,8 +261,6 @@ def probe_auto(descriptors: list[Descriptor], geometry: PoolGeometry, device: st
                 report.chosen = desc.mode
             else:
                 sender.close()
-    for mode in ORDER:
-        MODE_INFO.labels(mode).set(1 if mode == report.chosen else 0)
     if chosen is None:
         reasons = "; ".join(f"{r.mode}: {r.detail}" for r in report.results)
         raise TransferError(f"auto: no transfer mode passed a verified test transfer ({reasons})")

@@ -39,6 +39,7 @@ VARIANTS = {
         "--set",
         "examplePDUnitSet.transfer=host",
     ],
+    "monitoring": ["--set", "podMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true"],
     "keda-other-set": [
         "--set",
         "keda.enabled=true",
@@ -192,6 +193,14 @@ def _validate(doc: dict[str, Any], version: str) -> None:
     if doc["apiVersion"] == "pdunit.dev/v1alpha1":
         # A CRD instance: its own CRD's schema (structural parts; CEL rules need an apiserver).
         jsonschema.validate(doc, crd_schema(kind))
+    elif doc["apiVersion"] == "monitoring.coreos.com/v1":
+        # The Prometheus Operator's CRD is not shipped here either: the fields it needs
+        # (test_pod_monitors_... checks the names against the pods).
+        assert kind == "PodMonitor"
+        assert doc["spec"]["selector"]["matchLabels"]
+        for endpoint in doc["spec"]["podMetricsEndpoints"]:
+            assert set(endpoint) == {"port", "path", "interval"}, endpoint
+            assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", endpoint["port"]) and len(endpoint["port"]) <= 15
     elif doc["apiVersion"] == "keda.sh/v1alpha1":
         # KEDA's CRD is not shipped here; test_scaled_object_... checks what KEDA and our
         # scaler need from it field by field.
@@ -430,6 +439,8 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("images.operator.pullPolicy=Sometimes", "/images/operator/pullPolicy"),
         ("operator.scalerPort=70000", "/operator/scalerPort"),
         ("operator.watchNamespaces={Bad_NS}", "/operator/watchNamespaces/0"),
+        ("podMonitor.interval=soon", "/podMonitor/interval"),
+        ("examplePDUnitSet.metricsPort=70000", "/examplePDUnitSet/metricsPort"),
     ],
 )
 def test_values_schema_rejects_a_bad_value_naming_the_field(setting: str, named: str) -> None:
@@ -514,3 +525,46 @@ def test_keda_max_below_min_is_refused_naming_both_fields() -> None:
     )
     assert out.returncode != 0
     assert "keda.maxReplicaCount (2) must be >= keda.minReplicaCount (5)" in out.stderr
+
+
+def test_the_example_set_carries_metrics_port_only_when_it_is_not_the_default() -> None:
+    default = one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert "metricsPort" not in default
+    off = one(render(["--set", "examplePDUnitSet.metricsPort=0"]), "PDUnitSet")
+    assert off["spec"]["template"]["spec"]["metricsPort"] == 0
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
+
+
+def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_name() -> None:
+    """The unit PodMonitor selects the pods the operator writes and names every metrics
+    port they can have (up to 7 decode engines); the control one selects the chart's
+    operator and router pods and names ports they declare."""
+    from pdunit.operator import reconcile as r
+
+    assert not by_kind(render([]), "PodMonitor")  # off by default: needs the Prometheus Operator
+    docs = render(["--set", "podMonitor.enabled=true", "--set", "podMonitor.labels.release=kps",
+                   "--set", "podMonitor.unitNamespaces={voices,tts}"])
+    units = one(docs, "PodMonitor", "rel-pdunit-units")
+    control = one(docs, "PodMonitor", "rel-pdunit-control")
+    assert units["metadata"]["labels"]["release"] == control["metadata"]["labels"]["release"] == "kps"
+    assert units["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE, "voices"]
+    unit_ports = {e["port"] for e in units["spec"]["podMetricsEndpoints"]}
+    for decoders in (1, 7):
+        pod = r.desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
+                             "spec": {"image": "i", "model": "random:tiny:0", "transfer": "proxy",
+                                      "decoders": decoders}})
+        assert _matches(units["spec"]["selector"], pod["metadata"]["labels"])
+        declared = {p["name"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
+                    for p in c.get("ports", [])}
+        assert declared <= unit_ports, declared - unit_ports
+    assert unit_ports == declared  # 7 decode engines: every name the monitor lists is used
+    pods = [d["spec"]["template"] for d in by_kind(docs, "Deployment")]
+    selected = [t for t in pods if _matches(control["spec"]["selector"], t["metadata"]["labels"])]
+    assert {t["metadata"]["labels"]["app.kubernetes.io/component"] for t in selected} == {"operator", "router"}
+    control_ports = {p["name"] for t in selected for c in t["spec"]["containers"] for p in c.get("ports", [])}
+    assert {e["port"] for e in control["spec"]["podMetricsEndpoints"]} == {"metrics", "http"} <= control_ports

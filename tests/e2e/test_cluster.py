@@ -249,6 +249,16 @@ def test_scale_down_drains_a_unit_with_a_stream_in_flight(cluster: Cluster) -> N
         "2 Ready units",
     )
     assert len(ready) == 2
+    # Every port the unit's pod declares serves Prometheus metrics (the chart's PodMonitor
+    # scrapes them by these names).
+    pod = json.loads(c.kubectl("get", "pod", ready[0]["status"]["podName"], "-o", "json"))
+    declared = {p["name"]: p["containerPort"] for ct in pod["spec"]["containers"] + pod["spec"]["initContainers"]
+                for p in ct.get("ports", [])}
+    assert {"http", "metrics-prefill", "metrics-guard", "metrics-decode0"} <= set(declared), declared
+    for port_name, port in declared.items():
+        local = c.port_forward(pod["metadata"]["name"], port)
+        body = httpx.get(f"http://127.0.0.1:{local}/metrics", timeout=5).text
+        assert "pdunit_" in body, f"{port_name} serves no pdunit_ metric"
     streams: dict[str, Stream] = {}
     for u in ready:
         port = c.port_forward(u["status"]["podName"], u["status"]["lbPort"])

@@ -138,6 +138,7 @@ def test_schemas_are_structural() -> None:
         ({"image": "x", "model": "random:tiny:0", "lbPort": 70000}, "spec.lbPort"),
         ({"image": "", "model": "random:tiny:0"}, "spec.image"),
         ({"image": "x", "model": "random:tiny:0", "gpus": 2}, "spec.gpus"),
+        ({"image": "x", "model": "random:tiny:0", "lbPort": 9402}, "spec.metricsPort"),
     ],
 )
 def test_models_refuse_invalid_specs_naming_the_field(spec: dict[str, Any], field: str) -> None:

@@ -330,6 +330,9 @@ def test_units_of_an_older_operator_are_kept_through_an_upgrade_and_relabelled(
             "device cpu needs transfer host or tcp",
         ),
         (unit("bad-field", gpus=2), "spec.gpus", "unknown field"),
+        # the CRD's rule, on the defaulted metricsPort (9400..9403) and on a given one
+        (unit("bad-metrics", lbPort=9403), "spec.metricsPort", "leave out lbPort"),
+        (unit("bad-metrics-end", metricsPort=65533), "spec.metricsPort", "end by 65535"),
         (unit_set("bad-replicas", -1), "spec.replicas", "greater than or equal to 0"),
     ],
 )

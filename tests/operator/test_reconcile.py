@@ -82,7 +82,7 @@ def test_proxy_sees_all_gpus_without_requesting_one() -> None:
     proxy = containers(r.desired_pod(a_unit(transfer="proxy")))["nvlink-proxy"]
     assert env_of(proxy)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert not proxy["resources"].get("limits")
-    assert proxy["command"] == ["pdunit", "proxy", "--socket", "/run/pdunit/proxy.sock"]
+    assert proxy["command"] == ["pdunit", "proxy", "--socket", "/run/pdunit/proxy.sock", "--metrics-port", "9401"]
 
 
 @pytest.mark.parametrize(
@@ -132,6 +132,8 @@ def test_container_commands_are_the_pdunit_cli() -> None:
         "fabric",
         "--device",
         "cuda",
+        "--metrics-port",
+        "9400",
     ]
     assert cs["decode"]["command"] == [
         "pdunit",
@@ -146,6 +148,8 @@ def test_container_commands_are_the_pdunit_cli() -> None:
         "fabric",
         "--device",
         "cuda",
+        "--metrics-port",
+        "9403",
         "--max-batch",
         "64",
     ]
@@ -156,6 +160,8 @@ def test_container_commands_are_the_pdunit_cli() -> None:
         "/run/pdunit/prefill.sock",
         "--decode-socket",
         "/run/pdunit/decode.sock",
+        "--port",
+        "9402",
     ]
 
 
@@ -196,11 +202,75 @@ def test_sidecar_and_lb_commands_parse_with_their_config(role: str, module: str)
     parse_config(_config_model(module), argv, f"pdunit {role}", env={})
 
 
+_MODULES = {
+    "prefill": "pdunit.engine.prefill.main",
+    "decode": "pdunit.engine.decode.main",
+    "proxy": "pdunit.sidecars.nvlink_proxy.main",
+    "guard": "pdunit.sidecars.quiesce_guard.main",
+}
+_ROLE_OF = {"prefill": "prefill", "decode-0": "decode", "decode-1": "decode", "nvlink-proxy": "proxy",
+            "quiesce-guard": "guard"}
+
+
+def _served_port(container: dict[str, Any]) -> int:
+    """The port the container's process will serve /metrics on, read the way the process
+    reads its flags."""
+    role = _ROLE_OF[container["name"]]
+    cfg = parse_config(_config_model(_MODULES[role]), container["command"][2:], f"pdunit {role}", env={})
+    return int(cfg.port if role == "guard" else cfg.metrics_port)  # type: ignore[attr-defined]
+
+
+def test_every_process_but_the_lb_serves_metrics_on_a_named_port_of_the_block() -> None:
+    """Without these, a pod exposed only the LB's metrics: D's steps, P's queue, the KV
+    checks and the transfer mode (what the chart's dashboard queries) were never served."""
+    pod = r.desired_pod(a_unit(transfer="proxy", decoders=2, metricsPort=9500))
+    cs = containers(pod)
+    declared = {name: c["ports"] for name, c in cs.items() if name != "lb"}
+    assert set(declared) == set(_ROLE_OF)
+    by_name = {}
+    for name, ports in declared.items():
+        assert len(ports) == 1, (name, ports)
+        port = ports[0]
+        assert port["containerPort"] == _served_port(cs[name]), name
+        by_name[port["name"]] = port["containerPort"]
+    assert by_name == {"metrics-prefill": 9500, "metrics-proxy": 9501, "metrics-guard": 9502,
+                       "metrics-decode0": 9503, "metrics-decode1": 9504}
+    assert sorted(by_name.values()) == list(m.metrics_port_block(9500, 2))
+    assert cs["lb"]["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    kubernetes_validate.validate(pod, "1.34.0", strict=True)  # port names are IANA service names
+
+
+def test_metrics_port_zero_declares_no_metrics_port_and_the_guard_serves_no_http() -> None:
+    cs = containers(r.desired_pod(a_unit(transfer="proxy", metricsPort=0)))
+    assert [name for name, c in cs.items() if "ports" in c] == ["lb"]
+    assert _served_port(cs["quiesce-guard"]) == 0
+    for name in ("prefill", "nvlink-proxy"):
+        assert "--metrics-port" not in cs[name]["command"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ({"lbPort": 9403}, "lbPort 9403 is one of 9400..9403"),  # the default block, one decoder
+        ({"lbPort": 9404, "decoders": 2}, "lbPort 9404 is one of 9400..9404"),
+        ({"metricsPort": 65533}, "65533 + 2 + decoders is 65536"),
+    ],
+)
+def test_a_metrics_block_over_the_lb_port_or_past_65535_is_refused_naming_metrics_port(
+        spec: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ValidationError) as exc:
+        r.desired_pod(a_unit(**spec))
+    message = m.validation_message(exc.value)
+    assert "spec.metricsPort" in message and fragment in message, message
+    r.desired_pod(a_unit(**{**spec, "metricsPort": 0}))  # no block, no clash
+
+
 def test_cpu_device_requests_no_gpu() -> None:
     cs = containers(r.desired_pod(a_unit(device="cpu", transfer="host")))
     for name in ("prefill", "decode"):
         assert "nvidia.com/gpu" not in (cs[name]["resources"].get("limits") or {})
-        assert cs[name]["command"][-2:] == ["--device", "cpu"]
+        command = cs[name]["command"]
+        assert command[command.index("--device") + 1] == "cpu"
 
 
 def test_sockets_live_in_one_shared_memory_volume() -> None:

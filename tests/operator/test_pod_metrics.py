@@ -1,0 +1,119 @@
+"""The unit pod the operator writes, run as local processes (a stand-in kubelet): every
+container starts with its own command from `desired_pod`, the unit serves a stream, and
+every port the pod declares serves Prometheus metrics; together they serve every unit
+metric the chart's dashboard queries (the dashboard's panels on D's steps, P's aborts,
+the KV checks and the transfer mode had nothing to scrape while only the LB's port was
+declared)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.ports import free_port
+from pdunit.operator import reconcile as r
+from pdunit.operator.dashboard import PANELS
+from tests.engine.unit_client import random_prompt, stream
+
+# Started in the order `pdunit local` uses (the proxy listening before P and D register
+# with it); container name -> LocalUnit child name.
+ORDER = {"nvlink-proxy": "proxy", "decode": "decode", "prefill": "prefill", "quiesce-guard": "guard", "lb": "lb"}
+# Scraped by the chart's other PodMonitor (operator, router): not a unit's.
+CONTROL_PLANE = ("pdunit_operator_", "pdunit_router_")
+
+
+def _metrics_block(n: int) -> int:
+    """A free port whose n - 1 successors are free too (the pod's metrics block)."""
+    for _ in range(200):
+        base = free_port()
+        try:
+            for i in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+class PodProcesses(LocalUnit):
+    """LocalUnit's start, readiness and stop around the pod's own commands."""
+
+    def __init__(self, pod: dict[str, Any], lb_port: int) -> None:
+        self.pod = pod
+        super().__init__(LocalConfig(lb_port=lb_port, guard=False, log_level="warning"))
+
+    def commands(self) -> list[tuple[str, list[str]]]:
+        by_name = {c["name"]: c for c in self.pod["spec"]["initContainers"] + self.pod["spec"]["containers"]}
+        assert set(by_name) == set(ORDER), sorted(by_name)
+        out = []
+        for container, child in ORDER.items():
+            c = by_name[container]
+            env = [f"{e['name']}={e['value']}" for e in c["env"] if "value" in e]
+            # /run/pdunit is the pod's shared volume; here a folder of its own. P and D
+            # find the proxy there by their default, the one flag the pod leaves out.
+            env.append(f"PDUNIT_PROXY_SOCKET={self.run_dir}/proxy.sock")
+            argv = [a.replace(r.RUN_DIR, str(self.run_dir)) for a in c["command"]]
+            assert argv[0] == "pdunit", argv
+            out.append((child, ["env", *env, sys.executable, "-m", "pdunit.engine.cli", *argv[1:]]))
+        return out
+
+
+def _names(text: str) -> set[str]:
+    return {re.sub(r"_(bucket|count|sum|total|created)$", "", m)
+            for m in re.findall(r"^(pdunit_[a-z0-9_]+)", text, re.M)}
+
+
+def _dashboard_unit_metrics() -> set[str]:
+    used = set()
+    for _, _, targets in PANELS:
+        for expr, _ in targets:
+            used |= {re.sub(r"_(bucket|count|sum|total)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
+    return {m for m in used if not m.startswith(CONTROL_PLANE)}
+
+
+@pytest.mark.timeout(300)
+def test_every_declared_port_of_a_unit_pod_serves_the_dashboards_metrics():
+    lb_port = free_port()
+    unit = {
+        "metadata": {"name": "metrics-unit", "namespace": "t", "uid": "u"},
+        "spec": {
+            "image": "pdunit:cpu", "model": "random:tiny:0", "device": "cpu", "transfer": "proxy",
+            "lbPort": lb_port, "metricsPort": _metrics_block(4),
+            # small pools: the CPU defaults are sized for a real model
+            "extraArgs": {"prefill": ["--cache-tokens", "16384"], "decode": ["--pool-tokens", "16384"]},
+        },
+    }
+    pod = r.desired_pod(unit)
+    declared = {
+        (c["name"], p["name"]): p["containerPort"]
+        for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    assert len(declared) == 5, declared  # the LB's http port and four metrics ports
+    with PodProcesses(pod, lb_port) as unit_procs:  # in a short temp folder of its own
+        frames, _ = stream(unit_procs.url, random_prompt(40, seed=3), max_frames=6, min_frames=6)
+        assert len(frames) == 6
+        served: dict[str, set[str]] = {}
+        texts: dict[str, str] = {}
+        for (container, port_name), port in declared.items():
+            resp = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            assert resp.status_code == 200, (container, port_name, resp.status_code)
+            texts[port_name] = resp.text
+            served[port_name] = _names(resp.text)
+            assert served[port_name], f"{container}'s {port_name} serves no pdunit_ metric"
+    assert "pdunit_decode_streams" in served["metrics-decode0"]
+    assert "pdunit_prefill_held_aborts" in served["metrics-prefill"]
+    assert "pdunit_lb_streams_in_flight" in served["http"]
+    # named by the spec, not probed by auto: P still says which mode carries the KV
+    assert 'pdunit_transfer_mode_info{mode="proxy"} 1.0' in texts["metrics-prefill"]
+    assert 'pdunit_transfer_mode_info{mode="tcp"} 0.0' in texts["metrics-prefill"]
+    everything = set().union(*served.values())
+    missing = _dashboard_unit_metrics() - everything
+    assert not missing, f"the dashboard queries unit metrics no port of the pod serves: {sorted(missing)}"
