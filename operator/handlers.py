@@ -186,6 +186,10 @@ async def reconcile_unit(
     status = r.unit_status(
         unit, pod, load, load_error, now, port=port, drain=drain, deleting=deleting
     )
+    fallback = r.tcp_fallback(spec, status["transferMode"])
+    if fallback and not r.tcp_fallback(spec, old.get("transferMode")):
+        _warn(body, reason="TcpFallback", message=fallback)
+        logger.warning("unit transfer fell back to tcp", extra={"unit": name, "mode": status["transferMode"]})
     if pod and not draining:
         current = (pod["metadata"].get("annotations") or {}).get(m.ANNOTATION_SPEC_HASH)
         fresh = current in r.spec_hashes(spec)

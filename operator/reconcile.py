@@ -616,8 +616,37 @@ def unit_status(
         "" if reachable else (load_error or "pod not running"),
         now,
     )
+    fallback = tcp_fallback(spec, status["transferMode"])
+    if fallback is not None:
+        conditions = set_condition(
+            conditions,
+            "TcpFallback",
+            bool(fallback),
+            "AutoChoseTcp" if fallback else "NoFallback",
+            fallback,
+            now,
+        )
     status["conditions"] = conditions
     return status
+
+
+TCP_FALLBACK_MESSAGE = (
+    "transfer auto chose tcp on a GPU unit: KV goes over the loopback network, tens of times "
+    "slower than the proxy; every faster mode failed its verified probe (the prefill container's "
+    "'transfer probe' log lines name each error; docs/transfer.md lists what a pod needs)"
+)
+
+
+def tcp_fallback(spec: dict[str, Any], transfer_mode: str | None) -> str | None:
+    """What the TcpFallback condition says: TCP_FALLBACK_MESSAGE when `transfer: auto` on
+    a GPU unit ended on tcp (the articles' worst bug was such a switch, silent and ~300x
+    slower), "" when the mode in use is another, None while no mode is known yet. A
+    `transfer: tcp` the spec asks for is not a fallback."""
+    if not transfer_mode:
+        return None
+    on_tcp = spec.get("transfer", "auto") == "auto" and spec.get("device", "cuda") == "cuda" and \
+        "tcp" in transfer_mode.split(",")
+    return TCP_FALLBACK_MESSAGE if on_tcp else ""
 
 
 def invalid_status(unit: dict[str, Any], message: str, now: datetime) -> dict[str, Any]:

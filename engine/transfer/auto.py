@@ -240,6 +240,16 @@ def probe_one(descriptor: Descriptor, geometry: PoolGeometry, device: str,
         return None, ProbeResult(mode, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0, probe_only)
 
 
+def log_choice(report: AutoReport, device: str) -> None:
+    """The choice and every probe's outcome; a warning when GPU pools ended on tcp, the one
+    choice that must not pass quietly (the operator's TcpFallback condition says it too)."""
+    if report.chosen == "tcp" and not str(device).startswith("cpu"):
+        log.warning("transfer auto fell back to tcp: every faster mode failed its verified probe",
+                    extra={"mode": report.chosen, "report": report.as_dict()})
+    else:
+        log.info("transfer mode chosen", extra={"mode": report.chosen, "report": report.as_dict()})
+
+
 def probe_auto(descriptors: list[Descriptor], geometry: PoolGeometry, device: str,
                options: dict[str, str]) -> tuple[KVSender, AutoReport]:
     """Probe D's offers in ORDER; return the first verified sender and the full report.
@@ -264,6 +274,6 @@ def probe_auto(descriptors: list[Descriptor], geometry: PoolGeometry, device: st
     if chosen is None:
         reasons = "; ".join(f"{r.mode}: {r.detail}" for r in report.results)
         raise TransferError(f"auto: no transfer mode passed a verified test transfer ({reasons})")
-    log.info("transfer mode chosen", extra={"mode": report.chosen, "report": report.as_dict()})
+    log_choice(report, device)
     chosen.auto_report = report  # type: ignore[attr-defined]
     return chosen, report

@@ -281,6 +281,7 @@ class FakeLb:
         self.unit = unit
         self.in_flight = 0
         self.draining = False
+        self.transfer_mode = "host"  # what P reports having chosen
         self.lock = threading.Lock()
         self.load_log: list[tuple[float, bool]] = []  # (time, empty) of every /v1/load answer
         self.drain_log: list[tuple[float, bool]] = []  # (time, draining) of every drain call
@@ -339,7 +340,7 @@ class FakeLb:
                 "unit": self.unit,
                 "ready": not self.draining,
                 "draining": self.draining,
-                "transfer_mode": "host",
+                "transfer_mode": self.transfer_mode,
                 "streams_in_flight": n,
                 "prefill_queue": 0,
                 "transfers_in_flight": 0,

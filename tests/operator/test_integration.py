@@ -461,3 +461,25 @@ def test_a_unit_the_operator_cannot_reconcile_gets_a_condition_and_others_keep_w
         30,
         "the healthy unit Ready",
     )
+
+
+def test_a_gpu_unit_whose_auto_transfer_fell_back_to_tcp_gets_a_condition_and_a_warning(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    """No silent switch to TCP: the LB's /v1/load names the mode P chose, and a GPU unit
+    on `transfer: auto` that ended on tcp says so on the PDUnit and in a Warning event."""
+    ns = namespace
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit("slow", device="cuda", transfer="auto"))
+    kubelet.lb(ns, "slow").transfer_mode = "proxy"
+
+    def condition() -> dict[str, Any] | None:
+        conds = ((get_unit(api, ns, "slow") or {}).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "TcpFallback"), None)
+
+    first = wait_for(condition, 30, "TcpFallback condition")
+    assert first["status"] == "False", first
+    kubelet.lb(ns, "slow").transfer_mode = "tcp"  # P restarted and its probe chose tcp
+    cond = wait_for(lambda: (c := condition()) and c["status"] == "True" and c, 30, "TcpFallback=True")
+    assert cond["reason"] == "AutoChoseTcp" and "tcp" in cond["message"]
+    assert (get_unit(api, ns, "slow") or {})["status"]["transferMode"] == "tcp"
+    wait_for(lambda: "TcpFallback" in reasons(control_plane, ns, "slow"), 20, "a TcpFallback event")

@@ -499,6 +499,31 @@ def test_status_ready_carries_the_lb_load() -> None:
     assert (st["podIP"], st["lbPort"], st["observedGeneration"]) == ("10.1.2.3", 8000, 3)
 
 
+@pytest.mark.parametrize(
+    ("spec", "mode", "fallback"),
+    [
+        ({}, "tcp", True),  # transfer auto on GPUs (the defaults) ended on tcp
+        ({}, "proxy,tcp", True),  # 1P2D: one D's link on tcp is enough
+        ({}, "proxy", False),
+        ({"transfer": "tcp"}, "tcp", False),  # asked for: not a fallback
+        ({"device": "cpu", "transfer": "host"}, "tcp", False),
+    ],
+)
+def test_tcp_fallback_condition_only_when_auto_on_gpus_ended_on_tcp(
+        spec: dict[str, Any], mode: str, fallback: bool) -> None:
+    unit = a_unit(**spec)
+    unit["spec"] = r.unit_defaults(unit["spec"])  # as the handler passes it
+    st = r.unit_status(unit, pod(), {**LOAD, "transfer_mode": mode}, None, T0, port=8000)
+    (cond,) = [c for c in st["conditions"] if c["type"] == "TcpFallback"]
+    assert (cond["status"], cond["reason"]) == (("True", "AutoChoseTcp") if fallback else ("False", "NoFallback"))
+    assert ("transfer auto chose tcp" in cond["message"]) is fallback
+
+
+def test_no_tcp_fallback_condition_before_a_transfer_mode_is_known() -> None:
+    st = r.unit_status(a_unit(), pod(), None, "connection refused", T0, port=8000)
+    assert "TcpFallback" not in {c["type"] for c in st["conditions"]}
+
+
 def test_status_starting_names_the_unreachable_lb() -> None:
     st = r.unit_status(
         a_unit(), pod(), None, "GET http://10.1.2.3:8000/v1/load: ConnectTimeout", T0, port=8000

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdunit.engine.transfer.auto import AutoReport, ProbeResult, log_choice
 from pdunit.engine.transfer.base import Descriptor, PoolGeometry, TransferError
 from pdunit.engine.transfer.factory import make_receiver, make_sender
 from tests.proxy.conftest import start_proxy, stop
@@ -82,3 +83,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
             pytest.skip(f"NVRTC library missing: {e}")
         raise
     assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(("device", "chosen", "level"),
+                         [("cuda:0", "tcp", "WARNING"), ("cuda:0", "proxy", "INFO"), ("cpu", "tcp", "INFO")])
+def test_auto_warns_when_gpu_pools_end_on_tcp(caplog, device: str, chosen: str, level: str):
+    report = AutoReport(chosen=chosen, results=[ProbeResult("ipc", False, "CUDA_ERROR_INVALID_DEVICE")])
+    with caplog.at_level("INFO", logger="pdunit.transfer.auto"):
+        log_choice(report, device)
+    (record,) = caplog.records
+    assert record.levelname == level, record.getMessage()
