@@ -7,6 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import promql_parser
 import yaml
 
 from pdunit.operator.dashboard import PANELS, render
@@ -38,6 +39,15 @@ def test_every_panel_queries_metrics_the_code_exports():
             used |= {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
     missing = {m for m in used if m not in exported}
     assert not missing, f"dashboard queries metrics nothing exports: {sorted(missing)}"
+
+
+def test_every_panel_query_is_valid_promql():
+    for title, _, targets in PANELS:
+        for expr, _ in targets:
+            try:
+                promql_parser.parse(expr)
+            except ValueError as exc:
+                raise AssertionError(f"panel {title!r}: {expr}: {exc}") from exc
 
 
 def test_chart_renders_the_dashboard_configmap_when_enabled():

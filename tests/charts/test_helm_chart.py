@@ -39,7 +39,8 @@ VARIANTS = {
         "--set",
         "examplePDUnitSet.transfer=host",
     ],
-    "monitoring": ["--set", "podMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true"],
+    "monitoring": ["--set", "podMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true",
+                   "--set", "prometheusRule.enabled=true"],
     "keda-other-set": [
         "--set",
         "keda.enabled=true",
@@ -194,9 +195,12 @@ def _validate(doc: dict[str, Any], version: str) -> None:
         # A CRD instance: its own CRD's schema (structural parts; CEL rules need an apiserver).
         jsonschema.validate(doc, crd_schema(kind))
     elif doc["apiVersion"] == "monitoring.coreos.com/v1":
-        # The Prometheus Operator's CRD is not shipped here either: the fields it needs
-        # (test_pod_monitors_... checks the names against the pods).
-        assert kind == "PodMonitor"
+        # The Prometheus Operator's CRDs are not shipped here either: the fields they need
+        # (test_pod_monitors_... checks the names against the pods, test_alerts the rules).
+        assert kind in ("PodMonitor", "PrometheusRule"), kind
+        if kind == "PrometheusRule":
+            assert all(rule["expr"] for group in doc["spec"]["groups"] for rule in group["rules"])
+            return
         assert doc["spec"]["selector"]["matchLabels"]
         for endpoint in doc["spec"]["podMetricsEndpoints"]:
             assert set(endpoint) == {"port", "path", "interval"}, endpoint

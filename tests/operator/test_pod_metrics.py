@@ -1,7 +1,7 @@
 """The unit pod the operator writes, run as local processes (a stand-in kubelet): every
 container starts with its own command from `desired_pod`, the unit serves a stream, and
 every port the pod declares serves Prometheus metrics; together they serve every unit
-metric the chart's dashboard queries (the dashboard's panels on D's steps, P's aborts,
+metric the chart's dashboard and alert rules query (the dashboard's panels on D's steps, P's aborts,
 the KV checks and the transfer mode had nothing to scrape while only the LB's port was
 declared)."""
 
@@ -18,6 +18,7 @@ import pytest
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port
 from pdunit.operator import reconcile as r
+from pdunit.operator.alerts import ALERTS
 from pdunit.operator.dashboard import PANELS
 from tests.engine.unit_client import random_prompt, stream
 
@@ -25,7 +26,7 @@ from tests.engine.unit_client import random_prompt, stream
 # with it); container name -> LocalUnit child name.
 ORDER = {"nvlink-proxy": "proxy", "decode": "decode", "prefill": "prefill", "quiesce-guard": "guard", "lb": "lb"}
 # Scraped by the chart's other PodMonitor (operator, router): not a unit's.
-CONTROL_PLANE = ("pdunit_operator_", "pdunit_router_")
+CONTROL_PLANE = ("pdunit_operator_", "pdunit_router_", "pdunit_scaler_")
 
 
 def _metrics_block(n: int) -> int:
@@ -70,16 +71,17 @@ def _names(text: str) -> set[str]:
             for m in re.findall(r"^(pdunit_[a-z0-9_]+)", text, re.M)}
 
 
-def _dashboard_unit_metrics() -> set[str]:
+def _unit_metrics_read_by_the_chart() -> set[str]:
+    """What the dashboard's panels and the alert rules query of a unit's processes."""
+    exprs = [expr for _, _, targets in PANELS for expr, _ in targets] + [a.expr for a in ALERTS]
     used = set()
-    for _, _, targets in PANELS:
-        for expr, _ in targets:
-            used |= {re.sub(r"_(bucket|count|sum|total)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
+    for expr in exprs:
+        used |= {re.sub(r"_(bucket|count|sum|total)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
     return {m for m in used if not m.startswith(CONTROL_PLANE)}
 
 
 @pytest.mark.timeout(300)
-def test_every_declared_port_of_a_unit_pod_serves_the_dashboards_metrics():
+def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_read():
     lb_port = free_port()
     unit = {
         "metadata": {"name": "metrics-unit", "namespace": "t", "uid": "u"},
@@ -115,5 +117,5 @@ def test_every_declared_port_of_a_unit_pod_serves_the_dashboards_metrics():
     assert 'pdunit_transfer_mode_info{mode="proxy"} 1.0' in texts["metrics-prefill"]
     assert 'pdunit_transfer_mode_info{mode="tcp"} 0.0' in texts["metrics-prefill"]
     everything = set().union(*served.values())
-    missing = _dashboard_unit_metrics() - everything
-    assert not missing, f"the dashboard queries unit metrics no port of the pod serves: {sorted(missing)}"
+    missing = _unit_metrics_read_by_the_chart() - everything
+    assert not missing, f"the dashboard or the alerts query unit metrics no port of the pod serves: {sorted(missing)}"
