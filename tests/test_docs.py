@@ -121,3 +121,12 @@ def test_readme_lists_every_command_and_benchmark() -> None:
     listed = " ".join(rows)
     missing_cmds = [c for c in SUBCOMMANDS if f"pdunit {c}" not in listed and f"`pdunit {c}`" not in listed]
     assert not missing_cmds, f"README's command table leaves out {missing_cmds}"
+
+
+def test_docs_operator_lists_every_pdunit_spec_field() -> None:
+    from pdunit.operator.models import PDUnitSpec
+
+    text = (ROOT / "docs" / "operator.md").read_text()
+    table = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
+    missing = [f.alias for f in PDUnitSpec.model_fields.values() if f.alias and f"`{f.alias}" not in table]
+    assert not missing, f"docs/operator.md's spec table leaves out {missing}"
