@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PDUNIT_CACHE ?= $(HOME)/.cache/pdunit
 export PDUNIT_CACHE
 
-.PHONY: install lock run test test-gpu test-slow bench fmt lint proto crds envtest helm clean
+.PHONY: install lock run test test-gpu test-slow bench fmt lint proto crds chart-files envtest helm clean
 
 install: $(STAMP)
 
@@ -53,6 +53,10 @@ lint: install
 proto: install
 	$(BIN)/python -m pdunit.engine.proto.build engine/proto sidecars/nvlink_proxy
 	$(BIN)/python -m pdunit.operator.proto.build
+
+# The chart's generated dashboard and alert rules (operator/chart_files.py).
+chart-files: install
+	$(BIN)/python -m pdunit.operator.chart_files
 
 crds: install
 	$(BIN)/python -m pdunit.operator.crdgen crds

@@ -2,13 +2,12 @@
 generated here so that every panel's query names a metric the code really exports
 (tests/charts/test_dashboard.py checks both: the file is current, the names exist).
 
-`python -m pdunit.operator.dashboard charts/pdunit/dashboards/pdunit.json` rewrites it.
+`make chart-files` rewrites it (operator/chart_files.py).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 # (title, unit, [(PromQL, legend)]) per panel, in reading order.
@@ -104,14 +103,3 @@ def dashboard() -> dict[str, Any]:
 def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
-
-def main(argv: list[str]) -> int:
-    path = argv[0] if argv else "charts/pdunit/dashboards/pdunit.json"
-    with open(path, "w") as f:
-        f.write(render())
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -16,7 +16,7 @@ from tests.charts.test_helm_chart import render as render_chart
 
 def test_rules_file_is_current():
     assert (CHART / "alerts" / "pdunit.rules.yaml").read_text() == render(), (
-        "run: python -m pdunit.operator.alerts charts/pdunit/alerts/pdunit.rules.yaml")
+        "run: make chart-files")
 
 
 @pytest.mark.parametrize("alert", ALERTS, ids=lambda a: a.name)

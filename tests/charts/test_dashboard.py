@@ -28,7 +28,7 @@ def exported_metric_names() -> set[str]:
 
 def test_dashboard_file_is_current():
     assert (CHART / "dashboards" / "pdunit.json").read_text() == render(), (
-        "run: python -m pdunit.operator.dashboard charts/pdunit/dashboards/pdunit.json")
+        "run: make chart-files")
 
 
 def test_every_panel_queries_metrics_the_code_exports():
