@@ -6,6 +6,7 @@ rewrites both; tests/charts fail when either file is stale.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,17 @@ GENERATED: dict[str, Callable[[], str]] = {
     "charts/pdunit/dashboards/pdunit.json": dashboard.render,
     "charts/pdunit/alerts/pdunit.rules.yaml": alerts.render,
 }
+
+
+def queries() -> list[str]:
+    """Every PromQL expression the chart ships: the dashboard's panels, then the alerts."""
+    return [expr for _, _, targets in dashboard.PANELS for expr, _ in targets] + [a.expr for a in alerts.ALERTS]
+
+
+def metric_names(expr: str) -> set[str]:
+    """The pdunit metrics `expr` reads, as the code names them (a histogram's _bucket,
+    _count and _sum series are its one name; a counter's _total suffix is kept)."""
+    return {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
 
 
 def main(argv: list[str]) -> int:

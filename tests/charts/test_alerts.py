@@ -9,6 +9,7 @@ import promql_parser
 import pytest
 
 from pdunit.operator.alerts import ALERTS, render, rules
+from pdunit.operator.chart_files import metric_names
 from tests.charts.test_dashboard import CHART, exported_metric_names
 from tests.charts.test_helm_chart import by_kind, one
 from tests.charts.test_helm_chart import render as render_chart
@@ -22,7 +23,7 @@ def test_rules_file_is_current():
 @pytest.mark.parametrize("alert", ALERTS, ids=lambda a: a.name)
 def test_every_rule_is_promql_over_metrics_the_code_exports(alert):
     promql_parser.parse(alert.expr)  # raises on a syntax error, naming it
-    used = {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", alert.expr)}
+    used = metric_names(alert.expr)
     assert used and used <= exported_metric_names(), used - exported_metric_names()
     assert alert.severity in ("warning", "critical")
     assert re.fullmatch(r"\d+[smh]", alert.for_)

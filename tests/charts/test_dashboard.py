@@ -10,6 +10,7 @@ from pathlib import Path
 import promql_parser
 import yaml
 
+from pdunit.operator.chart_files import metric_names
 from pdunit.operator.dashboard import PANELS, render
 from tests.charts.test_helm_chart import helm as pinned_helm
 
@@ -36,7 +37,7 @@ def test_every_panel_queries_metrics_the_code_exports():
     used = set()
     for _, _, targets in PANELS:
         for expr, _ in targets:
-            used |= {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
+            used |= metric_names(expr)
     missing = {m for m in used if m not in exported}
     assert not missing, f"dashboard queries metrics nothing exports: {sorted(missing)}"
 

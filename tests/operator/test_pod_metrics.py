@@ -18,8 +18,7 @@ import pytest
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port
 from pdunit.operator import reconcile as r
-from pdunit.operator.alerts import ALERTS
-from pdunit.operator.dashboard import PANELS
+from pdunit.operator.chart_files import metric_names, queries
 from tests.engine.unit_client import random_prompt, stream
 
 # Started in the order `pdunit local` uses (the proxy listening before P and D register
@@ -67,16 +66,13 @@ class PodProcesses(LocalUnit):
 
 
 def _names(text: str) -> set[str]:
-    return {re.sub(r"_(bucket|count|sum|total|created)$", "", m)
-            for m in re.findall(r"^(pdunit_[a-z0-9_]+)", text, re.M)}
+    """The series a /metrics text serves, by the names queries use (metric_names)."""
+    return metric_names(" ".join(re.findall(r"^(pdunit_[a-z0-9_]+)", text, re.M)))
 
 
 def _unit_metrics_read_by_the_chart() -> set[str]:
     """What the dashboard's panels and the alert rules query of a unit's processes."""
-    exprs = [expr for _, _, targets in PANELS for expr, _ in targets] + [a.expr for a in ALERTS]
-    used = set()
-    for expr in exprs:
-        used |= {re.sub(r"_(bucket|count|sum|total)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
+    used = set().union(*(metric_names(expr) for expr in queries()))
     return {m for m in used if not m.startswith(CONTROL_PLANE)}
 
 
