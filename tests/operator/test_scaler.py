@@ -243,12 +243,10 @@ def test_scrapes_all_units_concurrently(harness: Harness) -> None:
     u["u4"].decode_in_flight = 2
     harness.sets[(NS, SET)] = [u[n].endpoint() for n in ("u0", "u1", "u2", "u3", "u4")]
     stub = harness.scaler()
-    start = time.monotonic()
     assert metric(stub, ref(scrapeTimeoutMs="400")) == 2
-    elapsed = time.monotonic() - start
-    # All four slow units were being asked at the same moment: one timeout, not four.
+    # All four slow units were being asked at the same moment: one timeout, not four
+    # (counted by the fleet, not timed: a loaded CI machine stretches any wall time).
     assert harness.fleet.peak_concurrent >= 4
-    assert elapsed < 4 * 0.4, elapsed
 
 
 def test_unreachable_units_are_excluded_logged_and_counted(
