@@ -557,6 +557,12 @@ def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_
     control = one(docs, "PodMonitor", "rel-pdunit-control")
     assert units["metadata"]["labels"]["release"] == control["metadata"]["labels"]["release"] == "kps"
     assert units["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE, "voices"]
+    # by default units anywhere (a cluster-wide operator); else where the operator watches
+    default = one(render(["--set", "podMonitor.enabled=true"]), "PodMonitor", "rel-pdunit-units")
+    assert default["spec"]["namespaceSelector"] == {"any": True}
+    watched = one(render(["--set", "podMonitor.enabled=true", "--set", "operator.watchNamespaces={voices,tts}"]),
+                  "PodMonitor", "rel-pdunit-units")
+    assert watched["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE, "voices"]
     unit_ports = {e["port"] for e in units["spec"]["podMetricsEndpoints"]}
     for decoders in (1, 7):
         pod = r.desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
