@@ -29,7 +29,13 @@ from pydantic import BaseModel, Field
 
 from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
 from pdunit.engine.ports import free_port
-from pdunit.engine.settings import KvCacheDtype, decode_names, parse_config
+from pdunit.engine.settings import (
+    KvCacheDtype,
+    decode_names,
+    metrics_block,
+    metrics_port_of,
+    parse_config,
+)
 
 log = logging.getLogger("pdunit.local")
 
@@ -57,6 +63,9 @@ class LocalConfig(BaseModel):
     cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P, and of the monolith (its "
                               "--cache-tokens; 0 there turns its cache off: pass it in extra_monolith_args)")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="first of the processes' Prometheus ports, laid out "
+                              "as a pod's spec.metricsPort: prefill (or the monolith) on it, proxy +1, guard +2, "
+                              "decode i +3+i; the LB serves /metrics on its own port; 0 = none")
     run_dir: str | None = Field(None, description="sockets and logs (default: a temp dir, removed after)")
     guard: bool = Field(True, description="start the quiesce-guard sidecar when it is installed")
     load_streams: int = Field(0, ge=0, description="run a short load of this many concurrent streams, then stop")
@@ -108,8 +117,14 @@ class LocalUnit:
             # unix socket paths must stay short (108 bytes): a short temp dir
             self.run_dir = Path(tempfile.mkdtemp(prefix="pdu-"))
             self._own_dir = True
-        self.lb_port = self.cfg.lb_port or free_port()
-        self.guard_port = free_port()
+        block = metrics_block(self.cfg.metrics_port, self.n_decoders)
+        if self.cfg.lb_port in block:
+            raise ValueError(f"metrics_port {self.cfg.metrics_port}: its ports {block[0]}..{block[-1]} take "
+                             f"lb_port {self.cfg.lb_port}")
+        self.lb_port = self.cfg.lb_port
+        while not self.lb_port or self.lb_port in block:
+            self.lb_port = free_port()
+        self.guard_port = metrics_port_of(self.cfg.metrics_port, "guard") or free_port()
 
     @property
     def url(self) -> str:
@@ -137,6 +152,25 @@ class LocalUnit:
                              f"{self.n_decoders} decoders: give one device, or one per D")
         return devices
 
+    def _metrics_port(self, child: str) -> int | None:
+        """Where `child` serves /metrics in the metrics block (the monolith: prefill's)."""
+        if child in self.decode_names:
+            return metrics_port_of(self.cfg.metrics_port, "decode", self.decode_names.index(child))
+        return metrics_port_of(self.cfg.metrics_port, "prefill" if child == "monolith" else child)
+
+    def metrics_args(self, child: str) -> list[str]:
+        port = self._metrics_port(child)
+        return ["--metrics-port", str(port)] if port else []
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Child name -> its /metrics URL: the LB's always, the others' with metrics_port."""
+        urls = {"lb": f"{self.url}/metrics"}
+        for child in self.children:
+            port = self._metrics_port(child.name)
+            if port:
+                urls[child.name] = f"http://127.0.0.1:{port}/metrics"
+        return urls
+
     def commands(self) -> list[tuple[str, list[str]]]:
         """The same commands the pod's containers run (operator/reconcile.py)."""
         c = self.cfg
@@ -155,22 +189,25 @@ class LocalUnit:
                                               "--chunk-tokens", str(c.chunk_tokens),
                                               "--pool-tokens", str(c.pool_tokens),
                                               "--cache-tokens", str(c.cache_tokens)] + common + gemm +
-                         c.extra_monolith_args))
+                         self.metrics_args("monolith") + c.extra_monolith_args))
             p_sock = d_sock = self.sock("monolith")
         elif c.mode in ("pd", "1p2d"):
             p_sock = self.sock("prefill")
             d_socks = [self.sock(name) for name in self.decode_names]
             d_sock = ",".join(d_socks)
             if c.transfer in ("proxy", "auto"):
-                cmds.append(("proxy", pdunit + ["proxy", "--socket", self.sock("proxy"), "--log-level", c.log_level]))
+                cmds.append(("proxy", pdunit + ["proxy", "--socket", self.sock("proxy"), "--log-level", c.log_level] +
+                             self.metrics_args("proxy")))
             for name, sock, device in zip(self.decode_names, d_socks, self._decode_devices(), strict=True):
                 cmds.append((name, pdunit + ["decode", "--socket", sock, "--prefill-socket", p_sock,
                                              "--transfer", c.transfer, "--pool-tokens", str(c.pool_tokens),
                                              "--proxy-socket", self.sock("proxy")] + common +
-                             (["--device", device] if device != c.device else []) + c.extra_decode_args))
+                             (["--device", device] if device != c.device else []) + self.metrics_args(name) +
+                             c.extra_decode_args))
             cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
-                                             "--proxy-socket", self.sock("proxy")] + common + gemm + c.extra_prefill_args))
+                                             "--proxy-socket", self.sock("proxy")] + common + gemm +
+                             self.metrics_args("prefill") + c.extra_prefill_args))
             if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
                 cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", ",".join(d_socks), "--port", str(self.guard_port), "--host", "127.0.0.1",
                                                "--log-level", c.log_level] + c.extra_guard_args))
@@ -371,6 +408,7 @@ def main(argv: list[str]) -> int:
         unit.start()
         unit.wait_ready()
         print(f"unit ready at {unit.url}  (logs: {unit.run_dir / 'logs'})", flush=True)
+        print("metrics: " + "  ".join(f"{name} {url}" for name, url in unit.metrics_urls().items()), flush=True)
         if cfg.load_streams:
             from pdunit.bench.capacity import print_report
 

@@ -60,3 +60,17 @@ def free_port() -> int:
                 _handed_out.add(port)
                 return port
     raise RuntimeError("free_port: no free TCP port on 127.0.0.1")
+
+
+def free_port_block(n: int) -> int:
+    """The first of `n` consecutive ports free now (a unit's metrics block), picked as
+    `free_port` picks one."""
+    for _ in range(200):
+        base = free_port()
+        rest = range(base + 1, base + n)
+        with _lock:
+            if any(port in _handed_out for port in rest) or not all(_bindable(port) for port in rest):
+                continue
+            _handed_out.update(rest)
+        return base
+    raise RuntimeError(f"free_port_block: no {n} consecutive free TCP ports on 127.0.0.1")

@@ -23,7 +23,12 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from pdunit.engine.settings import GemmPrecision, KvCacheDtype, canonical_decode_kernel
+from pdunit.engine.settings import (
+    GemmPrecision,
+    KvCacheDtype,
+    canonical_decode_kernel,
+    metrics_block,
+)
 
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"
@@ -122,8 +127,8 @@ class RoleArgs(_Api):
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
 
 
-# The metrics ports run from metricsPort to metricsPort + 2 + decoders (module docstring
-# of operator/reconcile.py: metrics_ports); the apiserver checks what the operator checks.
+# The metrics ports run from metricsPort to metricsPort + 2 + decoders (engine/settings.py:
+# metrics_block); the apiserver checks what the operator checks.
 _METRICS_PORTS_RULE = (
     "!has(self.metricsPort) || self.metricsPort == 0 || "
     "(self.metricsPort + 2 + (has(self.decoders) ? self.decoders : 1) <= 65535 && "
@@ -134,11 +139,6 @@ _METRICS_PORTS_MESSAGE = (
     "metricsPort takes ports metricsPort .. metricsPort + 2 + decoders: they must end by 65535 "
     "and leave out lbPort"
 )
-
-
-def metrics_port_block(metrics_port: int, decoders: int) -> range:
-    """The ports a unit's processes serve /metrics on (empty when metrics_port is 0)."""
-    return range(metrics_port, metrics_port + 3 + decoders) if metrics_port else range(0)
 
 
 class PDUnitSpec(_Api):
@@ -238,7 +238,7 @@ class PDUnitSpec(_Api):
     @field_validator("metrics_port")
     @classmethod
     def _metrics_ports_fit(cls, value: int, info: ValidationInfo) -> int:
-        block = metrics_port_block(value, int(info.data.get("decoders") or 1))
+        block = metrics_block(value, int(info.data.get("decoders") or 1))
         if block and block[-1] > 65535:
             raise ValueError(f"{_METRICS_PORTS_MESSAGE}: {value} + 2 + decoders is {block[-1]}")
         lb_port = info.data.get("lb_port")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pdunit.engine.settings import decode_names
+from pdunit.engine.settings import decode_names, metrics_port_of
 from pdunit.operator import models as m
 
 RUN_DIR = "/run/pdunit"
@@ -220,21 +220,15 @@ def decode_sockets(spec: dict[str, Any]) -> list[str]:
     return [DECODE_SOCKET] if n == 1 else [f"{RUN_DIR}/decode-{i}.sock" for i in range(n)]
 
 
-# Where each process sits in the spec's metricsPort block (models.metrics_port_block).
-_METRICS_OFFSETS = {"prefill": 0, "proxy": 1, "guard": 2, "decode": 3}
-
-
 def metrics_port(spec: dict[str, Any], role: str, index: int = 0) -> tuple[str, int] | None:
     """(container port name, port) that `role`'s process serves Prometheus /metrics on,
     decode engine `index` for a decode role; None for the LB (its /metrics is on lbPort)
     and for every role when metricsPort is 0. Names are fixed so that one PodMonitor
     (the chart's) lists them all."""
-    base = int(spec["metricsPort"])
-    if not base or role not in _METRICS_OFFSETS:
+    port = metrics_port_of(int(spec["metricsPort"]), role, index)
+    if port is None:
         return None
-    if role == "decode":
-        return f"metrics-decode{index}", base + _METRICS_OFFSETS["decode"] + index
-    return f"metrics-{role}", base + _METRICS_OFFSETS[role]
+    return (f"metrics-decode{index}" if role == "decode" else f"metrics-{role}"), port
 
 
 def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:

@@ -15,7 +15,7 @@ import pdunit.engine.transfer.auto  # noqa: F401
 import pdunit.engine.transfer.tcp  # noqa: F401
 from pdunit.engine import metrics
 from pdunit.engine.local import LocalConfig, LocalUnit
-from pdunit.engine.ports import free_port
+from pdunit.engine.ports import free_port_block
 from tests.engine.unit_client import random_prompt, stream
 
 
@@ -55,14 +55,17 @@ def test_a_metric_declared_after_registration_is_exported_too():
 
 
 def test_running_p_and_d_serve_only_their_roles(tmp_path):
-    ports = {"prefill": free_port(), "decode": free_port()}
+    """`pdunit local --metrics-port`: every process on its port of the block, as in a pod."""
+    base = free_port_block(4)
     cfg = LocalConfig(mode="pd", model="random:tiny:0", pool_tokens=4096, cache_tokens=4096, lb_port=0,
-                      log_level="warning", run_dir=str(tmp_path), guard=False,
-                      extra_prefill_args=["--metrics-port", str(ports["prefill"])],
-                      extra_decode_args=["--metrics-port", str(ports["decode"])])
+                      log_level="warning", run_dir=str(tmp_path), metrics_port=base)
     with LocalUnit(cfg) as unit:
         frames, last = stream(unit.url, random_prompt(30, seed=3), max_frames=4, min_frames=4)
         assert last.get("done") and len(frames) == 4
-        text = {role: httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text for role, port in ports.items()}
+        urls = unit.metrics_urls()
+        text = {name: httpx.get(url, timeout=5).text for name, url in urls.items()}
+    assert urls["prefill"].endswith(f":{base}/metrics") and urls["guard"].endswith(f":{base + 2}/metrics")
+    assert urls["decode"].endswith(f":{base + 3}/metrics")
     assert "pdunit_prefill_requests_total" in text["prefill"] and "pdunit_decode_" not in text["prefill"]
     assert "pdunit_decode_frames_total" in text["decode"] and "pdunit_prefill_" not in text["decode"]
+    assert "pdunit_guard_actions_total" in text["guard"] and "pdunit_lb_streams_in_flight" in text["lb"]

@@ -49,3 +49,11 @@ def test_a_host_with_a_low_ephemeral_range_falls_back_to_the_kernels_pick(monkey
     port = ports.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_block_of_ports_is_consecutive_free_and_never_handed_out_again():
+    base = ports.free_port_block(5)
+    for port in range(base, base + 5):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert not set(range(base, base + 5)) & {ports.free_port() for _ in range(300)}

@@ -8,7 +8,6 @@ declared)."""
 from __future__ import annotations
 
 import re
-import socket
 import sys
 from typing import Any
 
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from pdunit.engine.local import LocalConfig, LocalUnit
-from pdunit.engine.ports import free_port
+from pdunit.engine.ports import free_port, free_port_block
 from pdunit.operator import reconcile as r
 from pdunit.operator.chart_files import metric_names, queries
 from tests.engine.unit_client import random_prompt, stream
@@ -26,20 +25,6 @@ from tests.engine.unit_client import random_prompt, stream
 ORDER = {"nvlink-proxy": "proxy", "decode": "decode", "prefill": "prefill", "quiesce-guard": "guard", "lb": "lb"}
 # Scraped by the chart's other PodMonitor (operator, router): not a unit's.
 CONTROL_PLANE = ("pdunit_operator_", "pdunit_router_", "pdunit_scaler_")
-
-
-def _metrics_block(n: int) -> int:
-    """A free port whose n - 1 successors are free too (the pod's metrics block)."""
-    for _ in range(200):
-        base = free_port()
-        try:
-            for i in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + i))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class PodProcesses(LocalUnit):
@@ -83,7 +68,7 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
         "metadata": {"name": "metrics-unit", "namespace": "t", "uid": "u"},
         "spec": {
             "image": "pdunit:cpu", "model": "random:tiny:0", "device": "cpu", "transfer": "proxy",
-            "lbPort": lb_port, "metricsPort": _metrics_block(4),
+            "lbPort": lb_port, "metricsPort": free_port_block(4),
             # small pools: the CPU defaults are sized for a real model
             "extraArgs": {"prefill": ["--cache-tokens", "16384"], "decode": ["--pool-tokens", "16384"]},
         },

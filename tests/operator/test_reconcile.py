@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import metrics_block, parse_config
 from pdunit.operator import models as m
 from pdunit.operator import reconcile as r
 from tests.operator.envtest import FakeLb
@@ -235,7 +235,7 @@ def test_every_process_but_the_lb_serves_metrics_on_a_named_port_of_the_block() 
         by_name[port["name"]] = port["containerPort"]
     assert by_name == {"metrics-prefill": 9500, "metrics-proxy": 9501, "metrics-guard": 9502,
                        "metrics-decode0": 9503, "metrics-decode1": 9504}
-    assert sorted(by_name.values()) == list(m.metrics_port_block(9500, 2))
+    assert sorted(by_name.values()) == list(metrics_block(9500, 2))
     assert cs["lb"]["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     kubernetes_validate.validate(pod, "1.34.0", strict=True)  # port names are IANA service names
 
