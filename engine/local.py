@@ -163,10 +163,11 @@ class LocalUnit:
         return ["--metrics-port", str(port)] if port else []
 
     def metrics_urls(self) -> dict[str, str]:
-        """Child name -> its /metrics URL: the LB's always, the others' with metrics_port."""
+        """Child name -> its /metrics URL: the LB's and the guard's (on its HTTP port) always,
+        the others' with metrics_port."""
         urls = {"lb": f"{self.url}/metrics"}
         for child in self.children:
-            port = self._metrics_port(child.name)
+            port = self.guard_port if child.name == "guard" else self._metrics_port(child.name)
             if port:
                 urls[child.name] = f"http://127.0.0.1:{port}/metrics"
         return urls
