@@ -130,3 +130,11 @@ def test_docs_operator_lists_every_pdunit_spec_field() -> None:
     table = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
     missing = [f.alias for f in PDUnitSpec.model_fields.values() if f.alias and f"`{f.alias}" not in table]
     assert not missing, f"docs/operator.md's spec table leaves out {missing}"
+
+
+def test_docs_operator_lists_every_alert_the_chart_ships() -> None:
+    from pdunit.operator.alerts import ALERTS
+
+    text = (ROOT / "docs" / "operator.md").read_text()
+    missing = [a.name for a in ALERTS if f"`{a.name}`" not in text]
+    assert not missing, f"docs/operator.md's Monitoring section leaves out {missing}"
