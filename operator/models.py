@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from pdunit.engine.settings import (
+    METRICS_OFFSETS,
     GemmPrecision,
     KvCacheDtype,
     canonical_decode_kernel,
@@ -128,12 +129,12 @@ _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-
 
 
 # The metrics ports run from metricsPort to metricsPort + 2 + decoders (engine/settings.py:
-# metrics_block); the apiserver checks what the operator checks.
+# metrics_block); the apiserver checks what the operator checks. It applies the fields'
+# defaults before it checks a rule, so all three are set.
+_METRICS_LAST = f"self.metricsPort + {METRICS_OFFSETS['decode'] - 1} + self.decoders"
 _METRICS_PORTS_RULE = (
-    "!has(self.metricsPort) || self.metricsPort == 0 || "
-    "(self.metricsPort + 2 + (has(self.decoders) ? self.decoders : 1) <= 65535 && "
-    "!((has(self.lbPort) ? self.lbPort : 8000) >= self.metricsPort && "
-    "(has(self.lbPort) ? self.lbPort : 8000) <= self.metricsPort + 2 + (has(self.decoders) ? self.decoders : 1)))"
+    f"self.metricsPort == 0 || ({_METRICS_LAST} <= 65535 && "
+    f"(self.lbPort < self.metricsPort || self.lbPort > {_METRICS_LAST}))"
 )
 _METRICS_PORTS_MESSAGE = (
     "metricsPort takes ports metricsPort .. metricsPort + 2 + decoders: they must end by 65535 "
