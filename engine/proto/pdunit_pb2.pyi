@@ -209,16 +209,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., n_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("status", "message", "dst_slots", "instance_id")
+    __slots__ = ("status", "message", "dst_slots", "instance_id", "capability")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     status: Status
     message: str
     dst_slots: bytes
     instance_id: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("request_id", "first_frame", "checksum", "checksum_sample", "sampling", "prompt_tokens", "identity", "stamps")
@@ -292,7 +294,7 @@ class StepFrames(_message.Message):
     def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., frames: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ..., step_unix_ns: _Optional[int] = ..., stamps: _Optional[_Mapping[int, Stamps]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids", "pid")
+    __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids", "pid", "unready")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +310,7 @@ class InfoReply(_message.Message):
     KV_MISMATCH_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    UNREADY_FIELD_NUMBER: _ClassVar[int]
     role: str
     instance_id: str
     peer_instance_id: str
@@ -323,4 +326,5 @@ class InfoReply(_message.Message):
     kv_mismatch_total: int
     request_ids: bytes
     pid: int
-    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., held_pages: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., held_aborts: _Optional[int] = ..., draining: _Optional[bool] = ..., transfer_mode: _Optional[str] = ..., kv_checks_total: _Optional[int] = ..., kv_mismatch_total: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., pid: _Optional[int] = ...) -> None: ...
+    unready: str
+    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., held_pages: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., held_aborts: _Optional[int] = ..., draining: _Optional[bool] = ..., transfer_mode: _Optional[str] = ..., kv_checks_total: _Optional[int] = ..., kv_mismatch_total: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., pid: _Optional[int] = ..., unready: _Optional[str] = ...) -> None: ...
