@@ -15,6 +15,12 @@ Roles:
   (`descriptors()`, sent to P in HelloReply).
 - `KVSender` lives in P, attaches to one receiver descriptor and writes rows.
 
+Write capabilities (PROTOCOL.md section 3.1): D's RESERVE calls `receiver.grant`, which
+returns an unguessable capability bound to that reservation's slots; P's writes carry
+it (`KVSender.write(..., capability=)`). A receiver through which another process
+writes (tcp's listener, the proxy) refuses any write without the capability, outside
+its slots, or after `revoke` (COMMIT, ABORT, held), and reports it as a security event.
+
 Quiesce (PROTOCOL.md section 3.5): `sender.quiesce(request_id)` is the batch-quiesce
 proof. It returns True only when every write of that request has completed or can no
 longer be applied, and guarantees that no write for it starts afterwards. P answers
@@ -24,6 +30,8 @@ ABORT_ACK only on True.
 from __future__ import annotations
 
 import abc
+import hmac
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -82,10 +90,78 @@ class Descriptor:
     handle: bytes = b""
 
 
+CAPABILITY_BYTES = 32
+
+
+@dataclass
+class _Grant:
+    capability: bytes
+    slots: frozenset[int]
+    deadline_unix_ms: int
+
+
+class WriteGrants:
+    """The live reservations' write capabilities, one per request id: `grant` at
+    RESERVE, `check` before applying any write, `revoke` at COMMIT / ABORT / held.
+    Thread-safe. A capability is 32 random bytes, compared in constant time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._grants: dict[int, _Grant] = {}
+
+    def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int) -> bytes:
+        capability = secrets.token_bytes(CAPABILITY_BYTES)
+        slots = frozenset(int(s) for s in np.asarray(dst_slots).reshape(-1).tolist())
+        with self._lock:
+            self._grants[request_id] = _Grant(capability, slots, deadline_unix_ms)
+        return capability
+
+    def check(self, request_id: int, capability: bytes, dst_slots: np.ndarray) -> str:
+        """"" when a write of `dst_slots` for `request_id` with `capability` may be
+        applied now; else why not (the caller refuses and reports a security event)."""
+        with self._lock:
+            g = self._grants.get(request_id)
+        if g is None:
+            return f"request {request_id} has no live reservation (never reserved, committed or aborted)"
+        if not hmac.compare_digest(g.capability, bytes(capability)):
+            return f"request {request_id}: wrong write capability"
+        if g.deadline_unix_ms and time.time() * 1000.0 > g.deadline_unix_ms:
+            return f"request {request_id}: its reservation's deadline passed"
+        slots = np.asarray(dst_slots).reshape(-1)
+        if not all(int(s) in g.slots for s in slots.tolist()):
+            return f"request {request_id}: destination slots outside its reservation"
+        return ""
+
+    def revoke(self, request_id: int) -> None:
+        with self._lock:
+            self._grants.pop(request_id, None)
+
+    def __contains__(self, request_id: int) -> bool:
+        with self._lock:
+            return request_id in self._grants
+
+
 class KVReceiver(abc.ABC):
     """D's side: owns the pool storage that D's model reads and writes."""
 
     mode: str
+    _grants: WriteGrants | None = None
+
+    @property
+    def grants(self) -> WriteGrants:
+        if self._grants is None:
+            self._grants = WriteGrants()
+        return self._grants
+
+    def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int) -> bytes:
+        """At RESERVE: the write capability of this reservation (module docstring).
+        A receiver whose writes go through a third party (the proxy) also tells it."""
+        return self.grants.grant(request_id, dst_slots, deadline_unix_ms)
+
+    def revoke(self, request_id: int) -> None:
+        """At COMMIT, ABORT or when the pages go held: no write of it is applied any more
+        by a receiver that checks capabilities."""
+        self.grants.revoke(request_id)
 
     @property
     @abc.abstractmethod
