@@ -368,7 +368,7 @@ class ProxySender(KVSender):
 
     # ------------------------------------------------------------ writes
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
-              dst_slots: np.ndarray, deadline_unix_ms: int) -> None:
+              dst_slots: np.ndarray, deadline_unix_ms: int, *, capability: bytes = b"") -> None:
         self._write(request_id, src, src_slots, dst_slots, deadline_unix_ms, self.dst_region, False)
 
     def _write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray, dst_slots: np.ndarray,
