@@ -75,6 +75,7 @@ from pdunit.bench.capacity import (
 )
 from pdunit.bench.compare import ratios, variant_level_overrides
 from pdunit.bench.workload import StreamSpec, Workload, WorkloadConfig, parse_list, parse_range
+from pdunit.engine.decode.admission import nonneg_fit
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
 from pdunit.engine.playback import stream_timing
@@ -143,21 +144,6 @@ class PlanConfig(BaseModel):
 
 
 # ---------------------------------------------------------------------------- costs
-def _fit(x: np.ndarray, y: np.ndarray) -> tuple[tuple[float, ...], float]:
-    """Least squares with every coefficient >= 0 (a negative one is dropped, fixed at 0,
-    and the rest refitted, so a cost never falls as its term grows); returns the
-    coefficients and the fit's worst relative error on its own points."""
-    keep = list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    full = np.zeros(x.shape[1])
-    full[keep] = np.maximum(coef, 0.0)
-    return tuple(float(c) for c in full), float(np.max(np.abs(x @ full - y) / y))
-
-
 @dataclass(frozen=True)
 class StepCost:
     """Decode step ms = base + per_stream * streams + per_token * their context tokens."""
@@ -180,7 +166,7 @@ class StepCost:
         if len(pts) < 3:
             raise ValueError(f"the step JSON has {len(pts)} points with overlap={overlap}: need 3 or more")
         x = np.array([[1.0, r["batch"], r["batch"] * r.get("mean_context", r["context"])] for r in pts])
-        (base, stream, token), worst = _fit(x, np.array([r["step_ms"] for r in pts]))
+        (base, stream, token), worst = nonneg_fit(x, np.array([r["step_ms"] for r in pts]))
         return cls(base, stream, token, worst_error=worst, points=len(pts))
 
 
@@ -232,7 +218,7 @@ class PrefillCost:
         bucket = cls(0, 0, 0, buckets=buckets).gemm_rows
         x = np.array([[1.0, bucket(r["prompts"] * r["rows"]), r["prompts"] * r["rows"] * (r["rows"] + 1) / 2]
                       for r in pts])
-        (base, row, pair), worst = _fit(x, np.array([r["ms"] for r in pts]))
+        (base, row, pair), worst = nonneg_fit(x, np.array([r["ms"] for r in pts]))
         return cls(base, row, pair, worst_error=worst, points=len(pts), buckets=buckets, floor_ms=floor)
 
 

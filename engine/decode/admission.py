@@ -1,0 +1,244 @@
+"""Rate-floor admission (ARCHITECTURE.md 4): an engine that decodes refuses a new stream
+when its projected step time over the lifetimes of the streams it holds, plus the new
+one, would break the rate floor for anyone.
+
+Owns two things:
+- `StepModel`: step ms = base + per_stream * streams + per_token * context tokens of
+  the batch (+ per_row * prefill rows of a monolith's mixed step), seeded from a fit
+  file (`--step-model`, written by `pdunit bench step --step-model-out`) and refitted
+  online from the engine's own steps (non-negative least squares over a window);
+  its recent error (observed / predicted) is tracked.
+- `RateFloorAdmission`: the projection. Every held stream (decoding, or reserved and
+  not yet committed) grows by one context token per step until its max frames; the
+  projected step is piecewise linear between stream ends, so its maximum over the
+  horizon is at now or just before a stream ends: those points are checked. The
+  budget is 1 / floor less `margin`, shrunk by the model's recent under-prediction
+  (budget / p90 of observed/predicted when above 1), so one bad fit cannot stutter
+  everyone.
+
+Must never block or allocate pages: it answers yes/no and a headroom count; the
+caller refuses (status RATE_FLOOR) and holds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Terms of the step model, in the order of StepModel's coefficients.
+TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms")
+
+
+def nonneg_fit(x: np.ndarray, y: np.ndarray) -> tuple[tuple[float, ...], float]:
+    """Least squares with every coefficient >= 0 (a negative one is dropped, fixed at 0,
+    and the rest refitted, so a cost never falls as its term grows); returns the
+    coefficients and the fit's worst relative error on its own points."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = np.zeros(x.shape[1])
+    full[keep] = np.maximum(coef, 0.0)
+    return tuple(float(c) for c in full), float(np.max(np.abs(x @ full - y) / np.maximum(y, 1e-9)))
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    base_ms: float
+    per_stream_ms: float
+    per_token_ms: float
+    per_row_ms: float = 0.0
+
+    def ms(self, streams: float, context_tokens: float, prefill_rows: float = 0.0) -> float:
+        return (self.base_ms + self.per_stream_ms * streams + self.per_token_ms * context_tokens
+                + self.per_row_ms * prefill_rows)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "step model") -> StepCoefficients:
+        """Parses a fit file; a missing, negative or unknown field is a ValueError naming it."""
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not JSON ({exc})") from exc
+        if not isinstance(doc, dict):
+            raise ValueError(f"{source}: expected an object with {', '.join(TERMS)}")
+        unknown = sorted(set(doc) - set(TERMS))
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {unknown}: expected {', '.join(TERMS)}")
+        values = {}
+        for name in TERMS:
+            if name not in doc:
+                if name == "per_row_ms":
+                    continue
+                raise ValueError(f"{source}: field {name} is missing")
+            v = doc[name]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) or v < 0:
+                raise ValueError(f"{source}: field {name} must be a finite number >= 0 (got {v!r})")
+            values[name] = float(v)
+        return cls(**values)
+
+
+class StepModel:
+    """The engine's step-time model: a seed, then refits from observed steps.
+
+    `observe(streams, context_tokens, ms, prefill_rows)` after every step; the model
+    refits every `refit_every` observations over the last `window`, once it has
+    `min_points` with at least two distinct batch sizes (a fit from one batch size
+    cannot separate base from per-stream cost). Thread-safe."""
+
+    def __init__(self, seed: StepCoefficients, window: int = 512, refit_every: int = 32,
+                 min_points: int = 64, error_window: int = 256) -> None:
+        self._lock = threading.Lock()
+        self.coefficients = seed
+        self.seed = seed
+        self._points: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=error_window)
+        self._refit_every = refit_every
+        self._min_points = min_points
+        self._since_fit = 0
+        self.fits = 0
+        self.fit_error = 0.0  # worst relative error of the last fit on its own points
+
+    def predict(self, streams: float, context_tokens: float, prefill_rows: float = 0.0) -> float:
+        return self.coefficients.ms(streams, context_tokens, prefill_rows)
+
+    def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
+        if streams <= 0 and prefill_rows <= 0:
+            return
+        with self._lock:
+            predicted = self.coefficients.ms(streams, context_tokens, prefill_rows)
+            if predicted > 0:
+                self._ratios.append(ms / predicted)
+            self._points.append((float(streams), float(context_tokens), float(prefill_rows), float(ms)))
+            self._since_fit += 1
+            if self._since_fit >= self._refit_every:
+                self._since_fit = 0
+                self._refit()
+
+    def _refit(self) -> None:
+        """Under the lock."""
+        pts = np.array(self._points)
+        if len(pts) < self._min_points or len(np.unique(pts[:, 0])) < 2:
+            return
+        with_rows = bool((pts[:, 2] > 0).any())
+        cols = [np.ones(len(pts)), pts[:, 0], pts[:, 1]] + ([pts[:, 2]] if with_rows else [])
+        coef, worst = nonneg_fit(np.stack(cols, axis=1), pts[:, 3])
+        self.coefficients = StepCoefficients(coef[0], coef[1], coef[2], coef[3] if with_rows else 0.0)
+        self.fit_error = worst
+        self.fits += 1
+
+    def under_prediction(self, quantile: float = 0.9) -> float:
+        """The `quantile` of observed / predicted over recent steps (1.0 until there are
+        enough): above 1 the model under-predicts."""
+        with self._lock:
+            ratios = list(self._ratios)
+        if len(ratios) < 16:
+            return 1.0
+        return float(np.quantile(ratios, quantile))
+
+
+@dataclass(frozen=True)
+class HeldStream:
+    """A stream the engine holds: `context` tokens now (prompt + frames so far, or the
+    prompt alone while reserved) and `frames_left` steps to go (max frames less those
+    out)."""
+
+    context: int
+    frames_left: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admit: bool
+    worst_ms: float      # the projected worst step with the new stream
+    budget_ms: float
+    at_step: int         # steps from now where the worst step falls
+
+    def reason(self) -> str:
+        return (f"rate_floor: the projected step would reach {self.worst_ms:.1f} ms in {self.at_step} "
+                f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
+
+
+def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_rows: float = 0.0) -> tuple[float, int]:
+    """The largest projected step time over the streams' remaining lifetimes and the step
+    (from now) where it falls. At step k a stream with `frames_left > k` is in the batch
+    with `context + k` tokens."""
+    if not streams:
+        return (model.ms(0, 0, prefill_rows) if prefill_rows else 0.0), 0
+    left = np.array([s.frames_left for s in streams], dtype=np.int64)
+    ctx = np.array([s.context for s in streams], dtype=np.float64)
+    # Candidate steps: now, and the last step of each stream (just before the batch shrinks).
+    ks = np.unique(np.concatenate([[0], np.maximum(left - 1, 0)]))
+    order = np.argsort(left)
+    left_sorted, ctx_sorted = left[order], ctx[order]
+    # Streams alive at step k: frames_left > k. Suffix sums over streams sorted by end.
+    suffix_ctx = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
+    first_alive = np.searchsorted(left_sorted, ks, side="right")  # index of first stream with left > k
+    alive = len(streams) - first_alive
+    tokens = suffix_ctx[first_alive] + alive * ks
+    ms = model.base_ms + model.per_stream_ms * alive + model.per_token_ms * tokens + model.per_row_ms * prefill_rows
+    ms = np.where(alive > 0, ms, 0.0)
+    i = int(np.argmax(ms))
+    return float(ms[i]), int(ks[i])
+
+
+class RateFloorAdmission:
+    """Admits a stream only while the projected step stays within the floor's budget
+    for every stream held (module docstring)."""
+
+    def __init__(self, model: StepModel, floor_fps: float, margin: float = 0.10) -> None:
+        if floor_fps <= 0:
+            raise ValueError(f"rate floor must be > 0 frames/s (got {floor_fps})")
+        if not 0 <= margin < 1:
+            raise ValueError(f"floor margin must be in [0, 1) (got {margin})")
+        self.model = model
+        self.floor_fps = floor_fps
+        self.margin = margin
+
+    def budget_ms(self) -> float:
+        """1 / floor less the margin, shrunk when the model has been under-predicting."""
+        base = 1000.0 / self.floor_fps * (1.0 - self.margin)
+        return base / max(1.0, self.model.under_prediction())
+
+    def judge(self, held: Iterable[HeldStream], new: HeldStream) -> Verdict:
+        streams = list(held) + [new]
+        worst, at = worst_step(self.model.coefficients, streams)
+        budget = self.budget_ms()
+        return Verdict(worst <= budget, worst, budget, at)
+
+    def alone_fits(self, new: HeldStream) -> Verdict:
+        """Whether the stream could meet the floor even alone (a 4xx, not a retry, if not)."""
+        return self.judge([], new)
+
+    def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096) -> int:
+        """How many more streams like `typical` would be admitted now (binary search)."""
+        held = list(held)
+        budget = self.budget_ms()
+        coef = self.model.coefficients
+
+        def fits(k: int) -> bool:
+            return worst_step(coef, held + [typical] * k)[0] <= budget
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo

@@ -1,0 +1,138 @@
+"""Rate-floor admission on synthetic step models (engine/decode/admission.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdunit.engine.decode.admission import (
+    HeldStream,
+    RateFloorAdmission,
+    StepCoefficients,
+    StepModel,
+    worst_step,
+)
+
+
+def brute_worst(coef: StepCoefficients, streams: list[HeldStream]) -> float:
+    horizon = max(s.frames_left for s in streams)
+    best = 0.0
+    for k in range(horizon):
+        alive = [s for s in streams if s.frames_left > k]
+        if alive:
+            best = max(best, coef.ms(len(alive), sum(s.context + k for s in alive)))
+    return best
+
+
+def test_worst_step_equals_a_step_by_step_projection() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        coef = StepCoefficients(*rng.uniform(0, 2, 3))
+        streams = [HeldStream(int(rng.integers(1, 400)), int(rng.integers(1, 120)))
+                   for _ in range(int(rng.integers(1, 12)))]
+        got, _ = worst_step(coef, streams)
+        assert got == pytest.approx(brute_worst(coef, streams))
+
+
+def test_refuses_when_growth_crosses_the_budget_later_not_only_now() -> None:
+    # 1 ms per 100 context tokens; floor 50 frames/s -> 20 ms, margin 0 -> budget 20 ms.
+    coef = StepCoefficients(base_ms=0.0, per_stream_ms=0.0, per_token_ms=0.01)
+    adm = RateFloorAdmission(StepModel(coef), floor_fps=50.0, margin=0.0)
+    held = [HeldStream(context=900, frames_left=1000)]  # 9 ms now, grows 0.01 ms per step
+    new = HeldStream(context=100, frames_left=1000)
+    # Now: (900 + 100) * 0.01 = 10 ms: fits. At step 500: (1400 + 600) * 0.01 = 20 ms; later more.
+    assert coef.ms(2, 1000) <= adm.budget_ms()
+    v = adm.judge(held, new)
+    assert not v.admit and v.at_step > 0 and v.worst_ms > v.budget_ms
+    # The same stream with a short life never crosses it.
+    assert adm.judge(held, HeldStream(context=100, frames_left=50)).admit
+
+
+def test_reserved_streams_count_like_decoding_ones() -> None:
+    coef = StepCoefficients(base_ms=1.0, per_stream_ms=1.0, per_token_ms=0.0)
+    adm = RateFloorAdmission(StepModel(coef), floor_fps=100.0, margin=0.0)  # budget 10 ms
+    decoding = [HeldStream(10, 100)] * 5
+    reserved = [HeldStream(10, 100)] * 4  # not committed yet: they will decode too
+    new = HeldStream(10, 100)
+    assert adm.judge(decoding, new).admit                 # 1 + 6 = 7 ms
+    assert not adm.judge(decoding + reserved, new).admit  # 1 + 10 = 11 ms
+    assert adm.judge(decoding + reserved[:3], new).admit  # 1 + 9 = 10 ms: at the budget fits
+
+
+def test_the_margin_is_taken_off_the_budget() -> None:
+    coef = StepCoefficients(base_ms=0.0, per_stream_ms=1.0, per_token_ms=0.0)
+    plain = RateFloorAdmission(StepModel(coef), floor_fps=50.0, margin=0.0)    # 20 ms
+    margined = RateFloorAdmission(StepModel(coef), floor_fps=50.0, margin=0.10)  # 18 ms
+    held = [HeldStream(1, 10)] * 18
+    assert plain.judge(held, HeldStream(1, 10)).admit        # 19 streams = 19 ms
+    assert not margined.judge(held, HeldStream(1, 10)).admit
+    assert margined.budget_ms() == pytest.approx(18.0)
+    assert plain.headroom(held, HeldStream(1, 10)) == 2
+    assert margined.headroom(held, HeldStream(1, 10)) == 0
+
+
+def test_headroom_is_the_number_of_typical_streams_still_admitted() -> None:
+    coef = StepCoefficients(base_ms=2.0, per_stream_ms=0.5, per_token_ms=0.0)
+    adm = RateFloorAdmission(StepModel(coef), floor_fps=40.0, margin=0.0)  # 25 ms -> 46 streams
+    typical = HeldStream(100, 200)
+    assert adm.headroom([], typical) == 46
+    assert adm.headroom([typical] * 40, typical) == 6
+    k = adm.headroom([typical] * 10, typical)
+    assert adm.judge([typical] * (10 + k - 1), typical).admit
+    assert not adm.judge([typical] * (10 + k), typical).admit
+
+
+def test_step_model_refits_to_the_engines_own_steps() -> None:
+    truth = StepCoefficients(base_ms=3.0, per_stream_ms=0.05, per_token_ms=0.0004)
+    model = StepModel(StepCoefficients(1.0, 0.01, 0.0001), refit_every=16, min_points=32)
+    rng = np.random.default_rng(0)
+    for _ in range(256):
+        b = int(rng.integers(1, 256))
+        tokens = b * int(rng.integers(500, 3000))
+        model.observe(b, tokens, truth.ms(b, tokens) * float(rng.uniform(0.99, 1.01)))
+    c = model.coefficients
+    assert model.fits > 0
+    assert c.base_ms == pytest.approx(3.0, rel=0.1)
+    assert c.per_stream_ms == pytest.approx(0.05, rel=0.2)
+    assert c.per_token_ms == pytest.approx(0.0004, rel=0.05)
+
+
+def test_one_batch_size_never_replaces_the_seed() -> None:
+    seed = StepCoefficients(1.0, 0.1, 0.0)
+    model = StepModel(seed, refit_every=8, min_points=16)
+    for _ in range(64):
+        model.observe(8, 800, 5.0)
+    assert model.coefficients == seed
+
+
+def test_an_under_predicting_model_shrinks_the_budget() -> None:
+    coef = StepCoefficients(base_ms=0.0, per_stream_ms=1.0, per_token_ms=0.0)
+    model = StepModel(coef, refit_every=10_000)  # keep the seed: only the error moves
+    adm = RateFloorAdmission(model, floor_fps=50.0, margin=0.0)
+    assert adm.budget_ms() == pytest.approx(20.0)
+    for _ in range(64):
+        model.observe(10, 0, 15.0)  # predicted 10 ms, observed 15: 1.5x under
+    assert model.under_prediction() == pytest.approx(1.5)
+    assert adm.budget_ms() == pytest.approx(20.0 / 1.5)
+    assert not adm.judge([HeldStream(1, 10)] * 14, HeldStream(1, 10)).admit
+
+
+def test_fit_files_name_the_bad_field() -> None:
+    good = StepCoefficients(1.0, 0.1, 0.001)
+    assert StepCoefficients.from_json(good.to_json()) == good
+    with pytest.raises(ValueError, match="per_token_ms is missing"):
+        StepCoefficients.from_json('{"base_ms": 1, "per_stream_ms": 0.1}', "fit.json")
+    with pytest.raises(ValueError, match="base_ms must be a finite number"):
+        StepCoefficients.from_json('{"base_ms": -1, "per_stream_ms": 0.1, "per_token_ms": 0}')
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['slope'\]"):
+        StepCoefficients.from_json('{"base_ms": 1, "per_stream_ms": 0.1, "per_token_ms": 0, "slope": 2}')
+    with pytest.raises(ValueError, match="not JSON"):
+        StepCoefficients.from_json("{", "fit.json")
+
+
+def test_a_floor_or_margin_out_of_range_is_refused() -> None:
+    model = StepModel(StepCoefficients(1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="rate floor"):
+        RateFloorAdmission(model, floor_fps=0.0)
+    with pytest.raises(ValueError, match="margin"):
+        RateFloorAdmission(model, floor_fps=42.0, margin=1.0)
