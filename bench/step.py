@@ -80,6 +80,7 @@ import torch
 
 from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
+from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import GEMM_PRECISIONS, ForwardBatch, TTSModel
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
@@ -637,6 +638,16 @@ def _summary(rows: list[dict[str, Any]], config: StepConfig) -> dict[str, Any]:
     return out
 
 
+def step_model(rows: list[dict[str, Any]]) -> StepCoefficients:
+    """The engines' `--step-model` seed from this run's rows: the overlap rows' fit when
+    there are any (D's default on a GPU), else the others' (bench/plan.py's StepCost)."""
+    from pdunit.bench.plan import StepCost
+
+    overlap = any(r.get("overlap") and r.get("step_ms") for r in rows)
+    cost = StepCost.fit(rows, overlap)
+    return StepCoefficients(cost.base_ms, cost.per_stream_ms, cost.per_token_ms)
+
+
 def _attention_gbps(m: TTSModel, kv: torch.Tensor, runner: Any, b: int) -> float:
     """One layer's decode attention alone on the runner's staged table (the last step's),
     in K/V bytes read per second."""
@@ -790,6 +801,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nhost ops per step, batch {row['batch']} x {row['context']}, overlap {row['overlap']}:")
             print(report.text_table(row["profile"], PROFILE_COLUMNS))
     print(f"wrote {path} and {path.with_suffix('.md')}")
+    fit = path.with_suffix(".fit.json")
+    try:
+        fit.write_text(step_model(doc["rows"]).to_json())
+        print(f"wrote {fit} (the engines' --step-model seed)")
+    except ValueError as exc:  # too few points for a fit: the results still stand
+        print(f"no step model written: {exc}")
     return 0
 
 

@@ -13,6 +13,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from pdunit.bench import step
+from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
 
@@ -112,6 +113,21 @@ def test_cpu_run_measures_every_point_without_and_with_overlap_through_the_engin
     assert len(table) == len(rows)
     for line, r in zip(table, rows, strict=True):  # steps, frames, graph steps, eager steps
         assert f"| {r['overlap']} | {ITERS} | {r['batch'] * ITERS} | 0 | {ITERS} |" in line, line
+    # the engines' --step-model seed, fitted from the overlap rows, loads as D loads it
+    (fit,) = tmp_path.glob("step-*-test.fit.json")
+    coef = StepCoefficients.from_json(fit.read_text(), str(fit))
+    assert coef == step.step_model(rows)
+    assert min(coef.base_ms, coef.per_stream_ms, coef.per_token_ms) >= 0 and coef.ms(1, 1) > 0
+
+
+def test_step_model_fits_the_overlap_rows_when_there_are_any() -> None:
+    def row(b: int, ctx: int, overlap: bool, per_stream: float) -> dict:
+        return {"batch": b, "context": ctx, "mean_context": ctx, "overlap": overlap,
+                "step_ms": 2.0 + per_stream * b + 1e-4 * b * ctx}
+    rows = [row(b, c, o, 0.5 if o else 1.0) for b in (1, 8, 64) for c in (512, 2048) for o in (False, True)]
+    coef = step.step_model(rows)
+    assert (coef.base_ms, coef.per_stream_ms, coef.per_token_ms) == pytest.approx((2.0, 0.5, 1e-4), rel=1e-6)
+    assert step.step_model([r for r in rows if not r["overlap"]]).per_stream_ms == pytest.approx(1.0)
 
 
 def test_overlap_only_mode_measures_only_overlapped_rows() -> None:
