@@ -20,6 +20,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID: _ClassVar[Status]
     DRAINING: _ClassVar[Status]
     INTERNAL: _ClassVar[Status]
+    RATE_FLOOR: _ClassVar[Status]
 STATUS_OK: Status
 NO_CAPACITY: Status
 STALE_INSTANCE: Status
@@ -31,6 +32,7 @@ TRANSFER_FAILED: Status
 INVALID: Status
 DRAINING: Status
 INTERNAL: Status
+RATE_FLOOR: Status
 
 class Empty(_message.Message):
     __slots__ = ()
