@@ -2,28 +2,40 @@
 which copies rows between them (sidecars/nvlink_proxy).
 
 Owns the client side: the auth handshake, region registration (host shm on CPU;
-legacy CUDA IPC handle or cuMem POSIX fd on GPU, named by GPU UUID), copy jobs and the
-sender's quiesce bookkeeping. D's receiver also registers a small probe region so
-`auto` can run a verified test transfer without touching pool slots that may belong to
-live requests.
+legacy CUDA IPC handle or cuMem POSIX fd on GPU, named by GPU UUID), D's write grants
+(PROTOCOL.md 3.1: `ProxyReceiver.grant` also tells the proxy, which refuses any job
+without the capability), copy jobs and the sender's quiesce bookkeeping. D's receiver
+also registers a small probe region, with a standing grant whose capability travels in
+its descriptor, so `auto` can run a verified test transfer without touching pool slots
+that may belong to live requests.
 
 Copy jobs travel over the proxy's copy lane (a unix stream socket, SO_PEERCRED-checked,
 protobuf frames) rather than the Copy RPC: same messages and checks, about a tenth of
-the per-call cost. Every write records where its time went (`last_stages`).
+the per-call cost. Every write records where its time went (`last_stages`). A write
+names D's region by its capability alone, so P need not learn D's new region id when
+the proxy restarts.
+
+Restarts: `SessionKeeper` notices a new proxy instance (a call answered UNAUTHENTICATED,
+or a changed instance id in its periodic Info) and registers everything again (D: its
+regions and every live grant; P: its source regions); until then `unready` names why.
 
 Quiesce proof: a request is quiesced when P has no Copy RPC of it running AND the
 proxy confirms, after marking the id cancelled, that no job of it runs there (a Copy
-that timed out on P's side may still run in the proxy). An unreachable or stopped
-proxy is never taken as proof. Must never decide page ownership.
+that timed out on P's side may still run in the proxy). An unreachable, stopped or
+restarted proxy is never taken as proof. Must never decide page ownership.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -31,6 +43,7 @@ import torch
 
 from pdunit.engine.model.config import dtype_name
 from pdunit.engine.transfer.base import (
+    CAPABILITY_BYTES,
     Descriptor,
     KVReceiver,
     KVSender,
@@ -43,9 +56,12 @@ from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
 from pdunit.sidecars.nvlink_proxy.lane_framing import recv_frame, send_frame
 
+log = logging.getLogger("pdunit.transfer.proxy")
+
 SESSION_KEY = "x-pdunit-session"
 DEFAULT_SOCKET = "/run/pdunit/proxy.sock"
 PROBE_SLOTS = 16
+KEEPER_INTERVAL_S = 1.0  # how often a SessionKeeper asks the proxy whether it restarted
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -76,17 +92,24 @@ class ProxyClient:
         self._lane = threading.local()
         self._lane_socks: list[socket.socket] = []
         self._lane_lock = threading.Lock()
-        answer = self._handshake()
-        if "error" in answer:
-            raise TransferError(f"nvlink-proxy at {self.auth_path} refused this process: {answer['error']}")
-        self.token: str = answer["token"]
-        self.proxy_instance: str = answer.get("instance_id", "")
+        self.token = self.session_id = self.proxy_instance = ""
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.handshake()
         self.channel = grpc.insecure_channel(f"unix:{socket_path}",
                                              options=[("grpc.max_send_message_length", 64 << 20)])
         self.stub = pb_grpc.NvlinkProxyStub(self.channel)
+
+    def handshake(self) -> None:
+        """A new session (at start, and after the proxy restarted: its old token is void)."""
+        answer = self._handshake_answer()
+        if "error" in answer:
+            raise TransferError(f"nvlink-proxy at {self.auth_path} refused this process: {answer['error']}")
+        self.token = answer["token"]
+        self.session_id = answer.get("session_id", "")
+        self.proxy_instance = answer.get("instance_id", "")
         self.metadata = ((SESSION_KEY, self.token),)
 
-    def _handshake(self) -> dict:
+    def _handshake_answer(self) -> dict:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout_s)
         try:
@@ -153,14 +176,27 @@ class ProxyClient:
     def unregister(self, region_id: str) -> None:
         self.call("Unregister", pb.UnregisterRequest(region_id=region_id))
 
+    def grant(self, region_id: str, request_id: int, capability: bytes, dst_slots: np.ndarray,
+              deadline_unix_ms: int, any_request: bool = False, timeout_s: float | None = None) -> None:
+        """Allow writes of `request_id` (every request with `any_request`) presenting
+        `capability` into `dst_slots` of our region `region_id`."""
+        self.call("Grant", pb.GrantRequest(
+            region_id=region_id, request_id=request_id, capability=capability,
+            dst_slots=np.ascontiguousarray(dst_slots, dtype="<i8").tobytes(),
+            deadline_unix_ms=deadline_unix_ms, any_request=any_request), timeout_s=timeout_s)
+
+    def revoke(self, region_id: str, request_id: int, timeout_s: float | None = None) -> None:
+        self.call("Revoke", pb.RevokeRequest(region_id=region_id, request_id=request_id), timeout_s=timeout_s)
+
     def copy(self, request_id: int, src_region: str, src_slots: np.ndarray, dst_region: str,
              dst_slots: np.ndarray, deadline_unix_ms: int, method: int = pb.METHOD_AUTO,
-             verify: bool = False, timeout_s: float | None = None) -> pb.CopyReply:
+             verify: bool = False, timeout_s: float | None = None, capability: bytes = b"") -> pb.CopyReply:
+        """One copy job. `dst_region` "" names the region whose owner granted `capability`."""
         req = pb.CopyRequest(
             request_id=request_id, src_region=src_region, dst_region=dst_region,
             src_slots=np.ascontiguousarray(src_slots, dtype="<i8").tobytes(),
             dst_slots=np.ascontiguousarray(dst_slots, dtype="<i8").tobytes(),
-            deadline_unix_ms=deadline_unix_ms, method=method, verify=verify)
+            deadline_unix_ms=deadline_unix_ms, method=method, verify=verify, capability=capability)
         if not self.copy_lane:
             req.client_send_ns = time.monotonic_ns()  # the proxy reports the way in as stage "recv"
             return self.call("Copy", req, timeout_s=timeout_s)  # type: ignore[return-value]
@@ -206,6 +242,7 @@ class ProxyClient:
 
         try:
             sock.settimeout(timeout_s)
+            req.session = self.token
             req.client_send_ns = time.monotonic_ns()  # the proxy reports the way in as stage "recv"
             send_frame(sock, req.SerializeToString())
             body = recv_frame(sock)
@@ -236,8 +273,8 @@ class ProxyClient:
         reply = self.call("InFlight", pb.Empty())
         return [int(x) for x in np.frombuffer(reply.request_ids, dtype="<u8")]  # type: ignore[attr-defined]
 
-    def info(self) -> pb.InfoReply:
-        return self.call("Info", pb.Empty())  # type: ignore[return-value]
+    def info(self, timeout_s: float | None = None) -> pb.InfoReply:
+        return self.call("Info", pb.Empty(), timeout_s=timeout_s)  # type: ignore[return-value]
 
     def close(self) -> None:
         with self._lane_lock:
@@ -247,52 +284,238 @@ class ProxyClient:
         self.channel.close()
 
 
+def session_lost(err: TransferError) -> bool:
+    """The proxy does not know our session: it restarted (a new instance)."""
+    return getattr(err, "code", "") == "UNAUTHENTICATED"
+
+
+class SessionKeeper:
+    """Keeps one process registered with the proxy across its restarts.
+
+    A restarted proxy has a new instance id and knows none of our sessions, regions or
+    grants. `heal()` (from a thread every KEEPER_INTERVAL_S, and from any call that
+    failed with the session unknown) asks Info; when the instance is not the one we
+    registered with, it handshakes again and calls `register` (the owner registers
+    everything again); when it is, it calls `resync` (the owner sends what a stalled
+    proxy did not take). `unready` is "" when registered with the running proxy, else
+    why not (the process's InfoReply.unready). Never decides anything about writes."""
+
+    def __init__(self, client: ProxyClient, register: Callable[[], None], owner: str,
+                 resync: Callable[[], None] | None = None, interval_s: float = KEEPER_INTERVAL_S) -> None:
+        self.client = client
+        self.owner = owner
+        self.interval_s = interval_s
+        self._register = register
+        self._resync = resync
+        self._lock = threading.Lock()
+        self._registered_instance = client.proxy_instance
+        self.unready = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"proxy-keeper-{owner}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.heal()
+
+    def heal(self) -> bool:
+        """True when we are registered with the proxy that runs now."""
+        with self._lock:
+            try:
+                info = self.client.info(timeout_s=max(0.5, self.interval_s))
+                if info.instance_id == self._registered_instance:
+                    if self._resync is not None:
+                        self._resync()
+                    self.unready = ""
+                    return True
+                why = f"instance {self._registered_instance} -> {info.instance_id}"
+            except TransferError as e:
+                if not session_lost(e):
+                    self.unready = (f"nvlink-proxy at {self.client.socket_path} does not answer "
+                                    f"({getattr(e, 'code', 'error')}): {self.owner} cannot transfer until it does")
+                    return False
+                why = "our session is unknown there"
+            self.unready = f"nvlink-proxy restarted ({why}): {self.owner} is registering again"
+            try:
+                self.client.handshake()
+                self._register()
+            except TransferError as e:
+                self.unready = f"nvlink-proxy restarted; {self.owner} failed to register again: {e}"
+                log.warning("proxy re-registration failed", extra={"owner": self.owner, "error": str(e)})
+                return False
+            self._registered_instance = self.client.proxy_instance
+            self.unready = ""
+            log.info("registered again with a restarted proxy", extra={
+                "owner": self.owner, "proxy_instance": self.client.proxy_instance,
+                "session_id": self.client.session_id})
+            return True
 
 
 def _is_cuda(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+@dataclass(frozen=True)
+class _LiveGrant:
+    capability: bytes
+    dst_slots: np.ndarray
+    deadline_unix_ms: int
+
+
 class ProxyReceiver(KVReceiver):
     """D's side: allocates the pool (host shm, or GPU memory) and registers it, plus a
-    probe region of PROBE_SLOTS slots for verified test transfers."""
+    probe region of PROBE_SLOTS slots for verified test transfers. Every grant of a
+    reservation is told to the proxy (and told again after a proxy restart)."""
 
     mode = "proxy"
+    GRANT_TIMEOUT_S = 1.0  # a stalled proxy must not hold D's RESERVE longer
 
     def __init__(self, geometry: PoolGeometry, device: str, socket_path: str = DEFAULT_SOCKET,
                  storage: torch.Tensor | None = None, vmm: object | None = None,
                  shm_pool: HostReceiver | None = None) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
+        self.socket_path = socket_path
         self.client = ProxyClient(socket_path)
         self._owned: list[HostReceiver] = []
-        probe_geo = _with_slots(geometry, PROBE_SLOTS)
+        self._vmm = vmm
+        self._shm_names: tuple[str, str] = ("", "")
+        self._probe_geo = _with_slots(geometry, PROBE_SLOTS)
+        # Writes into the probe region hold probe rows only: one standing grant for
+        # every request id, its capability in the descriptor (P's Hello reply).
+        self.probe_capability = secrets.token_bytes(CAPABILITY_BYTES)
+        # The grants the proxy must hold, and those a stalled proxy did not take yet
+        # (grants to send, revokes to send): the keeper sends them when it answers again.
+        self._live: dict[int, _LiveGrant] = {}
+        self._unsent: set[int] = set()
+        self._unrevoked: set[int] = set()
+        # Held across each grant/revoke RPC: a revoke is never overtaken by a late grant.
+        self._sync = threading.RLock()
         if _is_cuda(self.device):
             self._storage = storage if storage is not None else torch.empty(
                 geometry.shape(), dtype=geometry.dtype, device=self.device)
-            self.probe_storage = torch.zeros(probe_geo.shape(), dtype=geometry.dtype, device=self.device)
-            self.region = self.client.register_cuda("d-pool", self._storage, geometry, vmm=vmm)
-            self.probe_region = self.client.register_cuda("d-probe", self.probe_storage, probe_geo)
+            self.probe_storage = torch.zeros(self._probe_geo.shape(), dtype=geometry.dtype, device=self.device)
         else:
             pool = shm_pool if shm_pool is not None else HostReceiver(geometry)
-            probe = HostReceiver(probe_geo)
+            probe = HostReceiver(self._probe_geo)
             self._owned = [probe] if shm_pool is not None else [pool, probe]
             self._storage, self.probe_storage = pool.storage, probe.storage
-            self.region = self.client.register_host("d-pool", pool.name, geometry)
-            self.probe_region = self.client.register_host("d-probe", probe.name, probe_geo)
-        self.socket_path = socket_path
+            self._shm_names = (pool.name, probe.name)
+        self.region = self.probe_region = ""
+        self._register_regions()
+        self.keeper = SessionKeeper(self.client, self._register_again, "decode", resync=self._resync)
+        self.keeper.start()
+
+    def _register_regions(self) -> None:
+        if _is_cuda(self.device):
+            self.region = self.client.register_cuda("d-pool", self._storage, self.geometry, vmm=self._vmm)
+            self.probe_region = self.client.register_cuda("d-probe", self.probe_storage, self._probe_geo)
+        else:
+            self.region = self.client.register_host("d-pool", self._shm_names[0], self.geometry)
+            self.probe_region = self.client.register_host("d-probe", self._shm_names[1], self._probe_geo)
+        self.client.grant(self.probe_region, 0, self.probe_capability, np.arange(PROBE_SLOTS), 0,
+                          any_request=True)
+
+    def _register_again(self) -> None:
+        """A restarted proxy: the regions under new ids, and every live grant again."""
+        with self._sync:
+            self._register_regions()
+            now_ms = time.time() * 1000
+            self._live = {rid: g for rid, g in self._live.items()
+                          if not g.deadline_unix_ms or g.deadline_unix_ms > now_ms}
+            self._unsent.clear()
+            self._unrevoked.clear()  # the new proxy never had them
+            for rid, g in self._live.items():
+                self.client.grant(self.region, rid, g.capability, g.dst_slots, g.deadline_unix_ms)
+
+    def _resync(self) -> None:
+        """The same proxy answers again after a stall: send the revokes and grants it did
+        not take (a revoke that never arrived would leave a grant alive there)."""
+        with self._sync:
+            for rid in list(self._unrevoked):
+                self.client.revoke(self.region, rid, timeout_s=self.GRANT_TIMEOUT_S)
+                self._unrevoked.discard(rid)
+            for rid in list(self._unsent):
+                g = self._live.get(rid)
+                if g is not None:
+                    self.client.grant(self.region, rid, g.capability, g.dst_slots, g.deadline_unix_ms,
+                                      timeout_s=self.GRANT_TIMEOUT_S)
+                self._unsent.discard(rid)
+
+    @property
+    def unready(self) -> str:
+        """"" when registered with the running proxy; else why D cannot take writes."""
+        return self.keeper.unready
 
     @property
     def storage(self) -> torch.Tensor:
         return self._storage
 
+    def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int) -> bytes:
+        capability = super().grant(request_id, dst_slots, deadline_unix_ms)
+        self.publish_grant(request_id, capability, dst_slots, deadline_unix_ms)
+        return capability
+
+    def publish_grant(self, request_id: int, capability: bytes, dst_slots: np.ndarray,
+                      deadline_unix_ms: int) -> None:
+        """Tell the proxy a reservation's capability (made by `grant`, or by a receiver
+        that wraps this one). A proxy that does not take it now gets it when the keeper
+        hears from it again; P's write is refused meanwhile, never misapplied."""
+        slots = np.array(dst_slots, dtype=np.int64).reshape(-1)
+        with self._sync:
+            self._live[request_id] = _LiveGrant(bytes(capability), slots, int(deadline_unix_ms))
+            self._unrevoked.discard(request_id)
+            self._unsent.add(request_id)
+            if self.keeper.unready:
+                return  # the proxy is away: the keeper sends it once the proxy is back
+            err = self._send("grant", request_id, lambda: self.client.grant(
+                self.region, request_id, capability, slots, deadline_unix_ms, timeout_s=self.GRANT_TIMEOUT_S))
+            if err is None:
+                self._unsent.discard(request_id)
+        if err is not None and session_lost(err):
+            self.keeper.heal()  # registers again and sends every live grant, this one too
+
+    def revoke(self, request_id: int) -> None:
+        super().revoke(request_id)
+        with self._sync:
+            if self._live.pop(request_id, None) is None:
+                return
+            self._unsent.discard(request_id)
+            self._unrevoked.add(request_id)
+            if self.keeper.unready:
+                return  # the keeper sends it once the proxy answers again
+            err = self._send("revoke", request_id, lambda: self.client.revoke(
+                self.region, request_id, timeout_s=self.GRANT_TIMEOUT_S))
+            if err is None:
+                self._unrevoked.discard(request_id)
+        if err is not None and session_lost(err):
+            self.keeper.heal()  # a restarted proxy holds none of our grants
+
+    def _send(self, what: str, request_id: int, call: Callable[[], None]) -> TransferError | None:
+        try:
+            call()
+            return None
+        except TransferError as e:
+            log.warning("proxy did not take a %s", what, extra={"request_id": request_id, "error": str(e)})
+            if not session_lost(e):  # stalled: later calls skip the wait until the keeper hears it
+                self.keeper.unready = f"nvlink-proxy did not take a {what} ({getattr(e, 'code', 'error')})"
+            return e
+
     def descriptors(self) -> list[Descriptor]:
         return [Descriptor("proxy", {
             "socket": self.socket_path, "region": self.region, "probe_region": self.probe_region,
-            "probe_slots": str(PROBE_SLOTS), "proxy_instance": self.client.proxy_instance,
-            "device": str(self.device)})]
+            "probe_slots": str(PROBE_SLOTS), "probe_capability": self.probe_capability.hex(),
+            "proxy_instance": self.client.proxy_instance, "device": str(self.device)})]
 
     def close(self) -> None:
+        self.keeper.stop()
         for rid in (self.region, self.probe_region):
             try:
                 self.client.unregister(rid)
@@ -303,6 +526,16 @@ class ProxyReceiver(KVReceiver):
             r.close()
 
 
+@dataclass
+class _Staging:
+    """A CPU writer thread's staging segment and its region on the proxy session
+    `generation` (a restarted proxy needs it registered again)."""
+
+    segment: HostReceiver
+    region: str
+    generation: int
+
+
 class ProxySender(KVSender):
     mode = "proxy"
 
@@ -310,29 +543,44 @@ class ProxySender(KVSender):
                  socket_path: str = "", method: int = pb.METHOD_AUTO, copy_lane: bool = True) -> None:
         if descriptor.mode != "proxy":
             raise TransferError(f"ProxySender needs a 'proxy' descriptor, got {descriptor.mode!r}")
-        for key in ("region", "probe_region"):
+        for key in ("region", "probe_region", "probe_capability"):
             if key not in descriptor.params:
-                raise TransferError(f"proxy descriptor lacks {key!r}")
+                raise TransferError(f"proxy descriptor lacks {key!r}: D runs an older pdunit; upgrade D")
         self.geometry = geometry
         self.device = torch.device(device)
         self.method = method
         self.client = ProxyClient(socket_path or descriptor.params.get("socket", DEFAULT_SOCKET),
                                   copy_lane=copy_lane)
-        self.dst_region = descriptor.params["region"]
         self.probe_region = descriptor.params["probe_region"]
+        self.probe_capability = bytes.fromhex(descriptor.params["probe_capability"])
         self.probe_slots = int(descriptor.params.get("probe_slots", PROBE_SLOTS))
         self._lock = threading.Lock()  # source registration and staging segments
         self._gate = WriteGate()
         self._sources: dict[tuple[int, int], str] = {}
+        self._generation = 0  # bumped when the proxy restarted: every region registers again
         # CPU sources: a staging segment per writing thread (P writes from several),
         # every one listed for close().
         self._staging = threading.local()
-        self._stagings: list[tuple[HostReceiver, str]] = []
+        self._stagings: list[_Staging] = []
         self.last_reply: pb.CopyReply | None = None
         # Where the last write's time went: "prepare" (this side, before the RPC), the
         # proxy's stages (recv .. reply, see sidecars/nvlink_proxy/stages.py), "return"
         # (reply built -> received here) and "total" (the whole write).
         self.last_stages: dict[str, float] = {}
+        self.keeper = SessionKeeper(self.client, self._forget_regions, "prefill")
+        self.keeper.start()
+
+    @property
+    def unready(self) -> str:
+        """"" when registered with the running proxy; else why P cannot write now."""
+        return self.keeper.unready
+
+    def _forget_regions(self) -> None:
+        """A restarted proxy: our regions are gone there; each registers again when next
+        used (GPU sources in source_region, CPU staging per thread in _host_stage)."""
+        with self._lock:
+            self._sources.clear()
+            self._generation += 1
 
     # ------------------------------------------------------------ sources
     def source_region(self, src: torch.Tensor) -> str:
@@ -350,53 +598,87 @@ class ProxySender(KVSender):
         """CPU: the proxy can only read shared memory, so gather the rows into a staging
         segment this sender owns; the job then copies staging[0..n) -> dst."""
         n = int(src_slots.size)
-        mine: tuple[HostReceiver, str] | None = getattr(self._staging, "segment", None)
-        if mine is None or mine[0].geometry.n_slots < n:
+        mine: _Staging | None = getattr(self._staging, "segment", None)
+        if mine is None or mine.segment.geometry.n_slots < n or mine.generation != self._generation:
+            # Forget the old one first: whatever fails below, this thread never uses it again.
+            self._staging.segment = None
             if mine is not None:
-                with self._lock:
-                    self._stagings.remove(mine)
-                self.client.unregister(mine[1])
-                mine[0].close()
-            seg = HostReceiver(_with_slots(self.geometry, max(n, 64)))
-            mine = (seg, self.client.register_host("p-staging", seg.name, seg.geometry))
+                self._retire(mine)
+            mine = self._new_staging(max(n, 64))
             self._staging.segment = mine
-            with self._lock:
-                self._stagings.append(mine)
         idx = torch.as_tensor(src_slots, dtype=torch.int64)
-        mine[0].storage[:, :, :n].copy_(src.index_select(2, idx))
-        return mine[1], np.arange(n, dtype=np.int64)
+        mine.segment.storage[:, :, :n].copy_(src.index_select(2, idx))
+        return mine.region, np.arange(n, dtype=np.int64)
+
+    def _new_staging(self, n_slots: int) -> _Staging:
+        generation = self._generation
+        seg = HostReceiver(_with_slots(self.geometry, n_slots))
+        try:
+            staging = _Staging(seg, self.client.register_host("p-staging", seg.name, seg.geometry), generation)
+        except BaseException:
+            seg.close()
+            raise
+        with self._lock:
+            self._stagings.append(staging)
+        return staging
+
+    def _retire(self, staging: _Staging) -> None:
+        """Best effort: a stalled or restarted proxy must not fail the next write."""
+        with self._lock:
+            if staging in self._stagings:
+                self._stagings.remove(staging)
+            current = staging.generation == self._generation
+        if current:
+            try:
+                self.client.unregister(staging.region)
+            except TransferError as e:
+                log.info("staging region not unregistered", extra={"region_id": staging.region, "error": str(e)})
+        staging.segment.close()
 
     # ------------------------------------------------------------ writes
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
               dst_slots: np.ndarray, deadline_unix_ms: int, *, capability: bytes = b"") -> None:
-        self._write(request_id, src, src_slots, dst_slots, deadline_unix_ms, self.dst_region, False)
+        # D's pool region is named by the capability's grant (it changes when the proxy restarts).
+        self._write(request_id, src, src_slots, dst_slots, deadline_unix_ms, "", capability, False)
 
     def _write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray, dst_slots: np.ndarray,
-               deadline_unix_ms: int, dst_region: str, verify: bool) -> pb.CopyReply:
+               deadline_unix_ms: int, dst_region: str, capability: bytes, verify: bool) -> pb.CopyReply:
         t0 = time.perf_counter()
         with self._gate.writing(request_id, deadline_unix_ms):
-            s = np.ascontiguousarray(src_slots, dtype=np.int64)
-            d = np.ascontiguousarray(dst_slots, dtype=np.int64)
-            if src.is_cuda:
-                # The proxy reads the rows outside any stream of ours: the work that wrote
-                # them must be complete. It is ordered before the caller's current stream
-                # (P's transfer stage waits on the forward's event); a device-wide sync
-                # would also wait for the next batch's forward.
-                torch.cuda.current_stream(src.device).synchronize()
-                src_region, s_eff = self.source_region(src), s
-            else:
-                src_region, s_eff = self._host_stage(src, s)
-            remaining_s = max(0.05, deadline_unix_ms / 1000.0 - time.time())
-            t1 = time.perf_counter()
-            reply = self.client.copy(request_id, src_region, s_eff, dst_region, d, deadline_unix_ms,
-                                     method=self.method, verify=verify, timeout_s=remaining_s + 1.0)
-            received_ns = time.monotonic_ns()
-            stages = {"prepare": t1 - t0, **reply.stage_seconds}
-            if reply.proxy_done_ns:
-                stages["return"] = max(0.0, (received_ns - reply.proxy_done_ns) / 1e9)
-            stages["total"] = time.perf_counter() - t0
-            self.last_reply, self.last_stages = reply, stages
-            return reply
+            try:
+                return self._copy(t0, request_id, src, src_slots, dst_slots, deadline_unix_ms,
+                                  dst_region, capability, verify)
+            except TransferError as e:
+                if session_lost(e):
+                    self.keeper.heal()  # the proxy restarted: register again for the next write
+                raise
+
+    def _copy(self, t0: float, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
+              dst_slots: np.ndarray, deadline_unix_ms: int, dst_region: str, capability: bytes,
+              verify: bool) -> pb.CopyReply:
+        s = np.ascontiguousarray(src_slots, dtype=np.int64)
+        d = np.ascontiguousarray(dst_slots, dtype=np.int64)
+        if src.is_cuda:
+            # The proxy reads the rows outside any stream of ours: the work that wrote
+            # them must be complete. It is ordered before the caller's current stream
+            # (P's transfer stage waits on the forward's event); a device-wide sync
+            # would also wait for the next batch's forward.
+            torch.cuda.current_stream(src.device).synchronize()
+            src_region, s_eff = self.source_region(src), s
+        else:
+            src_region, s_eff = self._host_stage(src, s)
+        remaining_s = max(0.05, deadline_unix_ms / 1000.0 - time.time())
+        t1 = time.perf_counter()
+        reply = self.client.copy(request_id, src_region, s_eff, dst_region, d, deadline_unix_ms,
+                                 method=self.method, verify=verify, timeout_s=remaining_s + 1.0,
+                                 capability=capability)
+        received_ns = time.monotonic_ns()
+        stages = {"prepare": t1 - t0, **reply.stage_seconds}
+        if reply.proxy_done_ns:
+            stages["return"] = max(0.0, (received_ns - reply.proxy_done_ns) / 1e9)
+        stages["total"] = time.perf_counter() - t0
+        self.last_reply, self.last_stages = reply, stages
+        return reply
 
     def probe(self, src: torch.Tensor, src_slots: np.ndarray, request_id: int) -> tuple[int, int]:
         """Write rows into D's probe region with verification: returns (src, dst)
@@ -404,7 +686,7 @@ class ProxySender(KVSender):
         n = int(src_slots.size)
         dst = np.arange(n, dtype=np.int64)
         reply = self._write(request_id, src, src_slots, dst, int(time.time() * 1000) + 30_000,
-                            self.probe_region, True)
+                            self.probe_region, self.probe_capability, True)
         return int(reply.src_checksum), int(reply.dst_checksum)
 
     def quiesce(self, request_id: int) -> bool:
@@ -412,21 +694,24 @@ class ProxySender(KVSender):
             return False  # a write of ours is still between P and the proxy
         try:
             quiesced, _ = self.client.quiesce([request_id], cancel=True)
-        except TransferError:
-            return False  # a proxy we cannot reach proves nothing
+        except TransferError as e:
+            if session_lost(e):
+                self.keeper.heal()  # asked again (D re-sends ABORT), the new proxy answers
+            return False  # a proxy we cannot reach, or one that restarted under us, proves nothing
         return quiesced
 
     def in_flight(self) -> list[int]:
         return self._gate.in_flight()
 
     def close(self) -> None:
+        self.keeper.stop()
         with self._lock:
             stagings, self._stagings = self._stagings, []
-        for region in list(self._sources.values()) + [region for _, region in stagings]:
+        for region in list(self._sources.values()) + [st.region for st in stagings]:
             try:
                 self.client.unregister(region)
             except TransferError:
                 pass
-        for seg, _ in stagings:
-            seg.close()
+        for st in stagings:
+            st.segment.close()
         self.client.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bproxy.proto\x12\x0fpdunit.proxy.v1\"\x07\n\x05\x45mpty\"`\n\x06Layout\x12\x10\n\x08n_layers\x18\x01 \x01(\x05\x12\x12\n\nn_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\x03\"\x8f\x02\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.pdunit.proxy.v1.RegionKind\x12\'\n\x06layout\x18\x03 \x01(\x0b\x32\x17.pdunit.proxy.v1.Layout\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\x12\x14\n\x0coffset_bytes\x18\x07 \x01(\x03\x12\x11\n\towner_pid\x18\x08 \x01(\x05\x12\x10\n\x08owner_fd\x18\t \x01(\x05\x12\x13\n\x0b\x61lloc_bytes\x18\n \x01(\x03\x12\x10\n\x08shm_name\x18\x0b \x01(\t\"\"\n\rRegisterReply\x12\x11\n\tregion_id\x18\x01 \x01(\t\"&\n\x11UnregisterRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\"\xde\x01\n\x0b\x43opyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsrc_region\x18\x02 \x01(\t\x12\x11\n\tsrc_slots\x18\x03 \x01(\x0c\x12\x12\n\ndst_region\x18\x04 \x01(\t\x12\x11\n\tdst_slots\x18\x05 \x01(\x0c\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12+\n\x06method\x18\x07 \x01(\x0e\x32\x1b.pdunit.proxy.v1.CopyMethod\x12\x0e\n\x06verify\x18\x08 \x01(\x08\x12\x16\n\x0e\x63lient_send_ns\x18\t \x01(\x03\"\xff\x01\n\tCopyReply\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x64\x65vice_seconds\x18\x03 \x01(\x01\x12\x14\n\x0csrc_checksum\x18\x04 \x01(\x04\x12\x14\n\x0c\x64st_checksum\x18\x05 \x01(\x04\x12\x43\n\rstage_seconds\x18\x06 \x03(\x0b\x32,.pdunit.proxy.v1.CopyReply.StageSecondsEntry\x12\x15\n\rproxy_done_ns\x18\x07 \x01(\x03\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"U\n\tLaneReply\x12)\n\x05reply\x18\x01 \x01(\x0b\x32\x1a.pdunit.proxy.v1.CopyReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"F\n\x0eQuiesceRequest\x12\x13\n\x0brequest_ids\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x01(\x08\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x05\"1\n\x0cQuiesceReply\x12\x10\n\x08quiesced\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\x0c\":\n\rInFlightReply\x12\x13\n\x0brequest_ids\x18\x01 \x01(\x0c\x12\x14\n\x0cjobs_running\x18\x02 \x01(\x03\"\xa6\x01\n\nRegionInfo\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.pdunit.proxy.v1.RegionKind\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.pdunit.proxy.v1.Layout\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x11\n\towner_pid\x18\x06 \x01(\x05\"\x9c\x01\n\tInfoReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12,\n\x07regions\x18\x02 \x03(\x0b\x32\x1b.pdunit.proxy.v1.RegionInfo\x12\x11\n\tgpu_uuids\x18\x03 \x03(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x13\n\x0b\x63opy_kernel\x18\x05 \x01(\t\x12\x13\n\x0b\x63opy_device\x18\x06 \x01(\t*X\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08HOST_SHM\x10\x01\x12\x0c\n\x08\x43UDA_IPC\x10\x02\x12\x11\n\rCUDA_POSIX_FD\x10\x03*<\n\nCopyMethod\x12\x0f\n\x0bMETHOD_AUTO\x10\x00\x12\x11\n\rSINGLE_KERNEL\x10\x01\x12\n\n\x06STAGED\x10\x02\x32\xb2\x03\n\x0bNvlinkProxy\x12L\n\x08Register\x12 .pdunit.proxy.v1.RegisterRequest\x1a\x1e.pdunit.proxy.v1.RegisterReply\x12H\n\nUnregister\x12\".pdunit.proxy.v1.UnregisterRequest\x1a\x16.pdunit.proxy.v1.Empty\x12@\n\x04\x43opy\x12\x1c.pdunit.proxy.v1.CopyRequest\x1a\x1a.pdunit.proxy.v1.CopyReply\x12I\n\x07Quiesce\x12\x1f.pdunit.proxy.v1.QuiesceRequest\x1a\x1d.pdunit.proxy.v1.QuiesceReply\x12\x42\n\x08InFlight\x12\x16.pdunit.proxy.v1.Empty\x1a\x1e.pdunit.proxy.v1.InFlightReply\x12:\n\x04Info\x12\x16.pdunit.proxy.v1.Empty\x1a\x1a.pdunit.proxy.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bproxy.proto\x12\x0fpdunit.proxy.v1\"\x07\n\x05\x45mpty\"`\n\x06Layout\x12\x10\n\x08n_layers\x18\x01 \x01(\x05\x12\x12\n\nn_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\x03\"\x8f\x02\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.pdunit.proxy.v1.RegionKind\x12\'\n\x06layout\x18\x03 \x01(\x0b\x32\x17.pdunit.proxy.v1.Layout\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\x12\x14\n\x0coffset_bytes\x18\x07 \x01(\x03\x12\x11\n\towner_pid\x18\x08 \x01(\x05\x12\x10\n\x08owner_fd\x18\t \x01(\x05\x12\x13\n\x0b\x61lloc_bytes\x18\n \x01(\x03\x12\x10\n\x08shm_name\x18\x0b \x01(\t\"\"\n\rRegisterReply\x12\x11\n\tregion_id\x18\x01 \x01(\t\"&\n\x11UnregisterRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\"\x83\x02\n\x0b\x43opyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsrc_region\x18\x02 \x01(\t\x12\x11\n\tsrc_slots\x18\x03 \x01(\x0c\x12\x12\n\ndst_region\x18\x04 \x01(\t\x12\x11\n\tdst_slots\x18\x05 \x01(\x0c\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12+\n\x06method\x18\x07 \x01(\x0e\x32\x1b.pdunit.proxy.v1.CopyMethod\x12\x0e\n\x06verify\x18\x08 \x01(\x08\x12\x16\n\x0e\x63lient_send_ns\x18\t \x01(\x03\x12\x12\n\ncapability\x18\n \x01(\x0c\x12\x0f\n\x07session\x18\x0b \x01(\t\"\x8b\x01\n\x0cGrantRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\ncapability\x18\x03 \x01(\x0c\x12\x11\n\tdst_slots\x18\x04 \x01(\x0c\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\x12\x13\n\x0b\x61ny_request\x18\x06 \x01(\x08\"6\n\rRevokeRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\"\xff\x01\n\tCopyReply\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x64\x65vice_seconds\x18\x03 \x01(\x01\x12\x14\n\x0csrc_checksum\x18\x04 \x01(\x04\x12\x14\n\x0c\x64st_checksum\x18\x05 \x01(\x04\x12\x43\n\rstage_seconds\x18\x06 \x03(\x0b\x32,.pdunit.proxy.v1.CopyReply.StageSecondsEntry\x12\x15\n\rproxy_done_ns\x18\x07 \x01(\x03\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"U\n\tLaneReply\x12)\n\x05reply\x18\x01 \x01(\x0b\x32\x1a.pdunit.proxy.v1.CopyReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"F\n\x0eQuiesceRequest\x12\x13\n\x0brequest_ids\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x01(\x08\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x05\"1\n\x0cQuiesceReply\x12\x10\n\x08quiesced\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\x0c\":\n\rInFlightReply\x12\x13\n\x0brequest_ids\x18\x01 \x01(\x0c\x12\x14\n\x0cjobs_running\x18\x02 \x01(\x03\"\xa6\x01\n\nRegionInfo\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.pdunit.proxy.v1.RegionKind\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.pdunit.proxy.v1.Layout\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x11\n\towner_pid\x18\x06 \x01(\x05\"\xb0\x01\n\tInfoReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12,\n\x07regions\x18\x02 \x03(\x0b\x32\x1b.pdunit.proxy.v1.RegionInfo\x12\x11\n\tgpu_uuids\x18\x03 \x03(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x13\n\x0b\x63opy_kernel\x18\x05 \x01(\t\x12\x13\n\x0b\x63opy_device\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t*X\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08HOST_SHM\x10\x01\x12\x0c\n\x08\x43UDA_IPC\x10\x02\x12\x11\n\rCUDA_POSIX_FD\x10\x03*<\n\nCopyMethod\x12\x0f\n\x0bMETHOD_AUTO\x10\x00\x12\x11\n\rSINGLE_KERNEL\x10\x01\x12\n\n\x06STAGED\x10\x02\x32\xb4\x04\n\x0bNvlinkProxy\x12L\n\x08Register\x12 .pdunit.proxy.v1.RegisterRequest\x1a\x1e.pdunit.proxy.v1.RegisterReply\x12H\n\nUnregister\x12\".pdunit.proxy.v1.UnregisterRequest\x1a\x16.pdunit.proxy.v1.Empty\x12@\n\x04\x43opy\x12\x1c.pdunit.proxy.v1.CopyRequest\x1a\x1a.pdunit.proxy.v1.CopyReply\x12I\n\x07Quiesce\x12\x1f.pdunit.proxy.v1.QuiesceRequest\x1a\x1d.pdunit.proxy.v1.QuiesceReply\x12\x42\n\x08InFlight\x12\x16.pdunit.proxy.v1.Empty\x1a\x1e.pdunit.proxy.v1.InFlightReply\x12:\n\x04Info\x12\x16.pdunit.proxy.v1.Empty\x1a\x1a.pdunit.proxy.v1.InfoReply\x12>\n\x05Grant\x12\x1d.pdunit.proxy.v1.GrantRequest\x1a\x16.pdunit.proxy.v1.Empty\x12@\n\x06Revoke\x12\x1e.pdunit.proxy.v1.RevokeRequest\x1a\x16.pdunit.proxy.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COPYREPLY_STAGESECONDSENTRY']._loaded_options = None
   _globals['_COPYREPLY_STAGESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_REGIONKIND']._serialized_start=1570
-  _globals['_REGIONKIND']._serialized_end=1658
-  _globals['_COPYMETHOD']._serialized_start=1660
-  _globals['_COPYMETHOD']._serialized_end=1720
+  _globals['_REGIONKIND']._serialized_start=1825
+  _globals['_REGIONKIND']._serialized_end=1913
+  _globals['_COPYMETHOD']._serialized_start=1915
+  _globals['_COPYMETHOD']._serialized_end=1975
   _globals['_EMPTY']._serialized_start=32
   _globals['_EMPTY']._serialized_end=39
   _globals['_LAYOUT']._serialized_start=41
@@ -48,23 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERREQUEST']._serialized_start=449
   _globals['_UNREGISTERREQUEST']._serialized_end=487
   _globals['_COPYREQUEST']._serialized_start=490
-  _globals['_COPYREQUEST']._serialized_end=712
-  _globals['_COPYREPLY']._serialized_start=715
-  _globals['_COPYREPLY']._serialized_end=970
-  _globals['_COPYREPLY_STAGESECONDSENTRY']._serialized_start=919
-  _globals['_COPYREPLY_STAGESECONDSENTRY']._serialized_end=970
-  _globals['_LANEREPLY']._serialized_start=972
-  _globals['_LANEREPLY']._serialized_end=1057
-  _globals['_QUIESCEREQUEST']._serialized_start=1059
-  _globals['_QUIESCEREQUEST']._serialized_end=1129
-  _globals['_QUIESCEREPLY']._serialized_start=1131
-  _globals['_QUIESCEREPLY']._serialized_end=1180
-  _globals['_INFLIGHTREPLY']._serialized_start=1182
-  _globals['_INFLIGHTREPLY']._serialized_end=1240
-  _globals['_REGIONINFO']._serialized_start=1243
-  _globals['_REGIONINFO']._serialized_end=1409
-  _globals['_INFOREPLY']._serialized_start=1412
-  _globals['_INFOREPLY']._serialized_end=1568
-  _globals['_NVLINKPROXY']._serialized_start=1723
-  _globals['_NVLINKPROXY']._serialized_end=2157
+  _globals['_COPYREQUEST']._serialized_end=749
+  _globals['_GRANTREQUEST']._serialized_start=752
+  _globals['_GRANTREQUEST']._serialized_end=891
+  _globals['_REVOKEREQUEST']._serialized_start=893
+  _globals['_REVOKEREQUEST']._serialized_end=947
+  _globals['_COPYREPLY']._serialized_start=950
+  _globals['_COPYREPLY']._serialized_end=1205
+  _globals['_COPYREPLY_STAGESECONDSENTRY']._serialized_start=1154
+  _globals['_COPYREPLY_STAGESECONDSENTRY']._serialized_end=1205
+  _globals['_LANEREPLY']._serialized_start=1207
+  _globals['_LANEREPLY']._serialized_end=1292
+  _globals['_QUIESCEREQUEST']._serialized_start=1294
+  _globals['_QUIESCEREQUEST']._serialized_end=1364
+  _globals['_QUIESCEREPLY']._serialized_start=1366
+  _globals['_QUIESCEREPLY']._serialized_end=1415
+  _globals['_INFLIGHTREPLY']._serialized_start=1417
+  _globals['_INFLIGHTREPLY']._serialized_end=1475
+  _globals['_REGIONINFO']._serialized_start=1478
+  _globals['_REGIONINFO']._serialized_end=1644
+  _globals['_INFOREPLY']._serialized_start=1647
+  _globals['_INFOREPLY']._serialized_end=1823
+  _globals['_NVLINKPROXY']._serialized_start=1978
+  _globals['_NVLINKPROXY']._serialized_end=2542
 # @@protoc_insertion_point(module_scope)

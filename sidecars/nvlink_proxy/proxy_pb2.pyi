@@ -84,7 +84,7 @@ class UnregisterRequest(_message.Message):
     def __init__(self, region_id: _Optional[str] = ...) -> None: ...
 
 class CopyRequest(_message.Message):
-    __slots__ = ("request_id", "src_region", "src_slots", "dst_region", "dst_slots", "deadline_unix_ms", "method", "verify", "client_send_ns")
+    __slots__ = ("request_id", "src_region", "src_slots", "dst_region", "dst_slots", "deadline_unix_ms", "method", "verify", "client_send_ns", "capability", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_REGION_FIELD_NUMBER: _ClassVar[int]
     SRC_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class CopyRequest(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CLIENT_SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     src_region: str
     src_slots: bytes
@@ -103,7 +105,33 @@ class CopyRequest(_message.Message):
     method: CopyMethod
     verify: bool
     client_send_ns: int
-    def __init__(self, request_id: _Optional[int] = ..., src_region: _Optional[str] = ..., src_slots: _Optional[bytes] = ..., dst_region: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., method: _Optional[_Union[CopyMethod, str]] = ..., verify: _Optional[bool] = ..., client_send_ns: _Optional[int] = ...) -> None: ...
+    capability: bytes
+    session: str
+    def __init__(self, request_id: _Optional[int] = ..., src_region: _Optional[str] = ..., src_slots: _Optional[bytes] = ..., dst_region: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., method: _Optional[_Union[CopyMethod, str]] = ..., verify: _Optional[bool] = ..., client_send_ns: _Optional[int] = ..., capability: _Optional[bytes] = ..., session: _Optional[str] = ...) -> None: ...
+
+class GrantRequest(_message.Message):
+    __slots__ = ("region_id", "request_id", "capability", "dst_slots", "deadline_unix_ms", "any_request")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ANY_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    request_id: int
+    capability: bytes
+    dst_slots: bytes
+    deadline_unix_ms: int
+    any_request: bool
+    def __init__(self, region_id: _Optional[str] = ..., request_id: _Optional[int] = ..., capability: _Optional[bytes] = ..., dst_slots: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., any_request: _Optional[bool] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("region_id", "request_id")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    request_id: int
+    def __init__(self, region_id: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class CopyReply(_message.Message):
     __slots__ = ("method", "bytes", "device_seconds", "src_checksum", "dst_checksum", "stage_seconds", "proxy_done_ns")
@@ -183,17 +211,19 @@ class RegionInfo(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., owner_pid: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("instance_id", "regions", "gpu_uuids", "version", "copy_kernel", "copy_device")
+    __slots__ = ("instance_id", "regions", "gpu_uuids", "version", "copy_kernel", "copy_device", "session_id")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COPY_KERNEL_FIELD_NUMBER: _ClassVar[int]
     COPY_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     version: str
     copy_kernel: str
     copy_device: str
-    def __init__(self, instance_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., copy_kernel: _Optional[str] = ..., copy_device: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., copy_kernel: _Optional[str] = ..., copy_device: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...

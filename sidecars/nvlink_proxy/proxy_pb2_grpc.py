@@ -64,6 +64,16 @@ class NvlinkProxyStub:
                 request_serializer=proxy__pb2.Empty.SerializeToString,
                 response_deserializer=proxy__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/pdunit.proxy.v1.NvlinkProxy/Grant',
+                request_serializer=proxy__pb2.GrantRequest.SerializeToString,
+                response_deserializer=proxy__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/pdunit.proxy.v1.NvlinkProxy/Revoke',
+                request_serializer=proxy__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=proxy__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class NvlinkProxyServicer:
@@ -105,6 +115,18 @@ class NvlinkProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Grant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NvlinkProxyServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_NvlinkProxyServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=proxy__pb2.Empty.FromString,
                     response_serializer=proxy__pb2.InfoReply.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=proxy__pb2.GrantRequest.FromString,
+                    response_serializer=proxy__pb2.Empty.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=proxy__pb2.RevokeRequest.FromString,
+                    response_serializer=proxy__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class NvlinkProxy:
             '/pdunit.proxy.v1.NvlinkProxy/Info',
             proxy__pb2.Empty.SerializeToString,
             proxy__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdunit.proxy.v1.NvlinkProxy/Grant',
+            proxy__pb2.GrantRequest.SerializeToString,
+            proxy__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdunit.proxy.v1.NvlinkProxy/Revoke',
+            proxy__pb2.RevokeRequest.SerializeToString,
+            proxy__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

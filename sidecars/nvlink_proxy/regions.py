@@ -1,14 +1,17 @@
-"""The proxy's region table, job validation and peer allow-list.
+"""The proxy's region table, write grants, job validation, sessions and allow-list.
 
-Owns: which regions exist, who registered them, and the rule that a copy job touches
-only rows inside registered regions of matching layout. Every job is validated here
-BEFORE any backend sees it: an unknown region, a slot outside [0, n_slots), a length
-mismatch, duplicate destination slots or a layout mismatch raises `JobRejected` and
-nothing is copied. Peers are admitted by their kernel-reported credentials
-(SO_PEERCRED on the auth socket), never by anything they claim about themselves.
+Owns: which regions exist and which session registered each; the write grants
+(PROTOCOL.md 3.1: the capability a destination region's owner made for one request and
+its slots); and the rule that a copy job touches only rows inside registered regions of
+matching layout. Every job is validated here BEFORE any backend sees it: an unknown
+region, a slot outside [0, n_slots), a length mismatch, duplicate destination slots or
+a layout mismatch raises `JobRejected`; a write without its grant raises `Refused` (a
+security event). Nothing is copied either way. Peers are admitted by their
+kernel-reported credentials (SO_PEERCRED on the auth socket), never by anything they
+claim about themselves; a session owns only what it registered.
 
 Must never map memory or launch copies (the backends do), and never trust a slot
-array it has not checked.
+array or a capability it has not checked.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from pdunit.engine.security import same_bytes
+from pdunit.engine.transfer.base import CAPABILITY_BYTES
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1}
@@ -39,11 +44,30 @@ class JobRejected(Exception):
         self.code = code
 
 
+class Refused(JobRejected):
+    """A request only an attacker or a bug makes (another session's region, a write
+    without its grant): PERMISSION_DENIED, and reported as security event `what`."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__("PERMISSION_DENIED", message)
+        self.what = what
+
+
 @dataclass(frozen=True)
 class PeerCreds:
     pid: int
     uid: int
     gid: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """One handshake on the auth socket: `token` (secret, sent with every call) and
+    `session_id` (public, for logs and ownership)."""
+
+    token: str
+    session_id: str
+    creds: PeerCreds
 
 
 @dataclass(frozen=True)
@@ -93,6 +117,7 @@ class Region:
     layout: Layout
     size_bytes: int
     owner: PeerCreds
+    owner_session: str
     gpu_uuid: str = ""
     ipc_handle: bytes = b""
     offset_bytes: int = 0
@@ -178,11 +203,12 @@ class RegionTable:
         self._regions: dict[str, Region] = {}
         self._local = threading.local()
 
-    def add(self, req: pb.RegisterRequest, owner: PeerCreds) -> Region:
+    def add(self, req: pb.RegisterRequest, owner: Session) -> Region:
         layout = validate_registration(req)
-        region = Region(
-            region_id=f"r-{secrets.token_hex(8)}", name=req.name or "unnamed", kind=req.kind,
-            layout=layout, size_bytes=int(req.size_bytes), owner=owner, gpu_uuid=req.gpu_uuid,
+        region = Region(  # 128 random bits: a region id is never guessed
+            region_id=f"r-{secrets.token_hex(16)}", name=req.name or "unnamed", kind=req.kind,
+            layout=layout, size_bytes=int(req.size_bytes), owner=owner.creds,
+            owner_session=owner.session_id, gpu_uuid=req.gpu_uuid,
             ipc_handle=bytes(req.ipc_handle), offset_bytes=int(req.offset_bytes),
             owner_pid=int(req.owner_pid), owner_fd=int(req.owner_fd),
             alloc_bytes=int(req.alloc_bytes), shm_name=req.shm_name,
@@ -199,26 +225,35 @@ class RegionTable:
                                            "(register it first; the proxy may have restarted)")
         return region
 
-    def remove(self, region_id: str, caller: PeerCreds) -> Region:
+    def owned(self, region_id: str, caller: Session, action: str) -> Region:
+        """The region, when `caller` registered it; else Refused (another session's)."""
+        region = self.get(region_id, action)
+        if region.owner_session != caller.session_id:
+            raise Refused("proxy_foreign_region",
+                          f"{action} region {region_id!r} belongs to another session: a session may "
+                          "only use the regions it registered (write into another's through its grant)")
+        return region
+
+    def remove(self, region_id: str, caller: Session) -> Region:
+        self.owned(region_id, caller, "unregister:")
         with self._lock:
-            region = self._regions.get(region_id)
-            if region is None:
-                raise JobRejected("NOT_FOUND", f"region {region_id!r} is not registered")
-            if region.owner.uid != caller.uid or (region.owner.pid and caller.pid
-                                                  and region.owner.pid != caller.pid):
-                raise JobRejected("PERMISSION_DENIED",
-                                  f"region {region_id!r} belongs to pid {region.owner.pid}; "
-                                  "only its owner may unregister it")
             return self._regions.pop(region_id)
 
     def all(self) -> list[Region]:
         with self._lock:
             return list(self._regions.values())
 
-    def job(self, req: pb.CopyRequest) -> Job:
-        """Validate a copy request completely; raises JobRejected, copies nothing."""
-        src = self.get(req.src_region, "source")
-        dst = self.get(req.dst_region, "destination")
+    def of_session(self, session_id: str) -> list[Region]:
+        with self._lock:
+            return [r for r in self._regions.values() if r.owner_session == session_id]
+
+    def job(self, req: pb.CopyRequest, caller: Session, dst_region: str) -> Job:
+        """Validate a copy request completely: the source must be the caller's own region;
+        `dst_region` is the one the request's grant names (GrantTable.region_for).
+        Raises JobRejected (Refused for another session's source), copies nothing; the
+        caller then checks the destination's grant (GrantTable.check)."""
+        src = self.owned(req.src_region, caller, "source")
+        dst = self.get(dst_region, "destination")
         if src.layout.row_geometry() != dst.layout.row_geometry():
             raise JobRejected("INVALID_ARGUMENT",
                               f"source layout {src.layout.row_geometry()} differs from destination "
@@ -287,22 +322,129 @@ class Sessions:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens: dict[str, tuple[PeerCreds, float]] = {}
+        self._sessions: dict[str, Session] = {}
 
-    def issue(self, creds: PeerCreds) -> str:
-        token = secrets.token_hex(24)
+    def issue(self, creds: PeerCreds) -> Session:
+        session = Session(token=secrets.token_hex(24), session_id=f"s-{secrets.token_hex(8)}", creds=creds)
         with self._lock:
-            self._tokens[token] = (creds, time.time())
-        return token
+            self._sessions[session.token] = session
+        return session
 
-    def lookup(self, token: str) -> PeerCreds | None:
+    def lookup(self, token: str) -> Session | None:
         with self._lock:
-            entry = self._tokens.get(token)
-        return entry[0] if entry else None
+            return self._sessions.get(token)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._tokens)
+            return len(self._sessions)
+
+
+@dataclass(frozen=True)
+class WriteGrant:
+    """What a destination region's owner allowed: writes of `request_id` (None: any
+    request id, D's probe region) into `slots` (sorted, unique) until the deadline."""
+
+    region_id: str
+    request_id: int | None
+    capability: bytes
+    slots: np.ndarray
+    deadline_unix_ms: int
+
+
+class GrantTable:
+    """The live write grants of every region (PROTOCOL.md 3.1), under one lock. A grant
+    lives from its owner's Grant (RESERVE) to its Revoke (COMMIT, ABORT, held), its
+    deadline, or its region's unregistration; a job whose destination rows it does not
+    cover is refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_request: dict[int, dict[str, WriteGrant]] = {}  # request id -> region id -> grant
+        self._standing: dict[str, WriteGrant] = {}                # region id -> any-request grant
+
+    def grant(self, region: Region, request_id: int | None, capability: bytes, raw_slots: bytes,
+              deadline_unix_ms: int) -> WriteGrant:
+        if len(capability) != CAPABILITY_BYTES:
+            raise JobRejected("INVALID_ARGUMENT", f"grant: capability has {len(capability)} bytes, "
+                                                  f"expected {CAPABILITY_BYTES} random bytes")
+        slots = np.unique(_slots(raw_slots, "grant: dst_slots"))
+        if slots.size and (slots[0] < 0 or slots[-1] >= region.layout.n_slots):
+            raise JobRejected("OUT_OF_RANGE", f"grant: dst_slots outside region {region.name!r} "
+                                              f"[0, {region.layout.n_slots})")
+        g = WriteGrant(region.region_id, request_id, bytes(capability), slots, int(deadline_unix_ms))
+        with self._lock:
+            if request_id is None:
+                self._standing[region.region_id] = g
+            else:
+                self._by_request.setdefault(request_id, {})[region.region_id] = g
+        return g
+
+    def revoke(self, region_id: str, request_id: int) -> bool:
+        with self._lock:
+            mine = self._by_request.get(request_id)
+            if mine is None or mine.pop(region_id, None) is None:
+                return False
+            if not mine:
+                del self._by_request[request_id]
+            return True
+
+    def drop_region(self, region_id: str) -> None:
+        with self._lock:
+            self._standing.pop(region_id, None)
+            for rid in [rid for rid, g in self._by_request.items() if region_id in g]:
+                del self._by_request[rid][region_id]
+                if not self._by_request[rid]:
+                    del self._by_request[rid]
+
+    def region_for(self, request_id: int, capability: bytes) -> str:
+        """The destination region a job names by its capability alone (CopyRequest with an
+        empty dst_region: P need not learn D's region ids again after a proxy restart)."""
+        with self._lock:
+            candidates = list(self._by_request.get(request_id, {}).values())
+        for g in candidates:
+            if same_bytes(g.capability, bytes(capability)):
+                return g.region_id
+        raise Refused("proxy_write_refused",
+                      f"request {request_id}: no live grant matches the capability (never granted, "
+                      "revoked at COMMIT/ABORT, or the proxy restarted and D has not granted it again)")
+
+    def check(self, region: Region, request_id: int, capability: bytes, dst_slots: np.ndarray) -> None:
+        """Raises Refused unless a live grant of `region` allows these rows."""
+        with self._lock:
+            g = self._by_request.get(request_id, {}).get(region.region_id) or self._standing.get(region.region_id)
+        if g is None:
+            raise Refused("proxy_write_refused",
+                          f"request {request_id}: no live grant for destination region {region.name!r} "
+                          "(never granted, revoked at COMMIT/ABORT, or granted to another region)")
+        if not same_bytes(g.capability, bytes(capability)):
+            raise Refused("proxy_write_refused",
+                          f"request {request_id}: wrong write capability for region {region.name!r} "
+                          "(present the one of this request's RESERVE)")
+        late_ms = time.time() * 1000 - g.deadline_unix_ms
+        if g.deadline_unix_ms and late_ms > 0:
+            raise Refused("proxy_write_refused",
+                          f"request {request_id}: its grant on {region.name!r} expired {late_ms:.0f} ms ago")
+        inside = np.isin(dst_slots, g.slots)
+        if not bool(inside.all()):
+            bad = int(dst_slots[~inside][0])
+            raise Refused("proxy_write_refused",
+                          f"request {request_id}: dst_slots holds slot {bad}, outside the slots its grant "
+                          f"on {region.name!r} allows")
+
+    def prune(self, now_unix_ms: float) -> int:
+        """Drop grants whose deadline passed; returns how many."""
+        with self._lock:
+            dead = [(rid, reg) for rid, gs in self._by_request.items() for reg, g in gs.items()
+                    if g.deadline_unix_ms and g.deadline_unix_ms < now_unix_ms]
+            for rid, reg in dead:
+                del self._by_request[rid][reg]
+                if not self._by_request[rid]:
+                    del self._by_request[rid]
+        return len(dead)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(g) for g in self._by_request.values()) + len(self._standing)
 
 
 def layout_bytes(shape: tuple[int, ...], dtype: str) -> int:

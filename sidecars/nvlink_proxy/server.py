@@ -1,12 +1,21 @@
-"""The nvlink-proxy gRPC service: registration, copy jobs, batch quiesce, drain check.
+"""The nvlink-proxy gRPC service: registration, write grants, copy jobs, batch
+quiesce, drain check.
 
 Owns the request-level job bookkeeping (which request ids have a job running, which
-are cancelled) and the translation of every failure into a gRPC status whose message
-names the field and the fix. Authentication: a peer first connects to the auth socket
-(`<socket>.auth`); the proxy reads its SO_PEERCRED, checks the allow-list and hands out
-a session token; every RPC that registers memory, copies or cancels must carry it in
-metadata `x-pdunit-session` (InFlight, the read-only drain check, needs none). gRPC
-itself cannot report a unix peer's credentials, hence the separate handshake.
+are cancelled, per session) and the translation of every failure into a gRPC status
+whose message names the field and the fix. Authentication: a peer first connects to
+the auth socket (`<socket>.auth`); the proxy reads its SO_PEERCRED, checks the
+allow-list and hands out a session token; every RPC that registers memory, grants,
+copies or cancels must carry it in metadata `x-pdunit-session` (InFlight, the
+read-only drain check, needs none). gRPC itself cannot report a unix peer's
+credentials, hence the separate handshake. A token of an earlier proxy instance is
+answered UNAUTHENTICATED: the client handshakes and registers again.
+
+Authorisation (PROTOCOL.md 3.1): a session sees (Info) and uses only the regions it
+registered; a copy reads from the caller's own region and writes only the rows that a
+live grant of the destination's owner allows, for the capability the job presents.
+Quiesce and its cancellations reach the caller's own jobs only, so no session can stop
+another's requests. Every refusal of that kind is a security event.
 
 Copy jobs have a second entry point, the copy lane (`<socket>.copy`, framing in
 proxy.proto): the peer's SO_PEERCRED is checked on the connection itself, then each
@@ -41,15 +50,19 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdunit.engine.security import security_event
 from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
 from pdunit.sidecars.nvlink_proxy.lane_framing import MAX_FRAME, recv_frame, send_frame
 from pdunit.sidecars.nvlink_proxy.regions import (
     AllowList,
+    GrantTable,
     JobRejected,
     PeerCreds,
+    Refused,
     Region,
     RegionTable,
+    Session,
     Sessions,
     peer_creds,
 )
@@ -73,6 +86,7 @@ STAGE_SECONDS = Histogram(
 )
 ERRORS = Counter("pdunit_proxy_errors_total", "Refused or failed requests by kind", ["kind"])
 REGIONS = Gauge("pdunit_proxy_regions", "Registered regions")
+GRANTS = Gauge("pdunit_proxy_grants", "Live write grants")
 RUNNING = Gauge("pdunit_proxy_jobs_running", "Copy jobs running now")
 LANE_CONNECTIONS = Gauge("pdunit_proxy_copy_lane_connections", "Open copy-lane connections")
 FALLBACKS = Counter("pdunit_proxy_staged_fallback_total",
@@ -81,51 +95,62 @@ AUTH = Counter("pdunit_proxy_auth_total", "Auth handshakes by outcome", ["outcom
 
 
 class JobTracker:
-    """Per-request running-job counts and the cancelled set, under one lock."""
+    """Running-job counts and cancelled request ids, per session, under one lock: a
+    session's Quiesce sees and cancels only its own jobs. Each session keeps at most
+    `max_cancelled` cancelled ids (its oldest go first), so no session can grow the
+    table without bound."""
 
-    def __init__(self, cancel_retention_s: float) -> None:
+    def __init__(self, cancel_retention_s: float, max_cancelled: int = 100_000) -> None:
         self._cond = threading.Condition()
-        self._running: dict[int, int] = {}
-        self._cancelled: OrderedDict[int, float] = OrderedDict()
+        self._running: dict[tuple[str, int], int] = {}
+        self._cancelled: dict[str, OrderedDict[int, float]] = {}
         self.retention_s = cancel_retention_s
+        self.max_cancelled = max_cancelled
 
-    def _prune(self, now: float) -> None:
-        while self._cancelled:
-            rid, at = next(iter(self._cancelled.items()))
-            if now - at < self.retention_s:
+    def _prune(self, ids: OrderedDict[int, float], now: float) -> None:
+        while ids:
+            rid, at = next(iter(ids.items()))
+            if now - at < self.retention_s and len(ids) <= self.max_cancelled:
                 break
-            self._cancelled.popitem(last=False)
+            ids.popitem(last=False)
 
-    def start(self, request_id: int) -> None:
+    def start(self, session_id: str, request_id: int) -> None:
         with self._cond:
-            self._prune(time.monotonic())
-            if request_id in self._cancelled:
-                raise JobRejected("FAILED_PRECONDITION",
-                                  f"request {request_id} was cancelled (quiesced): job refused")
-            self._running[request_id] = self._running.get(request_id, 0) + 1
+            cancelled = self._cancelled.get(session_id)
+            if cancelled is not None:
+                self._prune(cancelled, time.monotonic())
+                if request_id in cancelled:
+                    raise JobRejected("FAILED_PRECONDITION",
+                                      f"request {request_id} was cancelled (quiesced): job refused")
+            key = (session_id, request_id)
+            self._running[key] = self._running.get(key, 0) + 1
             RUNNING.inc()
 
-    def finish(self, request_id: int) -> None:
+    def finish(self, session_id: str, request_id: int) -> None:
         with self._cond:
-            left = self._running[request_id] - 1
+            key = (session_id, request_id)
+            left = self._running[key] - 1
             if left:
-                self._running[request_id] = left
+                self._running[key] = left
             else:
-                del self._running[request_id]
+                del self._running[key]
             RUNNING.dec()
             self._cond.notify_all()
 
-    def quiesce(self, ids: list[int], cancel: bool, wait_s: float) -> list[int]:
-        """Cancel (optionally) and return the ids that still have a running job."""
+    def quiesce(self, session_id: str, ids: list[int], cancel: bool, wait_s: float) -> list[int]:
+        """Cancel (optionally) the session's later jobs of `ids`; return those of `ids`
+        that still have a job of this session running."""
         deadline = time.monotonic() + max(0.0, wait_s)
         with self._cond:
             if cancel:
                 now = time.monotonic()
+                cancelled = self._cancelled.setdefault(session_id, OrderedDict())
                 for rid in ids:
-                    self._cancelled[rid] = now
-                    self._cancelled.move_to_end(rid)
+                    cancelled[rid] = now
+                    cancelled.move_to_end(rid)
+                self._prune(cancelled, now)
             while True:
-                running = [rid for rid in ids if rid in self._running]
+                running = [rid for rid in ids if (session_id, rid) in self._running]
                 left = deadline - time.monotonic()
                 if not running or left <= 0:
                     return running
@@ -133,7 +158,7 @@ class JobTracker:
 
     def running(self) -> list[int]:
         with self._cond:
-            return list(self._running)
+            return sorted({rid for _, rid in self._running})
 
 
 def _ids(raw: bytes) -> list[int]:
@@ -174,22 +199,39 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
         self.backends = backends
         self.allow = allow
         self.regions = RegionTable()
+        self.grants = GrantTable()
         self.sessions = Sessions()
         self.jobs = JobTracker(cancel_retention_s)
+        self._pruned_at = 0.0
         # Concurrent copy jobs over both entry points (gRPC Copy and the copy lane).
         self.job_slots = threading.BoundedSemaphore(max_jobs)
 
     # ------------------------------------------------------------ helpers
-    def _peer(self, context: grpc.ServicerContext) -> PeerCreds:
-        token = dict(context.invocation_metadata()).get(SESSION_KEY, "")
-        creds = self.sessions.lookup(token) if token else None
-        if creds is None:
-            ERRORS.labels("permission").inc()
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "no valid session: connect to the auth socket first (SO_PEERCRED "
-                          "allow-list) and send the token in metadata x-pdunit-session")
-        assert creds is not None
-        return creds
+    def session(self, token: str) -> Session:
+        """The session of `token`; JobRejected UNAUTHENTICATED when this instance did not
+        issue it (none sent, forged, or issued by the proxy before a restart)."""
+        session = self.sessions.lookup(token) if token else None
+        if session is None:
+            raise JobRejected("UNAUTHENTICATED",
+                              f"no valid session for proxy instance {self.instance_id}: connect to the "
+                              "auth socket (SO_PEERCRED allow-list), send its token in metadata "
+                              "x-pdunit-session, and register again (the proxy may have restarted)")
+        return session
+
+    def _peer(self, context: grpc.ServicerContext) -> Session:
+        try:
+            return self.session(dict(context.invocation_metadata()).get(SESSION_KEY, ""))
+        except JobRejected as e:
+            ERRORS.labels("unauthenticated").inc()
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            raise  # unreachable: abort raises
+
+    @staticmethod
+    def refused(e: Refused, session: Session, **fields: Any) -> None:
+        """A refusal only an attacker or a bug causes: logged and counted as a security
+        event (the caller counts it in pdunit_proxy_errors_total too)."""
+        security_event(e.what, reason=str(e), session_id=session.session_id,
+                       peer_pid=session.creds.pid, peer_uid=session.creds.uid, **fields)
 
     def _backend(self, region: Region) -> Any:
         key = "cuda" if region.is_cuda else "host"
@@ -200,20 +242,22 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
                               f"has not started (backends: {sorted(self.backends)})")
         return backend
 
-    @staticmethod
-    def _fail(context: grpc.ServicerContext, exc: JobRejected, kind: str) -> None:
-        ERRORS.labels(kind).inc()
+    def _fail(self, context: grpc.ServicerContext, exc: JobRejected, kind: str,
+              session: Session | None = None) -> None:
+        if isinstance(exc, Refused) and session is not None:
+            self.refused(exc, session)
+        ERRORS.labels("permission" if isinstance(exc, Refused) else kind).inc()
         context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     # ------------------------------------------------------------ RPCs
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        creds = self._peer(context)
+        session = self._peer(context)
         try:
-            region = self.regions.add(request, creds)
+            region = self.regions.add(request, session)
             try:
                 self._backend(region).prepare(region)
             except Exception:
-                self.regions.remove(region.region_id, creds)
+                self.regions.remove(region.region_id, session)
                 raise
         except JobRejected as e:
             self._fail(context, e, "register")
@@ -222,38 +266,73 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
             "region_id": region.region_id, "region_name": region.name,
             "kind": pb.RegionKind.Name(region.kind), "gpu_uuid": region.gpu_uuid,
             "layout": list(region.layout.shape()), "dtype": region.layout.dtype,
-            "peer_pid": creds.pid, "peer_uid": creds.uid})
+            "session_id": session.session_id, "peer_pid": session.creds.pid, "peer_uid": session.creds.uid})
         return pb.RegisterReply(region_id=region.region_id)
 
     def Unregister(self, request: pb.UnregisterRequest, context: grpc.ServicerContext) -> pb.Empty:
-        creds = self._peer(context)
+        session = self._peer(context)
         try:
-            region = self.regions.remove(request.region_id, creds)
+            region = self.regions.remove(request.region_id, session)
         except JobRejected as e:
-            self._fail(context, e, "unregister")
+            self._fail(context, e, "unregister", session)
+        self.grants.drop_region(region.region_id)
         self._backend(region).release(region)
         REGIONS.set(len(self.regions.all()))
+        GRANTS.set(len(self.grants))
         log.info("region unregistered", extra={"region_id": region.region_id, "region_name": region.name})
         return pb.Empty()
 
-    def run_copy(self, request: pb.CopyRequest, clock: StageClock) -> pb.CopyReply:
-        """Validate, admit and run one copy job: the body of both the gRPC Copy and the
-        copy lane, so both paths make the same checks. The caller has authenticated the
-        peer. Raises CopyError (counted, with the gRPC status name) on any failure; a
-        refused job copies nothing."""
+    def Grant(self, request: pb.GrantRequest, context: grpc.ServicerContext) -> pb.Empty:
+        session = self._peer(context)
         try:
-            job = self.regions.job(request)
+            region = self.regions.owned(request.region_id, session, "grant:")
+            self.grants.grant(region, None if request.any_request else int(request.request_id),
+                              request.capability, request.dst_slots, request.deadline_unix_ms)
+        except JobRejected as e:
+            self._fail(context, e, "grant", session)
+        now = time.monotonic()
+        if now - self._pruned_at > 1.0:  # grants whose deadline passed (their Revoke got lost)
+            self._pruned_at = now
+            self.grants.prune(time.time() * 1000)
+        GRANTS.set(len(self.grants))
+        return pb.Empty()
+
+    def Revoke(self, request: pb.RevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
+        session = self._peer(context)
+        try:
+            region = self.regions.owned(request.region_id, session, "revoke:")
+        except JobRejected as e:
+            self._fail(context, e, "revoke", session)
+        self.grants.revoke(region.region_id, int(request.request_id))
+        GRANTS.set(len(self.grants))
+        return pb.Empty()
+
+    def run_copy(self, request: pb.CopyRequest, session: Session, clock: StageClock) -> pb.CopyReply:
+        """Authorise, validate, admit and run one copy job: the body of both the gRPC Copy
+        and the copy lane, so both paths make the same checks. The source must be the
+        caller's region; the destination rows need a live grant for the presented
+        capability. Raises CopyError (counted, with the gRPC status name; a security event
+        for a refused write) on any failure; a refused job copies nothing."""
+        try:
+            rid = int(request.request_id)
+            dst_id = request.dst_region or self.grants.region_for(rid, request.capability)
+            job = self.regions.job(request, session, dst_id)
+            self.grants.check(job.dst, rid, request.capability, job.dst_slots)
             if request.deadline_unix_ms and time.time() * 1000 > request.deadline_unix_ms:
                 raise JobRejected("DEADLINE_EXCEEDED",
                                   f"request {job.request_id}: deadline passed "
                                   f"{time.time() * 1000 - request.deadline_unix_ms:.0f} ms ago; nothing copied")
             backend = self._backend(job.src)
+        except Refused as e:
+            self.refused(e, session, request_id=int(request.request_id), src_region=request.src_region,
+                         dst_region=request.dst_region)
+            raise CopyError(e.code, str(e), "permission") from None
         except JobRejected as e:
             raise CopyError(e.code, str(e), e.code.lower()) from None
         clock.mark("validate")
         with self.job_slots:
             try:
-                self.jobs.start(job.request_id)
+                self.jobs.start(session.session_id, job.request_id)
             except JobRejected as e:
                 raise CopyError(e.code, str(e), "cancelled") from None
             clock.mark("admit")
@@ -277,7 +356,7 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
                 raise CopyError("INTERNAL", f"request {job.request_id}: copy failed: {e}",
                                 "copy_failed") from None
             finally:
-                self.jobs.finish(job.request_id)
+                self.jobs.finish(session.session_id, job.request_id)
         JOBS.labels(method, "ok").inc()
         BYTES.labels(method).inc(job.nbytes)
         JOB_SECONDS.labels(method).observe(seconds)
@@ -290,21 +369,21 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
 
     def Copy(self, request: pb.CopyRequest, context: grpc.ServicerContext) -> pb.CopyReply:
         clock = start_clock(request)
-        self._peer(context)
+        session = self._peer(context)
         try:
-            return self.run_copy(request, clock)
+            return self.run_copy(request, session, clock)
         except CopyError as e:
             ERRORS.labels(e.kind).inc()
             context.abort(getattr(grpc.StatusCode, e.code), e.message)
             raise  # unreachable: abort raises
 
     def Quiesce(self, request: pb.QuiesceRequest, context: grpc.ServicerContext) -> pb.QuiesceReply:
-        self._peer(context)
+        session = self._peer(context)
         try:
             ids = _ids(request.request_ids)
         except JobRejected as e:
             self._fail(context, e, "invalid_argument")
-        running = self.jobs.quiesce(ids, request.cancel, request.wait_ms / 1000.0)
+        running = self.jobs.quiesce(session.session_id, ids, request.cancel, request.wait_ms / 1000.0)
         return pb.QuiesceReply(quiesced=not running, running=_pack(running))
 
     def InFlight(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.InFlightReply:
@@ -314,13 +393,13 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
         return pb.InFlightReply(request_ids=_pack(running), jobs_running=len(running))
 
     def Info(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.InfoReply:
-        self._peer(context)
+        session = self._peer(context)
         cuda = self.backends.get("cuda")
         return pb.InfoReply(
-            instance_id=self.instance_id,
+            instance_id=self.instance_id, session_id=session.session_id,
             regions=[pb.RegionInfo(region_id=r.region_id, name=r.name, kind=r.kind,
                                    layout=r.layout.to_pb(), gpu_uuid=r.gpu_uuid, owner_pid=r.owner.pid)
-                     for r in self.regions.all()],
+                     for r in self.regions.of_session(session.session_id)],
             gpu_uuids=sorted(cuda.devices) if cuda is not None else [],
             version="1",
             copy_kernel=str(cuda.copy_config) if cuda is not None else "",
@@ -390,10 +469,12 @@ class AuthListener(_UnixListener):
 
     def _handle(self, conn: socket.socket, creds: PeerCreds, refused: str | None) -> None:
         if refused is None:
-            token = self.service.sessions.issue(creds)
-            answer = {"token": token, "instance_id": self.service.instance_id, "pid_seen": creds.pid}
+            session = self.service.sessions.issue(creds)
+            answer = {"token": session.token, "session_id": session.session_id,
+                      "instance_id": self.service.instance_id, "pid_seen": creds.pid}
             AUTH.labels("allowed").inc()
-            log.info("peer admitted", extra={"peer_pid": creds.pid, "peer_uid": creds.uid})
+            log.info("peer admitted", extra={"peer_pid": creds.pid, "peer_uid": creds.uid,
+                                             "session_id": session.session_id})
         else:
             answer = {"error": refused}
             AUTH.labels("denied").inc()
@@ -414,8 +495,10 @@ class CopyLane(_UnixListener):
     """The copy lane (`<socket>.copy`, see proxy.proto): length-prefixed CopyRequest ->
     LaneReply frames over a unix stream socket. A connecting peer is checked against
     the allow-list by its SO_PEERCRED, exactly like the auth socket; a refused peer gets
-    one PERMISSION_DENIED frame and is disconnected before it can send a job. Each
-    connection has its own thread; jobs share ProxyService.job_slots with gRPC."""
+    one PERMISSION_DENIED frame and is disconnected before it can send a job. Each job
+    names its session (CopyRequest.session), which must be one this proxy issued to the
+    same process. Each connection has its own thread; jobs share ProxyService.job_slots
+    with gRPC."""
 
     MAX_FRAME = MAX_FRAME
 
@@ -463,7 +546,8 @@ class CopyLane(_UnixListener):
                     return
                 clock = start_clock(request)
                 try:
-                    answer = pb.LaneReply(reply=self.service.run_copy(request, clock))
+                    session = self._session(request, creds)
+                    answer = pb.LaneReply(reply=self.service.run_copy(request, session, clock))
                 except CopyError as e:
                     ERRORS.labels(e.kind).inc()
                     answer = pb.LaneReply(code=e.code, message=e.message)
@@ -475,6 +559,20 @@ class CopyLane(_UnixListener):
                 self._conns.pop(conn, None)
                 LANE_CONNECTIONS.set(len(self._conns))
             conn.close()
+
+    def _session(self, request: pb.CopyRequest, creds: PeerCreds) -> Session:
+        """The job's session, when this connection's peer is the process it was issued to."""
+        try:
+            session = self.service.session(request.session)
+        except JobRejected as e:
+            raise CopyError(e.code, str(e), "unauthenticated") from None
+        if session.creds.uid != creds.uid or (session.creds.pid and creds.pid and session.creds.pid != creds.pid):
+            e = Refused("proxy_foreign_session",
+                        f"the copy lane's peer pid {creds.pid} uid {creds.uid} presented the session of "
+                        f"pid {session.creds.pid} uid {session.creds.uid}: a session is its own process's")
+            self.service.refused(e, session, lane_peer_pid=creds.pid)
+            raise CopyError(e.code, str(e), "permission")
+        return session
 
     def stop(self, grace_s: float) -> None:
         """No new connections or jobs; a job already running finishes and is answered."""

@@ -63,7 +63,7 @@ def in_process_service(tmp_path):
     """A ProxyService with two registered host pools, served only by a copy lane, whose
     allow-list does NOT contain this process's uid."""
     service = ProxyService({"host": HostBackend()}, AllowList(uids=frozenset({os.getuid() + 4242})), 60.0)
-    me = PeerCreds(os.getpid(), os.getuid(), os.getgid())
+    me = service.sessions.issue(PeerCreds(os.getpid(), os.getuid(), os.getgid()))
     src, dst = _pool(1), _pool(2)
     regions = []
     for name, rx in (("p-pool", src), ("d-pool", dst)):
@@ -124,7 +124,9 @@ def test_a_write_says_where_its_time_went_without_double_counting(tmp_path):
         tx = make_sender(rx.descriptors(), GEO, "cpu", {"proxy_socket": sock})
         src = torch.randn(GEO.shape()).to(GEO.dtype)
         t0 = time.perf_counter()
-        tx.write(3, src, np.arange(10, 20), np.arange(30, 40), int(time.time() * 1000) + 10_000)
+        deadline = int(time.time() * 1000) + 10_000
+        cap = rx.grant(3, np.arange(30, 40), deadline)
+        tx.write(3, src, np.arange(10, 20), np.arange(30, 40), deadline, capability=cap)
         wall = time.perf_counter() - t0
         stages = tx.last_stages
         inside = ("recv", "validate", "admit", "copy", "reply")

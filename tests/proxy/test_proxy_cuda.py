@@ -42,7 +42,8 @@ def test_every_placement_copies_bit_exact_rows_and_nothing_else(tmp_path, placem
             rx.storage.fill_(-5.0)
             torch.cuda.synchronize(1)
             s, d = rng.permutation(GEO.n_slots)[:700], rng.permutation(GEO.n_slots)[:700]
-            tx.write(10 + k, src, s, d, int(time.time() * 1000) + 30_000)
+            deadline = int(time.time() * 1000) + 30_000
+            tx.write(10 + k, src, s, d, deadline, capability=rx.grant(10 + k, d, deadline))
             assert tx.last_reply.method == "single_kernel"
             assert torch.equal(rx.storage[:, :, d].cpu(), src[:, :, s].cpu())
             rest = np.setdiff1d(np.arange(GEO.n_slots), d)

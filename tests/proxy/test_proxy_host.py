@@ -24,6 +24,7 @@ from tests.proxy.conftest import start_proxy, stop
 
 GEO = PoolGeometry(n_layers=3, n_kv_heads=2, head_dim=8, dtype=torch.bfloat16, n_slots=128, page_size=1)
 FAR = 2**62
+CAP = bytes(range(32))  # the standing grant these tests' destination regions carry
 
 
 def _pool(seed: int, geometry: PoolGeometry = GEO) -> HostReceiver:
@@ -39,6 +40,7 @@ def pools(proxy_socket, request):
     src, dst = _pool(1), _pool(2)
     src_id = client.register_host("p-pool", src.name, GEO)
     dst_id = client.register_host("d-pool", dst.name, GEO)
+    client.grant(dst_id, 0, CAP, np.arange(GEO.n_slots), 0, any_request=True)
     try:
         yield client, src, src_id, dst, dst_id
     finally:
@@ -59,7 +61,7 @@ def test_copy_job_is_bit_exact_against_reference(pools):
     s, d = _fragmented(50, 3)
     expected = dst.storage.clone()
     reference.copy_rows(src.storage, torch.from_numpy(s), expected, torch.from_numpy(d))
-    reply = client.copy(11, src_id, s, dst_id, d, FAR)
+    reply = client.copy(11, src_id, s, dst_id, d, FAR, capability=CAP)
     assert reply.method == "host"
     assert reply.bytes == 50 * GEO.bytes_for(1)
     assert torch.equal(dst.storage.view(torch.int16), expected.view(torch.int16))
@@ -68,7 +70,7 @@ def test_copy_job_is_bit_exact_against_reference(pools):
 def test_verify_returns_checksums_of_both_regions(pools):
     client, src, src_id, dst, dst_id = pools
     s, d = _fragmented(9, 4)
-    reply = client.copy(12, src_id, s, dst_id, d, FAR, verify=True)
+    reply = client.copy(12, src_id, s, dst_id, d, FAR, verify=True, capability=CAP)
     from pdunit.engine.kv.checksum import kv_checksum
 
     assert reply.src_checksum == kv_checksum(src.storage, s)
@@ -103,7 +105,7 @@ def test_refused_job_copies_nothing(pools, case):
         deadline = int(time.time() * 1000) - 10
     before = dst.storage.clone()
     with pytest.raises(TransferError) as err:
-        client.copy(13, sid, s, did, d, deadline)
+        client.copy(13, sid, s, did, d, deadline, capability=CAP)
     assert want in str(err.value)
     assert torch.equal(dst.storage.view(torch.int16), before.view(torch.int16))
 
@@ -116,7 +118,7 @@ def test_layout_mismatch_is_refused(proxy_socket, pools):
         oid = client.register_host("odd", rx.name, other)
         before = dst.storage.clone()
         with pytest.raises(TransferError, match="INVALID_ARGUMENT.*layout"):
-            client.copy(14, oid, np.arange(3), dst_id, np.arange(3), FAR)
+            client.copy(14, oid, np.arange(3), dst_id, np.arange(3), FAR, capability=CAP)
         assert torch.equal(dst.storage.view(torch.int16), before.view(torch.int16))
         client.unregister(oid)
     finally:
@@ -139,7 +141,7 @@ def test_call_without_session_token_is_denied_and_copies_nothing(proxy_socket, p
                          src_slots=s.astype("<i8").tobytes(), dst_slots=d.astype("<i8").tobytes())
     with pytest.raises(grpc.RpcError) as err:
         stub.Copy(req, metadata=(("x-pdunit-session", "forged-token"),), timeout=5)
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert torch.equal(dst.storage.view(torch.int16), before.view(torch.int16))
 
 
@@ -156,14 +158,14 @@ def test_quiesce_cancels_later_jobs_of_the_request(pools):
     client, src, src_id, dst, dst_id = pools
     rid = 21 if client.copy_lane else 121  # one proxy serves both params: cancelled ids persist
     s, d = _fragmented(8, 7)
-    client.copy(rid, src_id, s, dst_id, d, FAR)
+    client.copy(rid, src_id, s, dst_id, d, FAR, capability=CAP)
     quiesced, running = client.quiesce([rid, rid + 1], cancel=True)
     assert quiesced and running == []
     before = dst.storage.clone()
     with pytest.raises(TransferError, match="FAILED_PRECONDITION.*cancelled"):
-        client.copy(rid + 1, src_id, s[::-1].copy(), dst_id, d, FAR)
+        client.copy(rid + 1, src_id, s[::-1].copy(), dst_id, d, FAR, capability=CAP)
     assert torch.equal(dst.storage.view(torch.int16), before.view(torch.int16))
-    client.copy(rid + 2, src_id, s, dst_id, d, FAR)  # other requests are unaffected
+    client.copy(rid + 2, src_id, s, dst_id, d, FAR, capability=CAP)  # other requests are unaffected
     assert client.in_flight() == []
 
 
@@ -174,7 +176,8 @@ def test_sigterm_stops_the_proxy_and_removes_its_sockets(tmp_path):
         client = ProxyClient(sock)
         rx = _pool(3)
         region = client.register_host("d", rx.name, GEO)
-        client.copy(1, region, np.arange(4), region, np.arange(4, 8), FAR)
+        client.grant(region, 1, CAP, np.arange(4, 8), 0)
+        client.copy(1, region, np.arange(4), region, np.arange(4, 8), FAR, capability=CAP)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'pdunit_proxy_jobs_total{method="host",outcome="ok"} 1.0' in metrics
         assert "pdunit_proxy_regions 1.0" in metrics

@@ -27,7 +27,7 @@ def test_paged_write_lands_bit_exact_and_nothing_else_changes(proxy_socket):
         pages = np.array([20, 3, 11])  # page size 4: three scattered pages
         dst = (pages[:, None] * 4 + np.arange(4)).reshape(-1)
         src_slots = np.arange(12, 24)
-        tx.write(5, src, src_slots, dst, _deadline())
+        tx.write(5, src, src_slots, dst, _deadline(), capability=rx.grant(5, dst, _deadline()))
         assert torch.equal(rx.storage[:, :, dst], src[:, :, src_slots])
         untouched = np.setdiff1d(np.arange(GEO.n_slots), dst)
         assert bool((rx.storage[:, :, untouched] == -7).all())
@@ -42,11 +42,12 @@ def test_quiesced_request_cannot_write_again(proxy_socket):
     tx = make_sender(rx.descriptors(), GEO, "cpu", {"proxy_socket": proxy_socket})
     try:
         src = torch.randn(GEO.shape()).to(GEO.dtype)
-        tx.write(6, src, np.arange(4), np.arange(4), _deadline())
+        cap = rx.grant(6, np.arange(4), _deadline())
+        tx.write(6, src, np.arange(4), np.arange(4), _deadline(), capability=cap)
         assert tx.quiesce(6) is True
         before = rx.storage.clone()
         try:
-            tx.write(6, src, np.arange(4, 8), np.arange(4), _deadline())
+            tx.write(6, src, np.arange(4, 8), np.arange(4), _deadline(), capability=cap)
             raise AssertionError("a write after quiesce must be refused")
         except TransferError as e:
             assert "cancelled" in str(e)
