@@ -501,6 +501,7 @@ class DecodeEngine:
             queue=len(self.reservations), in_flight=len(self.batcher),
             held_pages=self.pool.held_pages, pool_pages=self.pool.n_pages, free_pages=self.pool.free_pages,
             draining=self._draining, transfer_mode=self.receiver.mode,
+            unready=getattr(self.receiver, "unready", ""),  # e.g. the proxy restarted: registering again
             kv_checks_total=int(m.KV_CHECKS._value.get()), kv_mismatch_total=int(m.KV_MISMATCH._value.get()),
             request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )

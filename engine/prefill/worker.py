@@ -762,6 +762,7 @@ class PrefillEngine:
             role="prefill", instance_id=self.instance_id, peer_instance_id=self.d_instance, pid=os.getpid(),
             queue=len(self.scheduler), in_flight=len(in_flight), held_aborts=held,
             transfer_mode=self.transfer_mode,
+            unready="; ".join(u for link in self.links if (u := getattr(link.sender, "unready", ""))),
             request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )
 

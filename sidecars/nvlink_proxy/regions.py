@@ -22,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,12 +356,33 @@ class GrantTable:
     """The live write grants of every region (PROTOCOL.md 3.1), under one lock. A grant
     lives from its owner's Grant (RESERVE) to its Revoke (COMMIT, ABORT, held), its
     deadline, or its region's unregistration; a job whose destination rows it does not
-    cover is refused."""
+    cover is refused. The capabilities of the latest `memory` ended grants are kept, so
+    a late write of a stalled but authorised writer is refused as late (FAILED_PRECONDITION),
+    not reported as an attack."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: int = 100_000) -> None:
         self._lock = threading.Lock()
         self._by_request: dict[int, dict[str, WriteGrant]] = {}  # request id -> region id -> grant
         self._standing: dict[str, WriteGrant] = {}                # region id -> any-request grant
+        self._ended: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # (request id, capability)
+        self._memory = memory
+
+    def _end(self, g: WriteGrant) -> None:
+        """Under the lock: remember an ended grant's capability."""
+        if g.request_id is None:
+            return
+        self._ended[(g.request_id, g.capability)] = None
+        while len(self._ended) > self._memory:
+            self._ended.popitem(last=False)
+
+    def _late(self, request_id: int, capability: bytes) -> JobRejected | None:
+        with self._lock:
+            ended = (request_id, bytes(capability)) in self._ended
+        if not ended:
+            return None
+        return JobRejected("FAILED_PRECONDITION",
+                           f"request {request_id}: its write grant ended (COMMIT, ABORT or deadline): "
+                           "late write refused, nothing copied")
 
     def grant(self, region: Region, request_id: int | None, capability: bytes, raw_slots: bytes,
               deadline_unix_ms: int) -> WriteGrant:
@@ -382,8 +404,10 @@ class GrantTable:
     def revoke(self, region_id: str, request_id: int) -> bool:
         with self._lock:
             mine = self._by_request.get(request_id)
-            if mine is None or mine.pop(region_id, None) is None:
+            g = mine.pop(region_id, None) if mine is not None else None
+            if g is None:
                 return False
+            self._end(g)
             if not mine:
                 del self._by_request[request_id]
             return True
@@ -392,7 +416,7 @@ class GrantTable:
         with self._lock:
             self._standing.pop(region_id, None)
             for rid in [rid for rid, g in self._by_request.items() if region_id in g]:
-                del self._by_request[rid][region_id]
+                self._end(self._by_request[rid].pop(region_id))
                 if not self._by_request[rid]:
                     del self._by_request[rid]
 
@@ -404,6 +428,9 @@ class GrantTable:
         for g in candidates:
             if same_bytes(g.capability, bytes(capability)):
                 return g.region_id
+        late = self._late(request_id, capability)
+        if late is not None:
+            raise late
         raise Refused("proxy_write_refused",
                       f"request {request_id}: no live grant matches the capability (never granted, "
                       "revoked at COMMIT/ABORT, or the proxy restarted and D has not granted it again)")
@@ -413,6 +440,9 @@ class GrantTable:
         with self._lock:
             g = self._by_request.get(request_id, {}).get(region.region_id) or self._standing.get(region.region_id)
         if g is None:
+            late = self._late(request_id, capability)
+            if late is not None:
+                raise late
             raise Refused("proxy_write_refused",
                           f"request {request_id}: no live grant for destination region {region.name!r} "
                           "(never granted, revoked at COMMIT/ABORT, or granted to another region)")
@@ -421,9 +451,10 @@ class GrantTable:
                           f"request {request_id}: wrong write capability for region {region.name!r} "
                           "(present the one of this request's RESERVE)")
         late_ms = time.time() * 1000 - g.deadline_unix_ms
-        if g.deadline_unix_ms and late_ms > 0:
-            raise Refused("proxy_write_refused",
-                          f"request {request_id}: its grant on {region.name!r} expired {late_ms:.0f} ms ago")
+        if g.deadline_unix_ms and late_ms > 0:  # its own writer, late: refused, not an attack
+            raise JobRejected("FAILED_PRECONDITION",
+                              f"request {request_id}: its grant on {region.name!r} expired {late_ms:.0f} ms "
+                              "ago: late write refused, nothing copied")
         inside = np.isin(dst_slots, g.slots)
         if not bool(inside.all()):
             bad = int(dst_slots[~inside][0])
@@ -437,7 +468,7 @@ class GrantTable:
             dead = [(rid, reg) for rid, gs in self._by_request.items() for reg, g in gs.items()
                     if g.deadline_unix_ms and g.deadline_unix_ms < now_unix_ms]
             for rid, reg in dead:
-                del self._by_request[rid][reg]
+                self._end(self._by_request[rid].pop(reg))
                 if not self._by_request[rid]:
                     del self._by_request[rid]
         return len(dead)
