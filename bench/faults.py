@@ -59,6 +59,7 @@ from pydantic import BaseModel, Field
 from pdunit.bench import report
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port
+from pdunit.engine.prefill.main import FAULT_ENV
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 
@@ -282,15 +283,18 @@ class Unit:
         self.d_debug_port = free_port()
         self.p_metrics_port = free_port()
         p_args = ["--transfer-deadline-ms", str(cfg.transfer_deadline_ms),
-                  "--transfer-chunk-tokens", str(cfg.chunk_tokens),
-                  "--transfer-chunk-delay-ms", str(cfg.chunk_delay_ms),
+                  "--fault-chunk-tokens", str(cfg.chunk_tokens),
+                  "--fault-chunk-delay-ms", str(cfg.chunk_delay_ms),
                   "--fault-corrupt-id", str(CORRUPT_ID), "--fault-slow-id", str(SLOW_ID),
                   "--fault-slow-ms", str(cfg.transfer_deadline_ms + 1200), "--fault-wedge-id", str(WEDGE_ID),
                   "--metrics-port", str(self.p_metrics_port)]
         if tcp_relay_port:
             p_args += ["--fault-tcp-relay", f"127.0.0.1:{tcp_relay_port}"]
+        wrappers = isolation_wrappers() if cfg.isolate else {}
+        # P's --fault-* switches exist only under PDUNIT_FAULT_INJECTION=1 (engine/prefill/main.py)
+        wrappers["prefill"] = wrappers.get("prefill", []) + ["env", f"{FAULT_ENV}=1"]
         self.local = LocalUnit(LocalConfig(
-            wrappers=isolation_wrappers() if cfg.isolate else {},
+            wrappers=wrappers, restart=False,  # P's restarts are the scenario's (restart_p)
             mode="pd", model=cfg.model, transfer=cfg.transfer, device=cfg.device, pool_tokens=cfg.pool_tokens,
             cache_tokens=16384, lb_port=0, guard=True, log_level="warning", run_dir=run_dir,
             extra_prefill_args=p_args,

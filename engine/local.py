@@ -3,8 +3,13 @@ pod runs (ARCHITECTURE.md section 3), for development, `make run`, tests and CPU
 benchmarks.
 
 Owns the child processes: each runs in its own process group with a parent-death
-signal, so neither Ctrl-C, SIGTERM nor a crash of this process leaves an orphan. It
-never talks to the engines itself except through the LB's HTTP API.
+signal, so neither Ctrl-C, SIGTERM nor a crash of this process leaves an orphan. Once
+the unit was ready it supervises them as a pod's kubelet does its containers: a child
+that exits is started again with the same command after a backoff (`RestartBackoff`),
+the others keep serving; `--no-restart` stops the whole unit instead. A child that
+exits before the unit was first ready fails the start (a command that cannot start is
+a configuration error, not a crash). It never talks to the engines itself except
+through the LB's HTTP API.
 """
 
 from __future__ import annotations
@@ -80,7 +85,29 @@ class LocalConfig(BaseModel):
     wrappers: dict[str, list[str]] = Field(default_factory=dict, description="argv prefix per child name (the "
                                            "pod-isolation harness wraps prefill, decode and proxy on a GPU host)")
     ready_timeout_s: float = Field(120.0, gt=0, description="how long to wait for /readyz")
+    restart: bool = Field(True, description="restart a child that exits, after a backoff of 0.5 s doubling to "
+                          "10 s (reset once it stayed up 30 s), as a pod's kubelet does; --no-restart: any "
+                          "child's exit stops the unit")
     log_level: str = Field("info", description="log level of every process")
+
+
+@dataclass
+class RestartBackoff:
+    """The wait before each restart of one child, as the kubelet's: `base_s` doubling up
+    to `max_s`, back to `base_s` once a start stayed up `reset_after_s`."""
+
+    base_s: float = 0.5
+    max_s: float = 10.0
+    reset_after_s: float = 30.0
+    failures: int = 0  # exits since the last start that stayed up reset_after_s
+
+    def next_delay(self, up_s: float) -> float:
+        """The wait before starting again a child that exited after `up_s` seconds up."""
+        if up_s >= self.reset_after_s:
+            self.failures = 0
+        delay = min(self.max_s, self.base_s * 2 ** self.failures)
+        self.failures += 1
+        return delay
 
 
 @dataclass
@@ -89,6 +116,10 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen
     log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    restart_at: float | None = None  # exited: when the supervisor starts it again
 
 
 class Interrupted(Exception):
@@ -108,6 +139,11 @@ class LocalUnit:
     # Set from a signal handler: start() and wait_ready() stop waiting and raise
     # Interrupted (a handler must not raise itself: see main()).
     interrupted: threading.Event = field(default_factory=threading.Event)
+    # The supervisor (cfg.restart, once ready): its thread, its stop, and the lock that
+    # makes a restart (its own or restart()'s) one step against a look at the children.
+    _supervisor: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _children_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.cfg.run_dir:
@@ -245,25 +281,77 @@ class LocalUnit:
             time.sleep(0.05)
 
     def restart(self, name: str, timeout_s: float = 10.0) -> Child:
-        """The supervisor's job in a pod (kubelet restarting a container): start `name`
-        again with the same command and log file, once its old process is gone. A child
-        still running is SIGKILLed first (its process group, so nothing of it survives)."""
+        """Start `name` again now with the same command and log file, once its old process
+        is gone (a test's or the fault suite's restart; the supervisor's waits its
+        backoff). A child still running is SIGKILLed first (its process group, so nothing
+        of it survives)."""
         child = self.child(name)
-        if child.proc.poll() is None:
-            _signal_group(child.proc, signal.SIGCONT)
-            _signal_group(child.proc, signal.SIGKILL)
-        child.proc.wait(timeout=timeout_s)
-        old = child.proc.returncode
-        child.proc = _spawn(child.argv, child.log_path)
-        log.warning("restarted", extra={"child": name, "pid": child.proc.pid, "previous_exit": old})
+        with self._children_lock:
+            if child.proc.poll() is None:
+                _signal_group(child.proc, signal.SIGCONT)
+                _signal_group(child.proc, signal.SIGKILL)
+            child.proc.wait(timeout=timeout_s)
+            self._respawn(child)
         return child
 
+    def _respawn(self, child: Child) -> None:
+        """A new process for `child` (its old one has exited); the caller holds _children_lock."""
+        old = child.proc.returncode
+        child.proc = _spawn(child.argv, child.log_path)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        child.restarts += 1
+        log.warning("restarted", extra={"child": child.name, "pid": child.proc.pid, "previous_exit": old,
+                                        "restarts": child.restarts})
+
+    @property
+    def supervising(self) -> bool:
+        return self._supervisor is not None
+
+    def supervise(self) -> None:
+        """From now on, restart every child that exits (cfg.restart; the kubelet's job in a
+        pod), on a thread of its own until stop(). Without cfg.restart nothing happens:
+        the caller watches the children (main() stops the unit at the first exit)."""
+        if not self.cfg.restart or self._supervisor is not None:
+            return
+        self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.1):
+            self.supervise_once(time.monotonic())
+
+    def supervise_once(self, now: float) -> None:
+        """One look at the children: an exit found is logged and its restart scheduled
+        after the child's backoff; a restart that is due is done."""
+        with self._children_lock:
+            for child in self.children:
+                if self._stopping.is_set():
+                    return
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if child.restart_at is None:
+                    delay = child.backoff.next_delay(now - child.started_at)
+                    child.restart_at = now + delay
+                    log.warning("child exited: restarting it after its backoff", extra={
+                        "child": child.name, "exit_code": code, "attempt": child.restarts + 1,
+                        "backoff_s": delay, "up_s": round(now - child.started_at, 1)})
+                elif now >= child.restart_at:
+                    self._respawn(child)
+
+    def restarts(self) -> dict[str, int]:
+        """Child name -> how many times it was started again."""
+        return {c.name: c.restarts for c in self.children}
+
     def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until the LB's /readyz answers 200. Before supervision, a child that exits
+        fails the wait at once; under it (after a restart) its restart is waited for."""
         deadline = time.monotonic() + (timeout_s or self.cfg.ready_timeout_s)
         last = ""
         while time.monotonic() < deadline:
             self._check_interrupted()
-            for child in self.children:
+            for child in self.children if not self.supervising else []:
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before the unit was "
                                        f"ready; its log:\n{self.tail(child.name)}")
@@ -292,7 +380,11 @@ class LocalUnit:
             return ""
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM every child (LB first, so streams stop entering), then SIGKILL stragglers."""
+        """SIGTERM every child (LB first, so streams stop entering), then SIGKILL stragglers.
+        The supervisor stops first: nothing stopped here is started again."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=timeout_s)
         codes: dict[str, int | None] = {}
         for child in reversed(self.children):
             if child.proc.poll() is None:
@@ -318,6 +410,7 @@ class LocalUnit:
         except BaseException:
             self.stop()
             raise
+        self.supervise()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -410,6 +503,7 @@ def main(argv: list[str]) -> int:
         unit.wait_ready()
         print(f"unit ready at {unit.url}  (logs: {unit.run_dir / 'logs'})", flush=True)
         print("metrics: " + "  ".join(f"{name} {url}" for name, url in unit.metrics_urls().items()), flush=True)
+        unit.supervise()
         if cfg.load_streams:
             from pdunit.bench.capacity import print_report
 
@@ -422,8 +516,9 @@ def main(argv: list[str]) -> int:
                   f"held pages: {load.get('held_pages')}  transfer: {load.get('transfer_mode')}")
             errors = sum(r.get("errors", 0) for r in result.get("rows", []))
             return 1 if load.get("kv_mismatch_total") or errors else 0
-        print("Ctrl-C stops the unit.", flush=True)
-        while not unit.interrupted.is_set() and all(c.proc.poll() is None for c in unit.children):
+        print("Ctrl-C stops the unit" + (" (a child that exits is restarted)." if cfg.restart else
+                                         "; so does any child's exit (--no-restart)."), flush=True)
+        while not unit.interrupted.is_set() and (cfg.restart or all(c.proc.poll() is None for c in unit.children)):
             unit.interrupted.wait(0.5)
         if unit.interrupted.is_set():
             return 0
@@ -435,4 +530,4 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         codes = unit.stop()
-        log.info("unit stopped", extra={"exit_codes": json.dumps(codes)})
+        log.info("unit stopped", extra={"exit_codes": json.dumps(codes), "restarts": json.dumps(unit.restarts())})

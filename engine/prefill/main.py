@@ -1,9 +1,16 @@
-"""`pdunit prefill`: the prefill engine process (P) of a unit."""
+"""`pdunit prefill`: the prefill engine process (P) of a unit.
+
+It never carries fault-injection switches: `--fault-*` exist only when the process is
+started with PDUNIT_FAULT_INJECTION=1 (the fault suite; pdunit.bench.fault_injection),
+and are refused otherwise.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -22,13 +29,14 @@ from pdunit.engine.observability import (
 )
 from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.scheduler import PrefillScheduler
-from pdunit.engine.prefill.worker import (
-    FaultInjection,
-    PrefillEngine,
-    PrefillService,
-)
+from pdunit.engine.prefill.worker import PrefillEngine, PrefillService
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import PrefillModelFields, parse_config, parse_decode_sockets
+from pdunit.engine.settings import (
+    ConfigError,
+    PrefillModelFields,
+    parse_config,
+    parse_decode_sockets,
+)
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 
 
@@ -50,19 +58,8 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields):
                                       "forward included; D enforces it too (0 = the request deadline)")
     transfer_workers: int = Field(4, gt=0, description="threads writing KV to D, one request each: a stalled "
                                   "write holds up only its own request")
-    transfer_chunk_tokens: int = Field(0, ge=0, description="fault injection: write in chunks of this many tokens")
-    transfer_chunk_delay_ms: float = Field(0.0, ge=0, description="fault injection: pause between chunks")
     proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
     tcp_connections: int = Field(4, gt=0, description="tcp transport: parallel connections")
-    fault_corrupt_id: int = Field(-1, ge=-1, description="fault injection (never in a pod): flip a bit in the KV "
-                                  "rows sent for prompts whose row 0 column 0 is this id (-1 = off)")
-    fault_slow_id: int = Field(-1, ge=-1, description="fault injection: such prompts' writes pause mid-transfer "
-                               "for --fault-slow-ms (-1 = off)")
-    fault_slow_ms: int = Field(0, ge=0, description="fault injection: the pause of --fault-slow-id writes")
-    fault_wedge_id: int = Field(-1, ge=-1, description="fault injection: such prompts' writes never complete and "
-                                "cannot be cancelled, so their aborts stay held (-1 = off)")
-    fault_tcp_relay: str = Field("", description="fault injection: host:port the tcp transport connects to "
-                                 "instead of D's address (a relay that can stall)")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
@@ -76,7 +73,22 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields):
         return v
 
 
-async def serve(cfg: PrefillConfig) -> int:
+FAULT_ENV = "PDUNIT_FAULT_INJECTION"  # "1": the process is started for the fault suite
+FAULT_FLAG = "--fault-"
+
+
+def refuse_fault_switches(argv: list[str], prog: str) -> None:
+    """Exit 2 naming the first `--fault-*` switch in `argv`: a production process has none."""
+    for arg in argv:
+        if arg.startswith(FAULT_FLAG):
+            message = (f"{prog}: {arg.partition('=')[0]} is a fault-injection switch: it exists only in a "
+                       f"process started with {FAULT_ENV}=1 (the fault-injection suite), never in a pod")
+            print(message, file=sys.stderr)
+            raise ConfigError(message)
+
+
+async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine] = PrefillEngine) -> int:
+    """`engine_factory`: PrefillEngine, or the fault suite's (pdunit.bench.fault_injection)."""
     log = setup_logging("prefill", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
@@ -93,15 +105,11 @@ async def serve(cfg: PrefillConfig) -> int:
         # requests arrive together and each compiled it (four serving compiles in the
         # H200 runs, bench/results/capacity-20261130-h200x2-60s-q8.md).
         kv_checksum(storage, np.arange(min(16, storage.shape[2])))
-    engine = PrefillEngine(
+    engine = engine_factory(
         model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
         PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,
-        {"proxy_socket": cfg.proxy_socket, "tcp_connections": str(cfg.tcp_connections),
-         "chunk_tokens": str(cfg.transfer_chunk_tokens), "chunk_delay_s": str(cfg.transfer_chunk_delay_ms / 1000),
-         "tcp_chunk_tokens": str(cfg.transfer_chunk_tokens)},
+        {"proxy_socket": cfg.proxy_socket, "tcp_connections": str(cfg.tcp_connections)},
         cfg.kv_check_sample, cfg.max_held_aborts, cfg.held_abort_grace_ms / 1000, cfg.transfer_deadline_ms,
-        FaultInjection(cfg.fault_corrupt_id, cfg.fault_slow_id, cfg.fault_slow_ms, cfg.fault_wedge_id,
-                       cfg.fault_tcp_relay),
         decode_probe_interval_s=cfg.decode_probe_interval_ms / 1000,
         transfer_workers=cfg.transfer_workers,
         graphs=graphs,
@@ -132,6 +140,11 @@ async def serve(cfg: PrefillConfig) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if os.environ.get(FAULT_ENV) == "1":
+        from pdunit.bench.fault_injection import main as main_with_faults
+
+        return main_with_faults(argv)
+    refuse_fault_switches(argv, "pdunit prefill")
     cfg = parse_config(PrefillConfig, argv, "pdunit prefill")
     return asyncio.run(serve(cfg))
 

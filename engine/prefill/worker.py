@@ -21,11 +21,8 @@ GPU runs forwards back to back:
 A request cancelled or past its deadline between stages is ended there (no forward or
 write spent on it); stopping P ends the requests left between stages and tells D.
 
-Fault injection (`FaultInjection`, flags `--fault-*`, never set in a pod): requests
-whose prompt row 0 column 0 carries a chosen id get a flipped bit in the rows sent
-(D's checksum must catch it), a write paused across its deadline, or a wedged write
-that never reports completion (P can never prove quiescence for it, so its abort stays
-held). The fault-injection suite (tests/faults/) drives these.
+P never injects faults itself: the fault-injection suite wraps the sender it attaches
+(`attach_sender`, in pdunit.bench.fault_injection), so no test hook sits on this path.
 
 Several D's (1P2D, `--decode-socket a.sock,b.sock`): P handshakes with each (one
 `DecodeLink`: stub, sender, D instance id, load as last reported) and picks one D per
@@ -122,25 +119,6 @@ class PeerMismatch(RuntimeError):
     """P and D disagree on the model or pool geometry: no transfer can be correct."""
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    """Faults P injects into its own transfers, chosen by the id in prompt row 0 column 0
-    (-1 = off). Only the fault-injection suite sets them."""
-
-    corrupt_id: int = -1        # flip one bit of the rows written (D's KV check must fail)
-    slow_id: int = -1           # write half the rows, pause `slow_ms`, then the rest
-    slow_ms: int = 0
-    wedge_id: int = -1          # the write never completes and cannot be cancelled
-    tcp_relay: str = ""         # host:port the tcp transport connects to instead of D's address
-
-    def kind(self, prompt: np.ndarray) -> str:
-        first = int(prompt[0, 0])
-        for kind, marker in (("corrupt", self.corrupt_id), ("slow", self.slow_id), ("wedge", self.wedge_id)):
-            if marker >= 0 and first == marker:
-                return kind
-        return ""
-
-
 @dataclass
 class DecodeLink:
     """One D that P feeds: its channel, P's sender into its pool, its instance id, and its
@@ -191,7 +169,6 @@ class PrefillEngine:
         max_held_aborts: int = 3,
         held_abort_grace_s: float = 1.0,
         transfer_deadline_ms: int = 0,
-        faults: FaultInjection | None = None,
         decode_probe_interval_s: float = 0.5,
         transfer_workers: int = 4,
         graphs: PrefillGraphRunner | None = None,
@@ -217,8 +194,6 @@ class PrefillEngine:
         self.max_held_aborts = max_held_aborts
         self.held_abort_grace_s = held_abort_grace_s
         self.transfer_deadline_ms = transfer_deadline_ms
-        self.faults = faults or FaultInjection()
-        self.wedged: set[tuple[int, int]] = set()  # fault injection: (link, request) writes that never complete
         self.transfer_deadlines: dict[int, int] = {}  # request id -> deadline sent in RESERVE
         self.cancel_reasons: dict[int, tuple[int, str]] = {}  # why an active job was cancelled
         sockets = parse_decode_sockets(decode_socket)
@@ -297,17 +272,9 @@ class PrefillEngine:
                                "run P and D with the same --dtype and --kv-cache-dtype")
         geometry = PoolGeometry(g.n_layers, g.n_kv_heads, g.head_dim, self.storage.dtype, g.n_slots, g.page_size)
         offered = [Descriptor(t.mode, dict(t.params), t.handle) for t in hello.transports]
-        if self.faults.tcp_relay:
-            host, _, port = self.faults.tcp_relay.rpartition(":")
-            for d in offered:
-                if d.mode == "tcp":
-                    d.params.update(host=host, port=port)
-            log.warning("fault injection: tcp transport goes through a relay", extra={"relay": self.faults.tcp_relay})
         if link.sender is not None:
             link.sender.close()
-        link.sender = make_sender(offered if self.transfer == "auto" else
-                                  [d for d in offered if d.mode == self.transfer] or offered,
-                                  geometry, self.device, self.sender_options)
+        link.sender = self.attach_sender(offered, geometry)
         if self.transfer not in ("auto", link.sender.mode):
             raise PeerMismatch(f"asked for transfer {self.transfer!r} but D at {link.socket} offers "
                                f"{[d.mode for d in offered]}")
@@ -320,6 +287,13 @@ class PrefillEngine:
         link.responsive = True
         log.info("connected to decode", extra={"decode": link.name, "socket": link.socket,
                                                "d_instance": link.instance, "transfer": link.sender.mode})
+
+    def attach_sender(self, offered: list[Descriptor], geometry: PoolGeometry) -> KVSender:
+        """The sender to one D among the transports it offered: `--transfer`'s, or D's
+        best for auto."""
+        return make_sender(offered if self.transfer == "auto" else
+                           [d for d in offered if d.mode == self.transfer] or offered,
+                           geometry, self.device, self.sender_options)
 
     # ------------------------------------------------------------------ D load probe
     def start_probe(self) -> None:
@@ -406,7 +380,6 @@ class PrefillEngine:
         ack = True
         for link in links:  # every one is asked: quiesce also bars later writes
             ack = (link.sender.quiesce(rid) if link.sender is not None else True) and ack
-        ack = ack and not any((link.index, rid) in self.wedged for link in links)
         key = (d_instance, rid)
         now = time.monotonic()
         with self._lock:
@@ -670,7 +643,7 @@ class PrefillEngine:
             return
         job.stamps["transfer_start"] = now_ns()
         try:
-            self._write(link, sender, job, live.lease.slots, live.dst, self._deadline(job))
+            sender.write(rid, self.storage, live.lease.slots, live.dst, self._deadline(job))
         except TransferError as exc:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
             # D holds the pages and sends ABORT; our quiesce answers it. Told from the
@@ -721,33 +694,6 @@ class PrefillEngine:
             return
         self._finish(job, pb.STATUS_OK, prefill_tokens=len(job.prompt) - cached, cached_tokens=cached)
 
-    def _write(self, link: DecodeLink, sender: KVSender, job: PrefillJob, src_slots: np.ndarray,
-               dst: np.ndarray, deadline: int) -> None:
-        """The request's rows to its D, with the fault injected for this request if any."""
-        rid = job.request_id
-        kind = self.faults.kind(job.prompt)
-        if not kind:
-            sender.write(rid, self.storage, src_slots, dst, deadline)
-            return
-        log.warning("fault injection", extra={"request_id": rid, "fault": kind})
-        if kind == "corrupt":
-            # Send a copy of the rows with one bit flipped; P's checksum is over the true rows.
-            index = torch.from_numpy(np.asarray(src_slots, dtype=np.int64)).to(self.storage.device)
-            rows = self.storage.index_select(2, index)
-            rows = rows.contiguous()
-            flat = rows.view(-1).view(torch.uint8)
-            flat[0] ^= 1
-            sender.write(rid, rows, np.arange(len(src_slots), dtype=np.int64), dst, deadline)
-        elif kind == "slow":
-            half = len(src_slots) // 2
-            sender.write(rid, self.storage, src_slots[:half], dst[:half], deadline)
-            time.sleep(self.faults.slow_ms / 1000)
-            sender.write(rid, self.storage, src_slots[half:], dst[half:], deadline)
-        elif kind == "wedge":
-            with self._lock:
-                self.wedged.add((link.index, rid))
-            raise TransferError(f"request {rid}: write wedged (fault injection): it never completes")
-
     # ------------------------------------------------------------------ info
     def info(self) -> pb.InfoReply:
         with self._lock:
@@ -762,7 +708,6 @@ class PrefillEngine:
             role="prefill", instance_id=self.instance_id, peer_instance_id=self.d_instance, pid=os.getpid(),
             queue=len(self.scheduler), in_flight=len(in_flight), held_aborts=held,
             transfer_mode=self.transfer_mode,
-            unready="; ".join(u for link in self.links if (u := getattr(link.sender, "unready", ""))),
             request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )
 
