@@ -15,6 +15,7 @@ would land.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Str
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
-from pdunit.engine.grpc_server import channel
+from pdunit.engine.grpc_server import CHANNEL_OPTIONS, unix_target
 from pdunit.engine.kernel_compiles import serving_started, watch_kernel_compiles
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
@@ -44,9 +45,18 @@ from pdunit.engine.observability import now_ns, settle_gc_for_serving
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.security import security_event
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
 
 log = logging.getLogger("pdunit.decode")
+
+# D's channel to P reconnects fast: after P restarts, D must hear the new instance id
+# (proof b) as soon as the new P serves, not after gRPC's default backoff (1 s growing
+# to 120 s).
+P_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 50),
+                     ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 250)]
+CLAIM_RECHECK_S = 0.1     # how often P is asked while a claimed instance id is unchecked
+MAX_PENDING_CLAIMS = 16   # unchecked claims kept; more (a flood while P is stopped) are dropped
 
 
 def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
@@ -174,7 +184,12 @@ class DecodeEngine:
         self.overlap = OverlapScheduler(model, self.batcher, self.step_forward) if overlap else None
         self.reservations: dict[int, Reservation] = {}
         self.held: dict[int, Held] = {}
-        self.p_instance = ""          # the newest P instance seen (Reserve or probe)
+        self.p_instance = ""          # P's instance id as P answered on its own socket (never a claim)
+        self._p_heard: set[str] = set()  # every instance id P answered with; all but the newest are dead
+        self._p_claims: dict[str, tuple[float, str]] = {}  # unchecked claims: id -> (monotonic, seen on)
+        self._p_loop: asyncio.AbstractEventLoop | None = None  # the probe loop's, to wake it from any thread
+        self._p_wake: asyncio.Event | None = None
+        self._p_asking: asyncio.Future[str] | None = None
         self._lock = threading.Lock()
         self._draining = False
         self._step = 0
@@ -231,24 +246,104 @@ class DecodeEngine:
         self._update_draining()
         self._update_gauges()
 
-    def observe_p_instance(self, instance: str) -> None:
-        """A P instance id seen on any message. A new one is proof (b) for everything the
-        old instance could still have written."""
-        if not instance or instance == self.p_instance:
+    # ------------------------------------------------------------------ P's instance: proof (b)
+    def claim_p_instance(self, claim: str, seen_on: str) -> None:
+        """An instance id on a message to D's socket (Hello, Reserve, Commit). Only a
+        claim: anyone who reaches D's socket can write one (PROTOCOL.md 2). A claim of an
+        id D has not heard from P makes the probe loop ask P now, on P's own socket;
+        only P's answer there counts (`_heard_from_p`). Callable from any thread."""
+        if not claim or claim == self.p_instance or claim in self._p_heard:
             return
-        old, self.p_instance = self.p_instance, instance
-        if not old:
+        with self._lock:
+            full = claim not in self._p_claims and len(self._p_claims) >= MAX_PENDING_CLAIMS
+            if not full:
+                self._p_claims.setdefault(claim, (time.monotonic(), seen_on))
+        if full:
+            security_event("forged_instance_claim", claimed=claim, seen_on=seen_on, p_instance=self.p_instance,
+                           detail=f"more than {MAX_PENDING_CLAIMS} claims unchecked (P does not answer): dropped")
+            return
+        loop, wake = self._p_loop, self._p_wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nothing to wake
+                loop.call_soon_threadsafe(wake.set)
+
+    def _heard_from_p(self, instance: str, asked_at: float) -> None:
+        """P's instance id in P's own answer (Info, Abort) on `prefill_socket`, the socket D
+        was configured with and dialed itself: the only word for it D takes. A new one is
+        proof (b): the old process cannot write any more. Claims made before the question
+        (`asked_at`, monotonic) are settled: one P never answered with is a forgery and
+        changes nothing."""
+        if not instance:
+            return
+        if instance != self.p_instance and instance in self._p_heard:
+            # An instance P's successor already replaced answering again: two processes on
+            # P's socket. Never go back: that would "prove" the successor gone.
+            log.error("an earlier P instance answered on P's socket: ignored", extra={
+                "answered": instance, "p_instance": self.p_instance, "prefill_socket": self.prefill_socket})
+            return
+        with self._lock:
+            old, self.p_instance = self.p_instance, instance
+            self._p_heard.add(instance)
+            settled = {c: v for c, v in self._p_claims.items() if v[0] <= asked_at or c == instance}
+            for claim in settled:
+                del self._p_claims[claim]
+        for claim, (_, seen_on) in settled.items():
+            if claim not in self._p_heard:
+                security_event("forged_instance_claim", claimed=claim, seen_on=seen_on, p_instance=instance,
+                               prefill_socket=self.prefill_socket)
+        if not old or old == instance:
             return
         m.D_P_INSTANCE_CHANGES.inc()
-        log.warning("P restarted: new instance id", extra={"old": old, "new": instance})
+        log.warning("P restarted: P answered with a new instance id", extra={"old": old, "new": instance})
         with self._lock:
             stale = [r for r, res in self.reservations.items() if res.p_instance != instance]
         for rid in stale:
             self.fail_transfer(rid, pb.TRANSFER_FAILED, "p_restarted", "prefill restarted during the transfer")
         with self._lock:
-            proven = [r for r, h in self.held.items() if h.p_instance != instance]
+            # Only requests of an instance P itself answered with: its successor answering
+            # proves that process gone. A request attributed to anything else has no proven
+            # writer to be gone; it waits for ABORT_ACK.
+            proven = [r for r, h in self.held.items() if h.p_instance != instance and h.p_instance in self._p_heard]
         for rid in proven:
             self.release_held(rid, Proof.NEW_INSTANCE)
+
+    async def ask_p(self, timeout: float = 1.0) -> str:
+        """Asks P for its instance id on P's own socket ('' when P does not answer within
+        `timeout`). Callers at the same time share one question."""
+        if self._p_asking is None or self._p_asking.done():
+            self._p_asking = asyncio.ensure_future(self._ask_p_once(timeout, time.monotonic()))
+        return await asyncio.shield(self._p_asking)
+
+    async def _ask_p_once(self, timeout: float, asked_at: float) -> str:
+        try:
+            info = await self._p_stub().Info(pb.Empty(), timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError:
+            return ""
+        self._heard_from_p(info.instance_id, asked_at)
+        return info.instance_id
+
+    async def refuse_unproven_sender(self, claim: str) -> pb.ReserveReply | None:
+        """A RESERVE is made only for the P instance that P itself answers with on its own
+        socket: proof (b) later frees the reservation's pages by that instance, so it
+        must be P's word, not the message's. Returns the refusal, or None to go on."""
+        if not claim:
+            return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
+                                   message="identity.sender_instance is empty: a Reserve names the P instance "
+                                           "that writes the request (P's instance_id)")
+        if claim == self.p_instance:
+            return None
+        self.claim_p_instance(claim, "reserve")
+        heard = await self.ask_p()
+        if claim == self.p_instance:
+            return None
+        if not heard:
+            return pb.ReserveReply(status=pb.TRANSFER_FAILED, instance_id=self.instance_id,
+                                   message=f"identity.sender_instance {claim} is not P's instance as D last heard it "
+                                           f"({self.p_instance or 'none yet'}) and P at {self.prefill_socket} did not "
+                                           "answer Info to confirm it: retry once P answers")
+        return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
+                               message=f"identity.sender_instance {claim} is not the P at {self.prefill_socket} "
+                                       f"(it answers {heard}): only that P reserves pages in this D")
 
     # ------------------------------------------------------------------ transfer exchange
     def identity_ok(self, ident: pb.Identity) -> bool:
@@ -258,7 +353,6 @@ class DecodeEngine:
         if not self.identity_ok(req.identity):
             return pb.ReserveReply(status=pb.STALE_INSTANCE, instance_id=self.instance_id,
                                    message="receiver instance changed: handshake again")
-        self.observe_p_instance(req.identity.sender_instance)
         if self._draining:
             return pb.ReserveReply(status=pb.DRAINING, instance_id=self.instance_id,
                                    message="decode is draining: held pages above threshold")
@@ -423,8 +517,14 @@ class DecodeEngine:
     # ------------------------------------------------------------------ expiry, abort + probe loops
     def _p_stub(self) -> pbg.PrefillStub:
         if self._p_channel is None:
-            self._p_channel = channel(self.prefill_socket)
+            self._p_channel = grpc.aio.insecure_channel(unix_target(self.prefill_socket), options=P_CHANNEL_OPTIONS)
         return pbg.PrefillStub(self._p_channel)
+
+    def end_orphaned_streams(self, request_ids: list[int]) -> int:
+        """Streams no frames subscriber can receive any more (FrameHub: their LB went
+        away and nobody took them over): ended as a client's cancel ends them, so none
+        decodes to max frames for nobody. Returns how many were still running."""
+        return sum(1 for rid in request_ids if self.cancel(rid))
 
     async def expiry_loop(self, interval_s: float = 0.05) -> None:
         """Fails reservations past their deadline. Its own loop: the client's error must
@@ -448,6 +548,7 @@ class DecodeEngine:
             self.release_held(rid, Proof.RECEIVER_STATE)
             return
         m.D_ABORTS_SENT.inc()
+        asked_at = time.monotonic()
         try:
             reply = await self._p_stub().Abort(
                 pb.AbortRequest(request_id=rid, identity=pb.Identity(
@@ -456,27 +557,25 @@ class DecodeEngine:
                 timeout=max(0.5, self.abort_resend_s * 2))
         except grpc.aio.AioRpcError:
             return  # P unreachable or stopped: not a proof, keep re-sending
-        if reply.instance_id and held.p_instance and reply.instance_id != held.p_instance:
-            # Another P answered: the writer of this request is gone. Proof (b), never an
-            # ACK: a new P cannot vouch for writes of the old one.
-            self.observe_p_instance(reply.instance_id)
-            if held.p_instance != self.p_instance:
-                self.release_held(rid, Proof.NEW_INSTANCE)
-        elif reply.ack:
+        # P's own answer on P's socket: a new instance id in it is proof (b) for every
+        # request of the old instance, this one included (`_heard_from_p`).
+        self._heard_from_p(reply.instance_id, asked_at)
+        if reply.ack and (reply.instance_id == held.p_instance or not reply.instance_id):
+            # Never an ACK of another instance: a new P cannot vouch for the old one's writes.
             self.release_held(rid, Proof.ABORT_ACK)
-        else:
-            self.observe_p_instance(reply.instance_id)
 
     async def probe_loop(self) -> None:
-        """Learns P's instance id even with no traffic (a draining D must not wait for a
-        Reserve that never comes to see that P restarted)."""
+        """Asks P for its instance id on P's own socket: every `probe_interval_s` with no
+        traffic too (PROTOCOL.md 4: a draining D must not wait for a Reserve that never
+        comes to learn that P restarted), and at once when a message claims a new id
+        (`claim_p_instance`), again every CLAIM_RECHECK_S while such a claim is unchecked."""
+        self._p_loop = asyncio.get_running_loop()
+        self._p_wake = wake = asyncio.Event()
         while True:
-            try:
-                info = await self._p_stub().Info(pb.Empty(), timeout=1.0)
-                self.observe_p_instance(info.instance_id)
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(self.probe_interval_s)
+            wake.clear()
+            await self.ask_p()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), CLAIM_RECHECK_S if self._p_claims else self.probe_interval_s)
 
     # ------------------------------------------------------------------ info
     def ownership(self) -> dict:
@@ -526,20 +625,25 @@ class DecodeEngine:
 class DecodeService(pbg.DecodeServicer):
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
+        engine.hub.end_orphans_with(engine.end_orphaned_streams, engine.batcher.request_ids)
 
     async def Hello(self, request, context):  # noqa: N802 - gRPC names
-        self.engine.observe_p_instance(request.sender_instance)
+        self.engine.claim_p_instance(request.sender_instance, "hello")
         return self.engine.hello()
 
     async def Reserve(self, request, context):  # noqa: N802
+        refused = await self.engine.refuse_unproven_sender(request.identity.sender_instance)
+        if refused is not None:
+            return refused
         return self.engine.reserve(request)
 
     async def Commit(self, request, context):  # noqa: N802
+        self.engine.claim_p_instance(request.identity.sender_instance, "commit")
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.commit, request)
 
     async def Frames(self, request, context):  # noqa: N802
         log.info("frames subscriber connected", extra={"subscriber": request.subscriber})
-        subscription = self.engine.hub.subscribe()
+        subscription = self.engine.hub.subscribe(request.subscriber)
         await context.send_initial_metadata(())  # the LB knows it is subscribed from here on
         async for message in subscription:
             yield message
