@@ -9,13 +9,15 @@ drains it first.
 
 Must never: decide anything reconcile.py could decide; let an exception escape a
 reconcile (a malformed object gets a status condition naming the field, the operator
-keeps running); delete a pod that is not owned by its PDUnit.
+keeps running); delete a pod that is not owned by its PDUnit; use a unit Secret another made; log a
+secret's value.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -141,21 +143,7 @@ async def reconcile_unit(
                 f"pod {ns}/{name} exists and is not this unit's (no {m.LABEL_UNIT}={name} label "
                 "or another controller owns it); delete or rename that pod"
             )
-            if old.get("message") != msg:
-                _warn(body, reason="PodConflict", message=msg)
-            await ctx.kube.patch_status(
-                m.UNIT_PLURAL,
-                ns,
-                name,
-                {
-                    "phase": "Failed",
-                    "ready": False,
-                    "message": msg,
-                    "conditions": r.set_condition(
-                        old.get("conditions"), "Ready", False, "PodConflict", msg, now
-                    ),
-                },
-            )
+            await _conflict(ctx, body, "PodConflict", msg, now)
             return deleting
 
     port = r.lb_port(spec, pod, ctx.cfg.allow_lb_port_override)
@@ -176,11 +164,16 @@ async def reconcile_unit(
     else:
         if drain:
             if drain.get("requested") and r.pod_running(pod) and ip:
-                err = await ctx.lb.drain(ip, port, draining=False)
+                err = await _post_drain(ctx, body, pod, ip, port, draining=False)
                 if err:
                     _warn(body, reason="DrainCancelFailed", message=err)
             _info(body, reason="DrainCancelled", message="spec.draining set back to false")
             drain = None
+        if pod is None:
+            problem = await _ensure_secret(ctx, body, logger)
+            if problem:
+                await _conflict(ctx, body, "SecretConflict", problem, now)
+                return False
         pod = await _ensure_pod(ctx, body, unit, pod, logger)
 
     status = r.unit_status(
@@ -216,6 +209,75 @@ async def reconcile_unit(
         )
     await ctx.kube.patch_status(m.UNIT_PLURAL, ns, name, status)
     return deleting and bool(drain and drain.get("completedAt"))
+
+
+async def _conflict(ctx: Context, body: dict[str, Any], reason: str, msg: str, now: datetime) -> None:
+    """A unit that cannot get its pod because of an object that is not its own: Failed,
+    an Event once, the fix in the message."""
+    meta, old = body["metadata"], body.get("status") or {}
+    if old.get("message") != msg:
+        _warn(body, reason=reason, message=msg)
+    await ctx.kube.patch_status(
+        m.UNIT_PLURAL,
+        meta["namespace"],
+        meta["name"],
+        {
+            "phase": "Failed",
+            "ready": False,
+            "message": msg,
+            "conditions": r.set_condition(old.get("conditions"), "Ready", False, reason, msg, now),
+        },
+    )
+
+
+async def _ensure_secret(ctx: Context, body: dict[str, Any], logger: logging.Logger) -> str | None:
+    """Create the unit's Secret once (its values drawn here, 32 random bytes each, never a
+    default); None when it exists and is the unit's own, else what is wrong and the fix.
+    A Secret someone else made is never used: its values would be known to them."""
+    meta = body["metadata"]
+    ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    secret_name = r.secret_name(name)
+    secret = await ctx.kube.get_secret(ns, secret_name)
+    if secret is None:
+        manifest = r.desired_secret(body, secrets.token_hex(32), secrets.token_hex(32))
+        if await ctx.kube.create_secret(ns, manifest) is not None:
+            _info(body, reason="SecretCreated", message=f"created secret {secret_name}")
+            logger.info("unit secret created", extra={"unit": name, "secret": secret_name})
+            return None
+        secret = await ctx.kube.get_secret(ns, secret_name)  # made between our read and create
+        if secret is None:
+            return f"secret {ns}/{secret_name} was created and deleted at once; retrying"
+    if not _owned_by(secret, uid):
+        return (
+            f"secret {ns}/{secret_name} exists and is not this unit's (no controller ownerReference to "
+            f"PDUnit {name} uid {uid}): delete it, the operator then creates the unit's own"
+        )
+    bad = [k for k in (r.UNIT_SECRET_KEY, r.ADMIN_TOKEN_KEY) if r.secret_value(secret, k) is None]
+    if bad:
+        return (
+            f"secret {ns}/{secret_name} has no valid {' or '.join(bad)} (base64 of at least "
+            f"{r.SECRET_MIN_CHARS} characters): delete it, the operator then creates a new one"
+        )
+    return None
+
+
+async def _post_drain(
+    ctx: Context, body: dict[str, Any], pod: dict[str, Any] | None, ip: str, port: int, draining: bool = True
+) -> str | None:
+    """POST /v1/admin/drain to the pod's admin port with the token of the unit's Secret
+    (read through the API, never logged); None on success, else why not."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    admin = r.admin_port(pod, ctx.cfg.allow_lb_port_override)
+    if admin is None:  # a pod from before the admin port: its drain is on lbPort, no token
+        return await ctx.lb.drain(ip, port, None, draining=draining)
+    secret = await ctx.kube.get_secret(ns, r.secret_name(name))
+    token = r.secret_value(secret, r.ADMIN_TOKEN_KEY) if secret else None
+    if token is None:
+        return (
+            f"secret {ns}/{r.secret_name(name)} is missing or has no valid {r.ADMIN_TOKEN_KEY}: the LB "
+            "takes no drain without it (its preStop hook still drains when the pod is deleted)"
+        )
+    return await ctx.lb.drain(ip, admin, token, draining=draining)
 
 
 async def _ensure_pod(
@@ -270,7 +332,7 @@ async def _drain(
     if first:
         logger.info("drain started", extra={"unit": name})
     if step.request_drain and ip:
-        err = await ctx.lb.drain(ip, port)
+        err = await _post_drain(ctx, body, pod, ip, port)
         if err is None:
             state["requested"] = True
             _info(

@@ -4,8 +4,9 @@ A thin adapter over kubernetes_asyncio (raw JSON, no generated model classes) so
 reconcile.py's pure functions see exactly what the API serves. Owns the API client's
 lifetime. Never decides anything: callers (handlers.py) decide, this module executes.
 Every method the operator uses is here, which is also the RBAC it needs:
-pods get/create/patch/delete; pdunits list/create/patch/delete, pdunits/status patch;
-pdunitsets/status patch (events are posted by kopf).
+pods get/create/patch/delete; secrets get/create (each unit's own Secret, by name);
+pdunits list/create/patch/delete, pdunits/status patch; pdunitsets/status patch
+(events are posted by kopf).
 """
 
 from __future__ import annotations
@@ -111,6 +112,28 @@ class Kube:
                 return False
             raise
         return True
+
+    # -- secrets (a unit's own, by name: never listed or watched)
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._json(
+                self.core.read_namespaced_secret(name, namespace, _preload_content=False)
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create_secret(self, namespace: str, secret: dict[str, Any]) -> dict[str, Any] | None:
+        """Create; None when one of that name already exists (read it again)."""
+        try:
+            resp = self.core.create_namespaced_secret(namespace, cast(Any, secret), _preload_content=False)
+            return await self._json(resp)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
 
     # -- PDUnits
 

@@ -1,4 +1,5 @@
-"""The operator's calls to one unit's LB (docs/api.md): GET /v1/load, POST /v1/admin/drain.
+"""The operator's calls to one unit's LB (docs/api.md): GET /v1/load on the stream port,
+POST /v1/admin/drain on the admin port with the unit's bearer token.
 
 Short timeouts, one shared httpx client, and errors returned as values: an unreachable
 LB is a fact the drain state machine must see (it proves nothing), never an exception
@@ -35,13 +36,19 @@ class LbApi:
             return None, f"GET http://{ip}:{port}/v1/load: no 'empty' field (not a pdunit LB?)"
         return doc, None
 
-    async def drain(self, ip: str, port: int, draining: bool = True) -> str | None:
-        """POST /v1/admin/drain; None on success, else why it failed."""
+    async def drain(self, ip: str, port: int, token: str | None, draining: bool = True) -> str | None:
+        """POST /v1/admin/drain on the LB's admin port with its bearer token (None: a pod
+        from before the admin port, whose LB takes the drain on lbPort without one);
+        None on success, else why it failed (never the token)."""
         url = f"http://{ip}:{port}/v1/admin/drain"
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            resp = await self.client.post(url, json={"draining": draining})
+            resp = await self.client.post(url, json={"draining": draining}, headers=headers)
         except httpx.HTTPError as exc:
             return f"POST {url}: {type(exc).__name__}: {exc}".rstrip(": ")
+        if resp.status_code in (401, 403):
+            return (f"POST {url}: HTTP {resp.status_code}: the LB refused the admin token of the unit's "
+                    "Secret (was the Secret deleted and recreated after the pod started?)")
         if resp.status_code >= 300:
             return f"POST {url}: HTTP {resp.status_code}"
         return None

@@ -10,6 +10,7 @@ use either. This module holds no logic beyond validation and must never do I/O.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -49,6 +50,8 @@ ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
 # on its own port and the stand-in kubelet writes it here. The operator honours it only
 # when started with --allow-lb-port-override (off by default, never on in the chart).
 ANNOTATION_LB_PORT_OVERRIDE = f"{GROUP}/lb-port-override"
+# Test-only as well, the same way: the fake LB's admin port.
+ANNOTATION_ADMIN_PORT_OVERRIDE = f"{GROUP}/admin-port-override"
 FINALIZER = f"{GROUP}/drain"
 
 # --decode-kernel of every D: its syntax checked by the apiserver (the pattern: KEY=VALUE,...
@@ -77,12 +80,59 @@ class _Api(BaseModel):
     )
 
 
+# Fault injection (torn writes, stalls, corrupted KV, the pool's debug map) is for test
+# runs only: `pdunit prefill` has its `--fault-*` switches only when started with
+# PDUNIT_FAULT_INJECTION=1 (bench/fault_injection.py), and no pod ever is. Older images
+# took them (and --transfer-chunk-*) always; decode's --debug-port is "never in a pod"
+# too. A flag counts with its abbreviations (argparse resolves a unique prefix:
+# `--fault-w 1` is --fault-wedge-id), so every token starting with one of these prefixes
+# is refused, which only ever hits such flags (tests/operator check this against every
+# process's real flags, the fault suite's included). Their env variables (PDUNIT_<FIELD>,
+# engine/settings.py) and the switch itself are refused in spec.env.
+FAULT_FLAGS = "--fault-*, --transfer-chunk-*, --debug-port"
+FAULT_FLAG_PREFIXES = ("--fa", "--transfer-c", "--deb")
+FAULT_FLAG_PATTERN = "^(" + "|".join(FAULT_FLAG_PREFIXES) + ")"  # only [a-z-]: the same in RE2 (CEL)
+FAULT_ENV_PATTERN = "^PDUNIT_(FAULT_|TRANSFER_CHUNK_|DEBUG_PORT$)"
+_FAULT_WHY = "fault injection is for test runs (PDUNIT_FAULT_INJECTION=1), never in a unit pod: remove it"
+
+
+def _no_fault_flag(arg: str) -> str:
+    if re.match(FAULT_FLAG_PATTERN, arg):
+        raise ValueError(f"{arg!r} is a fault-injection flag or an abbreviation of one ({FAULT_FLAGS}): "
+                         f"{_FAULT_WHY}")
+    return arg
+
+
+def _no_fault_env(name: str) -> str:
+    if re.match(FAULT_ENV_PATTERN, name):
+        raise ValueError(f"{name} turns on fault injection or sets one of its flags: {_FAULT_WHY}")
+    return name
+
+
+# The constraints go before the validator (as DecodeKernelSpec's); the CEL rule makes the
+# apiserver refuse what the operator refuses, naming the list item.
+ExtraArg = Annotated[
+    str,
+    StringConstraints(max_length=4096),
+    AfterValidator(_no_fault_flag),
+    Field(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": f"!self.matches('{FAULT_FLAG_PATTERN}')",
+        "messageExpression": f"self + ' is a fault-injection flag or an abbreviation of one: {_FAULT_WHY}'",
+    }]}),
+]
+
+
 class EnvVar(_Api):
-    name: str = Field(
+    name: Annotated[str, AfterValidator(_no_fault_env)] = Field(
         min_length=1,
         max_length=256,
         pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
-        description="Environment variable name.",
+        description="Environment variable name (not PDUNIT_FAULT_*, PDUNIT_TRANSFER_CHUNK_* or "
+        "PDUNIT_DEBUG_PORT: fault injection never runs in a pod).",
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": f"!self.matches('{FAULT_ENV_PATTERN}')",
+            "messageExpression": f"self + ' turns on fault injection or sets one of its flags: {_FAULT_WHY}'",
+        }]},
     )
     value: str = Field(default="", max_length=32768, description="Literal value.")
 
@@ -116,13 +166,13 @@ class RoleResources(_Api):
 
 
 class RoleArgs(_Api):
-    """Extra command-line flags appended to one role's `pdunit <role>` command."""
+    """Extra command-line flags appended to one role's `pdunit <role>` command (no fault-injection flag)."""
 
-    lb: list[str] | None = Field(default=None, max_length=64)
-    prefill: list[str] | None = Field(default=None, max_length=64)
-    decode: list[str] | None = Field(default=None, max_length=64)
-    proxy: list[str] | None = Field(default=None, max_length=64)
-    guard: list[str] | None = Field(default=None, max_length=64)
+    lb: list[ExtraArg] | None = Field(default=None, max_length=64)
+    prefill: list[ExtraArg] | None = Field(default=None, max_length=64)
+    decode: list[ExtraArg] | None = Field(default=None, max_length=64)
+    proxy: list[ExtraArg] | None = Field(default=None, max_length=64)
+    guard: list[ExtraArg] | None = Field(default=None, max_length=64)
 
 
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
@@ -134,12 +184,14 @@ _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-
 _METRICS_LAST = f"self.metricsPort + {METRICS_OFFSETS['decode'] - 1} + self.decoders"
 _METRICS_PORTS_RULE = (
     f"self.metricsPort == 0 || ({_METRICS_LAST} <= 65535 && "
-    f"(self.lbPort < self.metricsPort || self.lbPort > {_METRICS_LAST}))"
+    f"(self.lbPort < self.metricsPort || self.lbPort > {_METRICS_LAST}) && "
+    f"(self.adminPort < self.metricsPort || self.adminPort > {_METRICS_LAST}))"
 )
 _METRICS_PORTS_MESSAGE = (
     "metricsPort takes ports metricsPort .. metricsPort + 2 + decoders: they must end by 65535 "
-    "and leave out lbPort"
+    "and leave out lbPort and adminPort"
 )
+_ADMIN_PORT_MESSAGE = "adminPort must differ from lbPort (admin routes never share the stream port)"
 
 
 class PDUnitSpec(_Api):
@@ -153,6 +205,11 @@ class PDUnitSpec(_Api):
                     "message": "device cpu needs transfer host or tcp (the other modes move "
                     "GPU memory)",
                     "fieldPath": ".transfer",
+                },
+                {
+                    "rule": "self.adminPort != self.lbPort",
+                    "message": _ADMIN_PORT_MESSAGE,
+                    "fieldPath": ".adminPort",
                 },
                 {
                     "rule": _METRICS_PORTS_RULE,
@@ -221,7 +278,21 @@ class PDUnitSpec(_Api):
         "fp8; fp8 made 1P1D's D pass 44 req/s where bf16 failed it in the same run (docs/performance.md); "
         "changes the numerics of every frame. Unset: bf16.",
     )
-    lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port.")
+    lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port (streams, /v1/load, /metrics).")
+    admin_port: int = Field(
+        default=8001, ge=1, le=65535, validate_default=True,  # the default must clear lbPort too
+        description="LB admin port (POST /v1/admin/drain): a named container port `admin`, served on the pod IP "
+        "with the bearer token of the unit's Secret (<unit>-unit-secret, key admin-token); the chart's "
+        "NetworkPolicy admits only the operator to it.",
+    )
+
+    @field_validator("admin_port")
+    @classmethod
+    def _admin_port_is_its_own(cls, value: int, info: ValidationInfo) -> int:
+        if value == info.data.get("lb_port"):
+            raise ValueError(f"{_ADMIN_PORT_MESSAGE}: both are {value}")
+        return value
+
     decoders: int = Field(
         default=1, ge=1, le=7,
         description="Decode engines fed by the unit's one prefill engine (1 = 1P1D, 2 = 1P2D), "
@@ -242,9 +313,11 @@ class PDUnitSpec(_Api):
         block = metrics_block(value, int(info.data.get("decoders") or 1))
         if block and block[-1] > 65535:
             raise ValueError(f"{_METRICS_PORTS_MESSAGE}: {value} + 2 + decoders is {block[-1]}")
-        lb_port = info.data.get("lb_port")
-        if lb_port in block:
-            raise ValueError(f"{_METRICS_PORTS_MESSAGE}: lbPort {lb_port} is one of {block[0]}..{block[-1]}")
+        for name in ("lb_port", "admin_port"):
+            port = info.data.get(name)
+            if port in block:
+                raise ValueError(f"{_METRICS_PORTS_MESSAGE}: {to_camel(name)} {port} is one of "
+                                 f"{block[0]}..{block[-1]}")
         return value
 
     resources: RoleResources | None = None

@@ -6,6 +6,8 @@ and never talks to kopf. handlers.py does the I/O around these functions; tests 
 them directly.
 
 - `desired_pod(unit)`: the pod of one PDUnit (LB, prefill, decode, native sidecars).
+- `desired_secret(unit, unit_secret, admin_token)`: the unit's Secret (the P<->D secret
+  and the LB's admin token; the caller draws the values, this module never does).
 - `unit_status(...)`: the PDUnit status from its pod and the LB's `/v1/load` answer.
 - `drain_step(...)`: the drain state machine of PROTOCOL.md section 5.
 - `plan_units(unitset, units)` / `pick_victims(units, n)`: scale-up, scale-down and
@@ -14,6 +16,7 @@ them directly.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -37,32 +40,51 @@ GRACE_MARGIN_SECONDS = 30
 # Between the two independent empty checks of the preStop hook.
 PRESTOP_CHECK_INTERVAL_SECONDS = 2
 TRANSFERS_WITH_PROXY = ("proxy", "auto")
+# The unit's Secret (desired_secret): one per PDUnit, owned by it, created once. P and D
+# see only the unit secret, the LB only the admin token, each a read-only file of mode
+# 0440 owned by root and the pod's fsGroup (the engine refuses a secret file other users
+# can read; RUN_AS_USER reads it through the group).
+UNIT_SECRET_KEY = "unit-secret"
+ADMIN_TOKEN_KEY = "admin-token"
+SECRET_FILE_MODE = 0o440
+SECRETS_DIR = "/var/run/secrets/pdunit"
+UNIT_SECRET_FILE = f"{SECRETS_DIR}/unit/{UNIT_SECRET_KEY}"
+ADMIN_TOKEN_FILE = f"{SECRETS_DIR}/admin/{ADMIN_TOKEN_KEY}"
+SECRET_MIN_CHARS = 32  # the values are 32 random bytes, hex: 64 characters
+ADMIN_PORT_NAME = "admin"  # the LB container's port of POST /v1/admin/drain
 
 # The preStop hook of lb, prefill and decode (stdlib only, so it works whatever the
-# `pdunit` CLI offers): POST /v1/admin/drain, then wait until /v1/load says `empty`
-# twice, PRESTOP_CHECK_INTERVAL_SECONDS apart, or the drain timeout passes. The kubelet
-# runs each container's preStop before sending it SIGTERM, so prefill and decode keep
-# serving the streams in flight while the LB finishes them; the sidecars are stopped
-# only after all three exited (native sidecar ordering). When the operator drained the
-# unit first, the hook returns after two quick empty answers.
+# `pdunit` CLI offers): the LB's asks for the drain (POST /v1/admin/drain on the admin
+# port, with the bearer token of its mounted file; prefill and decode hold no token and
+# pass admin port 0), then each waits until /v1/load says `empty` twice,
+# PRESTOP_CHECK_INTERVAL_SECONDS apart, or the drain timeout passes. The kubelet runs
+# each container's preStop before sending it SIGTERM, so prefill and decode keep serving
+# the streams in flight while the LB finishes them; the sidecars are stopped only after
+# all three exited (native sidecar ordering). When the operator drained the unit first,
+# the hook returns after two quick empty answers.
 PRESTOP_DRAIN_SCRIPT = """\
 import json, sys, time, urllib.request as u
-port, timeout, gap = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-base = "http://127.0.0.1:%d" % port
+port, admin, token_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+timeout, gap = float(sys.argv[4]), float(sys.argv[5])
 deadline = time.monotonic() + timeout
-def call(path, data=None):
-    req = u.Request(base + path, data=data, method="POST" if data else "GET",
-                    headers={"Content-Type": "application/json"})
+def call(port, path, data=None, token=None):
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = "Bearer " + token
+    req = u.Request("http://127.0.0.1:%d%s" % (port, path), data=data,
+                    method="POST" if data else "GET", headers=headers)
     with u.urlopen(req, timeout=2) as r:
         return json.load(r)
-try:
-    call("/v1/admin/drain", b'{"draining": true}')
-except Exception as e:
-    print("preStop: drain request failed: %s" % e, file=sys.stderr)
+if admin:
+    try:
+        with open(token_file) as f:
+            call(admin, "/v1/admin/drain", b'{"draining": true}', f.read().strip())
+    except Exception as e:
+        print("preStop: drain request failed: %s" % e, file=sys.stderr)
 empties = 0
 while time.monotonic() < deadline:
     try:
-        empties = empties + 1 if call("/v1/load").get("empty") else 0
+        empties = empties + 1 if call(port, "/v1/load").get("empty") else 0
     except Exception:
         empties = 0
     if empties >= 2:
@@ -191,15 +213,87 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
     return env
 
 
-def _mounts() -> list[dict[str, Any]]:
-    return [
+# The Secret's key each role reads (its volume carries that key only).
+_SECRET_OF_ROLE = {"prefill": UNIT_SECRET_KEY, "decode": UNIT_SECRET_KEY, "lb": ADMIN_TOKEN_KEY}
+_SECRET_FILE = {UNIT_SECRET_KEY: UNIT_SECRET_FILE, ADMIN_TOKEN_KEY: ADMIN_TOKEN_FILE}
+
+
+def _mounts(role: str) -> list[dict[str, Any]]:
+    mounts = [
         {"name": "run", "mountPath": RUN_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
+    key = _SECRET_OF_ROLE.get(role)
+    if key:
+        folder = _SECRET_FILE[key].rsplit("/", 1)[0]
+        mounts.append({"name": key, "mountPath": folder, "readOnly": True})
+    return mounts
 
 
-def _pre_stop(spec: dict[str, Any]) -> dict[str, Any]:
+def secret_name(unit_name: str) -> str:
+    """The name of a unit's Secret (next to its pod, which has the unit's name)."""
+    return f"{unit_name}-unit-secret"
+
+
+def desired_secret(unit: dict[str, Any], unit_secret: str, admin_token: str) -> dict[str, Any]:
+    """The Secret of one PDUnit: `unit-secret` (P authenticates to D's tcp KV listener with
+    it) and `admin-token` (the bearer token of the LB's admin port). The caller draws both
+    (32 random bytes, hex) once; the Secret is immutable and goes with its unit
+    (ownerReference), so every pod of the unit gets the same values."""
+    for key, value in ((UNIT_SECRET_KEY, unit_secret), (ADMIN_TOKEN_KEY, admin_token)):
+        if len(value) < SECRET_MIN_CHARS:
+            raise ValueError(f"{key} has {len(value)} characters, at least {SECRET_MIN_CHARS} needed "
+                             "(draw 32 random bytes, hex)")
+    meta = _meta(unit)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(meta["name"]),
+            "namespace": meta.get("namespace"),
+            "labels": {
+                m.LABEL_NAME: "pdunit",
+                m.LABEL_COMPONENT: "unit-secret",
+                m.LABEL_MANAGED_BY: "pdunit-operator",
+                m.LABEL_UNIT: meta["name"],
+            },
+            "ownerReferences": [_owner(unit)],
+        },
+        "type": "Opaque",
+        "immutable": True,
+        "data": {
+            UNIT_SECRET_KEY: base64.b64encode(unit_secret.encode()).decode(),
+            ADMIN_TOKEN_KEY: base64.b64encode(admin_token.encode()).decode(),
+        },
+    }
+
+
+def secret_value(secret: dict[str, Any], key: str) -> str | None:
+    """One value of a unit's Secret as text, None when it is missing or too short to be one."""
+    raw = (secret.get("data") or {}).get(key)
+    if not raw:
+        return None
+    try:
+        value = base64.b64decode(raw, validate=True).decode().strip()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if len(value) >= SECRET_MIN_CHARS else None
+
+
+def _owner(unit: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": m.API_VERSION,
+        "kind": m.UNIT_KIND,
+        "name": _meta(unit)["name"],
+        "uid": _meta(unit)["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _pre_stop(spec: dict[str, Any], role: str) -> dict[str, Any]:
+    asks = role == "lb"  # the one container holding the admin token
     return {
         "exec": {
             "command": [
@@ -207,6 +301,8 @@ def _pre_stop(spec: dict[str, Any]) -> dict[str, Any]:
                 "-c",
                 PRESTOP_DRAIN_SCRIPT,
                 str(spec["lbPort"]),
+                str(spec["adminPort"] if asks else 0),
+                ADMIN_TOKEN_FILE if asks else "",
                 str(spec["drainTimeoutSeconds"]),
                 str(PRESTOP_CHECK_INTERVAL_SECONDS),
             ]
@@ -250,6 +346,14 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             all_decoders,
             "--port",
             port,
+            # on the pod IP for the operator's drain, behind the token (and the chart's
+            # NetworkPolicy); the stream port serves no admin route
+            "--admin-port",
+            str(spec["adminPort"]),
+            "--admin-host",
+            "0.0.0.0",
+            "--admin-token-file",
+            ADMIN_TOKEN_FILE,
         ]
         if transfer in TRANSFERS_WITH_PROXY:  # the drain's empty check asks the proxy too
             cmd += ["--proxy-socket", PROXY_SOCKET]
@@ -267,6 +371,8 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             transfer,
             "--device",
             spec["device"],
+            "--unit-secret-file",
+            UNIT_SECRET_FILE,
             *kv_cache_flags,
         ]
         if spec.get("prefillGemm") == "fp8":  # bf16 is the engine's default
@@ -285,6 +391,8 @@ def role_command(spec: dict[str, Any], role: str, index: int = 0) -> list[str]:
             transfer,
             "--device",
             spec["device"],
+            "--unit-secret-file",
+            UNIT_SECRET_FILE,
             *kv_cache_flags,
         ]
         if spec.get("decodeKernel"):  # every D alike
@@ -324,7 +432,7 @@ def _container(unit_name: str, spec: dict[str, Any], role: str, name: str, index
         "resources": _resources(
             spec, role, gpu=role in ("prefill", "decode") and spec["device"] == "cuda"
         ),
-        "volumeMounts": _mounts(),
+        "volumeMounts": _mounts(role),
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         **({"ports": ports} if ports else {}),
@@ -356,7 +464,10 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
         labels[m.LABEL_SET] = _labels(unit)[m.LABEL_SET]
 
     lb = _container(name, spec, "lb", "lb")
-    lb["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]  # /v1/..., /metrics
+    lb["ports"] = [
+        {"name": "http", "containerPort": port, "protocol": "TCP"},  # streams, /v1/load, /metrics
+        {"name": ADMIN_PORT_NAME, "containerPort": spec["adminPort"], "protocol": "TCP"},
+    ]
     lb["readinessProbe"] = {
         "httpGet": {"path": "/readyz", "port": port},
         "periodSeconds": 2,
@@ -374,8 +485,8 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
     n_decoders = int(spec.get("decoders", 1))
     for i, container in enumerate(decode_names(n_decoders)):  # 1PnD: one decode engine (and GPU) each
         containers.append(_container(name, spec, "decode", container, i))
-    for c in containers:
-        c["lifecycle"] = {"preStop": _pre_stop(spec)}
+    for c, role in zip(containers, ["lb", "prefill", *["decode"] * n_decoders], strict=True):
+        c["lifecycle"] = {"preStop": _pre_stop(spec, role)}
 
     sidecars = []
     if spec["transfer"] in TRANSFERS_WITH_PROXY:
@@ -421,6 +532,17 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
             {"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            *(
+                {
+                    "name": key,
+                    "secret": {
+                        "secretName": secret_name(name),
+                        "items": [{"key": key, "path": key}],
+                        "defaultMode": SECRET_FILE_MODE,
+                    },
+                }
+                for key in (UNIT_SECRET_KEY, ADMIN_TOKEN_KEY)
+            ),
         ],
     }
     if spec.get("nodeSelector"):
@@ -428,14 +550,6 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
     if spec.get("tolerations"):
         pod_spec["tolerations"] = [dict(t) for t in spec["tolerations"]]
 
-    owner = {
-        "apiVersion": m.API_VERSION,
-        "kind": m.UNIT_KIND,
-        "name": name,
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -444,7 +558,7 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
             "namespace": meta.get("namespace"),
             "labels": labels,
             "annotations": {m.ANNOTATION_SPEC_HASH: spec_hashes(spec)[0]},
-            "ownerReferences": [owner],
+            "ownerReferences": [_owner(unit)],
         },
         "spec": pod_spec,
     }
@@ -496,6 +610,24 @@ def lb_port(unit_spec: dict[str, Any], pod: dict[str, Any] | None, allow_overrid
         if raw and raw.isdigit() and 0 < int(raw) < 65536:
             port = int(raw)
     return port
+
+
+def admin_port(pod: dict[str, Any] | None, allow_override: bool) -> int | None:
+    """The port of the pod's LB admin routes: the LB container's `admin` port (or the
+    test-only annotation when allowed). None for a pod an operator made before the admin
+    port existed: its LB serves the drain on lbPort, without a token."""
+    if not pod:
+        return None
+    if allow_override:
+        raw = (_meta(pod).get("annotations") or {}).get(m.ANNOTATION_ADMIN_PORT_OVERRIDE)
+        if raw and raw.isdigit() and 0 < int(raw) < 65536:
+            return int(raw)
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") == "lb":
+            for p in c.get("ports") or []:
+                if p.get("name") == ADMIN_PORT_NAME:
+                    return int(p["containerPort"])
+    return None
 
 
 def set_condition(

@@ -6,16 +6,21 @@ on free loopback ports, a stand-in kubelet, and fake unit LBs.
   admin user in system:masters, RBAC authorization; writes a kubeconfig.
 - `Api`: a tiny synchronous REST client (httpx) for the tests' own reads and writes.
 - `FakeLb`: plays one unit's LB (docs/api.md): `/v1/load` with an in-flight count the
-  test sets, `/readyz`, `/healthz`, `POST /v1/admin/drain`, and a log of every answer.
+  test sets, `/readyz`, `/healthz` on its stream port, `POST /v1/admin/drain` on an admin
+  port of its own behind the bearer token (a call without it gets 401 and is logged), and
+  a log of every answer.
 - `Kubelet`: there is no kubelet, scheduler or controller-manager in envtest. This
-  thread plays the kubelet for pdunit pods: for each new pod it starts a FakeLb on its
-  own port (every pod gets IP 127.0.0.1, so the port goes into the test-only annotation
-  pdunit.dev/lb-port-override), marks the pod Running with that IP, and keeps its Ready
-  condition equal to the fake LB's /readyz, like a readiness probe would.
+  thread plays the kubelet for pdunit pods: for each new pod it reads the admin token
+  from the Secret its admin-token volume names (as the kubelet mounts it), starts a
+  FakeLb on ports of its own (every pod gets IP 127.0.0.1, so the ports go into the
+  test-only annotations pdunit.dev/lb-port-override and admin-port-override), marks the
+  pod Running with that IP, and keeps its Ready condition equal to the fake LB's
+  /readyz, like a readiness probe would.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -35,6 +40,7 @@ from pdunit.engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDE = "pdunit.dev/lb-port-override"
+ADMIN_OVERRIDE = "pdunit.dev/admin-port-override"
 
 
 def wait_for(
@@ -275,16 +281,20 @@ class ControlPlane:
 
 
 class FakeLb:
-    """One unit's LB as the operator sees it; the test sets `in_flight` and reads the logs."""
+    """One unit's LB as the operator sees it; the test sets `in_flight` and reads the logs.
+    `token`: the admin token (None: the admin port refuses every call, as an LB whose
+    token file is missing never starts)."""
 
-    def __init__(self, unit: str) -> None:
+    def __init__(self, unit: str, token: str | None = None) -> None:
         self.unit = unit
+        self.token = token
         self.in_flight = 0
         self.draining = False
         self.transfer_mode = "host"  # what P reports having chosen
         self.lock = threading.Lock()
         self.load_log: list[tuple[float, bool]] = []  # (time, empty) of every /v1/load answer
         self.drain_log: list[tuple[float, bool]] = []  # (time, draining) of every drain call
+        self.refused_log: list[tuple[float, str]] = []  # (time, Authorization header) of refused admin calls
         lb = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -311,11 +321,24 @@ class FakeLb:
                     self._send(404, {"error": {"code": "not_found"}})
 
             def do_POST(self) -> None:  # noqa: N802
+                self._send(404, {"error": {"code": "not_found"}})  # admin routes are not here
+
+        class AdminHandler(Handler):
+            def do_GET(self) -> None:  # noqa: N802
+                self._send(404, {"error": {"code": "not_found"}})
+
+            def do_POST(self) -> None:  # noqa: N802
                 if self.path != "/v1/admin/drain":
                     self._send(404, {"error": {"code": "not_found"}})
                     return
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
+                given = self.headers.get("Authorization") or ""
+                if lb.token is None or given != f"Bearer {lb.token}":
+                    with lb.lock:
+                        lb.refused_log.append((time.monotonic(), given))
+                    self._send(401, {"error": {"code": "unauthorized"}})
+                    return
                 draining = bool(json.loads(raw).get("draining", True)) if raw else True
                 with lb.lock:
                     lb.draining = draining
@@ -324,8 +347,12 @@ class FakeLb:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = int(self.server.server_address[1])
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.admin_server = ThreadingHTTPServer(("127.0.0.1", 0), AdminHandler)
+        self.admin_port = int(self.admin_server.server_address[1])
+        self.threads = [threading.Thread(target=srv.serve_forever, daemon=True)
+                        for srv in (self.server, self.admin_server)]
+        for thread in self.threads:
+            thread.start()
 
     def ready(self) -> bool:
         return not self.draining
@@ -353,8 +380,9 @@ class FakeLb:
             }
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        for srv in (self.server, self.admin_server):
+            srv.shutdown()
+            srv.server_close()
 
 
 class Kubelet(threading.Thread):
@@ -395,7 +423,7 @@ class Kubelet(threading.Thread):
             seen.add(uid)
             base = f"/api/v1/namespaces/{ns}/pods/{name}"
             if uid not in self.pods:
-                lb = FakeLb(name)
+                lb = FakeLb(name, self.admin_token(ns, pod))
                 old = self.lbs.get(key)
                 if old is not None:
                     old.stop()
@@ -403,7 +431,8 @@ class Kubelet(threading.Thread):
                 self.gone_at.pop(key, None)
                 self.images[key] = pod["spec"]["containers"][0]["image"]
                 self.pods[uid] = {"key": key, "ready": None}
-                self.api.patch(base, {"metadata": {"annotations": {OVERRIDE: str(lb.port)}}})
+                annotations = {OVERRIDE: str(lb.port), ADMIN_OVERRIDE: str(lb.admin_port)}
+                self.api.patch(base, {"metadata": {"annotations": annotations}})
             lb = self.lbs[self.pods[uid]["key"]]
             ready = lb.ready()
             if self.pods[uid]["ready"] != ready:
@@ -445,6 +474,17 @@ class Kubelet(threading.Thread):
                 key = self.pods.pop(uid)["key"]
                 self.gone_at.setdefault(key, time.monotonic())
                 # The fake LB stays up (its logs are read by tests) until a new pod takes the name.
+
+    def admin_token(self, namespace: str, pod: dict[str, Any]) -> str | None:
+        """The admin token the LB container would find in its mounted file: the key of the
+        Secret its `admin-token` volume names (None when there is none)."""
+        for volume in pod["spec"].get("volumes") or []:
+            source = volume.get("secret") or {}
+            if volume["name"] == "admin-token" and source.get("secretName"):
+                secret = self.api.get(f"/api/v1/namespaces/{namespace}/secrets/{source['secretName']}")
+                raw = ((secret or {}).get("data") or {}).get("admin-token")
+                return base64.b64decode(raw).decode().strip() if raw else None
+        return None
 
     def stop(self) -> None:
         self.stopping.set()

@@ -139,6 +139,11 @@ def test_schemas_are_structural() -> None:
         ({"image": "", "model": "random:tiny:0"}, "spec.image"),
         ({"image": "x", "model": "random:tiny:0", "gpus": 2}, "spec.gpus"),
         ({"image": "x", "model": "random:tiny:0", "lbPort": 9402}, "spec.metricsPort"),
+        ({"image": "x", "model": "random:tiny:0", "lbPort": 8001}, "spec.adminPort"),
+        ({"image": "x", "model": "random:tiny:0", "extraArgs": {"prefill": ["--fault-wedge-id", "1"]}},
+         "spec.extraArgs.prefill.0"),
+        ({"image": "x", "model": "random:tiny:0", "env": [{"name": "PDUNIT_FAULT_INJECTION", "value": "1"}]},
+         "spec.env.0.name"),
     ],
 )
 def test_models_refuse_invalid_specs_naming_the_field(spec: dict[str, Any], field: str) -> None:

@@ -5,21 +5,29 @@ No server, no kopf: exactly the dicts the Kubernetes API serves, in and out.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import importlib
+import io
+import re
+import shutil
 import subprocess
 import sys
-import time
+import tempfile
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import metrics_block, parse_config
 from pdunit.operator import models as m
 from pdunit.operator import reconcile as r
-from tests.operator.envtest import FakeLb
+from tests.operator.envtest import FakeLb, wait_for
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -40,6 +48,27 @@ def a_unit(name: str = "u1", set_name: str | None = "tts", **spec: Any) -> dict[
         },
         "spec": {"image": "reg/pdunit:1", "model": "random:qwen3-4b-shape:0", **spec},
     }
+
+
+@functools.cache
+def _secret_files() -> dict[str, str]:
+    """The pod's secret files as the Secret's volume gives them (mode 0440), in a folder of
+    this test run: the engines read them when they parse their flags."""
+    folder = Path(tempfile.mkdtemp(prefix="pdunit-secrets-"))
+    atexit.register(shutil.rmtree, folder, True)
+    files = {}
+    for path in (r.UNIT_SECRET_FILE, r.ADMIN_TOKEN_FILE):
+        local = folder / Path(path).name
+        write_secret_file(str(local))
+        local.chmod(r.SECRET_FILE_MODE)
+        files[path] = str(local)
+    return files
+
+
+def argv_here(command: list[str]) -> list[str]:
+    """A container's `pdunit <role> ...` command as flags to parse here (its secret files
+    in a local folder)."""
+    return [_secret_files().get(a, a) for a in command[2:]]
 
 
 def containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -118,6 +147,12 @@ def test_container_commands_are_the_pdunit_cli() -> None:
         "/run/pdunit/decode.sock",
         "--port",
         "8100",
+        "--admin-port",
+        "8001",
+        "--admin-host",
+        "0.0.0.0",
+        "--admin-token-file",
+        "/var/run/secrets/pdunit/admin/admin-token",
     ]
     assert cs["prefill"]["command"] == [
         "pdunit",
@@ -132,6 +167,8 @@ def test_container_commands_are_the_pdunit_cli() -> None:
         "fabric",
         "--device",
         "cuda",
+        "--unit-secret-file",
+        "/var/run/secrets/pdunit/unit/unit-secret",
         "--metrics-port",
         "9400",
     ]
@@ -148,6 +185,8 @@ def test_container_commands_are_the_pdunit_cli() -> None:
         "fabric",
         "--device",
         "cuda",
+        "--unit-secret-file",
+        "/var/run/secrets/pdunit/unit/unit-secret",
         "--metrics-port",
         "9403",
         "--max-batch",
@@ -181,7 +220,7 @@ def test_engine_commands_parse_with_the_engines_own_config(role: str) -> None:
     """The flags desired_pod writes are flags the real processes accept."""
     module = {"prefill": "pdunit.engine.prefill.main", "decode": "pdunit.engine.decode.main"}[role]
     model = _config_model(module)
-    argv = containers(r.desired_pod(a_unit(transfer="proxy")))[role]["command"][2:]
+    argv = argv_here(containers(r.desired_pod(a_unit(transfer="proxy")))[role]["command"])
     cfg = parse_config(model, argv, f"pdunit {role}", env={})
     assert cfg.transfer == "proxy"  # type: ignore[attr-defined]
     assert cfg.device == "cuda"  # type: ignore[attr-defined]
@@ -198,7 +237,7 @@ def test_engine_commands_parse_with_the_engines_own_config(role: str) -> None:
 def test_sidecar_and_lb_commands_parse_with_their_config(role: str, module: str) -> None:
     pytest.importorskip(module, reason=f"{module} is not written yet (another engineer's)")
     name = {"lb": "lb", "proxy": "nvlink-proxy", "guard": "quiesce-guard"}[role]
-    argv = containers(r.desired_pod(a_unit(transfer="proxy")))[name]["command"][2:]
+    argv = argv_here(containers(r.desired_pod(a_unit(transfer="proxy")))[name]["command"])
     parse_config(_config_model(module), argv, f"pdunit {role}", env={})
 
 
@@ -216,7 +255,7 @@ def _served_port(container: dict[str, Any]) -> int:
     """The port the container's process will serve /metrics on, read the way the process
     reads its flags."""
     role = _ROLE_OF[container["name"]]
-    cfg = parse_config(_config_model(_MODULES[role]), container["command"][2:], f"pdunit {role}", env={})
+    cfg = parse_config(_config_model(_MODULES[role]), argv_here(container["command"]), f"pdunit {role}", env={})
     return int(cfg.port if role == "guard" else cfg.metrics_port)  # type: ignore[attr-defined]
 
 
@@ -236,7 +275,8 @@ def test_every_process_but_the_lb_serves_metrics_on_a_named_port_of_the_block() 
     assert by_name == {"metrics-prefill": 9500, "metrics-proxy": 9501, "metrics-guard": 9502,
                        "metrics-decode0": 9503, "metrics-decode1": 9504}
     assert sorted(by_name.values()) == list(metrics_block(9500, 2))
-    assert cs["lb"]["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert cs["lb"]["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},  # and its /metrics
+                                 {"name": "admin", "containerPort": 8001, "protocol": "TCP"}]
     kubernetes_validate.validate(pod, "1.34.0", strict=True)  # port names are IANA service names
 
 
@@ -330,7 +370,7 @@ def test_kv_cache_dtype_reaches_prefill_and_every_decode_engine_alike() -> None:
     by_name = {c["name"]: c for c in r.desired_pod(a_unit(decoders=2, kvCacheDtype="fp8_e4m3"))["spec"]["containers"]}
     for name, module in (("prefill", "pdunit.engine.prefill.main"), ("decode-0", "pdunit.engine.decode.main"),
                          ("decode-1", "pdunit.engine.decode.main")):
-        argv = by_name[name]["command"][2:]
+        argv = argv_here(by_name[name]["command"])
         cfg = parse_config(_config_model(module), argv, f"pdunit {name}", env={})
         assert cfg.kv_cache_dtype == "fp8_e4m3", name  # type: ignore[attr-defined]
     assert "--kv-cache-dtype" not in by_name["lb"]["command"]
@@ -343,7 +383,7 @@ def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() 
     spec = a_unit(decoders=2, kvCacheDtype="fp8_e4m3", decodeKernel="fp8_dots=0,kv_as_a=1,block_n=64")
     by_name = {c["name"]: c for c in r.desired_pod(spec)["spec"]["containers"]}
     for name in ("decode-0", "decode-1"):
-        cfg = parse_config(_config_model("pdunit.engine.decode.main"), by_name[name]["command"][2:],
+        cfg = parse_config(_config_model("pdunit.engine.decode.main"), argv_here(by_name[name]["command"]),
                            f"pdunit {name}", env={})
         assert cfg.decode_kernel == "kv_as_a=1,fp8_dots=0", name  # type: ignore[attr-defined]
     others = [n for n in by_name if not n.startswith("decode")]
@@ -371,7 +411,7 @@ def test_a_gemm_field_reaches_its_engines_only_and_only_when_fp8(field: str, fla
                                                                  engines: dict[str, str]) -> None:
     by_name = containers(r.desired_pod(a_unit(decoders=2, **{field: "fp8"})))
     for name, module in engines.items():
-        cfg = parse_config(_config_model(module), by_name[name]["command"][2:], f"pdunit {name}", env={})
+        cfg = parse_config(_config_model(module), argv_here(by_name[name]["command"]), f"pdunit {name}", env={})
         assert getattr(cfg, flag[2:].replace("-", "_")) == "fp8", name
     others = set(by_name) - set(engines)
     assert {"lb", "nvlink-proxy", "quiesce-guard"} <= others, others
@@ -441,25 +481,277 @@ def test_invalid_unit_spec_raises_naming_the_field() -> None:
     assert "spec.transfer" in m.validation_message(exc.value)
 
 
-def test_prestop_drains_then_waits_for_two_empty_answers() -> None:
-    """The real hook script against a fake LB: it asks for the drain, holds while
-    streams are in flight, and returns once /v1/load said empty twice."""
-    lb = FakeLb("u1")
+def _pre_stop_argv(container: dict[str, Any], token_file: Path) -> list[str]:
+    """The hook's argv to run here: this Python, the token file of the test's folder, and
+    a short gap between the checks."""
+    argv = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert argv[0] == "python3"
+    argv = [sys.executable, *argv[1:]]
+    argv = [str(token_file) if a == r.ADMIN_TOKEN_FILE else a for a in argv]
+    argv[-1] = "0.2"
+    return argv
+
+
+def test_prestop_drains_with_the_admin_token_then_waits_for_two_empty_answers(tmp_path: Path) -> None:
+    """The real hook script against a fake LB: it asks for the drain on the admin port
+    with the token of its mounted file, holds while streams are in flight, and returns
+    once /v1/load said empty twice."""
+    token = "ab" * 32
+    (tmp_path / "admin-token").write_text(token + "\n")
+    lb = FakeLb("u1", token=token)
     try:
         lb.in_flight = 1
-        hook = containers(r.desired_pod(a_unit(lbPort=lb.port, drainTimeoutSeconds=30)))["lb"]
-        argv = hook["lifecycle"]["preStop"]["exec"]["command"]
-        assert argv[0] == "python3"
-        argv[-1] = "0.2"  # the gap between checks, shortened for the test
-        proc = subprocess.Popen([sys.executable, *argv[1:]], stderr=subprocess.PIPE)
-        time.sleep(1.0)
+        cs = containers(r.desired_pod(a_unit(lbPort=lb.port, adminPort=lb.admin_port, drainTimeoutSeconds=30)))
+        proc = subprocess.Popen(_pre_stop_argv(cs["lb"], tmp_path / "admin-token"), stderr=subprocess.PIPE)
+        wait_for(lambda: lb.drain_log, 10, "the hook's drain request")
         assert proc.poll() is None, "preStop returned while a stream was in flight"
-        assert lb.draining and lb.drain_log[0][1] is True
+        assert lb.draining and lb.drain_log[0][1] is True and not lb.refused_log
         lb.in_flight = 0
         assert proc.wait(timeout=10) == 0
         assert sum(1 for _, empty in lb.load_log if empty) >= 2
     finally:
         lb.stop()
+
+
+def test_prestop_of_prefill_and_decode_only_waits_and_holds_no_token(tmp_path: Path) -> None:
+    """Only the LB's hook asks for the drain (only it mounts the admin token); the engines'
+    hooks wait for the same two empty answers so they serve the streams in flight."""
+    lb = FakeLb("u1", token="ab" * 32)
+    try:
+        cs = containers(r.desired_pod(a_unit(lbPort=lb.port, adminPort=lb.admin_port, drainTimeoutSeconds=30)))
+        for name in ("prefill", "decode"):
+            argv = cs[name]["lifecycle"]["preStop"]["exec"]["command"]
+            assert r.ADMIN_TOKEN_FILE not in argv and str(lb.admin_port) not in argv
+            assert subprocess.run(_pre_stop_argv(cs[name], tmp_path / "none"), timeout=10).returncode == 0
+        assert not lb.drain_log and not lb.refused_log
+        assert sum(1 for _, empty in lb.load_log if empty) >= 4
+    finally:
+        lb.stop()
+
+
+# ------------------------------------------------------- the unit's Secret and admin port
+
+SECRET = "5e" * 32
+TOKEN = "a0" * 32
+
+
+def test_the_unit_secret_is_owned_by_its_unit_immutable_and_holds_both_values() -> None:
+    unit = a_unit("u7")
+    secret = r.desired_secret(unit, SECRET, TOKEN)
+    assert secret["metadata"]["name"] == r.secret_name("u7") == "u7-unit-secret"
+    assert secret["metadata"]["namespace"] == "prod"
+    owner = secret["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("PDUnit", "u7", "uid-u7", True)
+    assert secret["immutable"] is True  # kept as created: P and D of every pod share it
+    assert r.secret_value(secret, r.UNIT_SECRET_KEY) == SECRET
+    assert r.secret_value(secret, r.ADMIN_TOKEN_KEY) == TOKEN
+    kubernetes_validate.validate(secret, "1.34.0", strict=True)
+
+
+@pytest.mark.parametrize("short", ["", "0" * 31])
+def test_the_unit_secret_never_holds_an_empty_or_short_value(short: str) -> None:
+    with pytest.raises(ValueError, match="unit-secret has"):
+        r.desired_secret(a_unit(), short, TOKEN)
+    with pytest.raises(ValueError, match="admin-token has"):
+        r.desired_secret(a_unit(), SECRET, short)
+
+
+def test_a_secret_value_that_is_missing_short_or_not_base64_is_no_value() -> None:
+    secret = r.desired_secret(a_unit(), SECRET, TOKEN)
+    assert r.secret_value({"data": {}}, r.ADMIN_TOKEN_KEY) is None
+    assert r.secret_value({"data": {r.ADMIN_TOKEN_KEY: "c2hvcnQ="}}, r.ADMIN_TOKEN_KEY) is None  # "short"
+    assert r.secret_value({"data": {r.ADMIN_TOKEN_KEY: "not base64!"}}, r.ADMIN_TOKEN_KEY) is None
+    assert r.secret_value(secret, r.ADMIN_TOKEN_KEY) == TOKEN
+
+
+def test_engines_mount_only_the_unit_secret_and_the_lb_only_the_admin_token_read_only() -> None:
+    pod = r.desired_pod(a_unit("u7", decoders=2))
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for key in (r.UNIT_SECRET_KEY, r.ADMIN_TOKEN_KEY):
+        assert volumes[key]["secret"] == {
+            "secretName": "u7-unit-secret", "items": [{"key": key, "path": key}], "defaultMode": 0o440,
+        }
+    secret_mounts = {
+        name: [(v["name"], v["mountPath"], v.get("readOnly")) for v in c["volumeMounts"] if v["name"] in volumes
+               and "secret" in volumes[v["name"]]]
+        for name, c in containers(pod).items()
+    }
+    unit_secret = [(r.UNIT_SECRET_KEY, "/var/run/secrets/pdunit/unit", True)]
+    assert secret_mounts == {
+        "lb": [(r.ADMIN_TOKEN_KEY, "/var/run/secrets/pdunit/admin", True)],
+        "prefill": unit_secret, "decode-0": unit_secret, "decode-1": unit_secret,
+        "nvlink-proxy": [], "quiesce-guard": [],
+    }
+    cs = containers(pod)
+    for name in ("prefill", "decode-0", "decode-1"):
+        i = cs[name]["command"].index("--unit-secret-file")
+        assert cs[name]["command"][i + 1] == r.UNIT_SECRET_FILE
+    # root-owned files of mode 0440 and group fsGroup: the pod's user reads them as the group
+    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]
+
+
+def test_the_mounted_file_mode_passes_the_engines_secret_file_rule(tmp_path: Path) -> None:
+    """The engine refuses a secret file other users may read; the mode the pod's Secret
+    volume gives passes that rule, and the mode of a plain ConfigMap-like 0644 does not."""
+    from pdunit.engine.security import SecretFileError, read_secret_file
+
+    path = tmp_path / "unit-secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(r.SECRET_FILE_MODE)
+    assert read_secret_file(str(path)) == SECRET.encode()
+    path.chmod(0o644)
+    with pytest.raises(SecretFileError, match="readable or writable by others"):
+        read_secret_file(str(path))
+
+
+def test_the_lb_serves_admin_routes_on_its_own_named_port_with_the_token() -> None:
+    pod = r.desired_pod(a_unit(lbPort=8100, adminPort=8200))
+    lb = containers(pod)["lb"]
+    assert lb["ports"] == [
+        {"name": "http", "containerPort": 8100, "protocol": "TCP"},
+        {"name": "admin", "containerPort": 8200, "protocol": "TCP"},
+    ]
+    cmd = lb["command"]
+    flags = {cmd[i]: cmd[i + 1] for i in range(2, len(cmd) - 1, 2)}
+    assert flags["--port"] == "8100"
+    assert (flags["--admin-port"], flags["--admin-host"], flags["--admin-token-file"]) == (
+        "8200", "0.0.0.0", r.ADMIN_TOKEN_FILE,
+    )
+    assert r.admin_port(pod, allow_override=False) == 8200
+    assert lb["readinessProbe"]["httpGet"]["port"] == 8100  # probes stay on the stream port
+    cfg = parse_config(_config_model("pdunit.engine.lb.main"), argv_here(cmd), "pdunit lb", env={})
+    assert (cfg.port, cfg.admin_port, cfg.admin_host) == (8100, 8200, "0.0.0.0")  # type: ignore[attr-defined]
+    assert cfg.admin_token_file  # type: ignore[attr-defined]
+
+
+def test_a_pod_from_before_the_admin_port_is_drained_on_its_lb_port() -> None:
+    old = r.desired_pod(a_unit())
+    lb = next(c for c in old["spec"]["containers"] if c["name"] == "lb")
+    lb["ports"] = [p for p in lb["ports"] if p["name"] != "admin"]
+    assert r.admin_port(old, allow_override=False) is None
+    assert r.admin_port(None, allow_override=False) is None
+
+
+def test_the_admin_port_override_annotation_counts_only_when_allowed() -> None:
+    pod = r.desired_pod(a_unit())
+    pod["metadata"]["annotations"][m.ANNOTATION_ADMIN_PORT_OVERRIDE] = "31337"
+    assert r.admin_port(pod, allow_override=False) == 8001
+    assert r.admin_port(pod, allow_override=True) == 31337
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "fragment"),
+    [
+        ({"lbPort": 8001}, "spec.adminPort", "adminPort must differ from lbPort"),
+        ({"lbPort": 9000, "adminPort": 9000}, "spec.adminPort", "both are 9000"),
+        ({"adminPort": 9402}, "spec.metricsPort", "adminPort 9402 is one of 9400..9403"),
+    ],
+)
+def test_an_admin_port_on_the_lb_port_or_in_the_metrics_block_is_refused_naming_the_field(
+        spec: dict[str, Any], field: str, fragment: str) -> None:
+    with pytest.raises(ValidationError) as exc:
+        r.desired_pod(a_unit(**spec))
+    message = m.validation_message(exc.value)
+    assert field in message and fragment in message, message
+
+
+# ------------------------------------------------------------ fault injection refused
+
+_ROLE_MODULES = {
+    "lb": "pdunit.engine.lb.main",
+    "prefill": "pdunit.engine.prefill.main",
+    "decode": "pdunit.engine.decode.main",
+    "proxy": "pdunit.sidecars.nvlink_proxy.main",
+    "guard": "pdunit.sidecars.quiesce_guard.main",
+}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "lb"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--fault-corrupt-id", "3"],
+        ["--fault-wedge-id=7"],
+        ["--fault-w", "7"],  # argparse takes a unique prefix for the whole flag
+        ["--cache-tokens", "16384", "--fault-tcp-relay", "10.0.0.9:9999"],
+        ["--transfer-chunk-tokens", "64"],
+        ["--transfer-chunk-d", "50"],
+        ["--debug-port", "9999"],
+    ],
+)
+def test_fault_injection_flags_in_extra_args_are_refused_naming_the_field_and_the_flag(
+        role: str, args: list[str]) -> None:
+    with pytest.raises(ValidationError) as exc:
+        r.desired_pod(a_unit(extraArgs={role: args}))
+    message = m.validation_message(exc.value)
+    index = next(i for i, a in enumerate(args) if a.startswith(("--fa", "--transfer-c", "--deb")))
+    assert f"spec.extraArgs.{role}.{index}" in message, message
+    assert repr(args[index]) in message and "fault-injection flag" in message, message
+
+
+@pytest.mark.parametrize(
+    "name", ["PDUNIT_FAULT_INJECTION", "PDUNIT_FAULT_CORRUPT_ID", "PDUNIT_FAULT_TCP_RELAY",
+             "PDUNIT_TRANSFER_CHUNK_DELAY_MS", "PDUNIT_DEBUG_PORT"])
+def test_fault_injection_env_is_refused_naming_the_field(name: str) -> None:
+    with pytest.raises(ValidationError) as exc:
+        r.desired_pod(a_unit(env=[{"name": "X", "value": "1"}, {"name": name, "value": "1"}]))
+    message = m.validation_message(exc.value)
+    assert "spec.env.1.name" in message and name in message and "fault injection" in message, message
+
+
+def test_flags_and_env_near_the_fault_ones_still_pass() -> None:
+    pod = r.desired_pod(a_unit(
+        extraArgs={"prefill": ["--transfer-workers", "8", "--transfer-deadline-ms", "500", "--fp8-min-rows", "0"],
+                   "decode": ["--decode-kernel", "fp8_dots=0", "--device", "cuda:0"]},
+        env=[{"name": "PDUNIT_TRANSFER_WORKERS", "value": "8"}, {"name": "PDUNIT_DEBUG", "value": "1"}],
+    ))
+    assert containers(pod)["prefill"]["command"][-6:] == [
+        "--transfer-workers", "8", "--transfer-deadline-ms", "500", "--fp8-min-rows", "0"]
+
+
+def _flags_and_env(model: type[BaseModel]) -> list[tuple[str, str, str, str]]:
+    """(field, flag, env, description) of each field, the way engine/settings.py names them."""
+    return [(name, "--" + name.replace("_", "-"), "PDUNIT_" + name.upper(), f.description or "")
+            for name, f in model.model_fields.items()]
+
+
+def _resolves_to(parser: Any, token: str) -> str | None:
+    """The field argparse gives `token 1`, None when it refuses it (unknown, ambiguous)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            ns = parser.parse_args([token, "1"])
+        except SystemExit:
+            return None
+    return next((k for k, v in vars(ns).items() if v == "1"), None)
+
+
+@pytest.mark.parametrize("role", sorted(_ROLE_MODULES))
+def test_no_flag_of_a_unit_process_is_refused_but_its_fault_injection_ones(role: str) -> None:
+    """Against each process's real flags: the refused prefixes hit a flag (and its env
+    name) exactly when the engine describes it as fault injection."""
+    for _, flag, env, description in _flags_and_env(_config_model(_ROLE_MODULES[role])):
+        is_fault = "fault injection" in description
+        assert bool(re.match(m.FAULT_FLAG_PATTERN, flag)) is is_fault, flag
+        assert bool(re.match(m.FAULT_ENV_PATTERN, env)) is is_fault, env
+
+
+def test_every_spelling_of_a_fault_suite_switch_is_refused_and_nothing_else_of_it() -> None:
+    """The fault suite's P (what PDUNIT_FAULT_INJECTION=1 starts): every --fault-* switch,
+    every abbreviation argparse resolves to one, their env names and the switch itself are
+    refused; its production flags are not."""
+    from pdunit.bench.fault_injection import FaultFields, FaultyPrefillConfig
+    from pdunit.engine.settings import build_parser
+
+    parser = build_parser(FaultyPrefillConfig, "pdunit prefill")
+    faults = set(FaultFields.model_fields)
+    assert faults, "the fault suite has no switches"
+    for name, flag, env, _ in _flags_and_env(FaultyPrefillConfig):
+        assert bool(re.match(m.FAULT_FLAG_PATTERN, flag)) is (name in faults), flag
+        assert bool(re.match(m.FAULT_ENV_PATTERN, env)) is (name in faults), env
+        for n in range(3, len(flag) + 1):
+            if _resolves_to(parser, flag[:n]) in faults:
+                assert re.match(m.FAULT_FLAG_PATTERN, flag[:n]), f"{flag[:n]} reaches a fault switch and passes"
+    assert re.match(m.FAULT_ENV_PATTERN, "PDUNIT_FAULT_INJECTION")
 
 
 # --------------------------------------------------------------------- unit status
