@@ -173,8 +173,8 @@ class ProxyClient:
             name=name, kind=pb.CUDA_IPC, layout=lay, size_bytes=size, gpu_uuid=uuid,
             ipc_handle=handle, offset_bytes=offset))
 
-    def unregister(self, region_id: str) -> None:
-        self.call("Unregister", pb.UnregisterRequest(region_id=region_id))
+    def unregister(self, region_id: str, timeout_s: float | None = None) -> None:
+        self.call("Unregister", pb.UnregisterRequest(region_id=region_id), timeout_s=timeout_s)
 
     def grant(self, region_id: str, request_id: int, capability: bytes, dst_slots: np.ndarray,
               deadline_unix_ms: int, any_request: bool = False, timeout_s: float | None = None) -> None:
@@ -630,7 +630,7 @@ class ProxySender(KVSender):
             current = staging.generation == self._generation
         if current:
             try:
-                self.client.unregister(staging.region)
+                self.client.unregister(staging.region, timeout_s=1.0)
             except TransferError as e:
                 log.info("staging region not unregistered", extra={"region_id": staging.region, "error": str(e)})
         staging.segment.close()
