@@ -1,13 +1,14 @@
 """The in-pod LB: the HTTP API of one unit (docs/api.md) on top of P and D.
 
 Owns the life of one stream as the client sees it: admission (ready, not draining),
-validate + pack (validate.py), a unit-unique uint64 request id registered in the stream
+validate + pack (validate.py), a random unit-unique uint64 request id registered in the stream
 table BEFORE the prompt goes to P, `Prefill.Submit`, the wait for the first frame, and
 only then the 200 headers — so that every failure before the first frame is a proper
 HTTP error that the router may retry elsewhere. Then frames as NDJSON lines (or binary)
 and one final record with the waterfall's stage stamps. A client that disconnects, or
 a stream that fails, is cancelled in P and D. Also /healthz, /readyz, /metrics,
-/v1/load, /v1/model, POST /v1/admin/drain.
+/v1/load, /v1/model; and, in a second app served on the admin port only (behind a
+bearer token when one is configured), POST /v1/admin/drain.
 
 A unit may have several D's (1P2D, `--decode-socket a,b`): P chooses the D of each
 request; the LB subscribes to every D's frames, asks every D Hello (they must serve the
@@ -19,6 +20,7 @@ Never: run the model, hold KV, or retry a stream after its first byte went out.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -33,9 +35,11 @@ import grpc
 import numpy as np
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from pdunit.engine.edge import bearer_matches, request_id_problem
 from pdunit.engine.lb.config import LBConfig, parse_vocab_sizes
 from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.lb.streams import (
@@ -52,12 +56,14 @@ from pdunit.engine.lb.validate import (
     PackedRequest,
     RequestError,
     body_too_large,
+    check_json_depth,
     parse_request,
 )
 from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.observability import now_ns
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.security import security_event
 from pdunit.engine.settings import decode_names
 
 log = logging.getLogger("pdunit.lb")
@@ -85,19 +91,29 @@ FAILURE_HTTP: dict[str, tuple[int, bool]] = {
 
 
 class RequestIds:
-    """uint64 ids: 32 random bits per process start + a 32-bit counter.
+    """uint64 request ids: 64 random bits each, never a counter, so one id tells nothing
+    about the next (a client must not guess another stream's id for /v1/load or cancel).
 
-    Random high bits keep ids unique across LB restarts (P and D may still hold the
-    previous LB's requests); the counter keeps them unique within one LB.
+    Unique in the unit: an id equal to 0 or to one of this LB's last `RECENT` ids (which
+    holds every stream in flight: they are bounded by --max-connections) is drawn again;
+    an id a previous LB left held in P or D repeats with odds of (held ids) / 2^64.
     """
 
+    RECENT = 1 << 16
+
     def __init__(self) -> None:
-        self._high = secrets.randbits(32) << 32
-        self._next = 0
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
+        self._seen: set[int] = set()
 
     def next(self) -> int:
-        rid = self._high | self._next
-        self._next = (self._next + 1) & 0xFFFFFFFF
+        while True:
+            rid = secrets.randbits(64)
+            if rid and rid not in self._seen:
+                break
+        if len(self._recent) == self.RECENT:
+            self._seen.discard(self._recent[0])
+        self._recent.append(rid)
+        self._seen.add(rid)
         return rid
 
 
@@ -360,6 +376,11 @@ class LoadBalancer:
         for target in ("prefill", *self.decode_names, "proxy"):
             if target in snap.errors:
                 return False, snap.errors[target]
+        if snap.prefill is not None and snap.prefill.unready:
+            return False, f"P is not ready: {snap.prefill.unready}"
+        for name, info in zip(self.decode_names, snap.decode_replies(), strict=False):
+            if info is not None and info.unready:
+                return False, f"{name if several else 'D'} is not ready: {info.unready}"
         for name, info in zip(self.decode_names, snap.decode_replies(), strict=False):
             if info is not None and info.draining:
                 who = name if several else "D"
@@ -409,6 +430,12 @@ class LoadBalancer:
     async def handle_stream(self, request: Request) -> Response:
         received = now_ns()
         client_rid = request.headers.get("x-request-id", "")
+        problem = request_id_problem(client_rid) if client_rid else None
+        if problem:
+            security_event("bad_request_id", length=len(client_rid))
+            self.metrics.requests.labels(code="400", outcome="rejected").inc()
+            error = RequestError(400, "bad_header", problem, field="X-Request-Id")
+            return JSONResponse(error.body(), status_code=400)
         ready, reason = self.readiness()
         if not ready:
             code = "draining" if (self.draining or self.shutting_down) else "not_ready"
@@ -417,6 +444,18 @@ class LoadBalancer:
         assert limits is not None and self.unit is not None
         try:
             body = await read_body(request, limits)
+        except ClientDisconnect:
+            # gone before its body arrived (or cut by --body-timeout-s, already answered)
+            self.metrics.requests.labels(code="499", outcome="disconnected").inc()
+            return Response(status_code=499)
+        except RequestError as exc:
+            self.metrics.requests.labels(code=str(exc.status), outcome="rejected").inc()
+            # the rest of the body is not read: the connection cannot carry another request
+            headers = {"Connection": "close"}
+            if client_rid:
+                headers["X-Request-Id"] = client_rid
+            return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        try:
             t0 = time.perf_counter()
             packed = parse_request(
                 request.headers.get("content-type"), request.headers, body, limits
@@ -891,13 +930,57 @@ def create_app(lb: LoadBalancer) -> FastAPI:
             )
         return JSONResponse(doc)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(lb.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+ADMIN_BODY_LIMIT = 4096
+
+
+def create_admin_app(lb: LoadBalancer, token: bytes | None) -> FastAPI:
+    """The admin routes (POST /v1/admin/drain), served on --admin-port, never on the
+    stream port. With a token every call needs `Authorization: Bearer <token>`; a call
+    without it is a 401 and a security event. The app has no lifespan: the stream app
+    starts and stops the LB."""
+    app = FastAPI(title="pdunit LB admin", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Response:
+        if token is not None and not bearer_matches(request.headers, token):
+            client = request.client.host if request.client else ""
+            security_event("admin_unauthorized", path=request.url.path, client=client)
+            return JSONResponse(
+                {"error": {"code": "unauthorized", "field": "Authorization",
+                           "message": "admin calls need 'Authorization: Bearer <token>', the "
+                           "token of --admin-token-file"}},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        response: Response = await call_next(request)
+        return response
+
     @app.post("/v1/admin/drain")
     async def drain(request: Request) -> JSONResponse:
-        raw = await request.body()
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > ADMIN_BODY_LIMIT:
+                return JSONResponse(
+                    {"error": {"code": "body_too_large", "field": "body",
+                               "message": f"an admin body holds at most {ADMIN_BODY_LIMIT} bytes"}},
+                    status_code=413,
+                    headers={"Connection": "close"},
+                )
         draining = True
         if raw.strip():
             try:
+                check_json_depth(raw)
                 doc = json.loads(raw)
+            except RequestError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
             except ValueError as exc:
                 return JSONResponse(
                     {"error": {"code": "malformed_json", "message": f"body is not JSON: {exc}"}},
@@ -921,9 +1004,5 @@ def create_app(lb: LoadBalancer) -> FastAPI:
             draining = doc.get("draining", True)
         lb.set_draining(draining)
         return JSONResponse(await lb.load_document())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(lb.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

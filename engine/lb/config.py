@@ -7,14 +7,34 @@ from __future__ import annotations
 
 import socket
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator, model_validator
+
+from pdunit.engine.edge import EdgeLimits, default_listen_host, is_loopback
 
 
-class LBConfig(BaseModel):
+class LBConfig(EdgeLimits):
     """pdunit lb: the HTTP streaming API of one unit (docs/api.md)."""
 
-    host: str = Field("0.0.0.0", description="HTTP listen address")
+    host: str = Field(
+        "",
+        validate_default=True,
+        description="listen address of the stream port; empty = the pod's IP ($PDUNIT_POD_IP) "
+        "in a pod, else 127.0.0.1",
+    )
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    admin_host: str = Field(
+        "127.0.0.1",
+        description="listen address of the admin port (POST /v1/admin/drain); an address other "
+        "than loopback needs --admin-token-file",
+    )
+    admin_port: int = Field(
+        8001, ge=0, le=65535, description="admin HTTP port, never the stream port (0 = any free port)"
+    )
+    admin_token_file: str = Field(
+        "",
+        description="file holding the admin bearer token (mode 0600, e.g. a mounted Secret); "
+        "when set, every admin call needs 'Authorization: Bearer <token>'",
+    )
     prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's gRPC unix socket")
     decode_socket: str = Field(
         "/run/pdunit/decode.sock",
@@ -61,6 +81,24 @@ class LBConfig(BaseModel):
         description="on SIGTERM: how long streams in flight may finish before they are cut",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
+
+    @field_validator("host")
+    @classmethod
+    def _host_defaults_to_pod_ip(cls, v: str) -> str:
+        return default_listen_host(v)
+
+    @model_validator(mode="after")
+    def _admin_port_is_guarded(self) -> LBConfig:
+        if self.admin_port and self.admin_port == self.port:
+            raise ValueError(
+                f"admin_port {self.admin_port} is the stream port: give --admin-port another port"
+            )
+        if not self.admin_token_file and not is_loopback(self.admin_host):
+            raise ValueError(
+                f"admin_host {self.admin_host!r} is not a loopback address: give "
+                f"--admin-token-file (a bearer token file) or --admin-host 127.0.0.1"
+            )
+        return self
 
     @field_validator("decode_socket")
     @classmethod

@@ -1,9 +1,12 @@
 """`pdunit lb`: run the unit's HTTP API (app.py) under uvicorn until SIGTERM.
 
-Owns the process: config, JSON logs, the HTTP server and graceful shutdown. On SIGTERM
-or SIGINT the LB stops taking streams (503 + Retry-After, /readyz 503), lets the
-streams in flight finish for up to --shutdown-timeout-s, cuts the rest with an error
-record, then exits. Never holds request state of its own.
+Owns the process: config, JSON logs, the two HTTP servers and graceful shutdown. The
+stream port (--host/--port) serves the API; the admin port (--admin-host/--admin-port,
+loopback by default, a bearer token from --admin-token-file when it is not) serves only
+the admin routes. Both run behind the edge's limits (engine/edge.py). On SIGTERM or
+SIGINT the LB stops taking streams (503 + Retry-After, /readyz 503), lets the streams in
+flight finish for up to --shutdown-timeout-s, cuts the rest with an error record, then
+exits. Never holds request state of its own.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import contextlib
 import socket
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import uvicorn
 
-from pdunit.engine.lb.app import LoadBalancer, create_app
+from pdunit.engine.edge import server_config
+from pdunit.engine.lb.app import LoadBalancer, create_admin_app, create_app
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.observability import (
     log_config,
@@ -24,6 +29,7 @@ from pdunit.engine.observability import (
     setup_logging,
     shutdown_event,
 )
+from pdunit.engine.security import SecretFileError, read_secret_file
 from pdunit.engine.settings import ConfigError, parse_config
 
 
@@ -45,34 +51,112 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def admin_token(config: LBConfig) -> bytes | None:
+    """The admin bearer token of --admin-token-file (None when unset); SecretFileError
+    names the file and the fix."""
+    if not config.admin_token_file:
+        return None
+    try:
+        return read_secret_file(config.admin_token_file)
+    except SecretFileError as exc:
+        raise SecretFileError(f"--admin-token-file: {exc}") from None
+
+
+@dataclass
+class Servers:
+    """The stream and admin servers of one LB, bound and not yet serving."""
+
+    stream: _Server
+    stream_socket: socket.socket
+    admin: _Server
+    admin_socket: socket.socket
+
+    @property
+    def port(self) -> int:
+        return int(self.stream_socket.getsockname()[1])
+
+    @property
+    def admin_port(self) -> int:
+        return int(self.admin_socket.getsockname()[1])
+
+    async def run(self) -> tuple[asyncio.Task[None], asyncio.Task[None]]:
+        """Starts the stream server (its lifespan starts the LB), then the admin one: an
+        admin call never reaches an LB that has not started."""
+        stream = asyncio.ensure_future(self.stream.serve(sockets=[self.stream_socket]))
+        while not self.stream.started and not stream.done():
+            await asyncio.sleep(0.01)
+        admin = asyncio.ensure_future(self.admin.serve(sockets=[self.admin_socket]))
+        while not self.admin.started and not admin.done() and not stream.done():
+            await asyncio.sleep(0.01)
+        return stream, admin
+
+    def close(self) -> None:
+        self.stream_socket.close()
+        self.admin_socket.close()
+
+
+def build_servers(config: LBConfig, lb: LoadBalancer, token: bytes | None) -> Servers:
+    stream_socket = bind_socket(config.host, config.port)
+    try:
+        admin_socket = bind_socket(config.admin_host, config.admin_port)
+    except OSError:
+        stream_socket.close()
+        raise
+    stream = _Server(
+        server_config(create_app(lb), config, lifespan="on", timeout_graceful_shutdown=5)
+    )
+    admin = _Server(
+        server_config(create_admin_app(lb, token), config, lifespan="off", timeout_graceful_shutdown=1)
+    )
+    return Servers(stream, stream_socket, admin, admin_socket)
+
+
 async def serve(config: LBConfig) -> int:
     logger = setup_logging("lb", config.log_level)
     log_config(logger, config)
+    try:
+        token = admin_token(config)
+    except SecretFileError as exc:
+        logger.error("cannot read the admin token", extra={"reason": str(exc)})
+        print(f"pdunit lb: {exc}", file=sys.stderr)
+        return 2
     lb = LoadBalancer(config)
-    app = create_app(lb)
-    sock = bind_socket(config.host, config.port)
+    try:
+        servers = build_servers(config, lb, token)
+    except OSError as exc:
+        logger.error("cannot listen", extra={"reason": str(exc)})
+        print(f"pdunit lb: cannot listen: {exc}", file=sys.stderr)
+        return 1
     settle_gc_for_serving(logger)
-    logger.info("listening", extra={"host": config.host, "port": sock.getsockname()[1], "http": "httptools"})
-    server = _Server(
-        uvicorn.Config(
-            # httptools, named: uvicorn's "auto" would fall back to the pure-Python h11
-            # without a word when the C parser is missing
-            app, http="httptools", log_config=None, access_log=False, lifespan="on",
-            timeout_graceful_shutdown=5,
-        )
+    logger.info(
+        "listening",
+        extra={
+            "host": config.host,
+            "port": servers.port,
+            "admin_host": config.admin_host,
+            "admin_port": servers.admin_port,
+            "admin_token": bool(token),
+            "http": "httptools",
+        },
     )
     stop = shutdown_event(logger)
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    serving, admin = await servers.run()
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():
+    await asyncio.wait({serving, admin, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done() or admin.done():
         stopping.cancel()
-        exc = serving.exception()
-        logger.error("HTTP server stopped on its own", extra={"error": repr(exc)})
+        done = serving if serving.done() else admin
+        logger.error(
+            "HTTP server stopped on its own",
+            extra={"server": "stream" if done is serving else "admin", "error": repr(done.exception())},
+        )
+        servers.stream.should_exit = servers.admin.should_exit = True
+        await asyncio.gather(serving, admin, return_exceptions=True)
         return 1
     cut = await lb.shutdown(config.shutdown_timeout_s)
-    server.should_exit = True
-    await serving
+    servers.admin.should_exit = True
+    servers.stream.should_exit = True
+    await asyncio.gather(admin, serving)
     logger.info("stopped", extra={"streams_cut": cut})
     return 0
 

@@ -15,6 +15,10 @@ number forms, escapes, duplicate keys, any error) goes through the slow exact pa
 `json.loads` and per-row checks, which produce the precise message. Errors are rare;
 their path may be slow, never imprecise.
 
+Every `json.loads` here first bounds the body's nesting (`MAX_JSON_DEPTH`, a 400 naming
+the limit): CPython's parser recurses once per level and a few KB of brackets would
+raise RecursionError, a 500.
+
 Never: talk to P or D, keep state between requests, log request bodies.
 """
 
@@ -40,12 +44,14 @@ SAMPLING_HEADERS = {
     "seed": "x-pdunit-seed",
 }
 MAX_TEMPERATURE = 100.0
+MAX_JSON_DEPTH = 32  # a request nests 3 levels ({"prompt": [[...]]}); more is an attack
 UINT64_MAX = (1 << 64) - 1
 
 _WHITESPACE = b" \t\n\r"
 _IDENTITY = bytes(range(256))
 _QUOTE, _LBRACE, _RBRACE = ord('"'), ord("["), ord("]")
 _COMMA, _ZERO = ord(","), ord("0")
+_LCURLY, _RCURLY, _BACKSLASH = ord("{"), ord("}"), ord("\\")
 _PAD = b"]" * 16
 
 
@@ -383,8 +389,10 @@ def _parse_json_fast(body: bytes, limits: Limits) -> PackedRequest | None:
         return None
     if len(compact) != end - start and _digit_runs(body[start:end]) != ids.size:
         return None  # whitespace inside a number ("36 6"): the compact form would misread it
+    rest_bytes = body[:start] + b"null" + body[end:]
+    check_json_depth(rest_bytes)
     try:
-        rest = json.loads(body[:start] + b"null" + body[end:])
+        rest = json.loads(rest_bytes)
     except ValueError:
         return None
     if type(rest) is not dict or "prompt" not in rest or rest["prompt"] is not None:
@@ -457,7 +465,49 @@ def _numbers_in_rows(compact: bytes, limits: Limits) -> np.ndarray | None:
     return value.reshape(rows, width)
 
 
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in `raw`, brackets inside strings not
+    counted. Up to the first syntax error it follows what `json.loads` would descend
+    into, and the parser stops at that error: its depth never exceeds this one."""
+    c = np.frombuffer(raw, dtype=np.uint8)
+    if c.size == 0:
+        return 0
+    quote = c == _QUOTE
+    if quote.any():
+        backslash = c == _BACKSLASH
+        if backslash.any():
+            # a quote is escaped when an odd run of backslashes precedes it
+            q = np.flatnonzero(quote)
+            last_plain = np.maximum.accumulate(np.where(backslash, -1, np.arange(c.size)))
+            before = q - 1
+            run = np.where(before >= 0, before - last_plain[np.maximum(before, 0)], 0)
+            quote[q[run % 2 == 1]] = False
+        outside = (np.cumsum(quote, dtype=np.int64) & 1) == 0
+    else:
+        outside = np.ones(c.size, dtype=bool)
+    opens = ((c == _LBRACE) | (c == _LCURLY)) & outside
+    closes = ((c == _RBRACE) | (c == _RCURLY)) & outside
+    if not opens.any():
+        return 0
+    return int(np.cumsum(opens.astype(np.int32) - closes.astype(np.int32)).max())
+
+
+def check_json_depth(raw: bytes) -> None:
+    """A 400 naming the limit when `raw` nests deeper than MAX_JSON_DEPTH."""
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(
+            400,
+            "json_too_deep",
+            f"the JSON body nests {depth} levels deep, the limit is {MAX_JSON_DEPTH} "
+            f"(a request needs 3)",
+            field="body",
+            limit=MAX_JSON_DEPTH,
+        )
+
+
 def _parse_json_exact(body: bytes, limits: Limits) -> PackedRequest:
+    check_json_depth(body)
     try:
         obj = json.loads(body)
     except ValueError as exc:

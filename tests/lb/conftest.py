@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from pdunit.engine.lb.app import LoadBalancer, create_app
+from pdunit.engine.lb.app import LoadBalancer
 from pdunit.engine.lb.config import LBConfig
-from pdunit.engine.lb.main import _Server, bind_socket
+from pdunit.engine.lb.main import admin_token, build_servers
 from tests.lb.fakes import FakeUnit, LoopThread
 
 
@@ -50,9 +50,16 @@ class RunningLB:
     url: str
     server: uvicorn.Server
     task: asyncio.Task[None]
+    admin_url: str = ""
+    admin_server: uvicorn.Server | None = None
+    admin_task: asyncio.Task[None] | None = None
 
     def client(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 10.0), **kw)
+
+    def admin(self, **kw: Any) -> httpx.Client:
+        """A client of the admin port (POST /v1/admin/drain)."""
+        return httpx.Client(base_url=self.admin_url, timeout=kw.pop("timeout", 10.0), **kw)
 
 
 def wait_until(
@@ -74,6 +81,7 @@ def start_lb(loop_thread: LoopThread, fake_unit: FakeUnit) -> Iterator[Callable[
         fields = {
             "host": "127.0.0.1",
             "port": 0,
+            "admin_port": 0,
             "prefill_socket": fake_unit.prefill_socket,
             "decode_socket": fake_unit.decode_socket,
             "unit_name": "test-unit",
@@ -84,24 +92,17 @@ def start_lb(loop_thread: LoopThread, fake_unit: FakeUnit) -> Iterator[Callable[
         config = LBConfig(**fields)
 
         async def boot() -> RunningLB:
+            # the servers `pdunit lb` runs: the stream and admin ports behind the edge's limits
             lb = LoadBalancer(config, registry=CollectorRegistry())
-            sock = bind_socket("127.0.0.1", 0)
-            server = _Server(
-                uvicorn.Config(
-                    create_app(lb),
-                    http="httptools",  # the parser `pdunit lb` serves with
-                    log_config=None,
-                    access_log=False,
-                    lifespan="on",
-                    timeout_graceful_shutdown=2,
-                )
+            servers = build_servers(config, lb, admin_token(config))
+            task, admin_task = await servers.run()
+            for t in (task, admin_task):
+                if t.done():
+                    t.result()
+            return RunningLB(
+                lb, f"http://127.0.0.1:{servers.port}", servers.stream, task,
+                f"http://{config.admin_host}:{servers.admin_port}", servers.admin, admin_task,
             )
-            task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.01)
-            return RunningLB(lb, f"http://127.0.0.1:{sock.getsockname()[1]}", server, task)
 
         r = loop_thread.run(boot())
         running.append(r)
@@ -113,6 +114,9 @@ def start_lb(loop_thread: LoopThread, fake_unit: FakeUnit) -> Iterator[Callable[
     yield start
 
     async def shutdown(r: RunningLB) -> None:
+        if r.admin_server is not None and r.admin_task is not None:
+            r.admin_server.should_exit = True
+            await asyncio.wait_for(r.admin_task, 10)
         r.server.should_exit = True
         await asyncio.wait_for(r.task, 10)
 

@@ -73,6 +73,7 @@ class FakeDecode(pbg.DecodeServicer):
     subscribers: list[asyncio.Queue[Any]] = field(default_factory=list)
     held_pages: int = 0
     draining: bool = False
+    unready: str = ""  # InfoReply.unready: why D cannot serve now (e.g. re-registering)
     pending_errors: list[pb.StreamError] = field(default_factory=list)
     send_metadata: bool = True  # False: like a D that sends nothing before its first step
     _stepper: asyncio.Task[None] | None = None
@@ -118,6 +119,7 @@ class FakeDecode(pbg.DecodeServicer):
             pool_pages=4096,
             free_pages=4096 - self.held_pages,
             draining=self.draining,
+            unready=self.unready,
             transfer_mode="host",
             request_ids=ids,
             kv_checks_total=7,
@@ -178,6 +180,7 @@ class FakePrefill(pbg.PrefillServicer):
     submits: list[pb.SubmitRequest] = field(default_factory=list)
     cancels: list[int] = field(default_factory=list)
     draining: bool = False
+    unready: str = ""  # InfoReply.unready: why P cannot serve now
     decode_error: int | None = None  # D reports this Status for the stream instead of frames
     hang_s: float = 0.0  # after D's error, P answers this late (a stopped P)
 
@@ -215,6 +218,7 @@ class FakePrefill(pbg.PrefillServicer):
             role="prefill",
             instance_id=self.instance_id,
             draining=self.draining,
+            unready=self.unready,
             transfer_mode="host",
         )
 

@@ -206,7 +206,8 @@ def test_draining_refuses_new_streams_with_503_and_lets_streams_in_flight_finish
         assert s.status_code == 200
         lines = s.iter_lines()
         assert json.loads(next(lines))["i"] == 0
-        load = c.post("/v1/admin/drain").json()
+        with lb.admin() as admin:
+            load = admin.post("/v1/admin/drain").json()
         assert load["draining"] is True and load["ready"] is False
         refused = c.post("/v1/tts/stream", json={"prompt": prompt(), "max_frames": 5})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
@@ -215,7 +216,8 @@ def test_draining_refuses_new_streams_with_503_and_lets_streams_in_flight_finish
         rest = [json.loads(line) for line in lines if line]
         assert rest[-1]["done"] is True and rest[-1]["frames"] == 40
     with lb.client() as c:
-        assert c.post("/v1/admin/drain", json={"draining": False}).json()["draining"] is False
+        with lb.admin() as admin:
+            assert admin.post("/v1/admin/drain", json={"draining": False}).json()["draining"] is False
         wait_until(lambda: c.get("/readyz").status_code == 200, what="ready after undrain")
 
 

@@ -32,6 +32,8 @@ def test_sigterm_refuses_new_streams_lets_streams_in_flight_finish_then_exits(fa
             "127.0.0.1",
             "--port",
             "0",
+            "--admin-port",
+            "0",
             "--prefill-socket",
             fake_unit.prefill_socket,
             "--decode-socket",

@@ -1,0 +1,293 @@
+"""The HTTP edge of `pdunit lb` and `pdunit router`: what every byte from outside meets
+before an app sees it.
+
+Owns the limits of the uvicorn servers both run (`EdgeLimits`, flags of both): the size
+of a request's line and headers (431), the time they may take to arrive (408, or a
+silent close for a connection that sent nothing), the time a body may take once its
+headers are in (408), idle keep-alive, and the number of open connections (503). Also
+the rules both apply at the door: which `X-Request-Id` may be echoed, which listen
+address is the default, and the bearer-token check of admin endpoints.
+
+Every refusal here is a security event (engine/security.py). This module never routes,
+parses bodies or holds request state; it must never let an app see a request that broke
+a limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import httptools
+import uvicorn
+from pydantic import BaseModel, Field
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdunit.engine.security import same_bytes, security_event
+
+log = logging.getLogger("pdunit.edge")
+
+REQUEST_ID_MAX = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=-]{1,%d}" % REQUEST_ID_MAX)  # noqa: UP031
+REQUEST_ID_RULE = f"1-{REQUEST_ID_MAX} characters of A-Z a-z 0-9 . _ : + / = -"
+POD_IP_ENV = "PDUNIT_POD_IP"
+
+
+class EdgeLimits(BaseModel):
+    """The limits of one HTTP server; a base of LBConfig and RouterConfig (their flags)."""
+
+    max_header_bytes: int = Field(
+        16384, ge=1024, description="largest request line + headers of one request (431 above)"
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request's line and headers must arrive within this, counted from the "
+        "connection's opening or the request's first byte (408, or closed if nothing came)",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body must arrive whole within this after its headers (408)"
+    )
+    keep_alive_timeout_s: float = Field(
+        30.0, gt=0, description="an idle keep-alive connection is closed after this"
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        le=65536,
+        description="open connections at most; one more is answered 503 and closed",
+    )
+
+
+def default_listen_host(host: str) -> str:
+    """An empty listen address means the pod's IP ($PDUNIT_POD_IP, which the operator sets
+    in every container) inside a pod, and loopback anywhere else: never every interface
+    unless asked (`--host 0.0.0.0`)."""
+    return host or os.environ.get(POD_IP_ENV, "") or "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def request_id_problem(value: str) -> str | None:
+    """Why a client's X-Request-Id may not be used (and so never echoed), or None."""
+    if _REQUEST_ID.fullmatch(value):
+        return None
+    return f"X-Request-Id has {len(value)} characters; it must be {REQUEST_ID_RULE}"
+
+
+def bearer_matches(headers: Mapping[str, str], token: bytes) -> bool:
+    """`Authorization: Bearer <token>`, compared in constant time."""
+    raw = headers.get("authorization", "")
+    scheme, _, given = raw.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return False
+    return same_bytes(given.strip().encode("latin-1", "replace"), token)
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+def _response(status: int, reason: str, code: str, message: str, **extra: Any) -> bytes:
+    body = json.dumps({"error": {"code": code, "message": message, **extra}}).encode()
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n" % (status, reason.encode(), len(body))
+    ) + body
+
+
+class GuardedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits of `EdgeLimits` (set per server by
+    `guarded_protocol`). httptools buffers a header value of any length and uvicorn arms
+    no timer before the first request nor while a body arrives: this adds both."""
+
+    limits: ClassVar[EdgeLimits] = EdgeLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # waiting for (or reading) a request line and headers
+        self._head_bytes = 0  # request line + headers seen by the parser callbacks
+        self._head_fed = 0  # bytes fed while the head stayed incomplete
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limit = self.limits.max_connections
+        if len(self.connections) > limit:
+            self._refuse(
+                "too_many_connections", 503, "Service Unavailable",
+                f"the server holds {limit} connections, its limit (--max-connections); retry later",
+                limit=limit,
+            )
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):
+                self._head_too_large()
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        if self._in_head and not self.transport.is_closing():
+            # httptools keeps an unfinished header value in its own buffer, out of the
+            # callbacks' sight: count what it was fed
+            self._head_fed += len(data)
+            if self._head_fed > self.limits.max_header_bytes:
+                self._head_too_large()
+
+    # ------------------------------------------------------------ parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = self._head_fed = 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_fed = 0
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    # ------------------------------------------------------------ refusals
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_header_bytes:
+            raise _HeadTooLarge
+
+    def _head_too_large(self) -> None:
+        limit = self.limits.max_header_bytes
+        self._refuse(
+            "header_too_large", 431, "Request Header Fields Too Large",
+            f"the request line and headers exceed {limit} bytes (--max-header-bytes)",
+            limit=limit,
+        )
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        seen = self._head_bytes + self._head_fed
+        timeout = self.limits.header_timeout_s
+        if not seen:
+            security_event("header_timeout", client=self._client(), bytes=0, timeout_s=timeout)
+            self.transport.close()  # nothing was asked: nothing to answer
+            return
+        self._refuse(
+            "header_timeout", 408, "Request Timeout",
+            f"the request line and headers did not arrive within {timeout:g} s "
+            f"(--header-timeout-s)",
+            limit=timeout,
+        )
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        timeout = self.limits.body_timeout_s
+        if cycle.response_started and not cycle.response_complete:
+            return  # the app answered while the body still comes: its answer stands
+        if not cycle.response_started:
+            cycle.disconnected = True  # the app reads a disconnect and writes nothing more
+            cycle.message_event.set()
+        self._refuse(
+            "body_timeout", 408, "Request Timeout",
+            f"the request body did not arrive whole within {timeout:g} s of its headers "
+            f"(--body-timeout-s)",
+            limit=timeout,
+            written=not cycle.response_started,
+        )
+
+    def _refuse(
+        self, code: str, status: int, reason: str, message: str, written: bool = True,
+        **extra: Any,
+    ) -> None:
+        security_event(code, client=self._client(), status=status, **extra)
+        if written:
+            self.transport.write(_response(status, reason, code, message, **extra))
+        self.transport.close()
+        self._cancel_timers()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+
+    def _client(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else ""
+
+
+def guarded_protocol(limits: EdgeLimits) -> type[GuardedHttpTools]:
+    """The protocol class of one server with these limits."""
+    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits})
+
+
+def server_config(app: Any, limits: EdgeLimits, **kwargs: Any) -> uvicorn.Config:
+    """The uvicorn config every pdunit HTTP server runs: httptools behind the guards
+    (named: uvicorn's "auto" falls back to the pure-Python h11 without a word), no
+    websockets, no Server header, no uvicorn log config or access log."""
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(limits),
+        ws="none",
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+        server_header=False,
+        log_config=None,
+        access_log=False,
+        **kwargs,
+    )
