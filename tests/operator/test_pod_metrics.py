@@ -3,7 +3,7 @@ container starts with its own command from `desired_pod`, the unit serves a stre
 every port the pod declares serves Prometheus metrics; together they serve every unit
 metric the chart's dashboard and alert rules query (the dashboard's panels on D's steps, P's aborts,
 the KV checks and the transfer mode had nothing to scrape while only the LB's port was
-declared)."""
+declared). The LB's admin port takes the drain only with the token of the unit's Secret."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port, free_port_block
+from pdunit.engine.security import write_secret_file
 from pdunit.operator import reconcile as r
 from pdunit.operator.chart_files import metric_names, queries
 from tests.engine.unit_client import random_prompt, stream
@@ -28,11 +29,24 @@ CONTROL_PLANE = ("pdunit_operator_", "pdunit_router_", "pdunit_scaler_")
 
 
 class PodProcesses(LocalUnit):
-    """LocalUnit's start, readiness and stop around the pod's own commands."""
+    """LocalUnit's start, readiness and stop around the pod's own commands; the unit's
+    Secret files are written where the commands read them (mode 0600, as the engines ask)."""
 
     def __init__(self, pod: dict[str, Any], lb_port: int) -> None:
         self.pod = pod
         super().__init__(LocalConfig(lb_port=lb_port, guard=False, log_level="warning"))
+
+    @property
+    def pod_admin_token_file(self) -> str:
+        return str(self.run_dir / "pod-admin.token")
+
+    def start(self) -> LocalUnit:
+        write_secret_file(self.pod_admin_token_file)  # the unit secret is LocalUnit's own
+        return super().start()
+
+    def secret_files(self) -> dict[str, str]:
+        """The pod's secret file paths -> this unit's files."""
+        return {r.UNIT_SECRET_FILE: self.unit_secret_file, r.ADMIN_TOKEN_FILE: self.pod_admin_token_file}
 
     def commands(self) -> list[tuple[str, list[str]]]:
         by_name = {c["name"]: c for c in self.pod["spec"]["initContainers"] + self.pod["spec"]["containers"]}
@@ -44,7 +58,7 @@ class PodProcesses(LocalUnit):
             # /run/pdunit is the pod's shared volume; here a folder of its own. P and D
             # find the proxy there by their default, the one flag the pod leaves out.
             env.append(f"PDUNIT_PROXY_SOCKET={self.run_dir}/proxy.sock")
-            argv = [a.replace(r.RUN_DIR, str(self.run_dir)) for a in c["command"]]
+            argv = [self.secret_files().get(a, a).replace(r.RUN_DIR, str(self.run_dir)) for a in c["command"]]
             assert argv[0] == "pdunit", argv
             out.append((child, ["env", *env, sys.executable, "-m", "pdunit.engine.cli", *argv[1:]]))
         return out
@@ -68,7 +82,7 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
         "metadata": {"name": "metrics-unit", "namespace": "t", "uid": "u"},
         "spec": {
             "image": "pdunit:cpu", "model": "random:tiny:0", "device": "cpu", "transfer": "proxy",
-            "lbPort": lb_port, "metricsPort": free_port_block(4),
+            "lbPort": lb_port, "adminPort": free_port(), "metricsPort": free_port_block(4),
             # small pools: the CPU defaults are sized for a real model
             "extraArgs": {"prefill": ["--cache-tokens", "16384"], "decode": ["--pool-tokens", "16384"]},
         },
@@ -79,10 +93,18 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
         for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
         for p in c.get("ports", [])
     }
+    admin = declared.pop(("lb", "admin"))  # serves the drain behind the token, no /metrics
     assert len(declared) == 5, declared  # the LB's http port and four metrics ports
     with PodProcesses(pod, lb_port) as unit_procs:  # in a short temp folder of its own
         frames, _ = stream(unit_procs.url, random_prompt(40, seed=3), max_frames=6, min_frames=6)
         assert len(frames) == 6
+        # the pod's LB really guards its admin port (and the stream port has no admin route)
+        drain = f"http://127.0.0.1:{admin}/v1/admin/drain"
+        assert httpx.post(drain, json={"draining": False}, timeout=5).status_code == 401
+        assert httpx.post(f"{unit_procs.url}/v1/admin/drain", json={"draining": False}, timeout=5).status_code == 404
+        token = open(unit_procs.pod_admin_token_file).read().strip()
+        ok = httpx.post(drain, json={"draining": False}, headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        assert ok.status_code == 200, ok.text
         served: dict[str, set[str]] = {}
         texts: dict[str, str] = {}
         for (container, port_name), port in declared.items():
