@@ -29,6 +29,7 @@ from pdunit.engine.observability import (
     shutdown_event,
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.security import SecretFileError, read_secret_file
 from pdunit.engine.settings import (
     DecodeKernel,
     GemmPrecision,
@@ -40,7 +41,7 @@ from pdunit.engine.settings import (
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.transfer.base import PoolGeometry
-from pdunit.engine.transfer.factory import make_receiver
+from pdunit.engine.transfer.factory import make_receiver, unit_secret_option
 from pdunit.kernels.kv_dtype import kv_storage_dtype
 from pdunit.kernels.paged_attention import configure_decode
 
@@ -70,9 +71,13 @@ class DecodeConfig(StackSamplingFields):
     held_drain_fraction: float = Field(0.25, gt=0, le=1, description="held/pool pages above which D drains")
     abort_resend_ms: int = Field(200, gt=0, description="ABORT re-send period for held requests")
     probe_interval_ms: int = Field(500, gt=0, description="P instance-id probe period")
-    tcp_host: str = Field("127.0.0.1", description="tcp transport: listen address")
+    tcp_host: str = Field("127.0.0.1", description="tcp transport: listen address; P in the same pod needs "
+                          "loopback only, the pod IP only when tcp crosses hosts")
     tcp_port: int = Field(0, ge=0, description="tcp transport: listen port (0 = any free)")
     proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
+    unit_secret_file: str = Field("", validate_default=True, description="the unit's shared secret (a mode-0600 "
+                                  "file): authenticates P to D's tcp KV listener; required with --transfer tcp, "
+                                  "and without it --transfer auto offers no tcp")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     debug_port: int = Field(0, ge=0, description="fault injection/debug only (never in a pod): serve the pool's "
                             "ownership map on 127.0.0.1:<port>/debug/pool (0 = off)")
@@ -88,6 +93,20 @@ class DecodeConfig(StackSamplingFields):
         if v == 0 and not device.startswith("cuda"):
             raise ValueError(f"0 sizes the pool to a CUDA device's free memory, and device {device!r} is "
                              "not one: give the pool's token count")
+        return v
+
+    @field_validator("unit_secret_file")
+    @classmethod
+    def _tcp_needs_the_unit_secret(cls, v: str, info: ValidationInfo) -> str:
+        if not v:
+            if info.data.get("transfer") == "tcp":
+                raise ValueError("--transfer tcp: D's tcp KV listener authenticates P with the unit's secret: "
+                                 "give --unit-secret-file (env PDUNIT_UNIT_SECRET_FILE)")
+            return v
+        try:
+            read_secret_file(v)
+        except SecretFileError as exc:
+            raise ValueError(f"--unit-secret-file: {exc}") from None
         return v
 
 
@@ -134,6 +153,7 @@ async def serve(cfg: DecodeConfig) -> int:
     )
     receiver = make_receiver(cfg.transfer, geometry, cfg.device, {
         "tcp_host": cfg.tcp_host, "tcp_port": str(cfg.tcp_port), "proxy_socket": cfg.proxy_socket,
+        "unit_secret": unit_secret_option(read_secret_file(cfg.unit_secret_file)) if cfg.unit_secret_file else "",
     })
     loop = asyncio.get_running_loop()
     engine = DecodeEngine(

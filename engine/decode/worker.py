@@ -227,6 +227,7 @@ class DecodeEngine:
                 return
             self.pool.hold(request_id)
             self.held[request_id] = Held(request_id, res.p_instance, time.monotonic(), reason)
+        self._revoke(request_id)
         m.D_TRANSFER_FAILED.labels(reason=reason).inc()
         log.warning("transfer failed: pages held until proof", extra={
             "request_id": request_id, "reason": reason, "detail": message, "p_instance": res.p_instance})
@@ -371,7 +372,33 @@ class DecodeEngine:
                 req.request_id, req.identity.sender_instance, req.deadline_unix_ms, req.n_tokens, slots,
                 stamps={"d_reserved": now_ns()})
         self._update_gauges()
-        return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(slots, "i8"), instance_id=self.instance_id)
+        # The write capability (PROTOCOL.md 3.1), outside the engine lock: the proxy's
+        # receiver tells its sidecar. Granted after the reservation exists and checked
+        # live afterwards, so a reservation that ended meanwhile (its revoke may have run
+        # before this grant) never leaves a grant behind.
+        try:
+            capability = self.receiver.grant(req.request_id, slots, req.deadline_unix_ms)
+        except Exception as exc:  # no capability, no write: the pages go held like any failed transfer
+            log.error("write capability not granted", extra={"request_id": req.request_id, "error": str(exc)})
+            self.fail_transfer(req.request_id, pb.TRANSFER_FAILED, "grant_failed", f"write grant failed: {exc}")
+            return pb.ReserveReply(status=pb.TRANSFER_FAILED, instance_id=self.instance_id,
+                                   message=f"decode could not grant the write capability: {exc}")
+        with self._lock:
+            live = req.request_id in self.reservations
+        if not live:
+            self._revoke(req.request_id)
+            return pb.ReserveReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id,
+                                   message="the reservation ended before it was granted (deadline or cancel)")
+        return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(slots, "i8"), instance_id=self.instance_id,
+                               capability=capability)
+
+    def _revoke(self, request_id: int) -> None:
+        """The reservation's write capability ends (COMMIT, held): receivers that check
+        capabilities (tcp, proxy) apply no write of it any more."""
+        try:
+            self.receiver.revoke(request_id)
+        except Exception as exc:  # the pages' own state (held / decoding) still stands
+            log.error("write capability not revoked", extra={"request_id": request_id, "error": str(exc)})
 
     def commit(self, req: pb.CommitRequest) -> pb.CommitReply:
         if not self.identity_ok(req.identity):
@@ -382,6 +409,7 @@ class DecodeEngine:
                 return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id,
                                       message="no live reservation (expired, cancelled or failed)")
             self.pool.mark_filled(req.request_id)
+        self._revoke(req.request_id)  # before the checksum: no write lands after it reads the rows
         got = self._checksum(res.dst_slots, max(1, req.checksum_sample))
         m.KV_CHECKS.inc()
         if got != req.checksum:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
@@ -31,6 +31,7 @@ from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.worker import PrefillEngine, PrefillService
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.security import SecretFileError, read_secret_file
 from pdunit.engine.settings import (
     ConfigError,
     PrefillModelFields,
@@ -38,6 +39,7 @@ from pdunit.engine.settings import (
     parse_decode_sockets,
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
+from pdunit.engine.transfer.factory import unit_secret_option
 
 
 class PrefillConfig(PrefillModelFields, StackSamplingFields):
@@ -60,6 +62,9 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields):
                                   "write holds up only its own request")
     proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
     tcp_connections: int = Field(4, gt=0, description="tcp transport: parallel connections")
+    unit_secret_file: str = Field("", validate_default=True, description="the unit's shared secret (a mode-0600 "
+                                  "file): authenticates P to D's tcp KV listener; required with --transfer tcp, "
+                                  "and without it --transfer auto cannot use tcp")
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
@@ -70,6 +75,20 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields):
     @classmethod
     def _decode_sockets(cls, v: str) -> str:
         parse_decode_sockets(v)
+        return v
+
+    @field_validator("unit_secret_file")
+    @classmethod
+    def _tcp_needs_the_unit_secret(cls, v: str, info: ValidationInfo) -> str:
+        if not v:
+            if info.data.get("transfer") == "tcp":
+                raise ValueError("--transfer tcp: P authenticates to D's tcp KV listener with the unit's secret: "
+                                 "give --unit-secret-file (env PDUNIT_UNIT_SECRET_FILE)")
+            return v
+        try:
+            read_secret_file(v)
+        except SecretFileError as exc:
+            raise ValueError(f"--unit-secret-file: {exc}") from None
         return v
 
 
@@ -105,10 +124,11 @@ async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine]
         # requests arrive together and each compiled it (four serving compiles in the
         # H200 runs, bench/results/capacity-20261130-h200x2-60s-q8.md).
         kv_checksum(storage, np.arange(min(16, storage.shape[2])))
+    secret = unit_secret_option(read_secret_file(cfg.unit_secret_file)) if cfg.unit_secret_file else ""
     engine = engine_factory(
         model, cfg.model, cfg.device, storage, PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens),
         PrefillScheduler(cfg.max_batch_prompts, cfg.max_batch_rows), cfg.decode_socket, cfg.transfer,
-        {"proxy_socket": cfg.proxy_socket, "tcp_connections": str(cfg.tcp_connections)},
+        {"proxy_socket": cfg.proxy_socket, "tcp_connections": str(cfg.tcp_connections), "unit_secret": secret},
         cfg.kv_check_sample, cfg.max_held_aborts, cfg.held_abort_grace_ms / 1000, cfg.transfer_deadline_ms,
         decode_probe_interval_s=cfg.decode_probe_interval_ms / 1000,
         transfer_workers=cfg.transfer_workers,

@@ -102,6 +102,7 @@ class _Live:
     sender: KVSender
     stub: pbg.DecodeStub
     dst: np.ndarray
+    capability: bytes = b""  # the reservation's write capability (ReserveReply.capability)
 
 
 @dataclass
@@ -539,7 +540,8 @@ class PrefillEngine:
             return True
         assert link.sender is not None and link.stub is not None
         job.stamps["p_reserved"] = now_ns()
-        self._open.add(_Live(job, lease, link, link.sender, link.stub, unpack(reply.dst_slots, "i8")), rows)
+        self._open.add(_Live(job, lease, link, link.sender, link.stub, unpack(reply.dst_slots, "i8"),
+                             reply.capability), rows)
         m.P_STAGE_SECONDS.labels(stage="reserve").observe(time.perf_counter() - t0)
         return True
 
@@ -643,7 +645,8 @@ class PrefillEngine:
             return
         job.stamps["transfer_start"] = now_ns()
         try:
-            sender.write(rid, self.storage, live.lease.slots, live.dst, self._deadline(job))
+            sender.write(rid, self.storage, live.lease.slots, live.dst, self._deadline(job),
+                         capability=live.capability)
         except TransferError as exc:
             log.warning("transfer failed", extra={"request_id": rid, "error": str(exc)})
             # D holds the pages and sends ABORT; our quiesce answers it. Told from the
@@ -708,6 +711,7 @@ class PrefillEngine:
             role="prefill", instance_id=self.instance_id, peer_instance_id=self.d_instance, pid=os.getpid(),
             queue=len(self.scheduler), in_flight=len(in_flight), held_aborts=held,
             transfer_mode=self.transfer_mode,
+            unready="; ".join(u for link in self.links if (u := getattr(link.sender, "unready", ""))),
             request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )
 

@@ -5,14 +5,17 @@ best first: fabric and posix-fd (when a FABRIC cuMem allocation succeeds), else 
 (cudaMalloc pool); then proxy (when the sidecar answers) and tcp. A mode the pool
 cannot serve is offered "probe only" on a tiny allocation of its own, so P still
 reports whether it would work; a mode D could not set up at all is offered with its
-exact error (`unavailable`).
+exact error (`unavailable`; tcp without the unit's secret is one). Every part checks
+the same write grants, so a reservation has one capability whichever mode P uses.
 
 P side (`probe_auto`): tries fabric -> posix-fd -> ipc -> host -> proxy -> tcp, each
 with a real mapping and a VERIFIED test transfer into D's probe region (checksums of
 what landed in D's memory, never a device attribute), picks the first that passes,
 logs the choice and every failure reason (P then exports the mode it uses as
 `pdunit_transfer_mode_info{mode=...}`). Nothing downgrades later without a new probe.
-Must never write probe rows into D's pool slots.
+Must never write probe rows into D's pool slots: a probe writes each mode's probe
+region, under that mode's probe authorisation (tcp: a probe grant D issues to the
+authenticated peer), never under a reservation's capability.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class AutoReceiver(KVReceiver):
     mode = "auto"
 
     def __init__(self, geometry: PoolGeometry, device: str, options: dict[str, str]) -> None:
-        from pdunit.engine.transfer.factory import proxy_socket, tcp_address
+        from pdunit.engine.transfer.factory import proxy_socket, tcp_address, unit_secret
 
         self.geometry = geometry
         self.device = torch.device(device)
@@ -130,11 +133,21 @@ class AutoReceiver(KVReceiver):
         try:
             from pdunit.engine.transfer.tcp import TcpReceiver
 
-            host, port, advertise = tcp_address(options)
-            self.tcp = TcpReceiver(geometry, device, host, port, storage=storage, advertise_host=advertise)
-            self.parts.append(self.tcp)
-        except Exception as e:
-            self.unavailable.append(Descriptor("tcp", {"unavailable": f"tcp listener failed: {e}"}))
+            secret = unit_secret(options, "D's tcp KV listener")
+        except TransferError as e:
+            log.warning("tcp not offered", extra={"error": str(e)})
+            self.unavailable.append(Descriptor("tcp", {"unavailable": str(e)}))
+        else:
+            try:
+                host, port, advertise = tcp_address(options)
+                self.tcp = TcpReceiver(geometry, device, host, port, storage=storage, advertise_host=advertise,
+                                       secret=secret)
+                self.parts.append(self.tcp)
+            except Exception as e:
+                self.unavailable.append(Descriptor("tcp", {"unavailable": f"tcp listener failed: {e}"}))
+        # One reservation, one capability, whichever part P writes through.
+        for part in self.parts:
+            part.grants = self.grants
 
     @property
     def storage(self) -> torch.Tensor:
@@ -143,6 +156,21 @@ class AutoReceiver(KVReceiver):
     def descriptors(self) -> list[Descriptor]:
         out = [d for p in self.parts for d in p.descriptors()] + self.unavailable
         return sorted(out, key=lambda d: ORDER.index(d.mode) if d.mode in ORDER else len(ORDER))
+
+    def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int) -> bytes:
+        """One capability for every part (they share `self.grants`); the proxy, a third
+        party, hears of it through its own receiver."""
+        proxy = next((p for p in self.parts if p.mode == "proxy"), None)
+        if proxy is None:
+            return self.grants.grant(request_id, dst_slots, deadline_unix_ms)
+        capability = proxy.grant(request_id, dst_slots, deadline_unix_ms)
+        self.grants.grant(request_id, dst_slots, deadline_unix_ms, capability=capability)
+        return capability
+
+    def revoke(self, request_id: int) -> None:
+        for part in self.parts:
+            part.revoke(request_id)
+        self.grants.revoke(request_id)
 
     def receiver_quiesced(self, request_id: int) -> bool:
         # Only tcp makes D the writer. A request tcp never saw may be in flight on

@@ -20,6 +20,8 @@ returns an unguessable capability bound to that reservation's slots; P's writes 
 it (`KVSender.write(..., capability=)`). A receiver through which another process
 writes (tcp's listener, the proxy) refuses any write without the capability, outside
 its slots, or after `revoke` (COMMIT, ABORT, held), and reports it as a security event.
+The direct-write transports (host, ipc, posix-fd, fabric) cannot refuse anything: P
+writes D's mapped memory itself, so who can map that memory is their boundary.
 
 Quiesce (PROTOCOL.md section 3.5): `sender.quiesce(request_id)` is the batch-quiesce
 proof. It returns True only when every write of that request has completed or can no
@@ -103,22 +105,37 @@ class _Grant:
 class WriteGrants:
     """The live reservations' write capabilities, one per request id: `grant` at
     RESERVE, `check` before applying any write, `revoke` at COMMIT / ABORT / held.
-    Thread-safe. A capability is 32 random bytes, compared in constant time."""
+    Thread-safe. A capability is 32 random bytes, compared in constant time.
 
-    def __init__(self) -> None:
+    The capabilities of the latest `memory` ended reservations are remembered, so a
+    receiver can tell the writer that was authorised and is now late (a stalled P whose
+    reservation D gave up on: `late`) from a write that never was (an attack or a bug)."""
+
+    def __init__(self, memory: int = 100_000) -> None:
         self._lock = threading.Lock()
         self._grants: dict[int, _Grant] = {}
+        self._memory = memory
+        self._ended: OrderedDict[int, bytes] = OrderedDict()
 
-    def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int) -> bytes:
-        capability = secrets.token_bytes(CAPABILITY_BYTES)
+    def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int,
+              capability: bytes | None = None) -> bytes:
+        """A new capability for this reservation (or `capability`, when several receivers
+        share one reservation: `auto`'s parts)."""
+        if capability is None:
+            capability = secrets.token_bytes(CAPABILITY_BYTES)
+        elif len(capability) != CAPABILITY_BYTES:
+            raise ValueError(f"a write capability has {CAPABILITY_BYTES} bytes, got {len(capability)}")
         slots = frozenset(int(s) for s in np.asarray(dst_slots).reshape(-1).tolist())
         with self._lock:
-            self._grants[request_id] = _Grant(capability, slots, deadline_unix_ms)
-        return capability
+            self._grants[request_id] = _Grant(bytes(capability), slots, deadline_unix_ms)
+            self._ended.pop(request_id, None)
+        return bytes(capability)
 
-    def check(self, request_id: int, capability: bytes, dst_slots: np.ndarray) -> str:
+    def check(self, request_id: int, capability: bytes, dst_slots: np.ndarray, exact: bool = False) -> str:
         """"" when a write of `dst_slots` for `request_id` with `capability` may be
-        applied now; else why not (the caller refuses and reports a security event)."""
+        applied now; else why not (the caller refuses and reports a security event).
+        `exact`: the write must cover exactly the reservation's slots (a transfer that
+        declares its whole destination up front, tcp's BEGIN)."""
         with self._lock:
             g = self._grants.get(request_id)
         if g is None:
@@ -127,18 +144,41 @@ class WriteGrants:
             return f"request {request_id}: wrong write capability"
         if g.deadline_unix_ms and time.time() * 1000.0 > g.deadline_unix_ms:
             return f"request {request_id}: its reservation's deadline passed"
-        slots = np.asarray(dst_slots).reshape(-1)
-        if not all(int(s) in g.slots for s in slots.tolist()):
+        slots = np.asarray(dst_slots).reshape(-1).tolist()
+        if not all(int(s) in g.slots for s in slots):
             return f"request {request_id}: destination slots outside its reservation"
+        if exact and len(set(slots)) != len(g.slots):
+            return (f"request {request_id}: the write covers {len(set(slots))} of its reservation's "
+                    f"{len(g.slots)} slots; it must declare all of them")
         return ""
+
+    def late(self, request_id: int, capability: bytes) -> bool:
+        """True when `capability` is (or was) this request's own and only time stops the
+        write: the reservation ended (revoked) or its deadline passed. Such a write is
+        refused as late, not reported as an attack."""
+        with self._lock:
+            g = self._grants.get(request_id)
+            ended = self._ended.get(request_id)
+        if g is not None:
+            expired = bool(g.deadline_unix_ms) and time.time() * 1000.0 > g.deadline_unix_ms
+            return expired and hmac.compare_digest(g.capability, bytes(capability))
+        return ended is not None and hmac.compare_digest(ended, bytes(capability))
 
     def revoke(self, request_id: int) -> None:
         with self._lock:
-            self._grants.pop(request_id, None)
+            g = self._grants.pop(request_id, None)
+            if g is not None:
+                self._ended[request_id] = g.capability
+                while len(self._ended) > self._memory:
+                    self._ended.popitem(last=False)
 
     def __contains__(self, request_id: int) -> bool:
         with self._lock:
             return request_id in self._grants
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._grants)
 
 
 class KVReceiver(abc.ABC):
@@ -152,6 +192,11 @@ class KVReceiver(abc.ABC):
         if self._grants is None:
             self._grants = WriteGrants()
         return self._grants
+
+    @grants.setter
+    def grants(self, shared: WriteGrants) -> None:
+        """Several receivers over one pool (`auto`'s parts) check the same grants."""
+        self._grants = shared
 
     def grant(self, request_id: int, dst_slots: np.ndarray, deadline_unix_ms: int) -> bytes:
         """At RESERVE: the write capability of this reservation (module docstring).
@@ -195,8 +240,16 @@ class KVSender(abc.ABC):
         src_slots: np.ndarray,
         dst_slots: np.ndarray,
         deadline_unix_ms: int,
+        *,
+        capability: bytes,
     ) -> None:
         """Copy every layer's K and V rows `src[:, :, src_slots] -> dst[:, :, dst_slots]`.
+
+        `capability` is the reservation's write capability (ReserveReply.capability,
+        the module docstring): a transport through which another process writes D's
+        memory (tcp, proxy) presents it with every write, and D refuses a write without
+        it; one where P writes D's mapped memory itself (host, ipc, posix-fd, fabric)
+        carries it unused (who may map D's memory is the boundary there).
 
         Blocks until the rows are in D's memory (or raises TransferError). Must refuse to
         start when the request was cancelled (see `quiesce`). Raises TransferError on a

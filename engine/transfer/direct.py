@@ -141,7 +141,8 @@ class DirectSender(KVSender):
         c.sync(stream)
 
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
-              dst_slots: np.ndarray, deadline_unix_ms: int) -> None:
+              dst_slots: np.ndarray, deadline_unix_ms: int, *, capability: bytes) -> None:
+        """`capability` goes unchecked: P writes D's mapped memory itself (base.py)."""
         s = np.ascontiguousarray(src_slots, dtype=np.int64)
         d = np.ascontiguousarray(dst_slots, dtype=np.int64)
         if s.size != d.size:

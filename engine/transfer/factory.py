@@ -2,10 +2,12 @@
 
 Owns the mapping mode -> receiver/sender class and the option keys they read (all
 string values, as the workers pass them):
-- D: `proxy_socket`, `tcp_host`, `tcp_port`, `tcp_advertise_host`
+- D: `proxy_socket`, `tcp_host`, `tcp_port`, `tcp_advertise_host`, `unit_secret`
 - P: `proxy_socket`, `tcp_connections`, `tcp_chunk_tokens`, `chunk_tokens`,
   `chunk_delay_s` (host fault injection), `proxy_method` (auto|single|staged),
-  `probe_all` ("1": probe every offered mode, for the harness)
+  `probe_all` ("1": probe every offered mode, for the harness), `unit_secret`
+`unit_secret` is the unit's shared secret as read from `--unit-secret-file` (its bytes
+as latin-1 text, `unit_secret_option`); tcp needs it on both sides and has no default.
 `make_sender` with more than one descriptor (P's `--transfer auto`) probes them with
 verified test transfers (engine/transfer/auto.py). Must never pick a mode silently:
 the choice and every rejected mode's reason are logged and returned.
@@ -28,6 +30,21 @@ def proxy_socket(options: dict[str, str]) -> str:
     from pdunit.engine.transfer.proxy import DEFAULT_SOCKET
 
     return options.get("proxy_socket") or DEFAULT_SOCKET
+
+
+def unit_secret_option(secret: bytes) -> str:
+    """The secret as an option value (every byte kept)."""
+    return secret.decode("latin-1")
+
+
+def unit_secret(options: dict[str, str], who: str) -> bytes:
+    """The unit's secret from the options, or TransferError naming the flag (`who` says
+    which side needs it)."""
+    secret = (options.get("unit_secret") or "").encode("latin-1")
+    if not secret:
+        raise TransferError(f"{who} authenticates with the unit's shared secret and none was given: "
+                            "pass --unit-secret-file (env PDUNIT_UNIT_SECRET_FILE)")
+    return secret
 
 
 def tcp_address(options: dict[str, str]) -> tuple[str, int, str]:
@@ -65,7 +82,8 @@ def make_receiver(mode: str, geometry: PoolGeometry, device: str, options: dict[
         from pdunit.engine.transfer.tcp import TcpReceiver
 
         host, port, advertise = tcp_address(options)
-        return TcpReceiver(geometry, device, host, port, advertise_host=advertise)
+        return TcpReceiver(geometry, device, host, port, advertise_host=advertise,
+                           secret=unit_secret(options, "--transfer tcp: D's tcp KV listener"))
     if mode == "auto":
         from pdunit.engine.transfer.auto import AutoReceiver
 
@@ -110,7 +128,8 @@ def attach(descriptor: Descriptor, geometry: PoolGeometry, device: str, options:
         from pdunit.engine.transfer.tcp import TcpSender
 
         return TcpSender(descriptor, geometry, connections=int(options.get("tcp_connections") or 4),
-                         chunk_tokens=int(options.get("tcp_chunk_tokens") or 0))
+                         chunk_tokens=int(options.get("tcp_chunk_tokens") or 0),
+                         secret=unit_secret(options, "P's tcp sender (D offers tcp)"))
     raise TransferError(f"unknown transfer mode {mode!r} in D's descriptor")
 
 

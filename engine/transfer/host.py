@@ -194,7 +194,10 @@ class HostSender(KVSender):
         src_slots: np.ndarray,
         dst_slots: np.ndarray,
         deadline_unix_ms: int,
+        *,
+        capability: bytes,
     ) -> None:
+        """`capability` goes unchecked: P writes D's shared memory itself (base.py)."""
         with self._lock:
             dst = self._dst
         if dst is None:

@@ -25,6 +25,7 @@ GEOMETRY = PoolGeometry(
 P_SLOTS = 40  # P's own pool size
 SRC_SLOTS = np.array([3, 1, 4, 15, 9, 26, 5, 35, 8, 39, 7, 0], dtype=np.int64)
 DST_SLOTS = np.array([90, 2, 51, 13, 77, 6, 60, 41, 33, 12, 88, 70], dtype=np.int64)
+NO_CAPABILITY = b""  # host writes D's shared memory directly: nothing checks a capability
 
 
 def p_pool(seed: int) -> torch.Tensor:
@@ -48,7 +49,7 @@ def _sender_process(
     torch.set_num_threads(1)
     sender = HostSender(descriptor, geometry)
     src = p_pool(seed)
-    sender.write(1, src, SRC_SLOTS, DST_SLOTS, far_deadline())
+    sender.write(1, src, SRC_SLOTS, DST_SLOTS, far_deadline(), capability=NO_CAPABILITY)
     results.put(kv_checksum(src, SRC_SLOTS))
     sender.close()
 
@@ -112,7 +113,7 @@ def test_segment_survives_the_sender_process_exit(cross_process: dict[str, Any])
     assert cross_process["exitcode"] == 0
     assert os.path.exists(r.path)
     again = HostSender(r.descriptors()[0], GEOMETRY)  # a restarted P attaches again
-    again.write(2, p_pool(8), np.array([0]), np.array([95]), far_deadline())
+    again.write(2, p_pool(8), np.array([0]), np.array([95]), far_deadline(), capability=NO_CAPABILITY)
     assert torch.equal(bits(r.storage[:, :, 95]), bits(p_pool(8)[:, :, 0]))
 
 
@@ -160,7 +161,7 @@ def test_write_after_the_deadline_is_refused_and_writes_nothing(receiver: HostRe
     sender = HostSender(receiver.descriptors()[0], GEOMETRY)
     past = int(time.time() * 1000) - 5
     with pytest.raises(TransferError, match="deadline passed"):
-        sender.write(1, p_pool(1), SRC_SLOTS, DST_SLOTS, past)
+        sender.write(1, p_pool(1), SRC_SLOTS, DST_SLOTS, past, capability=NO_CAPABILITY)
     assert not receiver.storage.any()
     assert sender.in_flight() == []
 
@@ -171,7 +172,7 @@ def test_a_deadline_passing_mid_transfer_stops_it_at_a_chunk_boundary(
     sender = HostSender(receiver.descriptors()[0], GEOMETRY, chunk_tokens=1, chunk_delay_s=0.05)
     deadline = int(time.time() * 1000) + 300
     with pytest.raises(TransferError, match=r"deadline passed .* stopped after \d+ of 12 rows"):
-        sender.write(1, p_pool(1), SRC_SLOTS, DST_SLOTS, deadline)
+        sender.write(1, p_pool(1), SRC_SLOTS, DST_SLOTS, deadline, capability=NO_CAPABILITY)
     landed = receiver.storage[:, :, torch.from_numpy(DST_SLOTS)].flatten(2).any(dim=(0, 2))
     assert 0 < int(landed.sum()) < 12
 
@@ -182,9 +183,9 @@ def test_quiesce_of_an_idle_request_is_immediate_and_refuses_later_writes(
     sender = HostSender(receiver.descriptors()[0], GEOMETRY)
     assert sender.quiesce(5) is True
     with pytest.raises(TransferError, match="cancelled"):
-        sender.write(5, p_pool(1), SRC_SLOTS, DST_SLOTS, far_deadline())
+        sender.write(5, p_pool(1), SRC_SLOTS, DST_SLOTS, far_deadline(), capability=NO_CAPABILITY)
     assert not receiver.storage.any()
-    sender.write(6, p_pool(1), SRC_SLOTS[:2], DST_SLOTS[:2], far_deadline())  # others go on
+    sender.write(6, p_pool(1), SRC_SLOTS[:2], DST_SLOTS[:2], far_deadline(), capability=NO_CAPABILITY)  # others go on
     assert receiver.storage[:, :, torch.from_numpy(DST_SLOTS[:2])].any()
 
 
@@ -196,7 +197,7 @@ def test_quiesce_is_false_while_a_write_runs_and_true_once_it_stopped(
 
     def transfer() -> None:
         try:
-            sender.write(3, p_pool(2), SRC_SLOTS, DST_SLOTS, far_deadline())
+            sender.write(3, p_pool(2), SRC_SLOTS, DST_SLOTS, far_deadline(), capability=NO_CAPABILITY)
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001 - recorded for the assertion
             outcome.append(e)
@@ -219,7 +220,7 @@ def test_quiesce_is_false_while_a_write_runs_and_true_once_it_stopped(
     assert sender.quiesce(3) is True
     snapshot = receiver.storage.clone()
     with pytest.raises(TransferError, match="cancelled"):
-        sender.write(3, p_pool(2), SRC_SLOTS, DST_SLOTS, far_deadline())
+        sender.write(3, p_pool(2), SRC_SLOTS, DST_SLOTS, far_deadline(), capability=NO_CAPABILITY)
     assert torch.equal(bits(receiver.storage), bits(snapshot))
 
 
@@ -228,6 +229,6 @@ def test_invalid_slots_fail_before_any_row_is_written(receiver: HostReceiver) ->
     bad = DST_SLOTS.copy()
     bad[-1] = GEOMETRY.n_slots
     with pytest.raises(TransferError, match="outside the pool"):
-        sender.write(1, p_pool(1), SRC_SLOTS, bad, far_deadline())
+        sender.write(1, p_pool(1), SRC_SLOTS, bad, far_deadline(), capability=NO_CAPABILITY)
     assert not receiver.storage.any()
     assert sender.in_flight() == []
