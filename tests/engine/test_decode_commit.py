@@ -1,7 +1,12 @@
 """D's COMMIT (engine/decode/worker.py): the first frame goes to the LB with the COMMIT,
 not with D's next step, exactly once; a first frame that ends the stream never enters
 the batch. Driven on a DecodeEngine with the real pool, batcher and step code (CPU), a
-hub that records what D publishes, and rows written into D's storage as P would."""
+hub that records what D publishes, and rows written into D's storage as P would.
+
+The rows come from a generator seeded by the request id, never torch's global one (whatever ran
+before in the process moves that), and every test that counts a stream's frames sets
+min_frames = max_frames: a stream of random KV samples EOS now and then (1 in ~1024 per
+frame), and an EOS past min_frames ends it early."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.proto import pdunit_pb2 as pb
-from pdunit.engine.transfer.base import PoolGeometry
+from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
 
 ROWS = 24
 
@@ -39,11 +44,20 @@ class RecordingHub:
         return out
 
 
-class Storage:
+class Storage(KVReceiver):
+    """D's receiver as far as these tests need it: the pool tensor and the write grants."""
+
     mode = "host"
 
     def __init__(self, storage: torch.Tensor) -> None:
-        self.storage = storage
+        self._storage = storage
+
+    @property
+    def storage(self) -> torch.Tensor:
+        return self._storage
+
+    def descriptors(self) -> list:
+        return []
 
 
 def engine() -> tuple[DecodeEngine, RecordingHub]:
@@ -63,7 +77,8 @@ def commit(d: DecodeEngine, rid: int, first: np.ndarray, max_frames: int, min_fr
                                         identity=pb.Identity(sender_instance="p")))
     assert reply.status == pb.STATUS_OK, reply
     slots = unpack(reply.dst_slots, "i8")
-    d.storage[:, :, torch.from_numpy(slots)] = torch.randn(d.storage[:, :, :ROWS].shape, dtype=d.storage.dtype)
+    rows = torch.randn(d.storage[:, :, :ROWS].shape, dtype=d.storage.dtype, generator=torch.Generator().manual_seed(rid))
+    d.storage[:, :, torch.from_numpy(slots)] = rows
     return d.commit(pb.CommitRequest(
         request_id=rid, first_frame=pack(first, "i4"), checksum=kv_checksum(d.storage, slots), checksum_sample=1,
         sampling=pb.Sampling(max_frames=max_frames, min_frames=min_frames), prompt_tokens=ROWS,
@@ -73,7 +88,7 @@ def commit(d: DecodeEngine, rid: int, first: np.ndarray, max_frames: int, min_fr
 def test_the_first_frame_goes_out_with_the_commit_and_only_once():
     d, hub = engine()
     first = np.arange(11, dtype=np.int32)
-    assert commit(d, 7, first, max_frames=4).status == pb.STATUS_OK
+    assert commit(d, 7, first, max_frames=4, min_frames=4).status == pb.STATUS_OK
     assert hub.frames_of(7) == [first.tolist()]  # before any decode step ran
     assert "first_frame_step" in hub.messages[0].stamps[7].ns
     while d._step_once():
@@ -119,11 +134,11 @@ def _admit_waits() -> float:
 def test_a_stream_committed_into_a_full_batch_sends_its_first_frame_when_it_joins_a_step():
     d, hub = engine()  # --max-batch 8
     waits = _admit_waits()
-    for rid in range(1, 9):
-        assert commit(d, rid, np.full(11, rid, dtype=np.int32), max_frames=6).status == pb.STATUS_OK
+    for rid in range(1, 9):  # all 8 end at the same step: min_frames = max_frames, so no early EOS
+        assert commit(d, rid, np.full(11, rid, dtype=np.int32), max_frames=6, min_frames=6).status == pb.STATUS_OK
     assert all(len(hub.frames_of(rid)) == 1 for rid in range(1, 9))  # room: out with the commit
     late = np.full(11, 42, dtype=np.int32)
-    assert commit(d, 99, late, max_frames=6).status == pb.STATUS_OK
+    assert commit(d, 99, late, max_frames=6, min_frames=6).status == pb.STATUS_OK
     assert hub.frames_of(99) == []  # the batch is full: no frame yet, so no gap inside the stream
     joined = None
     while d._step_once():
