@@ -50,7 +50,7 @@ class FrameHub:
         self._orphaned: dict[int, float] = {}  # stream -> loop.time() since no owner is connected
         self._reap_handle: asyncio.TimerHandle | None = None
         self._not_live: set[int] = set()  # tracked but not running at the last prune
-        self._pruned_at = 0
+        self._prune_above = 64  # entries in `_owners` that start the next prune
         self._closed = False
 
     def end_orphans_with(self, end: Callable[[list[int]], int], live: Callable[[], list[int]]) -> None:
@@ -137,7 +137,7 @@ class FrameHub:
             for rid in born:  # its first frame reached nobody
                 self._orphaned[rid] = now
             self._schedule_reap()
-        if len(self._owners) > 2 * self._pruned_at + 64:
+        if len(self._owners) > self._prune_above:
             self._prune()
 
     def _forget(self, request_id: int) -> None:
@@ -153,7 +153,9 @@ class FrameHub:
         for rid in not_live & self._not_live:
             self._forget(rid)
         self._not_live = not_live - self._not_live
-        self._pruned_at = len(self._owners)
+        # The next prune after as many new streams as are running (64 at least): each
+        # costs time in proportion to the streams it drops or keeps.
+        self._prune_above = len(self._owners) + max(64, len(self._owners) - len(self._not_live))
 
     def _gone(self, subscriber: str) -> None:
         self._names[subscriber] -= 1

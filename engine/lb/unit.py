@@ -3,9 +3,13 @@
 Owns: the channels (unix sockets; in monolith mode P and D are the same socket; a unit
 may have several D's, 1P2D, named `decode-0`, `decode-1`, ... then), the `Decode.Hello`
 handshake that tells the LB n_codebooks, the periodic `Info` probe of P, every D and
-the proxy, a short cache of those answers for `/v1/load`, and fire-and-forget cancels
-(to P and to the D that holds the stream, or every D when that is not known). The proxy (when configured) is asked `NvlinkProxy.InFlight` (its own proto in
-sidecars/nvlink_proxy) so that `/v1/load` checks its request ids too.
+the proxy, a short cache of those answers for `/v1/load`, and the delivery of cancels
+(to P and to the D that holds the stream, or every D when that is not known): each
+target is asked again with backoff until it answers (found or not found) or the
+stream's deadline passes, so a stopped D still learns of it when it runs again; at most
+`max_pending_cancels` are in delivery, more are dropped and counted. The proxy (when
+configured) is asked `NvlinkProxy.InFlight` (its own proto in sidecars/nvlink_proxy)
+so that `/v1/load` checks its request ids too.
 
 Never: decide HTTP status codes or touch the stream table.
 """
@@ -28,6 +32,11 @@ from pdunit.sidecars.nvlink_proxy import proxy_pb2 as proxy_pb
 from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as proxy_pbg
 
 log = logging.getLogger("pdunit.lb.unit")
+
+CANCEL_BACKOFF_S = (0.05, 2.0)  # first and longest pause between two tries of one cancel
+# A target that answers these will answer them again: no retry.
+CANCEL_PERMANENT = {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
 
 
 def channel_target(socket_path: str) -> str:
@@ -63,12 +72,19 @@ class UnitClient:
         proxy_socket: str,
         metrics: LBMetrics,
         max_message_bytes: int,
+        cancel_retry_s: float = 60.0,
+        max_pending_cancels: int = 4096,
     ) -> None:
+        """`cancel_retry_s`: how long a cancel is retried when the caller gives no
+        deadline (D decodes a stream for at most its max frames; 60 s covers the
+        default 630 frames at real time)."""
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self._metrics = metrics
+        self.cancel_retry_s = cancel_retry_s
+        self.max_pending_cancels = max_pending_cancels
         self.prefill_channel = grpc.aio.insecure_channel(
             channel_target(prefill_socket), options=options
         )
@@ -149,42 +165,88 @@ class UnitClient:
             role="proxy", in_flight=int(reply.jobs_running), request_ids=reply.request_ids
         )
 
-    def cancel(self, request_id: int, timeout: float, decode: int | None = None) -> None:
+    def cancel(
+        self, request_id: int, timeout: float, decode: int | None = None, deadline: float | None = None
+    ) -> None:
         """Cancel a request in P and in D `decode` (every D when None: the LB has not seen
-        which D holds it) without waiting; results are counted and logged."""
-        task = asyncio.get_running_loop().create_task(self._cancel(request_id, timeout, decode))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _cancel(self, request_id: int, timeout: float, decode: int | None) -> None:
+        which D holds it) without waiting. Each target is tried again, with backoff,
+        until it answers or `deadline` (time.monotonic(); default `cancel_retry_s` from
+        now) passes; `timeout` bounds one try. Results are counted and logged."""
+        targets = self._cancel_targets(decode)
+        if len(self._background) >= self.max_pending_cancels:
+            for target, _ in targets:
+                self._metrics.cancels.labels(target=target, result="given_up").inc()
+            log.error(
+                "cancel dropped: too many cancels in delivery",
+                extra={"request_id": f"{request_id:016x}", "pending": len(self._background),
+                       "limit": self.max_pending_cancels},
+            )
+            return
+        until = deadline if deadline is not None else time.monotonic() + self.cancel_retry_s
         req = pb.CancelRequest(request_id=request_id)
-        calls = {"prefill": self.prefill.Cancel(req, timeout=timeout)}
+        loop = asyncio.get_running_loop()
+        for target, stub in targets:
+            task = loop.create_task(self._deliver_cancel(target, stub, req, timeout, until))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _cancel_targets(self, decode: int | None) -> list[tuple[str, pbg.PrefillStub | pbg.DecodeStub]]:
+        targets: list[tuple[str, pbg.PrefillStub | pbg.DecodeStub]] = [("prefill", self.prefill)]
         for i, (name, stub) in enumerate(zip(self.decode_names, self.decodes, strict=True)):
             if decode is None or decode == i:
-                calls[name] = stub.Cancel(req, timeout=timeout)
-        for target, call in calls.items():
+                targets.append((name, stub))
+        return targets
+
+    async def _deliver_cancel(
+        self,
+        target: str,
+        stub: pbg.PrefillStub | pbg.DecodeStub,
+        req: pb.CancelRequest,
+        timeout: float,
+        until: float,
+    ) -> None:
+        delay = CANCEL_BACKOFF_S[0]
+        tries = 0
+        while True:
+            tries += 1
+            left = until - time.monotonic()
             try:
-                reply = await call
-                self._metrics.cancels.labels(
-                    target=target, result="found" if reply.found else "not_found"
-                ).inc()
+                reply = await stub.Cancel(req, timeout=max(0.001, min(timeout, left)))
             except grpc.aio.AioRpcError as exc:
-                self._metrics.cancels.labels(target=target, result="error").inc()
-                log.warning(
-                    "cancel failed",
-                    extra={
-                        "request_id": f"{request_id:016x}",
-                        "target": target,
-                        "code": exc.code().name,
-                        "details": exc.details(),
-                    },
-                )
+                left = until - time.monotonic()
+                fields = {"request_id": f"{req.request_id:016x}", "target": target, "tries": tries,
+                          "code": exc.code().name, "details": exc.details()}
+                if left <= 0 or exc.code() in CANCEL_PERMANENT:
+                    self._metrics.cancels.labels(target=target, result="given_up").inc()
+                    log.error("cancel given up: the target never answered before the deadline"
+                              if left <= 0 else "cancel given up: the target refuses it", extra=fields)
+                    return
+                self._metrics.cancels.labels(target=target, result="retried").inc()
+                if tries == 1:
+                    log.warning("cancel failed: retrying until the target answers", extra=fields)
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, CANCEL_BACKOFF_S[1])
+                continue
+            self._metrics.cancels.labels(
+                target=target, result="found" if reply.found else "not_found"
+            ).inc()
+            if tries > 1:
+                log.info("cancel delivered after retries", extra={
+                    "request_id": f"{req.request_id:016x}", "target": target, "tries": tries,
+                    "found": reply.found})
+            return
 
     async def wait_background(self, timeout: float) -> None:
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)
 
     async def close(self) -> None:
+        if self._background:
+            log.warning("closing with cancels still in delivery: they are dropped",
+                        extra={"pending": len(self._background)})
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.wait(set(self._background), timeout=1.0)
         channels = {
             id(c): c for c in (self.prefill_channel, *self.decode_channels, self.proxy_channel) if c
         }
