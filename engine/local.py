@@ -32,8 +32,10 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, Field
 
+from pdunit.engine.edge import is_loopback
 from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
 from pdunit.engine.ports import free_port
+from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import (
     KvCacheDtype,
     decode_names,
@@ -68,6 +70,9 @@ class LocalConfig(BaseModel):
     cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P, and of the monolith (its "
                               "--cache-tokens; 0 there turns its cache off: pass it in extra_monolith_args)")
     lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
+    admin_host: str = Field("127.0.0.1", description="the LB's admin address (POST /v1/admin/drain); other than "
+                            "loopback, the unit's run dir gets an admin token file the LB requires")
+    admin_port: int = Field(0, ge=0, le=65535, description="the LB's admin port (0 = a free one)")
     metrics_port: int = Field(0, ge=0, le=65535, description="first of the processes' Prometheus ports, laid out "
                               "as a pod's spec.metricsPort: prefill (or the monolith) on it, proxy +1, guard +2, "
                               "decode i +3+i; the LB serves /metrics on its own port; 0 = none")
@@ -134,6 +139,7 @@ class LocalUnit:
     run_dir: Path = field(init=False)
     children: list[Child] = field(default_factory=list)
     lb_port: int = 0
+    admin_port: int = 0
     guard_port: int = 0
     _own_dir: bool = False
     # Set from a signal handler: start() and wait_ready() stop waiting and raise
@@ -160,14 +166,37 @@ class LocalUnit:
         self.lb_port = self.cfg.lb_port
         while not self.lb_port or self.lb_port in block:
             self.lb_port = free_port()
+        self.admin_port = self.cfg.admin_port
+        while not self.admin_port or self.admin_port in block or self.admin_port == self.lb_port:
+            self.admin_port = free_port()
         self.guard_port = metrics_port_of(self.cfg.metrics_port, "guard") or free_port()
+        # The unit's secrets, drawn as the operator draws the pod's Secret: the commands name them
+        write_secret_file(self.unit_secret_file)
+        if self.admin_token_file:
+            write_secret_file(self.admin_token_file)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.lb_port}"
 
+    @property
+    def admin_url(self) -> str:
+        host = f"[{self.cfg.admin_host}]" if ":" in self.cfg.admin_host else self.cfg.admin_host
+        return f"http://{host}:{self.admin_port}/v1/admin"
+
     def sock(self, name: str) -> str:
         return str(self.run_dir / f"{name}.sock")
+
+    @property
+    def unit_secret_file(self) -> str:
+        """The P<->D secret (the pod's Secret key), drawn with the unit."""
+        return str(self.run_dir / "unit.secret")
+
+    @property
+    def admin_token_file(self) -> str | None:
+        """The LB admin bearer token, drawn with the unit; None on a loopback admin
+        address, where the LB needs none."""
+        return None if is_loopback(self.cfg.admin_host) else str(self.run_dir / "admin.token")
 
     @property
     def n_decoders(self) -> int:
@@ -238,12 +267,14 @@ class LocalUnit:
             for name, sock, device in zip(self.decode_names, d_socks, self._decode_devices(), strict=True):
                 cmds.append((name, pdunit + ["decode", "--socket", sock, "--prefill-socket", p_sock,
                                              "--transfer", c.transfer, "--pool-tokens", str(c.pool_tokens),
-                                             "--proxy-socket", self.sock("proxy")] + common +
+                                             "--proxy-socket", self.sock("proxy"),
+                                             "--unit-secret-file", self.unit_secret_file] + common +
                              (["--device", device] if device != c.device else []) + self.metrics_args(name) +
                              c.extra_decode_args))
             cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
-                                             "--proxy-socket", self.sock("proxy")] + common + gemm +
+                                             "--proxy-socket", self.sock("proxy"),
+                                             "--unit-secret-file", self.unit_secret_file] + common + gemm +
                              self.metrics_args("prefill") + c.extra_prefill_args))
             if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
                 cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", ",".join(d_socks), "--port", str(self.guard_port), "--host", "127.0.0.1",
@@ -251,9 +282,12 @@ class LocalUnit:
         else:
             raise ValueError(f"mode {c.mode!r}: expected pd, 1p2d or monolith")
         proxy_args = ["--proxy-socket", self.sock("proxy")] if any(n == "proxy" for n, _ in cmds) else []
+        token = self.admin_token_file
         cmds.append(("lb", pdunit + ["lb", "--port", str(self.lb_port), "--host", "127.0.0.1",
+                                    "--admin-host", c.admin_host, "--admin-port", str(self.admin_port),
                                     "--prefill-socket", p_sock, "--decode-socket", d_sock,
-                                    "--unit-name", "local", "--log-level", c.log_level] + proxy_args))
+                                    "--unit-name", "local", "--log-level", c.log_level] + proxy_args +
+                     (["--admin-token-file", token] if token else []) + c.extra_lb_args))
         return cmds
 
     def start(self) -> LocalUnit:
@@ -318,16 +352,21 @@ class LocalUnit:
         self._supervisor.start()
 
     def _supervise(self) -> None:
+        recovering = False  # a child was restarted and the unit has not been ready since
         while not self._stopping.wait(0.1):
-            self.supervise_once(time.monotonic())
+            recovering |= self.supervise_once(time.monotonic())
+            if recovering and _lb_ready(self.url, timeout_s=0.5):
+                recovering = False
+                log.info("unit ready again", extra={"restarts": json.dumps(self.restarts())})
 
-    def supervise_once(self, now: float) -> None:
+    def supervise_once(self, now: float) -> bool:
         """One look at the children: an exit found is logged and its restart scheduled
-        after the child's backoff; a restart that is due is done."""
+        after the child's backoff; a restart that is due is done. True when one was."""
+        restarted = False
         with self._children_lock:
             for child in self.children:
                 if self._stopping.is_set():
-                    return
+                    return restarted
                 code = child.proc.poll()
                 if code is None:
                     continue
@@ -339,6 +378,8 @@ class LocalUnit:
                         "backoff_s": delay, "up_s": round(now - child.started_at, 1)})
                 elif now >= child.restart_at:
                     self._respawn(child)
+                    restarted = True
+        return restarted
 
     def restarts(self) -> dict[str, int]:
         """Child name -> how many times it was started again."""
@@ -432,6 +473,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _lb_ready(url: str, timeout_s: float) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _installed(module: str) -> bool:
     import importlib.util
 
@@ -503,6 +551,8 @@ def main(argv: list[str]) -> int:
         unit.wait_ready()
         print(f"unit ready at {unit.url}  (logs: {unit.run_dir / 'logs'})", flush=True)
         print("metrics: " + "  ".join(f"{name} {url}" for name, url in unit.metrics_urls().items()), flush=True)
+        token = unit.admin_token_file
+        print(f"admin: {unit.admin_url}" + (f"  (bearer token in {token})" if token else ""), flush=True)
         unit.supervise()
         if cfg.load_streams:
             from pdunit.bench.capacity import print_report

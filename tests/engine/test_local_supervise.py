@@ -152,14 +152,38 @@ def test_the_supervisor_restarts_a_dead_child_only_once_its_backoff_passed(tmp_p
     first = child.proc
     first.wait()
     t0 = time.monotonic()
-    unit.supervise_once(t0)
+    assert unit.supervise_once(t0) is False
     assert child.proc is first and child.restart_at == t0 + 0.5  # found dead: scheduled
-    unit.supervise_once(t0 + 0.4)
+    assert unit.supervise_once(t0 + 0.4) is False
     assert child.proc is first
-    unit.supervise_once(t0 + 0.5)
+    assert unit.supervise_once(t0 + 0.5) is True
     assert child.proc is not first and child.restarts == 1 and unit.restarts() == {"prefill": 1}
     child.proc.wait()
     t1 = time.monotonic()
     unit.supervise_once(t1)
     assert child.restart_at == t1 + 1.0  # the second exit in a row waits twice as long
     unit.stop()
+
+
+def test_the_unit_draws_its_secrets_and_a_non_loopback_admin_port_requires_the_token(tmp_path):
+    proc, url, _ = _start(tmp_path, "--admin-host", "0.0.0.0", "--no-restart")
+    run = tmp_path / "run"
+    try:
+        admin = next(line for line in iter(proc.stdout.readline, "") if line.startswith("admin: "))
+        admin_url, token_file = admin.split()[1], admin.split("bearer token in ")[1].rstrip(")\n")
+        assert token_file == str(run / "admin.token")
+        for secret in (run / "unit.secret", run / "admin.token"):
+            assert secret.stat().st_mode & 0o777 == 0o600
+        kids = _pids(proc.pid)
+        for name in ("prefill", "decode"):
+            argv = Path(f"/proc/{kids[name]}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--unit-secret-file") + 1] == str(run / "unit.secret").encode()
+        assert httpx.post(f"{admin_url}/drain", json={"draining": False}, timeout=5).status_code == 401
+        token = Path(token_file).read_text().strip()
+        ok = httpx.post(f"{admin_url}/drain", json={"draining": False}, timeout=5,
+                        headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200, ok.text
+        assert _ready(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

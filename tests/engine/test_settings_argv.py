@@ -73,15 +73,13 @@ def test_an_unknown_decode_gemm_names_the_field_and_its_flag(config, capsys):
     assert "'bf16' or 'fp8'" in capsys.readouterr().err
 
 
-def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only():
+def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only(tmp_path):
     from pdunit.engine.local import LocalConfig, LocalUnit
 
     def argv_of(**kw):
-        unit = LocalUnit(LocalConfig(lb_port=0, guard=False, run_dir=None, **kw))
-        try:
-            return {name: argv for name, argv in unit.commands()}
-        finally:
-            unit.run_dir.rmdir()
+        # the run dir outlives the call: P's config below reads the unit secret drawn there
+        unit = LocalUnit(LocalConfig(lb_port=0, guard=False, run_dir=str(tmp_path), **kw))
+        return {name: argv for name, argv in unit.commands()}
 
     pd = argv_of(mode="pd", prefill_gemm="fp8", prefill_graphs=True)
     assert pd["prefill"][-3:] == ["--prefill-gemm", "fp8", "--prefill-graphs"]
