@@ -40,7 +40,13 @@ VARIANTS = {
         "examplePDUnitSet.transfer=host",
     ],
     "monitoring": ["--set", "podMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true",
-                   "--set", "prometheusRule.enabled=true"],
+                   "--set", "prometheusRule.enabled=true", "--set",
+                   "networkPolicy.prometheus.namespaceSelector.kubernetes\\.io/metadata\\.name=monitoring",
+                   "--set", "networkPolicy.prometheus.podSelector.app\\.kubernetes\\.io/name=prometheus"],
+    "network-policy": ["--set", "operator.watchNamespaces={tts,voices}", "--set", "networkPolicy.unitNamespaces={lab}",
+                       "--set", "networkPolicy.prometheus.podSelector.app=prometheus",
+                       "--set-json", 'networkPolicy.extraLbClients=[{"podSelector":{"matchLabels":{"app":"my-router"}}}]'],
+    "no-network-policy": ["--set", "networkPolicy.enabled=false", "--set", "podMonitor.enabled=true"],
     "keda-other-set": [
         "--set",
         "keda.enabled=true",
@@ -252,6 +258,7 @@ def test_default_render_has_the_operator_scaler_router_and_example_set_but_no_ke
             "Deployment",
             "Service",
             "PDUnitSet",
+            "NetworkPolicy",  # on by default: the units' stream port has no credential
         }
     )
     assert {d["spec"]["names"]["kind"] for d in by_kind(docs, "CustomResourceDefinition")} == {
@@ -343,6 +350,9 @@ OPERATOR_APP_RULES = {
     ("pdunit.dev", "pdunits/status", "patch"),
     ("pdunit.dev", "pdunitsets/status", "patch"),
     *{("", "pods", v) for v in ("get", "create", "patch", "delete")},
+    # each unit's own Secret, by name: never listed, watched, changed or deleted
+    ("", "secrets", "get"),
+    ("", "secrets", "create"),
     ("", "events", "create"),
 }
 
@@ -445,6 +455,9 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("operator.watchNamespaces={Bad_NS}", "/operator/watchNamespaces/0"),
         ("podMonitor.interval=soon", "/podMonitor/interval"),
         ("examplePDUnitSet.metricsPort=70000", "/examplePDUnitSet/metricsPort"),
+        ("networkPolicy.enabled=maybe", "/networkPolicy/enabled"),
+        ("networkPolicy.unitNamespaces={Bad_NS}", "/networkPolicy/unitNamespaces/0"),
+        ("networkPolicy.prometheus.podSelector=x", "/networkPolicy/prometheus/podSelector"),
     ],
 )
 def test_values_schema_rejects_a_bad_value_naming_the_field(setting: str, named: str) -> None:
@@ -552,16 +565,16 @@ def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_
 
     assert not by_kind(render([]), "PodMonitor")  # off by default: needs the Prometheus Operator
     docs = render(["--set", "podMonitor.enabled=true", "--set", "podMonitor.labels.release=kps",
-                   "--set", "podMonitor.unitNamespaces={voices,tts}"])
+                   "--set", "podMonitor.unitNamespaces={voices,tts}", *PROMETHEUS])
     units = one(docs, "PodMonitor", "rel-pdunit-units")
     control = one(docs, "PodMonitor", "rel-pdunit-control")
     assert units["metadata"]["labels"]["release"] == control["metadata"]["labels"]["release"] == "kps"
     assert units["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE, "voices"]
     # by default units anywhere (a cluster-wide operator); else where the operator watches
-    default = one(render(["--set", "podMonitor.enabled=true"]), "PodMonitor", "rel-pdunit-units")
+    default = one(render(["--set", "podMonitor.enabled=true", *PROMETHEUS]), "PodMonitor", "rel-pdunit-units")
     assert default["spec"]["namespaceSelector"] == {"any": True}
-    watched = one(render(["--set", "podMonitor.enabled=true", "--set", "operator.watchNamespaces={voices,tts}"]),
-                  "PodMonitor", "rel-pdunit-units")
+    watched = one(render(["--set", "podMonitor.enabled=true", "--set", "operator.watchNamespaces={voices,tts}",
+                          *PROMETHEUS]), "PodMonitor", "rel-pdunit-units")
     assert watched["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE, "voices"]
     unit_ports = {e["port"] for e in units["spec"]["podMetricsEndpoints"]}
     for decoders in (1, 7):
@@ -570,7 +583,7 @@ def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_
                                       "decoders": decoders}})
         assert _matches(units["spec"]["selector"], pod["metadata"]["labels"])
         declared = {p["name"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
-                    for p in c.get("ports", [])}
+                    for p in c.get("ports", [])} - {r.ADMIN_PORT_NAME}  # the drain, never scraped
         assert declared <= unit_ports, declared - unit_ports
     assert unit_ports == declared  # 7 decode engines: every name the monitor lists is used
     pods = [d["spec"]["template"] for d in by_kind(docs, "Deployment")]
@@ -578,3 +591,90 @@ def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_
     assert {t["metadata"]["labels"]["app.kubernetes.io/component"] for t in selected} == {"operator", "router"}
     control_ports = {p["name"] for t in selected for c in t["spec"]["containers"] for p in c.get("ports", [])}
     assert {e["port"] for e in control["spec"]["podMetricsEndpoints"]} == {"metrics", "http"} <= control_ports
+
+
+# --- the unit pods' NetworkPolicy -----------------------------------------------------------
+
+# Prometheus pods by label: what an install with the PodMonitors names.
+PROMETHEUS = ["--set", "networkPolicy.prometheus.podSelector.app=prometheus"]
+
+
+def _unit_pod(decoders: int = 1) -> dict[str, Any]:
+    from pdunit.operator import reconcile as r
+
+    return r.desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
+                          "spec": {"image": "i", "model": "random:tiny:0", "transfer": "proxy",
+                                   "decoders": decoders}})
+
+
+def _admitted(policy: dict[str, Any], port: str) -> list[dict[str, Any]]:
+    """The peers a policy admits to the named port."""
+    return [peer for rule in policy["spec"]["ingress"] if any(p["port"] == port for p in rule["ports"])
+            for peer in rule["from"]]
+
+
+def _peer(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """The policy peer of the chart's own pods of one component (in the release namespace)."""
+    (deploy,) = [d for d in by_kind(docs, "Deployment")
+                 if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+            "podSelector": {"matchLabels": {k: v for k, v in labels.items() if k.startswith("app.kubernetes.io/")
+                                            and k in ("app.kubernetes.io/name", "app.kubernetes.io/instance",
+                                                      "app.kubernetes.io/component")}}}
+
+
+def test_units_take_streams_from_the_router_and_operator_the_drain_from_the_operator_only() -> None:
+    """On by default: a unit's stream port takes prompts without a credential, so the
+    policy admits the router and the operator to it, only the operator to the admin port,
+    and the named Prometheus pods to every metrics port the pod can have."""
+    docs = render(PROMETHEUS)
+    policy = one(docs, "NetworkPolicy")
+    assert policy["metadata"]["namespace"] == NAMESPACE
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    pod = _unit_pod(decoders=7)
+    assert _matches(policy["spec"]["podSelector"], pod["metadata"]["labels"])
+    operator, router = _peer(docs, "operator"), _peer(docs, "router")
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                  "podSelector": {"matchLabels": {"app": "prometheus"}}}
+    assert _admitted(policy, "http") == [operator, router, prometheus]
+    assert _admitted(policy, "admin") == [operator]
+    declared = {p["name"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
+                for p in c.get("ports", [])}
+    named = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert declared == named  # every port the pod declares has its rule, and no other port is opened
+    for port in declared - {"http", "admin"}:
+        assert _admitted(policy, port) == [prometheus], port
+    # the selectors match the pods they mean to: the chart's operator and router
+    for component, peer in (("operator", operator), ("router", router)):
+        (deploy,) = [d for d in by_kind(docs, "Deployment")
+                     if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        assert _matches(peer["podSelector"], deploy["spec"]["template"]["metadata"]["labels"])
+
+
+def test_without_a_prometheus_selector_no_scraper_is_admitted_and_pod_monitors_refuse_to_render() -> None:
+    policy = one(render([]), "NetworkPolicy")
+    assert [port for port in ("metrics-prefill", "metrics-decode0") if _admitted(policy, port)] == []
+    out = run_helm("template", "rel", str(CHART), "--namespace", NAMESPACE, "--kube-version", kube_version(),
+                   "--set", "podMonitor.enabled=true")
+    assert out.returncode != 0 and "networkPolicy.prometheus" in out.stderr, out.stderr
+    assert not by_kind(render(VARIANTS["no-network-policy"]), "NetworkPolicy")
+
+
+def test_the_policy_covers_every_unit_namespace_and_admits_the_extra_lb_clients() -> None:
+    docs = render(VARIANTS["network-policy"])
+    policies = by_kind(docs, "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["lab", "tts", "voices"]
+    for policy in policies:
+        assert _admitted(policy, "http")[-2] == {"podSelector": {"matchLabels": {"app": "my-router"}}}
+        assert _admitted(policy, "admin") == [_peer(docs, "operator")]  # cross-namespace: by namespace name
+    no_router = one(render(["--set", "router.enabled=false"]), "NetworkPolicy")
+    assert _admitted(no_router, "http") == [_peer(docs, "operator")]
+
+
+def test_a_prometheus_namespace_selector_admits_prometheus_of_that_namespace() -> None:
+    policy = one(render(VARIANTS["monitoring"]), "NetworkPolicy")
+    assert _admitted(policy, "metrics-guard") == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }]

@@ -97,6 +97,8 @@ def test_helm_install_is_accepted_by_the_apiserver(installed: ControlPlane) -> N
         ("ServiceAccount", SA),
         ("PDUnitSet", "tts"),
     } <= kinds
+    policies = json.loads(cp.kubectl("get", "networkpolicy", "-n", NS, "-o", "json").stdout)["items"]
+    assert [p["metadata"]["name"] for p in policies] == ["rel-pdunit-units"]
     cp.kubectl(
         "wait",
         "--for=condition=Established",
@@ -111,7 +113,12 @@ def test_helm_install_is_accepted_by_the_apiserver(installed: ControlPlane) -> N
         ("delete", "pdunits.pdunit.dev", "yes"),
         ("patch", "pdunitsets.pdunit.dev/status", "yes"),
         ("watch", "customresourcedefinitions", "yes"),
-        ("get", "secrets", "no"),
+        ("get", "secrets", "yes"),  # each unit's own, by name
+        ("create", "secrets", "yes"),
+        ("list", "secrets", "no"),
+        ("watch", "secrets", "no"),
+        ("delete", "secrets", "no"),
+        ("patch", "secrets", "no"),
         ("update", "pdunitsets.pdunit.dev/scale", "no"),
         ("delete", "pdunitsets.pdunit.dev", "no"),
         ("create", "deployments.apps", "no"),
@@ -158,8 +165,11 @@ def test_operator_and_scaler_work_with_only_the_charts_rbac(
             )
             resp = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref, metricName="m"))
             assert resp.metricValues[0].metricValue == 5
-        # Scale to zero: drain (patch spec.draining), then delete the unit and its pod.
-        kubelet.lb(NS, unit["metadata"]["name"]).in_flight = 0
+        # Scale to zero: drain (patch spec.draining, POST the drain to the admin port with the
+        # token the operator reads from the unit's Secret), then delete the unit and its pod.
+        lb = kubelet.lb(NS, unit["metadata"]["name"])
+        assert lb.token, "the unit's pod names no Secret with an admin token"
+        lb.in_flight = 0
         cp.kubectl("scale", "pdunitset/tts", "-n", NS, "--replicas=0")
         wait_for(
             lambda: units() == [],
@@ -167,6 +177,7 @@ def test_operator_and_scaler_work_with_only_the_charts_rbac(
             "the unit to be drained and deleted",
             describe=lambda: op.tail(20),
         )
+        assert lb.drain_log and not lb.refused_log, (lb.drain_log, lb.refused_log)
         log = op.log.read_text(errors="replace")
         # a 403 as an HTTP status, not as part of a number such as a port (": 40313")
         assert "Forbidden" not in log and not re.search(r"(?<![\d:]) ?\b403\b(?!\d)", log), op.tail(40)

@@ -64,3 +64,10 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{/* The named ports a unit pod serves /metrics on (operator/reconcile.py metrics_port; the
+LB's on http): the PodMonitor scrapes them, the NetworkPolicy admits Prometheus to them.
+Comma-separated: splitList "," (include "pdunit.unitMetricsPorts" .). */}}
+{{- define "pdunit.unitMetricsPorts" -}}
+http,metrics-prefill,metrics-proxy,metrics-guard,metrics-decode0,metrics-decode1,metrics-decode2,metrics-decode3,metrics-decode4,metrics-decode5,metrics-decode6
+{{- end -}}
