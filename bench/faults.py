@@ -442,8 +442,10 @@ class HostReplayer:
 
     def write(self, slots: list[int], tag: int) -> None:
         n = min(len(slots), self.marker.shape[2])
+        # host: P writes D's shared memory itself, no capability is checked (a late
+        # sender's own would not stop it either): the held state is what protects
         self.sender.write(tag, self.marker, np.arange(n, dtype=np.int64), np.asarray(slots[:n], dtype=np.int64),
-                          2**62)
+                          2**62, capability=b"")
 
     def close(self) -> None:
         self.sender.close()
@@ -534,21 +536,50 @@ class StallRelay:
             s.close()
 
 
-def send_late_chunk(host: str, port: int, request_id: int, geometry_row_bytes: int) -> str:
-    """A CHUNK of an aborted/released request straight to D's tcp listener (no BEGIN):
-    the receiver must drop it and answer the terminal state. Returns the reply type."""
-    from pdunit.engine.transfer.tcp import ABORTED, CHUNK, COMPLETED, HEADER, MAGIC, VERSION
+def send_late_chunk(host: str, port: int, request_id: int, geometry_row_bytes: int,
+                    secret: bytes | None = None) -> str:
+    """A CHUNK of an aborted/released request straight to D's tcp listener (no BEGIN),
+    under a capability that is not the request's (this process never had it). Without
+    `secret` the listener must cut the connection before reading it ("closed"); with
+    the unit's secret it must drop it and answer the terminal state. Returns the reply."""
+    from pdunit.engine.transfer.base import CAPABILITY_BYTES
+    from pdunit.engine.transfer.tcp import (
+        ABORTED,
+        CHUNK,
+        COMPLETED,
+        HEADER,
+        MAGIC,
+        VERSION,
+        client_handshake,
+    )
 
-    payload = b"\x7f" * geometry_row_bytes
+    payload = bytes(CAPABILITY_BYTES) + b"\x7f" * geometry_row_bytes
     with socket.create_connection((host, port), timeout=5) as s:
-        s.sendall(HEADER.pack(MAGIC, VERSION, CHUNK, 0, request_id, 0, 1, 1000, 0, len(payload)) + payload)
+        if secret is not None:
+            client_handshake(s, secret, f"{host}:{port}")
+        try:
+            s.sendall(HEADER.pack(MAGIC, VERSION, CHUNK, 0, request_id, 0, 1, 1000, 0, len(payload)) + payload)
+        except (BrokenPipeError, ConnectionResetError):
+            return "closed"
         head = b""
         while len(head) < HEADER.size:
-            part = s.recv(HEADER.size - len(head))
+            try:
+                part = s.recv(HEADER.size - len(head))
+            except ConnectionResetError:
+                return "closed"
             if not part:
                 return "closed"
             head += part
         typ = HEADER.unpack(head)[2]
+        if secret is None and typ != ABORTED:  # the handshake's challenge: D must cut us off now
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+            except TimeoutError:
+                return "left open"
+            return "closed"
     return {ABORTED: "aborted", COMPLETED: "completed"}.get(typ, str(typ))
 
 
@@ -789,17 +820,25 @@ class Scenario:
 
     def replay_late_chunks(self, rec: FaultRecord) -> None:
         """tcp: a late CHUNK of every request that failed in this fault's window, sent
-        straight to D's listener after D released its pages: D must drop each one."""
+        straight to D's listener after D released its pages: without the unit's secret
+        D must cut the connection, with it D must drop the chunk (it carries no capability
+        of the request's) and answer the terminal state."""
+        from pdunit.engine.security import read_secret_file
+
         hello = self.unit.d_hello()
         desc = next(t for t in hello.transports if t.mode == "tcp")
+        secret = read_secret_file(self.unit.local.unit_secret_file)
         failed = [o for o in self.traffic.outcomes + self.fault_outcomes
                   if not o.ok and o.request_id and o.t0 <= rec.t_end and o.t_end >= rec.t_start]
         for o in failed[:20]:
-            reply = send_late_chunk(desc.params["host"], int(desc.params["port"]), int(o.request_id, 16),
-                                    _row_bytes(hello))
-            self.stats[f"tcp_late_chunk_answered_{reply}"] += 1
-            if reply not in ("aborted", "completed"):
-                self.violations.append(f"late tcp chunk of {o.request_id}: D answered {reply!r}")
+            for who, key, allowed in ((None, "unauthenticated", ("closed",)),
+                                      (secret, "authenticated", ("aborted", "completed"))):
+                reply = send_late_chunk(desc.params["host"], int(desc.params["port"]), int(o.request_id, 16),
+                                        _row_bytes(hello), secret=who)
+                self.stats[f"tcp_late_chunk_{key}_answered_{reply}"] += 1
+                if reply not in allowed:
+                    self.violations.append(f"late {key} tcp chunk of {o.request_id}: D answered {reply!r}, "
+                                           f"expected {' or '.join(allowed)}")
 
     traffic: Traffic
 

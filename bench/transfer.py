@@ -80,9 +80,11 @@ def undescs(raw: list[dict[str, Any]]) -> list[Any]:
 def role_d(args: argparse.Namespace) -> int:
     import torch
 
+    from pdunit.engine.security import read_secret_file
     from pdunit.engine.transfer.auto import AutoReceiver
     from pdunit.engine.transfer.base import Descriptor
     from pdunit.engine.transfer.fabric import FabricReceiver
+    from pdunit.engine.transfer.factory import unit_secret_option
     from pdunit.engine.transfer.ipc import IpcReceiver
     from pdunit.engine.transfer.posix_fd import PosixFdReceiver
     from pdunit.engine.transfer.proxy import ProxyReceiver
@@ -92,6 +94,7 @@ def role_d(args: argparse.Namespace) -> int:
     dev = f"cuda:{args.device}"
     torch.cuda.set_device(args.device)
     geo = _geometry(args)
+    secret = read_secret_file(args.unit_secret_file)
     out: dict[str, Any] = {"errors": {}, "pid": os.getpid()}
     pools: dict[str, Any] = {}
     parts: list[Any] = []
@@ -114,10 +117,14 @@ def role_d(args: argparse.Namespace) -> int:
     if fd is not None:
         pools["B"] = fd.storage
     attempt("fabric", lambda: FabricReceiver(_geometry(args, n_slots=64), dev))
+    grantors: dict[str, Any] = {}  # the receivers that check write capabilities, by mode
     if ipc is not None:
-        attempt("proxy", lambda: ProxyReceiver(geo, dev, args.proxy_socket, storage=ipc.storage))
-        attempt("tcp", lambda: TcpReceiver(geo, dev, "127.0.0.1", 0, storage=ipc.storage))
-    attempt("auto", lambda: AutoReceiver(_geometry(args, n_slots=256), dev, {"proxy_socket": args.proxy_socket}))
+        grantors["proxy"] = attempt("proxy", lambda: ProxyReceiver(geo, dev, args.proxy_socket, storage=ipc.storage))
+        grantors["tcp"] = attempt("tcp", lambda: TcpReceiver(geo, dev, "127.0.0.1", 0, storage=ipc.storage,
+                                                              secret=secret))
+    attempt("auto", lambda: AutoReceiver(_geometry(args, n_slots=256), dev,
+                                         {"proxy_socket": args.proxy_socket,
+                                          "unit_secret": unit_secret_option(secret)}))
     for pool in pools.values():
         fill_pattern(pool, SEED_D)
     torch.cuda.synchronize()
@@ -138,7 +145,8 @@ def role_d(args: argparse.Namespace) -> int:
                     f.write(json.dumps({"ok": True}) + "\n")
                     f.flush()
                     break
-                f.write(json.dumps(_d_command(cmd, pools, geo)) + "\n")
+                reply = _d_grant(cmd, grantors) if cmd["op"] == "grant" else _d_command(cmd, pools, geo)
+                f.write(json.dumps(reply) + "\n")
                 f.flush()
     finally:
         for p in reversed(parts):
@@ -148,6 +156,16 @@ def role_d(args: argparse.Namespace) -> int:
                 print(f"close failed: {e}", file=sys.stderr)
         ctl.close()
     return 0
+
+
+def _d_grant(cmd: dict[str, Any], grantors: dict[str, Any]) -> dict[str, Any]:
+    """RESERVE's grant, as D's worker makes it: one write capability per request id for
+    the destination slots (tcp and the proxy refuse writes without it)."""
+    rx = grantors.get(cmd["mode"])
+    if rx is None:
+        return {"ok": False, "error": f"no {cmd['mode']} receiver to grant writes"}
+    dst = np.asarray(cmd["dst_slots"], dtype=np.int64)
+    return {"ok": True, "capabilities": [rx.grant(rid, dst, cmd["deadline"]).hex() for rid in cmd["rids"]]}
 
 
 def _d_command(cmd: dict[str, Any], pools: dict[str, Any], geo: Any) -> dict[str, Any]:
@@ -246,7 +264,11 @@ def role_p(args: argparse.Namespace) -> int:
     src_pool = torch.empty(geo.shape(), dtype=geo.dtype, device=dev)
     fill_pattern(src_pool, SEED_P)
     torch.cuda.synchronize()
-    opts = {"proxy_socket": args.proxy_socket, "probe_all": "1"}
+    from pdunit.engine.security import read_secret_file
+    from pdunit.engine.transfer.factory import unit_secret_option
+
+    opts = {"proxy_socket": args.proxy_socket, "probe_all": "1",
+            "unit_secret": unit_secret_option(read_secret_file(args.unit_secret_file))}
     try:
         sender, report = probe_auto(undescs(d["auto"]), _geometry(args, n_slots=256), dev, opts)
         result["auto"] = report.as_dict()
@@ -268,6 +290,15 @@ def role_p(args: argparse.Namespace) -> int:
 
     def deadline() -> int:
         return int(time.time() * 1000) + 60_000
+
+    def reserved(mode: str, t: np.ndarray, n: int) -> list[tuple[int, bytes]]:
+        """n fresh request ids, each with the write capability D granted for slots t (as
+        RESERVE gives them), drawn before the timed writes."""
+        rids = [next_rid() for _ in range(n)]
+        reply = ctl(op="grant", mode=mode, rids=rids, dst_slots=t.tolist(), deadline=deadline() + 540_000)
+        if not reply.get("ok"):
+            raise RuntimeError(f"D granted no {mode} writes: {reply.get('error')}")
+        return list(zip(rids, [bytes.fromhex(c) for c in reply["capabilities"]], strict=True))
 
     senders: dict[str, Any] = {}
 
@@ -324,10 +355,12 @@ def role_p(args: argparse.Namespace) -> int:
                                           "proxy_staged": "staged"}[backend])
                 ctl(op="reset", pool=pool)
                 stages: list[dict[str, float]] = []
+                grants = reserved("proxy", t, args.warmup + iters)
 
                 def proxy_job() -> float:
+                    rid, cap = grants.pop()
                     t0 = time.perf_counter()
-                    px.write(next_rid(), src_pool, s, t, deadline())
+                    px.write(rid, src_pool, s, t, deadline(), capability=cap)
                     e2e.append(time.perf_counter() - t0)
                     stages.append(dict(px.last_stages))
                     row["method"] = px.last_reply.method
@@ -340,11 +373,16 @@ def role_p(args: argparse.Namespace) -> int:
                 tx = sender_for(backend)
                 if backend == "tcp":
                     iters = args.tcp_iters
+                warm = 1 if backend == "tcp" else args.warmup
+                # direct-write modes check no capability (P writes D's mapped memory itself)
+                grants = (reserved("tcp", t, warm + iters) if backend == "tcp"
+                          else [(next_rid(), b"") for _ in range(warm + iters)])
                 ctl(op="reset", pool=pool)
 
                 def fn() -> None:
-                    tx.write(next_rid(), src_pool, s, t, deadline())
-                times = _time(fn, 1 if backend == "tcp" else args.warmup, iters)
+                    rid, cap = grants.pop()
+                    tx.write(rid, src_pool, s, t, deadline(), capability=cap)
+                times = _time(fn, warm, iters)
                 e2e = list(times)
             if backend == "peer_copy":
                 check = ctl(op="verify", pool=pool, flat_bytes=nbytes)
@@ -661,7 +699,7 @@ def _common_args(cfg: argparse.Namespace, work: Path) -> list[str]:
     return ["--layers", str(cfg.layers), "--kv-heads", str(cfg.kv_heads), "--head-dim", str(cfg.head_dim),
             "--dtype", cfg.dtype, "--pool-tokens", str(cfg.pool_tokens), "--tokens", str(cfg.tokens),
             "--proxy-socket", str(work / "proxy.sock"), "--control", str(work / "d.ctl"),
-            "--descriptors", str(work / "d.json")]
+            "--descriptors", str(work / "d.json"), "--unit-secret-file", str(work / "unit.secret")]
 
 
 def _run_tune(cfg: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -693,6 +731,9 @@ def _run_phase(cfg: argparse.Namespace, phase: str, work: Path, gpus: list[dict[
     # A previous run's descriptor file or control socket would send P to a dead D.
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
+    from pdunit.engine.security import write_secret_file
+
+    write_secret_file(str(work / "unit.secret"))  # P <-> D's tcp listener, as a pod's unit Secret
     sock = str(work / "proxy.sock")
     common = _common_args(cfg, work)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -902,6 +943,7 @@ def _role_parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-socket", required=True)
     p.add_argument("--control", required=True)
     p.add_argument("--descriptors", required=True)
+    p.add_argument("--unit-secret-file", default="", help="the P<->D secret (tcp's handshake)")
     p.add_argument("--result", default="")
     p.add_argument("--no-measure", dest="measure", action="store_false")
     return p
