@@ -95,8 +95,11 @@ class ProxyClient:
         self.token = self.session_id = self.proxy_instance = ""
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.handshake()
-        self.channel = grpc.insecure_channel(f"unix:{socket_path}",
-                                             options=[("grpc.max_send_message_length", 64 << 20)])
+        # A restarted proxy must be reached again within a keeper round, not after
+        # gRPC's default reconnect backoff (up to 120 s).
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}", options=[
+            ("grpc.max_send_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)])
         self.stub = pb_grpc.NvlinkProxyStub(self.channel)
 
     def handshake(self) -> None:
@@ -144,15 +147,16 @@ class ProxyClient:
             err.code = code.name  # type: ignore[attr-defined]
             raise err from None
 
-    def register(self, request: pb.RegisterRequest) -> str:
-        reply = self.call("Register", request, timeout_s=max(self.timeout_s, 30.0))
+    def register(self, request: pb.RegisterRequest, timeout_s: float | None = None) -> str:
+        reply = self.call("Register", request, timeout_s=timeout_s or max(self.timeout_s, 30.0))
         return reply.region_id  # type: ignore[attr-defined]
 
-    def register_host(self, name: str, shm_name: str, geometry: PoolGeometry) -> str:
+    def register_host(self, name: str, shm_name: str, geometry: PoolGeometry,
+                      timeout_s: float | None = None) -> str:
         lay = layout_pb(geometry)
         return self.register(pb.RegisterRequest(
             name=name, kind=pb.HOST_SHM, layout=lay, shm_name=shm_name,
-            size_bytes=geometry.bytes_for(geometry.n_slots)))
+            size_bytes=geometry.bytes_for(geometry.n_slots)), timeout_s=timeout_s)
 
     def register_cuda(self, name: str, tensor: torch.Tensor, geometry: PoolGeometry,
                       vmm: object | None = None) -> str:
@@ -205,6 +209,9 @@ class ProxyClient:
     # ------------------------------------------------------------ copy lane
     def _lane_sock(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._lane, "sock", None)
+        if sock is not None and getattr(self._lane, "token", "") != self.token:
+            self._lane_drop()  # connected to the proxy of an earlier session (it restarted)
+            sock = None
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout_s)
@@ -217,7 +224,7 @@ class ProxyClient:
                                     retryable=True)
                 err.code = "UNAVAILABLE"  # type: ignore[attr-defined]
                 raise err from e
-            self._lane.sock = sock
+            self._lane.sock, self._lane.token = sock, self.token
             with self._lane_lock:
                 self._lane_socks.append(sock)
         return sock
@@ -594,9 +601,10 @@ class ProxySender(KVSender):
                 self._sources[key] = region
             return region
 
-    def _host_stage(self, src: torch.Tensor, src_slots: np.ndarray) -> tuple[str, np.ndarray]:
+    def _host_stage(self, src: torch.Tensor, src_slots: np.ndarray, timeout_s: float) -> tuple[str, np.ndarray]:
         """CPU: the proxy can only read shared memory, so gather the rows into a staging
-        segment this sender owns; the job then copies staging[0..n) -> dst."""
+        segment this sender owns; the job then copies staging[0..n) -> dst. Registering
+        a new segment waits at most `timeout_s` (the write's deadline)."""
         n = int(src_slots.size)
         mine: _Staging | None = getattr(self._staging, "segment", None)
         if mine is None or mine.segment.geometry.n_slots < n or mine.generation != self._generation:
@@ -604,17 +612,18 @@ class ProxySender(KVSender):
             self._staging.segment = None
             if mine is not None:
                 self._retire(mine)
-            mine = self._new_staging(max(n, 64))
+            mine = self._new_staging(max(n, 64), timeout_s)
             self._staging.segment = mine
         idx = torch.as_tensor(src_slots, dtype=torch.int64)
         mine.segment.storage[:, :, :n].copy_(src.index_select(2, idx))
         return mine.region, np.arange(n, dtype=np.int64)
 
-    def _new_staging(self, n_slots: int) -> _Staging:
+    def _new_staging(self, n_slots: int, timeout_s: float) -> _Staging:
         generation = self._generation
         seg = HostReceiver(_with_slots(self.geometry, n_slots))
         try:
-            staging = _Staging(seg, self.client.register_host("p-staging", seg.name, seg.geometry), generation)
+            region = self.client.register_host("p-staging", seg.name, seg.geometry, timeout_s=timeout_s)
+            staging = _Staging(seg, region, generation)
         except BaseException:
             seg.close()
             raise
@@ -666,7 +675,7 @@ class ProxySender(KVSender):
             torch.cuda.current_stream(src.device).synchronize()
             src_region, s_eff = self.source_region(src), s
         else:
-            src_region, s_eff = self._host_stage(src, s)
+            src_region, s_eff = self._host_stage(src, s, max(0.5, deadline_unix_ms / 1000.0 - time.time()))
         remaining_s = max(0.05, deadline_unix_ms / 1000.0 - time.time())
         t1 = time.perf_counter()
         reply = self.client.copy(request_id, src_region, s_eff, dst_region, d, deadline_unix_ms,
