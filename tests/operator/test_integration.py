@@ -8,7 +8,9 @@ and each unit's LB (tests.operator.envtest.FakeLb), whose in-flight count the te
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import time
 from typing import Any
 
@@ -334,6 +336,15 @@ def test_units_of_an_older_operator_are_kept_through_an_upgrade_and_relabelled(
         (unit("bad-metrics", lbPort=9403), "spec.metricsPort", "leave out lbPort"),
         (unit("bad-metrics-end", metricsPort=65533), "spec.metricsPort", "end by 65535"),
         (unit_set("bad-replicas", -1), "spec.replicas", "greater than or equal to 0"),
+        # the admin port of its own, and no fault injection in a pod (CEL rules per item)
+        (unit("bad-admin", lbPort=8001), "spec.adminPort", "must differ from lbPort"),
+        (unit("bad-admin-metrics", adminPort=9401), "spec.metricsPort", "leave out lbPort and adminPort"),
+        (unit("bad-fault-arg", extraArgs={"prefill": ["--cache-tokens", "64", "--fault-w=3"]}),
+         "spec.extraArgs.prefill[2]", "--fault-w=3 is a fault-injection flag"),
+        (unit("bad-fault-env", env=[{"name": "PDUNIT_FAULT_INJECTION", "value": "1"}]),
+         "spec.env[0].name", "PDUNIT_FAULT_INJECTION turns on fault injection"),
+        (unit_set("bad-set-fault", 1, extraArgs={"decode": ["--debug-port", "9999"]}),
+         "spec.template.spec.extraArgs.decode[0]", "never in a unit pod"),
     ],
 )
 def test_invalid_spec_is_refused_by_the_apiserver_naming_the_field(
@@ -435,6 +446,70 @@ def test_standalone_unit_draining_flag_stops_and_restarts_its_pod(
         "flip Ready again",
     )
     assert get_pod(api, ns, "flip")["metadata"]["uid"] != first_uid
+
+
+def _secret(api: Any, ns: str, name: str) -> dict[str, Any] | None:
+    return api.get(f"/api/v1/namespaces/{ns}/secrets/{name}-unit-secret")
+
+
+def test_a_unit_gets_a_secret_of_its_own_kept_across_pod_replacements_and_drains_with_its_token(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    ns = namespace
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit("keep"))
+    wait_for(lambda: (get_unit(api, ns, "keep") or {}).get("status", {}).get("phase") == "Ready", 30, "keep Ready")
+    owner = get_unit(api, ns, "keep")["metadata"]["uid"]
+    secret = _secret(api, ns, "keep")
+    assert secret is not None and secret["immutable"] is True
+    ref = secret["metadata"]["ownerReferences"][0]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDUnit", "keep", owner, True)
+    values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(values) == {"unit-secret", "admin-token"}
+    assert all(re.fullmatch("[0-9a-f]{64}", v) for v in values.values()), "not 32 random bytes, hex"
+    assert values["unit-secret"] != values["admin-token"]
+    pod = get_pod(api, ns, "keep")
+    assert {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v} == {"keep-unit-secret"}
+    lb = kubelet.lb(ns, "keep")
+    assert lb.token == values["admin-token"]
+
+    first_pod = pod["metadata"]["uid"]
+    control_plane.kubectl("patch", "-n", ns, "pdunit/keep", "--type=merge", "-p", '{"spec": {"draining": true}}')
+    wait_for(lambda: (get_unit(api, ns, "keep") or {}).get("status", {}).get("phase") == "Drained", 20, "Drained")
+    # the operator's drain reached the admin port with the Secret's token, and nothing was refused
+    assert lb.drain_log and lb.drain_log[0][1] is True and not lb.refused_log, (lb.drain_log, lb.refused_log)
+    control_plane.kubectl("patch", "-n", ns, "pdunit/keep", "--type=merge", "-p", '{"spec": {"draining": false}}')
+    wait_for(lambda: (get_unit(api, ns, "keep") or {}).get("status", {}).get("phase") == "Ready", 30, "Ready again")
+    assert get_pod(api, ns, "keep")["metadata"]["uid"] != first_pod
+    again = _secret(api, ns, "keep")
+    assert again["metadata"]["uid"] == secret["metadata"]["uid"] and again["data"] == secret["data"]
+    assert kubelet.lb(ns, "keep").token == values["admin-token"]
+
+
+def test_a_secret_the_operator_did_not_make_is_never_given_to_a_unit(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    """Someone who planted `<unit>-unit-secret` first would know the unit's P<->D secret and
+    admin token: the operator refuses it, names the fix, and starts no pod until it is gone."""
+    ns = namespace
+    known = base64.b64encode(b"0" * 64).decode()
+    planted = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "victim-unit-secret"},
+               "data": {"unit-secret": known, "admin-token": known}}
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(planted))
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit("victim"))
+
+    def refused() -> str | None:
+        status = (get_unit(api, ns, "victim") or {}).get("status") or {}
+        return status.get("message") if status.get("phase") == "Failed" else None
+
+    message = wait_for(refused, 20, "victim Failed on the planted secret")
+    assert "victim-unit-secret exists and is not this unit's" in message and "delete it" in message, message
+    assert get_pod(api, ns, "victim") is None
+    assert "SecretConflict" in reasons(control_plane, ns, "victim")
+    control_plane.kubectl("delete", "-n", ns, "secret", "victim-unit-secret")
+    wait_for(lambda: (get_unit(api, ns, "victim") or {}).get("status", {}).get("phase") == "Ready", 30, "Ready")
+    data = _secret(api, ns, "victim")["data"]
+    assert known not in data.values()
+    assert kubelet.lb(ns, "victim").token != "0" * 64
 
 
 def test_a_unit_the_operator_cannot_reconcile_gets_a_condition_and_others_keep_working(
