@@ -98,7 +98,7 @@ CAPABILITY_BYTES = 32
 @dataclass
 class _Grant:
     capability: bytes
-    slots: frozenset[int]
+    slots: np.ndarray  # sorted, unique
     deadline_unix_ms: int
 
 
@@ -125,7 +125,7 @@ class WriteGrants:
             capability = secrets.token_bytes(CAPABILITY_BYTES)
         elif len(capability) != CAPABILITY_BYTES:
             raise ValueError(f"a write capability has {CAPABILITY_BYTES} bytes, got {len(capability)}")
-        slots = frozenset(int(s) for s in np.asarray(dst_slots).reshape(-1).tolist())
+        slots = np.unique(np.asarray(dst_slots, dtype=np.int64).reshape(-1))
         with self._lock:
             self._grants[request_id] = _Grant(bytes(capability), slots, deadline_unix_ms)
             self._ended.pop(request_id, None)
@@ -144,12 +144,14 @@ class WriteGrants:
             return f"request {request_id}: wrong write capability"
         if g.deadline_unix_ms and time.time() * 1000.0 > g.deadline_unix_ms:
             return f"request {request_id}: its reservation's deadline passed"
-        slots = np.asarray(dst_slots).reshape(-1).tolist()
-        if not all(int(s) in g.slots for s in slots):
-            return f"request {request_id}: destination slots outside its reservation"
-        if exact and len(set(slots)) != len(g.slots):
-            return (f"request {request_id}: the write covers {len(set(slots))} of its reservation's "
-                    f"{len(g.slots)} slots; it must declare all of them")
+        want = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
+        if want.size:
+            at = np.minimum(np.searchsorted(g.slots, want), max(0, g.slots.size - 1))
+            if not g.slots.size or not bool((g.slots[at] == want).all()):
+                return f"request {request_id}: destination slots outside its reservation"
+        if exact and (covered := np.unique(want).size) != g.slots.size:
+            return (f"request {request_id}: the write covers {covered} of its reservation's "
+                    f"{g.slots.size} slots; it must declare all of them")
         return ""
 
     def late(self, request_id: int, capability: bytes) -> bool:
