@@ -29,7 +29,7 @@ import uvicorn
 from pydantic import BaseModel, Field
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pdunit.engine.security import same_bytes, security_event
+from pdunit.engine.security import SecretFileError, read_secret_file, same_bytes, security_event
 
 log = logging.getLogger("pdunit.edge")
 
@@ -86,6 +86,17 @@ def request_id_problem(value: str) -> str | None:
     if _REQUEST_ID.fullmatch(value):
         return None
     return f"X-Request-Id has {len(value)} characters; it must be {REQUEST_ID_RULE}"
+
+
+def read_token_file(path: str, flag: str) -> bytes | None:
+    """The bearer token in `path` (None when no file is configured); SecretFileError
+    names the flag, the file and the fix."""
+    if not path:
+        return None
+    try:
+        return read_secret_file(path)
+    except SecretFileError as exc:
+        raise SecretFileError(f"{flag}: {exc}") from None
 
 
 def bearer_matches(headers: Mapping[str, str], token: bytes) -> bool:
@@ -280,11 +291,16 @@ def guarded_protocol(limits: EdgeLimits) -> type[GuardedHttpTools]:
 def server_config(app: Any, limits: EdgeLimits, **kwargs: Any) -> uvicorn.Config:
     """The uvicorn config every pdunit HTTP server runs: httptools behind the guards
     (named: uvicorn's "auto" falls back to the pure-Python h11 without a word), no
-    websockets, no Server header, no uvicorn log config or access log."""
+    websockets, no Server header, no uvicorn log config or access log, and no
+    proxy-headers rewrite: uvicorn's default takes the client's address from
+    X-Forwarded-For whenever the peer is 127.0.0.1, so anyone on loopback (or any
+    sidecar) could claim any address. The router honours forwarded headers itself, only
+    from --trusted-proxies."""
     return uvicorn.Config(
         app,
         http=guarded_protocol(limits),
         ws="none",
+        proxy_headers=False,
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
         server_header=False,
         log_config=None,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from pdunit.engine.edge import server_config
+from pdunit.engine.edge import read_token_file, server_config
 from pdunit.engine.lb.app import LoadBalancer, create_admin_app, create_app
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.observability import (
@@ -29,7 +29,7 @@ from pdunit.engine.observability import (
     setup_logging,
     shutdown_event,
 )
-from pdunit.engine.security import SecretFileError, read_secret_file
+from pdunit.engine.security import SecretFileError
 from pdunit.engine.settings import ConfigError, parse_config
 
 
@@ -52,14 +52,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def admin_token(config: LBConfig) -> bytes | None:
-    """The admin bearer token of --admin-token-file (None when unset); SecretFileError
-    names the file and the fix."""
-    if not config.admin_token_file:
-        return None
-    try:
-        return read_secret_file(config.admin_token_file)
-    except SecretFileError as exc:
-        raise SecretFileError(f"--admin-token-file: {exc}") from None
+    """The admin bearer token of --admin-token-file (None when unset)."""
+    return read_token_file(config.admin_token_file, "--admin-token-file")
 
 
 @dataclass
@@ -111,15 +105,9 @@ def build_servers(config: LBConfig, lb: LoadBalancer, token: bytes | None) -> Se
     return Servers(stream, stream_socket, admin, admin_socket)
 
 
-async def serve(config: LBConfig) -> int:
+async def serve(config: LBConfig, token: bytes | None) -> int:
     logger = setup_logging("lb", config.log_level)
     log_config(logger, config)
-    try:
-        token = admin_token(config)
-    except SecretFileError as exc:
-        logger.error("cannot read the admin token", extra={"reason": str(exc)})
-        print(f"pdunit lb: {exc}", file=sys.stderr)
-        return 2
     lb = LoadBalancer(config)
     try:
         servers = build_servers(config, lb, token)
@@ -166,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(LBConfig, argv, prog="pdunit lb")
     except ConfigError:
         return 2
-    return asyncio.run(serve(config))
+    try:
+        token = admin_token(config)
+    except SecretFileError as exc:
+        print(f"pdunit lb: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config, token))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 
 Owns the endpoints and the life cycle of the background work (discovery, /v1/load
 polling) and of the HTTP clients. Routing lives in table.py, forwarding in proxy.py;
-this module only wires them. It never serves audio itself.
+this module only wires them. It never serves audio itself, and never shows the table
+(/v1/units: unit URLs, errors, sessions) to a caller without the --admin-token-file
+token, or, with no token configured, to anyone but a loopback peer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
@@ -20,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..edge import bearer_matches, is_loopback
+from ..security import security_event
 from .config import RouterConfig
 from .proxy import Forwarder, ForwardPolicy, RouterMetrics
 from .table import LoadPoller, RoutingTable
@@ -80,8 +85,10 @@ def create_app(
     discovery: Discovery,
     logger: logging.Logger | None = None,
     registry: CollectorRegistry | None = None,
+    admin_token: bytes | None = None,
 ) -> FastAPI:
-    """The router app. Its lifespan starts discovery and polling and stops them."""
+    """The router app. Its lifespan starts discovery and polling and stops them.
+    `admin_token`: the bearer token /v1/units needs (main reads --admin-token-file)."""
     log = logger or logging.getLogger("pdunit.router")
     registry = registry if registry is not None else CollectorRegistry()
     metrics = RouterMetrics(registry)
@@ -116,6 +123,7 @@ def create_app(
             max_attempts=config.max_attempts,
             retry_after_s=config.retry_after_s,
             max_body_bytes=config.max_body_bytes,
+            trusted_proxies=tuple(ipaddress.ip_network(n) for n in config.trusted_proxies),
         )
         state = RouterState(table, Forwarder(table, stream_client, metrics, policy, log), registry)
         app.state.router = state
@@ -150,8 +158,27 @@ def create_app(
         state = _state(request)
         return await state.forwarder.forward(request)
 
-    @app.get("/v1/units")
-    async def units(request: Request) -> dict[str, Any]:
+    @app.get("/v1/units", response_model=None)
+    async def units(request: Request) -> dict[str, Any] | JSONResponse:
+        peer = request.client.host if request.client is not None else ""
+        if admin_token is not None:
+            if not bearer_matches(request.headers, admin_token):
+                security_event("units_unauthorized", client=peer)
+                return JSONResponse(
+                    {"error": {"code": "unauthorized", "field": "Authorization",
+                               "message": "/v1/units needs 'Authorization: Bearer <token>', the "
+                               "token of the router's --admin-token-file"}},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        elif not is_loopback(peer):
+            security_event("units_unauthorized", client=peer)
+            return JSONResponse(
+                {"error": {"code": "forbidden",
+                           "message": "/v1/units answers loopback clients only while the router "
+                           "has no --admin-token-file; configure one to read it remotely"}},
+                status_code=403,
+            )
         return _state(request).table.snapshot()
 
     @app.get("/healthz")

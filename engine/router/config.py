@@ -7,18 +7,46 @@ starts anything.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
+from ..edge import EdgeLimits, default_listen_host
 from .discovery import parse_static_units
 
+LB_MAX_BODY_BYTES = 4 << 20  # the LB's --max-body-bytes default: a larger body is refused there
 
-class RouterConfig(BaseModel):
+
+class RouterConfig(EdgeLimits):
     """pdunit router: the cluster entry point; picks a unit by session affinity."""
 
-    host: str = Field("0.0.0.0", description="address to listen on")
+    host: str = Field(
+        "",
+        validate_default=True,
+        description="address to listen on; empty = the pod's IP ($PDUNIT_POD_IP) in a pod, "
+        "else 127.0.0.1 (0.0.0.0 = every interface)",
+    )
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    keep_alive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="an idle client connection is closed after this (longer than a cloud "
+        "load balancer's 60 s idle timeout, so the router never closes one it reuses)",
+    )
+    max_connections: int = Field(
+        4096, ge=1, le=65536, description="open client connections at most; one more is answered 503"
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="CIDRs of proxies in front of the router, comma separated; only their "
+        "X-Forwarded-For / Forwarded headers are kept (everyone else's are dropped)",
+    )
+    admin_token_file: str = Field(
+        "",
+        description="file holding the bearer token /v1/units needs (mode 0600, e.g. a mounted "
+        "Secret); without it /v1/units answers loopback clients only",
+    )
     discovery: Literal["static", "kubernetes"] = Field(
         "static", description="where units come from: static (--units) or kubernetes (PDUnits)"
     )
@@ -55,7 +83,10 @@ class RouterConfig(BaseModel):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After of the router's own 503")
     max_body_bytes: int = Field(
-        64 * 1024 * 1024, ge=1, description="largest request body the router forwards"
+        LB_MAX_BODY_BYTES,
+        ge=1,
+        description="largest request body the router reads and forwards (413 as soon as a "
+        "body exceeds it); default: the LB's --max-body-bytes",
     )
     max_tracked_sessions: int = Field(
         100_000, ge=1, description="sessions remembered for /v1/units and move counting"
@@ -64,6 +95,24 @@ class RouterConfig(BaseModel):
         30, ge=0, description="on SIGTERM, seconds open streams may take to finish"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("host")
+    @classmethod
+    def _host_defaults_to_pod_ip(cls, v: str) -> str:
+        return default_listen_host(v)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _trusted_proxies_are_networks(cls, value: list[str]) -> list[str]:
+        out = []
+        for item in value:
+            try:
+                out.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies item {item!r} is not an address or CIDR (e.g. 10.0.0.0/8)"
+                ) from None
+        return out
 
     @field_validator("units")
     @classmethod

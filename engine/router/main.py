@@ -1,6 +1,7 @@
 """`pdunit router`: parse config, log it, serve the router until SIGTERM, drain, exit.
 
-Owns the process: config, logging, the uvicorn server and the shutdown sequence
+Owns the process: config, logging, the uvicorn server (behind engine/edge.py's limits)
+and the shutdown sequence
 (SIGTERM -> /readyz 503 -> stop accepting -> open streams finish, up to
 --shutdown-grace-s -> exit 0). It holds no routing logic.
 """
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 import uvicorn
 from prometheus_client import REGISTRY
 
+from ..edge import read_token_file, server_config
 from ..observability import log_config, setup_logging, shutdown_event
+from ..security import SecretFileError
 from ..settings import ConfigError, parse_config
 from .app import Discovery, create_app
 from .config import RouterConfig, check_discovery
@@ -50,15 +53,16 @@ def build_discovery(config: RouterConfig, log: logging.Logger) -> Discovery | st
     return KubernetesDiscovery(namespace, config.unit_set, log)
 
 
-async def _serve(config: RouterConfig, discovery: Discovery, log: logging.Logger) -> int:
-    app = create_app(config, discovery, log, registry=REGISTRY)
+async def _serve(
+    config: RouterConfig, discovery: Discovery, log: logging.Logger, admin_token: bytes | None
+) -> int:
+    app = create_app(config, discovery, log, registry=REGISTRY, admin_token=admin_token)
     server = _Server(
-        uvicorn.Config(
+        server_config(  # the LB's edge: httptools behind the header, body and connection limits
             app,
-            http="httptools",  # as the LB: never a silent fallback to the pure-Python parser
+            config,
             host=config.host,
             port=config.port,
-            log_config=None,
             lifespan="on",
             timeout_graceful_shutdown=config.shutdown_grace_s,
         )
@@ -102,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    try:
+        admin_token = read_token_file(config.admin_token_file, "--admin-token-file")
+    except SecretFileError as exc:
+        print(f"pdunit router: {exc}", file=sys.stderr)
+        return 2
     log = setup_logging("router", config.log_level)
     log_config(log, config)
     discovery = build_discovery(config, log)
     if isinstance(discovery, str):
         print(discovery, file=sys.stderr)
         return 2
-    return asyncio.run(_serve(config, discovery, log))
+    return asyncio.run(_serve(config, discovery, log, admin_token))
 
 
 if __name__ == "__main__":

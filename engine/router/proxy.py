@@ -4,16 +4,26 @@ Owns the attempt loop (pick a unit, send, retry elsewhere on a refusal), the hea
 policy, and the relay that copies the unit's body to the client chunk by chunk.
 
 The one rule this module must never break: a retry happens only when the unit cannot
-have started the stream: it answered 503 or 429, or the TCP connection was refused or
-timed out. Once a unit answered 200, that unit owns the request: a failure later ends
+have started the stream: it answered 503, 429 or 502 (the LB answers 200 only with the
+first frame, so any status it sends is before the first byte; 502 is P or D failing the
+start, which another unit may not), or the TCP connection was refused or timed out.
+Once a unit answered 200, that unit owns the request: a failure later ends
 the client's stream with an error trailer (NDJSON) or a broken connection (binary
 frames), never a second start elsewhere. A request that reached a unit and then failed
 before any answer (read timeout, reset) is not retried either: the unit may be running
 it.
+
+The header policy (`to_unit`, `to_client`): hop-by-hop headers (RFC 9110 7.6.1: those
+Connection names, Keep-Alive, TE, Trailer, Transfer-Encoding, Upgrade, Proxy-*) and
+credentials (Authorization, Cookie) never cross the router in either direction, nor
+Set-Cookie or the unit's internal X-Pdunit-* headers towards the client; a client's
+X-Forwarded-For / Forwarded are kept only from --trusted-proxies. The body is read up
+to --max-body-bytes and refused (413, connection closed) the moment it passes it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
@@ -25,29 +35,29 @@ from typing import Any
 import anyio
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from ..edge import request_id_problem
+from ..security import security_event
 from .table import RoutingTable, Unit
 
-# Never forwarded in either direction: they describe one hop, not the message.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
+CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
+FORWARDED = frozenset(
+    {"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip"}
 )
+# The router sets these itself on the way to a unit.
+SET_BY_ROUTER = frozenset({"host", "content-length", "x-request-id"})
+# The unit's response headers a client may see; the router adds X-Pdunit-Unit. Every other
+# X-Pdunit-* header is internal to the unit.
+UNIT_HEADERS_FOR_CLIENT = frozenset({"x-pdunit-request-id"})
+NOT_TO_CLIENT = frozenset({"set-cookie", "content-length", "date", "server", "x-request-id"})
 BINARY_FRAMES = "application/x-pdunit-frames"
+# A unit's answers that prove it did not start the stream and that another unit may not
+# give: draining/unready, full, and P or D failing the start (see the module docstring).
+RETRIED_STATUS = frozenset({503, 429, 502})
 
 
 class RouterMetrics:
@@ -103,7 +113,68 @@ class ForwardPolicy:
     session_header: str = "X-Session-Id"
     max_attempts: int = 3
     retry_after_s: int = 1
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = 4 << 20
+    trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def trusts(self, peer: str | None) -> bool:
+        """Whether `peer` (the TCP peer's address) is a proxy whose forwarded headers count."""
+        if not peer or not self.trusted_proxies:
+            return False
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(address in net for net in self.trusted_proxies)
+
+
+def _hop_by_hop(headers: list[tuple[str, str]]) -> set[str]:
+    """The fixed hop-by-hop names plus every header a Connection header names."""
+    names = set(HOP_BY_HOP)
+    for key, value in headers:
+        if key.lower() == "connection":
+            names.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return names
+
+
+def to_unit(
+    headers: list[tuple[str, str]], peer: str | None, policy: ForwardPolicy, request_id: str
+) -> list[tuple[str, str]]:
+    """The request headers a unit gets: no hop-by-hop, no credentials, forwarded headers
+    only from a trusted proxy, and X-Forwarded-For ending with the TCP peer."""
+    drop = _hop_by_hop(headers) | CREDENTIALS | SET_BY_ROUTER
+    trusted = policy.trusts(peer)
+    if not trusted:
+        drop |= FORWARDED
+    out: list[tuple[str, str]] = []
+    prior: list[str] = []
+    for key, value in headers:
+        name = key.lower()
+        if name in drop or name.startswith("proxy-"):
+            continue
+        if name == "x-forwarded-for":
+            prior.append(value)
+            continue
+        out.append((name, value))
+    out.append(("x-request-id", request_id))
+    if peer:
+        out.append(("x-forwarded-for", ", ".join([*prior, peer])))
+    return out
+
+
+def to_client(headers: httpx.Headers) -> dict[str, str]:
+    """The unit's response headers a client gets: no hop-by-hop, no Set-Cookie, no
+    internal X-Pdunit-* header; the router sets X-Request-Id and X-Pdunit-Unit."""
+    items = list(headers.multi_items())
+    drop = _hop_by_hop(items) | NOT_TO_CLIENT | CREDENTIALS
+    out: dict[str, str] = {}
+    for key, value in items:
+        name = key.lower()
+        if name in drop or name.startswith("proxy-"):
+            continue
+        if name.startswith("x-pdunit-") and name not in UNIT_HEADERS_FOR_CLIENT:
+            continue
+        out[name] = value
+    return out
 
 
 def error_response(
@@ -148,7 +219,10 @@ class Forwarder:
         self.log = logger
 
     async def _read_body(self, request: Request) -> bytes | Response:
+        """The whole body, or a 413 the moment it passes --max-body-bytes (nothing is
+        forwarded and the connection is closed: the client stops sending)."""
         limit = self.policy.max_body_bytes
+        close = {"connection": "close"}
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return error_response(
@@ -156,7 +230,9 @@ class Forwarder:
                 "body_too_large",
                 f"request body is {declared} bytes; the router forwards at most {limit} "
                 "(--max-body-bytes)",
+                headers=close,
                 field="body",
+                limit=limit,
             )
         parts: list[bytes] = []
         size = 0
@@ -167,32 +243,37 @@ class Forwarder:
                     413,
                     "body_too_large",
                     f"request body exceeds {limit} bytes (--max-body-bytes)",
+                    headers=close,
                     field="body",
+                    limit=limit,
                 )
             parts.append(part)
         return b"".join(parts)
 
-    def _upstream_headers(self, request: Request, request_id: str) -> dict[str, str]:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        headers["x-request-id"] = request_id
-        if request.client is not None:
-            prior = headers.get("x-forwarded-for")
-            host = request.client.host
-            headers["x-forwarded-for"] = f"{prior}, {host}" if prior else host
-        return headers
-
     async def forward(self, request: Request) -> Response:
+        given = request.headers.get("x-request-id")
+        problem = request_id_problem(given) if given is not None else None
+        if problem:
+            security_event("bad_request_id", length=len(given or ""))
+            self.metrics.requests.labels(unit="", outcome="client_error").inc()
+            return error_response(400, "bad_header", problem, field="X-Request-Id")
         ctx = _Request(
-            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            request_id=given or uuid.uuid4().hex,
             session=request.headers.get(self.policy.session_header) or None,
             started=time.perf_counter(),
         )
-        body = await self._read_body(request)
+        try:
+            body = await self._read_body(request)
+        except ClientDisconnect:
+            # gone before its body arrived (or cut by --body-timeout-s, already answered)
+            self.metrics.requests.labels(unit="", outcome="client_disconnected").inc()
+            return Response(status_code=499)
         if isinstance(body, Response):
             body.headers["x-request-id"] = ctx.request_id
             self.metrics.requests.labels(unit="", outcome="client_error").inc()
             return body
-        headers = self._upstream_headers(request, ctx.request_id)
+        peer = request.client.host if request.client is not None else None
+        headers = to_unit(request.headers.items(), peer, self.policy, ctx.request_id)
         tried: list[str] = []
         for _ in range(self.policy.max_attempts):
             t0 = time.perf_counter()
@@ -209,7 +290,7 @@ class Forwarder:
         return self._no_unit(ctx)
 
     async def _attempt(
-        self, unit: Unit, body: bytes, headers: dict[str, str], ctx: _Request, how: str
+        self, unit: Unit, body: bytes, headers: list[tuple[str, str]], ctx: _Request, how: str
     ) -> Response | None:
         """Send to `unit`: a Response to return, or None to try the next unit."""
         self.table.acquire(unit)
@@ -236,7 +317,7 @@ class Forwarder:
             raise
 
         status = upstream.status_code
-        if status in (503, 429):
+        if status in RETRIED_STATUS:
             try:
                 text = await upstream.aread()
             except httpx.HTTPError:
@@ -262,11 +343,7 @@ class Forwarder:
             outcome = "client_error" if status < 500 else "unit_error"
             self.metrics.requests.labels(unit=unit.name, outcome=outcome).inc()
             self._log_done(unit, ctx, outcome, status, 0)
-            passthrough = {
-                k: v
-                for k, v in upstream.headers.items()
-                if k.lower() in ("content-type", "retry-after")
-            }
+            passthrough = to_client(upstream.headers)
             passthrough["x-request-id"] = ctx.request_id
             passthrough["x-pdunit-unit"] = unit.name
             return Response(text, status_code=status, headers=passthrough)
@@ -274,11 +351,7 @@ class Forwarder:
         # 200: the stream has started on this unit. No retry from here on.
         if ctx.session is not None and self.table.record_session(ctx.session, unit):
             self.metrics.session_moves.inc()
-        out_headers = {
-            k: v
-            for k, v in upstream.headers.items()
-            if k.lower() not in HOP_BY_HOP and k.lower() not in ("date", "server")
-        }
+        out_headers = to_client(upstream.headers)
         out_headers["x-request-id"] = ctx.request_id
         out_headers["x-pdunit-unit"] = unit.name
         ctx.attempts.append({"unit": unit.name, "result": "streaming", "how": how})

@@ -213,8 +213,9 @@ class RoutingTable:
         self._refresh(unit, before)
 
     def mark_rejected(self, name: str, status: int, message: str) -> None:
-        """The unit refused a stream (503 draining/unready, 429 full): skip it until the
-        next poll says otherwise, so the next requests don't hit the same wall."""
+        """The unit refused a stream (503 draining/unready, 429 full, 502 failing to start
+        one): skip it until the next poll says otherwise, so the next requests don't hit
+        the same wall."""
         unit = self.units.get(name)
         if unit is None:
             return

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdunit.engine.edge import EdgeLimits, server_config
 from pdunit.engine.router.app import create_app
 from pdunit.engine.router.config import RouterConfig
 from pdunit.engine.router.discovery import StaticDiscovery, parse_static_units
@@ -50,17 +51,22 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, grace_s: int = 2) -> AsyncIterator[Served]:
-    """Run an ASGI app on 127.0.0.1:<free port> inside the test's event loop."""
+async def serve(app: Any, grace_s: int = 2, limits: EdgeLimits | None = None) -> AsyncIterator[Served]:
+    """Run an ASGI app on 127.0.0.1:<free port> inside the test's event loop; with
+    `limits`, behind the edge's protocol as `pdunit router` serves (engine/edge.py)."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
     # TCP; with proto 0, Nagle + delayed ACK add ~40 ms to every keep-alive response.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = _QuietServer(
-        uvicorn.Config(app, http="httptools", log_config=None, lifespan="on", timeout_graceful_shutdown=grace_s)
-    )
+    if limits is not None:
+        config = server_config(app, limits, lifespan="on", timeout_graceful_shutdown=grace_s)
+    else:
+        config = uvicorn.Config(
+            app, http="httptools", log_config=None, lifespan="on", timeout_graceful_shutdown=grace_s
+        )
+    server = _QuietServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         for _ in range(1000):
@@ -91,6 +97,8 @@ class FakeUnit:
         self.draining = False
         self.ready = True
         self.refuse_with: int | None = None  # e.g. 429: refuse every stream with it
+        self.response_headers: dict[str, str] = {}  # added to every answer of the stream route
+        self.headers: list[dict[str, str]] = []  # every stream request's headers, as received
         self.fail_after_frames: int | None = None  # die after sending this many frames
         self.binary = False  # answer application/x-pdunit-frames instead of NDJSON
         self.hold: asyncio.Event | None = None  # when set: streams wait for it before ending
@@ -135,6 +143,12 @@ class FakeUnit:
         return JSONResponse(self.load_doc())
 
     async def _stream(self, request: Request) -> Response:
+        self.headers.append(dict(request.headers.items()))
+        response = await self._answer(request)
+        response.headers.update(self.response_headers)
+        return response
+
+    async def _answer(self, request: Request) -> Response:
         if self.draining or not self.ready:
             return JSONResponse(
                 {"error": {"code": "draining", "message": f"unit {self.name} is draining"}},
@@ -204,15 +218,21 @@ class RouterHandle:
 
 @contextlib.asynccontextmanager
 async def run_router(
-    units: dict[str, str], wait_routable: int | None = None, **overrides: Any
+    units: dict[str, str],
+    wait_routable: int | None = None,
+    admin_token: bytes | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[RouterHandle]:
     """A router over a static list, served on loopback, once `wait_routable` units are."""
     fields: dict[str, Any] = {"poll_interval_s": 0.05, "poll_timeout_s": 0.5, **overrides}
     config = RouterConfig(units=[f"{n}={u}" for n, u in units.items()], **fields)
     app = create_app(
-        config, StaticDiscovery(parse_static_units(config.units)), registry=CollectorRegistry()
+        config,
+        StaticDiscovery(parse_static_units(config.units)),
+        registry=CollectorRegistry(),
+        admin_token=admin_token,
     )
-    async with serve(app) as served:
+    async with serve(app, limits=config) as served:
         handle = RouterHandle(served.url, app, served)
         want = len(units) if wait_routable is None else wait_routable
         for _ in range(400):
