@@ -219,7 +219,7 @@ _SECRET_FILE = {UNIT_SECRET_KEY: UNIT_SECRET_FILE, ADMIN_TOKEN_KEY: ADMIN_TOKEN_
 
 
 def _mounts(role: str) -> list[dict[str, Any]]:
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "run", "mountPath": RUN_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
