@@ -470,26 +470,26 @@ def json_depth(raw: bytes) -> int:
     counted. Up to the first syntax error it follows what `json.loads` would descend
     into, and the parser stops at that error: its depth never exceeds this one."""
     c = np.frombuffer(raw, dtype=np.uint8)
-    if c.size == 0:
+    brackets = (c == _LBRACE) | (c == _LCURLY) | (c == _RBRACE) | (c == _RCURLY)
+    if not brackets.any():
         return 0
     quote = c == _QUOTE
     if quote.any():
         backslash = c == _BACKSLASH
         if backslash.any():
-            # a quote is escaped when an odd run of backslashes precedes it
-            q = np.flatnonzero(quote)
-            last_plain = np.maximum.accumulate(np.where(backslash, -1, np.arange(c.size)))
-            before = q - 1
-            run = np.where(before >= 0, before - last_plain[np.maximum(before, 0)], 0)
-            quote[q[run % 2 == 1]] = False
-        outside = (np.cumsum(quote, dtype=np.int64) & 1) == 0
-    else:
-        outside = np.ones(c.size, dtype=bool)
-    opens = ((c == _LBRACE) | (c == _LCURLY)) & outside
-    closes = ((c == _RBRACE) | (c == _RCURLY)) & outside
-    if not opens.any():
-        return 0
-    return int(np.cumsum(opens.astype(np.int32) - closes.astype(np.int32)).max())
+            # a quote right after an odd run of backslashes is escaped
+            before = np.concatenate(([False], backslash[:-1]))
+            after = np.concatenate((backslash[1:], [False]))
+            starts = np.flatnonzero(backslash & ~before)
+            ends = np.flatnonzero(backslash & ~after)
+            escaped = ends[(ends - starts) % 2 == 0] + 1
+            escaped = escaped[escaped < c.size]
+            quote[escaped[quote[escaped]]] = False
+        inside = np.bitwise_xor.accumulate(quote.view(np.uint8)).view(bool)
+        brackets &= ~inside
+    at = np.flatnonzero(brackets)
+    step = np.where((c[at] == _LBRACE) | (c[at] == _LCURLY), 1, -1)
+    return int(np.cumsum(step).max(initial=0))
 
 
 def check_json_depth(raw: bytes) -> None:

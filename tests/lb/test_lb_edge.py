@@ -328,3 +328,28 @@ def test_readiness_is_false_while_p_or_d_says_unready(start_lb, fake_unit, who):
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert fake_unit.prefill.submits == []
 
+
+
+@pytest.mark.parametrize(
+    ("raw", "depth"),
+    [
+        (b'{"prompt": [[1, 2]]}', 3),
+        (b'{"a": "[[[[[[[[", "b": [1]}', 2),  # brackets inside a string do not nest
+        (b'{"a": "\\"[[[[[[", "b": [1]}', 2),  # nor after an escaped quote
+        (b'{"a": "\\\\", "b": [[[1]]]}', 4),  # an escaped backslash ends its string
+        (b'"]]]]]]"' + b"[" * 40, 40),  # a string of closers cannot hide the opens after it
+        (b"", 0),
+    ],
+)
+def test_json_depth_counts_brackets_outside_strings(raw, depth):
+    from pdunit.engine.lb.validate import json_depth
+
+    assert json_depth(raw) == depth
+
+
+def test_a_string_full_of_brackets_is_not_taken_for_nesting(start_lb, fake_unit):
+    lb = start_lb()
+    body = json.dumps({"prompt": prompt(), "max_frames": 2, "note": "[" * 5000}).encode()
+    with lb.client() as c:
+        resp = c.post("/v1/tts/stream", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "unknown_field"
