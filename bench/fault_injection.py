@@ -119,6 +119,8 @@ class FaultySender(KVSender):
 class FaultyPrefillEngine(PrefillEngine):
     """P whose senders are `FaultySender`s: it marks each submitted prompt with its fault."""
 
+    sender_options: dict[str, str]
+
     def __init__(self, *args: object, faults: FaultFields, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.faults = faults
@@ -126,9 +128,9 @@ class FaultyPrefillEngine(PrefillEngine):
         # so before any write of it
         self.marked: dict[int, str] = {}
         if faults.fault_chunk_tokens:
-            self.sender_options = {**self.sender_options, "chunk_tokens": str(faults.fault_chunk_tokens),
-                                   "tcp_chunk_tokens": str(faults.fault_chunk_tokens),
-                                   "chunk_delay_s": str(faults.fault_chunk_delay_ms / 1000)}
+            chunks = {"chunk_tokens": str(faults.fault_chunk_tokens), "tcp_chunk_tokens": str(faults.fault_chunk_tokens),
+                      "chunk_delay_s": str(faults.fault_chunk_delay_ms / 1000)}
+            self.sender_options = self.sender_options | chunks
 
     def submit(self, job: PrefillJob) -> None:
         kind = self.faults.kind(job.prompt)
