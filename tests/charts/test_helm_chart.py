@@ -456,6 +456,7 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("podMonitor.interval=soon", "/podMonitor/interval"),
         ("examplePDUnitSet.metricsPort=70000", "/examplePDUnitSet/metricsPort"),
         ("networkPolicy.enabled=maybe", "/networkPolicy/enabled"),
+        ("examplePDUnitSet.adminPort=0", "/examplePDUnitSet/adminPort"),
         ("networkPolicy.unitNamespaces={Bad_NS}", "/networkPolicy/unitNamespaces/0"),
         ("networkPolicy.prometheus.podSelector=x", "/networkPolicy/prometheus/podSelector"),
     ],
@@ -549,6 +550,18 @@ def test_the_example_set_carries_metrics_port_only_when_it_is_not_the_default() 
     assert "metricsPort" not in default
     off = one(render(["--set", "examplePDUnitSet.metricsPort=0"]), "PDUnitSet")
     assert off["spec"]["template"]["spec"]["metricsPort"] == 0
+
+
+def test_the_example_set_carries_admin_port_only_when_it_is_not_the_apis_default() -> None:
+    """Left out at the default (a new key in the template would roll every unit), which the
+    template spells as the API's own default."""
+    from pdunit.operator.models import PDUnitSpec
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["examplePDUnitSet"]["adminPort"] == PDUnitSpec.model_fields["admin_port"].default
+    assert "adminPort" not in one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    moved = one(render(["--set", "examplePDUnitSet.adminPort=8100"]), "PDUnitSet")
+    assert moved["spec"]["template"]["spec"]["adminPort"] == 8100
 
 
 def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:

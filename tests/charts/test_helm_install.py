@@ -69,6 +69,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane
         assert out.returncode == 0, f"helm install failed:\n{out.stdout}\n{out.stderr}"
         # NOTES.txt rendered for this install (the example set runs on CPU here).
         assert "NOTES:" in out.stdout and 'The example set "tts" runs on CPU' in out.stdout
+        assert "NetworkPolicy rel-pdunit-units" in out.stdout and "no scraper" in out.stdout, out.stdout
         yield cp
     finally:
         cp.stop()
