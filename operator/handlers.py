@@ -1,7 +1,7 @@
 """kopf handlers: the thin I/O shell around reconcile.py.
 
-Each handler reads what reconcile.py needs (the object, its pod, its PDUnits, the LB's
-`/v1/load`), calls the pure functions, executes the returned actions through kube.py /
+Each handler reads what reconcile.py needs (the object, its pod, its Secret, its PDUnits,
+the LB's `/v1/load`), calls the pure functions, executes the returned actions through kube.py /
 lbapi.py, posts one Kubernetes Event per decision, and writes status. Level-based:
 timers re-run every `resync_seconds`, so a missed event or an operator restart only
 delays a decision. PDUnits carry the finalizer `pdunit.dev/drain`: deleting a unit
