@@ -1,7 +1,8 @@
 """D: the decode engine of a unit. Owns the paged KV pool and the page-state contract of
 PROTOCOL.md: pages reserved for a transfer are given to another request only after
 proof that no write of the failed transfer can land (ABORT_ACK from P, a new P
-instance id, or the transport's own receiver state). Timeouts are never proof.
+instance id heard from P itself on P's socket, or the transport's own receiver state).
+Timeouts are never proof, and neither is an instance id a message to D's socket claims.
 
 Threads: the gRPC server and the expiry/abort/probe loops run on the asyncio loop; the
 decode step loop runs in its own thread (torch releases the GIL in its kernels). The

@@ -7,7 +7,8 @@ the proxy, a short cache of those answers for `/v1/load`, and the delivery of ca
 (to P and to the D that holds the stream, or every D when that is not known): each
 target is asked again with backoff until it answers (found or not found) or the
 stream's deadline passes, so a stopped D still learns of it when it runs again; at most
-`max_pending_cancels` are in delivery, more are dropped and counted. The proxy (when
+`max_pending_cancels` deliveries (one per target) run at once, a cancel beyond them is
+dropped, counted (`result="given_up"`) and logged. The proxy (when
 configured) is asked `NvlinkProxy.InFlight` (its own proto in sidecars/nvlink_proxy)
 so that `/v1/load` checks its request ids too.
 
@@ -119,8 +120,8 @@ class UnitClient:
         return self._proxy is not None
 
     async def hello(self, timeout: float, index: int = 0) -> pb.HelloReply:
-        # No sender_instance: D takes a Hello's sender as its P peer, and a new P instance
-        # id is proof (b) that frees held pages. The LB must never look like a P.
+        # No sender_instance: the LB is not a P. (D would take one only as a claim, check
+        # it with P on P's socket and count it as forged.)
         return await self.decodes[index].Hello(pb.HelloRequest(), timeout=timeout)
 
     async def probe(self, timeout: float) -> InfoSnapshot:

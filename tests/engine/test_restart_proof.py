@@ -16,9 +16,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 
+from pdunit.bench.faults import (
+    WEDGE_ID,
+    FaultsConfig,
+    Unit,
+    marked_prompt,
+    metric,
+    proofs,
+    stream_once,
+)
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService
@@ -207,3 +217,36 @@ def test_a_real_p_restart_releases_held_pages_by_proof_b(p_sock, told_by):
         await stop(server, loops)
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ real processes
+
+
+@pytest.mark.timeout(240)
+def test_in_a_real_unit_a_forged_restart_keeps_pages_held_and_ps_restart_frees_them(tmp_path):
+    """A local unit (bench/faults.py's, P with fault injection): a wedged write leaves
+    pages held (P never acks); an attacker on D's socket sends Hello and Reserve
+    claiming a new P; D refuses both and the pages stay held. Then P is restarted (a new
+    process on P's socket): its instance frees them by proof (b)."""
+    with Unit(FaultsConfig(), run_dir=str(tmp_path / "unit")) as unit:
+        body = {"prompt": marked_prompt(WEDGE_ID, 48, seed=1), "max_frames": 8, "min_frames": 8}
+        out = stream_once(httpx.Client(), unit.url, body, tag="wedge")
+        assert out.code == "transfer_failed", out
+        held = unit.wait(lambda: unit.d_info().held_pages, 30, "D holding the wedged request's pages")
+        p_before = unit.d_info().peer_instance_id
+        released_before = proofs(unit.d_metrics()).get("new_instance", 0)
+
+        forged = "f" * 32
+        unit._d.Hello(pb.HelloRequest(sender_instance=forged), timeout=5)
+        reply = unit._d.Reserve(reserve_request(0xF0F0, forged), timeout=5)
+        assert reply.status == pb.INVALID, reply
+        unit.wait(lambda: metric(unit.d_metrics(), "pdunit_security_events_total") >= 2, 30,
+                  "D refusing both forged claims")
+        info = unit.d_info()
+        assert info.held_pages == held and info.peer_instance_id == p_before
+        assert proofs(unit.d_metrics()).get("new_instance", 0) == released_before
+
+        unit.restart_p()
+        unit.wait(lambda: unit.d_info().held_pages == 0, 30, "held pages freed by P's restart")
+        assert unit.d_info().peer_instance_id not in ("", p_before)
+        assert proofs(unit.d_metrics()).get("new_instance", 0) > released_before
