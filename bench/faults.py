@@ -831,14 +831,15 @@ class Scenario:
         failed = [o for o in self.traffic.outcomes + self.fault_outcomes
                   if not o.ok and o.request_id and o.t0 <= rec.t_end and o.t_end >= rec.t_start]
         for o in failed[:20]:
-            for who, key, allowed in ((None, "unauthenticated", ("closed",)),
-                                      (secret, "authenticated", ("aborted", "completed"))):
+            for who, stat, allowed in ((None, "tcp_late_chunk_unauthenticated_", ("closed",)),
+                                       (secret, "tcp_late_chunk_answered_", ("aborted", "completed"))):
                 reply = send_late_chunk(desc.params["host"], int(desc.params["port"]), int(o.request_id, 16),
                                         _row_bytes(hello), secret=who)
-                self.stats[f"tcp_late_chunk_{key}_answered_{reply}"] += 1
+                self.stats[stat + reply] += 1
                 if reply not in allowed:
-                    self.violations.append(f"late {key} tcp chunk of {o.request_id}: D answered {reply!r}, "
-                                           f"expected {' or '.join(allowed)}")
+                    who_says = "without" if who is None else "with"
+                    self.violations.append(f"late tcp chunk of {o.request_id} {who_says} the unit's secret: D "
+                                           f"answered {reply!r}, expected {' or '.join(allowed)}")
 
     traffic: Traffic
 
