@@ -300,8 +300,8 @@ class SessionKeeper:
     """Keeps one process registered with the proxy across its restarts.
 
     A restarted proxy has a new instance id and knows none of our sessions, regions or
-    grants. `heal()` (from a thread every KEEPER_INTERVAL_S, and from any call that
-    failed with the session unknown) asks Info; when the instance is not the one we
+    grants. `heal()` (in its own thread every KEEPER_INTERVAL_S, and at once after
+    `lost()`: a call met an unknown session) asks Info; when the instance is not the one we
     registered with, it handshakes again and calls `register` (the owner registers
     everything again); when it is, it calls `resync` (the owner sends what a stalled
     proxy did not take). `unready` is "" when registered with the running proxy, else
@@ -318,6 +318,7 @@ class SessionKeeper:
         self._registered_instance = client.proxy_instance
         self.unready = ""
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"proxy-keeper-{owner}", daemon=True)
 
     def start(self) -> None:
@@ -325,12 +326,24 @@ class SessionKeeper:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
+    def lost(self) -> None:
+        """A call met an unknown session (the proxy restarted): unready now, and the
+        keeper's thread registers again at once (never the caller's thread: D's RESERVE
+        and P's ABORT run on their gRPC loops)."""
+        self.unready = f"nvlink-proxy restarted (our session is unknown there): {self.owner} is registering again"
+        self._wake.set()
+
     def _watch(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.heal()
+        while not self._stop.is_set():
+            # Sooner while unready: what a stalled proxy did not take is sent once it answers.
+            self._wake.wait(min(self.interval_s, 0.25) if self.unready else self.interval_s)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.heal()
 
     def heal(self) -> bool:
         """True when we are registered with the proxy that runs now."""
@@ -382,7 +395,9 @@ class ProxyReceiver(KVReceiver):
     reservation is told to the proxy (and told again after a proxy restart)."""
 
     mode = "proxy"
-    GRANT_TIMEOUT_S = 1.0  # a stalled proxy must not hold D's RESERVE longer
+    # A stalled proxy must not hold D's RESERVE (on D's gRPC loop) longer; a Grant takes
+    # well under a millisecond when the proxy runs.
+    GRANT_TIMEOUT_S = 0.2
 
     def __init__(self, geometry: PoolGeometry, device: str, socket_path: str = DEFAULT_SOCKET,
                  storage: torch.Tensor | None = None, vmm: object | None = None,
@@ -487,7 +502,7 @@ class ProxyReceiver(KVReceiver):
             if err is None:
                 self._unsent.discard(request_id)
         if err is not None and session_lost(err):
-            self.keeper.heal()  # registers again and sends every live grant, this one too
+            self.keeper.lost()  # registers again and sends every live grant, this one too
 
     def revoke(self, request_id: int) -> None:
         super().revoke(request_id)
@@ -503,7 +518,7 @@ class ProxyReceiver(KVReceiver):
             if err is None:
                 self._unrevoked.discard(request_id)
         if err is not None and session_lost(err):
-            self.keeper.heal()  # a restarted proxy holds none of our grants
+            self.keeper.lost()  # a restarted proxy holds none of our grants
 
     def _send(self, what: str, request_id: int, call: Callable[[], None]) -> TransferError | None:
         try:
@@ -646,7 +661,7 @@ class ProxySender(KVSender):
 
     # ------------------------------------------------------------ writes
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
-              dst_slots: np.ndarray, deadline_unix_ms: int, *, capability: bytes = b"") -> None:
+              dst_slots: np.ndarray, deadline_unix_ms: int, *, capability: bytes) -> None:
         # D's pool region is named by the capability's grant (it changes when the proxy restarts).
         self._write(request_id, src, src_slots, dst_slots, deadline_unix_ms, "", capability, False)
 
@@ -659,7 +674,7 @@ class ProxySender(KVSender):
                                   dst_region, capability, verify)
             except TransferError as e:
                 if session_lost(e):
-                    self.keeper.heal()  # the proxy restarted: register again for the next write
+                    self.keeper.lost()  # the proxy restarted: register again for the next write
                 raise
 
     def _copy(self, t0: float, request_id: int, src: torch.Tensor, src_slots: np.ndarray,
@@ -705,7 +720,7 @@ class ProxySender(KVSender):
             quiesced, _ = self.client.quiesce([request_id], cancel=True)
         except TransferError as e:
             if session_lost(e):
-                self.keeper.heal()  # asked again (D re-sends ABORT), the new proxy answers
+                self.keeper.lost()  # asked again (D re-sends ABORT), the new proxy answers
             return False  # a proxy we cannot reach, or one that restarted under us, proves nothing
         return quiesced
 

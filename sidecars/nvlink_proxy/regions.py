@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,15 +320,23 @@ class AllowList:
 
 
 class Sessions:
-    """Session tokens handed out on the auth socket to allowed peers."""
+    """Session tokens handed out on the auth socket to allowed peers. Beyond
+    `max_sessions`, the oldest sessions that own nothing (`in_use` False) are forgotten,
+    so a peer that handshakes in a loop cannot grow the table without bound."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_sessions: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._sessions: dict[str, Session] = {}
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.max_sessions = max_sessions
 
-    def issue(self, creds: PeerCreds) -> Session:
+    def issue(self, creds: PeerCreds, in_use: Callable[[Session], bool] = lambda _s: False) -> Session:
         session = Session(token=secrets.token_hex(24), session_id=f"s-{secrets.token_hex(8)}", creds=creds)
         with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                for token in [t for t, old in self._sessions.items() if not in_use(old)]:
+                    del self._sessions[token]
+                    if len(self._sessions) < self.max_sessions:
+                        break
             self._sessions[session.token] = session
         return session
 

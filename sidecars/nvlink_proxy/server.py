@@ -160,6 +160,10 @@ class JobTracker:
         with self._cond:
             return sorted({rid for _, rid in self._running})
 
+    def has_running(self, session_id: str) -> bool:
+        with self._cond:
+            return any(sid == session_id for sid, _ in self._running)
+
 
 def _ids(raw: bytes) -> list[int]:
     if len(raw) % 8:
@@ -217,6 +221,10 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
                               "auth socket (SO_PEERCRED allow-list), send its token in metadata "
                               "x-pdunit-session, and register again (the proxy may have restarted)")
         return session
+
+    def in_use(self, session: Session) -> bool:
+        """A session that still owns regions (or runs a job) is never forgotten."""
+        return bool(self.regions.of_session(session.session_id)) or self.jobs.has_running(session.session_id)
 
     def _peer(self, context: grpc.ServicerContext) -> Session:
         try:
@@ -469,7 +477,7 @@ class AuthListener(_UnixListener):
 
     def _handle(self, conn: socket.socket, creds: PeerCreds, refused: str | None) -> None:
         if refused is None:
-            session = self.service.sessions.issue(creds)
+            session = self.service.sessions.issue(creds, self.service.in_use)
             answer = {"token": session.token, "session_id": session.session_id,
                       "instance_id": self.service.instance_id, "pid_seen": creds.pid}
             AUTH.labels("allowed").inc()
@@ -567,11 +575,11 @@ class CopyLane(_UnixListener):
         except JobRejected as e:
             raise CopyError(e.code, str(e), "unauthenticated") from None
         if session.creds.uid != creds.uid or (session.creds.pid and creds.pid and session.creds.pid != creds.pid):
-            e = Refused("proxy_foreign_session",
-                        f"the copy lane's peer pid {creds.pid} uid {creds.uid} presented the session of "
-                        f"pid {session.creds.pid} uid {session.creds.uid}: a session is its own process's")
-            self.service.refused(e, session, lane_peer_pid=creds.pid)
-            raise CopyError(e.code, str(e), "permission")
+            refusal = Refused("proxy_foreign_session",
+                              f"the copy lane's peer pid {creds.pid} uid {creds.uid} presented the session of "
+                              f"pid {session.creds.pid} uid {session.creds.uid}: a session is its own process's")
+            self.service.refused(refusal, session, lane_peer_pid=creds.pid)
+            raise CopyError(refusal.code, str(refusal), "permission")
         return session
 
     def stop(self, grace_s: float) -> None:

@@ -186,3 +186,19 @@ def test_the_copy_lane_refuses_a_session_of_another_process(tmp_path):
         assert service.jobs.running() == []
     finally:
         lane.stop(1.0)
+
+
+def test_a_peer_that_handshakes_in_a_loop_cannot_grow_the_session_table():
+    from pdunit.sidecars.nvlink_proxy.regions import PeerCreds, Sessions
+
+    me = PeerCreds(os.getpid(), os.getuid(), os.getgid())
+    sessions = Sessions(max_sessions=3)
+    owner = sessions.issue(me)  # a session that registered regions
+
+    def in_use(s):
+        return s is owner
+
+    for _ in range(20):
+        latest = sessions.issue(me, in_use)
+    assert len(sessions) == 3
+    assert sessions.lookup(owner.token) is owner and sessions.lookup(latest.token) is latest
