@@ -5,8 +5,8 @@ Owns the limits of the uvicorn servers both run (`EdgeLimits`, flags of both): t
 of a request's line and headers (431), the time they may take to arrive (408, or a
 silent close for a connection that sent nothing), the time a body may take once its
 headers are in (408), idle keep-alive, and the number of open connections (503). Also
-the rules both apply at the door: which `X-Request-Id` may be echoed, which listen
-address is the default, and the bearer-token check of admin endpoints.
+the rules both apply at the door: which `X-Request-Id` may be echoed, which addresses
+a server listens on by default, and the bearer-token check of admin endpoints.
 
 Every refusal here is a security event (engine/security.py). This module never routes,
 parses bodies or holds request state; it must never let an app see a request that broke
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -65,11 +66,45 @@ class EdgeLimits(BaseModel):
     )
 
 
-def default_listen_host(host: str) -> str:
-    """An empty listen address means the pod's IP ($PDUNIT_POD_IP, which the operator sets
-    in every container) inside a pod, and loopback anywhere else: never every interface
-    unless asked (`--host 0.0.0.0`)."""
-    return host or os.environ.get(POD_IP_ENV, "") or "127.0.0.1"
+def listen_hosts(host: str) -> list[str]:
+    """The addresses a server binds for its --host. Given: that one. Empty (the default):
+    in a unit's pod ($PDUNIT_POD_IP, which the operator sets in every container) the pod
+    IP, for the router, the operator and the kubelet, and 127.0.0.1, for the pod's own
+    hooks; in another pod (the kubelet sets $KUBERNETES_SERVICE_HOST) 0.0.0.0, which
+    in a pod's network namespace means its IP and loopback; anywhere else 127.0.0.1.
+    Never every interface of a host unless asked (`--host 0.0.0.0`)."""
+    if host:
+        return [host]
+    pod_ip = os.environ.get(POD_IP_ENV, "")
+    if pod_ip:
+        return list(dict.fromkeys([pod_ip, "127.0.0.1"]))
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return ["0.0.0.0"]
+    return ["127.0.0.1"]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """One listening socket per address, all on one port (port 0: the first one's)."""
+    socks: list[socket.socket] = []
+    try:
+        for host in hosts:
+            socks.append(bind_socket(host, port))
+            port = socks[0].getsockname()[1]
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def is_loopback(host: str) -> bool:

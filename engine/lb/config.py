@@ -9,7 +9,7 @@ import socket
 
 from pydantic import Field, field_validator, model_validator
 
-from pdunit.engine.edge import EdgeLimits, default_listen_host, is_loopback
+from pdunit.engine.edge import EdgeLimits, is_loopback
 
 
 class LBConfig(EdgeLimits):
@@ -17,9 +17,8 @@ class LBConfig(EdgeLimits):
 
     host: str = Field(
         "",
-        validate_default=True,
-        description="listen address of the stream port; empty = the pod's IP ($PDUNIT_POD_IP) "
-        "in a pod, else 127.0.0.1",
+        description="listen address of the stream port; empty = the pod's IP and 127.0.0.1 in "
+        "a unit's pod ($PDUNIT_POD_IP), 0.0.0.0 in another pod, else 127.0.0.1",
     )
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
     admin_host: str = Field(
@@ -81,11 +80,6 @@ class LBConfig(EdgeLimits):
         description="on SIGTERM: how long streams in flight may finish before they are cut",
     )
     log_level: str = Field("info", description="debug | info | warning | error")
-
-    @field_validator("host")
-    @classmethod
-    def _host_defaults_to_pod_ip(cls, v: str) -> str:
-        return default_listen_host(v)
 
     @model_validator(mode="after")
     def _admin_port_is_guarded(self) -> LBConfig:

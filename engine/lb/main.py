@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from pdunit.engine.edge import read_token_file, server_config
+from pdunit.engine.edge import (
+    bind_socket,
+    bind_sockets,
+    listen_hosts,
+    read_token_file,
+    server_config,
+)
 from pdunit.engine.lb.app import LoadBalancer, create_admin_app, create_app
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.observability import (
@@ -41,16 +47,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 def admin_token(config: LBConfig) -> bytes | None:
     """The admin bearer token of --admin-token-file (None when unset)."""
     return read_token_file(config.admin_token_file, "--admin-token-file")
@@ -61,13 +57,17 @@ class Servers:
     """The stream and admin servers of one LB, bound and not yet serving."""
 
     stream: _Server
-    stream_socket: socket.socket
+    stream_sockets: list[socket.socket]
     admin: _Server
     admin_socket: socket.socket
 
     @property
     def port(self) -> int:
-        return int(self.stream_socket.getsockname()[1])
+        return int(self.stream_sockets[0].getsockname()[1])
+
+    @property
+    def hosts(self) -> list[str]:
+        return [str(s.getsockname()[0]) for s in self.stream_sockets]
 
     @property
     def admin_port(self) -> int:
@@ -76,7 +76,7 @@ class Servers:
     async def run(self) -> tuple[asyncio.Task[None], asyncio.Task[None]]:
         """Starts the stream server (its lifespan starts the LB), then the admin one: an
         admin call never reaches an LB that has not started."""
-        stream = asyncio.ensure_future(self.stream.serve(sockets=[self.stream_socket]))
+        stream = asyncio.ensure_future(self.stream.serve(sockets=self.stream_sockets))
         while not self.stream.started and not stream.done():
             await asyncio.sleep(0.01)
         admin = asyncio.ensure_future(self.admin.serve(sockets=[self.admin_socket]))
@@ -84,17 +84,13 @@ class Servers:
             await asyncio.sleep(0.01)
         return stream, admin
 
-    def close(self) -> None:
-        self.stream_socket.close()
-        self.admin_socket.close()
-
-
 def build_servers(config: LBConfig, lb: LoadBalancer, token: bytes | None) -> Servers:
-    stream_socket = bind_socket(config.host, config.port)
+    stream_sockets = bind_sockets(listen_hosts(config.host), config.port)
     try:
         admin_socket = bind_socket(config.admin_host, config.admin_port)
     except OSError:
-        stream_socket.close()
+        for sock in stream_sockets:
+            sock.close()
         raise
     stream = _Server(
         server_config(create_app(lb), config, lifespan="on", timeout_graceful_shutdown=5)
@@ -102,7 +98,7 @@ def build_servers(config: LBConfig, lb: LoadBalancer, token: bytes | None) -> Se
     admin = _Server(
         server_config(create_admin_app(lb, token), config, lifespan="off", timeout_graceful_shutdown=1)
     )
-    return Servers(stream, stream_socket, admin, admin_socket)
+    return Servers(stream, stream_sockets, admin, admin_socket)
 
 
 async def serve(config: LBConfig, token: bytes | None) -> int:
@@ -119,7 +115,7 @@ async def serve(config: LBConfig, token: bytes | None) -> int:
     logger.info(
         "listening",
         extra={
-            "host": config.host,
+            "hosts": servers.hosts,
             "port": servers.port,
             "admin_host": config.admin_host,
             "admin_port": servers.admin_port,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..edge import EdgeLimits, default_listen_host
+from ..edge import EdgeLimits
 from .discovery import parse_static_units
 
 LB_MAX_BODY_BYTES = 4 << 20  # the LB's --max-body-bytes default: a larger body is refused there
@@ -23,9 +23,8 @@ class RouterConfig(EdgeLimits):
 
     host: str = Field(
         "",
-        validate_default=True,
-        description="address to listen on; empty = the pod's IP ($PDUNIT_POD_IP) in a pod, "
-        "else 127.0.0.1 (0.0.0.0 = every interface)",
+        description="address to listen on; empty = the pod's IP and 127.0.0.1 with "
+        "$PDUNIT_POD_IP, 0.0.0.0 in another pod (its own network), else 127.0.0.1",
     )
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = any free port)")
     keep_alive_timeout_s: float = Field(
@@ -95,11 +94,6 @@ class RouterConfig(EdgeLimits):
         30, ge=0, description="on SIGTERM, seconds open streams may take to finish"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
-
-    @field_validator("host")
-    @classmethod
-    def _host_defaults_to_pod_ip(cls, v: str) -> str:
-        return default_listen_host(v)
 
     @field_validator("trusted_proxies")
     @classmethod

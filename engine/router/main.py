@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import uvicorn
 from prometheus_client import REGISTRY
 
-from ..edge import read_token_file, server_config
+from ..edge import bind_sockets, listen_hosts, read_token_file, server_config
 from ..observability import log_config, setup_logging, shutdown_event
 from ..security import SecretFileError
 from ..settings import ConfigError, parse_config
@@ -57,24 +57,25 @@ async def _serve(
     config: RouterConfig, discovery: Discovery, log: logging.Logger, admin_token: bytes | None
 ) -> int:
     app = create_app(config, discovery, log, registry=REGISTRY, admin_token=admin_token)
+    try:
+        sockets = bind_sockets(listen_hosts(config.host), config.port)
+    except OSError as exc:
+        log.error("router failed to start", extra={"reason": str(exc)})
+        print(f"pdunit router: cannot listen: {exc}", file=sys.stderr)
+        return 1
     server = _Server(
         server_config(  # the LB's edge: httptools behind the header, body and connection limits
-            app,
-            config,
-            host=config.host,
-            port=config.port,
-            lifespan="on",
-            timeout_graceful_shutdown=config.shutdown_grace_s,
+            app, config, lifespan="on", timeout_graceful_shutdown=config.shutdown_grace_s
         )
     )
     stop = shutdown_event(log)
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(server.serve(sockets=sockets))
     stopping = asyncio.create_task(stop.wait())
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
     if server.started:
-        port = server.servers[0].sockets[0].getsockname()[1]
-        log.info("router listening", extra={"host": config.host, "port": port})
+        hosts = [s.getsockname()[0] for s in sockets]
+        log.info("router listening", extra={"hosts": hosts, "port": sockets[0].getsockname()[1]})
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stopping.done() and not serving.done():
         state = app.state.router

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import numpy as np
 import pytest
 
+from pdunit.engine.edge import listen_hosts
 from pdunit.engine.lb.app import RequestIds
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.lb.main import main
@@ -82,12 +84,26 @@ def test_a_token_file_others_can_read_is_refused_at_start(short_dir, capsys):
     assert "--admin-token-file" in capsys.readouterr().err
 
 
-def test_the_stream_port_listens_on_the_pod_ip_or_loopback_never_everywhere(monkeypatch):
+def test_listen_addresses_are_the_pod_ip_and_loopback_never_every_interface(monkeypatch):
     monkeypatch.delenv("PDUNIT_POD_IP", raising=False)
-    assert LBConfig().host == "127.0.0.1" and LBConfig().admin_host == "127.0.0.1"
-    monkeypatch.setenv("PDUNIT_POD_IP", "10.1.2.3")
-    assert LBConfig().host == "10.1.2.3"
-    assert LBConfig(host="0.0.0.0").host == "0.0.0.0"  # only when asked
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert listen_hosts("") == ["127.0.0.1"] and LBConfig().admin_host == "127.0.0.1"
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # a pod: its own network
+    assert listen_hosts("") == ["0.0.0.0"]
+    monkeypatch.setenv("PDUNIT_POD_IP", "10.1.2.3")  # a unit's pod
+    assert listen_hosts("") == ["10.1.2.3", "127.0.0.1"]
+    assert listen_hosts("0.0.0.0") == ["0.0.0.0"]  # only when asked
+
+
+def test_an_lb_in_a_units_pod_serves_its_pod_ip_and_loopback(start_lb, monkeypatch):
+    monkeypatch.setenv("PDUNIT_POD_IP", "127.0.0.2")  # a loopback alias stands in for the pod IP
+    lb = start_lb(host="")
+    port = lb.url.rsplit(":", 1)[1]
+    for address in ("127.0.0.2", "127.0.0.1"):
+        with httpx.Client(base_url=f"http://{address}:{port}", timeout=10) as c:
+            assert c.get("/healthz").status_code == 200, address
+    with pytest.raises(httpx.ConnectError):  # nothing else: not 0.0.0.0
+        httpx.get(f"http://127.0.0.3:{port}/healthz", timeout=5)
 
 
 # ---------------------------------------------------------------- headers

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from pdunit.engine.edge import read_token_file
+from pdunit.engine.edge import listen_hosts, read_token_file
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.router.config import RouterConfig
 from pdunit.engine.router.main import main
@@ -215,11 +215,13 @@ def test_an_unreadable_token_file_or_a_bad_proxy_cidr_exits_2(capsys: pytest.Cap
     assert "'nope'" in capsys.readouterr().err
 
 
-def test_the_router_listens_on_the_pod_ip_or_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_router_listens_on_loopback_unless_in_a_pod_or_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDUNIT_POD_IP", raising=False)
-    assert RouterConfig(units=["a=http://x:1"]).host == "127.0.0.1"
-    monkeypatch.setenv("PDUNIT_POD_IP", "10.9.8.7")
-    assert RouterConfig(units=["a=http://x:1"]).host == "10.9.8.7"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert RouterConfig(units=["a=http://x:1"]).host == ""
+    assert listen_hosts("") == ["127.0.0.1"]  # a laptop: never every interface by default
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    assert listen_hosts("") == ["0.0.0.0"]  # the chart's Deployment: the pod's own network
 
 
 # ---------------------------------------------------------------- the server's limits
