@@ -227,6 +227,9 @@ class TcpReceiver(KVReceiver):
         self._thread = threading.Thread(target=self._accept, name="tcp-kv-accept", daemon=True)
         self._thread.start()
         log.info("tcp KV receiver listening", extra={"host": host, "port": self.port})
+        if host in ("", "0.0.0.0", "::"):
+            log.warning("tcp KV receiver listens on every interface: P in the pod needs loopback only, "
+                        "tcp across hosts the pod IP only (--tcp-host)", extra={"host": host, "port": self.port})
 
     @property
     def storage(self) -> torch.Tensor:
