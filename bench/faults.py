@@ -98,8 +98,12 @@ class FaultsConfig(BaseModel):
     chunk_tokens: int = Field(8, ge=0, description="P writes in chunks of this many rows (so stops land mid-write)")
     chunk_delay_ms: float = Field(1.0, ge=0, description="pause between chunks")
     restart_every: int = Field(6, gt=0, description="restart-type faults (p_kill, held_exit) every n-th fault")
-    rate_floor_fps: float = Field(8.0, gt=0, description="per-stream frames/s floor of unaffected streams")
-    max_gap_s: float = Field(0.5, gt=0, description="longest silence between two frames of an unaffected stream")
+    rate_floor_fps: float = Field(8.0, gt=0, description="per-stream frames/s floor of unaffected streams "
+                                  "on an idle machine (judge_stalls: the bound is never stricter than this)")
+    max_gap_s: float = Field(0.5, gt=0, description="longest silence between two frames of an unaffected stream "
+                             "on an idle machine (judge_stalls: the bound is never stricter than this)")
+    stall_factor: float = Field(2.0, gt=1, description="a fault kind stalls unaffected streams when its median "
+                                "fault is this many times worse than the run's own baseline (judge_stalls)")
     error_bound_s: float = Field(6.0, gt=0, description="longest request -> error time of an affected client")
     recover_timeout_s: float = Field(30.0, gt=0, description="held pages must be back to 0 within this")
     run_dir: str = Field("", description="keep the unit's sockets and process logs here (default: a temp dir)")
@@ -938,6 +942,100 @@ def _drive(cfg: FaultsConfig, unit: Unit, bank: list[Prompt], kinds: list[str],
     return evaluate(cfg, scenario, traffic, checks0, end, time.monotonic() - t0)
 
 
+def _stream_timing(o: Outcome) -> tuple[float, float, float]:
+    """(frames/s from first to last frame, longest gap s, when that gap began)."""
+    t = o.frame_times
+    span = t[-1] - t[0]
+    rate = (len(t) - 1) / span if span > 0 else float("inf")
+    i = max(range(len(t) - 1), key=lambda k: t[k + 1] - t[k])
+    return rate, t[i + 1] - t[i], t[i]
+
+
+def judge_stalls(cfg: FaultsConfig, completed: list[Outcome], faults: list[FaultRecord]) -> dict[str, Any]:
+    """Did a kind of fault slow or stall the streams it did not touch (PROTOCOL.md 7:
+    unaffected streams keep their rate)? Judged against a baseline this run measures,
+    never against an idle machine's numbers: load on the machine slows every fault's
+    streams alike, and with them the baseline; a D that stops stepping during one kind
+    of fault slows that kind's faults alone.
+
+    Each unaffected stream (>= 4 frames, outside every lb_stop window: that fault stalls
+    its own streams' output) counts for the fault that was running (injection to the
+    end of its checks, not the error window's extra second, which reaches into the next
+    fault) when its longest gap between two frames began. Per fault: the longest such
+    gap and the lowest such stream's frame rate. A kind's baseline is the median over the run's faults of the other
+    kinds. A kind fails when its median fault's gap is over max(max_gap_s, stall_factor
+    x baseline), or its rate under min(rate_floor_fps, baseline / stall_factor). One
+    descheduled process pausing a stream once moves one fault, not a kind's median; a
+    kind that stalls in under half of its faults, or a run of a single kind (no
+    baseline), is not caught here.
+
+    Returns the report's stall fields and `violations`; `streams_under_floor` counts the
+    unaffected streams under the idle-machine bounds (a figure, not a verdict)."""
+    windows = [(f.t_start, f.t_end, f.kind) for f in faults]
+    lb_stops = [(f.t_start, f.t_end + 1.0) for f in faults if f.kind == "lb_stop"]
+    gap_of: dict[int, float] = {}
+    rate_of: dict[int, float] = {}
+    rates: list[float] = []
+    gaps: list[float] = []
+    under: list[tuple[float, float]] = []
+    for o in completed:
+        if len(o.frame_times) < 4 or any(o.t0 <= b and o.t_end >= a for a, b in lb_stops):
+            continue
+        rate, gap, g0 = _stream_timing(o)
+        rates.append(rate)
+        gaps.append(gap)
+        if rate < cfg.rate_floor_fps or gap > cfg.max_gap_s:
+            under.append((round(rate, 1), round(gap, 3)))
+        for i, (a, b, _) in enumerate(windows):
+            if a <= g0 <= b:  # the fault that was running when the stream's longest gap began
+                rate_of[i] = min(rate_of.get(i, float("inf")), rate)
+                gap_of[i] = max(gap_of.get(i, 0.0), gap)
+    violations: list[str] = []
+    by_kind: dict[str, dict[str, Any]] = {}
+    for kind in sorted({k for _, _, k in windows} - {"lb_stop"}):
+        mine = [i for i, (_, _, k) in enumerate(windows) if k == kind]
+        kind_gaps = sorted(gap_of[i] for i in mine if i in gap_of)
+        kind_rates = sorted(rate_of[i] for i in mine if i in rate_of)
+        other_gaps = [g for i, g in gap_of.items() if windows[i][2] != kind]
+        other_rates = [r for i, r in rate_of.items() if windows[i][2] != kind]
+        row: dict[str, Any] = {"faults": len(mine), "faults_measured": len(kind_gaps)}
+        if kind_gaps and other_gaps:
+            median, baseline = float(np.median(kind_gaps)), float(np.median(other_gaps))
+            bound = max(cfg.max_gap_s, cfg.stall_factor * baseline)
+            row.update(gap_median_s=round(median, 3), gap_worst_s=round(kind_gaps[-1], 3),
+                       gap_baseline_s=round(baseline, 3), gap_bound_s=round(bound, 3))
+            if median > bound:
+                violations.append(
+                    f"{kind}: unaffected streams stalled: the median of its {len(kind_gaps)} faults' longest gap "
+                    f"is {median:.3f}s, over {bound:.3f}s (max of max_gap_s {cfg.max_gap_s} and stall_factor "
+                    f"{cfg.stall_factor} x {baseline:.3f}s, the median of this run's other faults); "
+                    f"per fault: {[round(g, 3) for g in kind_gaps]}")
+        if kind_rates and other_rates:
+            median, baseline = float(np.median(kind_rates)), float(np.median(other_rates))
+            bound = min(cfg.rate_floor_fps, baseline / cfg.stall_factor)
+            row.update(fps_median_of_slowest=round(median, 1), fps_baseline=round(baseline, 1),
+                       fps_bound=round(bound, 1))
+            if median < bound:
+                violations.append(
+                    f"{kind}: unaffected streams slowed: the median of its {len(kind_rates)} faults' slowest stream "
+                    f"ran {median:.1f} frames/s, under {bound:.1f} (min of rate_floor_fps {cfg.rate_floor_fps} and "
+                    f"{baseline:.1f}, the median of this run's other faults, / stall_factor {cfg.stall_factor}); "
+                    f"per fault: {[round(r, 1) for r in kind_rates]}")
+        by_kind[kind] = row
+    finite = sorted(r for r in rates if r != float("inf"))
+    return {
+        "rate_floor_fps": cfg.rate_floor_fps,
+        "max_gap_s": cfg.max_gap_s,
+        "stalls_by_kind": by_kind,
+        "streams_under_floor": len(under),
+        "stream_fps_p1": round(finite[len(finite) // 100], 1) if finite else None,
+        "stream_fps_p50": round(finite[len(finite) // 2], 1) if finite else None,
+        "stream_max_gap_p99_s": round(sorted(gaps)[int(len(gaps) * 0.99)], 3) if gaps else None,
+        "stream_max_gap_worst_s": round(max(gaps), 3) if gaps else None,
+        "violations": violations,
+    }
+
+
 def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.InfoReply, end: pb.InfoReply,
              seconds: float) -> dict[str, Any]:
     violations = list(scenario.violations)
@@ -975,22 +1073,9 @@ def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.
         o = slow_errors[0]
         violations.append(f"{len(slow_errors)} affected clients waited longer than {cfg.error_bound_s}s for "
                           f"their error (worst {max(e.t_end - e.t0 for e in slow_errors):.2f}s: {o.code})")
-    # Rate floor of streams no fault touched (the LB stop stalls its own streams' output).
-    rates = []
-    gaps = []
-    slow_streams = []
-    for o in completed:
-        if len(o.frame_times) >= 4 and "lb_stop" not in in_window(o):
-            span = o.frame_times[-1] - o.frame_times[0]
-            rate = (len(o.frame_times) - 1) / span if span > 0 else float("inf")
-            rates.append(rate)
-            gaps.append(max(b - a for a, b in zip(o.frame_times, o.frame_times[1:], strict=False)))
-            if rate < cfg.rate_floor_fps or gaps[-1] > cfg.max_gap_s:
-                slow_streams.append((round(rate, 1), sorted(in_window(o)), round(gaps[-1], 3)))
-    if slow_streams:
-        violations.append(f"{len(slow_streams)} unaffected streams ran under {cfg.rate_floor_fps} frames/s or "
-                          f"paused over {cfg.max_gap_s}s "
-                          f"(slowest: {min(slow_streams)} as (frames/s, faults overlapped, longest gap s))")
+    # Unaffected streams keep their rate: judged against this run's own baseline.
+    stalls = judge_stalls(cfg, completed, scenario.faults)
+    violations += stalls.pop("violations")
     faults_by_kind = Counter(f.kind for f in scenario.faults)
     corrupt_injected = faults_by_kind.get("corrupt", 0)
     checks = end.kv_checks_total - start.kv_checks_total
@@ -1001,7 +1086,6 @@ def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.
     if leaked:
         violations.append(f"{leaked} pages not free once the unit is idle")
     wedged = 3 * faults_by_kind.get("held_exit", 0)
-    finite = sorted(r for r in rates if r != float("inf"))
     return {
         "seconds": round(seconds, 1),
         "transfers": checks + wedged,
@@ -1020,12 +1104,7 @@ def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.
         "canary_mismatches": len(mismatched),
         "replays": dict(scenario.stats),
         "pages_leaked": leaked,
-        "rate_floor_fps": cfg.rate_floor_fps,
-        "stream_fps_p1": round(finite[len(finite) // 100], 1) if finite else None,
-        "stream_fps_p50": round(finite[len(finite) // 2], 1) if finite else None,
-        "max_gap_s": cfg.max_gap_s,
-        "stream_max_gap_p99_s": round(sorted(gaps)[int(len(gaps) * 0.99)], 3) if gaps else None,
-        "stream_max_gap_worst_s": round(max(gaps), 3) if gaps else None,
+        **stalls,
         "fault_details": [{"kind": f.kind, "seconds": round(f.t_end - f.t_start, 2), **f.detail}
                           for f in scenario.faults],
         "violations": violations,
@@ -1064,7 +1143,14 @@ def write_results(report: dict[str, Any], cfg: FaultsConfig, command: str, stem:
              + ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_code"].items())),
              "", f"Replays: {s['replays']}",
              "", f"Per-stream frame rate of unaffected streams: p1 {s['stream_fps_p1']}/s, "
-             f"p50 {s['stream_fps_p50']}/s (floor {s['rate_floor_fps']}/s)", ""]
+             f"p50 {s['stream_fps_p50']}/s; {s['streams_under_floor']} under the idle-machine floor "
+             f"({s['rate_floor_fps']}/s, {s['max_gap_s']} s gaps; a figure, not the verdict)", "",
+             "Stalls by kind (each kind's median fault against the run's other faults):",
+             "", "| kind | faults | longest gap median / bound s | slowest stream fps median / bound |",
+             "|---|---|---|---|",
+             *(f"| {k} | {r['faults']} | {r.get('gap_median_s')} / {r.get('gap_bound_s')} | "
+               f"{r.get('fps_median_of_slowest')} / {r.get('fps_bound')} |" for k, r in s["stalls_by_kind"].items()),
+             ""]
     mpath.write_text("\n".join(lines))
     return jpath, mpath
 

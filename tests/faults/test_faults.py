@@ -6,8 +6,11 @@ What every run asserts (`report["violations"]` lists any breach, with the number
 - affected clients got their error within `error_bound_s` of the request, naming the
   cause (checksum_mismatch, transfer_failed, deadline_exceeded, prefill_unavailable,
   not_ready / draining while the unit recovers); no request failed outside a fault;
-- unaffected streams kept >= `rate_floor_fps` frames/s and never paused > `max_gap_s`
-  (2 shared CPU cores: 8 frames/s and 0.5 s; a 1 s stall of D is caught);
+- no kind of fault stalled or slowed the streams it did not touch, judged against the
+  run's own baseline (`judge_stalls`: a kind's median fault against the median of the
+  other kinds' faults, never stricter than 8 frames/s and 0.5 s): load on the 2 shared
+  cores slows every fault alike, a D that stops stepping during one kind of fault
+  (a 1 s stall) slows that kind alone; the absolute figures are reported;
 - held pages went back to 0 after every fault, released by the expected proof kind
   (abort_ack, new_instance, receiver_state), counted from D's metrics;
 - P exited with 75 at 3 held aborts, the guard reported it, D drained above 25 % held
@@ -24,7 +27,7 @@ import json
 
 import pytest
 
-from pdunit.bench.faults import FaultsConfig, run
+from pdunit.bench.faults import FaultRecord, FaultsConfig, Outcome, judge_stalls, run
 
 
 def _print(report: dict) -> None:
@@ -91,6 +94,56 @@ def test_soak_20000_transfers_500_faults(tmp_path):
     cfg = FaultsConfig(transfers=20000, faults=500, max_seconds=3000, restart_every=10)
     report = run(cfg, run_dir=str(tmp_path / "unit"))
     _assert_contract(report, 20000, 500)
+
+
+def _synthetic_run(kinds: list[str], per_kind: int, step_s: float, stall_s: dict[str, float],
+                   pause: tuple[int, float] | None = None) -> tuple[list[Outcome], list[FaultRecord]]:
+    """Faults of `kinds` in turn, 2 s each, with 0.2 s between (as `_drive` runs them); in
+    each, two unaffected 8-frame streams a frame every `step_s`. `stall_s[kind]`: D stops
+    stepping that long in every fault of that kind; `pause` = (fault index, seconds): one
+    stream of that one fault pauses once (a descheduled process)."""
+    outcomes, faults = [], []
+    t = 100.0
+    for n in range(per_kind * len(kinds)):
+        kind = kinds[n % len(kinds)]
+        faults.append(FaultRecord(kind, t, t + 2.0))
+        for s in range(2):
+            times, now = [], t + 0.4 + 0.3 * s
+            for frame in range(8):
+                if frame == 4:
+                    now += stall_s.get(kind, 0.0)
+                    if pause and pause[0] == n and s == 0:
+                        now += pause[1]
+                times.append(now)
+                now += step_s
+            outcomes.append(Outcome(0, times[0] - 0.05, times[-1], times, [[0]] * 8, 200, ""))
+        t += 2.2
+    return outcomes, faults
+
+
+def test_a_kind_of_fault_that_stalls_d_fails_against_the_runs_own_baseline():
+    outcomes, faults = _synthetic_run(["corrupt", "slow", "p_stop"], 6, 0.05, {"p_stop": 1.0})
+    report = judge_stalls(FaultsConfig(), outcomes, faults)
+    assert report["violations"], report
+    assert all(v.startswith("p_stop: ") for v in report["violations"]), report["violations"]
+    assert "p_stop: unaffected streams stalled" in report["violations"][0]
+    assert report["stalls_by_kind"]["p_stop"]["gap_median_s"] >= 1.0
+
+
+def test_a_busy_machine_slows_every_kind_alike_and_fails_none():
+    # every frame 0.2 s apart (5 frames/s, under the idle floor of 8) and one stream
+    # paused 0.7 s once: the shape of the CI failure of issue 33, which the idle-machine
+    # bounds failed; no kind is slower than the others, so nothing stalled
+    outcomes, faults = _synthetic_run(["corrupt", "slow", "p_stop"], 6, 0.2, {}, pause=(4, 0.7))
+    report = judge_stalls(FaultsConfig(), outcomes, faults)
+    assert report["violations"] == [], report["violations"]
+    assert report["streams_under_floor"] == len(outcomes)  # under the idle bounds: reported, not judged
+
+
+def test_the_same_stall_fails_on_a_busy_machine_too():
+    outcomes, faults = _synthetic_run(["corrupt", "slow", "p_stop"], 6, 0.1, {"slow": 1.5}, pause=(0, 0.7))
+    report = judge_stalls(FaultsConfig(), outcomes, faults)
+    assert [v.split(":")[0] for v in report["violations"]] == ["slow", "slow"], report["violations"]
 
 
 def test_isolated_run_names_the_device_field_when_not_cuda():
