@@ -91,8 +91,8 @@ FAILURE_HTTP: dict[str, tuple[int, bool]] = {
 
 
 class RequestIds:
-    """uint64 request ids: 64 random bits each, never a counter, so one id tells nothing
-    about the next (a client must not guess another stream's id for /v1/load or cancel).
+    """uint64 request ids: 64 random bits each, never a counter, so that one response's
+    X-Pdunit-Request-Id tells nothing about any other stream's id.
 
     Unique in the unit: an id equal to 0 or to one of this LB's last `RECENT` ids (which
     holds every stream in flight: they are bounded by --max-connections) is drawn again;
