@@ -202,3 +202,21 @@ def test_a_peer_that_handshakes_in_a_loop_cannot_grow_the_session_table():
         latest = sessions.issue(me, in_use)
     assert len(sessions) == 3
     assert sessions.lookup(owner.token) is owner and sessions.lookup(latest.token) is latest
+
+
+def test_ds_probe_region_takes_writes_only_with_the_probe_capability_of_its_descriptor(proxy, unit):
+    sock, _ = proxy
+    d, p, _, _, _ = unit
+    src = torch.randn(GEO.shape()).to(GEO.dtype)
+    src_sum, dst_sum = p.probe(src, np.arange(4), request_id=1 << 63)
+    assert src_sum == dst_sum
+    forged = d.descriptors()[0]
+    forged.params["probe_capability"] = os.urandom(32).hex()
+    intruder = ProxySender(forged, GEO, "cpu", sock)
+    try:
+        d.probe_storage.fill_(9)
+        with pytest.raises(TransferError, match="PERMISSION_DENIED.*wrong write capability"):
+            intruder.probe(src, np.arange(4), request_id=(1 << 63) + 1)
+        assert bool((d.probe_storage == 9).all())
+    finally:
+        intruder.close()
