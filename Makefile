@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PDUNIT_CACHE ?= $(HOME)/.cache/pdunit
 export PDUNIT_CACHE
 
-.PHONY: install lock run test test-gpu test-slow bench fmt lint proto crds chart-files envtest helm clean
+.PHONY: install lock run test test-flaky test-gpu test-slow bench fmt lint proto crds chart-files envtest helm clean
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ test: install envtest helm
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi; \
 	exit $$rc
+
+# The flake hunt (tools/flaky/run.sh): `make test`'s CI command on fresh clones of HEAD,
+# twice plain, once in random order, twice with every core busy. FLAKY_RUNS=2 or
+# FLAKY_RUNS=random,busy runs fewer; FLAKY_ARGS='tests/engine -x' a subset.
+test-flaky:
+	bash tools/flaky/run.sh
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
