@@ -30,7 +30,8 @@ looking at running jobs, under one lock with job admission, so after a reply of
 runs to completion (a launched kernel cannot be recalled); the reply then says which
 ids still run, and the caller asks again.
 
-Must never copy a row of a job that regions.RegionTable.job() did not accept.
+Must never copy a row of a job that regions.RegionTable.job() and GrantTable.check()
+did not both accept.
 """
 
 from __future__ import annotations
