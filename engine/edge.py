@@ -160,7 +160,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     `guarded_protocol`). httptools buffers a header value of any length and uvicorn arms
     no timer before the first request nor while a body arrives: this adds both."""
 
-    limits: ClassVar[EdgeLimits] = EdgeLimits()
+    limits: ClassVar[EdgeLimits] = EdgeLimits.model_validate({})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
