@@ -74,6 +74,21 @@ D_ADMIT_WAIT_SECONDS = role_metric(Histogram(
     "From a stream's admission to the batcher to the first step that takes it in: more than one step when the "
     "batch was full (--max-batch), or in the prefill-first monolith while the next prompts prefill",
     buckets=_FAST, registry=None), _D, _MONO)
+# Rate-floor admission (engine/decode/admission.py)
+D_HEADROOM = role_metric(Gauge(
+    "pdunit_rate_floor_headroom_streams",
+    "Streams like the recent ones the engine would still admit without breaking the rate floor (-1: admission off)",
+    registry=None), _D, _MONO)
+D_RATE_FLOOR_REFUSALS = role_metric(Counter(
+    "pdunit_rate_floor_refusals_total", "Streams refused because admitting them would break the rate floor",
+    registry=None), _D, _MONO)
+D_STEP_MODEL_MS = role_metric(Gauge(
+    "pdunit_step_model_coefficient_ms", "The step-time model's coefficients (ms per unit of each term)",
+    ["term"], registry=None), _D, _MONO)
+D_STEP_MODEL_ERROR = role_metric(Gauge(
+    "pdunit_step_model_under_prediction",
+    "p90 of observed / predicted step time over recent steps (> 1: the model under-predicts; the budget shrinks)",
+    registry=None), _D, _MONO)
 D_FRAMES = role_metric(Counter("pdunit_decode_frames_total", "Frames emitted", registry=None), _D, _MONO)
 D_GPU_BUSY_SECONDS = role_metric(Counter(
     "pdunit_decode_gpu_busy_seconds_total",

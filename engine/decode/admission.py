@@ -29,7 +29,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from pydantic import BaseModel, Field, field_validator
 
+from pdunit.engine import metrics as m
+
+# The pdunit family's floor: 2 x its codec's 21 frames/s (the model-family seam will
+# take it from the model).
+DEFAULT_FLOOR_FPS = 42.0
 # Terms of the step model, in the order of StepModel's coefficients.
 TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms")
 
@@ -163,8 +169,12 @@ class Verdict:
     worst_ms: float      # the projected worst step with the new stream
     budget_ms: float
     at_step: int         # steps from now where the worst step falls
+    cold: bool = False   # refused by the cold-start limit (no step model yet), not by the projection
 
     def reason(self) -> str:
+        if self.cold:
+            return ("rate_floor: the engine has no step model yet (no --step-model fit file, too few steps "
+                    "of its own): it holds only a few streams until it has fitted one")
         return (f"rate_floor: the projected step would reach {self.worst_ms:.1f} ms in {self.at_step} "
                 f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
 
@@ -242,3 +252,121 @@ class RateFloorAdmission:
             else:
                 hi = mid
         return lo
+
+
+class AdmissionControl:
+    """An engine's admission state: the step model it refits from its steps, the floor,
+    and the typical stream (median of the recent admitted requests, seeded by
+    `typical`) that headroom counts in. Exports its metrics; thread-safe."""
+
+    def __init__(self, admission: RateFloorAdmission, typical: HeldStream, recent: int = 64,
+                 seeded: bool = True, cold_streams: int = 8) -> None:
+        self.admission = admission
+        # Without a fit file the seed is zeros: until the first refit from its own steps
+        # the engine holds at most `cold_streams` (it must see steps to fit them).
+        self.seeded = seeded
+        self.cold_streams = cold_streams
+        self._lock = threading.Lock()
+        self._recent: deque[tuple[int, int]] = deque([(typical.context, typical.frames_left)], maxlen=recent)
+
+    @property
+    def model(self) -> StepModel:
+        return self.admission.model
+
+    def typical(self) -> HeldStream:
+        with self._lock:
+            pts = np.array(self._recent)
+        return HeldStream(int(np.median(pts[:, 0])), int(np.median(pts[:, 1])))
+
+    def judge(self, held: Iterable[tuple[int, int]], prompt_tokens: int, max_frames: int) -> Verdict:
+        """The verdict on a new stream; an admitted one becomes part of the typical mix."""
+        streams = [HeldStream(c, f) for c, f in held]
+        v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames))
+        if v.admit and self.cold():
+            v = Verdict(len(streams) < self.cold_streams, v.worst_ms, v.budget_ms, v.at_step,
+                        cold=len(streams) >= self.cold_streams)
+        if v.admit:
+            with self._lock:
+                self._recent.append((prompt_tokens, max_frames))
+        else:
+            m.D_RATE_FLOOR_REFUSALS.inc()
+        return v
+
+    def cold(self) -> bool:
+        """No fit file and no fit of its own steps yet."""
+        return not self.seeded and self.model.fits == 0
+
+    def alone_fits(self, prompt_tokens: int, max_frames: int) -> Verdict:
+        return self.admission.alone_fits(HeldStream(prompt_tokens, max_frames))
+
+    def headroom(self, held: Iterable[tuple[int, int]]) -> int:
+        streams = [HeldStream(c, f) for c, f in held]
+        if self.cold():
+            return max(0, self.cold_streams - len(streams))
+        return self.admission.headroom(streams, self.typical())
+
+    def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
+        self.model.observe(streams, context_tokens, ms, prefill_rows)
+
+    def export(self, held: Iterable[tuple[int, int]]) -> int:
+        """Sets the admission gauges; returns the headroom."""
+        headroom = self.headroom(held)
+        m.D_HEADROOM.set(headroom)
+        c = self.model.coefficients
+        for term in TERMS:
+            m.D_STEP_MODEL_MS.labels(term=term).set(getattr(c, term))
+        m.D_STEP_MODEL_ERROR.set(self.model.under_prediction())
+        return headroom
+
+
+def load_step_model(path: str) -> StepCoefficients:
+    """`--step-model FILE`: a fit file as `pdunit bench step` writes it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"--step-model {path}: {exc.strerror or exc}") from exc
+    return StepCoefficients.from_json(text, f"--step-model {path}")
+
+
+class AdmissionFields(BaseModel):
+    """The flags of every engine that decodes (D, the monolith)."""
+
+    rate_floor: float | None = Field(None, ge=0, description="rate floor in frames/s per stream (2 x the codec's "
+                                     "frame rate: 42 for 21 Hz): a stream whose admission would break it for any "
+                                     "held stream is refused (RATE_FLOOR); 0 = off; default 42 where the model "
+                                     "takes the GPU path, 0 (off) on CPU")
+    floor_margin: float = Field(0.10, ge=0, lt=1, description="share of the floor's step budget (1 / floor) kept "
+                                "free")
+    step_model: str = Field("", description="the step-time model's seed: a fit file from `pdunit bench step` "
+                            "(<results>.fit.json); without one the engine holds at most --cold-streams until it "
+                            "has fitted its own steps")
+    cold_streams: int = Field(8, gt=0, description="without --step-model: streams held before the first fit")
+    headroom_stream: str = Field("1500:420", description="PROMPT_ROWS:FRAMES of the stream headroom counts in "
+                                 "until the engine has seen its own (then the median of the recent ones)")
+
+    @field_validator("headroom_stream")
+    @classmethod
+    def _rows_colon_frames(cls, v: str) -> str:
+        rows, _, frames = v.partition(":")
+        if not (rows.isdigit() and frames.isdigit() and int(rows) > 0 and int(frames) > 0):
+            raise ValueError(f"expected PROMPT_ROWS:FRAMES, two positive integers (got {v!r})")
+        return v
+
+    def floor_fps(self, gpu_path: bool) -> float:
+        if self.rate_floor is None:
+            return DEFAULT_FLOOR_FPS if gpu_path else 0.0
+        return self.rate_floor
+
+
+def build_admission(cfg: AdmissionFields, gpu_path: bool) -> AdmissionControl | None:
+    """The engine's admission from its flags; None when the floor is 0 (off). Raises
+    ValueError naming the flag for a bad fit file."""
+    floor = cfg.floor_fps(gpu_path)
+    if floor <= 0:
+        return None
+    seed = load_step_model(cfg.step_model) if cfg.step_model else StepCoefficients(0.0, 0.0, 0.0)
+    rows, _, frames = cfg.headroom_stream.partition(":")
+    return AdmissionControl(RateFloorAdmission(StepModel(seed), floor, cfg.floor_margin),
+                            HeldStream(int(rows), int(frames)), seeded=bool(cfg.step_model),
+                            cold_streams=cfg.cold_streams)

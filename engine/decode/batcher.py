@@ -75,6 +75,17 @@ class DecodeBatcher:
         with self._lock:
             return list(self.running) + [s.request_id for s in self._incoming]
 
+    def lifetimes(self) -> list[tuple[int, int]]:
+        """(context tokens now, frames still to come) of every stream it holds, running or
+        waiting: what rate-floor admission projects (engine/decode/admission.py)."""
+        with self._lock:
+            streams = list(self.running.values()) + list(self._incoming)
+        return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out)) for s in streams]
+
+    def context_tokens(self) -> int:
+        """Context tokens of the running streams (their next step attends over these)."""
+        return sum(s.prompt_tokens + s.frames_out for s in list(self.running.values()))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self.running) + len(self._incoming)

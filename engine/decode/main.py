@@ -8,6 +8,7 @@ import sys
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
+from pdunit.engine.decode.admission import AdmissionFields, build_admission
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import (
     DecodeEngine,
@@ -46,7 +47,7 @@ from pdunit.kernels.kv_dtype import kv_storage_dtype
 from pdunit.kernels.paged_attention import configure_decode
 
 
-class DecodeConfig(StackSamplingFields):
+class DecodeConfig(StackSamplingFields, AdmissionFields):
     """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
 
     socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
@@ -162,6 +163,15 @@ async def serve(cfg: DecodeConfig) -> int:
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
         overlap=model.gpu_path if cfg.overlap is None else cfg.overlap,
     )
+    try:
+        admission = build_admission(cfg, model.gpu_path)
+    except ValueError as exc:
+        log.error("cannot start rate-floor admission", extra={"error": str(exc)})
+        return 2
+    engine.admission = admission
+    log.info("rate-floor admission", extra={"floor_fps": cfg.floor_fps(model.gpu_path),
+                                            "margin": cfg.floor_margin, "step_model": cfg.step_model or None,
+                                            "on": admission is not None})
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
     server = await start_unix_server(

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pdunit.engine import metrics as m
+from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler
@@ -79,6 +80,7 @@ class Reservation:
     n_tokens: int
     dst_slots: np.ndarray
     stamps: dict[str, int] = field(default_factory=dict)
+    max_frames: int = 0  # total_tokens - n_tokens of its RESERVE: the frames it will decode
 
 
 @dataclass
@@ -167,8 +169,10 @@ class DecodeEngine:
         probe_interval_s: float = 0.5,
         cuda_graphs: bool = True,
         overlap: bool = False,
+        admission: AdmissionControl | None = None,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
+        self.admission = admission  # rate-floor admission (engine/decode/admission.py); None = off
         self.model = model
         self.model_spec = model_spec
         self.geometry = geometry
@@ -361,17 +365,33 @@ class DecodeEngine:
         if req.n_tokens <= 0 or req.total_tokens < req.n_tokens:
             return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                    message=f"n_tokens={req.n_tokens} total_tokens={req.total_tokens}")
+        max_frames = req.total_tokens - req.n_tokens
+        if self.admission is not None:
+            alone = self.admission.alone_fits(req.n_tokens, max_frames)
+            if not alone.admit:
+                return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
+                                       message="rate_floor: even alone this stream would break the floor "
+                                               f"({alone.worst_ms:.1f} ms steps at its end, budget "
+                                               f"{alone.budget_ms:.1f} ms): ask for fewer frames")
         with self._lock:
             if req.request_id in self.reservations or self.pool.state_of(req.request_id) is not None:
                 return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                        message=f"request {req.request_id} already has pages in D")
+            if self.admission is not None:  # under the lock: two RESERVEs never both take the last room
+                verdict = self.admission.judge(self._lifetimes(), req.n_tokens, max_frames)
+                if not verdict.admit:
+                    log.info("stream refused: rate floor", extra={
+                        "request_id": req.request_id, "worst_ms": round(verdict.worst_ms, 2),
+                        "budget_ms": round(verdict.budget_ms, 2), "at_step": verdict.at_step})
+                    return pb.ReserveReply(status=pb.RATE_FLOOR, instance_id=self.instance_id,
+                                           message=verdict.reason())
             try:
                 slots = self.pool.reserve(req.request_id, req.n_tokens, req.total_tokens)
             except NoCapacity as exc:
                 return pb.ReserveReply(status=pb.NO_CAPACITY, instance_id=self.instance_id, message=str(exc))
             self.reservations[req.request_id] = Reservation(
                 req.request_id, req.identity.sender_instance, req.deadline_unix_ms, req.n_tokens, slots,
-                stamps={"d_reserved": now_ns()})
+                stamps={"d_reserved": now_ns()}, max_frames=max_frames)
         self._update_gauges()
         # The write capability (PROTOCOL.md 3.1), outside the engine lock: the proxy's
         # receiver tells its sidecar. Granted after the reservation exists and checked
@@ -392,6 +412,19 @@ class DecodeEngine:
                                    message="the reservation ended before it was granted (deadline or cancel)")
         return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(slots, "i8"), instance_id=self.instance_id,
                                capability=capability)
+
+    def _lifetimes(self) -> list[tuple[int, int]]:
+        """(context, frames to come) of every stream D holds: decoding, waiting for the
+        batch, and reserved but not committed (they will decode too). Under the lock."""
+        return self.batcher.lifetimes() + [(r.n_tokens, r.max_frames) for r in self.reservations.values()]
+
+    def headroom(self) -> int:
+        """Streams like the recent ones D would still admit (-1: admission off)."""
+        if self.admission is None:
+            return -1
+        with self._lock:
+            held = self._lifetimes()
+        return self.admission.export(held)
 
     def _revoke(self, request_id: int) -> None:
         """The reservation's write capability ends (COMMIT, held): receivers that check
@@ -511,11 +544,15 @@ class DecodeEngine:
             self._update_gauges()
             return False
         t0 = time.perf_counter()
+        tokens = sum(s.prompt_tokens + s.frames_out for s in streams)
         logits = self.step_forward(entries) if entries else None
         out = self.batcher.apply(streams, logits, new)
         self._step += 1
         self.hub.publish(step_message(self._step, out))
-        m.D_STEP_SECONDS.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        m.D_STEP_SECONDS.observe(seconds)
+        if self.admission is not None and streams:
+            self.admission.observe(len(streams), tokens, seconds * 1000)
         m.D_STEP_BATCH.observe(len(out.request_ids))
         m.D_FRAMES.inc(len(out.request_ids))
         if out.ended:
@@ -540,7 +577,11 @@ class DecodeEngine:
             if out.ended:
                 self._update_draining()
                 self._update_gauges()
-        m.D_STEP_SECONDS.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        m.D_STEP_SECONDS.observe(seconds)
+        if self.admission is not None and out is not None and len(out.request_ids):
+            # one pipeline period = one frame per stream: the step time the floor sees
+            self.admission.observe(len(out.request_ids), self.batcher.context_tokens(), seconds * 1000)
         return True
 
     # ------------------------------------------------------------------ expiry, abort + probe loops
@@ -630,6 +671,7 @@ class DecodeEngine:
             held_pages=self.pool.held_pages, pool_pages=self.pool.n_pages, free_pages=self.pool.free_pages,
             draining=self._draining, transfer_mode=self.receiver.mode,
             unready=getattr(self.receiver, "unready", ""),  # e.g. the proxy restarted: registering again
+            headroom_streams=self.headroom(),
             kv_checks_total=int(m.KV_CHECKS._value.get()), kv_mismatch_total=int(m.KV_MISMATCH._value.get()),
             request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )

@@ -77,6 +77,7 @@ NORMAL_END = ("eos", "length")
 SUBMIT_STATUS_HTTP: dict[int, tuple[int, bool]] = {
     pb.NO_CAPACITY: (429, True),
     pb.DRAINING: (503, True),
+    pb.RATE_FLOOR: (503, True),  # another unit (or this one later) has room: the router retries elsewhere
     pb.INVALID: (422, False),
     pb.DEADLINE_EXCEEDED: (504, False),
 }
@@ -84,6 +85,7 @@ SUBMIT_STATUS_HTTP: dict[int, tuple[int, bool]] = {
 FAILURE_HTTP: dict[str, tuple[int, bool]] = {
     "no_capacity": (429, True),
     "draining": (503, True),
+    "rate_floor": (503, True),
     "decode_unavailable": (503, True),
     "deadline_exceeded": (504, False),
     "invalid": (422, False),
@@ -724,6 +726,7 @@ def build_load_document(
             "free_pages": d.free_pages,
             "kv_checks_total": d.kv_checks_total,
             "kv_mismatch_total": d.kv_mismatch_total,
+            "headroom_streams": d.headroom_streams,
             "requests": [hex_id(r) for r in decode_ids[i]],
         }
         for i, (name, d, reply) in enumerate(zip(names, ds, decodes, strict=True))
@@ -745,6 +748,9 @@ def build_load_document(
         "free_pages": sum(d.free_pages for d in ds),
         "kv_checks_total": sum(d.kv_checks_total for d in ds),
         "kv_mismatch_total": sum(d.kv_mismatch_total for d in ds),
+        # streams the unit would still admit at its rate floor; -1: admission off (no limit but the pool)
+        "headroom_streams": sum(d.headroom_streams for d in ds)
+        if all(d.headroom_streams >= 0 for d in ds) else -1,
         "requests": requests,
         "empty": bool(answered and holds_nothing and not any(requests.values())),
         "prefill_instance": p.instance_id,

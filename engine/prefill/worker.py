@@ -27,8 +27,8 @@ P never injects faults itself: the fault-injection suite wraps the sender it att
 Several D's (1P2D, `--decode-socket a.sock,b.sock`): P handshakes with each (one
 `DecodeLink`: stub, sender, D instance id, load as last reported) and picks one D per
 request at RESERVE: not unresponsive, not draining, most free pages, fewest streams
-(from Reserve replies and a periodic Info probe). NO_CAPACITY, DRAINING or an
-unreachable D before any write moves the request to the next D; after the first write a
+(from Reserve replies and a periodic Info probe). NO_CAPACITY, DRAINING, RATE_FLOOR or
+an unreachable D before any write moves the request to the next D; after the first write a
 request never changes D. Every guarantee of PROTOCOL.md holds per D: identities are
 checked per D instance, an ABORT is answered with the quiesce proof of the sender of the
 D that sent it (every sender when the D is unknown), and it cancels the request only
@@ -428,7 +428,7 @@ class PrefillEngine:
         return deadline
 
     def _reserve(self, job: PrefillJob) -> tuple[DecodeLink | None, pb.ReserveReply]:
-        """RESERVE on the best D; on NO_CAPACITY, DRAINING or an unreachable D, the next
+        """RESERVE on the best D; on NO_CAPACITY, DRAINING, RATE_FLOOR or an unreachable D, the next
         one (nothing was written yet, so the request may still change D). Returns the D
         that answered last and its reply; the D is None when none answered."""
         rows = len(job.prompt)
@@ -456,11 +456,11 @@ class PrefillEngine:
                     link.routed.add(job.request_id)
                 P_ROUTED.labels(decode=link.name).inc()
                 return link, reply
-            if reply.status not in (pb.NO_CAPACITY, pb.DRAINING):
+            if reply.status not in (pb.NO_CAPACITY, pb.DRAINING, pb.RATE_FLOOR):
                 return link, reply
             if reply.status == pb.NO_CAPACITY:
                 link.free_pages = 0
-            else:
+            elif reply.status == pb.DRAINING:
                 link.draining = True
             failure = reply
             if len(self.links) > 1:

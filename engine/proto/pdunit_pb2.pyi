@@ -296,7 +296,7 @@ class StepFrames(_message.Message):
     def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., frames: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ..., step_unix_ns: _Optional[int] = ..., stamps: _Optional[_Mapping[int, Stamps]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids", "pid", "unready")
+    __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids", "pid", "unready", "headroom_streams")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,7 @@ class InfoReply(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UNREADY_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     role: str
     instance_id: str
     peer_instance_id: str
@@ -329,4 +330,5 @@ class InfoReply(_message.Message):
     request_ids: bytes
     pid: int
     unready: str
-    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., held_pages: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., held_aborts: _Optional[int] = ..., draining: _Optional[bool] = ..., transfer_mode: _Optional[str] = ..., kv_checks_total: _Optional[int] = ..., kv_mismatch_total: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., pid: _Optional[int] = ..., unready: _Optional[str] = ...) -> None: ...
+    headroom_streams: int
+    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., queue: _Optional[int] = ..., in_flight: _Optional[int] = ..., held_pages: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., held_aborts: _Optional[int] = ..., draining: _Optional[bool] = ..., transfer_mode: _Optional[str] = ..., kv_checks_total: _Optional[int] = ..., kv_mismatch_total: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., pid: _Optional[int] = ..., unready: _Optional[str] = ..., headroom_streams: _Optional[int] = ...) -> None: ...
