@@ -35,7 +35,8 @@ class Discovery(Protocol):
 
 
 class TableCollector(Collector):
-    """Units by state, in-flight streams and the load bound, read from the table at scrape."""
+    """Units by state, in-flight streams, headroom and the load bound, read from the table
+    at scrape (so a unit's gauges leave with it)."""
 
     def __init__(self, table: RoutingTable) -> None:
         self.table = table
@@ -57,11 +58,19 @@ class TableCollector(Collector):
             "Estimated streams in flight on the unit (its report corrected by ours)",
             labels=["unit"],
         )
+        headroom = GaugeMetricFamily(
+            "pdunit_router_unit_headroom_streams",
+            "Streams the unit would still admit at its rate floor: its last report less the "
+            "streams this router opened there since (-1: the unit has no rate-floor admission)",
+            labels=["unit"],
+        )
         for unit in self.table.units.values():
             streams.add_metric([unit.name], unit.router_in_flight)
             load.add_metric([unit.name], unit.load)
+            headroom.add_metric([unit.name], unit.headroom)
         yield streams
         yield load
+        yield headroom
         yield GaugeMetricFamily(
             "pdunit_router_load_bound_streams",
             "Current bound ceil(c * (total + 1) / routable units)",
@@ -97,6 +106,7 @@ def create_app(
         vnodes=config.vnodes,
         max_tracked_sessions=config.max_tracked_sessions,
         logger=log,
+        on_unit_gone=metrics.forget_unit,
     )
     registry.register(TableCollector(table))
 

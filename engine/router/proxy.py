@@ -106,6 +106,14 @@ class RouterMetrics:
             ["unit"],
             registry=registry,
         )
+        self.by_unit = (self.requests, self.retries, self.poll_failures)
+
+    def forget_unit(self, name: str) -> None:
+        """Remove every series labelled `unit=name`: unit names change at every scale
+        event and rollout, so series of departed units would otherwise grow without
+        bound (called by the table once the unit left and no stream to it is open)."""
+        for metric in self.by_unit:
+            metric.remove_by_labels({"unit": name})
 
 
 @dataclass
@@ -299,49 +307,43 @@ class Forwarder:
         )
         try:
             upstream = await self.client.send(request, stream=True)
+        # Every outcome is counted before `release`: the release may remove the series of
+        # a unit that has left the table (RoutingTable.on_unit_gone).
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # Nothing reached the unit: safe to go elsewhere.
-            self.table.release(unit)
             reason = f"connect to {unit.url} failed: {exc!r}"
-            self.table.mark_unreachable(unit.name, reason)
             self._refused(unit, ctx, "connect_error", reason)
+            self.table.release(unit)
+            self.table.mark_unreachable(unit.name, reason)
             return None
         except httpx.TimeoutException as exc:
+            answer = self._failed_before_answer(unit, ctx, 504, "unit_timeout", exc)
             self.table.release(unit)
-            return self._failed_before_answer(unit, ctx, 504, "unit_timeout", exc)
+            return answer
         except httpx.HTTPError as exc:
+            answer = self._failed_before_answer(unit, ctx, 502, "unit_error", exc)
             self.table.release(unit)
-            return self._failed_before_answer(unit, ctx, 502, "unit_error", exc)
+            return answer
         except BaseException:
             self.table.release(unit)
             raise
 
         status = upstream.status_code
         if status in RETRIED_STATUS:
-            try:
-                text = await upstream.aread()
-            except httpx.HTTPError:
-                text = b""
-            finally:
-                await upstream.aclose()
-                self.table.release(unit)
+            text = await self._read_refusal(unit, upstream)
             message = _unit_error_message(text)
-            self.table.mark_rejected(unit.name, status, message)
             self._refused(unit, ctx, f"unit_{status}", f"HTTP {status}: {message}")
+            self.table.release(unit)
+            self.table.mark_rejected(unit.name, status, message)
             return None
 
         if status != 200:
             # The unit judged the request (400/413/422) or failed it (5xx): its answer is
             # the answer; another unit would judge the same body the same way.
-            try:
-                text = await upstream.aread()
-            except httpx.HTTPError:
-                text = b""
-            finally:
-                await upstream.aclose()
-                self.table.release(unit)
+            text = await self._read_refusal(unit, upstream)
             outcome = "client_error" if status < 500 else "unit_error"
             self.metrics.requests.labels(unit=unit.name, outcome=outcome).inc()
+            self.table.release(unit)
             self._log_done(unit, ctx, outcome, status, 0)
             passthrough = to_client(upstream.headers)
             passthrough["x-request-id"] = ctx.request_id
@@ -357,14 +359,27 @@ class Forwarder:
         ctx.attempts.append({"unit": unit.name, "result": "streaming", "how": how})
 
         def done(outcome: str, sent: int) -> None:
-            self.table.release(unit)
             self.metrics.requests.labels(unit=unit.name, outcome=outcome).inc()
+            self.table.release(unit)
             self._log_done(unit, ctx, outcome, 200, sent)
 
         def first_byte() -> None:
             self.metrics.first_byte_seconds.observe(time.perf_counter() - ctx.started)
 
         return RelayResponse(upstream, out_headers, done, first_byte, self.log, ctx.request_id)
+
+    async def _read_refusal(self, unit: Unit, upstream: httpx.Response) -> bytes:
+        """The body of an answer that is not a stream; on a failure reading it the stream
+        is released here (the caller releases it otherwise, after counting)."""
+        try:
+            return await upstream.aread()
+        except httpx.HTTPError:
+            return b""
+        except BaseException:
+            self.table.release(unit)
+            raise
+        finally:
+            await upstream.aclose()
 
     def _refused(self, unit: Unit, ctx: _Request, reason: str, detail: str) -> None:
         self.metrics.retries.labels(unit=unit.name, reason=reason).inc()

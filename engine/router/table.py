@@ -1,14 +1,22 @@
 """The router's unit table: who exists, who may take new streams, and how loaded each is.
 
-Owns, per unit: the URL and state given by discovery, the state and in-flight count the
-unit itself reports on `/v1/load` (polled here), the router's own count of proxied
-streams that are open, and the sessions last routed to it. Owns the routing decision
-(`pick`): consistent hashing with bounded load for session keys, least-loaded for the
-rest, only over routable units.
+Owns, per unit: the URL and state given by discovery, the state, in-flight count and
+rate-floor headroom the unit itself reports on `/v1/load` (polled here), the router's
+own count of proxied streams that are open, and the sessions last routed to it. Owns
+the routing decision (`pick`): consistent hashing with bounded load for session keys,
+least-loaded for the rest, only over routable units, and among those the units with
+headroom first.
 
 Load of a unit = streams the unit reported at its last poll, corrected by the streams
 this router opened or closed since then (the report lags; our own count is exact but
-misses other router replicas), and never below our own open count.
+misses other router replicas), and never below our own open count. Headroom is
+corrected the same way: the unit's `headroom_streams` at its last poll minus the streams
+this router opened there since (-1: the unit has no rate-floor admission, no limit).
+A unit with headroom 0 is skipped while any routable unit has room; only when none has
+does the stream go to one without (its D decides, and refuses with 503 if it must).
+
+A unit's `unit`-labelled series live as long as the unit: `on_unit_gone(name)` is
+called once it has left the table and this router holds no stream to it any more.
 
 A unit is routable only when discovery says ready and not draining, its last poll
 answered ready and not draining, and no rejection (503, 429, refused connection) was
@@ -23,6 +31,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,19 +72,22 @@ class Unit:
     full: bool = False  # answered 429 since the last poll
     rejected: bool = False  # answered 503 since the last poll
     unit_in_flight: int = 0  # streams_in_flight at the last poll
+    unit_headroom: int = -1  # headroom_streams at the last poll; -1: no rate-floor admission
     router_in_flight_at_poll: int = 0
     router_in_flight: int = 0  # streams this router has open to the unit now
     sessions: int = 0
     last_poll_at: float = 0.0  # monotonic
     last_error: str = ""
     routable: bool = False
-    # The estimate the decision reads: kept as a plain field (set by `update_load`)
-    # because the least-loaded scan reads it for every unit on every keyless request.
+    # The estimates the decision reads: kept as plain fields (set by `update_load`)
+    # because the least-loaded scan reads them for every unit on every keyless request.
     load: int = 0
+    headroom: int = -1  # streams it would still admit now; -1: no limit known
 
     def update_load(self) -> None:
-        corrected = self.unit_in_flight + self.router_in_flight - self.router_in_flight_at_poll
-        self.load = max(self.router_in_flight, corrected)
+        opened = self.router_in_flight - self.router_in_flight_at_poll
+        self.load = max(self.router_in_flight, self.unit_in_flight + opened)
+        self.headroom = -1 if self.unit_headroom < 0 else max(0, self.unit_headroom - opened)
 
     @property
     def draining(self) -> bool:
@@ -103,7 +115,7 @@ class Unit:
 @dataclass(frozen=True)
 class Decision:
     unit: Unit
-    how: str  # "affinity" | "walked" | "least_loaded" | "over_bound"
+    how: str  # "affinity" | "walked" | "least_loaded" | "over_bound" | "no_headroom"
     bound: int
 
 
@@ -116,6 +128,7 @@ class RoutingTable:
         vnodes: int = DEFAULT_VNODES,
         max_tracked_sessions: int = 100_000,
         logger: logging.Logger | None = None,
+        on_unit_gone: Callable[[str], None] | None = None,
     ) -> None:
         if load_bound_factor <= 1.0:
             raise ValueError(f"load_bound_factor must be > 1.0, got {load_bound_factor}")
@@ -125,7 +138,9 @@ class RoutingTable:
         self.max_tracked_sessions = max_tracked_sessions
         self.log = logger or logging.getLogger("pdunit.router.table")
         self.membership_changed = asyncio.Event()
+        self.on_unit_gone = on_unit_gone
         self._routable: list[Unit] = []
+        self._roomy: list[Unit] = []  # routable units with headroom (> 0 or no limit)
         self._total_load = 0  # sum of load over routable units, kept exact incrementally
         self._rr = 0
         self._sessions: OrderedDict[str, str] = OrderedDict()
@@ -150,6 +165,7 @@ class RoutingTable:
             unit.polled = unit.reachable = unit.unit_ready = unit.unit_draining = False
             unit.full = unit.rejected = False
             unit.unit_in_flight = unit.router_in_flight_at_poll = 0
+            unit.unit_headroom = -1
             unit.update_load()
             self.membership_changed.set()
         unit.discovered_ready = found.ready
@@ -166,6 +182,12 @@ class RoutingTable:
             "unit removed", extra={"unit": name, "router_in_flight": unit.router_in_flight}
         )
         self._recount()
+        if unit.router_in_flight == 0:
+            self._gone(name)
+
+    def _gone(self, name: str) -> None:
+        if self.on_unit_gone is not None and name not in self.units:
+            self.on_unit_gone(name)
 
     def replace_all(self, found: list[DiscoveredUnit]) -> None:
         """Make the table hold exactly these units (a fresh list from discovery)."""
@@ -179,7 +201,8 @@ class RoutingTable:
     # ---- what units say about themselves --------------------------------------------
 
     def apply_load(self, name: str, doc: dict[str, Any]) -> None:
-        """A `/v1/load` answer: the unit's own ready/draining and streams in flight."""
+        """A `/v1/load` answer: the unit's own ready/draining, streams in flight, and
+        `headroom_streams` (optional: a unit without it has no rate-floor admission)."""
         unit = self.units.get(name)
         if unit is None:
             return
@@ -187,6 +210,7 @@ class RoutingTable:
             in_flight = int(doc["streams_in_flight"])
             ready = bool(doc["ready"])
             draining = bool(doc["draining"])
+            headroom = int(doc.get("headroom_streams", -1))
         except (KeyError, TypeError, ValueError) as exc:
             self.apply_poll_error(name, f"/v1/load answer lacks a valid field: {exc!r}")
             return
@@ -195,6 +219,7 @@ class RoutingTable:
         unit.unit_ready, unit.unit_draining = ready, draining
         unit.full = unit.rejected = False
         unit.unit_in_flight = in_flight
+        unit.unit_headroom = max(-1, headroom)
         unit.router_in_flight_at_poll = unit.router_in_flight
         unit.update_load()
         unit.last_poll_at = time.monotonic()
@@ -244,9 +269,11 @@ class RoutingTable:
     def pick(self, session: str | None, exclude: frozenset[str] = frozenset()) -> Decision | None:
         """The unit for the next stream, or None when no routable unit is left.
 
-        With a session key: the first routable, non-excluded unit on the key's ring
-        walk whose load is below the bound. Without one: the least-loaded routable unit
-        (ties rotate). Excluded units are those this request already tried.
+        With a session key: the first routable, non-excluded unit with headroom on the
+        key's ring walk whose load is below the bound. Without one: the least-loaded
+        routable unit with headroom (ties rotate). Excluded units are those this request
+        already tried. Units without headroom come only when no unit with room is left
+        ("no_headroom": their D has the last word).
         """
         routable = self._routable
         if not routable:
@@ -257,20 +284,23 @@ class RoutingTable:
             first = True
             for name in self.ring.walk(session):
                 unit = units[name]
-                if unit.routable and name not in exclude and unit.load < bound:
+                if unit.routable and unit.headroom and name not in exclude and unit.load < bound:
                     return Decision(unit, "affinity" if first else "walked", bound)
                 first = False
-            # Only reachable when every unit below the bound was excluded: the bound
-            # balances, it is not a capacity limit, so the least loaded of the rest goes.
-        best = self._least_loaded(exclude)
+            # Only reachable when every unit with room below the bound was excluded: the
+            # bound balances, it is not a capacity limit, so the least loaded of the rest goes.
+        best = self._least_loaded(self._roomy, exclude)
+        if best is not None:
+            return Decision(best, "least_loaded" if not session else "over_bound", bound)
+        best = self._least_loaded(routable, exclude)
         if best is None:
             return None
-        how = "least_loaded" if not session else "over_bound"
-        return Decision(best, how, bound)
+        return Decision(best, "no_headroom", bound)
 
-    def _least_loaded(self, exclude: frozenset[str]) -> Unit | None:
-        routable = self._routable
+    def _least_loaded(self, routable: list[Unit], exclude: frozenset[str]) -> Unit | None:
         n = len(routable)
+        if not n:
+            return None
         start = self._rr % n
         self._rr += 1
         if not exclude:
@@ -286,16 +316,29 @@ class RoutingTable:
 
     def acquire(self, unit: Unit) -> None:
         """A proxied stream to `unit` is open (counted from the request's send)."""
+        had_room = unit.headroom != 0
         unit.router_in_flight += 1
         unit.update_load()
         if unit.routable and self.units.get(unit.name) is unit:
-            self._total_load += 1  # load moves by exactly one with router_in_flight
+            if had_room and unit.headroom == 0:
+                self._recount()  # its last room was just taken
+            else:
+                self._total_load += 1  # load moves by exactly one with router_in_flight
 
     def release(self, unit: Unit) -> None:
+        """That stream is closed. Count its outcome before: once a unit that left the
+        table has no stream open, its series are removed (`on_unit_gone`)."""
+        had_room = unit.headroom != 0
         unit.router_in_flight -= 1
         unit.update_load()
-        if unit.routable and self.units.get(unit.name) is unit:
-            self._total_load -= 1
+        if self.units.get(unit.name) is not unit:
+            if unit.router_in_flight == 0:
+                self._gone(unit.name)
+        elif unit.routable:
+            if not had_room and unit.headroom != 0:
+                self._recount()  # room again
+            else:
+                self._total_load -= 1
 
     def record_session(self, session: str, unit: Unit) -> bool:
         """Remember the unit a session's stream went to; True when the session moved."""
@@ -338,6 +381,7 @@ class RoutingTable:
 
     def _recount(self) -> None:
         self._routable = [u for u in self.units.values() if u.routable]
+        self._roomy = [u for u in self._routable if u.headroom]
         self._total_load = sum(u.load for u in self._routable)
 
     def counts_by_state(self) -> dict[str, int]:
@@ -365,6 +409,8 @@ class RoutingTable:
                     "in_flight": unit.load,
                     "router_in_flight": unit.router_in_flight,
                     "unit_in_flight": unit.unit_in_flight,
+                    "headroom_streams": unit.headroom,
+                    "unit_headroom_streams": unit.unit_headroom,
                     "load_bound": bound,
                     "over_bound": unit.load >= bound,
                     "sessions": unit.sessions,
@@ -378,6 +424,7 @@ class RoutingTable:
             "load_bound_factor": self.factor,
             "load_bound": bound,
             "routable_units": len(self._routable),
+            "units_with_headroom": len(self._roomy),
             "total_in_flight": self._total_load,
             "tracked_sessions": len(self._sessions),
             "units": units,
