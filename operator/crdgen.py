@@ -145,7 +145,7 @@ def _crd(
                 "plural": plural,
                 "singular": kind.lower(),
                 "shortNames": [short],
-                "categories": ["pdunit"],
+                "categories": [m.CATEGORY],
             },
             "scope": "Namespaced",
             "versions": [
@@ -176,6 +176,7 @@ def unit_crd() -> dict[str, Any]:
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Transfer", "type": "string", "jsonPath": ".status.transferMode"},
         {"name": "In-Flight", "type": "integer", "jsonPath": ".status.inFlight"},
+        {"name": "Node", "type": "string", "jsonPath": ".status.nodeName"},
         {"name": "Ready", "type": "boolean", "jsonPath": ".status.ready", "priority": 1},
         {"name": "Pod-IP", "type": "string", "jsonPath": ".status.podIP", "priority": 1},
         _age(),

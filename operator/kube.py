@@ -5,8 +5,8 @@ reconcile.py's pure functions see exactly what the API serves. Owns the API clie
 lifetime. Never decides anything: callers (handlers.py) decide, this module executes.
 Every method the operator uses is here, which is also the RBAC it needs:
 pods get/create/patch/delete; secrets get/create (each unit's own Secret, by name);
-pdunits list/create/patch/delete, pdunits/status patch; pdunitsets/status patch
-(events are posted by kopf).
+pdunits list/create/patch/delete, pdunits/status patch; pdunitsets/status patch;
+the leader-election Lease get/create/update (events are posted by kopf).
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import os
 from collections.abc import Awaitable
 from typing import Any, cast
 
+import aiohttp
+import yaml
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config.config_exception import ConfigException
 
 from pdunit.operator import models as m
 
@@ -28,6 +31,10 @@ MERGE = "application/merge-patch+json"
 _AS_MERGE: dict[str, Any] = {"_content_type": MERGE}
 
 
+class NoCluster(Exception):
+    """No Kubernetes API to talk to; the message says which source was tried and the fix."""
+
+
 class Kube:
     """Async Kubernetes API access for the operator (one instance per process)."""
 
@@ -35,16 +42,47 @@ class Kube:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.coordination = client.CoordinationV1Api(api)
 
     @classmethod
     async def connect(cls) -> Kube:
-        """In-cluster service account when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+        """In-cluster service account when running in a pod, else $KUBECONFIG / ~/.kube/config;
+        then one GET /version. NoCluster names the source and the fix when either fails."""
         cfg = client.Configuration()
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config(client_configuration=cfg)
+            source = "the pod's service account"
+            try:
+                config.load_incluster_config(client_configuration=cfg)
+            except ConfigException as exc:
+                raise NoCluster(f"no Kubernetes cluster: {source} is unusable ({exc})") from None
         else:
-            await config.load_kube_config(client_configuration=cfg)
-        return cls(client.ApiClient(configuration=cfg))
+            path = os.environ.get("KUBECONFIG") or os.path.expanduser(config.KUBE_CONFIG_DEFAULT_LOCATION)
+            source = f"kubeconfig {path}"
+            if not any(os.path.exists(p) for p in path.split(os.pathsep) if p):
+                raise NoCluster(
+                    f"no Kubernetes cluster: not in a pod and {source} does not exist; "
+                    "set KUBECONFIG to a cluster's kubeconfig"
+                )
+            try:
+                await config.load_kube_config(client_configuration=cfg)
+            except (ConfigException, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
+                raise NoCluster(
+                    f"no Kubernetes cluster: {source} is unusable ({exc}); set KUBECONFIG to a "
+                    "cluster's kubeconfig"
+                ) from None
+        kube = cls(client.ApiClient(configuration=cfg))
+        try:
+            await cls._json(
+                client.VersionApi(kube.api).get_code(_preload_content=False, _request_timeout=10)
+            )
+        except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            await kube.close()
+            why = f"API {exc.status}: {exc.reason}" if isinstance(exc, ApiException) else str(exc) or repr(exc)
+            raise NoCluster(
+                f"no Kubernetes cluster: the API server {cfg.host} (from {source}) does not answer "
+                f"GET /version ({why}); check that the cluster is up and the kubeconfig points at it"
+            ) from None
+        return kube
 
     async def close(self) -> None:
         await self.api.close()
@@ -199,5 +237,45 @@ class Kube:
             )
         except ApiException as exc:
             if exc.status == 404:
+                return None
+            raise
+
+    # -- the leader-election Lease
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._json(
+                self.coordination.read_namespaced_lease(name, namespace, _preload_content=False)
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create_lease(self, namespace: str, lease: dict[str, Any]) -> dict[str, Any] | None:
+        """Create; None when one of that name already exists."""
+        try:
+            return await self._json(
+                self.coordination.create_namespaced_lease(
+                    namespace, cast(Any, lease), _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    async def replace_lease(
+        self, namespace: str, name: str, lease: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """PUT with the read metadata.resourceVersion; None when the Lease changed since (409)."""
+        try:
+            return await self._json(
+                self.coordination.replace_namespaced_lease(
+                    name, namespace, cast(Any, lease), _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 409:
                 return None
             raise

@@ -1,27 +1,39 @@
 """`pdunit operator`: the kopf operator for PDUnit/PDUnitSet plus the KEDA external scaler.
 
 Owns the process: config (flags / PDUNIT_* env via engine/settings.py), JSON logs,
-Prometheus metrics, the kopf run (standalone: one replica, no peering objects needed),
-kopf's liveness endpoint, and the lifetime of the API/HTTP clients and of the scaler's
-gRPC server. Never reconciles anything itself (handlers.py does).
+Prometheus metrics, leadership (leader.py's Lease: kopf runs only while this replica
+holds it, so of N replicas one acts; standbys serve /healthz and the read-only scaler),
+the kopf run, kopf's liveness endpoint, and the lifetime of the API/HTTP clients and of
+the scaler's gRPC server. Never reconciles anything itself (handlers.py does); never
+runs kopf without holding the Lease when leader election is on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import signal
+import socket
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import kopf
+from aiohttp import web
 from pydantic import BaseModel, Field
 
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging
 from pdunit.engine.settings import parse_config
 from pdunit.operator import handlers
 from pdunit.operator import models as m
-from pdunit.operator.kube import Kube
+from pdunit.operator.kube import Kube, NoCluster
 from pdunit.operator.lbapi import LbApi
+from pdunit.operator.leader import LeaderElector
+
+EVENT_SOURCE = "pdunit-operator"  # the Events' reportingComponent, `From` in kubectl describe
+SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 class OperatorConfig(BaseModel):
@@ -51,6 +63,63 @@ class OperatorConfig(BaseModel):
         "(envtest suites; never in production)",
     )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
+    leader_election: bool = Field(
+        True,
+        description="act only while holding the Lease, so that one of several replicas acts "
+        "(--no-leader-election: act at once, for one replica that is alone by construction)",
+    )
+    lease_name: str = Field("pdunit-operator", min_length=1, max_length=253, description="Lease name")
+    lease_namespace: str = Field(
+        "",
+        description="namespace of the Lease (empty = the pod's own namespace, outside a pod 'default')",
+    )
+    lease_seconds: float = Field(
+        15.0, gt=0, le=600, description="a leader that stops renewing is replaced after this long"
+    )
+    renew_deadline_seconds: float = Field(
+        10.0, gt=0, le=600, description="a leader that cannot renew this long stops acting (< lease)"
+    )
+    lease_retry_seconds: float = Field(
+        2.0, gt=0, le=60, description="renewal period of the leader, and retry period of a standby"
+    )
+    leader_identity: str = Field(
+        "", max_length=128, description="this replica's holder identity (empty = hostname_random)"
+    )
+
+
+def lease_namespace(cfg: OperatorConfig) -> str:
+    if cfg.lease_namespace:
+        return cfg.lease_namespace
+    try:
+        return SA_NAMESPACE.read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+class StandbyHealth:
+    """/healthz while this replica waits for the Lease (kopf serves it once it runs)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        if not self.port:
+            return
+        app = web.Application()
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"standby": True})
+
+        app.router.add_get("/healthz", healthz)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "0.0.0.0", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
 
 
 def _load_scaler() -> tuple[Any, str | None]:
@@ -115,6 +184,7 @@ async def run(cfg: OperatorConfig, logger: logging.Logger) -> int:
         )
         return 2
 
+    identity = cfg.leader_identity or f"{socket.gethostname()}_{secrets.token_hex(4)}"
     registry = kopf.OperatorRegistry()
     holder: dict[str, handlers.Context] = {}
     handlers.register(registry, holder, cfg)
@@ -138,13 +208,36 @@ async def run(cfg: OperatorConfig, logger: logging.Logger) -> int:
         # log lines ("timer succeeded" every tick) must not become Events.
         settings.posting.level = logging.INFO
         settings.posting.loggers = False
+        settings.posting.reporting_component = EVENT_SOURCE
+        settings.posting.reporting_instance = identity
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 30
 
-    kube = await Kube.connect()
+    try:
+        kube = await Kube.connect()
+    except NoCluster as exc:  # one line, no traceback: the message has the fix
+        print(f"pdunit operator: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    elector = None
+    if cfg.leader_election:
+        try:
+            elector = LeaderElector(
+                kube,
+                lease_namespace(cfg),
+                cfg.lease_name,
+                identity,
+                lease_s=cfg.lease_seconds,
+                renew_deadline_s=cfg.renew_deadline_seconds,
+                retry_s=cfg.lease_retry_seconds,
+            )
+        except ValueError as exc:
+            print(f"pdunit operator: {exc}", file=sys.stderr)
+            await kube.close()
+            return 2
     lb = LbApi(cfg.load_timeout_seconds)
     holder["ctx"] = handlers.Context(cfg=cfg, kube=kube, lb=lb)
     scaler = None
+    lost: str | None = None
     try:
         if cfg.scaler_port:
             scaler = ScalerThread(serve_scaler, cfg.scaler_port, logger)
@@ -155,15 +248,38 @@ async def run(cfg: OperatorConfig, logger: logging.Logger) -> int:
                 scaler = None
                 return 2
             logger.info("KEDA external scaler serving", extra={"port": cfg.scaler_port})
+        if elector is not None and not await _wait_for_leadership(elector, cfg.liveness_port):
+            logger.info("operator stopped before it led")
+            return 0
         liveness = f"http://0.0.0.0:{cfg.liveness_port}/healthz" if cfg.liveness_port else None
-        # kopf owns SIGTERM/SIGINT: it stops the watchers and waits for handlers.
-        await kopf.operator(
-            registry=registry,
-            standalone=True,
-            clusterwide=not cfg.namespaces,
-            namespaces=cfg.namespaces,
-            liveness_endpoint=liveness,
-        )
+        stop_kopf = asyncio.Event()
+        holding = None
+        if elector is not None:
+
+            async def hold() -> None:
+                nonlocal lost
+                lost = await elector.hold()
+                logger.error("leadership lost: stopping at once", extra={"why": lost})
+                stop_kopf.set()
+
+            holding = asyncio.get_running_loop().create_task(hold(), name="lease-renewal")
+        # kopf owns SIGTERM/SIGINT: it stops the watchers and waits for handlers. Standalone:
+        # one acting replica is the Lease's job, not kopf's peering.
+        try:
+            await kopf.operator(
+                registry=registry,
+                standalone=True,
+                clusterwide=not cfg.namespaces,
+                namespaces=cfg.namespaces,
+                liveness_endpoint=liveness,
+                stop_flag=stop_kopf,
+            )
+        finally:
+            if holding is not None:
+                holding.cancel()
+                await asyncio.gather(holding, return_exceptions=True)
+        if elector is not None and lost is None:
+            await elector.release()
     finally:
         try:
             if scaler is not None:
@@ -171,8 +287,28 @@ async def run(cfg: OperatorConfig, logger: logging.Logger) -> int:
         finally:
             await lb.close()
             await kube.close()
+    if lost is not None:
+        return 1  # restarted by its Deployment, it comes back as a standby
     logger.info("operator stopped")
     return 0
+
+
+async def _wait_for_leadership(elector: LeaderElector, liveness_port: int) -> bool:
+    """Block until this replica holds the Lease (True) or SIGTERM/SIGINT came first (False),
+    serving /healthz meanwhile. The signal handlers are removed before kopf installs its own."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    health = StandbyHealth(liveness_port)
+    try:
+        await health.start()
+        return await elector.acquire(stop)
+    finally:
+        await health.stop()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 def _quiet_libraries() -> None:

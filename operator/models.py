@@ -37,6 +37,10 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 UNIT_KIND, UNIT_PLURAL, UNIT_SHORT = "PDUnit", "pdunits", "pdu"
 SET_KIND, SET_PLURAL, SET_SHORT = "PDUnitSet", "pdunitsets", "pdus"
+# `kubectl get pdunit-all` lists both kinds. Never a kind's singular, plural or short name:
+# kubectl expands a category before it resolves a kind, so `kubectl get pdunit NAME` would
+# mean both kinds and refuse the NAME ("you must specify only one resource").
+CATEGORY = "pdunit-all"
 
 # Labels other components select on (router, scaler, chart): keep these names stable.
 LABEL_NAME = "app.kubernetes.io/name"
@@ -362,6 +366,9 @@ class PDUnitStatus(_Api):
     phase: Phase | None = None
     pod_name: str | None = None
     pod_ip: str | None = Field(default=None, alias="podIP")
+    node_name: str | None = Field(
+        default=None, description="The node the unit's pod was scheduled to (its spec.nodeName)."
+    )
     lb_port: int | None = None
     ready: bool | None = None
     draining: bool | None = None

@@ -679,6 +679,7 @@ def unit_status(
         "observedGeneration": _meta(unit).get("generation"),
         "podName": _meta(pod)["name"] if pod else None,
         "podIP": _status(pod).get("podIP") if pod else None,
+        "nodeName": (pod.get("spec") or {}).get("nodeName") if pod else None,
         "lbPort": port,
         "draining": draining or bool(load and load.get("draining")),
         "transferMode": (load or {}).get("transfer_mode") or old.get("transferMode"),
