@@ -40,6 +40,7 @@ class FakeUnit:
     name: str
     port: int
     decode_in_flight: int = 0
+    headroom_streams: int | None = None  # None: the field is absent (a unit without admission)
     ready: bool = True
     draining: bool = False
     behavior: str = "ok"
@@ -111,17 +112,18 @@ class FakeLBFleet:
                 return web.json_response({"error": {"code": "internal"}}, status=500)
             if unit.behavior == "garbage":
                 return web.Response(text="not json", content_type="text/plain")
-            return web.json_response(
-                {
-                    "unit": unit.name,
-                    "ready": unit.ready,
-                    "draining": unit.draining,
-                    "decode_in_flight": unit.decode_in_flight,
-                    "streams_in_flight": unit.decode_in_flight,
-                    "held_pages": 0,
-                    "empty": unit.decode_in_flight == 0,
-                }
-            )
+            doc = {
+                "unit": unit.name,
+                "ready": unit.ready,
+                "draining": unit.draining,
+                "decode_in_flight": unit.decode_in_flight,
+                "streams_in_flight": unit.decode_in_flight,
+                "held_pages": 0,
+                "empty": unit.decode_in_flight == 0,
+            }
+            if unit.headroom_streams is not None:
+                doc["headroom_streams"] = unit.headroom_streams
+            return web.json_response(doc)
         finally:
             self.concurrent -= 1
 

@@ -1,13 +1,18 @@
-"""KEDA external scaler for PDUnitSets: decode streams in flight per ready unit.
+"""KEDA external scaler for PDUnitSets: decode streams in flight, or the units needed to
+keep rate-floor headroom, per set.
 
 Owns KEDA's external-scaler gRPC service (operator/proto/externalscaler.proto:
 IsActive, StreamIsActive, GetMetricSpec, GetMetrics), the parsing of a ScaledObject's
 `scalerMetadata`, the concurrent scrape of every unit LB's `GET /v1/load` with a short
 timeout and a short cache, and the scaler's Prometheus metrics.
 
-The metric is `decode_in_flight` summed over the units of one PDUnitSet that are ready
-and not draining (both in the PDUnit's status and in the LB's own answer). KEDA's HPA
-divides it by `targetInFlightPerUnit` (metric type AverageValue) to get replicas.
+Two metrics, chosen by the trigger's `metric` key, both over the units of one PDUnitSet
+that are ready and not draining (both in the PDUnit's status and in the LB's own answer):
+- `inFlight` (default): `decode_in_flight` summed; KEDA's HPA divides it by
+  `targetInFlightPerUnit` (metric type AverageValue) to get replicas.
+- `headroom`: the units the set needs so that each keeps `targetHeadroomPerUnit`
+  streams of rate-floor headroom (`desired_units`), served with a target of 1, so that
+  KEDA's AverageValue arithmetic (replicas = ceil(value / target)) gives that count.
 
 This module must never:
 - write to the Kubernetes API (it only reads PDUnits and the PDUnitSet);
@@ -54,6 +59,10 @@ T = TypeVar("T")
 KEY_UNIT_SET = "unitSet"
 KEY_NAMESPACE = "namespace"
 KEY_TARGET = "targetInFlightPerUnit"
+KEY_METRIC = "metric"
+KEY_TARGET_HEADROOM = "targetHeadroomPerUnit"
+METRIC_IN_FLIGHT = "inFlight"
+METRIC_HEADROOM = "headroom"
 KEY_ACTIVATION = "activationInFlight"
 KEY_TIMEOUT = "scrapeTimeoutMs"
 
@@ -98,7 +107,18 @@ COUNTED_UNITS = Gauge(
 )
 DECODE_IN_FLIGHT = Gauge(
     "pdunit_scaler_decode_in_flight",
-    "Last metric value served to KEDA for the set",
+    "Decode streams in flight over the counted units at the last scrape (metric: inFlight's value)",
+    ["namespace", "unit_set"],
+)
+HEADROOM_STREAMS = Gauge(
+    "pdunit_scaler_headroom_streams",
+    "Rate-floor headroom summed over the counted units at the last scrape (-1: a counted "
+    "unit has no rate-floor admission)",
+    ["namespace", "unit_set"],
+)
+DESIRED_UNITS = Gauge(
+    "pdunit_scaler_desired_units",
+    "Units the set needs to keep targetHeadroomPerUnit each (metric: headroom), last served",
     ["namespace", "unit_set"],
 )
 
@@ -137,6 +157,13 @@ class UnitSourceFailed(ScalerError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class HeadroomUnknown(ScalerError):
+    """metric: headroom over units that cannot give it (admission off, or a target
+    beyond what a unit holds at all)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 @dataclass(frozen=True)
 class UnitEndpoint:
     """What the scaler needs to know about one PDUnit (from its status)."""
@@ -164,14 +191,19 @@ UnitLike = UnitEndpoint | Mapping[str, Any]
 UnitSource = Callable[[str, str], Awaitable[Sequence[UnitLike]]]
 
 
+_REQUIRED_BECAUSE = {
+    KEY_TARGET: "the decode streams one unit should carry (e.g. 50-60% of its measured capacity)",
+    KEY_TARGET_HEADROOM: "the streams of rate-floor headroom each unit should keep free "
+    "(what one burst adds to a unit)",
+}
+
+
 def _positive_number(metadata: Mapping[str, str], key: str) -> float:
     raw = metadata.get(key, "").strip()
     if not raw:
-        raise MetadataError(
-            key,
-            "is required: the decode streams one unit should carry"
-            " (e.g. 50-60% of its measured capacity)",
-        )
+        raise MetadataError(key, f"is required with {KEY_METRIC}: "
+                            f"{metadata.get(KEY_METRIC, '').strip() or METRIC_IN_FLIGHT}: "
+                            f"{_REQUIRED_BECAUSE[key]}")
     try:
         value = float(raw)
     except ValueError:
@@ -187,9 +219,11 @@ class Trigger:
 
     namespace: str
     unit_set: str
-    target_in_flight_per_unit: float
+    target_in_flight_per_unit: float  # metric inFlight (0 with headroom)
     activation_in_flight: float
     scrape_timeout_s: float
+    metric: str = METRIC_IN_FLIGHT
+    target_headroom_per_unit: float = 0.0  # metric headroom (0 with inFlight)
 
     @classmethod
     def from_ref(cls, ref: pb.ScaledObjectRef) -> Trigger:
@@ -202,7 +236,16 @@ class Trigger:
             raise MetadataError(
                 KEY_NAMESPACE, "is required when the ScaledObject's namespace is empty"
             )
-        target = _positive_number(md, KEY_TARGET)
+        metric = md.get(KEY_METRIC, "").strip() or METRIC_IN_FLIGHT
+        if metric not in (METRIC_IN_FLIGHT, METRIC_HEADROOM):
+            raise MetadataError(
+                KEY_METRIC, f"must be {METRIC_IN_FLIGHT!r} or {METRIC_HEADROOM!r}, got {metric!r}"
+            )
+        target = headroom = 0.0
+        if metric == METRIC_IN_FLIGHT:
+            target = _positive_number(md, KEY_TARGET)
+        else:
+            headroom = _positive_number(md, KEY_TARGET_HEADROOM)
         activation = 0.0
         if md.get(KEY_ACTIVATION, "").strip():
             raw = md[KEY_ACTIVATION].strip()
@@ -225,12 +268,32 @@ class Trigger:
                 raise MetadataError(
                     KEY_TIMEOUT, f"must be in 1..{MAX_SCRAPE_TIMEOUT_MS} ms, got {raw!r}"
                 )
-        return cls(namespace, unit_set, target, activation, timeout_ms / 1000.0)
+        return cls(namespace, unit_set, target, activation, timeout_ms / 1000.0, metric, headroom)
 
     @property
     def metric_name(self) -> str:
         # KEDA prefixes its own "s<index>-"; the name only has to be stable and readable.
-        return f"pdunit-decode-in-flight-{self.namespace}-{self.unit_set}"
+        what = "decode-in-flight" if self.metric == METRIC_IN_FLIGHT else "headroom-units"
+        return f"pdunit-{what}-{self.namespace}-{self.unit_set}"
+
+    @property
+    def target(self) -> float:
+        """The per-replica target KEDA divides the metric by (AverageValue)."""
+        return self.target_in_flight_per_unit if self.metric == METRIC_IN_FLIGHT else 1.0
+
+
+@dataclass(frozen=True)
+class UnitLoad:
+    """What one unit's LB said: D's streams (decoding; reserved, about to) and its headroom."""
+
+    decode_in_flight: int
+    decode_reserved: int
+    headroom_streams: int  # -1: no rate-floor admission (or an LB without the field)
+
+    @property
+    def held(self) -> int:
+        """The streams D's headroom is counted beside (decoding, waiting, reserved)."""
+        return self.decode_in_flight + self.decode_reserved
 
 
 @dataclass
@@ -238,9 +301,54 @@ class SetLoad:
     """One scrape of a set: the metric and how each unit was treated."""
 
     decode_in_flight: int
-    counted: dict[str, int] = field(default_factory=dict)  # unit -> decode in-flight
+    counted: dict[str, UnitLoad] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)  # unit -> why (not ready, draining)
     unreachable: dict[str, str] = field(default_factory=dict)  # unit -> why the scrape failed
+
+    @property
+    def headroom_streams(self) -> int:
+        """Summed over the counted units; -1 when any of them has no admission."""
+        rooms = [u.headroom_streams for u in self.counted.values()]
+        return -1 if any(r < 0 for r in rooms) else sum(rooms)
+
+
+def desired_units(load: SetLoad, target_headroom_per_unit: float) -> float:
+    """Units needed so that each keeps `target_headroom_per_unit` streams of headroom.
+
+    Counted unit i holds f_i streams in D (decoding, waiting, reserved: `UnitLoad.held`,
+    the streams D's headroom is counted beside) and would admit h_i more at its rate
+    floor, so it carries c_i = f_i + h_i at the floor. With the load F = sum f_i spread
+    evenly over N units of the mean capacity c = sum c_i / n, each keeps c - F / N
+    free; that is at least H (the target) from
+
+        N = F / (c - H)
+
+    (N = 0 when F = 0: KEDA's minReplicaCount and activation decide). Served as the
+    metric with a target of 1, KEDA's AverageValue gives replicas = ceil(N). Check: n
+    units each with exactly H free (h_i = H) give N = n.
+
+    Raises HeadroomUnknown when a counted unit has no admission (headroom -1) or when c
+    is not above H (no number of units keeps that much free).
+    """
+    off = sorted(n for n, u in load.counted.items() if u.headroom_streams < 0)
+    if off:
+        raise HeadroomUnknown(
+            f"{KEY_METRIC}: {METRIC_HEADROOM} needs every unit's headroom_streams, but "
+            f"{', '.join(off)} report none (rate-floor admission off): start their D with "
+            f"--rate-floor, or use {KEY_METRIC}: {METRIC_IN_FLIGHT}"
+        )
+    in_flight = sum(u.held for u in load.counted.values())
+    if in_flight == 0:
+        return 0.0
+    n = len(load.counted)
+    capacity = sum(u.held + u.headroom_streams for u in load.counted.values()) / n
+    if capacity <= target_headroom_per_unit:
+        raise HeadroomUnknown(
+            f"scalerMetadata.{KEY_TARGET_HEADROOM} ({target_headroom_per_unit:g}) is not below "
+            f"what one unit holds at its rate floor now ({capacity:.1f} streams, mean over {n} "
+            f"units): no number of units keeps that much free; lower it"
+        )
+    return in_flight / (capacity - target_headroom_per_unit)
 
 
 class LoadScraper:
@@ -317,15 +425,15 @@ class LoadScraper:
             connector = aiohttp.TCPConnector(limit=0, force_close=True)
             async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
                 answers = await asyncio.gather(*(self._scrape_unit(session, u) for u in candidates))
-            for unit, (in_flight, problem) in zip(candidates, answers, strict=True):
-                if problem is not None and in_flight is None:
+            for unit, (answer, problem) in zip(candidates, answers, strict=True):
+                if problem is not None and answer is None:
                     load.unreachable[unit.name] = problem
                 elif problem is not None:
                     load.excluded[unit.name] = problem
                 else:
-                    assert in_flight is not None
-                    load.counted[unit.name] = in_flight
-                    load.decode_in_flight += in_flight
+                    assert answer is not None
+                    load.counted[unit.name] = answer
+                    load.decode_in_flight += answer.decode_in_flight
         self._report(trigger, load, time.perf_counter() - start)
         if load.unreachable and not load.counted:
             raise NoUnitAnswered(
@@ -337,8 +445,8 @@ class LoadScraper:
 
     async def _scrape_unit(
         self, session: aiohttp.ClientSession, unit: UnitEndpoint
-    ) -> tuple[int | None, str | None]:
-        """(in_flight, None) when counted; (None, why) when unreachable; (n, why) when the LB
+    ) -> tuple[UnitLoad | None, str | None]:
+        """(load, None) when counted; (None, why) when unreachable; (load, why) when the LB
         answered but says it is draining or not ready (excluded, not unreachable)."""
         url = f"http://{_host(unit.pod_ip)}:{unit.lb_port}/v1/load"
         try:
@@ -352,14 +460,21 @@ class LoadScraper:
             return None, f"GET {url} failed: {exc.__class__.__name__}: {exc}"
         except ValueError as exc:
             return None, f"GET {url} returned a body that is not JSON: {exc}"
-        in_flight = body.get("decode_in_flight") if isinstance(body, dict) else None
-        if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 0:
+        if not isinstance(body, dict):
             return None, f"GET {url} returned no non-negative integer decode_in_flight"
+        in_flight = _count(body, "decode_in_flight")
+        reserved = _count(body, "decode_reserved", 0)
+        if in_flight is None or reserved is None:
+            return None, f"GET {url} returned no non-negative integer decode_in_flight"
+        headroom = body.get("headroom_streams", -1)
+        if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < -1:
+            return None, f"GET {url} returned headroom_streams {headroom!r}, not an integer >= -1"
+        answer = UnitLoad(in_flight, reserved, headroom)
         if body.get("draining") is True:
-            return in_flight, "draining (its LB says so)"
+            return answer, "draining (its LB says so)"
         if body.get("ready") is False:
-            return in_flight, "not ready (its LB says so)"
-        return in_flight, None
+            return answer, "not ready (its LB says so)"
+        return answer, None
 
     def _report(self, trigger: Trigger, load: SetLoad, seconds: float) -> None:
         labels = (trigger.namespace, trigger.unit_set)
@@ -368,6 +483,7 @@ class LoadScraper:
         COUNTED_UNITS.labels(*labels).set(len(load.counted))
         if load.counted or not load.unreachable:
             DECODE_IN_FLIGHT.labels(*labels).set(load.decode_in_flight)
+            HEADROOM_STREAMS.labels(*labels).set(load.headroom_streams)
         for why in load.unreachable.values():
             UNIT_SCRAPE_FAILURES.labels(*labels, _reason_class(why)).inc()
         names = frozenset(load.unreachable)
@@ -391,6 +507,13 @@ class LoadScraper:
                 extra={"namespace": trigger.namespace, "unit_set": trigger.unit_set},
             )
             self._last_warning[labels] = (names, now)
+
+
+def _count(body: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
+    value = body.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return None
+    return value
 
 
 def _result(value: SetLoad | ScalerError) -> SetLoad:
@@ -496,7 +619,7 @@ class ExternalScalerService(pb_grpc.ExternalScalerServicer):
     ) -> pb.GetMetricSpecResponse:  # noqa: N802
         async def compute() -> pb.GetMetricSpecResponse:
             trigger = Trigger.from_ref(request)
-            target = trigger.target_in_flight_per_unit
+            target = trigger.target
             return pb.GetMetricSpecResponse(
                 metricSpecs=[
                     pb.MetricSpec(
@@ -515,12 +638,19 @@ class ExternalScalerService(pb_grpc.ExternalScalerServicer):
         async def compute() -> pb.GetMetricsResponse:
             trigger = Trigger.from_ref(request.scaledObjectRef)
             load = await self._scraper.load(trigger)
+            if trigger.metric == METRIC_HEADROOM:
+                value = desired_units(load, trigger.target_headroom_per_unit)
+                DESIRED_UNITS.labels(trigger.namespace, trigger.unit_set).set(value)
+            else:
+                value = float(load.decode_in_flight)
             return pb.GetMetricsResponse(
                 metricValues=[
                     pb.MetricValue(
                         metricName=request.metricName or trigger.metric_name,
-                        metricValue=load.decode_in_flight,
-                        metricValueFloat=float(load.decode_in_flight),
+                        # the int field rounds up: a client reading only it still gets
+                        # enough units; KEDA reads the float
+                        metricValue=math.ceil(value),
+                        metricValueFloat=value,
                     )
                 ]
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -446,6 +447,116 @@ def test_requests_are_counted_by_method_and_code(harness: Harness) -> None:
     assert (
         sample("pdunit_scaler_request_duration_seconds_count", method="GetMetrics") == latency + 2
     )
+
+
+# --- metric: headroom ----------------------------------------------------------------------
+
+
+def headroom_ref(**metadata: str) -> pb.ScaledObjectRef:
+    md: dict[str, Any] = {"metric": "headroom", "targetHeadroomPerUnit": "8",
+                          "targetInFlightPerUnit": None}
+    return ref(**{**md, **metadata})
+
+
+def headroom_value(stub: pb_grpc.ExternalScalerStub, r: pb.ScaledObjectRef) -> tuple[int, float]:
+    resp = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=r, metricName="s0-m"))
+    (value,) = resp.metricValues
+    return value.metricValue, value.metricValueFloat
+
+
+def test_keda_get_metrics_returns_headroom_for_a_set_as_the_units_it_needs(
+    harness: Harness,
+) -> None:
+    """Three units of 32 streams each at the floor carry 60: to keep 8 free each, the set
+    needs 60 / (32 - 8) = 2.5 units; KEDA's AverageValue with target 1 makes that 3."""
+    u = harness.fleet.units
+    for name, (in_flight, headroom) in {"u0": (20, 12), "u1": (30, 2), "u2": (10, 22)}.items():
+        u[name].decode_in_flight, u[name].headroom_streams = in_flight, headroom
+    u["u3"].decode_in_flight, u["u3"].headroom_streams = 0, 0  # draining: not counted
+    harness.sets[(NS, SET)] = [u[n].endpoint() for n in ("u0", "u1", "u2")] + [
+        u["u3"].endpoint(draining=True)
+    ]
+    stub = harness.scaler()
+    (spec,) = stub.GetMetricSpec(headroom_ref()).metricSpecs
+    assert (spec.targetSize, spec.targetSizeFloat) == (1, 1.0)
+    assert "headroom" in spec.metricName and SET in spec.metricName
+    as_int, as_float = headroom_value(stub, headroom_ref())
+    assert as_float == 2.5 and as_int == 3
+    assert math.ceil(as_float / spec.targetSizeFloat) == 3  # what KEDA's HPA computes
+    assert sample("pdunit_scaler_headroom_streams", namespace=NS, unit_set=SET) == 36
+    assert sample("pdunit_scaler_desired_units", namespace=NS, unit_set=SET) == 2.5
+    # the in-flight metric of the same set is unchanged by the headroom mode
+    assert metric(stub) == 60
+
+
+@pytest.mark.parametrize(
+    ("rooms", "want"),
+    [
+        ((8, 8, 8, 8), 4.0),  # each keeps exactly the target: the size stays
+        ((0, 0, 0, 0), 8.0),  # none has room: 16 streams each fit 8 more units holding 8
+        ((24, 24, 24, 24), 2.0),  # plenty of room: fewer units
+        ((0, 8, 16, 24), 64 / 20),  # uneven: the mean capacity counts
+    ],
+)
+def test_desired_units_keep_the_target_headroom_each(rooms: tuple[int, ...], want: float) -> None:
+    # each unit: 12 decoding + 4 reserved (D's headroom is counted beside both)
+    counted = {f"u{i}": scaler.UnitLoad(12, 4, room) for i, room in enumerate(rooms)}
+    load = scaler.SetLoad(decode_in_flight=48, counted=counted)
+    got = scaler.desired_units(load, 8)
+    assert got == pytest.approx(want)
+    # the promise: that many units of the set's mean capacity keep 8 free each
+    capacity = sum(u.held + u.headroom_streams for u in counted.values()) / len(counted)
+    assert capacity - 64 / got == pytest.approx(8)
+
+
+def test_desired_units_are_zero_without_load() -> None:
+    load = scaler.SetLoad(decode_in_flight=0, counted={"u0": scaler.UnitLoad(0, 0, 30)})
+    assert scaler.desired_units(load, 8) == 0.0
+
+
+def test_headroom_metric_over_a_unit_without_admission_fails_naming_the_unit(
+    harness: Harness,
+) -> None:
+    u = harness.fleet.units
+    u["u0"].decode_in_flight, u["u0"].headroom_streams = 4, 10
+    u["u1"].decode_in_flight = 4  # no headroom_streams: an LB of a unit without admission
+    u["u2"].decode_in_flight, u["u2"].headroom_streams = 4, -1  # admission off
+    harness.sets[(NS, SET)] = [u[n].endpoint() for n in ("u0", "u1", "u2")]
+    stub = harness.scaler()
+    with pytest.raises(grpc.RpcError) as err:
+        headroom_value(stub, headroom_ref())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "u1, u2" in err.value.details() and "--rate-floor" in err.value.details()
+    assert metric(stub) == 12  # inFlight still works over the same units
+
+
+def test_a_headroom_target_no_unit_can_keep_fails_naming_the_key(harness: Harness) -> None:
+    u = harness.fleet.units
+    u["u0"].decode_in_flight, u["u0"].headroom_streams = 4, 3
+    harness.sets[(NS, SET)] = [u["u0"].endpoint()]
+    stub = harness.scaler()
+    with pytest.raises(grpc.RpcError) as err:
+        headroom_value(stub, headroom_ref(targetHeadroomPerUnit="7"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "scalerMetadata.targetHeadroomPerUnit" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("metadata", "key"),
+    [
+        ({"metric": "headroom", "targetInFlightPerUnit": None}, "targetHeadroomPerUnit"),
+        ({"metric": "headroom", "targetHeadroomPerUnit": "0"}, "targetHeadroomPerUnit"),
+        ({"metric": "queue"}, "metric"),
+    ],
+)
+def test_bad_headroom_metadata_is_invalid_argument_naming_the_key(
+    harness: Harness, metadata: dict[str, Any], key: str
+) -> None:
+    stub = harness.scaler()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetMetricSpec(ref(**metadata))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"scalerMetadata.{key}" in err.value.details()
 
 
 # --- the default unit source -------------------------------------------------------------
