@@ -46,6 +46,8 @@ VARIANTS = {
     "network-policy": ["--set", "operator.watchNamespaces={tts,voices}", "--set", "networkPolicy.unitNamespaces={lab}",
                        "--set", "networkPolicy.prometheus.podSelector.app=prometheus",
                        "--set-json", 'networkPolicy.extraLbClients=[{"podSelector":{"matchLabels":{"app":"my-router"}}}]'],
+    "one-operator": ["--set", "operator.replicas=1", "--set", "operator.leaderElection=false",
+                     "--set", "router.replicas=1"],
     "no-network-policy": ["--set", "networkPolicy.enabled=false", "--set", "podMonitor.enabled=true"],
     "keda-other-set": [
         "--set",
@@ -259,6 +261,7 @@ def test_default_render_has_the_operator_scaler_router_and_example_set_but_no_ke
             "Service",
             "PDUnitSet",
             "NetworkPolicy",  # on by default: the units' stream port has no credential
+            "PodDisruptionBudget",  # operator and router, 2 replicas each
         }
     )
     assert {d["spec"]["names"]["kind"] for d in by_kind(docs, "CustomResourceDefinition")} == {
@@ -377,7 +380,7 @@ def test_operator_rbac_grants_exactly_the_verbs_the_operator_uses() -> None:
 
 def test_namespaced_operator_gets_roles_only_in_the_watched_namespaces() -> None:
     docs = render(VARIANTS["namespaced-operator"])
-    roles = by_kind(docs, "Role")
+    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["tts", "voices"]
     for role in roles:
         assert _rules([role], "Role", "operator") == OPERATOR_APP_RULES

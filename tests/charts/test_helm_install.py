@@ -126,6 +126,17 @@ def test_helm_install_is_accepted_by_the_apiserver(installed: ControlPlane) -> N
     ]:
         out = cp.kubectl("auth", "can-i", verb, resource, "-n", "anywhere", as_sa, check=False)
         assert out.stdout.strip() == allowed, f"{SA} can-i {verb} {resource}: {out.stdout.strip()}"
+    # The Lease: its own, in the release namespace, nothing else.
+    for args, allowed in [
+        (("get", f"leases.coordination.k8s.io/{SA}", "-n", NS), "yes"),
+        (("update", f"leases.coordination.k8s.io/{SA}", "-n", NS), "yes"),
+        (("create", "leases.coordination.k8s.io", "-n", NS), "yes"),
+        (("update", "leases.coordination.k8s.io/kube-scheduler", "-n", NS), "no"),
+        (("delete", f"leases.coordination.k8s.io/{SA}", "-n", NS), "no"),
+        (("get", f"leases.coordination.k8s.io/{SA}", "-n", "kube-system"), "no"),
+    ]:
+        out = cp.kubectl("auth", "can-i", *args, as_sa, check=False)
+        assert out.stdout.strip() == allowed, f"{SA} can-i {' '.join(args)}: {out.stdout.strip()}"
 
 
 def test_operator_and_scaler_work_with_only_the_charts_rbac(
@@ -137,7 +148,9 @@ def test_operator_and_scaler_work_with_only_the_charts_rbac(
     kubelet.start()
     scaler_port = free_port()
     op, _ = start_operator(
-        _sa_kubeconfig(cp, tmp_path / "sa-kubeconfig"), tmp_path, "--scaler-port", str(scaler_port)
+        _sa_kubeconfig(cp, tmp_path / "sa-kubeconfig"), tmp_path, "--scaler-port", str(scaler_port),
+        # The chart's leader election: its Lease, in the release namespace.
+        f"--lease-name={SA}", f"--lease-namespace={NS}",
     )
     try:
 
@@ -179,6 +192,8 @@ def test_operator_and_scaler_work_with_only_the_charts_rbac(
             describe=lambda: op.tail(20),
         )
         assert lb.drain_log and not lb.refused_log, (lb.drain_log, lb.refused_log)
+        lease = admin.get(f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/{SA}")
+        assert lease and lease["spec"]["holderIdentity"], lease
         log = op.log.read_text(errors="replace")
         # a 403 as an HTTP status, not as part of a number such as a port (": 40313")
         assert "Forbidden" not in log and not re.search(r"(?<![\d:]) ?\b403\b(?!\d)", log), op.tail(40)
