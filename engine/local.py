@@ -90,6 +90,11 @@ class LocalConfig(BaseModel):
     wrappers: dict[str, list[str]] = Field(default_factory=dict, description="argv prefix per child name (the "
                                            "pod-isolation harness wraps prefill, decode and proxy on a GPU host)")
     ready_timeout_s: float = Field(120.0, gt=0, description="how long to wait for /readyz")
+    rate_floor: float | None = Field(None, ge=0, description="rate-floor admission of D (or the monolith), its "
+                                     "--rate-floor in frames/s: 0 = off; default: the engine's (42 on the GPU "
+                                     "path, off on CPU)")
+    step_model: str = Field("", description="the step-time fit file D (or the monolith) seeds its admission with "
+                            "(its --step-model)")
     restart: bool = Field(True, description="restart a child that exits, after a backoff of 0.5 s doubling to "
                           "10 s (reset once it stayed up 30 s), as a pod's kubelet does; --no-restart: any "
                           "child's exit stops the unit")
@@ -237,6 +242,12 @@ class LocalUnit:
                 urls[child.name] = f"http://127.0.0.1:{port}/metrics"
         return urls
 
+    def admission_args(self) -> list[str]:
+        """D's (or the monolith's) rate-floor flags; none when left to the engine."""
+        c = self.cfg
+        return ((["--rate-floor", f"{c.rate_floor:g}"] if c.rate_floor is not None else []) +
+                (["--step-model", c.step_model] if c.step_model else []))
+
     def commands(self) -> list[tuple[str, list[str]]]:
         """The same commands the pod's containers run (operator/reconcile.py)."""
         c = self.cfg
@@ -255,7 +266,7 @@ class LocalUnit:
                                               "--chunk-tokens", str(c.chunk_tokens),
                                               "--pool-tokens", str(c.pool_tokens),
                                               "--cache-tokens", str(c.cache_tokens)] + common + gemm +
-                         self.metrics_args("monolith") + c.extra_monolith_args))
+                         self.metrics_args("monolith") + self.admission_args() + c.extra_monolith_args))
             p_sock = d_sock = self.sock("monolith")
         elif c.mode in ("pd", "1p2d"):
             p_sock = self.sock("prefill")
@@ -270,7 +281,7 @@ class LocalUnit:
                                              "--proxy-socket", self.sock("proxy"),
                                              "--unit-secret-file", self.unit_secret_file] + common +
                              (["--device", device] if device != c.device else []) + self.metrics_args(name) +
-                             c.extra_decode_args))
+                             self.admission_args() + c.extra_decode_args))
             cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
                                              "--proxy-socket", self.sock("proxy"),

@@ -8,6 +8,7 @@ import sys
 
 from pydantic import Field
 
+from pdunit.engine.decode.admission import AdmissionFields, build_admission
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
@@ -42,7 +43,7 @@ from pdunit.kernels.paged_attention import configure_decode
 PREFILL_GRAPH_SEQS = 16
 
 
-class MonolithConfig(PrefillModelFields, StackSamplingFields):
+class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields):
     """Monolith: P and D in one process on one device (prefill-first or chunked prefill)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
@@ -126,10 +127,18 @@ async def serve(cfg: MonolithConfig) -> int:
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return 2
+    try:
+        admission = build_admission(cfg, model.gpu_path)
+    except ValueError as exc:
+        log.error("cannot start rate-floor admission", extra={"error": str(exc)})
+        return 2
+    log.info("rate-floor admission", extra={"floor_fps": cfg.floor_fps(model.gpu_path), "margin": cfg.floor_margin,
+                                            "step_model": cfg.step_model or None, "on": admission is not None})
     cache = PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens) if cfg.cache_tokens else None
     engine = MonolithEngine(
         model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
         cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
+        admission,
     )
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)

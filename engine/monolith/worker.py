@@ -12,6 +12,13 @@ it, so a reused voice skips its cached leading blocks; when its prefill ends the
 are copied into the stream's pool pages (one device copy, the monolith's "transfer").
 Without a cache, prompt rows are written in place in the pool and go straight to
 decoding.
+
+Rate-floor admission (engine/decode/admission.py, `admission`): `submit` refuses a
+prompt (RATE_FLOOR, before it is queued: it holds nothing) when the projected step
+over the monolith's streams (decoding, and admitted but still queued or prefilling,
+as held streams) plus the new one would break the floor's budget; a prompt that alone
+would is INVALID. Every step is observed into the step model, a mixed or prefill-only
+step with its prompt rows (the per-row term).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from pdunit.engine import metrics as m
 from pdunit.engine.batching import prefill_entry
+from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.step_forward import StepForward
@@ -70,9 +78,11 @@ class MonolithEngine:
         cuda_graphs: bool = True,
         prefill_graphs: PrefillGraphRunner | None = None,
         cache: PrefixCache | None = None,
+        admission: AdmissionControl | None = None,
     ) -> None:
         """`cache`: slot numbers count from `pool.n_slots`, the first storage slot after
-        the pool's (the storage holds both)."""
+        the pool's (the storage holds both). `admission`: rate-floor admission (None =
+        off)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         self.instance_id = uuid.uuid4().hex
@@ -96,11 +106,21 @@ class MonolithEngine:
         self.step_forward = StepForward(model, storage, cuda_graphs, max_batch)
         self._lock = threading.Lock()
         self._step = 0
+        self.admission = admission
+        # Admitted prompts whose stream is not yet running (queued, prefilling, or waiting
+        # for its first step): request id -> (prompt rows, max frames). One entry from
+        # submit until the stream runs or fails, so a prompt moving between the queue,
+        # `prefilling` and the batcher is never missed by the projection (while it
+        # waits in the batcher it counts twice: the safe side).
+        self._admitted: dict[int, tuple[int, int]] = {}
+        self._admitted_lock = threading.Lock()
         self.loop = StepLoop("monolith", self._step_once, model.device)
 
     # ------------------------------------------------------------------ requests
     def submit(self, job: PrefillJob) -> None:
         job.stamps["p_admitted"] = now_ns()
+        if self.admission is not None and not self._admit(job):
+            return
         if self.cache is not None:  # hashed on the caller's thread: the loop's would leave the GPU idle
             job.prefix_chain = block_hashes(job.prompt, self.cache.block_tokens)
         self.waiting.put(job)
@@ -121,7 +141,52 @@ class MonolithEngine:
             return True
         return False
 
+    def _admit(self, job: PrefillJob) -> bool:
+        """Rate-floor admission of a new prompt; a refused one is answered here."""
+        assert self.admission is not None
+        rows, frames = len(job.prompt), job.params.max_frames
+        alone = self.admission.alone_fits(rows, frames)
+        if not alone.admit:
+            self._finish(job, pb.INVALID, "rate_floor: even alone this stream would break the floor "
+                         f"({alone.worst_ms:.1f} ms steps at its end, budget {alone.budget_ms:.1f} ms): "
+                         "ask for fewer frames")
+            return False
+        with self._admitted_lock:  # two submits never both take the last room
+            held = self.batcher.lifetimes() + list(self._admitted.values())
+            verdict = self.admission.judge(held, rows, frames)
+            if verdict.admit:
+                self._admitted[job.request_id] = (rows, frames)
+        if not verdict.admit:
+            log.info("stream refused: rate floor", extra={
+                "request_id": job.request_id, "worst_ms": round(verdict.worst_ms, 2),
+                "budget_ms": round(verdict.budget_ms, 2), "at_step": verdict.at_step})
+            self._finish(job, pb.RATE_FLOOR, verdict.reason())
+        return verdict.admit
+
+    def _lifetimes(self) -> list[tuple[int, int]]:
+        """(context, frames to come) of every stream the monolith holds: decoding or
+        waiting for the batch, and admitted prompts not yet there."""
+        with self._admitted_lock:
+            admitted = list(self._admitted.values())
+        return self.batcher.lifetimes() + admitted
+
+    def headroom(self) -> int:
+        """Streams like the recent ones it would still admit (-1: admission off)."""
+        if self.admission is None:
+            return -1
+        return self.admission.export(self._lifetimes())
+
+    def _forget(self, request_ids: list[int]) -> None:
+        """Streams that run now, or that ended before they ran, leave `_admitted`."""
+        with self._admitted_lock:
+            for rid in request_ids:
+                self._admitted.pop(rid, None)
+
     def _finish(self, job: PrefillJob, status: int, message: str = "", **fields: int) -> None:
+        """The prompt's answer; a failed one leaves `_admitted` (a served one when its
+        stream runs)."""
+        if status != pb.STATUS_OK:
+            self._forget([job.request_id])
         if job.done is not None:
             job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
 
@@ -247,7 +312,7 @@ class MonolithEngine:
         return min(p.lease.cached_tokens, len(prompt) - 1)
 
     def _step_once(self) -> bool:
-        self.batcher.take_cancelled()
+        self._forget(self.batcher.take_cancelled())
         self._admit_waiting()
         self._drop_cancelled_prefills()
         if self.model.device.type != "cuda":
@@ -273,7 +338,9 @@ class MonolithEngine:
                                  [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan],
                                  self.prefill_graphs)
             self._complete_prefills(plan, logits)
-            m.P_PREFILL_SECONDS.observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            m.P_PREFILL_SECONDS.observe(seconds)
+            self._observe(0, 0, seconds, plan)
             return True
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
@@ -288,16 +355,28 @@ class MonolithEngine:
         else:  # decode only: the same graph path as D, so the comparison is fair
             logits = self.step_forward(entries) if entries else None
         n_dec = len(streams)
+        tokens = sum(s.prompt_tokens + s.frames_out for s in streams)
         out = self.batcher.apply(streams, logits[:n_dec] if logits is not None else None, new)
+        self._forget([s.request_id for s in new])  # running now: the batcher counts them
         self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
         if len(out.request_ids):
             self._step += 1
             self.hub.publish(step_message(self._step, out))
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
-        m.D_STEP_SECONDS.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        m.D_STEP_SECONDS.observe(seconds)
         m.D_STREAMS.set(len(self.batcher))
+        self._observe(n_dec, tokens, seconds, plan)
         return True
+
+    def _observe(self, streams: int, context_tokens: int, seconds: float,
+                 plan: list[tuple[Prefilling, PrefillChunk]]) -> None:
+        """One step into the step model: its decoding streams, their context, and the
+        prompt rows it computed (a mixed or prefill-only step's per-row cost)."""
+        if self.admission is not None:
+            rows = sum(c.end - c.start for _, c in plan)
+            self.admission.observe(streams, context_tokens, seconds * 1000, rows)
 
     # ------------------------------------------------------------------ info
     def info(self) -> pb.InfoReply:
@@ -308,7 +387,8 @@ class MonolithEngine:
             role="monolith", instance_id=self.instance_id, peer_instance_id=self.instance_id,
             queue=len(self.waiting) + len(self.prefilling), in_flight=len(self.batcher),
             held_pages=self.pool.held_pages, pool_pages=self.pool.n_pages, free_pages=self.pool.free_pages,
-            transfer_mode="none", request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
+            transfer_mode="none", headroom_streams=self.headroom(),
+            request_ids=pack(np.array(sorted(set(ids)), dtype=np.uint64), "u8"),
         )
 
     def hello(self) -> pb.HelloReply:
