@@ -14,17 +14,19 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Enum, Gauge, Histogram
+
+from .transfer.base import TRANSFER_MODES
 
 ROLES = ("prefill", "decode", "monolith")
-_BY_ROLE: dict[str, list[Counter | Gauge | Histogram]] = {role: [] for role in ROLES}
+_BY_ROLE: dict[str, list[Counter | Gauge | Histogram | Enum]] = {role: [] for role in ROLES}
 # (role, registry) pairs registered so far: a module imported later (a transport chosen
 # at run time) exports its metrics into them as it declares them.
 _REGISTERED: list[tuple[str, CollectorRegistry]] = []
-M = TypeVar("M", Counter, Gauge, Histogram)
+M = TypeVar("M", Counter, Gauge, Histogram, Enum)
 
 
-def _register(registry: CollectorRegistry, metric: Counter | Gauge | Histogram) -> None:
+def _register(registry: CollectorRegistry, metric: Counter | Gauge | Histogram | Enum) -> None:
     try:
         registry.register(metric)
     except ValueError:
@@ -128,9 +130,11 @@ P_PREFILL_FORWARDS = role_metric(Counter(
     "--prefill-graphs) or eager", ["path"], registry=None), _P, _MONO)
 P_PREFILL_TOKENS = role_metric(Counter("pdunit_prefill_tokens_total", "Prompt rows, by how they were served",
                                        ["source"], registry=None), _P, _MONO)
-P_TRANSFER_MODE = role_metric(Gauge(
-    "pdunit_transfer_mode_info", "Transfer mode P writes KV with (1 = in use), whether --transfer named it or "
-    "auto's verified probe chose it", ["mode"], registry=None), _P)
+# A state set per D link (exactly one state is 1): the mode P writes that D's KV with,
+# whether --transfer named it or auto's verified probe chose it; "none" until it connects.
+P_TRANSFER_MODE = role_metric(Enum(
+    "pdunit_transfer_mode", "Transfer mode P writes KV to each D with (--transfer's, or auto's verified probe's)",
+    ["decode"], states=["none", *TRANSFER_MODES], registry=None), _P)
 P_TRANSFER_SECONDS = role_metric(Histogram("pdunit_transfer_seconds", "Write time of one request's KV", ["mode"],
                                            buckets=_FAST, registry=None), _P)
 P_TRANSFER_BYTES = role_metric(Counter("pdunit_transfer_bytes_total", "KV bytes written to D", ["mode"],

@@ -5,7 +5,9 @@
   at start.
 - Metrics: prometheus_client's default registry, names prefixed `pdunit_` with units in
   the name (`_seconds`, `_bytes`, `_total`). Processes without an HTTP server expose
-  them with `serve_metrics(port)`.
+  them with `serve_metrics(port)`. No `*_created` series: `setup_logging` (every
+  process's first call) turns them off; they would double the series of every counter
+  and histogram, and nothing reads them (Prometheus detects counter resets itself).
 - GC pauses: `setup_logging` also times every cyclic garbage collection of the process
   (`pdunit_gc_pause_seconds{generation}`): a decode step is 10-20 ms, so a long
   collection in D or the LB is a stall every stream sees, and prometheus_client's own
@@ -30,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Gauge, Histogram, disable_created_metrics
 from pydantic import BaseModel
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -112,8 +114,10 @@ def watch_gc_pauses() -> None:
 
 def setup_logging(component: str, level: str = "info") -> logging.Logger:
     """JSON lines on stderr for the whole process; returns the component's logger. Also
-    starts timing the process's GC pauses (every process calls this first)."""
+    starts timing the process's GC pauses and turns off `*_created` series (every process
+    calls this first)."""
     watch_gc_pauses()
+    disable_created_metrics()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(component))
     root = logging.getLogger()

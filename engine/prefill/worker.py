@@ -71,7 +71,6 @@ from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import decode_names, parse_decode_sockets
 from pdunit.engine.transfer.base import (
-    TRANSFER_MODES,
     Descriptor,
     KVSender,
     PoolGeometry,
@@ -279,9 +278,7 @@ class PrefillEngine:
         if self.transfer not in ("auto", link.sender.mode):
             raise PeerMismatch(f"asked for transfer {self.transfer!r} but D at {link.socket} offers "
                                f"{[d.mode for d in offered]}")
-        modes = {lk.sender.mode for lk in self.links if lk.sender is not None}
-        for mode in TRANSFER_MODES:  # every mode, so a dashboard sees a 0 where one stopped
-            m.P_TRANSFER_MODE.labels(mode).set(1 if mode in modes else 0)
+        m.P_TRANSFER_MODE.labels(decode=link.name).state(link.sender.mode)
         link.instance = hello.instance_id
         link.page_size = max(1, g.page_size)
         link.pool_pages = link.free_pages = max(0, g.n_slots // link.page_size)

@@ -12,7 +12,7 @@ P side (`probe_auto`): tries fabric -> posix-fd -> ipc -> host -> proxy -> tcp, 
 with a real mapping and a VERIFIED test transfer into D's probe region (checksums of
 what landed in D's memory, never a device attribute), picks the first that passes,
 logs the choice and every failure reason (P then exports the mode it uses as
-`pdunit_transfer_mode_info{mode=...}`). Nothing downgrades later without a new probe.
+`pdunit_transfer_mode{pdunit_transfer_mode=...}`). Nothing downgrades later without a new probe.
 Must never write probe rows into D's pool slots: a probe writes each mode's probe
 region, under that mode's probe authorisation (tcp: a probe grant D issues to the
 authenticated peer), never under a reservation's capability.
@@ -47,7 +47,7 @@ ORDER = ("fabric", "posix-fd", "ipc", "host", "proxy", "tcp")
 PROBE_ROWS = 4
 
 # P chooses (its sender's probe); P's worker exports the mode it then uses
-# (pdunit_transfer_mode_info), as for a mode named by --transfer.
+# (pdunit_transfer_mode), as for a mode named by --transfer.
 PROBES = role_metric(Counter("pdunit_transfer_probe_total", "Verified test transfers by mode and outcome",
                              ["mode", "outcome"], registry=None), "prefill")
 

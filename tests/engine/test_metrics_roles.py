@@ -28,7 +28,7 @@ def names(role: str) -> set[str]:
 
 def test_each_role_exports_its_own_series():
     p, d, mono = names("prefill"), names("decode"), names("monolith")
-    assert "pdunit_prefill_queue" in p and "pdunit_transfer_mode_info" in p
+    assert "pdunit_prefill_queue" in p and "pdunit_transfer_mode" in p
     assert not {n for n in p if n.startswith(("pdunit_decode_", "pdunit_kv_", "pdunit_tcp_"))}
     assert "pdunit_decode_step_seconds" in d and "pdunit_kv_mismatch" in d and "pdunit_tcp_chunks" in d
     assert not {n for n in d if n.startswith("pdunit_prefill_")}

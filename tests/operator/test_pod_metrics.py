@@ -117,8 +117,8 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
     assert "pdunit_prefill_held_aborts" in served["metrics-prefill"]
     assert "pdunit_lb_streams_in_flight" in served["http"]
     # named by the spec, not probed by auto: P still says which mode carries the KV
-    assert 'pdunit_transfer_mode_info{mode="proxy"} 1.0' in texts["metrics-prefill"]
-    assert 'pdunit_transfer_mode_info{mode="tcp"} 0.0' in texts["metrics-prefill"]
+    assert 'pdunit_transfer_mode{decode="decode",pdunit_transfer_mode="proxy"} 1.0' in texts["metrics-prefill"]
+    assert 'pdunit_transfer_mode{decode="decode",pdunit_transfer_mode="tcp"} 0.0' in texts["metrics-prefill"]
     everything = set().union(*served.values())
     missing = _unit_metrics_read_by_the_chart() - everything
     assert not missing, f"the dashboard or the alerts query unit metrics no port of the pod serves: {sorted(missing)}"

@@ -90,8 +90,12 @@ async def test_sigterm_lets_open_streams_finish_then_exits_0() -> None:
                     proc.send_signal(signal.SIGTERM)
                     await _wait_log(logs, "draining: no new connections, waiting for open streams")
                     assert proc.returncode is None  # still serving the open stream
+                    # the process's series: no *_created beside its counters and histograms
+                    text = (await client.get(url + "/metrics")).text
                     unit.hold.set()
                     rest = [json.loads(line) async for line in lines if line]
+            assert "pdunit_router_decision_latency_seconds_count" in text
+            assert "pdunit_router_decisions_total" in text and "_created" not in text
             assert json.loads(first)["i"] == 0 and rest[-1]["done"] is True
             assert await asyncio.wait_for(proc.wait(), timeout=20) == 0
             await reader
