@@ -6,7 +6,10 @@ times and replays them through the playback model (playback.py). Per level: stre
 stutter share, min and p1 rate, worst 1-second window, TTFT and TTFA p50/p95/p99,
 errors. Capacity = the highest concurrency that passes (no error, no stutter, every
 stream's rate >= --min-rate, TTFA p95 <= --ttfa-p95-ms) with every lower level passing
-too. Writes JSON + Markdown (report.py) and an optional PNG plot.
+too. A 503 `rate_floor` is a refusal, not an error: the unit kept its floor by saying no
+(a closed-loop worker waits its Retry-After before the next request); a level reports
+its refused share, how fast refusals were answered, and its goodput (frames/s of the
+streams that met the floor). Writes JSON + Markdown (report.py) and an optional PNG plot.
 
 `stream_once` is public: other benchmarks (waterfall) reuse the client. This module
 never starts a unit; it only measures one.
@@ -40,6 +43,7 @@ from pdunit.engine.playback import AUDIO_FPS, stream_timing
 from pdunit.engine.settings import ConfigError, parse_config
 
 BENCH = "capacity"
+REFUSAL_CODE = "rate_floor"  # the LB's error code of a rate-floor refusal (503 + Retry-After)
 
 
 class CapacityConfig(BaseModel):
@@ -159,6 +163,14 @@ class StreamResult:
     stalls: int = 0
     stall_s: float = 0.0
     last_frame_s: float | None = None  # since send: with send_unix_ns, the client's end of stream
+    answered_s: float | None = None  # since send: the response's status line
+    retry_after: str | None = None  # a refusal's Retry-After header
+
+    @property
+    def refused(self) -> bool:
+        """Refused by rate-floor admission (503 rate_floor): the unit said no to keep
+        its floor, which is no error."""
+        return self.error == f"http_503:{REFUSAL_CODE}"
 
     @property
     def ok(self) -> bool:
@@ -203,7 +215,9 @@ async def stream_once(
             "POST", f"{url}/v1/tts/stream", content=body, headers=headers
         ) as resp:
             res.status = resp.status_code
+            res.answered_s = time.perf_counter() - t0
             if resp.status_code != 200:
+                res.retry_after = resp.headers.get("retry-after")
                 raw = await resp.aread()
                 try:
                     code = json.loads(raw)["error"]["code"]
@@ -295,7 +309,7 @@ class _Progress:
     def add(self, r: StreamResult) -> None:
         self.done += 1
         self.stutter += int(r.ok and r.stutter)
-        self.errors += int(not r.ok)
+        self.errors += int(not r.ok and not r.refused)
         if self.by_streams:
             self.bar.update(1)
 
@@ -356,7 +370,7 @@ async def run_level(
         started += 1
         return True
 
-    async def one(spec: StreamSpec) -> None:
+    async def one(spec: StreamSpec) -> StreamResult:
         progress.in_flight += 1
         try:
             r = await stream_once(
@@ -367,13 +381,16 @@ async def run_level(
         if r.started_s >= cfg.warmup:
             results.append(r)
             progress.add(r)
+        return r
 
     async def closed_worker(i: int) -> None:
         assert workload is not None and concurrency is not None
         if cfg.ramp:
             await asyncio.sleep(cfg.ramp * i / concurrency)
         while may_start():
-            await one(workload.next())
+            r = await one(workload.next())
+            if r.refused:  # a client told to come back later does, not at once
+                await asyncio.sleep(retry_after_s(r.retry_after))
 
     async def open_arrivals() -> None:
         assert schedule is not None
@@ -516,6 +533,14 @@ async def _window_marks(window: Callable[[str], None], start_at: float, end_at: 
         await asyncio.to_thread(window, name)
 
 
+def retry_after_s(header: str | None) -> float:
+    """A Retry-After header's seconds (1 when absent or not a number of seconds)."""
+    try:
+        return max(0.0, float(header)) if header is not None else 1.0
+    except ValueError:
+        return 1.0
+
+
 def _unserved(error: str) -> StreamResult:
     """A stream the benchmark counts as failed without a response to measure."""
     return StreamResult(
@@ -564,15 +589,18 @@ def summarize_level(
     elapsed_s: float,
 ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
+    refused = [r for r in results if r.refused]
     rates = [r.rate for r in ok if r.rate is not None]
     windows = [r.worst_window for r in ok if r.worst_window is not None]
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     ttfa = [r.ttfa_s * 1000 for r in ok if r.ttfa_s is not None]
     errors: dict[str, int] = {}
     for r in results:
-        if r.error:
+        if r.error and not r.refused:
             errors[r.error] = errors.get(r.error, 0) + 1
     stutters = sum(r.stutter for r in ok)
+    # streams that met the floor: every frame at >= --min-rate and no stall
+    good = [r for r in ok if r.rate is not None and r.rate >= cfg.min_rate and not r.stutter]
     row: dict[str, Any] = {
         "mode": cfg.mode_label,
         "gpus": cfg.gpus,
@@ -580,8 +608,13 @@ def summarize_level(
         "rate": rate,
         "streams": len(results),
         "ok": len(ok),
-        "errors": len(results) - len(ok),
+        "errors": len(results) - len(ok) - len(refused),
         "error_kinds": errors,
+        "refused": len(refused),
+        "refused_share": (len(refused) / len(results)) if results else None,
+        "refusal_p99_ms": report.percentile([r.answered_s * 1000 for r in refused if r.answered_s is not None], 99),
+        "refused_without_retry_after": sum(r.retry_after is None for r in refused),
+        "goodput_fps": round(sum(r.frames for r in good) / elapsed_s, 1) if elapsed_s > 0 else None,
         "stutter_share": (stutters / len(ok)) if ok else None,
         "stalls": sum(r.stalls for r in ok),
         "min_rate": min(rates) if rates else None,
@@ -650,7 +683,7 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
     summary: dict[str, Any] = {
         "criteria": {
             "stutter": 0,
-            "errors": 0,
+            "errors": 0,  # a rate-floor refusal (503 rate_floor) is none
             "min_rate": cfg.min_rate,
             "ttfa_p95_ms": cfg.ttfa_p95_ms,
         },
@@ -687,6 +720,8 @@ COLUMNS = [
     report.Column("realtime_streams", "rt streams", "{:g}"),
     report.Column("streams", "streams"),
     report.Column("errors", "errors"),
+    report.Column("refused_share", "refused", "{:.1%}"),
+    report.Column("goodput_fps", "goodput fps", "{:.0f}"),
     report.Column("stutter_share", "stutter", "{:.1%}"),
     report.Column("min_rate", "min fps", "{:.1f}"),
     report.Column("p1_rate", "p1 fps", "{:.1f}"),

@@ -24,6 +24,8 @@ class FakeLB:
     fps: float
     ttft_s: float = 0.02
     refuse_every: int = 0  # every n-th request gets 503 before streaming
+    refuse_code: str = "draining"  # the 503's error code
+    retry_after: str | None = None  # the 503's Retry-After header
     fail_after: int | None = None  # frames before an error record (mid-stream failure)
     requests: int = 0
     max_concurrent: int = 0
@@ -53,7 +55,8 @@ class FakeLB:
         self.requests += 1
         self.seen_sessions.append(headers.get("x-session-id", ""))
         if self.refuse_every and self.requests % self.refuse_every == 0:
-            await self._json(send, 503, {"error": {"code": "draining", "message": "fake"}})
+            headers = [(b"retry-after", self.retry_after.encode())] if self.retry_after is not None else []
+            await self._json(send, 503, {"error": {"code": self.refuse_code, "message": "fake"}}, headers)
             return
         if headers.get("content-type") == "application/json":
             frames = json.loads(body)["max_frames"]
@@ -94,12 +97,12 @@ class FakeLB:
         finally:
             self._concurrent -= 1
 
-    async def _json(self, send: Any, status: int, doc: dict) -> None:
+    async def _json(self, send: Any, status: int, doc: dict, headers: list | None = None) -> None:
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"application/json")],
+                "headers": [(b"content-type", b"application/json"), *(headers or [])],
             }
         )
         await send({"type": "http.response.body", "body": json.dumps(doc).encode()})
@@ -193,6 +196,37 @@ def test_refusals_and_mid_stream_errors_are_counted_and_fail_the_level(serve):
     url = serve(FakeLB(fps=300.0, fail_after=5))
     (row,) = run_capacity(base_config(url, concurrency="1", duration=0.3))["rows"]
     assert row["ok"] == 0 and set(row["error_kinds"]) == {"stream:decode_unavailable"}
+
+
+def test_rate_floor_refusals_are_no_errors_and_the_level_reports_them_and_its_goodput(serve):
+    url = serve(FakeLB(fps=300.0, refuse_every=2, refuse_code="rate_floor", retry_after="0"))
+    (row,) = run_capacity(base_config(url, concurrency="2", duration=0.5))["rows"]
+    assert row["refused"] > 0 and row["errors"] == 0 and row["error_kinds"] == {}, row
+    assert row["refused_share"] == row["refused"] / row["streams"]
+    assert row["refusal_p99_ms"] is not None and row["refused_without_retry_after"] == 0
+    assert row["passed"] is True  # the served streams kept the floor: refusing is the unit's right
+    assert row["goodput_fps"] == pytest.approx(row["frames_total"] / row["elapsed_s"], rel=0.01)
+
+
+def test_a_closed_loop_worker_waits_a_refusals_retry_after(serve):
+    fake = FakeLB(fps=300.0, refuse_every=1, refuse_code="rate_floor", retry_after="1")
+    (row,) = run_capacity(base_config(serve(fake), concurrency="1", duration=0.5))["rows"]
+    assert fake.requests == 1 and row["refused"] == 1  # came back after 1 s: the level had ended
+
+
+def test_goodput_counts_only_the_streams_that_met_the_floor():
+    def served(rate: float, stalls: int = 0) -> StreamResult:
+        return StreamResult(index=0, voice="v", reused=False, prompt_rows=10, frames_requested=100, started_s=0,
+                            send_unix_ns=0, frames=100, rate=rate, ttfa_s=0.1, stalls=stalls)
+
+    refusal = StreamResult(index=1, voice="v", reused=False, prompt_rows=10, frames_requested=100, started_s=0,
+                           send_unix_ns=0, status=503, error="http_503:rate_floor", answered_s=0.004)
+    cfg = CapacityConfig(min_rate=42.0)
+    row = summarize_level([served(50.0), served(30.0), served(60.0, stalls=1), refusal], cfg, 4, None, 10.0)
+    assert row["goodput_fps"] == 10.0  # only the first: one fell under the floor, one stalled
+    assert row["refused"] == 1 and row["refused_share"] == 0.25 and row["errors"] == 0
+    assert row["refusal_p99_ms"] == pytest.approx(4.0) and row["refused_without_retry_after"] == 1
+    assert row["passed"] is False  # the admitted streams did not all keep the floor
 
 
 def test_poisson_arrivals_with_bursts(serve):
