@@ -1,6 +1,7 @@
 """Generate the CustomResourceDefinitions in crds/ from the pydantic models.
 
-`python -m pdunit.operator.crdgen crds` (also `make crds`) writes one YAML file per kind.
+`python -m pdunit.operator.crdgen crds` (also `make crds`) writes one YAML file per kind;
+tools/helm/sync-crds.sh copies them into both charts (pdunit/crds, pdunit-crds/templates).
 The pydantic JSON schema is turned into a Kubernetes *structural* schema: `$ref`s
 inlined, `Optional[X]` collapsed to X, `int | str` to `x-kubernetes-int-or-string`,
 titles and null defaults dropped; `x-kubernetes-*` keys (CEL rules, list types) pass
@@ -136,6 +137,10 @@ def _crd(
         "metadata": {
             "name": f"{plural}.{m.GROUP}",
             "labels": {m.LABEL_NAME: "pdunit", "app.kubernetes.io/part-of": "pdunit"},
+            # charts/pdunit-crds ships these files as templates, so `helm upgrade` keeps
+            # them current; `keep` stops `helm uninstall` (or a release renamed away) from
+            # deleting the CRDs and with them every PDUnit. Inert for kubectl apply.
+            "annotations": {"helm.sh/resource-policy": "keep"},
         },
         "spec": {
             "group": m.GROUP,
