@@ -105,3 +105,22 @@ def test_helm_upgrade_of_the_crd_chart_changes_the_clusters_crd(
     _helm(cp, "uninstall", "crds")
     assert api.get(UNITS_CRD) is not None
     assert api.get("/apis/pdunit.dev/v1alpha1/namespaces/tts/pdunitsets/tts") is not None
+
+
+def test_crds_no_release_owns_are_adopted_once_they_carry_the_releases_ownership(
+    plane: tuple[ControlPlane, Api],
+) -> None:
+    """The docs' path from CRDs that came from a crds/ folder (kubectl or charts/pdunit)."""
+    cp, api = plane
+    cp.kubectl("delete", "crd", "pdunits.pdunit.dev", "pdunitsets.pdunit.dev", "--ignore-not-found")
+    wait_for(lambda: api.get(UNITS_CRD) is None, 60, "the CRDs to be deleted")
+    cp.kubectl("create", "-f", str(REPO / "crds"))
+    refused = subprocess.run([helm(), "install", "pdunit-crds", str(CRD_CHART), "--kubeconfig",
+                              str(cp.kubeconfig)], capture_output=True, text=True, timeout=180)
+    assert refused.returncode != 0 and "invalid ownership metadata" in refused.stderr, refused.stderr
+    for crd in ("crd/pdunits.pdunit.dev", "crd/pdunitsets.pdunit.dev"):
+        cp.kubectl("label", crd, "app.kubernetes.io/managed-by=Helm")
+        cp.kubectl("annotate", crd, "meta.helm.sh/release-name=pdunit-crds",
+                   "meta.helm.sh/release-namespace=default")
+    _helm(cp, "install", "pdunit-crds", str(CRD_CHART))
+    assert (api.get(UNITS_CRD) or {})["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
