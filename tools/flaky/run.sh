@@ -13,7 +13,8 @@
 #   FLAKY_ARGS   pytest arguments for every run (a subset: tests/engine -x), through
 #                PYTEST_ADDOPTS; empty = the whole suite as `make test` runs it
 #   FLAKY_SEED   the random-order seed (default: drawn here, printed)
-#   FLAKY_DIR    where the clones go (default: a new temp folder; kept on failure)
+#   FLAKY_DIR    where the clones and logs go (default: a new temp folder); a passing
+#                run's clone is removed, every log is kept
 #   FLAKY_BUSY_MAX_S  a burner ends by itself after this long even if this script dies
 #                (default 3600)
 # The clones share the envtest/helm builds (PDUNIT_CACHE, ~/.cache/pdunit) and pip's
@@ -74,7 +75,7 @@ for i in "${!runs[@]}"; do
   log="$work/run-$n-$kind.log"
   rm -rf "$dir"
   git clone -q "$repo" "$dir" || { echo "run $n: git clone failed" >&2; exit 1; }
-  addopts="${FLAKY_ARGS:-}"
+  addopts="--durations=20 ${FLAKY_ARGS:-}"
   if [ "$kind" = random ]; then
     addopts="-p randomly --randomly-seed=$seed $addopts"
   fi
@@ -98,11 +99,12 @@ for i in "${!runs[@]}"; do
 done
 
 echo
+echo "slowest 20 tests of run 1 (${runs[0]}):"
+sed -n '/slowest 20 durations/,/^$/p' "$work/run-1-${runs[0]}.log" | sed '1d;/^$/d;s/^/  /'
 echo "flake hunt of $head (random-order seed $seed), $((SECONDS - t_all))s in all:"
 printf '  %s\n' "${results[@]}"
 if [ "$failed" -eq 0 ]; then
-  echo "all ${#runs[@]} runs green"
-  [ -z "${FLAKY_DIR:-}" ] && rm -rf "$work"
+  echo "all ${#runs[@]} runs green; logs under $work"
   exit 0
 fi
 echo "some runs failed: logs and clones under $work" >&2
