@@ -288,6 +288,7 @@ async def run(cfg: OperatorConfig, logger: logging.Logger) -> int:
             await lb.close()
             await kube.close()
     if lost is not None:
+        logger.error("operator stopped: leadership lost", extra={"why": lost})
         return 1  # restarted by its Deployment, it comes back as a standby
     logger.info("operator stopped")
     return 0

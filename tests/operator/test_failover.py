@@ -5,13 +5,17 @@ on these objects."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.operator.envtest import (
     REPO,
@@ -114,6 +118,95 @@ def test_one_of_two_operators_acts_and_the_other_takes_over_when_it_dies(
         assert b.stop() == 0, b.tail()
         assert _holder(api) == ""
     finally:
+        for op in (a, b):
+            if op is not None:
+                op.stop()
+
+
+class Partition:
+    """A TCP forwarder between one operator and the apiserver; `cut()` drops every
+    connection and refuses new ones, as a node cut off from the control plane sees it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.cutoff = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.cutoff.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self.lock:
+                self.conns += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self.cutoff.set()
+        self.listener.close()
+        with self.lock:
+            for s in self.conns:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+
+def test_a_partitioned_leader_stops_before_the_standby_takes_over(
+    plane: tuple[ControlPlane, Api], tmp_path: Path
+) -> None:
+    cp, api = plane
+    ns = "partition"
+    cp.kubectl("create", "namespace", ns)
+    api.delete(LEASE)
+    partition = Partition(int(cp.server.rsplit(":", 1)[1]))
+    config = yaml.safe_load(cp.kubeconfig.read_text())
+    config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{partition.port}"
+    cut_off = tmp_path / "partitioned-kubeconfig"
+    cut_off.write_text(yaml.safe_dump(config))
+    timing = ("--lease-seconds", "6", "--renew-deadline-seconds", "2", "--lease-retry-seconds", "0.5")
+    (tmp_path / "a").mkdir()
+    a, _ = start_operator(cut_off, tmp_path / "a", "--scaler-port", "0", "--leader-identity", "op-a", *timing)
+    b: Operator | None = None
+    try:
+        wait_for(lambda: _holder(api) == "op-a", 60, "op-a to hold the Lease", describe=a.tail)
+        (tmp_path / "b").mkdir()
+        b, _ = start_operator(cp.kubeconfig, tmp_path / "b", "--scaler-port", "0",
+                              "--leader-identity", "op-b", *timing)
+        wait_for(lambda: "waiting for leadership" in b.log.read_text(), 60, "op-b to wait")
+        partition.cut()
+
+        def taken_over() -> bool:
+            holder = _holder(api)
+            # Never two acting: when op-b holds the Lease, op-a has already stopped.
+            assert holder != "op-b" or a.proc.poll() is not None, "op-b took over a running leader"
+            return holder == "op-b"
+
+        wait_for(taken_over, 60, "op-b to take the Lease", interval=0.05, describe=b.tail)
+        assert a.proc.returncode == 1, a.tail()
+        assert "leadership lost" in a.log.read_text()
+        cp.kubectl("apply", "-n", ns, "-f", "-", input=unit("after-cut"))
+        wait_for(lambda: _pod(api, ns, "after-cut"), 60, "op-b to act", describe=b.tail)
+    finally:
+        partition.cut()
         for op in (a, b):
             if op is not None:
                 op.stop()
