@@ -26,11 +26,17 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+def listing() -> list[str]:
+    """One line per benchmark, name and what it measures (`pdunit bench --help` and
+    `pdunit --help` both print these)."""
+    return [f"  {name:<10} {text}" for name, (_, text) in BENCHES.items()]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: pdunit bench <name> [options]\n")
-        for name, (_, text) in BENCHES.items():
-            print(f"  {name:<10} {text}")
+        text = "\n".join(["usage: pdunit bench <name> [options]", "", *listing(), "",
+                          "`pdunit bench <name> --help` lists a benchmark's options."])
+        print(text, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in BENCHES:

@@ -19,15 +19,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pdunit.engine.router.main", "cluster router: picks a unit by session affinity"),
     "operator": ("pdunit.operator.main", "kopf operator for PDUnit/PDUnitSet + KEDA scaler"),
     "local": ("pdunit.engine.local", "run a whole unit as local processes"),
-    "bench": ("pdunit.bench.main", "benchmarks: capacity, transfer, step, edges, waterfall, router"),
+    "bench": ("pdunit.bench.main", "benchmarks, one per name below: `pdunit bench <name>`"),
 }
 
 
 def usage() -> str:
+    """Every command, then every benchmark (bench/main.py BENCHES: the list is read from
+    there, so it never falls behind)."""
+    from pdunit.bench.main import listing  # names and texts only: imports no benchmark
+
     lines = ["usage: pdunit <command> [options]", "", "commands:"]
     for name, (_, text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<10} {text}")
-    lines.append("")
+    lines += ["", "benchmarks (pdunit bench <name>):", *listing(), ""]
     lines.append("`pdunit <command> --help` lists each command's options (flags or PDUNIT_* env).")
     return "\n".join(lines)
 
@@ -35,7 +39,7 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
-        print(usage())
+        print(usage(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     name, rest = args[0], args[1:]
     from pdunit.engine.observability import die_with_parent

@@ -1,8 +1,10 @@
 """Logs, metrics and shutdown conventions shared by every pdunit process.
 
-- Logs: one JSON object per line on stderr (`ts`, `level`, `component`, `msg`, plus any
-  `extra=` fields such as `request_id`). `log_config` writes the resolved config once
-  at start.
+- Logs: one JSON object per line on stderr (`ts` in RFC 3339, UTC; `level`, `component`,
+  `msg`, plus any `extra=` fields such as `request_id`), or one readable text line per
+  record (`log_format="text"`); with a `log_file`, every record goes there as JSON and
+  only warnings reach stderr (`pdunit local`: its terminal keeps the unit's summary).
+  `log_config` writes the resolved config once at start.
 - Metrics: prometheus_client's default registry, names prefixed `pdunit_` with units in
   the name (`_seconds`, `_bytes`, `_total`). Processes without an HTTP server expose
   them with `serve_metrics(port)`. No `*_created` series: `setup_logging` (every
@@ -30,7 +32,9 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
 
 from prometheus_client import Gauge, Histogram, disable_created_metrics
 from pydantic import BaseModel
@@ -38,25 +42,58 @@ from pydantic import BaseModel
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
+LogLevel = Literal["debug", "info", "warning", "error"]  # every process's --log-level
+LogFormat = Literal["json", "text"]
+
+
+def rfc3339(created: float, timespec: str = "microseconds") -> str:
+    """A record's time (`LogRecord.created`, seconds since the epoch) in RFC 3339, UTC."""
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith("_")}
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object per record: what tests, the fault suite and log pipelines parse."""
+
     def __init__(self, component: str) -> None:
         super().__init__()
         self.component = component
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": round(record.created, 6),
+            "ts": rfc3339(record.created),
             "level": record.levelname.lower(),
             "component": self.component,
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key, value in record.__dict__.items():
-            if key not in _RESERVED and not key.startswith("_"):
-                out[key] = value
+        out.update(_extras(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """One line a person reads: `<RFC 3339 time> <level> <component>: <msg> key=value ...`
+    (a value with spaces or structure in JSON), a traceback on the lines after it."""
+
+    def __init__(self, component: str) -> None:
+        super().__init__()
+        self.component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [rfc3339(record.created, "milliseconds"), record.levelname.lower(),
+                 f"{self.component}: {record.getMessage()}"]
+        for key, value in _extras(record).items():
+            text = value if isinstance(value, str) and value and " " not in value else json.dumps(value, default=str)
+            parts.append(f"{key}={text}")
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 GC_PAUSE_SECONDS = Histogram(
@@ -112,16 +149,25 @@ def watch_gc_pauses() -> None:
         gc.callbacks.append(_time_gc)
 
 
-def setup_logging(component: str, level: str = "info") -> logging.Logger:
-    """JSON lines on stderr for the whole process; returns the component's logger. Also
-    starts timing the process's GC pauses and turns off `*_created` series (every process
-    calls this first)."""
+def setup_logging(component: str, level: str = "info", log_format: LogFormat = "json",
+                  log_file: Path | None = None) -> logging.Logger:
+    """The whole process's logging; returns the component's logger. Records go to stderr
+    as `log_format` lines; with `log_file`, every record goes to that file as JSON lines
+    and only warnings and errors to stderr. Also starts timing the process's GC pauses
+    and turns off `*_created` series (every process calls this first)."""
     watch_gc_pauses()
     disable_created_metrics()
+    formatter = {"json": JsonFormatter, "text": TextFormatter}[log_format](component)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(component))
+    handler.setFormatter(formatter)
+    handlers: list[logging.Handler] = [handler]
+    if log_file is not None:
+        handler.setLevel(logging.WARNING)
+        to_file = logging.FileHandler(log_file, encoding="utf-8")
+        to_file.setFormatter(JsonFormatter(component))
+        handlers.append(to_file)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(level.upper())
     # uvicorn/grpc/kopf loggers propagate to the root handler: one format everywhere.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):

@@ -2,7 +2,8 @@
 
 One way for every process: `parse_config(Model, argv)` builds `--field-name` flags from
 the model's fields and reads `PDUNIT_FIELD_NAME` from the environment. Flags win over
-env, env over defaults. Validation errors name the field and the flag. This module
+env, env over defaults. A Literal field's flag takes only its values (argparse lists them
+and exits 2); validation errors name the field and the flag. This module
 never starts anything; it only turns argv/env into a validated config object.
 """
 
@@ -65,9 +66,36 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (list, tuple)
 
 
+def choices_of(annotation: Any) -> list[str] | None:
+    """The values a field of this annotation takes, when it is a Literal of strings (or
+    one or None): argparse refuses any other flag value and lists these."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [choices_of(a) for a in typing.get_args(annotation) if a is not type(None)]
+        return [v for m in members for v in m or []] if all(members) else None
+    if typing.get_origin(annotation) is Literal:
+        values = typing.get_args(annotation)
+        if all(isinstance(v, str) for v in values):
+            return list(values)
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a value outside a field's choices) are a
+    ConfigError, as the model's own are: one exception, exit 2, no traceback."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.print_usage(sys.stderr)
+        text = f"{self.prog}: {message}"
+        print(text, file=sys.stderr)
+        raise ConfigError(text)
+
+
 def build_parser(model: type[BaseModel], prog: str, description: str | None = None) -> argparse.ArgumentParser:
-    # argparse %-formats help texts: a literal % ("1.5-3% faster") crashed `--help`
-    parser = argparse.ArgumentParser(prog=prog, description=(description or model.__doc__ or "").replace("%", "%%"))
+    # argparse %-formats help texts: a literal % ("1.5-3% faster") crashed `--help`.
+    # A short usage line: argparse prints it above every error, and a line naming all of a
+    # process's 40 flags buried the one error under it.
+    parser = _Parser(prog=prog, usage="%(prog)s [--flag VALUE ...]  (--help lists the flags)",
+                     description=(description or model.__doc__ or "").replace("%", "%%"))
     for name, field in model.model_fields.items():
         # A default_factory field has no `default` (pydantic's PydanticUndefined): its
         # factory's value is the default a user gets.
@@ -79,7 +107,8 @@ def build_parser(model: type[BaseModel], prog: str, description: str | None = No
                 help=help_text,
             )
         else:
-            parser.add_argument(_flag(name), dest=name, default=None, help=help_text)
+            parser.add_argument(_flag(name), dest=name, default=None, choices=choices_of(field.annotation),
+                                help=help_text)
     return parser
 
 
@@ -118,9 +147,13 @@ def parse_config(
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            field_name = str(err["loc"][0]) if err["loc"] else "?"
+            text = err["msg"].removeprefix("Value error, ")
+            if not err["loc"]:  # a check across fields: its message names them
+                lines.append(f"{prog}: {text}")
+                continue
+            field_name = str(err["loc"][0])
             where = sources.get(field_name, _flag(field_name))
-            lines.append(f"{prog}: invalid {field_name} (from {where}): {err['msg']}")
+            lines.append(f"{prog}: invalid {field_name} (from {where}): {text}")
         message = "\n".join(lines)
         print(message, file=sys.stderr)
         raise ConfigError(message) from None
@@ -153,6 +186,12 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
         raise ValueError(f"{_flag(name)}: {value!r} has no flag form")
     return str(value)
 
+
+# `--transfer` of P, D and `pdunit local`: engine/transfer/factory.py MODES builds each
+# (tests/test_cli.py keeps the two equal). Here, not there: this module imports no engine.
+TransferMode = Literal["host", "proxy", "ipc", "posix-fd", "fabric", "tcp", "auto"]
+# `--policy` of the monolith: engine/monolith/worker.py POLICIES (kept equal the same way).
+MonolithPolicy = Literal["prefill-first", "chunked"]
 
 # `--kv-cache-dtype` of every engine, bench and the CRD; kernels/kv_dtype.py says what
 # each means. Here, not there: the LB, router and operator import this module without torch.
