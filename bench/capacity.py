@@ -853,6 +853,12 @@ def plot_capacity(rows: list[dict[str, Any]], path: str, cfg: CapacityConfig) ->
     )
 
 
+def pass_criteria(config: dict[str, Any]) -> str:
+    """What a row's pass column checks (summarize_level's `passed`), in words."""
+    return (f"every stream ends without an error or a stall (stutter) at >= {config['min_rate']:g} frames/s, and "
+            f"TTFA p95 <= {config['ttfa_p95_ms']:g} ms")
+
+
 def print_report(doc: dict[str, Any]) -> None:
     m = doc["machine"]
     gpu = (
@@ -866,6 +872,7 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"config: {json.dumps(cfg, sort_keys=True)}")
     print()
     print(report.text_table(doc["rows"], COLUMNS))
+    print(f"pass: {pass_criteria(doc['config'])}")
     print()
     for row in doc["rows"]:
         if row["error_kinds"]:

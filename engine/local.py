@@ -9,7 +9,10 @@ that exits is started again with the same command after a backoff (`RestartBacko
 the others keep serving; `--no-restart` stops the whole unit instead. A child that
 exits before the unit was first ready fails the start (a command that cannot start is
 a configuration error, not a crash). It never talks to the engines itself except
-through the LB's HTTP API.
+through the LB's HTTP API, and never calls the unit ready before the LB it started
+answers as this unit (`unit_name`, drawn per unit): a stranger on `--lb-port` is not it.
+Every child logs to `<run dir>/logs/<name>.log`; so does `pdunit local` itself unless
+`--log-format` asks for its log on stderr, so its terminal shows the unit's summary.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +35,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pdunit.engine.edge import is_loopback
-from pdunit.engine.observability import PARENT_ENV, log_config, setup_logging
+from pdunit.engine.observability import PARENT_ENV, LogLevel, log_config, setup_logging
 from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import (
     KvCacheDtype,
+    MonolithPolicy,
+    TransferMode,
     decode_names,
     metrics_block,
     metrics_port_of,
@@ -50,13 +57,14 @@ class LocalConfig(BaseModel):
     """Run a whole unit (LB, P, D or a monolith, sidecars) as local processes."""
 
     model: str = Field("random:tiny:0", description="model spec shared by every engine")
-    mode: str = Field("pd", description="pd (P + D) | 1p2d (P + two D's; = pd with --decoders 2) | monolith")
+    mode: Literal["pd", "1p2d", "monolith"] = Field("pd", description="pd (P + D) | 1p2d (P + two D's; = pd "
+                                                   "with --decoders 2) | monolith")
     decoders: int = Field(1, ge=1, description="pd mode: D processes fed by the one P (sockets decode-0.sock, "
                           "decode-1.sock, ... when more than one)")
     decode_devices: str = Field("", description="pd mode: torch device of each D, a comma list (default: --device)")
-    policy: str = Field("prefill-first", description="monolith policy: prefill-first | chunked")
+    policy: MonolithPolicy = Field("prefill-first", description="monolith policy: prefill-first | chunked")
     chunk_tokens: int = Field(8192, gt=0, description="monolith chunked policy: rows per iteration")
-    transfer: str = Field("host", description="KV transport between P and D")
+    transfer: TransferMode = Field("host", description="KV transport between P and D")
     device: str = Field("cpu", description="torch device (cpu for the local unit)")
     dtype: str | None = Field(None, description="compute/KV dtype of every engine (default: the model config's; "
                               "bfloat16 puts tiny on the GPU path)")
@@ -98,7 +106,54 @@ class LocalConfig(BaseModel):
     restart: bool = Field(True, description="restart a child that exits, after a backoff of 0.5 s doubling to "
                           "10 s (reset once it stayed up 30 s), as a pod's kubelet does; --no-restart: any "
                           "child's exit stops the unit")
-    log_level: str = Field("info", description="log level of every process")
+    log_level: LogLevel = Field("info", description="log level of every process")
+    log_format: Literal["file", "json", "text"] = Field("file", description="where pdunit local's own log goes: "
+                                                        "file = <run dir>/logs/local.log as JSON lines, warnings "
+                                                        "also on stderr as text; json or text = stderr in that "
+                                                        "format. Every child logs JSON to <run dir>/logs/<name>.log")
+
+    @property
+    def n_decoders(self) -> int:
+        return max(2, self.decoders) if self.mode == "1p2d" else self.decoders
+
+    def decode_device_list(self) -> list[str]:
+        """The torch device of each D, in decode_names order."""
+        devices = [d.strip() for d in self.decode_devices.split(",") if d.strip()] or [self.device]
+        return devices * self.n_decoders if len(devices) == 1 else devices
+
+    @field_validator("load_prompt_rows")
+    @classmethod
+    def _rows_are_a_range(cls, v: str) -> str:
+        from pdunit.bench.workload import parse_range
+
+        lo, _ = parse_range(v, "load_prompt_rows")
+        if lo < 1:
+            raise ValueError(f"load_prompt_rows {v!r}: give at least 1 row")
+        return v
+
+    @field_validator("extra_lb_args")
+    @classmethod
+    def _lb_keeps_its_unit_name(cls, v: list[str]) -> list[str]:
+        if any(a == "--unit-name" or a.startswith("--unit-name=") for a in v):
+            raise ValueError("pdunit local names its LB itself (the name is how it knows the LB that answers is "
+                             "its own): drop --unit-name")
+        return v
+
+    @model_validator(mode="after")
+    def _parts_fit(self) -> LocalConfig:
+        devices = self.decode_device_list()
+        if len(devices) != self.n_decoders:
+            raise ValueError(f"--decode-devices {self.decode_devices!r} names {len(devices)} devices for "
+                             f"{self.n_decoders} D's: give one device, or one per D")
+        block = metrics_block(self.metrics_port, self.n_decoders)
+        for name in ("lb_port", "admin_port"):
+            if getattr(self, name) in block:
+                raise ValueError(f"--metrics-port {self.metrics_port}: its block {block[0]}..{block[-1]} takes "
+                                 f"--{name.replace('_', '-')} {getattr(self, name)}: move one of them")
+        if self.lb_port and self.lb_port == self.admin_port:
+            raise ValueError(f"--admin-port {self.admin_port} is --lb-port: give the admin port another one "
+                             "(or 0 for a free one)")
+        return self
 
 
 @dataclass
@@ -136,6 +191,10 @@ class Interrupted(Exception):
     """A signal asked `pdunit local` to stop while the unit was starting."""
 
 
+class StartFailed(RuntimeError):
+    """The unit did not start; the message says why and what to change."""
+
+
 @dataclass
 class LocalUnit:
     """Starts and stops one unit; usable from tests and benchmarks as a context manager."""
@@ -146,6 +205,14 @@ class LocalUnit:
     lb_port: int = 0
     admin_port: int = 0
     guard_port: int = 0
+    # The LB's --unit-name: drawn per unit, it is how wait_ready knows that the LB answering
+    # on lb_port is the one this unit started (a subclass with commands of its own names its
+    # LB so too); lb_instance: that LB's own id, once it answered.
+    unit_name: str = field(default_factory=lambda: f"local-{secrets.token_hex(6)}")
+    lb_instance: str = ""
+    why_not: str = ""  # what the last look at the LB found, when it was not this unit's ready LB
+    # A temp run dir is removed at stop(); with keep_logs (the CLI's), all of it but logs/.
+    keep_logs: bool = False
     _own_dir: bool = False
     # Set from a signal handler: start() and wait_ready() stop waiting and raise
     # Interrupted (a handler must not raise itself: see main()).
@@ -164,10 +231,7 @@ class LocalUnit:
             # unix socket paths must stay short (108 bytes): a short temp dir
             self.run_dir = Path(tempfile.mkdtemp(prefix="pdu-"))
             self._own_dir = True
-        block = metrics_block(self.cfg.metrics_port, self.n_decoders)
-        if self.cfg.lb_port in block:
-            raise ValueError(f"metrics_port {self.cfg.metrics_port}: its ports {block[0]}..{block[-1]} take "
-                             f"lb_port {self.cfg.lb_port}")
+        block = metrics_block(self.cfg.metrics_port, self.n_decoders)  # LocalConfig keeps lb_port out of it
         self.lb_port = self.cfg.lb_port
         while not self.lb_port or self.lb_port in block:
             self.lb_port = free_port()
@@ -183,6 +247,15 @@ class LocalUnit:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.lb_port}"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Where every child (and `pdunit local` itself, by default) writes its log."""
+        return self.run_dir / "logs"
+
+    @property
+    def on_cpu(self) -> bool:
+        return all(d == "cpu" for d in [self.cfg.device, *self.cfg.decode_device_list()])
 
     @property
     def admin_url(self) -> str:
@@ -205,7 +278,7 @@ class LocalUnit:
 
     @property
     def n_decoders(self) -> int:
-        return max(2, self.cfg.decoders) if self.cfg.mode == "1p2d" else self.cfg.decoders
+        return self.cfg.n_decoders
 
     @property
     def decode_names(self) -> list[str]:
@@ -213,14 +286,7 @@ class LocalUnit:
         return decode_names(self.n_decoders)
 
     def _decode_devices(self) -> list[str]:
-        c = self.cfg
-        devices = [d.strip() for d in c.decode_devices.split(",") if d.strip()] or [c.device]
-        if len(devices) == 1:
-            devices *= self.n_decoders
-        if len(devices) != self.n_decoders:
-            raise ValueError(f"decode_devices {c.decode_devices!r} names {len(devices)} devices for "
-                             f"{self.n_decoders} decoders: give one device, or one per D")
-        return devices
+        return self.cfg.decode_device_list()  # LocalConfig checked that it names one per D
 
     def _metrics_port(self, child: str) -> int | None:
         """Where `child` serves /metrics in the metrics block (the monolith: prefill's)."""
@@ -297,15 +363,24 @@ class LocalUnit:
         cmds.append(("lb", pdunit + ["lb", "--port", str(self.lb_port), "--host", "127.0.0.1",
                                     "--admin-host", c.admin_host, "--admin-port", str(self.admin_port),
                                     "--prefill-socket", p_sock, "--decode-socket", d_sock,
-                                    "--unit-name", "local", "--log-level", c.log_level] + proxy_args +
+                                    "--unit-name", self.unit_name, "--log-level", c.log_level] + proxy_args +
                      (["--admin-token-file", token] if token else []) + c.extra_lb_args))
         return cmds
 
     def start(self) -> LocalUnit:
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        """Starts every child. A --lb-port or --admin-port that another process holds now
+        fails the start before any child runs (wait_ready's identity check still catches
+        one taken later)."""
+        for flag, host, port in (("--lb-port", "127.0.0.1", self.cfg.lb_port),
+                                 ("--admin-port", self.cfg.admin_host, self.cfg.admin_port)):
+            reason = _cannot_listen(host, port) if port else None
+            if reason:
+                raise StartFailed(f"{flag} {port}: cannot listen on {host}:{port} ({reason}); another process "
+                                  f"holds it: stop that process, or give {flag} 0 for a free port")
+        self.logs_dir.mkdir(exist_ok=True)
         for name, argv in self.commands():
             argv = self.cfg.wrappers.get(name, []) + argv
-            log_path = self.run_dir / "logs" / f"{name}.log"
+            log_path = self.logs_dir / f"{name}.log"
             self.children.append(Child(name, argv, _spawn(argv, log_path), log_path))
             log.info("started", extra={"child": name, "pid": self.children[-1].proc.pid,
                                        "cmd": " ".join(argv[2:])})
@@ -320,7 +395,7 @@ class LocalUnit:
         while not all(p.exists() for p in paths):
             self._check_interrupted()
             if proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {proc.returncode}; its log:\n{self.tail('proxy')}")
+                raise StartFailed(f"proxy exited with {proc.returncode}; its log:\n{self.tail('proxy')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"proxy sockets {[str(p) for p in paths]} absent after {self.cfg.ready_timeout_s}s")
             time.sleep(0.05)
@@ -366,9 +441,10 @@ class LocalUnit:
         recovering = False  # a child was restarted and the unit has not been ready since
         while not self._stopping.wait(0.1):
             recovering |= self.supervise_once(time.monotonic())
-            if recovering and _lb_ready(self.url, timeout_s=0.5):
+            if recovering and self.answers_ready(timeout_s=0.5):
                 recovering = False
-                log.info("unit ready again", extra={"restarts": json.dumps(self.restarts())})
+                log.info("unit ready again", extra={"restarts": json.dumps(self.restarts()),
+                                                    "lb_instance": self.lb_instance})
 
     def supervise_once(self, now: float) -> bool:
         """One look at the children: an exit found is logged and its restart scheduled
@@ -396,27 +472,46 @@ class LocalUnit:
         """Child name -> how many times it was started again."""
         return {c.name: c.restarts for c in self.children}
 
+    def answers_ready(self, timeout_s: float = 1.0) -> bool:
+        """Whether the LB on `url` is this unit's and ready: its /readyz answers 200 and its
+        /v1/load names `unit_name` (then `lb_instance` is its id). `why_not` says what
+        the last look found otherwise."""
+        try:
+            r = httpx.get(f"{self.url}/readyz", timeout=timeout_s)
+            if r.status_code != 200:
+                self.why_not = f"/readyz answers {r.status_code}: {r.text[:300]}"
+                return False
+            doc = httpx.get(f"{self.url}/v1/load", timeout=max(timeout_s, 5.0)).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.why_not = f"{self.url}: {exc or type(exc).__name__}"
+            return False
+        unit = doc.get("unit") if isinstance(doc, dict) else None
+        if unit != self.unit_name:
+            self.why_not = (f"{self.url} answers as unit {unit!r}, not as this unit's LB ({self.unit_name}): "
+                            f"another process holds port {self.lb_port}")
+            return False
+        self.lb_instance = str(doc.get("lb_instance") or "")
+        return True
+
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Until the LB's /readyz answers 200. Before supervision, a child that exits
-        fails the wait at once; under it (after a restart) its restart is waited for."""
+        """Until the LB this unit started answers ready (`answers_ready`). Before
+        supervision, a child that exits fails the wait at once; under it (after a restart)
+        its restart is waited for."""
         deadline = time.monotonic() + (timeout_s or self.cfg.ready_timeout_s)
-        last = ""
+        self.why_not = ""
         while time.monotonic() < deadline:
             self._check_interrupted()
             for child in self.children if not self.supervising else []:
                 if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before the unit was "
-                                       f"ready; its log:\n{self.tail(child.name)}")
-            try:
-                r = httpx.get(f"{self.url}/readyz", timeout=1.0)
-                if r.status_code == 200:
-                    log.info("unit ready", extra={"url": self.url})
-                    return
-                last = r.text
-            except httpx.HTTPError as exc:
-                last = str(exc)
+                    seen = f"\n(before it exited: {self.why_not})" if self.why_not else ""
+                    raise StartFailed(f"{child.name} exited with {child.proc.returncode} before the unit was "
+                                      f"ready; its log ({child.log_path}):\n{self.tail(child.name)}{seen}")
+            if self.answers_ready():
+                log.info("unit ready", extra={"url": self.url, "unit_name": self.unit_name,
+                                              "lb_instance": self.lb_instance})
+                return
             self.interrupted.wait(0.2)
-        raise TimeoutError(f"unit not ready after {timeout_s or self.cfg.ready_timeout_s}s: {last}")
+        raise TimeoutError(f"unit not ready after {timeout_s or self.cfg.ready_timeout_s}s: {self.why_not}")
 
     def _check_interrupted(self) -> None:
         if self.interrupted.is_set():
@@ -451,7 +546,13 @@ class LocalUnit:
                 _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(timeout=5)
             codes[child.name] = child.proc.returncode
-        if self._own_dir:
+        if self._own_dir and self.keep_logs:
+            for path in self.run_dir.iterdir():  # sockets and secrets go, the logs stay
+                if path.is_dir() and path != self.logs_dir:
+                    shutil.rmtree(path, ignore_errors=True)
+                elif not path.is_dir():
+                    path.unlink(missing_ok=True)
+        elif self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return codes
 
@@ -484,11 +585,17 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _lb_ready(url: str, timeout_s: float) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port now (None: it could), binding as the LB
+    binds (engine/edge.bind_socket: SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(1)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _installed(module: str) -> bool:
@@ -500,16 +607,12 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _rows(spec: str) -> tuple[int, int]:
-    lo, _, hi = spec.partition("-")
-    return int(lo), int(hi or lo)
-
-
 def run_short_load(unit: LocalUnit) -> dict:
     from pdunit.bench.capacity import CapacityConfig, run_capacity
+    from pdunit.bench.workload import parse_range
 
     c = unit.cfg
-    lo, hi = _rows(c.load_prompt_rows)
+    lo, hi = parse_range(c.load_prompt_rows, "load_prompt_rows")
     cfg = CapacityConfig(
         url=unit.url, concurrency=[c.load_streams], requests=c.load_requests or 2 * c.load_streams,
         prompt_rows=(lo, hi), frames=(c.load_frames, c.load_frames), mode_label=f"local-{c.mode}",
@@ -540,11 +643,49 @@ def _run_interruptibly(unit: LocalUnit, work: Callable[[LocalUnit], dict]) -> di
     return out["result"]
 
 
+def print_short_load(unit: LocalUnit, result: dict[str, Any], load: dict[str, Any]) -> int:
+    """The short load's report for a person: the stream table, what its pass column
+    judges, the KV counters and the verdict; returns the exit code (1: a stream failed or a
+    KV check mismatched; the pass column's capacity criteria do not decide it)."""
+    from pdunit.bench import report
+    from pdunit.bench.capacity import COLUMNS, pass_criteria
+
+    m = result["machine"]
+    gpu = f"{m['gpu_count']} x {m['gpu_model']}" if m["gpu_count"] else "no GPU"
+    print(f"\nmachine: {gpu}; {m['cpu_count']} CPUs ({m['cpu_model']})")
+    print(report.text_table(result["rows"], COLUMNS))
+    for row in result["rows"]:
+        if row["error_kinds"]:
+            print(f"stream errors at {row['concurrency']} streams: {row['error_kinds']}")
+    print(f"pass: the GPU criteria: {pass_criteria(result['config'])}")
+    if unit.on_cpu:
+        print("      this unit runs on the CPU, where they are not expected to hold (pass False is no fault); "
+              "here the run checks that every stream completes and every KV check matches")
+    checks, mismatches = load.get("kv_checks_total"), load.get("kv_mismatch_total")
+    print(f"KV checks: {checks}  mismatches: {mismatches}  held pages: {load.get('held_pages')}  "
+          f"transfer: {load.get('transfer_mode')}")
+    streams = sum(r.get("streams", 0) for r in result["rows"])
+    errors = sum(r.get("errors", 0) for r in result["rows"])
+    if errors or mismatches:
+        print(f"result: FAILED (exit 1): {errors} of {streams} streams failed, {mismatches} KV mismatches; "
+              f"the logs are in {unit.logs_dir}")
+        return 1
+    print(f"result: OK (exit 0): {streams} of {streams} streams completed without an error, {checks} KV checks, "
+          f"no mismatch")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_config(LocalConfig, argv, "pdunit local")
-    setup_logging("local", cfg.log_level)
-    log_config(log, cfg)
     unit = LocalUnit(cfg)
+    unit.keep_logs = True  # a temp run dir loses its sockets and secrets at stop, never the logs it printed
+    unit.logs_dir.mkdir(exist_ok=True)
+    to_file = cfg.log_format == "file"
+    setup_logging("local", cfg.log_level, "text" if to_file else cfg.log_format,
+                  unit.logs_dir / "local.log" if to_file else None)
+    log_config(log, cfg)
+    print(f"pdunit local: starting a {cfg.mode} unit; every process logs to {unit.logs_dir}/<name>.log"
+          + (" (this one's warnings also here)" if to_file else ""), file=sys.stderr, flush=True)
 
     # Ctrl-C / SIGTERM: stop the children, then exit 0. The handler only sets an event
     # that every wait below watches. Raising KeyboardInterrupt from it (Python's way) lost
@@ -558,25 +699,29 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        unit.start()
-        unit.wait_ready()
-        print(f"unit ready at {unit.url}  (logs: {unit.run_dir / 'logs'})", flush=True)
+        try:
+            unit.start()
+            unit.wait_ready()
+        except (StartFailed, TimeoutError) as exc:
+            # the terminal's copy is the print (readable with the child's log tail); the log
+            # keeps it at info, so that file mode's warnings on stderr do not show it twice
+            log.info("the unit did not start", extra={"reason": str(exc)})
+            print(f"pdunit local: the unit did not start: {exc}", file=sys.stderr)
+            return 1
+        print(f"unit ready at {unit.url}  (unit {unit.unit_name}, LB instance {unit.lb_instance[:8]}; logs: "
+              f"{unit.logs_dir})", flush=True)
         print("metrics: " + "  ".join(f"{name} {url}" for name, url in unit.metrics_urls().items()), flush=True)
         token = unit.admin_token_file
         print(f"admin: {unit.admin_url}" + (f"  (bearer token in {token})" if token else ""), flush=True)
         unit.supervise()
         if cfg.load_streams:
-            from pdunit.bench.capacity import print_report
-
+            print(f"load: {cfg.load_requests or 2 * cfg.load_streams} streams of {cfg.load_frames} frames, "
+                  f"{cfg.load_streams} at a time", flush=True)
             result = _run_interruptibly(unit, run_short_load)
             if result is None:
                 return 0
-            print_report(result)
             load = httpx.get(f"{unit.url}/v1/load", timeout=5).json()
-            print(f"\nKV checks: {load.get('kv_checks_total')}  mismatches: {load.get('kv_mismatch_total')}  "
-                  f"held pages: {load.get('held_pages')}  transfer: {load.get('transfer_mode')}")
-            errors = sum(r.get("errors", 0) for r in result.get("rows", []))
-            return 1 if load.get("kv_mismatch_total") or errors else 0
+            return print_short_load(unit, result, load)
         print("Ctrl-C stops the unit" + (" (a child that exits is restarted)." if cfg.restart else
                                          "; so does any child's exit (--no-restart)."), flush=True)
         while not unit.interrupted.is_set() and (cfg.restart or all(c.proc.poll() is None for c in unit.children)):
@@ -592,3 +737,4 @@ def main(argv: list[str]) -> int:
     finally:
         codes = unit.stop()
         log.info("unit stopped", extra={"exit_codes": json.dumps(codes), "restarts": json.dumps(unit.restarts())})
+        print(f"pdunit local: stopped; the logs are in {unit.logs_dir}", file=sys.stderr, flush=True)

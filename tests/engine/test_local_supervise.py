@@ -77,7 +77,7 @@ def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Path]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdunit.engine.cli", "local", "--lb-port", "0", "--pool-tokens", "4096",
          "--cache-tokens", "4096", "--no-guard", "--log-level", "warning", "--run-dir", str(tmp_path / "run"),
-         *flags],
+         "--log-format", "json", *flags],  # its own log as JSON lines on stderr, which _records reads
         stdout=subprocess.PIPE, stderr=err.open("wb"), text=True,
     )
     line = proc.stdout.readline()

@@ -58,6 +58,7 @@ class PodProcesses(LocalUnit):
             # /run/pdunit is the pod's shared volume; here a folder of its own. P and D
             # find the proxy there by their default, the one flag the pod leaves out.
             env.append(f"PDUNIT_PROXY_SOCKET={self.run_dir}/proxy.sock")
+            env.append(f"PDUNIT_UNIT_NAME={self.unit_name}")  # how wait_ready knows the LB is this unit's
             argv = [self.secret_files().get(a, a).replace(r.RUN_DIR, str(self.run_dir)) for a in c["command"]]
             assert argv[0] == "pdunit", argv
             out.append((child, ["env", *env, sys.executable, "-m", "pdunit.engine.cli", *argv[1:]]))
