@@ -7,6 +7,12 @@ that every rule names metrics the code exports and a unit pod serves
 
 Thresholds are the product's own: 42 frames/s per stream (BENCHMARKS.md's capacity rule
 at 2x real time), TTFA p95 500 ms, any stutter, any KV checksum mismatch, any stream cut.
+
+Every alert keeps the labels that say where to look (namespace, and pod, set or unit
+set) and links its runbook: a section of docs/runbooks.md named after the alert (what it
+means, how to check, what to do; tests/charts/test_alerts.py holds each to that). The
+unit pods' `pdunit.dev/set` label reaches the series as `pdunit_dev_set` (the
+PodMonitor's podTargetLabels).
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import yaml
+
+# Where docs/runbooks.md is published; the chart's prometheusRule.runbookBaseUrl
+# replaces it (a fork's or a mirror's copy of the same file).
+RUNBOOK_BASE = "https://github.com/pdunit/pdunit/blob/main/docs/runbooks.md"
 
 
 @dataclass(frozen=True)
@@ -25,25 +35,36 @@ class Alert:
     summary: str
     description: str
 
+    @property
+    def runbook_url(self) -> str:
+        # GitHub's anchor of a "## <AlertName>" heading: the name in lower case
+        return f"{RUNBOOK_BASE}#{self.name.lower()}"
+
 
 _BY_POD = "namespace, pod"
+_BY_SET = "namespace, pdunit_dev_set"
 
 ALERTS: list[Alert] = [
     Alert(
         "PdunitTransferOnTcp",
-        'max by (namespace, pod) (pdunit_transfer_mode_info{mode="tcp"}) == 1',
+        # tcp in use where a GPU mode's verified probe failed: transfer auto fell back on
+        # a GPU unit. CPU units never probe the GPU modes (D offers none), and a spec that
+        # names tcp probes nothing: neither fires.
+        f'max by ({_BY_POD}) (pdunit_transfer_mode{{pdunit_transfer_mode="tcp"}}) == 1 '
+        f"and on ({_BY_POD}) "
+        f'max by ({_BY_POD}) (pdunit_transfer_probe_total{{mode=~"fabric|posix-fd|ipc",outcome="failed"}}) > 0',
         "1m", "warning",
-        "Unit {{ $labels.pod }} moves KV over TCP",
-        "P writes KV to D over loopback TCP, tens of times slower than the proxy or a direct "
-        "mode. On a GPU unit with transfer auto every faster mode failed its verified probe "
-        "(the PDUnit's TcpFallback condition; P's 'transfer probe' log lines name each error). "
-        "Expected only for CPU units or a spec that asks for tcp.",
+        "Unit {{ $labels.namespace }}/{{ $labels.pod }} fell back to KV over TCP",
+        "Transfer auto on a GPU unit found no faster mode that passed its verified probe, so P "
+        "writes KV to D over loopback TCP, tens of times slower than the proxy or a direct "
+        "mode (the PDUnit's TcpFallback condition; P's 'transfer probe' log lines name each "
+        "error).",
     ),
     Alert(
         "PdunitKVChecksumMismatch",
         f"sum by ({_BY_POD}) (increase(pdunit_kv_mismatch_total[10m])) > 0",
         "0m", "critical",
-        "KV checksum mismatch in unit {{ $labels.pod }}",
+        "KV checksum mismatch in unit {{ $labels.namespace }}/{{ $labels.pod }}",
         "D read KV rows whose checksum differs from what P wrote: the transfer corrupted them. "
         "The affected streams were failed, never served; a repeat points at the transport or "
         "the GPUs.",
@@ -52,7 +73,7 @@ ALERTS: list[Alert] = [
         "PdunitStreamsStutter",
         f"sum by ({_BY_POD}) (increase(pdunit_lb_stutter_streams_total[10m])) > 0",
         "0m", "warning",
-        "Streams of unit {{ $labels.pod }} stalled",
+        "Streams of unit {{ $labels.namespace }}/{{ $labels.pod }} stalled",
         "A listener's playback buffer ran empty in the last 10 minutes: the unit is past its "
         "capacity (add units or lower keda.targetInFlightPerUnit) or a stage froze.",
     ),
@@ -61,7 +82,7 @@ ALERTS: list[Alert] = [
         "histogram_quantile(0.01, sum by (le, namespace, pod) "
         "(rate(pdunit_lb_stream_rate_frames_per_second_bucket[10m]))) < 42",
         "10m", "warning",
-        "Slowest streams of unit {{ $labels.pod }} under 42 frames/s",
+        "Slowest streams of unit {{ $labels.namespace }}/{{ $labels.pod }} under 42 frames/s",
         "The 1st percentile of per-stream rates is below 42 frames/s (2x real time): the margin "
         "that absorbs a burst is gone. D's step time and batch (dashboard) say whether decode "
         "is the limit.",
@@ -70,7 +91,7 @@ ALERTS: list[Alert] = [
         "PdunitTTFAHigh",
         "histogram_quantile(0.95, sum by (le, namespace, pod) (rate(pdunit_lb_ttfa_seconds_bucket[10m]))) > 0.5",
         "10m", "warning",
-        "TTFA p95 of unit {{ $labels.pod }} above 500 ms",
+        "TTFA p95 of unit {{ $labels.namespace }}/{{ $labels.pod }} above 500 ms",
         "Time to first audio p95 is above 500 ms: P's queue under bursts (the waterfall stages "
         "on the dashboard show which).",
     ),
@@ -78,7 +99,7 @@ ALERTS: list[Alert] = [
         "PdunitPrefillHeldAborts",
         f"max by ({_BY_POD}) (pdunit_prefill_held_aborts) > 0",
         "5m", "warning",
-        "P of unit {{ $labels.pod }} holds unanswered aborts",
+        "P of unit {{ $labels.namespace }}/{{ $labels.pod }} holds unanswered aborts",
         "P could not confirm an abort to D for 5 minutes, so D keeps those pages held; the "
         "quiesce guard restarts P when they pass its limit.",
     ),
@@ -86,7 +107,7 @@ ALERTS: list[Alert] = [
         "PdunitDecodeDraining",
         f"max by ({_BY_POD}) (pdunit_decode_draining) == 1",
         "10m", "warning",
-        "D of unit {{ $labels.pod }} refuses new streams",
+        "D of unit {{ $labels.namespace }}/{{ $labels.pod }} refuses new streams",
         "D's held pages are above its drain fraction, so it takes no new streams until they are "
         "released; held pages on the dashboard show whether they come back.",
     ),
@@ -94,17 +115,28 @@ ALERTS: list[Alert] = [
         "PdunitStreamsCutByDrain",
         "sum by (namespace) (increase(pdunit_operator_streams_cut_total[30m])) > 0",
         "0m", "warning",
-        "A drain cut streams",
+        "A drain in {{ $labels.namespace }} cut streams",
         "A unit's drain passed drainTimeoutSeconds with streams still running and the operator "
         "cut them (the PDUnit's DrainForced event names how many).",
     ),
     Alert(
-        "PdunitScalerUnitsUnreachable",
-        "max(pdunit_scaler_unreachable_units) > 0",
+        "PdunitSetNoHeadroom",
+        # every D of the set at 0 (a D without admission reports -1, so it never fires)
+        f"max by ({_BY_SET}) (pdunit_rate_floor_headroom_streams) == 0",
         "5m", "warning",
-        "The KEDA scaler cannot read some units' load",
-        "Units that do not answer /v1/load are left out of the decode in-flight count KEDA "
-        "scales on: the count is low and KEDA may scale down under load.",
+        "Set {{ $labels.namespace }}/{{ $labels.pdunit_dev_set }} has no rate-floor headroom",
+        "No D of the set would admit one more stream like its recent ones without breaking "
+        "the 42 frames/s floor: new streams get 503 rate_floor until streams end or units "
+        "are added (KEDA with metric headroom, or a larger replicas).",
+    ),
+    Alert(
+        "PdunitScalerUnitsUnreachable",
+        # the scaler's own namespace/unit_set labels (the PodMonitor honours them)
+        "max by (namespace, unit_set) (pdunit_scaler_unreachable_units) > 0",
+        "5m", "warning",
+        "The KEDA scaler cannot read the load of units of {{ $labels.namespace }}/{{ $labels.unit_set }}",
+        "Units that do not answer /v1/load are left out of the count KEDA scales on: the "
+        "count is low and KEDA may scale down under load.",
     ),
 ]
 
@@ -116,7 +148,8 @@ def rules() -> dict:
             "expr": a.expr,
             **({"for": a.for_} if a.for_ != "0m" else {}),
             "labels": {"severity": a.severity},
-            "annotations": {"summary": a.summary, "description": a.description},
+            "annotations": {"summary": a.summary, "description": a.description,
+                            "runbook_url": a.runbook_url},
         }
         for a in ALERTS
     ]}]}

@@ -24,10 +24,15 @@ def queries() -> list[str]:
     return [expr for _, _, targets in dashboard.PANELS for expr, _ in targets] + [a.expr for a in alerts.ALERTS]
 
 
+_LABELS = re.compile(r"\{[^}]*\}|\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+
+
 def metric_names(expr: str) -> set[str]:
     """The pdunit metrics `expr` reads, as the code names them (a histogram's _bucket,
-    _count and _sum series are its one name; a counter's _total suffix is kept)."""
-    return {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"pdunit_[a-z0-9_]+", expr)}
+    _count and _sum series are its one name; a counter's _total suffix is kept). Label
+    names (matchers, grouping: `pdunit_dev_set`, a state set's own label) are not metrics."""
+    names = re.findall(r"pdunit_[a-z0-9_]+", _LABELS.sub(" ", expr))
+    return {re.sub(r"_(bucket|count|sum)$", "", m) for m in names}
 
 
 def main(argv: list[str]) -> int:

@@ -210,8 +210,10 @@ def _validate(doc: dict[str, Any], version: str) -> None:
             assert all(rule["expr"] for group in doc["spec"]["groups"] for rule in group["rules"])
             return
         assert doc["spec"]["selector"]["matchLabels"]
+        assert all(isinstance(label, str) for label in doc["spec"].get("podTargetLabels", []))
         for endpoint in doc["spec"]["podMetricsEndpoints"]:
-            assert set(endpoint) == {"port", "path", "interval"}, endpoint
+            assert {"port", "path", "interval"} <= set(endpoint) <= {"port", "path", "interval", "honorLabels"}, endpoint
+            assert isinstance(endpoint.get("honorLabels", False), bool)
             assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", endpoint["port"]) and len(endpoint["port"]) <= 15
     elif doc["apiVersion"] == "keda.sh/v1alpha1":
         # KEDA's CRD is not shipped here; test_scaled_object_... checks what KEDA and our
