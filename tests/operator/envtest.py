@@ -10,8 +10,7 @@ on free loopback ports, a stand-in kubelet, and fake unit LBs.
   port of its own behind the bearer token (a call without it gets 401 and is logged), and
   a log of every answer.
 - `Kubelet`: there is no kubelet, scheduler or controller-manager in envtest. This
-  thread plays the scheduler and the kubelet for pdunit pods: it binds each new pod to
-  the node `NODE` (pods/binding, as the scheduler does), reads the admin token
+  thread plays the kubelet for pdunit pods: for each new pod it reads the admin token
   from the Secret its admin-token volume names (as the kubelet mounts it), starts a
   FakeLb on ports of its own (every pod gets IP 127.0.0.1, so the ports go into the
   test-only annotations pdunit.dev/lb-port-override and admin-port-override), marks the
@@ -42,7 +41,6 @@ from pdunit.engine.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDE = "pdunit.dev/lb-port-override"
 ADMIN_OVERRIDE = "pdunit.dev/admin-port-override"
-NODE = "envtest-node"  # the node the stand-in scheduler binds every pod to
 
 
 def wait_for(
@@ -435,14 +433,6 @@ class Kubelet(threading.Thread):
                 self.pods[uid] = {"key": key, "ready": None}
                 annotations = {OVERRIDE: str(lb.port), ADMIN_OVERRIDE: str(lb.admin_port)}
                 self.api.patch(base, {"metadata": {"annotations": annotations}})
-                if not pod["spec"].get("nodeName"):
-                    binding = {
-                        "apiVersion": "v1",
-                        "kind": "Binding",
-                        "metadata": {"name": name},
-                        "target": {"apiVersion": "v1", "kind": "Node", "name": NODE},
-                    }
-                    self.api.post(base + "/binding", binding)
             lb = self.lbs[self.pods[uid]["key"]]
             ready = lb.ready()
             if self.pods[uid]["ready"] != ready:

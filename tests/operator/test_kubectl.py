@@ -10,8 +10,24 @@ from typing import Any
 from pdunit.operator import crdgen
 from pdunit.operator import models as m
 from pdunit.operator import reconcile as r
-from tests.operator.envtest import NODE, ControlPlane, Kubelet, wait_for
-from tests.operator.test_integration import get_unit, unit
+from tests.operator.envtest import ControlPlane, Kubelet, wait_for
+from tests.operator.test_integration import get_pod, get_unit, unit
+
+NODE = "gpu-node-1"
+
+
+def bind(api: Any, ns: str, pod: str, node: str) -> None:
+    """What the scheduler does (envtest has none). The stand-in kubelet leaves pods
+    unbound: a bound pod's deletion waits for a kubelet to confirm it, an unbound one's
+    does not."""
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": pod},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+    }
+    resp = api.post(f"/api/v1/namespaces/{ns}/pods/{pod}/binding", binding)
+    assert resp.status_code == 201, resp.text
 
 
 def test_no_category_shadows_a_kind_name() -> None:
@@ -47,6 +63,8 @@ def test_kubectl_get_describe_delete_a_pdunit_by_name(
 ) -> None:
     cp, ns = control_plane, namespace
     cp.kubectl("apply", "-n", ns, "-f", "-", input=unit("web-1"))
+    wait_for(lambda: get_pod(api, ns, "web-1"), 60, "the pod of PDUnit web-1")
+    bind(api, ns, "web-1", NODE)
 
     def scheduled() -> bool:
         return ((get_unit(api, ns, "web-1") or {}).get("status") or {}).get("nodeName") == NODE
@@ -73,4 +91,7 @@ def test_kubectl_get_describe_delete_a_pdunit_by_name(
     lb.in_flight = 0
     cp.kubectl("delete", "-n", ns, "pdunit", "web-1", "--timeout=60s")
     assert cp.kubectl("get", "-n", ns, "pdunit", "web-1", check=False).returncode != 0
+    # No kubelet confirms the bound pod's deletion: finish it as one would.
+    cp.kubectl("delete", "-n", ns, "pod", "web-1", "--grace-period=0", "--force",
+               "--ignore-not-found", check=False)
 
