@@ -5,6 +5,12 @@ and the KV size they imply. Must never hold weights or touch a device.
 
 A prompt row and an output frame are `n_codebooks` ids; column j takes ids in
 `[0, vocab_sizes[j])`. Column 0 carries the end-of-stream id `eos_id`.
+
+Backbone variants a checkpoint may need (defaults = the `pdunit` family's model):
+`qk_norm` (per-head q/k RMSNorm), `head_codebooks` (how many leading columns the
+backbone's head predicts; the others come from the family's frame generator),
+`rope_llama3` (Llama 3 RoPE frequency scaling). A family (engine/model/family.py) maps
+its checkpoint's config onto these fields.
 """
 
 from __future__ import annotations
@@ -63,10 +69,35 @@ class ModelConfig:
     # with the batch shape; float64 pushes that far below any argmax margin).
     dtype: str = "float32"
     max_positions: int = 8192
+    qk_norm: bool = True
+    # None: one head per column (every codebook from the backbone's hidden state).
+    head_codebooks: int | None = None
+    # Llama 3 RoPE scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None = plain RoPE with `rope_theta`.
+    rope_llama3: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vocab_sizes", tuple(int(v) for v in self.vocab_sizes))
         problems = []
+        if self.rope_llama3 is not None:
+            if len(self.rope_llama3) != 4:
+                problems.append(
+                    "rope_llama3 must be [factor, low_freq_factor, high_freq_factor, "
+                    f"original_max_positions] (got {list(self.rope_llama3)})"
+                )
+            else:
+                factor, lo, hi, orig = self.rope_llama3
+                object.__setattr__(self, "rope_llama3", (float(factor), float(lo), float(hi), int(orig)))
+                if not (factor > 0 and 0 < lo < hi and orig > 0):
+                    problems.append(
+                        "rope_llama3 needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+                        f"and original_max_positions > 0 (got {list(self.rope_llama3)})"
+                    )
+        if self.head_codebooks is not None and not 1 <= self.head_codebooks <= self.n_codebooks:
+            problems.append(
+                f"head_codebooks must be in [1, n_codebooks={self.n_codebooks}] or null "
+                f"(got {self.head_codebooks})"
+            )
         for f in (
             "n_layers",
             "hidden",
@@ -104,6 +135,12 @@ class ModelConfig:
     def vocab_max(self) -> int:
         return max(self.vocab_sizes)
 
+    @property
+    def head_vocab_sizes(self) -> tuple[int, ...]:
+        """The vocabularies of the columns the backbone's head predicts."""
+        n = self.n_codebooks if self.head_codebooks is None else self.head_codebooks
+        return self.vocab_sizes[:n]
+
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """K and V of every layer for one token, in `dtype` (default: the config's)."""
         dt = torch_dtype(self.dtype) if dtype is None else dtype  # a pool's dtype may be fp8
@@ -113,6 +150,8 @@ class ModelConfig:
     def to_json_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["vocab_sizes"] = list(self.vocab_sizes)
+        if self.rope_llama3 is not None:
+            out["rope_llama3"] = list(self.rope_llama3)
         return out
 
     @classmethod
@@ -128,6 +167,8 @@ class ModelConfig:
             raise ValueError(f"model config is missing field(s) {missing}")
         values = dict(data)
         values["vocab_sizes"] = tuple(values["vocab_sizes"])
+        if values.get("rope_llama3") is not None:
+            values["rope_llama3"] = tuple(values["rope_llama3"])
         return cls(**values)
 
 

@@ -1,8 +1,11 @@
 """Building a TTSModel from a model spec: deterministic random weights or a checkpoint.
 
-Owns the two spec forms and the checkpoint format (a directory with `config.json`, the
-ModelConfig fields, and `model.safetensors`, the state dict). Must never fetch anything
-from the network: a spec is either `random:<config>:<seed>` or a local directory.
+Owns the two spec forms. A checkpoint is a local directory with `config.json`, whose
+`model_type` selects the model family (engine/model/family.py; absent = `pdunit`), and
+`model.safetensors` or sharded files with `model.safetensors.index.json`
+(engine/model/checkpoint.py). Every problem is one ValueError at load, naming the field,
+tensor or file. Must never fetch anything from the network: a spec is either
+`random:<config>:<seed>` or a local directory.
 
 Random weights are generated per tensor from numpy's PCG64 seeded by (seed, CRC32 of the
 tensor name), as float32 uniforms built from integer draws only (no transcendental
@@ -23,11 +26,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdunit.engine.model.checkpoint import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    has_weights,
+    load_mapped,
+    read_tensors,
+)
 from pdunit.engine.model.config import ModelConfig, dtype_name, get_config, torch_dtype
+from pdunit.engine.model.family import ParsedConfig, family_for
 from pdunit.engine.model.transformer import TTSModel
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 # Scale of the output heads relative to 1/sqrt(hidden): logits with a standard deviation
 # of about 3 make greedy choices clear-cut yet leave seeded sampling with real choices.
@@ -35,7 +45,7 @@ _HEAD_GAIN = 3.0
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> TTSModel:
-    """`random:<config>:<seed>` or a directory holding config.json + model.safetensors.
+    """`random:<config>:<seed>` or a checkpoint directory (the module docstring).
     `dtype` overrides the config's compute/KV dtype (the returned model's config says
     the dtype it really uses). Its GEMMs run in the model dtype until
     `TTSModel.set_prefill_gemm`. Raises ValueError naming what is wrong."""
@@ -54,17 +64,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> TTSM
         model = TTSModel(config, device=device)
         _fill_random(model, int(parts[2]))
     else:
-        directory = Path(spec)
-        if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
-            raise ValueError(
-                f"model spec {spec!r} is neither random:<config>:<seed> nor a directory holding "
-                f"{CONFIG_FILE} and {WEIGHTS_FILE}"
-            )
-        config = ModelConfig.from_json_dict(json.loads((directory / CONFIG_FILE).read_text()))
-        if dtype is not None:
-            config = dataclasses.replace(config, dtype=dtype)
-        model = TTSModel(config, device=device)
-        _load_weights(model, directory / WEIGHTS_FILE)
+        model = _load_checkpoint(spec, device, dtype)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -119,24 +119,25 @@ def _fill_tensor(name: str, param: torch.Tensor, config: ModelConfig, seed: int)
     param.copy_(torch.from_numpy(w).view(param.shape))
 
 
-@torch.no_grad()
-def _load_weights(model: TTSModel, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path), device="cpu")
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    problems = [f"missing tensor {k} (expected shape {list(expected[k].shape)})" for k in missing]
-    problems += [f"unexpected tensor {k} (shape {list(tensors[k].shape)})" for k in unexpected]
-    for k in sorted(set(expected) & set(tensors)):
-        if tuple(tensors[k].shape) != tuple(expected[k].shape):
-            problems.append(
-                f"tensor {k} has shape {list(tensors[k].shape)}, the config "
-                f"{model.config.name!r} expects {list(expected[k].shape)}"
-            )
-    if problems:
-        raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
-    params = dict(model.named_parameters())
-    for k, t in tensors.items():
-        params[k].copy_(t)
+def _load_checkpoint(spec: str, device: str, dtype: str | None) -> TTSModel:
+    directory = Path(spec)
+    if not (directory / CONFIG_FILE).is_file() or not has_weights(directory):
+        raise ValueError(
+            f"model spec {spec!r} is neither random:<config>:<seed> nor a directory holding "
+            f"{CONFIG_FILE} and {WEIGHTS_FILE} (or {INDEX_FILE} and its shards)"
+        )
+    try:
+        raw = json.loads((directory / CONFIG_FILE).read_text())
+    except ValueError as e:
+        raise ValueError(f"{directory / CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{directory / CONFIG_FILE} must hold a JSON object")
+    model_type = raw.get("model_type", "pdunit")
+    family = family_for(str(model_type))
+    parsed = family.parse_config(raw, name=directory.name)
+    if dtype is not None:
+        parsed = ParsedConfig(dataclasses.replace(parsed.model, dtype=dtype), parsed.extras)
+    model = family.build(parsed, device)
+    tensors = read_tensors(directory)
+    load_mapped(model, tensors, family.weight_map(parsed, set(tensors)), family.ignored, str(directory))
+    return model

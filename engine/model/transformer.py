@@ -11,6 +11,14 @@ Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
 (Qwen3's qk-norm) and RoPE (rotate-half) -> residual, RMSNorm -> SwiGLU -> residual;
 final RMSNorm; one linear head per codebook.
 
+Config options for other backbones (engine/model/config.py; defaults are the above):
+q/k norm off (`qk_norm`), a head over the first `head_codebooks` columns only, Llama 3
+RoPE scaling. A model family (engine/model/family.py) may also give `TTSModel` its row
+embedding (`row_embedding`) and attach a `frame_generator`; this module never knows
+which family it serves. A model without q/k norm or with its own row embedding runs the
+torch reference path on every device (the Triton kernels fuse q/k norm and the summed
+embedding).
+
 Two paths behind the same `forward`:
 - the torch reference (CPU, and any float32/float64 model): K/V rows are gathered from
   the pool by `context_slots`. Context entry j of a sequence is its token at position j,
@@ -206,6 +214,30 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def rope_tables(
+    head_dim: int,
+    theta: float,
+    n_positions: int,
+    llama3: tuple[float, float, float, int] | None,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n_positions, head_dim / 2], computed in float64 and returned in
+    `dtype`; `llama3` = (factor, low_freq_factor, high_freq_factor, original max
+    positions) scales the frequencies as Llama 3 does (none: plain RoPE)."""
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if llama3 is not None:
+        factor, low, high, original = llama3
+        wavelen = 2 * torch.pi / inv
+        scaled = torch.where(wavelen > original / low, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        mixed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        inv = torch.where(medium, mixed, scaled)
+    ang = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().to(device, dtype), ang.sin().to(device, dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -215,8 +247,11 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden, kv_dim, dtype, device)
         self.v_proj = Linear(cfg.hidden, kv_dim, dtype, device)
         self.o_proj = Linear(q_dim, cfg.hidden, dtype, device)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, dtype, device)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, dtype, device)
 
     def forward(
         self,
@@ -229,8 +264,10 @@ class Attention(nn.Module):
         fp8: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x, fp8).view(t, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x, fp8).view(t, self.n_kv_heads, self.head_dim))
+        q = self.q_proj(x, fp8).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x, fp8).view(t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x, fp8).view(t, self.n_kv_heads, self.head_dim)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         # Write first, then read everything (new rows included) back from the pool: a
@@ -337,17 +374,29 @@ class DecoderLayer(nn.Module):
 
 
 class TTSModel(nn.Module):
-    """Weights are allocated uninitialised; `loader.load_model` fills them."""
+    """Weights are allocated uninitialised; `loader.load_model` fills them.
+
+    `row_embedding` (a family's): a module called as `row_embedding(embed, tokens,
+    offsets)` -> [T, hidden] in place of the sum of the row's embeddings.
+    `frame_generator` (a family's, attached after construction): what turns a hidden
+    state into the rest of a frame (None: the head gives every column)."""
 
     codebook_offsets: torch.Tensor
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    frame_generator: nn.Module | None
 
     def __init__(
-        self, config: ModelConfig, device: str | torch.device = "cpu", dtype: str | None = None
+        self,
+        config: ModelConfig,
+        device: str | torch.device = "cpu",
+        dtype: str | None = None,
+        row_embedding: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.row_embedding = row_embedding
+        self.frame_generator = None
         self.dtype = torch_dtype(dtype or config.dtype)
         dev = torch.device(device)
         c = config
@@ -363,7 +412,7 @@ class TTSModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, self.dtype, dev) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.hidden, c.rms_eps, self.dtype, dev)
         # All heads in one matrix [sum(vocab), hidden]: one matmul for every codebook.
-        self.head = Linear(c.hidden, sum(c.vocab_sizes), self.dtype, dev)
+        self.head = Linear(c.hidden, sum(c.head_vocab_sizes), self.dtype, dev)
         offsets = np.concatenate([[0], np.cumsum(c.vocab_sizes)[:-1]])
         self.register_buffer(
             "codebook_offsets",
@@ -373,11 +422,10 @@ class TTSModel(nn.Module):
         # RoPE tables computed in float64 and kept in the rope dtype (float64 for float64
         # models, float32 otherwise, as Qwen3 does).
         rope_dt = torch.float64 if self.dtype == torch.float64 else torch.float32
-        inv = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-        ang = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv[None, :]
-        self.register_buffer("rope_cos", ang.cos().to(dev, rope_dt), persistent=False)
-        self.register_buffer("rope_sin", ang.sin().to(dev, rope_dt), persistent=False)
-        self._uniform_vocab = len(set(c.vocab_sizes)) == 1
+        cos, sin = rope_tables(c.head_dim, c.rope_theta, c.max_positions, c.rope_llama3, rope_dt, dev)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._uniform_vocab = len(set(c.head_vocab_sizes)) == 1
         # GPU path state: "triton" takes the kernels for a CUDA bf16/fp16 model,
         # "reference" forces the torch reference there (baselines, tests).
         self.attention_backend = "triton"
@@ -414,16 +462,38 @@ class TTSModel(nn.Module):
         if batch.tokens.device != self.device:  # a GPU model on the reference path
             batch = batch.to(self.device)
         t = batch.tokens.shape[0]
-        x = self.embed(batch.tokens + self.codebook_offsets).sum(dim=1)  # [T, hidden]
+        x = self._reference_layers(batch, kv)
+        last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
+        assert int(last[-1]) == t - 1
+        return self._logits(self.norm(x[last]))
+
+    @torch.no_grad()
+    def hidden_states(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden state of every new row, [T, hidden] in the model dtype,
+        on the torch reference path (what a frame generator reads); writes K/V as
+        `forward` does."""
+        self._check(batch, kv)
+        batch = batch.to(self.device)
+        return self.norm(self._reference_layers(batch, kv))
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T, C] -> [T, hidden]: the family's row embedding, or the sum of the
+        row's C embeddings."""
+        if self.row_embedding is not None:
+            return self.row_embedding(self.embed, tokens, self.codebook_offsets)
+        return self.embed(tokens + self.codebook_offsets).sum(dim=1)
+
+    def _reference_layers(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        """Every layer of the torch reference path for every row: [T, hidden], before
+        the final norm."""
+        x = self.embed_rows(batch.tokens)  # [T, hidden]
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         plan = _plan(batch, x.device)
         fp8 = self._fp8_forward(batch)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv[i], batch.write_slots, plan, fp8)
-        last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
-        assert int(last[-1]) == t - 1
-        return self._logits(self.norm(x[last]))
+        return x
 
     @torch.no_grad()
     def set_prefill_gemm(self, mode: str, min_rows: int = 0) -> None:
@@ -517,6 +587,8 @@ class TTSModel(nn.Module):
             self.device.type == "cuda"
             and self.dtype in _HALF_DTYPES
             and self.attention_backend == "triton"
+            and self.config.qk_norm
+            and self.row_embedding is None
         )
 
     def sm_count(self) -> int:
@@ -652,13 +724,14 @@ class TTSModel(nn.Module):
         gemms = self._layer_gemms(fp8)
         t = tokens.shape[0]
         eps, dt = c.rms_eps, self.dtype
-        x = self.embed(tokens + self.codebook_offsets).sum(dim=1)
+        x = self.embed_rows(tokens)
         layers = self._decoder_layers()
         # fp8: every GEMM input but the attention output comes quantised from its producer
         h = rms_norm(x, layers[0].attn_norm.weight, eps, fp8)
         n = len(layers)
         for i, layer in enumerate(layers):
             a, g = layer.attn, gemms[i]
+            assert a.q_norm is not None and a.k_norm is not None  # gpu_path needs q/k norm
             q = qk_norm_rope_store(
                 _gemm(h, g.qkv, dt), a.q_norm.weight, a.k_norm.weight, eps,
                 self.rope_cos, self.rope_sin, positions, write_slots, kv[i],
@@ -679,14 +752,14 @@ class TTSModel(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[n, hidden] last-row states -> logits [n, C, V_max] float32; columns with a
         smaller vocabulary are padded with -inf (never sampled)."""
-        c = self.config
+        vocab = self.config.head_vocab_sizes
         flat = self.head(h).float()  # [n, sum(vocab)]
         n = h.shape[0]
         if self._uniform_vocab:
-            return flat.view(n, c.n_codebooks, c.vocab_sizes[0])
-        out = flat.new_full((n, c.n_codebooks, c.vocab_max), float("-inf"))
+            return flat.view(n, len(vocab), vocab[0])
+        out = flat.new_full((n, len(vocab), max(vocab)), float("-inf"))
         offset = 0
-        for j, v in enumerate(c.vocab_sizes):
+        for j, v in enumerate(vocab):
             out[:, j, :v] = flat[:, offset : offset + v]
             offset += v
         return out

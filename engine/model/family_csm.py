@@ -1,0 +1,349 @@
+"""The `csm` family: Sesame CSM as `transformers` saves CsmForConditionalGeneration.
+
+Owns CSM's config parsing, its tensor-name map, its row embedding and its frame
+generator, the depth decoder. Must never hold backbone math (engine/model/transformer.py
+runs the backbone: Llama-style, no q/k norm) and never load the Mimi codec's tensors
+(`codec_model.*`: not served yet).
+
+A row is `num_codebooks + 1` ids (Sesame's layout): the frame's audio codebooks
+0..K-1, then the text column. A row whose text column is `audio_token_id` is an audio
+frame (embedding: the sum of its K codebook embeddings); any other row is a text token
+(embedding: that token's; its audio columns are ignored, conventionally
+`codebook_pad_token_id`). The backbone's head predicts codebook 0; the depth decoder
+(a small Llama over one frame: position 0 the backbone's hidden state projected,
+position p the embedding of codebook p-1) predicts codebooks 1..K-1 one after another.
+The depth decoder's short KV is recomputed within the frame, never paged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdunit.engine.model.checkpoint import WeightMap
+from pdunit.engine.model.config import ModelConfig, torch_dtype
+from pdunit.engine.model.family import ModelFamily, ParsedConfig
+from pdunit.engine.model.transformer import (
+    MLP,
+    Linear,
+    RMSNorm,
+    TTSModel,
+    _rope,
+    rope_tables,
+)
+
+DEPTH_MODEL_TYPE = "csm_depth_decoder_model"
+
+# Fields both configs share that the engine reads ...
+_SHAPE_FIELDS = {
+    "num_codebooks", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta",
+    "rope_scaling", "attention_bias", "mlp_bias", "model_type", "dtype", "torch_dtype",
+}
+# ... and those that do not change inference (training, generation defaults, bookkeeping).
+_INERT_FIELDS = {
+    "architectures", "transformers_version", "initializer_range", "use_cache",
+    "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+    "output_hidden_states", "output_attentions", "return_dict", "_name_or_path",
+}
+_BACKBONE_FIELDS = _SHAPE_FIELDS | _INERT_FIELDS | {
+    "text_vocab_size", "codebook_pad_token_id", "codebook_eos_token_id", "audio_token_id",
+    "audio_eos_token_id", "tie_codebooks_embeddings", "depth_decoder_config",
+    "codec_config",  # the Mimi codec: its tensors are not loaded yet (docs/models.md)
+}
+_DEPTH_FIELDS = _SHAPE_FIELDS | _INERT_FIELDS | {"backbone_hidden_size"}
+_REQUIRED = (
+    "num_codebooks", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+@dataclass(frozen=True)
+class DepthConfig:
+    """The depth decoder's shape (from `depth_decoder_config`)."""
+
+    n_codebooks: int
+    vocab_size: int
+    backbone_hidden: int
+    backbone: ModelConfig  # its transformer shape in ModelConfig's terms (rows unused)
+
+
+@dataclass(frozen=True)
+class CsmExtras:
+    n_audio: int  # K codebooks per frame
+    audio_token_id: int
+    audio_eos_token_id: int | None
+    codebook_pad_token_id: int
+    tied_codebook_embeddings: bool
+    depth: DepthConfig
+
+
+class CsmRowEmbedding(nn.Module):
+    """A row [audio 0..K-1, text] -> the audio frame's summed embedding or the text
+    token's, by whether the text column holds `audio_token_id` (module docstring)."""
+
+    def __init__(self, n_audio: int, audio_token_id: int) -> None:
+        super().__init__()
+        self.n_audio, self.audio_token_id = n_audio, audio_token_id
+
+    def forward(self, embed: nn.Embedding, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        k = self.n_audio
+        audio = embed(tokens[:, :k] + offsets[:k]).sum(dim=1)
+        text = embed(tokens[:, k] + offsets[k])
+        return torch.where((tokens[:, k] == self.audio_token_id)[:, None], audio, text)
+
+
+class _DepthAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden, q_dim, dtype, device)
+        self.k_proj = Linear(cfg.hidden, kv_dim, dtype, device)
+        self.v_proj = Linear(cfg.hidden, kv_dim, dtype, device)
+        self.o_proj = Linear(q_dim, cfg.hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = _rope(self.q_proj(x).view(b, n, self.n_heads, self.head_dim), cos, sin)
+        k = _rope(self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+
+
+class _DepthLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
+        self.attn = _DepthAttention(cfg, dtype, device)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DepthDecoder(nn.Module):
+    """CSM's frame generator: codebooks 1..K-1 of a frame from the backbone's hidden
+    state and codebook 0, batched across streams."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, d: DepthConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c = d.backbone
+        self.n_codebooks, self.vocab_size = d.n_codebooks, d.vocab_size
+        self.embed = nn.Embedding(
+            d.n_codebooks * d.vocab_size, d.backbone_hidden, device=device, dtype=dtype,
+            _weight=torch.empty(d.n_codebooks * d.vocab_size, d.backbone_hidden, device=device, dtype=dtype),
+        )
+        self.project = Linear(d.backbone_hidden, c.hidden, dtype, device)
+        self.layers = nn.ModuleList(_DepthLayer(c, dtype, device) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.hidden, c.rms_eps, dtype, device)
+        # one [hidden, vocab] head per codebook 1..K-1
+        self.heads = nn.Parameter(torch.empty(d.n_codebooks - 1, c.hidden, d.vocab_size, dtype=dtype, device=device))
+        rope_dt = torch.float64 if dtype == torch.float64 else torch.float32
+        cos, sin = rope_tables(c.head_dim, c.rope_theta, d.n_codebooks, c.rope_llama3, rope_dt, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """hidden [B, backbone_hidden] (the backbone's final-norm state of the frame's
+        position), codes [B, n] = codebooks 0..n-1 (1 <= n <= K-1) -> logits [B, n, V]
+        float32 for codebooks 1..n."""
+        b, n = codes.shape
+        if not 1 <= n < self.n_codebooks:
+            raise ValueError(f"depth decoder: {n} codebooks given, expected 1..{self.n_codebooks - 1}")
+        offsets = torch.arange(n, device=codes.device) * self.vocab_size
+        x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes + offsets)], dim=1)
+        x = self.project(x)
+        cos = self.rope_cos[: n + 1].unsqueeze(1)
+        sin = self.rope_sin[: n + 1].unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = self.norm(x)[:, 1:]  # position p predicts codebook p
+        return torch.einsum("bph,phv->bpv", x, self.heads[:n]).float()
+
+    @torch.no_grad()
+    def greedy(self, hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
+        """hidden [B, backbone_hidden], code0 [B] -> the greedy frame [B, K] int64."""
+        codes = code0[:, None].to(torch.int64)
+        for _ in range(1, self.n_codebooks):
+            nxt = self.logits(hidden, codes)[:, -1].argmax(dim=-1)
+            codes = torch.cat([codes, nxt[:, None]], dim=1)
+        return codes
+
+
+class CsmFamily(ModelFamily):
+    model_type = "csm"
+
+    def parse_config(self, raw: dict[str, Any], name: str) -> ParsedConfig:
+        _check_fields(raw, _BACKBONE_FIELDS, "config.json")
+        depth_raw = raw.get("depth_decoder_config")
+        if not isinstance(depth_raw, dict):
+            raise ValueError("config.json: depth_decoder_config must be an object (CSM's depth decoder)")
+        _check_fields(depth_raw, _DEPTH_FIELDS, "config.json depth_decoder_config")
+        if depth_raw.get("model_type", DEPTH_MODEL_TYPE) != DEPTH_MODEL_TYPE:
+            raise ValueError(
+                f"config.json depth_decoder_config.model_type is {depth_raw['model_type']!r}, "
+                f"expected {DEPTH_MODEL_TYPE!r}"
+            )
+        k, v = int(raw["num_codebooks"]), int(raw["vocab_size"])
+        if "text_vocab_size" not in raw:
+            raise ValueError("config.json is missing field(s) ['text_vocab_size']")
+        eos = raw.get("codebook_eos_token_id", 0)
+        if not isinstance(eos, int):
+            raise ValueError(f"config.json codebook_eos_token_id must be one integer (got {eos!r})")
+        dtype = _dtype(raw, "config.json")
+        backbone = _llama_shape(
+            raw, "config.json", name=name, dtype=dtype, n_codebooks=k + 1,
+            vocab_sizes=(v,) * k + (int(raw["text_vocab_size"]),), eos_id=eos, head_codebooks=1,
+        )
+        dk, dv = int(depth_raw["num_codebooks"]), int(depth_raw["vocab_size"])
+        backbone_hidden = int(depth_raw.get("backbone_hidden_size", backbone.hidden))
+        for field, got, want in (
+            ("num_codebooks", dk, k), ("vocab_size", dv, v), ("backbone_hidden_size", backbone_hidden, backbone.hidden),
+        ):
+            if got != want:
+                raise ValueError(
+                    f"config.json depth_decoder_config.{field} is {got}, the backbone's is {want}; "
+                    "they must agree"
+                )
+        depth = DepthConfig(
+            n_codebooks=k, vocab_size=v, backbone_hidden=backbone_hidden,
+            backbone=_llama_shape(
+                depth_raw, "config.json depth_decoder_config", name=f"{name}-depth", dtype=dtype,
+                n_codebooks=k, vocab_sizes=(v,) * k, eos_id=eos, head_codebooks=None,
+            ),
+        )
+        audio_token = raw.get("audio_token_id")
+        if not isinstance(audio_token, int) or not 0 <= audio_token < int(raw["text_vocab_size"]):
+            raise ValueError(
+                f"config.json audio_token_id must be a text id in [0, {raw['text_vocab_size']}) "
+                f"(got {audio_token!r}): it marks a row as an audio frame"
+            )
+        tied = raw.get("tie_codebooks_embeddings", True)
+        extras = CsmExtras(
+            n_audio=k, audio_token_id=audio_token, audio_eos_token_id=raw.get("audio_eos_token_id"),
+            codebook_pad_token_id=int(raw.get("codebook_pad_token_id", v - 1)),
+            tied_codebook_embeddings=bool(tied), depth=depth,
+        )
+        return ParsedConfig(backbone, extras)
+
+    def build(self, parsed: ParsedConfig, device: str | torch.device) -> TTSModel:
+        extras: CsmExtras = parsed.extras
+        model = TTSModel(
+            parsed.model, device=device,
+            row_embedding=CsmRowEmbedding(extras.n_audio, extras.audio_token_id),
+        )
+        model.frame_generator = DepthDecoder(extras.depth, model.dtype, torch.device(device))
+        return model
+
+    def weight_map(self, parsed: ParsedConfig, checkpoint_names: set[str]) -> WeightMap:
+        extras: CsmExtras = parsed.extras
+        audio = "backbone_model.embed_tokens.embed_audio_tokens.weight"
+        depth_embed = "depth_decoder.model.embed_tokens.weight"
+        if audio not in checkpoint_names and extras.tied_codebook_embeddings:
+            audio = depth_embed  # tied: transformers saves the table once
+        out: dict[str, tuple[str, ...]] = {
+            "embed.weight": (audio, "embed_text_tokens.weight"),
+            "norm.weight": ("backbone_model.norm.weight",),
+            "head.weight": ("lm_head.weight",),
+            "frame_generator.embed.weight": (depth_embed,),
+            "frame_generator.project.weight": ("depth_decoder.model.inputs_embeds_projector.weight",),
+            "frame_generator.norm.weight": ("depth_decoder.model.norm.weight",),
+            "frame_generator.heads": ("depth_decoder.codebooks_head.weight",),
+        }
+        out.update(_layer_map("layers", "backbone_model.layers", parsed.model.n_layers))
+        out.update(_layer_map(
+            "frame_generator.layers", "depth_decoder.model.layers", extras.depth.backbone.n_layers
+        ))
+        return out
+
+    def ignored(self, checkpoint_name: str) -> bool:
+        return checkpoint_name.startswith("codec_model.")
+
+
+def _layer_map(engine: str, ckpt: str, n_layers: int) -> dict[str, tuple[str, ...]]:
+    names = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "mlp_norm.weight": "post_attention_layernorm.weight",
+        **{f"attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
+        **{f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    }
+    return {f"{engine}.{i}.{e}": (f"{ckpt}.{i}.{c}",) for i in range(n_layers) for e, c in names.items()}
+
+
+def _check_fields(raw: dict[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown field(s) {unknown} for model_type 'csm'; the csm family "
+            "reads the fields of transformers' CsmConfig (docs/models.md)"
+        )
+    missing = [f for f in _REQUIRED if f not in raw]
+    if missing:
+        raise ValueError(f"{where} is missing field(s) {missing}")
+
+
+def _dtype(raw: dict[str, Any], where: str) -> str:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if str(name).removeprefix("torch.") not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{where} dtype {name!r}: expected float32, bfloat16 or float16")
+    torch_dtype(str(name))
+    return str(name).removeprefix("torch.")
+
+
+def _rope_config(raw: dict[str, Any], where: str) -> tuple[float, tuple[float, float, float, int] | None]:
+    """rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x) -> (theta, llama3)."""
+    params = raw.get("rope_parameters") or {
+        "rope_theta": raw.get("rope_theta", 500000.0), **(raw.get("rope_scaling") or {})
+    }
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 500000.0)))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        try:
+            return theta, (
+                float(params["factor"]), float(params["low_freq_factor"]),
+                float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise ValueError(f"{where} rope_parameters of type llama3 lacks {e.args[0]!r}") from None
+    raise ValueError(f"{where} rope_parameters.rope_type {kind!r} is not supported: default or llama3")
+
+
+def _llama_shape(raw: dict[str, Any], where: str, **fields: Any) -> ModelConfig:
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"{where} {flag} is true: biased projections are not supported yet")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where} hidden_act {raw['hidden_act']!r}: only silu is supported")
+    heads = int(raw["num_attention_heads"])
+    theta, llama3 = _rope_config(raw, where)
+    return ModelConfig(
+        n_layers=int(raw["num_hidden_layers"]),
+        hidden=int(raw["hidden_size"]),
+        n_heads=heads,
+        n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        ffn_hidden=int(raw["intermediate_size"]),
+        rope_theta=theta,
+        rope_llama3=llama3,
+        rms_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        max_positions=int(raw.get("max_position_embeddings", 2048)),
+        qk_norm=False,
+        **fields,
+    )
