@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +30,7 @@ from pdunit.engine.model.config import ModelConfig, torch_dtype
 from pdunit.engine.model.family import ModelFamily, ParsedConfig
 from pdunit.engine.model.transformer import (
     MLP,
+    ForwardBatch,
     Linear,
     RMSNorm,
     TTSModel,
@@ -183,6 +185,44 @@ class DepthDecoder(nn.Module):
             nxt = self.logits(hidden, codes)[:, -1].argmax(dim=-1)
             codes = torch.cat([codes, nxt[:, None]], dim=1)
         return codes
+
+
+@torch.no_grad()
+def greedy_frames(model: TTSModel, prompts: list[np.ndarray], max_frames: int) -> list[np.ndarray]:
+    """Offline greedy generation (not wired into P/D serving): for each prompt [T_i, K+1]
+    (csm rows), up to `max_frames` frames [n_i, K] from the backbone (codebook 0, on the
+    engine's paged forward with a private pool) and the depth decoder (codebooks 1..K-1),
+    all streams batched. A stream stops after a frame whose codebooks 0..K-2 are all
+    `eos_id`, as transformers' CSM generate does."""
+    embed, depth = model.row_embedding, model.frame_generator
+    if not isinstance(embed, CsmRowEmbedding) or not isinstance(depth, DepthDecoder):
+        raise ValueError("greedy_frames needs a model loaded by the csm family")
+    eos, k = model.config.eos_id, embed.n_audio
+    pool = model.new_kv_storage(sum(len(p) for p in prompts) + len(prompts) * max_frames, model.device)
+    slots, start = [], 0
+    for p in prompts:
+        slots.append(np.arange(start, start + len(p) + max_frames))
+        start += len(p) + max_frames
+    lengths = [len(p) for p in prompts]
+    new = [np.asarray(p, dtype=np.int64) for p in prompts]
+    live = list(range(len(prompts)))
+    out: list[list[np.ndarray]] = [[] for _ in prompts]
+    for _ in range(max_frames):
+        batch = ForwardBatch.from_sequences([new[i] for i in live], [slots[i][: lengths[i]] for i in live])
+        h = model.hidden_states(batch, pool)[torch.from_numpy(np.cumsum([len(new[i]) for i in live]) - 1)]
+        code0 = model.logits(h)[:, 0].argmax(dim=-1)
+        frames = depth.greedy(h, code0).cpu().numpy()
+        still = []
+        for i, frame in zip(live, frames, strict=True):
+            out[i].append(frame)
+            if not (frame[: k - 1] == eos).all():
+                still.append(i)
+                new[i] = np.append(frame, embed.audio_token_id)[None, :]
+                lengths[i] += 1
+        live = still
+        if not live:
+            break
+    return [np.stack(f) for f in out]
 
 
 class CsmFamily(ModelFamily):

@@ -749,6 +749,11 @@ class TTSModel(nn.Module):
     def _decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's logits of final-norm states [n, hidden] (from `hidden_states`):
+        [n, head columns, V_max] float32, as `forward` returns them."""
+        return self._logits(h)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[n, hidden] last-row states -> logits [n, C, V_max] float32; columns with a
         smaller vocabulary are padded with -inf (never sampled)."""

@@ -220,3 +220,25 @@ def test_missing_shard_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None
     (tmp_path / gone).unlink()
     with pytest.raises(ValueError, match=rf"shard\(s\) \['{gone}'\] listed in model.safetensors.index.json are missing"):
         load_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------- greedy frames (offline)
+
+
+def test_greedy_frames_equal_transformers_generate_frame_for_frame(oracle: Any, tmp_path: Path) -> None:
+    from pdunit.engine.model.family_csm import greedy_frames
+
+    model = load_model(str(saved(oracle, tmp_path)))
+    texts = [np.array([46, 5, 7, 9, 11]), np.array([46, 30, 2])]  # streams of unequal length
+    audio = np.random.default_rng(5).integers(0, V, (1, 3, K))
+    prompts = [np.concatenate([np.full((len(t), K), V - 1), t[:, None]], 1) for t in texts]
+    prompts.append(np.concatenate([audio[0], np.full((3, 1), AUDIO_TOKEN)], 1))
+    mine = greedy_frames(model, prompts, max_frames=8)  # all three streams in one batch
+    with torch.no_grad():
+        want = [oracle.generate(input_ids=torch.from_numpy(t)[None], max_new_tokens=8, do_sample=False)[0] for t in texts]
+        frames = oracle.generate(input_ids=torch.from_numpy(audio), max_new_tokens=8, do_sample=False)[0]
+    assert torch.equal(frames[:3], torch.from_numpy(audio[0]))  # a frame prompt comes back first
+    want.append(frames[3:])
+    for got, ref in zip(mine, want, strict=True):
+        assert got.shape == (8, K)
+        assert np.array_equal(got, ref.numpy())
