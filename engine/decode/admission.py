@@ -206,23 +206,29 @@ class RateFloorAdmission:
     """Admits a stream only while the projected step stays within the floor's budget
     for every stream held (module docstring)."""
 
-    def __init__(self, model: StepModel, floor_fps: float, margin: float = 0.10) -> None:
+    def __init__(self, model: StepModel, floor_fps: float, margin: float = 0.10,
+                 error_quantile: float = 0.9) -> None:
         if floor_fps <= 0:
             raise ValueError(f"rate floor must be > 0 frames/s (got {floor_fps})")
         if not 0 <= margin < 1:
             raise ValueError(f"floor margin must be in [0, 1) (got {margin})")
+        if not 0 < error_quantile <= 1:
+            raise ValueError(f"floor error quantile must be in (0, 1] (got {error_quantile})")
         self.model = model
         self.floor_fps = floor_fps
         self.margin = margin
+        self.error_quantile = error_quantile  # which quantile of observed / predicted shrinks the budget
 
     def budget_ms(self) -> float:
         """1 / floor less the margin, shrunk when the model has been under-predicting."""
         base = 1000.0 / self.floor_fps * (1.0 - self.margin)
-        return base / max(1.0, self.model.under_prediction())
+        return base / max(1.0, self.model.under_prediction(self.error_quantile))
 
-    def judge(self, held: Iterable[HeldStream], new: HeldStream) -> Verdict:
+    def judge(self, held: Iterable[HeldStream], new: HeldStream, prefill_rows: float = 0.0) -> Verdict:
+        """`prefill_rows`: prompt rows every step is expected to carry (a monolith's
+        mixed steps, or its prefill steps between decode steps, as a mean per step)."""
         streams = list(held) + [new]
-        worst, at = worst_step(self.model.coefficients, streams)
+        worst, at = worst_step(self.model.coefficients, streams, prefill_rows)
         budget = self.budget_ms()
         return Verdict(worst <= budget, worst, budget, at)
 
@@ -278,10 +284,11 @@ class AdmissionControl:
             pts = np.array(self._recent)
         return HeldStream(int(np.median(pts[:, 0])), int(np.median(pts[:, 1])))
 
-    def judge(self, held: Iterable[tuple[int, int]], prompt_tokens: int, max_frames: int) -> Verdict:
+    def judge(self, held: Iterable[tuple[int, int]], prompt_tokens: int, max_frames: int,
+              prefill_rows: float = 0.0) -> Verdict:
         """The verdict on a new stream; an admitted one becomes part of the typical mix."""
         streams = [HeldStream(c, f) for c, f in held]
-        v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames))
+        v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames), prefill_rows)
         if v.admit and self.cold():
             v = Verdict(len(streams) < self.cold_streams, v.worst_ms, v.budget_ms, v.at_step,
                         cold=len(streams) >= self.cold_streams)
@@ -342,6 +349,9 @@ class AdmissionFields(BaseModel):
                             "(<results>.fit.json); without one the engine holds at most --cold-streams until it "
                             "has fitted its own steps")
     cold_streams: int = Field(8, gt=0, description="without --step-model: streams held before the first fit")
+    floor_error_quantile: float = Field(0.9, gt=0, le=1, description="the quantile of recent observed / predicted "
+                                        "step times that shrinks the budget when above 1 (0.5: the model's typical "
+                                        "error, for steps that jitter, e.g. on a shared CPU; 0.9: its bad tail)")
     headroom_stream: str = Field("1500:420", description="PROMPT_ROWS:FRAMES of the stream headroom counts in "
                                  "until the engine has seen its own (then the median of the recent ones)")
 
@@ -367,6 +377,6 @@ def build_admission(cfg: AdmissionFields, gpu_path: bool) -> AdmissionControl | 
         return None
     seed = load_step_model(cfg.step_model) if cfg.step_model else StepCoefficients(0.0, 0.0, 0.0)
     rows, _, frames = cfg.headroom_stream.partition(":")
-    return AdmissionControl(RateFloorAdmission(StepModel(seed), floor, cfg.floor_margin),
+    return AdmissionControl(RateFloorAdmission(StepModel(seed), floor, cfg.floor_margin, cfg.floor_error_quantile),
                             HeldStream(int(rows), int(frames)), seeded=bool(cfg.step_model),
                             cold_streams=cfg.cold_streams)

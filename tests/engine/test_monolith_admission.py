@@ -165,6 +165,57 @@ def test_every_step_is_observed_with_its_streams_context_and_prompt_rows(engine)
     assert all(s[2] > 0 for s in steps.seen)
 
 
+def test_without_a_fit_file_it_holds_only_what_its_widest_step_vouches_for() -> None:
+    """No --step-model: the seed is zeros (everything fits), so the monolith holds its
+    cold-start limit, then twice the most streams one observed step decoded: a burst is
+    never judged by a fit of smaller batches all at once."""
+    loop = asyncio.new_event_loop()
+    try:
+        e, _ = make_engine("prefill-first", loop)
+        assert e.admission is not None
+        e.admission.seeded, e.admission.cold_streams = False, 2
+        replies: dict[int, pb.SubmitReply] = {}
+        for rid in (1, 2, 3):
+            e.submit(job(rid, replies))
+        assert set(replies) == {3} and replies[3].status == pb.RATE_FLOOR
+        assert "at most 2" in replies[3].message, replies[3]
+        e.widest_step = 2  # a fit, from steps of two streams: four may be held
+        e.admission.model.fits = 1
+        e.admission.model.coefficients = StepCoefficients(0.0, 0.0, 0.0)  # a fit by which anything fits
+        for rid in (4, 5, 6):
+            e.submit(job(rid, replies))
+        assert 4 not in replies and 5 not in replies and replies[6].status == pb.RATE_FLOOR
+    finally:
+        loop.close()
+
+
+def test_a_stream_refused_only_by_the_shrunk_budget_is_a_retry_not_a_4xx(engine) -> None:
+    """The model under-predicted lately (observed 3x its prediction): the budget shrinks
+    to a third, and even one stream does not fit it; that is RATE_FLOOR (try again), not
+    INVALID, which says the stream can never be served."""
+    e, steps = engine
+    for _ in range(32):
+        steps.observe(1, 100, 3 * steps.predict(1, 100))
+    replies: dict[int, pb.SubmitReply] = {}
+    e.submit(job(1, replies, frames=2000))  # 80 + 0.04 x 2064 = 163 ms at its end: within 214, not 71
+    assert replies[1].status == pb.RATE_FLOOR, replies[1]
+
+
+def test_the_projection_carries_the_prompt_rows_each_step_has_computed_lately(engine) -> None:
+    """Prompt rows cost 0.5 ms each: with 100 rows per decode step lately (50 ms more per
+    step), two streams no longer fit where without them they did."""
+    e, steps = engine
+    steps.coefficients = StepCoefficients(0.0, 80.0, 0.04, per_row_ms=0.5)
+    replies: dict[int, pb.SubmitReply] = {}
+    e.submit(job(1, replies))
+    e.submit(job(2, replies))
+    assert replies == {}
+    assert e.cancel(2)
+    e._rows_per_step.extend([100] * 8)
+    e.submit(job(3, replies))
+    assert replies[3].status == pb.RATE_FLOOR, replies[3]
+
+
 def post(url: str, prompt: list[list[int]], frames: int) -> tuple[int, str | None, dict]:
     """(HTTP status, Retry-After, the final record or the error body) of one stream."""
     body = {"prompt": prompt, "max_frames": frames, "min_frames": frames}
