@@ -242,3 +242,31 @@ def test_greedy_frames_equal_transformers_generate_frame_for_frame(oracle: Any, 
     for got, ref in zip(mine, want, strict=True):
         assert got.shape == (8, K)
         assert np.array_equal(got, ref.numpy())
+
+
+def test_bf16_checkpoint_loads_in_its_dtype_or_an_override(tmp_path: Path) -> None:
+    oracle = tiny_csm().to(torch.bfloat16)
+    saved(oracle, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    model = load_model(str(tmp_path))
+    assert model.dtype == torch.bfloat16 and model.frame_generator is not None
+    assert model.frame_generator.heads.dtype == torch.bfloat16
+    # the same bf16 weights widened: float32 on both sides, float32's tolerance
+    assert_matches_oracle(load_model(str(tmp_path), dtype="float32"), oracle.float())
+
+
+def test_transformers_4_config_spelling_is_read(tmp_path: Path) -> None:
+    """sesame/csm-1b's config.json was written by transformers 4.x: rope_theta +
+    rope_scaling and torch_dtype instead of rope_parameters and dtype."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    oracle = tiny_csm(rope)
+    cfg = json.loads((saved(oracle, tmp_path) / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = params
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(str(tmp_path))
+    assert model.config.rope_theta == 10000.0 and model.config.rope_llama3 == (4.0, 1.0, 4.0, 16)
+    assert_matches_oracle(model, oracle)
