@@ -44,11 +44,16 @@ CONFIG_FILE = "config.json"
 _HEAD_GAIN = 3.0
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> TTSModel:
+def load_model(
+    spec: str, device: str = "cpu", dtype: str | None = None, serving: bool = True
+) -> TTSModel:
     """`random:<config>:<seed>` or a checkpoint directory (the module docstring).
     `dtype` overrides the config's compute/KV dtype (the returned model's config says
     the dtype it really uses). Its GEMMs run in the model dtype until
-    `TTSModel.set_prefill_gemm`. Raises ValueError naming what is wrong."""
+    `TTSModel.set_prefill_gemm`. Raises ValueError naming what is wrong. `serving` (the
+    P/D and monolith engines) also refuses, at load, a model whose frames need a frame
+    generator: those engines take every column of a frame from the backbone's head
+    (docs/models.md)."""
     if dtype is not None:
         torch_dtype(dtype)  # fail fast on a bad name
     if spec.startswith("random:"):
@@ -65,6 +70,13 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> TTSM
         _fill_random(model, int(parts[2]))
     else:
         model = _load_checkpoint(spec, device, dtype)
+        c = model.config
+        if serving and (model.frame_generator is not None or c.head_vocab_sizes != c.vocab_sizes):
+            raise ValueError(
+                f"model {spec!r}: its frames come from a frame generator, which the P/D and "
+                "monolith engines do not run yet; load it with serving=False (offline only, "
+                "docs/models.md 'Not wired yet')"
+            )
     model.eval()
     model.requires_grad_(False)
     return model
