@@ -78,7 +78,8 @@ class StubDecode:
 class InstantSender:
     mode = "stub"
 
-    def write(self, request_id: int, src: Any, src_slots: Any, dst_slots: Any, deadline_unix_ms: int) -> None:
+    def write(self, request_id: int, src: Any, src_slots: Any, dst_slots: Any, deadline_unix_ms: int, *,
+              capability: bytes) -> None:
         pass
 
     def quiesce(self, request_id: int) -> bool:

@@ -58,7 +58,7 @@ class FakeSender:
         self.d = d
         self.stall: dict[int, threading.Event] = {}  # request id -> released when set
 
-    def write(self, request_id, src, src_slots, dst_slots, deadline_unix_ms):
+    def write(self, request_id, src, src_slots, dst_slots, deadline_unix_ms, *, capability):
         if request_id in self.stall:
             assert self.stall[request_id].wait(20)
         self.d._record("write", request_id)
