@@ -69,6 +69,12 @@ class CompareConfig(BaseModel):
                               "'1p1d=16,24;monolith-chunked=8,12'")
     burst_share: float = Field(0.0, ge=0, lt=1, description="Poisson levels: share of requests arriving in clumps")
     burst_size: int = Field(5, ge=1, description="Poisson levels: requests per clump")
+    overload_rate: float = Field(0.0, ge=0, description="after its sweep, every variant runs one overload level: "
+                                 "Poisson arrivals at this rate (arrivals/s; BENCHMARKS.md: 2x the monolith's "
+                                 "capacity rate) with clumps (--burst-share, 0.2 when 0); not a capacity level: "
+                                 "the summary's `overload` gives each variant's goodput, refused share, stutter and "
+                                 "TTFA p95 there, and a labelled copy's against its variant's (admission on vs "
+                                 "off: `--variants 1p1d,1p1d+floor --variant-decode-args 'floor=--rate-floor=42'`)")
     client_procs: int = Field(0, ge=0, description="processes sending each Poisson level's requests (0: 4 with a "
                               "GPU device, 1 on cpu): one Python process reading every stream is late by itself")
     stop_at_failure: bool = Field(True, description="end a variant's sweep at its first failing level (the "
@@ -431,6 +437,28 @@ def ratios_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def overload_markdown(overload: dict[str, Any] | None) -> str:
+    """The overload level of each variant: goodput (frames/s of the streams that met the
+    floor), refused share, and a labelled copy's goodput over its variant's."""
+    if not overload:
+        return ""
+    out = ["", "## Overload level (--overload-rate)", "",
+           "| variant | goodput fps | refused | stutter | min fps | TTFA p95 ms | refusal p99 ms | pass |",
+           "|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def cell(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for name, lv in overload["levels"].items():
+        out.append(f"| {name} | {cell(lv['goodput_fps'], '.0f')} | {cell(lv['refused_share'], '.1%')} | "
+                   f"{cell(lv['stutter_share'], '.1%')} | {cell(lv['min_rate'], '.1f')} | "
+                   f"{cell(lv['ttfa_p95_ms'], '.0f')} | {cell(lv['refusal_p99_ms'], '.0f')} | {lv['passed']} |")
+    for name, a in overload.get("against_base", {}).items():
+        out.append(f"\n{name} / {name.partition('+')[0]}: goodput x{cell(a['goodput_over_base'], 'g')}, refused "
+                   f"{cell(a['refused_share'], '.1%')} vs {cell(a['base_refused_share'], '.1%')}")
+    return "\n".join(out) + "\n"
+
+
 def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | None]) -> str:
     """Per variant: the waterfall at its capacity point (else its lowest level)."""
     out = ["", "## Engines per level (from P's, D's and the LB's own metrics; client lag from the load generator)",
@@ -625,11 +653,13 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False,
         client_procs=client_processes(cfg) if key == "rate" else 1)
     rows: list[dict[str, Any]] = []
+    overload_rows: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
     sample_gpus = cfg.device != "cpu" and GpuSampler.available()
 
-    def run_level(level: float) -> bool:
-        """Every run of one level, appended to `rows`; whether all passed."""
+    def run_level(level: float, overload: bool = False) -> bool:
+        """Every run of one level, appended to `rows` (an overload level's to
+        `overload_rows`); whether all passed."""
         nonlocal doc
         for run in range(cfg.repeat):
             marks: dict[str, tuple[float, dict[str, float]]] = {}
@@ -639,7 +669,11 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
 
             before = (time.monotonic(), _scrape_all(ports))
             sampler = GpuSampler(range(cfg.gpu_base, cfg.gpu_base + gpus)).start() if sample_gpus else None
-            doc = run_capacity(base.model_copy(update={key: [level], "seed": base.seed + run}), command=command,
+            update: dict[str, Any] = {key: [level], "seed": base.seed + run}
+            if overload:  # Poisson with clumps, whatever the sweep's levels are
+                update = {"rate": [level], "concurrency": [], "seed": base.seed + run,
+                          "burst_share": cfg.burst_share or 0.2}
+            doc = run_capacity(base.model_copy(update=update), command=command,
                                keep_streams=True, window=window if ports else None)
             clocks = sampler.stop() if sampler is not None else {}
             row = doc["rows"][0]
@@ -653,7 +687,11 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
             row["gpu_busy"] = row["engine"].get("d_gpu_busy")
             attach_waterfall(row, doc["streams"])  # this run's streams only
             row["slowest_streams"] = slowest_streams(doc["streams"])
-            rows.append(row)
+            if overload:
+                row["overload"] = True
+                overload_rows.append(row)
+            else:
+                rows.append(row)
         return all(r["passed"] for r in rows if r[key] == level)
 
     passed: dict[float, bool] = {}
@@ -669,9 +707,42 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         passed[level] = run_level(level)
         if passed[level] != (level > max(levels)):  # the first failure above, or the first pass below
             break
+    if cfg.overload_rate:
+        print(f"{name}: overload level at {cfg.overload_rate:g} arrivals/s", flush=True)
+        run_level(cfg.overload_rate, overload=True)
     # summarize_run: a level whose any run failed ends the capacity below it
     return {**doc, "config": {**doc.get("config", {}), key: sorted(passed), "repeat": cfg.repeat}, "rows": rows,
-            "summary": summarize_run(rows, base)}
+            "overload_rows": overload_rows, "summary": summarize_run(rows, base)}
+
+
+OVERLOAD_FIELDS = ("goodput_fps", "refused_share", "stutter_share", "min_rate", "ttfa_p95_ms", "refusal_p99_ms",
+                   "errors", "passed")
+
+
+def overload_summary(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each variant's overload level (its first run; BENCHMARKS.md: 0 stutter among the
+    admitted streams and TTFA p95 <= 500 ms with admission on), and each labelled copy's
+    goodput over its variant's with its and its variant's refused share (admission on
+    vs off when the label turns it on)."""
+    levels: dict[str, dict[str, Any]] = {}
+    for name, doc in docs.items():
+        if doc.get("overload_rows"):
+            levels[name] = {k: doc["overload_rows"][0].get(k) for k in OVERLOAD_FIELDS}
+        elif name in doc["summary"].get("overload", {}).get("levels", {}):  # a wave's child: its results file
+            levels[name] = doc["summary"]["overload"]["levels"][name]
+    out: dict[str, Any] = {"levels": levels}
+    against = {}
+    for name, level in levels.items():
+        base = levels.get(name.partition("+")[0]) if "+" in name else None
+        if base is None:
+            continue
+        ratio = (round(level["goodput_fps"] / base["goodput_fps"], 3)
+                 if level["goodput_fps"] is not None and base["goodput_fps"] else None)
+        against[name] = {"goodput_over_base": ratio, "refused_share": level["refused_share"],
+                         "base_refused_share": base["refused_share"]}
+    if against:
+        out["against_base"] = against
+    return out
 
 
 def bracket_levels(cfg: CompareConfig, name: str, levels: list[float], passed: dict[float, bool]) -> list[float]:
@@ -886,6 +957,9 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
     summary["steady_state_s"] = max((doc["summary"].get("steady_state_s", 0.0) for doc in docs.values()), default=0.0)
     if realtime:
         summary["realtime_streams_per_gpu"] = realtime
+    overload = overload_summary(docs)
+    if overload["levels"]:
+        summary["overload"] = overload
     summary["waves"] = [[name for name, _, _ in wave] for wave in plan]
     if partial:
         summary["partial"] = f"{len(docs)} of {sum(len(w) for w in plan)} variants run so far"
@@ -896,6 +970,7 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
         json_path, md_path = results.write(path, COLUMNS, "Capacity: PD vs monolith")
         with md_path.open("a") as md:
             md.write(ratios_markdown(summary))
+            md.write(overload_markdown(summary.get("overload")))
             md.write(waterfalls_markdown(rows, per_gpu))
         out["files"] = [str(json_path), str(md_path)]
     return out

@@ -582,3 +582,44 @@ def test_host_cpu_shares_per_level_from_proc_stat(tmp_path):
     # 800 ticks passed: 420 busy (user 300, system 100, irq 10, softirq 10), 80 stolen, 300 idle
     assert (got["host_busy"], got["host_steal"]) == (0.525, 0.1)
     assert host_cpu_ticks(str(tmp_path / "missing")) == {}
+
+
+def test_an_overload_level_runs_after_the_sweep_and_reports_goodput_against_the_variant(tmp_path, monkeypatch):
+    """--overload-rate: one Poisson level with clumps per variant after its sweep, kept out
+    of its capacity; the summary gives each variant's goodput and refused share there, and
+    a labelled copy's (admission on) goodput over its variant's (admission off)."""
+    from pdunit.bench import compare
+
+    seen: list[tuple[list[int], list[float], float]] = []
+
+    def fake_run_capacity(cfg, command=None, keep_streams=False, window=None):
+        seen.append((cfg.concurrency, cfg.rate, cfg.burst_share))
+        on = "+" in cfg.mode_label
+        row = {"mode": cfg.mode_label, "gpus": cfg.gpus, "concurrency": cfg.concurrency[0] if cfg.concurrency
+               else None, "rate": cfg.rate[0] if cfg.rate else None, "realtime_streams": None,
+               "passed": not cfg.rate or on, "goodput_fps": 900.0 if on else 300.0,
+               "refused_share": 0.4 if on and cfg.rate else 0.0, "stutter_share": 0.0 if on else 0.8,
+               "min_rate": 45.0 if on else 20.0, "ttfa_p95_ms": 300.0, "refusal_p99_ms": 8.0 if on else None,
+               "errors": 0}
+        return {"rows": [row], "streams": [], "config": {}}
+
+    monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
+    cfg = CompareConfig(variants="1p1d,1p1d+floor", variant_decode_args="floor=--rate-floor=42", concurrency="1,2",
+                        overload_rate=8.0, out=str(tmp_path / "c.json"))
+    docs = {name: compare.run_levels(cfg, name, 2, "http://unused", {}, "test") for name in ("1p1d", "1p1d+floor")}
+    assert seen[2] == ([], [8.0], 0.2)  # Poisson at the overload rate, with clumps
+    base = docs["1p1d"]
+    assert [r["concurrency"] for r in base["rows"]] == [1, 2] and base["summary"]["capacity"] == 2
+    assert [r["rate"] for r in base["overload_rows"]] == [8.0] and base["overload_rows"][0]["overload"]
+    out = compare.write_results(cfg, docs, compare.waves(variant_units(cfg), 1), "test", partial=False)
+    overload = out["summary"]["overload"]
+    assert overload["levels"]["1p1d+floor"]["refused_share"] == 0.4
+    assert overload["levels"]["1p1d"]["stutter_share"] == 0.8
+    assert overload["against_base"] == {"1p1d+floor": {"goodput_over_base": 3.0, "refused_share": 0.4,
+                                                       "base_refused_share": 0.0}}
+    # a wave's child hands its results file up: the parent reads the overload from its summary
+    child = json.loads(Path(out["files"][0]).read_text())
+    again = compare.overload_summary({"1p1d+floor": child, "1p1d": docs["1p1d"]})
+    assert again["against_base"] == overload["against_base"]
+    md = Path(out["files"][1]).read_text()
+    assert "## Overload level" in md and "1p1d+floor / 1p1d: goodput x3, refused 40.0% vs 0.0%" in md
