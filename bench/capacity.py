@@ -394,7 +394,7 @@ async def run_level(
 
     async def open_arrivals() -> None:
         assert schedule is not None
-        tasks: set[asyncio.Task[None]] = set()
+        tasks: set[asyncio.Task[StreamResult]] = set()
         for at, spec in schedule:
             delay = t0 + at - time.perf_counter()
             if delay > 0:
