@@ -499,6 +499,7 @@ class LocalUnit:
         its restart is waited for."""
         deadline = time.monotonic() + (timeout_s or self.cfg.ready_timeout_s)
         self.why_not = ""
+        stranger = ""  # a look that found another unit's LB on the port: decisive, kept over later timeouts
         while time.monotonic() < deadline:
             self._check_interrupted()
             for child in self.children if not self.supervising else []:
@@ -510,8 +511,11 @@ class LocalUnit:
                 log.info("unit ready", extra={"url": self.url, "unit_name": self.unit_name,
                                               "lb_instance": self.lb_instance})
                 return
+            if "another process holds port" in self.why_not:
+                stranger = self.why_not
             self.interrupted.wait(0.2)
-        raise TimeoutError(f"unit not ready after {timeout_s or self.cfg.ready_timeout_s}s: {self.why_not}")
+        raise TimeoutError(f"unit not ready after {timeout_s or self.cfg.ready_timeout_s}s: "
+                           f"{stranger or self.why_not}")
 
     def _check_interrupted(self) -> None:
         if self.interrupted.is_set():

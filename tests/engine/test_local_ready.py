@@ -65,7 +65,7 @@ def test_a_ready_stranger_on_the_lb_port_is_not_this_units_lb(stranger, tmp_path
     assert not unit.answers_ready()
     assert "answers as unit 'someone-else'" in unit.why_not and unit.unit_name in unit.why_not
     with pytest.raises(TimeoutError, match=f"another process holds port {stranger.port}"):
-        unit.wait_ready(timeout_s=1.0)
+        unit.wait_ready(timeout_s=3.0)
     assert unit.lb_instance == ""
 
 
