@@ -169,12 +169,14 @@ class Verdict:
     worst_ms: float      # the projected worst step with the new stream
     budget_ms: float
     at_step: int         # steps from now where the worst step falls
-    cold: bool = False   # refused by the cold-start limit (no step model yet), not by the projection
+    cold: bool = False   # refused by the trust limit (no fit file, no wide enough steps seen), not the projection
+    trusted: int = 0     # with `cold`: the streams the model is trusted for
 
     def reason(self) -> str:
         if self.cold:
-            return ("rate_floor: the engine has no step model yet (no --step-model fit file, too few steps "
-                    "of its own): it holds only a few streams until it has fitted one")
+            return (f"rate_floor: without a --step-model fit file the engine trusts its step model for "
+                    f"twice the widest step it has seen (at least --cold-streams): it holds at most "
+                    f"{self.trusted} streams until it has seen wider steps")
         return (f"rate_floor: the projected step would reach {self.worst_ms:.1f} ms in {self.at_step} "
                 f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
 
@@ -219,10 +221,13 @@ class RateFloorAdmission:
         self.margin = margin
         self.error_quantile = error_quantile  # which quantile of observed / predicted shrinks the budget
 
+    def nominal_budget_ms(self) -> float:
+        """1 / floor less the margin: a stream over it alone can never be served."""
+        return 1000.0 / self.floor_fps * (1.0 - self.margin)
+
     def budget_ms(self) -> float:
-        """1 / floor less the margin, shrunk when the model has been under-predicting."""
-        base = 1000.0 / self.floor_fps * (1.0 - self.margin)
-        return base / max(1.0, self.model.under_prediction(self.error_quantile))
+        """The nominal budget, shrunk when the model has been under-predicting."""
+        return self.nominal_budget_ms() / max(1.0, self.model.under_prediction(self.error_quantile))
 
     def judge(self, held: Iterable[HeldStream], new: HeldStream, prefill_rows: float = 0.0) -> Verdict:
         """`prefill_rows`: prompt rows every step is expected to carry (a monolith's
@@ -233,8 +238,12 @@ class RateFloorAdmission:
         return Verdict(worst <= budget, worst, budget, at)
 
     def alone_fits(self, new: HeldStream) -> Verdict:
-        """Whether the stream could meet the floor even alone (a 4xx, not a retry, if not)."""
-        return self.judge([], new)
+        """Whether the stream could meet the floor even alone, against the nominal budget
+        (a 4xx, not a retry, if not: a budget shrunk for the model's recent error only
+        delays a stream, it never makes one unservable)."""
+        worst, at = worst_step(self.model.coefficients, [new])
+        budget = self.nominal_budget_ms()
+        return Verdict(worst <= budget, worst, budget, at)
 
     def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096) -> int:
         """How many more streams like `typical` would be admitted now (binary search)."""
@@ -268,10 +277,12 @@ class AdmissionControl:
     def __init__(self, admission: RateFloorAdmission, typical: HeldStream, recent: int = 64,
                  seeded: bool = True, cold_streams: int = 8) -> None:
         self.admission = admission
-        # Without a fit file the seed is zeros: until the first refit from its own steps
-        # the engine holds at most `cold_streams` (it must see steps to fit them).
+        # Without a fit file the model knows only the steps it has seen: it is trusted
+        # for at most `trusted_streams()` (cold_streams, or twice the widest step seen):
+        # a fit of small batches must not admit a burst by extrapolation.
         self.seeded = seeded
         self.cold_streams = cold_streams
+        self.widest_step = 0
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, int]] = deque([(typical.context, typical.frames_left)], maxlen=recent)
 
@@ -288,10 +299,11 @@ class AdmissionControl:
               prefill_rows: float = 0.0) -> Verdict:
         """The verdict on a new stream; an admitted one becomes part of the typical mix."""
         streams = [HeldStream(c, f) for c, f in held]
-        v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames), prefill_rows)
-        if v.admit and self.cold():
-            v = Verdict(len(streams) < self.cold_streams, v.worst_ms, v.budget_ms, v.at_step,
-                        cold=len(streams) >= self.cold_streams)
+        trusted = self.trusted_streams()
+        if len(streams) >= trusted:  # beyond what the model has seen: not judged by it at all
+            v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
+        else:
+            v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames), prefill_rows)
         if v.admit:
             with self._lock:
                 self._recent.append((prompt_tokens, max_frames))
@@ -299,20 +311,23 @@ class AdmissionControl:
             m.D_RATE_FLOOR_REFUSALS.inc()
         return v
 
-    def cold(self) -> bool:
-        """No fit file and no fit of its own steps yet."""
-        return not self.seeded and self.model.fits == 0
+    def trusted_streams(self) -> int:
+        """How many streams the model may judge: any with a fit file; else the cold-start
+        limit, or twice the widest step observed when that is more."""
+        if self.seeded:
+            return 1 << 30
+        return max(self.cold_streams, 2 * self.widest_step)
 
     def alone_fits(self, prompt_tokens: int, max_frames: int) -> Verdict:
         return self.admission.alone_fits(HeldStream(prompt_tokens, max_frames))
 
     def headroom(self, held: Iterable[tuple[int, int]]) -> int:
         streams = [HeldStream(c, f) for c, f in held]
-        if self.cold():
-            return max(0, self.cold_streams - len(streams))
-        return self.admission.headroom(streams, self.typical())
+        room = self.admission.headroom(streams, self.typical())
+        return max(0, min(room, self.trusted_streams() - len(streams)))
 
     def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
+        self.widest_step = max(self.widest_step, streams)
         self.model.observe(streams, context_tokens, ms, prefill_rows)
 
     def export(self, held: Iterable[tuple[int, int]]) -> int:

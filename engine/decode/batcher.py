@@ -53,6 +53,7 @@ class DecodeBatcher:
         self.max_batch = max_batch
         self._lock = threading.Lock()
         self._incoming: list[Stream] = []
+        self._joining: list[Stream] = []  # taken by `take_incoming`, not yet in `running` (see `joined`)
         self._cancelled: set[int] = set()
         self.running: dict[int, Stream] = {}
 
@@ -78,9 +79,10 @@ class DecodeBatcher:
     def lifetimes(self) -> list[tuple[int, int]]:
         """(context tokens now, frames still to come) of every stream it holds, running or
         waiting: what rate-floor admission projects (engine/decode/admission.py)."""
-        with self._lock:
-            streams = list(self.running.values()) + list(self._incoming)
-        return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out)) for s in streams]
+        with self._lock:  # a stream between take_incoming and `running` is held too
+            streams = {s.request_id: s for s in [*self.running.values(), *self._joining, *self._incoming]}
+        return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out))
+                for s in streams.values()]
 
     def context_tokens(self) -> int:
         """Context tokens of the running streams (their next step attends over these)."""
@@ -114,10 +116,16 @@ class DecodeBatcher:
         with self._lock:
             room = max(0, self.max_batch - len(self.running))
             new, self._incoming = self._incoming[:room], self._incoming[room:]
+            self._joining = list(new)
         now = time.perf_counter()
         for s in new:
             m.D_ADMIT_WAIT_SECONDS.observe(now - s.admitted_at)
         return new
+
+    def joined(self) -> None:
+        """The streams `take_incoming` handed out are in `running` (or ended) now."""
+        with self._lock:
+            self._joining = []
 
     def decode_entries(self) -> tuple[list[Stream], list[SeqEntry]]:
         """One entry per running stream: its newest frame at the next position."""
@@ -160,6 +168,7 @@ class DecodeBatcher:
             ids.append(s.request_id)
             frames.append(s.last_frame)
             finished.append(self.finish_code(s, s.last_frame, eos_id))
+        self.joined()
         for rid, code in zip(ids, finished, strict=True):
             if code != RUNNING:
                 ended.append(self.running.pop(rid))

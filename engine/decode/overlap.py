@@ -130,6 +130,7 @@ class OverlapScheduler:
             else:
                 ended.append(s)
                 b.pool.finish(s.request_id)  # never in a step
+        b.joined()
         prev = self._inflight
         batch = [s for s in b.running.values() if self._scheduled[s.request_id] < s.params.max_frames]
         self._inflight = self._launch(batch, prev) if batch else None

@@ -35,7 +35,7 @@ import torch
 
 from pdunit.engine import metrics as m
 from pdunit.engine.batching import prefill_entry
-from pdunit.engine.decode.admission import AdmissionControl, Verdict
+from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.step_forward import StepForward
@@ -119,7 +119,6 @@ class MonolithEngine:
         # engine's own steps (no --step-model) is trusted up to twice that: a fit of
         # small batches says little of large ones, and a burst judged by it at once
         # would all be admitted before one step of them ran.
-        self.widest_step = 0
         # Prompt rows computed per decode step (mixed steps' rows, or the prefill steps'
         # since the previous decode step), recent ones: the prefill load every projected
         # step carries, as the decoding streams see it.
@@ -157,52 +156,27 @@ class MonolithEngine:
         assert self.admission is not None
         rows, frames = len(job.prompt), job.params.max_frames
         alone = self.admission.alone_fits(rows, frames)
-        budget = self._nominal_budget_ms()
-        if not alone.admit and alone.worst_ms > budget:
+        if not alone.admit:
             self._finish(job, pb.INVALID, "rate_floor: even alone this stream would break the floor "
-                         f"({alone.worst_ms:.1f} ms steps at its end, budget {budget:.1f} ms): "
+                         f"({alone.worst_ms:.1f} ms steps at its end, budget {alone.budget_ms:.1f} ms): "
                          "ask for fewer frames")
             return False
         with self._admitted_lock:  # two submits never both take the last room
             held = self.batcher.lifetimes() + list(self._admitted.values())
-            trusted = self.trusted_streams()
-            untrusted = len(held) >= trusted
-            if untrusted:
-                verdict = Verdict(False, 0.0, self.admission.admission.budget_ms(), 0, cold=True)
-                m.D_RATE_FLOOR_REFUSALS.inc()
-            else:
-                verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step())
+            verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step())
             if verdict.admit:
                 self._admitted[job.request_id] = (rows, frames)
         if not verdict.admit:
             log.info("stream refused: rate floor", extra={
                 "request_id": job.request_id, "worst_ms": round(verdict.worst_ms, 2),
                 "budget_ms": round(verdict.budget_ms, 2), "at_step": verdict.at_step})
-            self._finish(job, pb.RATE_FLOOR, verdict.reason() if not verdict.cold else
-                         f"rate_floor: the step model has seen steps of at most {self.widest_step} streams; "
-                         f"the monolith holds at most {trusted} until it has seen wider ones")
+            self._finish(job, pb.RATE_FLOOR, verdict.reason())
         return verdict.admit
 
     def prefill_rows_per_step(self) -> float:
         """The recent mean of prompt rows per decode step."""
         steps = list(self._rows_per_step)
         return sum(steps) / len(steps) if steps else 0.0
-
-    def trusted_streams(self) -> int:
-        """How many streams the step model may judge: any with a fit file; else the
-        cold-start limit, or twice the widest step seen when that is more."""
-        assert self.admission is not None
-        if self.admission.seeded:
-            return 1 << 30
-        return max(self.admission.cold_streams, 2 * self.widest_step)
-
-    def _nominal_budget_ms(self) -> float:
-        """The floor's step budget before any shrink for the model's recent
-        under-prediction: a stream over it alone can never be served (a 4xx); one
-        within it waits for a better model like any other refusal (RATE_FLOOR)."""
-        assert self.admission is not None
-        a = self.admission.admission
-        return 1000.0 / a.floor_fps * (1.0 - a.margin)
 
     def _lifetimes(self) -> list[tuple[int, int]]:
         """(context, frames to come) of every stream the monolith holds: decoding or
@@ -416,7 +390,6 @@ class MonolithEngine:
         """One step into the step model: its decoding streams, their context, and the
         prompt rows it computed (a mixed or prefill-only step's per-row cost)."""
         if self.admission is not None:
-            self.widest_step = max(self.widest_step, streams)
             rows = sum(c.end - c.start for _, c in plan)
             self._rows_since_decode += rows
             if streams:

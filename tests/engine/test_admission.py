@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pdunit.engine.decode.admission import (
+    AdmissionControl,
     HeldStream,
     RateFloorAdmission,
     StepCoefficients,
@@ -136,3 +137,47 @@ def test_a_floor_or_margin_out_of_range_is_refused() -> None:
         RateFloorAdmission(model, floor_fps=0.0)
     with pytest.raises(ValueError, match="margin"):
         RateFloorAdmission(model, floor_fps=42.0, margin=1.0)
+
+
+def test_without_a_fit_file_the_model_is_trusted_for_twice_its_widest_step() -> None:
+    ctl = AdmissionControl(RateFloorAdmission(StepModel(StepCoefficients(0.0, 0.0, 0.0)), 42.0),
+                           HeldStream(10, 10), seeded=False, cold_streams=2)
+    held = [(10, 10)] * 2
+    v = ctl.judge(held, 10, 10)
+    assert not v.admit and v.cold and "at most 2 streams" in v.reason()
+    assert ctl.headroom(held[:1]) == 1
+    ctl.observe(3, 30, 1.0)  # a step of three streams was seen: six may be held
+    assert ctl.trusted_streams() == 6
+    assert ctl.judge([(10, 10)] * 5, 10, 10).admit
+    assert not ctl.judge([(10, 10)] * 6, 10, 10).admit
+    seeded = AdmissionControl(RateFloorAdmission(StepModel(StepCoefficients(0.0, 0.0, 0.0)), 42.0),
+                              HeldStream(10, 10), seeded=True, cold_streams=2)
+    assert seeded.judge([(10, 10)] * 50, 10, 10).admit  # a fit file vouches for any batch
+
+
+def test_alone_is_judged_against_the_nominal_budget_not_the_shrunk_one() -> None:
+    model = StepModel(StepCoefficients(base_ms=0.0, per_stream_ms=15.0, per_token_ms=0.0), refit_every=10_000)
+    adm = RateFloorAdmission(model, floor_fps=50.0, margin=0.0)  # nominal 20 ms
+    for _ in range(64):
+        model.observe(1, 0, 30.0)  # 2x under-predicted: the budget shrinks to 10 ms
+    assert adm.budget_ms() == pytest.approx(10.0)
+    assert adm.alone_fits(HeldStream(1, 10)).admit          # 15 ms alone: servable (a retry, not a 4xx)
+    assert not adm.judge([], HeldStream(1, 10)).admit       # but not admitted now
+
+
+def test_a_stream_between_take_incoming_and_running_still_counts_as_held() -> None:
+    from types import SimpleNamespace
+
+    from pdunit.engine.decode.batcher import DecodeBatcher, Stream
+    from pdunit.engine.model.sampling import SamplingParams
+
+    b = DecodeBatcher(SimpleNamespace(), None, None, max_batch=4)  # type: ignore[arg-type]
+    s = Stream(7, prompt_tokens=100, params=SamplingParams(max_frames=50), last_frame=np.zeros(2, np.int32),
+               frames_out=1)
+    b.admit(s)
+    assert b.lifetimes() == [(101, 49)]
+    assert b.take_incoming() == [s]
+    assert b.lifetimes() == [(101, 49)]  # the step that takes it in is still running: it is held
+    b.running[s.request_id] = s
+    b.joined()
+    assert b.lifetimes() == [(101, 49)]  # once, not twice

@@ -179,7 +179,7 @@ def test_without_a_fit_file_it_holds_only_what_its_widest_step_vouches_for() -> 
             e.submit(job(rid, replies))
         assert set(replies) == {3} and replies[3].status == pb.RATE_FLOOR
         assert "at most 2" in replies[3].message, replies[3]
-        e.widest_step = 2  # a fit, from steps of two streams: four may be held
+        e.admission.widest_step = 2  # a fit, from steps of two streams: four may be held
         e.admission.model.fits = 1
         e.admission.model.coefficients = StepCoefficients(0.0, 0.0, 0.0)  # a fit by which anything fits
         for rid in (4, 5, 6):
