@@ -87,11 +87,12 @@ async def test_sigterm_lets_open_streams_finish_then_exits_0() -> None:
                 ) as resp:
                     lines = resp.aiter_lines()
                     first = await asyncio.wait_for(lines.__anext__(), timeout=10)
+                    # the process's series (before the drain: it takes no new connection then):
+                    # no *_created beside its counters and histograms
+                    text = (await client.get(url + "/metrics")).text
                     proc.send_signal(signal.SIGTERM)
                     await _wait_log(logs, "draining: no new connections, waiting for open streams")
                     assert proc.returncode is None  # still serving the open stream
-                    # the process's series: no *_created beside its counters and histograms
-                    text = (await client.get(url + "/metrics")).text
                     unit.hold.set()
                     rest = [json.loads(line) async for line in lines if line]
             assert "pdunit_router_decision_latency_seconds_count" in text
