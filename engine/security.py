@@ -71,3 +71,19 @@ def write_secret_file(path: str, n_bytes: int = 32) -> bytes:
     finally:
         os.close(fd)
     return data
+
+
+def check_unit_secret_file(path: str, transfer: str, needs_it: str) -> str:
+    """`--unit-secret-file` of P or D: required with `--transfer tcp` (`needs_it` says
+    why, for the message), and when given a usable secret file. Raises ValueError
+    naming the flag."""
+    if not path:
+        if transfer == "tcp":
+            raise ValueError(f"--transfer tcp: {needs_it} with the unit's secret: give --unit-secret-file "
+                             "(env PDUNIT_UNIT_SECRET_FILE)")
+        return path
+    try:
+        read_secret_file(path)
+    except SecretFileError as exc:
+        raise ValueError(f"--unit-secret-file: {exc}") from None
+    return path

@@ -30,7 +30,7 @@ from pdunit.engine.observability import (
     shutdown_event,
 )
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.security import SecretFileError, read_secret_file
+from pdunit.engine.security import check_unit_secret_file, read_secret_file
 from pdunit.engine.settings import (
     DecodeKernel,
     GemmPrecision,
@@ -99,16 +99,7 @@ class DecodeConfig(StackSamplingFields, AdmissionFields):
     @field_validator("unit_secret_file")
     @classmethod
     def _tcp_needs_the_unit_secret(cls, v: str, info: ValidationInfo) -> str:
-        if not v:
-            if info.data.get("transfer") == "tcp":
-                raise ValueError("--transfer tcp: D's tcp KV listener authenticates P with the unit's secret: "
-                                 "give --unit-secret-file (env PDUNIT_UNIT_SECRET_FILE)")
-            return v
-        try:
-            read_secret_file(v)
-        except SecretFileError as exc:
-            raise ValueError(f"--unit-secret-file: {exc}") from None
-        return v
+        return check_unit_secret_file(v, str(info.data.get("transfer", "")), "D's tcp KV listener authenticates P")
 
 
 def pool_pages(cfg: DecodeConfig, bytes_per_token: int, free_bytes: int) -> int:

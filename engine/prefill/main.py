@@ -31,7 +31,7 @@ from pdunit.engine.prefill.runner import start_prefill_model
 from pdunit.engine.prefill.scheduler import PrefillScheduler
 from pdunit.engine.prefill.worker import PrefillEngine, PrefillService
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.security import SecretFileError, read_secret_file
+from pdunit.engine.security import check_unit_secret_file, read_secret_file
 from pdunit.engine.settings import (
     ConfigError,
     PrefillModelFields,
@@ -80,16 +80,7 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields):
     @field_validator("unit_secret_file")
     @classmethod
     def _tcp_needs_the_unit_secret(cls, v: str, info: ValidationInfo) -> str:
-        if not v:
-            if info.data.get("transfer") == "tcp":
-                raise ValueError("--transfer tcp: P authenticates to D's tcp KV listener with the unit's secret: "
-                                 "give --unit-secret-file (env PDUNIT_UNIT_SECRET_FILE)")
-            return v
-        try:
-            read_secret_file(v)
-        except SecretFileError as exc:
-            raise ValueError(f"--unit-secret-file: {exc}") from None
-        return v
+        return check_unit_secret_file(v, str(info.data.get("transfer", "")), "P authenticates to D's tcp KV listener")
 
 
 FAULT_ENV = "PDUNIT_FAULT_INJECTION"  # "1": the process is started for the fault suite
