@@ -191,7 +191,8 @@ class DecodeEngine:
         self.held: dict[int, Held] = {}
         self.p_instance = ""          # P's instance id as P answered on its own socket (never a claim)
         self._p_heard: set[str] = set()  # every instance id P answered with; all but the newest are dead
-        self._p_claims: dict[str, tuple[float, str]] = {}  # unchecked claims: id -> (monotonic, seen on)
+        # unchecked claims: id -> (monotonic of the first, where each message claiming it came)
+        self._p_claims: dict[str, tuple[float, list[str]]] = {}
         self._p_loop: asyncio.AbstractEventLoop | None = None  # the probe loop's, to wake it from any thread
         self._p_wake: asyncio.Event | None = None
         self._p_asking: asyncio.Future[str] | None = None
@@ -263,7 +264,9 @@ class DecodeEngine:
         with self._lock:
             full = claim not in self._p_claims and len(self._p_claims) >= MAX_PENDING_CLAIMS
             if not full:
-                self._p_claims.setdefault(claim, (time.monotonic(), seen_on))
+                seen = self._p_claims.setdefault(claim, (time.monotonic(), []))[1]
+                if len(seen) < 64:  # each claiming message is one event when the claim is settled
+                    seen.append(seen_on)
         if full:
             security_event("forged_instance_claim", claimed=claim, seen_on=seen_on, p_instance=self.p_instance,
                            detail=f"more than {MAX_PENDING_CLAIMS} claims unchecked (P does not answer): dropped")
@@ -293,10 +296,11 @@ class DecodeEngine:
             settled = {c: v for c, v in self._p_claims.items() if v[0] <= asked_at or c == instance}
             for claim in settled:
                 del self._p_claims[claim]
-        for claim, (_, seen_on) in settled.items():
+        for claim, (_, seen) in settled.items():
             if claim not in self._p_heard:
-                security_event("forged_instance_claim", claimed=claim, seen_on=seen_on, p_instance=instance,
-                               prefill_socket=self.prefill_socket)
+                for seen_on in seen:
+                    security_event("forged_instance_claim", claimed=claim, seen_on=seen_on, p_instance=instance,
+                                   prefill_socket=self.prefill_socket)
         if not old or old == instance:
             return
         m.D_P_INSTANCE_CHANGES.inc()
