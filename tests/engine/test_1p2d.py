@@ -24,7 +24,7 @@ from pdunit.engine.prefill.worker import PrefillEngine
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from tests.engine.test_unit_e2e import REQUESTS, SMALL
-from tests.engine.unit_client import load, random_prompt, stream, wait_for
+from tests.engine.unit_client import load, random_prompt, stream, wait_empty, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_1p2d_frames_identical_to_monolith_and_both_decoders_stream(unit_1p2d, m
 
 
 def test_disconnecting_client_frees_its_pages_in_the_decoder_that_held_it(unit_1p2d):
-    before = wait_for(lambda: (lambda d: d if d["empty"] else None)(load(unit_1p2d.url)), what="an empty unit")
+    before = wait_empty(unit_1p2d.url, what="an empty unit")
     free_before = {d["name"]: d["free_pages"] for d in before["decoders"]}
     body = {"prompt": random_prompt(100, seed=5), "max_frames": 1500, "min_frames": 1500}
     with httpx.stream("POST", f"{unit_1p2d.url}/v1/tts/stream", json=body, timeout=60) as r:
@@ -100,7 +100,7 @@ def test_disconnecting_client_frees_its_pages_in_the_decoder_that_held_it(unit_1
     after = wait_for(lambda: (lambda d: d if d[holder]["free_pages"] == free_before[holder] else None)(
         decoders(unit_1p2d.url)), what="the holder's pages back in its free list")
     assert after[holder]["decode_in_flight"] == 0 and after[holder]["held_pages"] == 0
-    assert wait_for(lambda: load(unit_1p2d.url)["empty"], what="an empty unit after the cancel")
+    assert wait_empty(unit_1p2d.url, what="an empty unit after the cancel")
 
 
 def _submit(stub: pbg.PrefillStub, rid: int, seed: int) -> pb.SubmitReply:
@@ -135,7 +135,7 @@ def test_a_stopped_decoder_gets_no_new_requests_the_other_serves_them(unit_1p2d)
     # returned on proof, and the unit is ready and empty again
     assert _decode_info(unit_1p2d, "decode-0").kv_checks_total == checks_0
     wait_for(lambda: load(unit_1p2d.url)["ready"], what="the unit ready again")
-    doc = wait_for(lambda: (lambda d: d if d["empty"] else None)(load(unit_1p2d.url)), timeout=30,
+    doc = wait_empty(unit_1p2d.url, timeout=30,
                    what="every D empty (held pages returned)")
     assert doc["held_pages"] == 0
     frames, last = stream(unit_1p2d.url, random_prompt(60, seed=7), max_frames=5, min_frames=5)

@@ -38,7 +38,7 @@ from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.monolith.worker import MonolithEngine
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.proto import pdunit_pb2 as pb
-from tests.engine.unit_client import load, random_prompt, wait_for
+from tests.engine.unit_client import load, random_prompt, wait_empty
 
 POOL = 4096
 ROWS, FRAMES = 64, 40
@@ -250,5 +250,5 @@ def test_the_monolith_unit_answers_503_rate_floor_with_retry_after_and_holds_not
         for retry, doc in refused:
             assert retry is not None and doc["error"]["code"] == "rate_floor", doc
             assert "rate_floor" in doc["error"]["message"]
-        wait_for(lambda: load(url)["empty"], what="the unit empty")
+        wait_empty(url, what="the unit empty")
         assert load(url)["held_pages"] == 0

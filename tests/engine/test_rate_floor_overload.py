@@ -30,7 +30,7 @@ import pytest
 
 from pdunit.bench.capacity import run_capacity
 from pdunit.engine.local import LocalConfig, LocalUnit
-from tests.engine.unit_client import load, wait_for
+from tests.engine.unit_client import load, wait_empty
 
 OVERLOAD = 48  # closed-loop streams: the issue's `pdunit local --load-streams 48`
 FEW = 2  # streams a floor must be sustainable for
@@ -62,7 +62,7 @@ def met_floor(row: dict[str, Any]) -> bool:
 
 
 def empty(url: str) -> dict[str, Any]:
-    wait_for(lambda: load(url)["empty"], timeout=60, what="the unit empty")
+    wait_empty(url, timeout=60, what="the unit empty")
     return load(url)
 
 

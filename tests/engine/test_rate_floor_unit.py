@@ -18,7 +18,7 @@ import pytest
 from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port_block
-from tests.engine.unit_client import load, random_prompt, stream, wait_for
+from tests.engine.unit_client import load, random_prompt, stream, wait_empty
 
 SMALL = dict(pool_tokens=16384, cache_tokens=16384, lb_port=0, guard=False, log_level="warning")
 
@@ -56,7 +56,7 @@ def test_streams_beyond_the_floor_are_refused_with_503_and_nothing_held(floor_un
         assert "rate_floor" in last["error"]["message"]
     # nothing held once the admitted two ended (the headroom now follows D's refit of
     # its own steps on this machine, so its value is this machine's)
-    wait_for(lambda: load(url)["empty"], what="the unit empty")
+    wait_empty(url, what="the unit empty")
     assert load(url)["headroom_streams"] >= 0
     (d_metrics,) = [u for name, u in floor_unit.metrics_urls().items() if name.startswith("decode")]
     text = httpx.get(d_metrics, timeout=5).text

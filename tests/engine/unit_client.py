@@ -41,3 +41,9 @@ def load(url: str) -> dict:
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
     return wait_until(predicate, timeout, what, interval)
+
+
+def wait_empty(url: str, timeout: float = 20.0, what: str = "an empty unit") -> dict:
+    """The unit's /v1/load once it reports empty: a stream's last frame reaches the client
+    before D, P and the proxy have released it, so one read right after can still see it."""
+    return wait_for(lambda: (lambda d: d if d["empty"] else None)(load(url)), timeout=timeout, what=what)
