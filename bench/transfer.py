@@ -246,11 +246,10 @@ def _time(fn: Any, warmup: int, iters: int) -> list[float]:
 def role_p(args: argparse.Namespace) -> int:
     import torch
 
-    from pdunit.engine.transfer import cudadrv
     from pdunit.engine.transfer.auto import probe_auto
     from pdunit.engine.transfer.base import TransferError
     from pdunit.engine.transfer.factory import attach
-    from pdunit.kernels import cuda_rows
+    from pdunit.kernels import cuda_rows, cudadrv
 
     torch.set_num_threads(1)
     dev = f"cuda:{args.device}"
@@ -433,8 +432,7 @@ class _Tuner:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from pdunit.engine.transfer import cudadrv
-        from pdunit.kernels import cuda_rows
+        from pdunit.kernels import cuda_rows, cudadrv
 
         self.torch, self.cudadrv, self.cuda_rows = torch, cudadrv, cuda_rows
         self.args = args

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdunit.engine.transfer import cudadrv
-from pdunit.engine.transfer.cudadrv import check, drv
+from pdunit.kernels import cudadrv
+from pdunit.kernels.cudadrv import check, drv
 
 # Cache operators of the copy's loads/stores: plain; .cs (streaming, evict first);
 # .cg (cache in L2 only). Which one NVLink prefers is measured, not assumed.

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from pdunit.engine.kv.checksum import kv_checksum
-from pdunit.engine.transfer import cudadrv
 from pdunit.engine.transfer.base import (
     Descriptor,
     KVReceiver,
@@ -35,6 +34,7 @@ from pdunit.engine.transfer.base import (
     WriteGate,
     exact_pattern,
 )
+from pdunit.kernels import cudadrv
 
 PROBE_SLOTS = 16
 PATTERN_SLOTS = 8

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdunit.engine.transfer import cudadrv
 from pdunit.engine.transfer.base import Descriptor, TransferError
 from pdunit.engine.transfer.direct import DirectSender
 from pdunit.engine.transfer.posix_fd import PosixFdReceiver
+from pdunit.kernels import cudadrv
 
 HANDLE = cudadrv.FABRIC_HANDLE_BYTES
 

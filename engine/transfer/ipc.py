@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from pdunit.engine.transfer import cudadrv
 from pdunit.engine.transfer.base import Descriptor, TransferError
 from pdunit.engine.transfer.direct import PROCESS_TOKEN, DirectReceiver, DirectSender
+from pdunit.kernels import cudadrv
 
 HANDLE = cudadrv.IPC_HANDLE_BYTES
 

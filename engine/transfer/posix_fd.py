@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from pdunit.engine.transfer import cudadrv
 from pdunit.engine.transfer.base import Descriptor
 from pdunit.engine.transfer.direct import PROCESS_TOKEN, DirectReceiver, DirectSender
+from pdunit.kernels import cudadrv
 
 
 class PosixFdReceiver(DirectReceiver):

@@ -162,7 +162,7 @@ class ProxyClient:
                       vmm: object | None = None) -> str:
         """Register a GPU pool: a cuMem allocation (`vmm`, exported as POSIX fd) or else
         the tensor's cudaMalloc allocation through a legacy IPC handle."""
-        from pdunit.engine.transfer import cudadrv
+        from pdunit.kernels import cudadrv
 
         dev = tensor.device.index
         uuid = cudadrv.device_uuid(dev)

@@ -1,15 +1,12 @@
-"""The CUDA driver calls every GPU transport and the nvlink-proxy share.
+"""The CUDA driver calls the copy kernels, every GPU transport and the nvlink-proxy share.
 
-Owns: device lookup by UUID (never by index: inside a pod's container the ordinals
-differ from the proxy's), primary-context scoping, legacy IPC export/open,
-cuMem (VMM) allocations exported as POSIX fds or FABRIC handles and their import,
-pidfd_getfd, and wrapping a raw device pointer as a torch tensor without a copy.
-
-Every driver error becomes `CudaError` carrying the driver's own error name and the
-call that produced it (the harness reports these verbatim). This module never
-decides a transfer mode and never falls back silently: callers decide.
-
-`cuda.bindings` is imported lazily, so CPU-only processes can import this module.
+Owns: device lookup by UUID (never by index: a pod's container numbers its devices unlike
+the proxy), primary-context scoping, legacy IPC export/open, cuMem (VMM) allocations
+exported as POSIX fds or FABRIC handles and their import, pidfd_getfd, and a raw device
+pointer as a torch tensor without a copy. Every driver error becomes `CudaError` with the
+driver's error name and the call (the harness reports them verbatim). Never decides a
+transfer mode or falls back silently: callers decide. `cuda.bindings` is imported lazily,
+so CPU-only processes can import this module.
 """
 
 from __future__ import annotations
