@@ -28,9 +28,11 @@ from pydantic import BaseModel, Field
 
 from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
+from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import CONFIGS
-from pdunit.engine.settings import KvCacheDtype, parse_config
+from pdunit.engine.settings import parse_config
 from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.prefill_attention import (
     DEFAULT_TILE,
     PrefillTile,
@@ -42,11 +44,11 @@ from pdunit.kernels.prefill_attention import (
 BENCH = "attention"
 CHECK_ROWS = 128
 COLUMNS = [
-    report.Column("point", "point", "{}"),
-    report.Column("kernel", "kernel", "{}"),
-    report.Column("ms", "ms", "{:.3f}"),
-    report.Column("tflops", "TFLOP/s", "{:.1f}"),
-    report.Column("err", "rel err", "{:.1e}"),
+    Column("point", "point", "{}"),
+    Column("kernel", "kernel", "{}"),
+    Column("ms", "ms", "{:.3f}"),
+    Column("tflops", "TFLOP/s", "{:.1f}"),
+    Column("err", "rel err", "{:.1e}"),
 ]
 
 
@@ -285,13 +287,13 @@ def run_attention_bench(cfg: AttentionBenchConfig, command: str) -> dict[str, An
         tiles.append(DEFAULT_TILE)
     rng = np.random.default_rng(cfg.seed)
     rows = [r for point in parse_points(cfg.points) for r in run_point(cfg, point, tiles, rng)]
-    return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summarize(rows)).document()
+    return report.Results(BENCH, machine_info(), command, cfg.model_dump(), rows, summarize(rows)).document()
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(AttentionBenchConfig, argv, "pdunit bench attention")
     doc = run_attention_bench(cfg, report.command_line(argv, prog="pdunit bench attention"))
-    print(report.text_table(doc["rows"], COLUMNS))
+    print(text_table(doc["rows"], COLUMNS))
     report.print_and_write(doc, cfg.out, COLUMNS, "Prefill attention kernel: launch shapes side by side")
     return 0
 

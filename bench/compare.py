@@ -31,7 +31,6 @@ from pydantic import BaseModel, Field
 
 from pdunit.bench import report, waterfall
 from pdunit.bench.capacity import (
-    COLUMNS,
     CapacityConfig,
     plot_capacity,
     print_report,
@@ -41,10 +40,13 @@ from pdunit.bench.capacity import (
     summarize_run,
 )
 from pdunit.bench.gpu_clocks import GpuSampler
-from pdunit.bench.workload import parse_list, parse_range
+from pdunit.engine.loadgen.driver import COLUMNS
+from pdunit.engine.loadgen.summary import machine_info, text_table
+from pdunit.engine.loadgen.workload import parse_list, parse_range
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port
-from pdunit.engine.settings import KvCacheDtype, parse_config, to_argv
+from pdunit.engine.settings import parse_config, to_argv
+from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 BENCH = "capacity"
 
@@ -393,7 +395,7 @@ def waterfall_text(row: dict[str, Any]) -> str:
     if not row.get("waterfall"):
         return f"(no waterfall: {row.get('waterfall_check', {}).get('error', 'no stamps')})"
     check = row["waterfall_check"]
-    return (report.text_table(row["waterfall"], waterfall.COLUMNS) +
+    return (text_table(row["waterfall"], waterfall.COLUMNS) +
             f"\nstamped/client p50 {check['stamped_over_client_p50']:.3f}, unexplained p95 "
             f"{100 * check['unexplained_p95']:.1f}% ({'adds up' if check['adds_up'] else 'does NOT add up'})")
 
@@ -963,7 +965,7 @@ def write_results(cfg: CompareConfig, docs: dict[str, dict[str, Any]], plan: lis
     summary["waves"] = [[name for name, _, _ in wave] for wave in plan]
     if partial:
         summary["partial"] = f"{len(docs)} of {sum(len(w) for w in plan)} variants run so far"
-    results = report.Results(BENCH, report.machine_info(), command, resolved_config(cfg), rows, summary)
+    results = report.Results(BENCH, machine_info(), command, resolved_config(cfg), rows, summary)
     out = results.document()
     if cfg.out:
         path = report.resolve_out(cfg.out, BENCH, results.machine)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 
 from pdunit.bench import report
 from pdunit.engine.lb.validate import Limits, parse_request
+from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.settings import ConfigError, parse_config
 
 BENCH = "edges"
@@ -135,15 +136,15 @@ def other_edges(n_units: int) -> list[dict[str, Any]]:
 
 
 COLUMNS = [
-    report.Column("edge", "edge"),
-    report.Column("format", "format"),
-    report.Column("rows", "rows"),
-    report.Column("body_bytes", "bytes"),
-    report.Column("median_us", "median us", "{:.1f}"),
-    report.Column("p99_us", "p99 us", "{:.1f}"),
-    report.Column("mean_us", "mean us", "{:.1f}"),
-    report.Column("target_median_us", "target us", "{:.0f}"),
-    report.Column("within_target", "ok"),
+    Column("edge", "edge"),
+    Column("format", "format"),
+    Column("rows", "rows"),
+    Column("body_bytes", "bytes"),
+    Column("median_us", "median us", "{:.1f}"),
+    Column("p99_us", "p99 us", "{:.1f}"),
+    Column("mean_us", "mean us", "{:.1f}"),
+    Column("target_median_us", "target us", "{:.0f}"),
+    Column("within_target", "ok"),
 ]
 
 
@@ -154,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError:
         return 2
     result = run_edges(cfg)
-    machine = report.machine_info()
+    machine = machine_info()
     command = report.command_line(args, prog="pdunit bench edges")
     print(
         f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}); GPUs: {machine['gpu_count']}"
     )
     print(f"command: {command}")
-    print(report.text_table(result["rows"], COLUMNS))
+    print(text_table(result["rows"], COLUMNS))
     if cfg.out:
         res = report.Results(
             BENCH, machine, command, result["config"], result["rows"], result["summary"]

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 
 from pdunit.bench import plan, report
 from pdunit.engine.kv.prefix_cache import PrefixCache
+from pdunit.engine.loadgen.summary import Column, machine_info, percentiles, text_table
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.packing import pack
@@ -93,7 +94,7 @@ class InstantSender:
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
-    return {k: None if v is None else round(v, 2) for k, v in report.percentiles(values, (50, 99)).items()}
+    return {k: None if v is None else round(v, 2) for k, v in percentiles(values, (50, 99)).items()}
 
 
 def run_engine(cfg: PipelineConfig, costs: plan.Costs, requests: list[plan.Request]) -> dict[str, Any]:
@@ -149,9 +150,9 @@ def run_model(costs: plan.Costs, requests: list[plan.Request], pcfg: plan.PlanCo
                                                   for a, b in STAGES}}
 
 
-COLUMNS = [report.Column("rate", "rate/s", "{:g}"), report.Column("side", "side"),
-           report.Column("forwards", "forwards"), report.Column("prompts_per_forward", "prompts/forward"),
-           *[report.Column(f"{a} after {b} {q}", f"{a} after {b} {q} ms", "{:.1f}")
+COLUMNS = [Column("rate", "rate/s", "{:g}"), Column("side", "side"),
+           Column("forwards", "forwards"), Column("prompts_per_forward", "prompts/forward"),
+           *[Column(f"{a} after {b} {q}", f"{a} after {b} {q} ms", "{:.1f}")
              for a, b in STAGES for q in ("p50", "p99")]]
 
 
@@ -168,15 +169,15 @@ def run_pipeline(cfg: PipelineConfig, command: str) -> dict[str, Any]:
             for stage, p in result["stages"].items():
                 row.update({f"{stage} {q}": v for q, v in p.items()})
             rows.append(row)
-            print(report.text_table([row], COLUMNS), flush=True)
+            print(text_table([row], COLUMNS), flush=True)
     summary = {"sources": sources, "reserve_ms": cfg.reserve_ms}
-    return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary).document()
+    return report.Results(BENCH, machine_info(), command, cfg.model_dump(), rows, summary).document()
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(PipelineConfig, argv, "pdunit bench pipeline")
     doc = run_pipeline(cfg, report.command_line(argv, prog="pdunit bench pipeline"))
-    print(report.text_table(doc["rows"], COLUMNS))
+    print(text_table(doc["rows"], COLUMNS))
     report.print_and_write(doc, cfg.out, COLUMNS, "P's pipeline against bench plan's model of it (CPU)")
     return 0
 

@@ -13,7 +13,7 @@ prompts and rows, one GEMM precision, eager and through the prefill graphs):
   the host's launches; a forward replays a graph when it fits the largest bucket.
 The fit's worst relative error on its own points is reported beside the prediction.
 
-BENCHMARKS.md section 1's workload (bench/workload.py: the same seeded arrivals,
+BENCHMARKS.md section 1's workload (engine/loadgen/workload.py: the same seeded arrivals,
 prompts, voices and lengths as `bench capacity` with the same flags and seed) goes
 through a discrete-event model of each variant's scheduler as the engines run it:
 - 1PnD: P reserves requests one at a time (`--reserve-ms` each, engine/prefill/worker.py's
@@ -38,7 +38,7 @@ the engines answer `no_capacity` (an error: the level fails). Refusals are found
 the simulated timeline afterwards: a refused request's work stays in it (latencies a
 little pessimistic there), and 1PnD charges each request to the D the model sends it
 to at commit. Streams are judged by the rules `bench capacity` uses
-(engine/playback.py, capacity.summarize_level and summarize_run), levels swept as
+(engine/playback.py, driver.summarize_level, capacity.summarize_run), levels swept as
 `bench compare` sweeps them (`--repeat` runs, seed + run; stop at the first failure).
 
 It predicts; it measures nothing. What it leaves out (GIL contention between an
@@ -66,16 +66,18 @@ import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
 from pdunit.bench import report
-from pdunit.bench.capacity import (
-    CapacityConfig,
-    StreamResult,
-    poisson_schedule,
-    summarize_level,
-    summarize_run,
-)
+from pdunit.bench.capacity import CapacityConfig, summarize_run
 from pdunit.bench.compare import ratios, variant_level_overrides
-from pdunit.bench.workload import StreamSpec, Workload, WorkloadConfig, parse_list, parse_range
 from pdunit.engine.decode.admission import nonneg_fit
+from pdunit.engine.loadgen.driver import StreamResult, poisson_schedule, summarize_level
+from pdunit.engine.loadgen.summary import Column, machine_info, percentiles, text_table
+from pdunit.engine.loadgen.workload import (
+    StreamSpec,
+    Workload,
+    WorkloadConfig,
+    parse_list,
+    parse_range,
+)
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
 from pdunit.engine.playback import stream_timing
@@ -552,7 +554,7 @@ def level_requests(cfg: PlanConfig, cap: CapacityConfig, rate: float, seed: int)
 
 
 def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str, Any]:
-    """The level's row, by capacity.summarize_level's rules, over the streams arriving
+    """The level's row, by driver.summarize_level's rules, over the streams arriving
     after the ramp."""
     results = []
     for r in requests:
@@ -597,7 +599,7 @@ def stage_percentiles(requests: list[Request], start_frames: int) -> dict[str, d
     for stage, after in pairs:
         values = [(st[stage] - st[after]) * 1e3 for st in stamps]
         out[f"{stage} after {after}"] = {k: None if v is None else round(v, 3)
-                                         for k, v in report.percentiles(values, (50, 99)).items()}
+                                         for k, v in percentiles(values, (50, 99)).items()}
     return out
 
 
@@ -666,26 +668,26 @@ def versus_measured(rows: list[dict[str, Any]], measured: dict[str, dict[float, 
 
 
 COLUMNS = [
-    report.Column("mode", "mode"),
-    report.Column("rate", "rate/s", "{:g}"),
-    report.Column("repeat", "run"),
-    report.Column("streams", "streams"),
-    report.Column("errors", "errors"),
-    report.Column("stutter_share", "stutter", "{:.1%}"),
-    report.Column("min_rate", "min fps", "{:.1f}"),
-    report.Column("worst_window", "worst 1s", "{:.0f}"),
-    report.Column("ttft_p50_ms", "TTFT p50", "{:.0f}"),
-    report.Column("ttft_p95_ms", "p95", "{:.0f}"),
-    report.Column("ttfa_p50_ms", "TTFA p50", "{:.0f}"),
-    report.Column("ttfa_p95_ms", "p95", "{:.0f}"),
-    report.Column("ttfa_p99_ms", "p99", "{:.0f}"),
-    report.Column("passed", "pass"),
+    Column("mode", "mode"),
+    Column("rate", "rate/s", "{:g}"),
+    Column("repeat", "run"),
+    Column("streams", "streams"),
+    Column("errors", "errors"),
+    Column("stutter_share", "stutter", "{:.1%}"),
+    Column("min_rate", "min fps", "{:.1f}"),
+    Column("worst_window", "worst 1s", "{:.0f}"),
+    Column("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+    Column("ttft_p95_ms", "p95", "{:.0f}"),
+    Column("ttfa_p50_ms", "TTFA p50", "{:.0f}"),
+    Column("ttfa_p95_ms", "p95", "{:.0f}"),
+    Column("ttfa_p99_ms", "p99", "{:.0f}"),
+    Column("passed", "pass"),
 ]
-STAGE_COLUMNS = [report.Column("stage", "stage"), report.Column("p50", "p50 ms", "{:.1f}"),
-                 report.Column("p99", "p99 ms", "{:.1f}")]
-VERSUS_COLUMNS = [report.Column("mode", "mode"), report.Column("rate", "rate/s", "{:g}"),
-                  report.Column("predicted", "predicted pass"), report.Column("measured", "measured pass"),
-                  report.Column("agree", "agree")]
+STAGE_COLUMNS = [Column("stage", "stage"), Column("p50", "p50 ms", "{:.1f}"),
+                 Column("p99", "p99 ms", "{:.1f}")]
+VERSUS_COLUMNS = [Column("mode", "mode"), Column("rate", "rate/s", "{:g}"),
+                  Column("predicted", "predicted pass"), Column("measured", "measured pass"),
+                  Column("agree", "agree")]
 
 
 def run_plan(cfg: PlanConfig, command: str) -> dict[str, Any]:
@@ -707,7 +709,7 @@ def run_plan(cfg: PlanConfig, command: str) -> dict[str, Any]:
         versus = versus_measured(rows, measured_levels(cfg.measured, labels))
         summary["versus_measured"] = {"path": cfg.measured, "labels": labels, "levels": versus,
                                       "agree": sum(v["agree"] for v in versus), "of": len(versus)}
-    return report.Results(BENCH, report.machine_info(), command, cfg.model_dump(), rows, summary).document()
+    return report.Results(BENCH, machine_info(), command, cfg.model_dump(), rows, summary).document()
 
 
 def main(argv: list[str]) -> int:
@@ -717,17 +719,17 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"pdunit bench plan: {exc}", file=sys.stderr)
         return 2
-    print(report.text_table(doc["rows"], COLUMNS))
+    print(text_table(doc["rows"], COLUMNS))
     for mode, per_gpu in doc["summary"]["capacity_per_gpu"].items():
         mine = [r for r in doc["rows"] if r["mode"] == mode]
         at = next((r for r in mine if per_gpu and abs(r["rate"] - per_gpu * r["gpus"]) < 1e-6), mine[0])
         print(f"\nthe model's stages, {mode} at {at['rate']:g}/s run {at['repeat']} (compare them with the "
               "measured waterfall there):")
-        print(report.text_table([{"stage": k, **v} for k, v in at["stages"].items()], STAGE_COLUMNS))
+        print(text_table([{"stage": k, **v} for k, v in at["stages"].items()], STAGE_COLUMNS))
     versus = doc["summary"].get("versus_measured")
     if versus:
         print(f"\nagainst {versus['path']}: {versus['agree']} of {versus['of']} levels agree")
-        print(report.text_table(versus["levels"], VERSUS_COLUMNS))
+        print(text_table(versus["levels"], VERSUS_COLUMNS))
     report.print_and_write(doc, cfg.out, COLUMNS, "Capacity predicted from measured costs (not a measurement)")
     return 0
 

@@ -49,6 +49,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 
 from pdunit.bench import report
+from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import ModelConfig
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.transformer import GEMM_PRECISIONS
@@ -61,27 +62,27 @@ BENCH = "prefill"
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
 
 COLUMNS = [
-    report.Column("gemm", "gemm", "{}"),
-    report.Column("graphs", "graphs", "{}"),
-    report.Column("replayed", "replayed", "{}"),
-    report.Column("prompts", "prompts"),
-    report.Column("rows", "rows"),
-    report.Column("tokens", "tokens"),
-    report.Column("ms", "ms", "{:.2f}"),
-    report.Column("ms_p90", "ms p90", "{:.2f}"),
-    report.Column("tokens_per_s", "tokens/s", "{:.0f}"),
-    report.Column("us_per_token", "us/token", "{:.2f}"),
-    report.Column("tflops", "TFLOP/s", "{:.1f}"),
-    report.Column("mfu", "MFU (bf16 peak)", "{:.1%}"),
-    report.Column("speedup", "vs bf16", "{:.2f}x"),
+    Column("gemm", "gemm", "{}"),
+    Column("graphs", "graphs", "{}"),
+    Column("replayed", "replayed", "{}"),
+    Column("prompts", "prompts"),
+    Column("rows", "rows"),
+    Column("tokens", "tokens"),
+    Column("ms", "ms", "{:.2f}"),
+    Column("ms_p90", "ms p90", "{:.2f}"),
+    Column("tokens_per_s", "tokens/s", "{:.0f}"),
+    Column("us_per_token", "us/token", "{:.2f}"),
+    Column("tflops", "TFLOP/s", "{:.1f}"),
+    Column("mfu", "MFU (bf16 peak)", "{:.1%}"),
+    Column("speedup", "vs bf16", "{:.2f}x"),
 ]
 HOST_COLUMNS = [
-    report.Column("function", "function", "{}"), report.Column("self_ms", "self ms per forward", "{:.3f}"),
-    report.Column("cum_ms", "incl. callees", "{:.3f}"), report.Column("calls", "calls", "{}"),
+    Column("function", "function", "{}"), Column("self_ms", "self ms per forward", "{:.3f}"),
+    Column("cum_ms", "incl. callees", "{:.3f}"), Column("calls", "calls", "{}"),
 ]
 KERNEL_COLUMNS = [
-    report.Column("kernel", "kernel", "{}"), report.Column("ms", "device ms per forward", "{:.3f}"),
-    report.Column("share", "share", "{:.1%}"), report.Column("calls", "calls", "{}"),
+    Column("kernel", "kernel", "{}"), Column("ms", "device ms per forward", "{:.3f}"),
+    Column("share", "share", "{:.1%}"), Column("calls", "calls", "{}"),
 ]
 
 
@@ -279,7 +280,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         raise SystemExit(f"pdunit bench prefill: --graphs needs a CUDA device, not --device {cfg.device}")
     model = load_model(f"random:{cfg.model}:{cfg.seed}", device=cfg.device, dtype=cfg.dtype)
     storage = model.new_kv_storage(max(p * r for p, r in points), device=cfg.device)
-    machine = report.machine_info()
+    machine = machine_info()
     peak = peak_for(machine, cfg.peak_tflops) if storage.is_cuda else None
     rows_out: list[dict[str, Any]] = []
     for gemm in cfg.gemm:
@@ -335,14 +336,14 @@ def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, i
 def main(argv: list[str]) -> int:
     cfg = parse_config(PrefillBenchConfig, argv, "pdunit bench prefill")
     doc = run_prefill_bench(cfg, report.command_line(argv, prog="pdunit bench prefill"))
-    print(report.text_table(doc["rows"], COLUMNS))
+    print(text_table(doc["rows"], COLUMNS))
     for row in doc["rows"]:
         if row.get("host"):
             print(f"\nhost functions, {row['gemm']}, {row['prompts']} x {row['rows']} rows:")
-            print(report.text_table(row["host"], HOST_COLUMNS))
+            print(text_table(row["host"], HOST_COLUMNS))
         if row.get("kernels"):
             print(f"\ntop kernels, {row['gemm']}, {row['prompts']} x {row['rows']} rows:")
-            print(report.text_table(row["kernels"], KERNEL_COLUMNS))
+            print(text_table(row["kernels"], KERNEL_COLUMNS))
             idle = row["idle"]
             if idle["forwards"]:
                 print(f"GPU idle per forward of {idle['wall_ms']} ms: {idle['lead_ms']} ms before its first "

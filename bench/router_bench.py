@@ -20,13 +20,13 @@ import sys
 import time
 from typing import Any
 
-from pdunit.bench import report
+from pdunit.engine.loadgen.summary import machine_info, percentile
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
 
 
 def _percentile(sorted_ns: list[int], q: float) -> float:
     """q in 0..1 of nanosecond samples, in microseconds (NaN for none)."""
-    value = report.percentile(sorted_ns, 100 * q)
+    value = percentile(sorted_ns, 100 * q)
     return float("nan") if value is None else value / 1000.0
 
 
@@ -144,7 +144,7 @@ def run(
     }
     result = {
         "bench": "router",
-        "machine": report.machine_info(),
+        "machine": machine_info(),
         "command": "pdunit bench router " + " ".join(sys.argv[1:]) if sys.argv else "",
         "config": {
             "n_units": n_units,

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdunit.bench import report
+from pdunit.engine.loadgen.summary import percentile
 
 
 @dataclass
@@ -130,7 +130,7 @@ class FakeLBFleet:
 
 def _percentile(values: list[float], q: float) -> float:
     """q in 0..1."""
-    return float(report.percentile(values, 100 * q) or 0.0)
+    return float(percentile(values, 100 * q) or 0.0)
 
 
 async def _bench(n_units: int, requests: int, in_flight_per_unit: int) -> dict[str, Any]:

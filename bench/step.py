@@ -81,32 +81,34 @@ import torch
 from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.decode.admission import StepCoefficients
+from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import get_config
 from pdunit.engine.model.transformer import GEMM_PRECISIONS, ForwardBatch, TTSModel
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
 from pdunit.kernels.decode_settings import render
-from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype_names import KV_CACHE_DTYPES
 
 COLUMNS = [
-    report.Column("batch", "batch"),
-    report.Column("context", "context"),
-    report.Column("overlap", "overlap"),
-    report.Column("steps", "steps"),
-    report.Column("frames", "frames"),
-    report.Column("graph_steps", "graph steps"),
-    report.Column("eager_steps", "eager steps"),
-    report.Column("step_ms", "step ms", "{:.3f}"),
-    report.Column("host_ms", "host ms", "{:.3f}"),
-    report.Column("wait_ms", "wait ms", "{:.3f}"),
-    report.Column("gpu_ms", "gpu ms", "{:.3f}"),
-    report.Column("event_gpu_ms", "event gpu ms", "{:.3f}"),
-    report.Column("roofline_ms", "roofline ms", "{:.3f}"),
-    report.Column("fraction_of_roofline", "of roofline", "{:.1%}"),
-    report.Column("gpu_fraction_of_roofline", "gpu of roofline", "{:.1%}"),
-    report.Column("gpu_busy", "gpu busy", "{:.1%}"),
-    report.Column("event_busy", "event busy", "{:.1%}"),
-    report.Column("attn_gbps", "attn GB/s", "{:.0f}"),
-    report.Column("skipped", "skipped"),
+    Column("batch", "batch"),
+    Column("context", "context"),
+    Column("overlap", "overlap"),
+    Column("steps", "steps"),
+    Column("frames", "frames"),
+    Column("graph_steps", "graph steps"),
+    Column("eager_steps", "eager steps"),
+    Column("step_ms", "step ms", "{:.3f}"),
+    Column("host_ms", "host ms", "{:.3f}"),
+    Column("wait_ms", "wait ms", "{:.3f}"),
+    Column("gpu_ms", "gpu ms", "{:.3f}"),
+    Column("event_gpu_ms", "event gpu ms", "{:.3f}"),
+    Column("roofline_ms", "roofline ms", "{:.3f}"),
+    Column("fraction_of_roofline", "of roofline", "{:.1%}"),
+    Column("gpu_fraction_of_roofline", "gpu of roofline", "{:.1%}"),
+    Column("gpu_busy", "gpu busy", "{:.1%}"),
+    Column("event_busy", "event busy", "{:.1%}"),
+    Column("attn_gbps", "attn GB/s", "{:.0f}"),
+    Column("skipped", "skipped"),
 ]
 
 MODES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -334,7 +336,7 @@ class EngineUnderTest:
         """One iteration of `DecodeEngine._step_once` without overlap; returns (its
         StepOutput or None, when the step was queued (perf_counter) or None, whether a
         step ran)."""
-        from pdunit.engine.decode.worker import step_message
+        from pdunit.engine.step_loop import step_message
 
         b = self.batcher
         b.take_cancelled()
@@ -352,7 +354,7 @@ class EngineUnderTest:
     def overlap_iteration(self, sched: Any) -> tuple[Any, Any]:
         """One iteration of `DecodeEngine._overlap_step_once`; returns (its StepOutput or
         None, the step it queued or None)."""
-        from pdunit.engine.decode.worker import step_message
+        from pdunit.engine.step_loop import step_message
 
         _, out = sched.step_once()
         if out is not None:
@@ -381,8 +383,8 @@ class EngineUnderTest:
 
 
 PROFILE_COLUMNS = [
-    report.Column("op", "op", "{}"), report.Column("self_cpu_ms", "self host ms", "{:.3f}"),
-    report.Column("cpu_ms", "host ms incl. children", "{:.3f}"), report.Column("calls", "calls", "{}"),
+    Column("op", "op", "{}"), Column("self_cpu_ms", "self host ms", "{:.3f}"),
+    Column("cpu_ms", "host ms incl. children", "{:.3f}"), Column("calls", "calls", "{}"),
 ]
 
 
@@ -601,7 +603,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         summary["decode_kernel"] = render(pa.DECODE_CONFIG)  # the engines' flag for these settings
     res = report.Results(
         bench="step",
-        machine=report.machine_info(),
+        machine=machine_info(),
         command=config.command,
         config={k: v for k, v in dataclasses.asdict(config).items() if k not in ("command", "out")},
         rows=rows,
@@ -795,11 +797,11 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(cfg.out) / f"step-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
     title = "Decode step vs the HBM roofline, without and with overlap"
     report.Results.from_document(doc).write(path, COLUMNS, title=title)
-    print(report.text_table(doc["rows"], COLUMNS))
+    print(text_table(doc["rows"], COLUMNS))
     for row in doc["rows"]:
         if row.get("profile"):
             print(f"\nhost ops per step, batch {row['batch']} x {row['context']}, overlap {row['overlap']}:")
-            print(report.text_table(row["profile"], PROFILE_COLUMNS))
+            print(text_table(row["profile"], PROFILE_COLUMNS))
     print(f"wrote {path} and {path.with_suffix('.md')}")
     fit = path.with_suffix(".fit.json")
     try:

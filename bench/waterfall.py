@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from pdunit.bench import report
 from pdunit.bench.capacity import CapacityConfig, run_capacity
+from pdunit.engine.loadgen.summary import Column, machine_info, percentile, text_table
 from pdunit.engine.settings import parse_config
 
 BENCH = "waterfall"
@@ -61,32 +62,32 @@ def analyze(streams: list[dict[str, Any]], tolerance: float = 0.05) -> tuple[lis
         gaps = [(t[name] - t[prev]) / 1e6 for t in lines if name in t and prev in t]
         if gaps:
             rows.append({"stage": name, "after": prev, "n": len(gaps),
-                         "p50_ms": report.percentile(gaps, 50), "p99_ms": report.percentile(gaps, 99)})
+                         "p50_ms": percentile(gaps, 50), "p99_ms": percentile(gaps, 99)})
     client = np.array([(t["client_last_frame"] - t["client_send"]) / 1e6 for t in lines])
     stamped = np.array([(t[LAST] - t[FIRST]) / 1e6 if FIRST in t and LAST in t else np.nan for t in lines])
     ratio = stamped / client
     off = np.abs(1 - ratio[~np.isnan(ratio)])
     summary = {
         "streams": len(lines),
-        "client_ms_p50": report.percentile(client, 50), "client_ms_p99": report.percentile(client, 99),
-        "stamped_ms_p50": report.percentile(stamped[~np.isnan(stamped)], 50),
-        "stamped_over_client_p50": report.percentile(ratio[~np.isnan(ratio)], 50),
-        "unexplained_p95": report.percentile(off, 95),
+        "client_ms_p50": percentile(client, 50), "client_ms_p99": percentile(client, 99),
+        "stamped_ms_p50": percentile(stamped[~np.isnan(stamped)], 50),
+        "stamped_over_client_p50": percentile(ratio[~np.isnan(ratio)], 50),
+        "unexplained_p95": percentile(off, 95),
         "tolerance": tolerance,
-        "adds_up": bool(len(off) == len(lines) and report.percentile(off, 95) <= tolerance),
+        "adds_up": bool(len(off) == len(lines) and percentile(off, 95) <= tolerance),
     }
     return rows, summary
 
 
 COLUMNS = [
-    report.Column("stage", "stage", "{}"), report.Column("after", "after", "{}"),
-    report.Column("n", "n", "{}"), report.Column("p50_ms", "p50 ms", "{:.3f}"),
-    report.Column("p99_ms", "p99 ms", "{:.3f}"),
+    Column("stage", "stage", "{}"), Column("after", "after", "{}"),
+    Column("n", "n", "{}"), Column("p50_ms", "p50 ms", "{:.3f}"),
+    Column("p99_ms", "p99 ms", "{:.3f}"),
 ]
 
 
 def run_waterfall(cfg: WaterfallConfig, command: str | None = None) -> dict[str, Any]:
-    from pdunit.bench.workload import parse_range
+    from pdunit.engine.loadgen.workload import parse_range
 
     unit = None
     url = cfg.url
@@ -106,7 +107,7 @@ def run_waterfall(cfg: WaterfallConfig, command: str | None = None) -> dict[str,
         if unit is not None:
             unit.__exit__(None, None, None)
     rows, summary = analyze(doc["streams"], cfg.tolerance)
-    results = report.Results(BENCH, report.machine_info(), command or report.command_line(),
+    results = report.Results(BENCH, machine_info(), command or report.command_line(),
                              cfg.model_dump(), rows, summary)
     out = results.document()
     if cfg.out:
@@ -141,7 +142,7 @@ def plot_waterfall(rows: list[dict[str, Any]], path: str) -> str:
 
 
 def print_waterfall(doc: dict[str, Any]) -> None:
-    print(report.text_table(doc["rows"], COLUMNS))
+    print(text_table(doc["rows"], COLUMNS))
     s = doc["summary"]
     print(f"\nclient time p50 {s['client_ms_p50']:.1f} ms, stamped {s['stamped_ms_p50']:.1f} ms "
           f"(ratio p50 {s['stamped_over_client_p50']:.3f}); unexplained p95 {100 * s['unexplained_p95']:.1f}% "

@@ -42,7 +42,6 @@ from pdunit.engine.observability import PARENT_ENV, LogLevel, log_config, setup_
 from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import (
-    KvCacheDtype,
     MonolithPolicy,
     TransferMode,
     decode_names,
@@ -50,6 +49,7 @@ from pdunit.engine.settings import (
     metrics_port_of,
     parse_config,
 )
+from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 log = logging.getLogger("pdunit.local")
 
@@ -124,7 +124,7 @@ class LocalConfig(BaseModel):
     @field_validator("load_prompt_rows")
     @classmethod
     def _rows_are_a_range(cls, v: str) -> str:
-        from pdunit.bench.workload import parse_range
+        from pdunit.engine.loadgen.workload import parse_range
 
         lo, _ = parse_range(v, "load_prompt_rows")
         if lo < 1:
@@ -612,17 +612,17 @@ def _installed(module: str) -> bool:
 
 
 def run_short_load(unit: LocalUnit) -> dict:
-    from pdunit.bench.capacity import CapacityConfig, run_capacity
-    from pdunit.bench.workload import parse_range
+    from pdunit.engine.loadgen.driver import LoadConfig, run_load
+    from pdunit.engine.loadgen.workload import parse_range
 
     c = unit.cfg
     lo, hi = parse_range(c.load_prompt_rows, "load_prompt_rows")
-    cfg = CapacityConfig(
+    cfg = LoadConfig(
         url=unit.url, concurrency=[c.load_streams], requests=c.load_requests or 2 * c.load_streams,
         prompt_rows=(lo, hi), frames=(c.load_frames, c.load_frames), mode_label=f"local-{c.mode}",
         gpus=0,
     )
-    return run_capacity(cfg)
+    return run_load(cfg)
 
 
 def _run_interruptibly(unit: LocalUnit, work: Callable[[LocalUnit], dict]) -> dict | None:
@@ -651,13 +651,13 @@ def print_short_load(unit: LocalUnit, result: dict[str, Any], load: dict[str, An
     """The short load's report for a person: the stream table, what its pass column
     judges, the KV counters and the verdict; returns the exit code (1: a stream failed or a
     KV check mismatched; the pass column's capacity criteria do not decide it)."""
-    from pdunit.bench import report
-    from pdunit.bench.capacity import COLUMNS, pass_criteria
+    from pdunit.engine.loadgen.driver import COLUMNS, pass_criteria
+    from pdunit.engine.loadgen.summary import text_table
 
     m = result["machine"]
     gpu = f"{m['gpu_count']} x {m['gpu_model']}" if m["gpu_count"] else "no GPU"
     print(f"\nmachine: {gpu}; {m['cpu_count']} CPUs ({m['cpu_model']})")
-    print(report.text_table(result["rows"], COLUMNS))
+    print(text_table(result["rows"], COLUMNS))
     for row in result["rows"]:
         if row["error_kinds"]:
             print(f"stream errors at {row['concurrency']} streams: {row['error_kinds']}")

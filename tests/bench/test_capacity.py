@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import uvicorn
 
-from pdunit.bench.capacity import CapacityConfig, StreamResult, main, run_capacity, summarize_level
+from pdunit.bench.capacity import CapacityConfig, main, run_capacity
+from pdunit.engine.loadgen.driver import StreamResult, summarize_level
 from pdunit.engine.lb.main import _Server, bind_socket
 
 
@@ -352,7 +353,7 @@ def test_config_accepts_flags_and_names_bad_ranges():
 
 
 def test_a_late_load_generator_says_so_in_the_row_and_out_loud(capsys):
-    from pdunit.bench.capacity import CLIENT_LAG_WARN_MS, client_lag
+    from pdunit.engine.loadgen.driver import CLIENT_LAG_WARN_MS, client_lag
 
     quiet = client_lag([0.001] * 99 + [0.002], "1p1d", 8)
     assert quiet == {"client_lag_p99_ms": 1.01, "client_lag_max_ms": 2.0}  # linear interpolation at 99%

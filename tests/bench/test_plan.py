@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pdunit.bench import plan
-from pdunit.bench.workload import StreamSpec
+from pdunit.engine.loadgen.workload import StreamSpec
 
 STEP = plan.StepCost(base_ms=3.0, per_stream_ms=0.01, per_token_ms=3e-5)
 PREFILL = plan.PrefillCost(base_ms=3.0, per_row_ms=0.008, per_pair_ms=2e-6)

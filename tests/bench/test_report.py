@@ -9,19 +9,20 @@ import os
 import pytest
 
 from pdunit.bench import report
+from pdunit.engine.loadgen.summary import Column, machine_info, percentile, percentiles, text_table
 
 
 def test_percentiles_interpolate_linearly_and_are_none_without_values():
     values = list(range(1, 101))  # 1..100
-    assert report.percentile(values, 50) == pytest.approx(50.5)
-    assert report.percentile(values, 99) == pytest.approx(99.01)
-    assert report.percentile(values, 1) == pytest.approx(1.99)
-    assert report.percentiles([]) == {"p50": None, "p95": None, "p99": None}
-    assert report.percentiles([3.0]) == {"p50": 3.0, "p95": 3.0, "p99": 3.0}
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 1) == pytest.approx(1.99)
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert percentiles([3.0]) == {"p50": 3.0, "p95": 3.0, "p99": 3.0}
 
 
 def test_machine_info_names_gpus_and_cpus():
-    m = report.machine_info()
+    m = machine_info()
     for key in ("gpu_model", "gpu_count", "driver", "cpu_count", "cpu_model", "hostname"):
         assert key in m
     assert m["cpu_count"] >= 1
@@ -33,10 +34,10 @@ def test_machine_info_reads_each_gpus_uuid_from_nvidia_smi(tmp_path, monkeypatch
                    "echo 'NVIDIA H200, 580.159.04, GPU-9f8e7d6c-0000-1111-2222-333344445555'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    m = report.machine_info()
+    m = machine_info()
     assert (m["gpu_count"], m["driver"]) == (2, "580.159.04")
     assert m["gpu_uuids"] == ["GPU-1a2b3c4d-0000-1111-2222-333344445555", "GPU-9f8e7d6c-0000-1111-2222-333344445555"]
-    md = report.Results("x", m, "cmd", {}).markdown([report.Column("a", "a")])
+    md = report.Results("x", m, "cmd", {}).markdown([Column("a", "a")])
     assert "2 x NVIDIA H200 (driver 580.159.04) [GPU-1a2b3c4d, GPU-9f8e7d6c]" in md
 
 
@@ -72,9 +73,9 @@ def test_results_write_json_with_the_required_keys_and_a_markdown_table(tmp_path
         summary={"capacity": None},
     )
     cols = [
-        report.Column("concurrency", "conc"),
-        report.Column("stutter_share", "stutter", "{:.1%}"),
-        report.Column("p1_rate", "p1", "{:.1f}"),
+        Column("concurrency", "conc"),
+        Column("stutter_share", "stutter", "{:.1%}"),
+        Column("p1_rate", "p1", "{:.1f}"),
     ]
     json_path, md_path = res.write(report.resolve_out(str(tmp_path), "capacity", machine), cols)
     doc = json.loads(json_path.read_text())
@@ -86,9 +87,9 @@ def test_results_write_json_with_the_required_keys_and_a_markdown_table(tmp_path
 
 
 def test_text_table_aligns_columns():
-    text = report.text_table(
+    text = text_table(
         [{"a": 1, "b": 2.5}, {"a": 100, "b": None}],
-        [report.Column("a", "A"), report.Column("b", "B", "{:.2f}")],
+        [Column("a", "A"), Column("b", "B", "{:.2f}")],
     )
     lines = text.splitlines()
     assert (

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdunit.bench.workload import (
+from pdunit.engine.lb.validate import Limits, parse_request
+from pdunit.engine.loadgen.workload import (
     Workload,
     WorkloadConfig,
     arrival_times,
@@ -13,7 +14,6 @@ from pdunit.bench.workload import (
     parse_range,
     shares,
 )
-from pdunit.engine.lb.validate import Limits, parse_request
 
 VOCAB = (1024,) * 10 + (50,)
 
