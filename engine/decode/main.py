@@ -10,13 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from pdunit.engine.decode.admission import AdmissionFields, build_admission
 from pdunit.engine.decode.hub import FrameHub
-from pdunit.engine.decode.worker import (
-    DecodeEngine,
-    DecodeService,
-    engine_ready,
-    engine_setup,
-    serve_debug,
-)
+from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
@@ -41,6 +35,7 @@ from pdunit.engine.settings import (
     parse_config,
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
+from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver, unit_secret_option
 from pdunit.kernels.kv_dtype import kv_storage_dtype

@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -37,17 +36,16 @@ from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import CHANNEL_OPTIONS, unix_target
-from pdunit.engine.kernel_compiles import serving_started, watch_kernel_compiles
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
-from pdunit.engine.model.device import bind_thread
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
-from pdunit.engine.observability import now_ns, settle_gc_for_serving
+from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.security import security_event
+from pdunit.engine.step_loop import StepLoop, step_message
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
 
 log = logging.getLogger("pdunit.decode")
@@ -68,10 +66,6 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
     )
 
 
-def stamps_pb(stamps: dict[str, int]) -> pb.Stamps:
-    return pb.Stamps(ns=stamps)
-
-
 @dataclass
 class Reservation:
     request_id: int
@@ -89,68 +83,6 @@ class Held:
     p_instance: str
     since: float
     reason: str
-
-
-def step_message(step: int, out: StepOutput) -> pb.StepFrames:
-    msg = pb.StepFrames(
-        step=step,
-        request_ids=pack(out.request_ids, "u8"),
-        frames=pack(out.frames, "i4"),
-        finished=pack(out.finished, "u1"),
-        step_unix_ns=now_ns(),
-    )
-    for s in out.started:
-        s.stamps["first_frame_step"] = msg.step_unix_ns
-        msg.stamps[s.request_id].CopyFrom(stamps_pb(s.stamps))
-    for s in out.ended:
-        s.stamps["last_frame_step"] = msg.step_unix_ns
-        msg.stamps[s.request_id].CopyFrom(stamps_pb(s.stamps))
-    return msg
-
-
-EXIT_STEP_LOOP_CRASHED = 70
-
-
-class StepLoop:
-    """Runs `step_once` in a thread until stopped. While there is no work (`step_once`
-    returns False) it sleeps on `work` (set it to wake the loop), unless `idle_wait` is
-    False: for a `step_once` that blocks on its own queue until work comes (with a
-    timeout, so that stopping is seen), where a second sleep would leave work that
-    arrives during it waiting up to 50 ms with nobody to wake the loop."""
-
-    def __init__(self, name: str, step_once, device: str | torch.device = "cpu", idle_wait: bool = True) -> None:
-        self._step_once = step_once
-        self._device = device
-        self._idle_wait = idle_wait
-        self.work = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.work.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        try:
-            bind_thread(self._device)  # a new thread is on CUDA device 0 (engine/model/device.py)
-            while not self._stop.is_set():
-                if not self._step_once() and self._idle_wait:
-                    self.work.wait(timeout=0.05)
-                    self.work.clear()
-        except BaseException as exc:
-            # An engine whose loop died serves nothing while its gRPC server still
-            # answers: exit, so the LB and the peer see it go (and a new instance id
-            # after the restart), instead of streams that silently stop.
-            self.error = exc
-            log.critical("step loop crashed: exiting", exc_info=True,
-                         extra={"loop": self._thread.name, "event": "StepLoopCrashed"})
-            logging.shutdown()
-            os._exit(EXIT_STEP_LOOP_CRASHED)
 
 
 class DecodeEngine:
@@ -752,23 +684,3 @@ def serve_debug(engine: DecodeEngine, port: int) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, name="decode-debug", daemon=True).start()
     log.warning("debug endpoint on: pool ownership is readable", extra={"port": port})
-
-
-def engine_setup(threads: int, gil_switch_ms: float) -> None:
-    """Process-wide knobs of an engine (P, D, monolith): torch's intra-op threads, and
-    Python's GIL switch interval. The step-loop thread runs Python between kernels; with
-    Python's default 5 ms interval a gRPC handler (Reserve, Commit, Submit) waited up to
-    that long for the GIL at every hand-over (a scratch test on the 2-core dev box: a
-    unary RPC to a process with a Python-busy thread, p99 ~27 ms at 5 ms, ~4 ms at 0.5
-    ms; not yet measured in an engine on the GPUs)."""
-    torch.set_num_threads(max(1, threads))
-    sys.setswitchinterval(gil_switch_ms / 1000)
-    watch_kernel_compiles()  # start-up compiles counted as such; serving ones named (engine/kernel_compiles.py)
-
-
-def engine_ready(log: logging.Logger) -> None:
-    """The end of an engine's start (P, D, monolith), right before it says ready: its
-    garbage collector settled for serving, and every kernel compiled from here on counted
-    as a serving one (it stalls the step that needs it)."""
-    settle_gc_for_serving(log)
-    serving_started()

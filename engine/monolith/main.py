@@ -10,7 +10,6 @@ from pydantic import Field
 
 from pdunit.engine.decode.admission import AdmissionFields, build_admission
 from pdunit.engine.decode.hub import FrameHub
-from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
@@ -36,6 +35,7 @@ from pdunit.engine.settings import (
     parse_config,
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
+from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.kernels.paged_attention import configure_decode
 
 # Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines

@@ -39,7 +39,6 @@ from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.step_forward import StepForward
-from pdunit.engine.decode.worker import StepLoop, step_message
 from pdunit.engine.kv.pool import NoCapacity, PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease, block_hashes
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
@@ -49,6 +48,7 @@ from pdunit.engine.packing import pack
 from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.step_loop import StepLoop, step_message
 from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.monolith")

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import numpy as np
 from pydantic import Field, ValidationInfo, field_validator
 
-from pdunit.engine.decode.worker import engine_ready, engine_setup
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.prefix_cache import PrefixCache
@@ -39,6 +38,7 @@ from pdunit.engine.settings import (
     parse_decode_sockets,
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
+from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.transfer.factory import unit_secret_option
 
 

@@ -53,7 +53,6 @@ import torch
 from prometheus_client import Counter
 
 from pdunit.engine import metrics as m
-from pdunit.engine.decode.worker import StepLoop
 from pdunit.engine.grpc_server import sync_channel
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity
@@ -70,6 +69,7 @@ from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import decode_names, parse_decode_sockets
+from pdunit.engine.step_loop import StepLoop
 from pdunit.engine.transfer.base import (
     Descriptor,
     KVSender,

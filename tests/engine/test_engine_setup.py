@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from pdunit.engine.decode.main import DecodeConfig
-from pdunit.engine.decode.worker import engine_setup
 from pdunit.engine.monolith.main import MonolithConfig
 from pdunit.engine.prefill.main import PrefillConfig
 from pdunit.engine.settings import parse_config
+from pdunit.engine.step_loop import engine_setup
 
 
 def test_every_engine_defaults_to_a_half_millisecond_switch_interval():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pdunit.engine.decode.worker import StepLoop
+from pdunit.engine.step_loop import StepLoop
 from tests.engine.test_prefill_pipeline import engine  # noqa: F401  (the fixture)
 
 

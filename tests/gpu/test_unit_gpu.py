@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pdunit.bench.report import scrape_metrics
-from pdunit.engine.decode.worker import StepLoop
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port
+from pdunit.engine.step_loop import StepLoop
 from tests.engine.unit_client import load, random_prompt, stream
 
 pytestmark = [
