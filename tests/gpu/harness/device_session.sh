@@ -6,8 +6,7 @@
 # Steps: gpu-tests ($GPU_TESTS), compare ($COMPARE_ARGS: `pdunit bench compare` flags, split as a shell
 # would but with ';' a plain character: 'fp8=--a=1 --b=2' is one word),
 # faults ($FAULTS_KINDS, $FAULTS_STEM), step ($STEP_ARGS; ';' between runs), prefill ($PREFILL_ARGS), attention ($ATTENTION_ARGS; ';' between runs),
-# transfer ($TRANSFER_ARGS),
-# mooncake (carry .out/mooncake-whl).
+# transfer ($TRANSFER_ARGS).
 set -uo pipefail
 source tests/gpu/harness/setup.sh
 RES=/tmp/res; mkdir -p "$RES"
@@ -52,10 +51,6 @@ run_step() {
           --out "$dir/$i" || rc=$?
       done ;;
     transfer) logged "$dir/transfer.log" timeout "$secs" python3 -m pdunit.bench.transfer --work /tmp/pdw --out "$dir" ${TRANSFER_ARGS:-} || rc=$? ;;
-    mooncake) if python3 -m pip install -q --no-index --no-deps --target /tmp/mc .out/mooncake-whl/*.whl; then
-        PYTHONPATH=/tmp/mc${PYTHONPATH:+:$PYTHONPATH} logged "$dir/mooncake.log" timeout "$secs" \
-          python3 bench/mooncake_probe.py --out "$dir/mooncake.json" || rc=$?
-      else rc=$?; fi ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   # every unit's process logs, bounded: what went wrong
