@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from pdunit.kernels import decode_settings
+from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -187,15 +188,13 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
     return str(value)
 
 
-# `--transfer` of P, D and `pdunit local`: engine/transfer/factory.py MODES builds each
-# (tests/test_cli.py keeps the two equal). Here, not there: this module imports no engine.
-TransferMode = Literal["host", "proxy", "ipc", "posix-fd", "fabric", "tcp", "auto"]
+# The one list of KV transfer modes: `--transfer` of P, D and `pdunit local`, the PDUnit
+# CRD's spec.transfer (its enum, in this order), the metrics' states; engine/transfer/
+# factory.py builds each (tests/test_cli.py checks it builds exactly these). Here, not
+# there: this module imports no engine and no torch.
+TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
 # `--policy` of the monolith: engine/monolith/worker.py POLICIES (kept equal the same way).
 MonolithPolicy = Literal["prefill-first", "chunked"]
-
-# `--kv-cache-dtype` of every engine, bench and the CRD; kernels/kv_dtype.py says what
-# each means. Here, not there: the LB, router and operator import this module without torch.
-KvCacheDtype = Literal["auto", "fp8_e4m3"]
 
 
 def kv_cache_dtype_field() -> Any:

@@ -3,23 +3,18 @@
 Owns what an fp8 pool means, so that every writer (the fused store kernel, the torch
 reference forward, the monolith's prompt copy) and every reader (the paged decode and
 prefill kernels, their references) agree bit for bit: K and V rows are stored as
-`torch.float8_e4m3fn` with scale 1 (the default of vLLM's and SGLang's uncalibrated fp8
-KV cache), a value outside +-448 saturates to +-448 instead of becoming NaN, and a
-reader widens each element to the query's dtype before any arithmetic. A decode step
-reads every live K/V byte once, so halving the bytes roughly halves its KV time.
-
-Must never choose which slots to use or allocate a pool.
+`torch.float8_e4m3fn` with scale 1 (as vLLM's and SGLang's uncalibrated fp8 KV cache), a
+value outside +-448 saturates to +-448 instead of becoming NaN, and a reader widens each
+element to the query's dtype before any arithmetic. Must never choose slots or allocate a
+pool. The flag's names live torch-free in kernels/kv_dtype_names.py.
 """
 
 from __future__ import annotations
 
-from typing import get_args
-
 import torch
 
-from pdunit.engine.settings import KvCacheDtype
+from pdunit.kernels.kv_dtype_names import KV_CACHE_DTYPES
 
-KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)  # `--kv-cache-dtype`'s values
 FP8_KV = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0  # the largest finite e4m3fn value
 

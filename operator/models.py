@@ -27,10 +27,11 @@ from pydantic.alias_generators import to_camel
 from pdunit.engine.settings import (
     METRICS_OFFSETS,
     GemmPrecision,
-    KvCacheDtype,
+    TransferMode,
     canonical_decode_kernel,
     metrics_block,
 )
+from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"
@@ -68,7 +69,6 @@ DecodeKernelSpec = Annotated[
     AfterValidator(canonical_decode_kernel),
 ]
 
-TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
 Phase = Literal["Pending", "Starting", "Ready", "Draining", "Drained", "Failed"]
 Device = Literal["cuda", "cpu"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]

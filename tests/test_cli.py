@@ -95,7 +95,7 @@ def test_values_that_fail_only_together_or_later_are_refused_at_parse_time(argv,
 
 
 @pytest.mark.parametrize("argv, choices", [
-    (["--transfer", "nvlink"], "host', 'proxy', 'ipc', 'posix-fd', 'fabric', 'tcp', 'auto"),
+    (["--transfer", "nvlink"], "auto', 'fabric', 'proxy', 'ipc', 'posix-fd', 'tcp', 'host"),
     (["--mode", "foo"], "pd', '1p2d', 'monolith"),
 ])
 def test_pdunit_local_refuses_a_bad_choice_before_starting_anything(argv, choices, tmp_path):

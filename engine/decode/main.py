@@ -28,7 +28,6 @@ from pdunit.engine.security import check_unit_secret_file, read_secret_file
 from pdunit.engine.settings import (
     DecodeKernel,
     GemmPrecision,
-    KvCacheDtype,
     decode_gemm_field,
     decode_kernel_field,
     kv_cache_dtype_field,
@@ -39,6 +38,7 @@ from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver, unit_secret_option
 from pdunit.kernels.kv_dtype import kv_storage_dtype
+from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.paged_attention import configure_decode
 
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
-from pdunit.kernels.kv_dtype import FP8_KV, KV_CACHE_DTYPES, kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype import FP8_KV, kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype_names import KV_CACHE_DTYPES
 from pdunit.kernels.paged_attention import (
     DECODE_CANDIDATES,
     DECODE_CONFIG,

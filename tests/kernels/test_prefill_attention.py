@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pdunit.engine.model.transformer import ForwardBatch, _paged_attention, _plan
-from pdunit.kernels.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
+from pdunit.kernels.kv_dtype_names import KV_CACHE_DTYPES
 from pdunit.kernels.prefill_attention import prefill_plan, reference_prefill_attention
 from tests.kernels import paging as paging_module
 from tests.kernels.paging import gpu, paged_slots, run_interpreted
