@@ -27,7 +27,8 @@ from pdunit.engine.edge import (
     read_token_file,
     server_config,
 )
-from pdunit.engine.lb.app import LoadBalancer, create_admin_app, create_app
+from pdunit.engine.lb.app import create_admin_app, create_app
+from pdunit.engine.lb.balancer import LoadBalancer
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.observability import (
     log_config,

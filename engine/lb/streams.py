@@ -57,6 +57,11 @@ class StreamFailure:
 StreamEvent = Frames | StreamFailure
 
 
+def hex_id(request_id: int) -> str:
+    """A request id as the API shows it: 16 hex digits."""
+    return f"{request_id:016x}"
+
+
 @dataclass
 class Stream:
     request_id: int
@@ -75,7 +80,7 @@ class Stream:
 
     @property
     def hex_id(self) -> str:
-        return f"{self.request_id:016x}"
+        return hex_id(self.request_id)
 
     def push(self, event: StreamEvent) -> None:
         if self.ended:

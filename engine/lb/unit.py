@@ -28,9 +28,9 @@ import numpy as np
 from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.proto import proxy_pb2 as proxy_pb
+from pdunit.engine.proto import proxy_pb2_grpc as proxy_pbg
 from pdunit.engine.settings import decode_names
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as proxy_pb
-from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as proxy_pbg
 
 log = logging.getLogger("pdunit.lb.unit")
 
@@ -55,14 +55,10 @@ class InfoSnapshot:
     """One probe round. A missing reply has its error in `errors[target]`."""
 
     at: float  # time.monotonic()
+    decodes: list[pb.InfoReply | None]  # every D, --decode-socket order
     prefill: pb.InfoReply | None = None
-    decode: pb.InfoReply | None = None  # the first D (the only one of a 1P1D unit)
     proxy: pb.InfoReply | None = None
     errors: dict[str, str] = field(default_factory=dict)
-    decodes: list[pb.InfoReply | None] = field(default_factory=list)  # every D, --decode-socket order
-
-    def decode_replies(self) -> list[pb.InfoReply | None]:
-        return self.decodes or [self.decode]
 
 
 class UnitClient:
@@ -110,6 +106,7 @@ class UnitClient:
             self._proxy = proxy_pbg.NvlinkProxyStub(self.proxy_channel)
         self.snapshot = InfoSnapshot(
             at=float("-inf"),
+            decodes=[None] * len(self.decodes),
             errors={"prefill": "not probed yet", **dict.fromkeys(self.decode_names, "not probed yet")},
         )
         self._refresh_lock = asyncio.Lock()
@@ -145,7 +142,6 @@ class UnitClient:
                 setattr(snap, name, reply)
             else:
                 snap.decodes[self.decode_names.index(name)] = reply
-        snap.decode = snap.decodes[0]
         self.snapshot = snap
         return snap
 

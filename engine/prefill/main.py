@@ -39,7 +39,7 @@ from pdunit.engine.settings import (
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
-from pdunit.engine.transfer.factory import unit_secret_option
+from pdunit.engine.transfer.options import unit_secret_option
 
 
 class PrefillConfig(PrefillModelFields, StackSamplingFields):

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from pdunit.engine.lb.app import LoadBalancer
+from pdunit.engine.lb.balancer import LoadBalancer
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.lb.main import admin_token, build_servers
 from tests.lb.fakes import FakeUnit, LoopThread

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pdunit.engine.edge import listen_hosts
-from pdunit.engine.lb.app import RequestIds
+from pdunit.engine.lb.balancer import RequestIds
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.lb.main import main
 from pdunit.engine.security import SECURITY_EVENTS, write_secret_file
@@ -309,7 +309,7 @@ def test_request_ids_never_repeat_a_recent_one(monkeypatch):
     ids = RequestIds()
     first = ids.next()
     draws = iter([first, 0, first, 12345])  # the source repeats itself: drawn again
-    monkeypatch.setattr("pdunit.engine.lb.app.secrets.randbits", lambda bits: next(draws))
+    monkeypatch.setattr("pdunit.engine.lb.balancer.secrets.randbits", lambda bits: next(draws))
     assert ids.next() == 12345
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from pdunit.engine.lb import validate as v
 from pdunit.engine.lb.validate import Limits, RequestError, parse_request
+from pdunit.engine.proto import pdunit_pb2 as pb
 
 LIMITS = Limits(
     n_codebooks=11, vocab_sizes=(1024,) * 10 + (2048,), max_rows=100, max_body_bytes=200_000
@@ -84,14 +85,14 @@ def test_binary_prompt_packs_to_int64_rows(dtype):
     )
     assert packed.prompt.dtype == np.int64 and packed.prompt.tolist() == a.tolist()
     assert np.frombuffer(packed.prompt_bytes, "<i8").tolist() == a.ravel().tolist()
-    assert packed.sampling == v.Sampling(
+    assert packed.sampling == pb.Sampling(
         max_frames=50, min_frames=0, temperature=0.7, top_k=20, seed=0
     )
 
 
 def test_defaults_fill_the_sampling_fields():
     s = parse_json_body({"prompt": ids(1).tolist()}).sampling
-    assert s == v.Sampling(
+    assert s == pb.Sampling(
         max_frames=LIMITS.default_max_frames, min_frames=0, temperature=0.0, top_k=0, seed=0
     )
 
