@@ -38,12 +38,12 @@ from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.grpc_server import CHANNEL_OPTIONS, unix_target
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
-from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.proto.sampling import sampling_from_pb
 from pdunit.engine.security import security_event
 from pdunit.engine.step_loop import StepLoop, step_message
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
@@ -57,13 +57,6 @@ P_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 50)
                      ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 250)]
 CLAIM_RECHECK_S = 0.1     # how often P is asked while a claimed instance id is unchecked
 MAX_PENDING_CLAIMS = 16   # unchecked claims kept; more (a flood while P is stopped) are dropped
-
-
-def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
-    return SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, seed=s.seed,
-        max_frames=max(1, s.max_frames), min_frames=s.min_frames,
-    )
 
 
 @dataclass

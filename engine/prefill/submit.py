@@ -10,10 +10,10 @@ from collections.abc import Callable
 import numpy as np
 
 from pdunit.engine.model.config import ModelConfig
-from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.packing import unpack
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto.sampling import sampling_from_pb
 
 
 def check_prompt(req: pb.SubmitRequest, config: ModelConfig) -> tuple[np.ndarray | None, str]:
@@ -53,10 +53,8 @@ async def serve_submit(
     def done(reply: pb.SubmitReply) -> None:
         loop.call_soon_threadsafe(resolve, reply)
 
-    s = req.sampling
     try:
-        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, seed=s.seed,
-                                max_frames=max(1, s.max_frames), min_frames=s.min_frames)
+        params = sampling_from_pb(req.sampling)
     except ValueError as exc:
         return pb.SubmitReply(status=pb.INVALID, message=str(exc))
     job = PrefillJob(
