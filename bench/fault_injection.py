@@ -1,17 +1,12 @@
-"""Faults P injects into its own KV transfers, for the fault-injection suite
-(bench/faults.py, tests/faults/) and nothing else.
+"""The fault suite's P (bench/faults.py, tests/faults/): `python -m
+pdunit.bench.fault_injection <pdunit prefill's args> --fault-*` runs P's own serve with
+each sender wrapped in a `FaultySender`, which fails the writes of marked prompts.
 
-Owns the `--fault-*` switches (`FaultyPrefillConfig`), a wrapping `KVSender` that fails
-the writes of marked prompts (`FaultySender`), and the P that attaches it
-(`FaultyPrefillEngine`). `pdunit prefill` loads this module only when started with
-PDUNIT_FAULT_INJECTION=1 (engine/prefill/main.py refuses the switches otherwise); a pod
-never sets it. It must never change a write whose prompt is not marked, and the engine's
-own modules must never import it.
-
-A prompt is marked by the id in its row 0 column 0: `corrupt` flips one bit of the rows
-sent (D's KV check must catch it), `slow` pauses a write halfway (past its deadline),
-`wedge` is a write that never completes, so P can never prove it quiesced and its abort
-stays held.
+It starts only with PDUNIT_FAULT_INJECTION=1 (exit 2 otherwise), and must never change
+a write whose prompt is not marked: a prompt is marked by the id in its row 0 column 0
+(`corrupt` flips one bit of the rows sent, `slow` pauses a write halfway, past its
+deadline, `wedge` never completes, so P never proves it quiesced and its abort stays
+held). The engine never imports this module: the faults stay off the production path.
 """
 
 from __future__ import annotations
@@ -19,16 +14,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import sys
 import time
 
 import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
-from pdunit.engine.prefill.main import PrefillConfig, serve
+from pdunit.engine.prefill.main import FAULT_ENV, PrefillConfig, serve
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.prefill.worker import PrefillEngine
-from pdunit.engine.settings import parse_config
+from pdunit.engine.settings import ConfigError, parse_config
 from pdunit.engine.transfer.base import Descriptor, KVSender, PoolGeometry, TransferError
 
 log = logging.getLogger("pdunit.faults")
@@ -150,7 +147,18 @@ class FaultyPrefillEngine(PrefillEngine):
                             self.faults.fault_slow_ms / 1000)
 
 
+PROG = "python -m pdunit.bench.fault_injection"
+
+
 def main(argv: list[str]) -> int:
-    """`pdunit prefill` under PDUNIT_FAULT_INJECTION=1."""
-    cfg = parse_config(FaultyPrefillConfig, argv, "pdunit prefill")
+    """P with fault injection; refused (exit 2) unless started with PDUNIT_FAULT_INJECTION=1."""
+    if os.environ.get(FAULT_ENV) != "1":
+        message = f"{PROG}: fault injection runs only in a process started with {FAULT_ENV}=1 (the fault suite)"
+        print(message, file=sys.stderr)
+        raise ConfigError(message)
+    cfg = parse_config(FaultyPrefillConfig, argv, PROG)
     return asyncio.run(serve(cfg, functools.partial(FaultyPrefillEngine, faults=cfg)))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -295,13 +295,13 @@ class Unit:
         if tcp_relay_port:
             p_args += ["--fault-tcp-relay", f"127.0.0.1:{tcp_relay_port}"]
         wrappers = isolation_wrappers() if cfg.isolate else {}
-        # P's --fault-* switches exist only under PDUNIT_FAULT_INJECTION=1 (engine/prefill/main.py)
+        # P's --fault-* switches exist only in bench/fault_injection.py, which starts only under FAULT_ENV=1
         wrappers["prefill"] = wrappers.get("prefill", []) + ["env", f"{FAULT_ENV}=1"]
         self.local = LocalUnit(LocalConfig(
             wrappers=wrappers, restart=False,  # P's restarts are the scenario's (restart_p)
             mode="pd", model=cfg.model, transfer=cfg.transfer, device=cfg.device, pool_tokens=cfg.pool_tokens,
             cache_tokens=16384, lb_port=0, guard=True, log_level="warning", run_dir=run_dir,
-            extra_prefill_args=p_args,
+            prefill_module="pdunit.bench.fault_injection", extra_prefill_args=p_args,
             extra_decode_args=["--metrics-port", str(self.d_metrics_port), "--debug-port", str(self.d_debug_port)],
             extra_lb_args=["--request-deadline-ms", str(cfg.request_deadline_ms), "--probe-interval-s", "0.25",
                            "--frame-timeout-ms", "5000"],

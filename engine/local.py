@@ -91,6 +91,8 @@ class LocalConfig(BaseModel):
     load_prompt_rows: str = Field("1000-2000", description="prompt rows of the short load (a or a-b)")
     load_requests: int = Field(0, ge=0, description="streams in the short load (0 = 2 x load_streams)")
     extra_prefill_args: list[str] = Field(default_factory=list, description="appended to P's command")
+    prefill_module: str = Field("", description="run P as `python -m MODULE` with P's arguments instead of "
+                                "`pdunit prefill` (the fault suite: pdunit.bench.fault_injection)")
     extra_decode_args: list[str] = Field(default_factory=list, description="appended to D's command")
     extra_monolith_args: list[str] = Field(default_factory=list, description="appended to the monolith's command")
     extra_lb_args: list[str] = Field(default_factory=list, description="appended to the LB's command")
@@ -348,7 +350,8 @@ class LocalUnit:
                                              "--unit-secret-file", self.unit_secret_file] + common +
                              (["--device", device] if device != c.device else []) + self.metrics_args(name) +
                              self.admission_args() + c.extra_decode_args))
-            cmds.append(("prefill", pdunit + ["prefill", "--socket", p_sock, "--decode-socket", d_sock,
+            p_cmd = [sys.executable, "-m", c.prefill_module] if c.prefill_module else pdunit + ["prefill"]
+            cmds.append(("prefill", p_cmd + ["--socket", p_sock, "--decode-socket", d_sock,
                                              "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
                                              "--proxy-socket", self.sock("proxy"),
                                              "--unit-secret-file", self.unit_secret_file] + common + gemm +

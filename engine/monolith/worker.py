@@ -214,10 +214,9 @@ class MonolithEngine:
         whose cache lease cannot be had while others are in flight waits at the head of
         the queue for their slots; one that cannot fit an idle cache is refused."""
         while self._pending_rows() < self.max_batch_rows:
-            jobs = self.waiting.next_batch(timeout=0, max_prompts=1)
-            if not jobs:
+            job = self.waiting.take(timeout=0)
+            if job is None:
                 return
-            job = jobs[0]
             rows = len(job.prompt)
             if job.deadline_unix_ms and time.time() * 1000 > job.deadline_unix_ms:
                 self._finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued")

@@ -1,11 +1,11 @@
-"""Handoffs between the stages of P's pipeline (engine/prefill/worker.py).
+"""Handoffs between the stages of P's pipeline (engine/prefill/pipeline.py).
 
 - `OpenBatch` (reserve -> forward): the next forward's batch, growing one reserved
-  request at a time until the forward stage takes it whole.
+  request at a time (as scheduler.joins_batch decides) until the forward takes it whole.
 - `Handoff` (forward -> transfer workers): a bounded FIFO of requests; the producer
   waits for room for a whole batch before it starts a forward it could not hand over.
 
-Own no compute. Thread-safe.
+Own no compute and decide nothing about batching themselves. Thread-safe.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from pdunit.engine.prefill.scheduler import joins_batch
 
 T = TypeVar("T")
 
@@ -91,8 +93,7 @@ class OpenBatch(Generic[T]):
         self._cv = threading.Condition()
 
     def _fits(self, rows: int) -> bool:
-        # an item larger than max_rows alone still makes a batch of its own
-        return not self._items or (len(self._items) < self.max_items and self._rows + rows <= self.max_rows)
+        return joins_batch(len(self._items), self._rows, rows, self.max_items, self.max_rows)
 
     def wait_for_room(self, rows: int, timeout: float, stopping: threading.Event) -> bool:
         """True once an item of `rows` rows fits; False after `timeout` or when stopping."""

@@ -1,14 +1,13 @@
-"""`pdunit prefill`: the prefill engine process (P) of a unit.
+"""`pdunit prefill`: the prefill engine process (P) of a unit: its config, start and stop.
 
-It never carries fault-injection switches: `--fault-*` exist only when the process is
-started with PDUNIT_FAULT_INJECTION=1 (the fault suite; pdunit.bench.fault_injection),
-and are refused otherwise.
+It never carries fault-injection switches: a `--fault-*` switch is refused, naming
+where it exists (the fault suite's own entry point, started with
+PDUNIT_FAULT_INJECTION=1), so a pod can never turn one on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Callable
 
@@ -83,7 +82,8 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields):
         return check_unit_secret_file(v, str(info.data.get("transfer", "")), "P authenticates to D's tcp KV listener")
 
 
-FAULT_ENV = "PDUNIT_FAULT_INJECTION"  # "1": the process is started for the fault suite
+FAULT_ENV = "PDUNIT_FAULT_INJECTION"  # "1": the fault suite's P may start (never in a pod)
+FAULT_ENTRY = "python -m pdunit.bench.fault_injection"  # the fault suite's P
 FAULT_FLAG = "--fault-"
 
 
@@ -91,14 +91,14 @@ def refuse_fault_switches(argv: list[str], prog: str) -> None:
     """Exit 2 naming the first `--fault-*` switch in `argv`: a production process has none."""
     for arg in argv:
         if arg.startswith(FAULT_FLAG):
-            message = (f"{prog}: {arg.partition('=')[0]} is a fault-injection switch: it exists only in a "
-                       f"process started with {FAULT_ENV}=1 (the fault-injection suite), never in a pod")
+            message = (f"{prog}: {arg.partition('=')[0]} is a fault-injection switch: it exists only in "
+                       f"`{FAULT_ENTRY}`, started with {FAULT_ENV}=1 (the fault-injection suite), never in a pod")
             print(message, file=sys.stderr)
             raise ConfigError(message)
 
 
 async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine] = PrefillEngine) -> int:
-    """`engine_factory`: PrefillEngine, or the fault suite's (pdunit.bench.fault_injection)."""
+    """`engine_factory`: PrefillEngine, or a subclass wrapping its senders (the fault suite's)."""
     log = setup_logging("prefill", cfg.log_level)
     log_config(log, cfg)
     engine_setup(cfg.torch_threads, cfg.gil_switch_ms)
@@ -130,31 +130,25 @@ async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine]
     loop = asyncio.get_running_loop()
     # Serve only once D answered: the LB's readiness follows from P answering Info.
     await loop.run_in_executor(None, engine.connect)
-    engine.start_probe()
+    engine.links.start_probe()
 
     server = await start_unix_server(
         cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
     engine.start()
     engine_ready(log)
-    log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.d_instance,
-                                     "decoders": len(engine.links), "transfer": engine.transfer_mode})
+    log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.links.instances(),
+                                     "decoders": len(engine.links), "transfer": engine.links.transfer_modes()})
     await stop.wait()
     await server.stop(grace=5)
     engine.stop()
-    engine.stop_probe()
-    for link in engine.links:
-        if link.sender is not None:
-            link.sender.close()
+    engine.links.stop_probe()
+    engine.links.close()
     stop_sampler(sampler, log)
     log.info("prefill stopped")
     return 0
 
 
 def main(argv: list[str]) -> int:
-    if os.environ.get(FAULT_ENV) == "1":
-        from pdunit.bench.fault_injection import main as main_with_faults
-
-        return main_with_faults(argv)
     refuse_fault_switches(argv, "pdunit prefill")
     cfg = parse_config(PrefillConfig, argv, "pdunit prefill")
     return asyncio.run(serve(cfg))

@@ -1,7 +1,8 @@
-"""P's admission queue: accepts prompts while a forward runs and hands them out in FIFO
-order, bounded by prompt count and rows (P's reserve stage takes one at a time and
-builds the forward's batch in engine/prefill/handoff.OpenBatch). Thread-safe; owns no
-compute.
+"""What P runs next: its admission queue (FIFO, accepts while a forward runs) and the
+batching decision of a forward (`joins_batch`: prompt count and rows), which
+handoff.OpenBatch applies as P's reserve stage fills the next forward's batch. The
+monolith takes its prompts from the same queue. Thread-safe; owns no compute and
+never reorders: a prompt is never overtaken by a later one.
 """
 
 from __future__ import annotations
@@ -31,8 +32,21 @@ class PrefillJob:
     prefix_chain: list[bytes] | None = field(default=None, repr=False)
 
 
+def joins_batch(prompts: int, rows: int, next_rows: int, max_prompts: int, max_rows: int) -> bool:
+    """Whether the next prompt (`next_rows` rows) joins a forward's batch that holds
+    `prompts` prompts of `rows` rows in all. A prompt alone always makes a batch, even
+    one over `max_rows`."""
+    return prompts == 0 or (prompts < max_prompts and rows + next_rows <= max_rows)
+
+
 class PrefillScheduler:
+    """The admission queue, and the bounds (`max_batch_prompts`, `max_batch_rows`) that
+    P's forwards keep to through `joins_batch`."""
+
     def __init__(self, max_batch_prompts: int, max_batch_rows: int) -> None:
+        if max_batch_prompts < 1 or max_batch_rows < 1:
+            raise ValueError(f"max_batch_prompts and max_batch_rows must be >= 1 "
+                             f"(got {max_batch_prompts}, {max_batch_rows})")
         self.max_batch_prompts = max_batch_prompts
         self.max_batch_rows = max_batch_rows
         self._queue: deque[PrefillJob] = deque()
@@ -44,7 +58,7 @@ class PrefillScheduler:
             self._cv.notify()
 
     def put_back(self, job: PrefillJob) -> None:
-        """Returns a job taken by `next_batch` to the head of the queue (the monolith: its
+        """Returns a job taken by `take` to the head of the queue (the monolith: its
         prefix-cache slots are all pinned by prompts in flight for now)."""
         with self._cv:
             self._queue.appendleft(job)
@@ -59,22 +73,12 @@ class PrefillScheduler:
                     return job
         return None
 
-    def next_batch(self, timeout: float, max_prompts: int | None = None) -> list[PrefillJob]:
-        """FIFO; at least one job even when it alone exceeds the row budget. `max_prompts`
-        lowers the prompt bound (P's reserve stage takes one at a time)."""
-        limit = min(self.max_batch_prompts, max_prompts or self.max_batch_prompts)
+    def take(self, timeout: float) -> PrefillJob | None:
+        """The oldest queued job, waiting up to `timeout` seconds for one; None if none."""
         with self._cv:
             if not self._queue:
                 self._cv.wait(timeout)
-            batch: list[PrefillJob] = []
-            rows = 0
-            while self._queue and len(batch) < limit:
-                nxt = len(self._queue[0].prompt)
-                if batch and rows + nxt > self.max_batch_rows:
-                    break
-                batch.append(self._queue.popleft())
-                rows += nxt
-            return batch
+            return self._queue.popleft() if self._queue else None
 
     def __len__(self) -> int:
         with self._cv:

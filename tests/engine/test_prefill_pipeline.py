@@ -1,4 +1,4 @@
-"""P's pipeline (engine/prefill/worker.py): RESERVE of the next batch and the transfers
+"""P's pipeline (engine/prefill/pipeline.py): RESERVE of the next batch and the transfers
 of the previous one run while a forward does, and stopping P ends every request left
 between the stages (D is told, the prefix lease is returned).
 
@@ -19,7 +19,7 @@ from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.packing import pack
-from pdunit.engine.prefill import worker
+from pdunit.engine.prefill import pipeline, worker
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.proto import pdunit_pb2 as pb
 from tests.engine.unit_client import wait_for
@@ -81,7 +81,7 @@ class Gates:
         self.entered: list[threading.Event] = [threading.Event() for _ in range(8)]
         self.calls = 0
         self.batch_sizes: list[int] = []
-        real = worker.run_prefill
+        real = pipeline.run_prefill
 
         def gated(model, storage, chunks, graphs=None):
             i = self.calls
@@ -91,7 +91,7 @@ class Gates:
             assert self.opened[i].wait(20), f"forward {i} was never let through"
             return real(model, storage, chunks, graphs)
 
-        monkeypatch.setattr(worker, "run_prefill", gated)
+        monkeypatch.setattr(pipeline, "run_prefill", gated)
 
 
 @pytest.fixture(params=[1])
@@ -223,7 +223,7 @@ def test_a_stalled_write_holds_up_only_its_own_request(engine):
 
 def test_a_request_whose_deadline_passes_before_its_forward_gets_no_forward_and_no_write(engine):
     e, d, gates = engine
-    e.transfer_deadline_ms = 300  # RESERVE-to-COMMIT bound, the wait for the forward included
+    e.links.transfer_deadline_ms = 300  # RESERVE-to-COMMIT bound, the wait for the forward included
     replies: dict[int, pb.SubmitReply] = {}
     submit(e, 1, replies)
     assert gates.entered[0].wait(10)

@@ -37,4 +37,4 @@ def test_a_loop_whose_stage_waits_on_its_own_queue_does_not_sleep_again():
 
 def test_ps_stages_never_sleep_in_their_loop(engine):  # noqa: F811
     e, _, _ = engine
-    assert e.loops and all(not loop._idle_wait for loop in e.loops)
+    assert e.pipeline.loops and all(not loop._idle_wait for loop in e.pipeline.loops)

@@ -1,7 +1,7 @@
-"""Fault injection lives off the production path (issue 32, finding 10): `pdunit prefill`
-refuses the `--fault-*` switches unless started with PDUNIT_FAULT_INJECTION=1, and the
-faults themselves are a wrapping KVSender (bench/fault_injection.py), checked here
-against a recording sender."""
+"""Fault injection lives off the production path (issue 32, finding 10; issue 22):
+`pdunit prefill` refuses the `--fault-*` switches, the fault suite's own entry point
+(bench/fault_injection.py) starts only with PDUNIT_FAULT_INJECTION=1, and the faults
+themselves are a wrapping KVSender, checked here against a recording sender."""
 
 from __future__ import annotations
 
@@ -58,6 +58,14 @@ def test_prefill_refuses_a_fault_switch_without_the_environment_switch():
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out
     assert "--fault-corrupt-id" in out.stderr and f"{FAULT_ENV}=1" in out.stderr, out.stderr
+
+
+def test_the_fault_entry_point_refuses_to_start_without_the_environment_switch():
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    out = subprocess.run([sys.executable, "-m", "pdunit.bench.fault_injection", "--fault-corrupt-id", "1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out
+    assert f"{FAULT_ENV}=1" in out.stderr, out.stderr
 
 
 def test_the_production_config_has_no_fault_switch_and_the_fault_config_has_them_all():
