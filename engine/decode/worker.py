@@ -1,16 +1,12 @@
-"""D: the decode engine of a unit. Owns the paged KV pool and the page-state contract of
-PROTOCOL.md: pages reserved for a transfer are given to another request only after
-proof that no write of the failed transfer can land (ABORT_ACK from P, a new P
-instance id heard from P itself on P's socket, or the transport's own receiver state).
-Timeouts are never proof, and neither is an instance id a message to D's socket claims.
-
-Threads: the gRPC server and the expiry/abort/probe loops run on the asyncio loop; the
-decode step loop runs in its own thread (torch releases the GIL in its kernels). The
-pool is thread-safe; the batcher has its own lock.
-
-`--debug-port` (never set in a pod) serves the pool's ownership map (request -> state,
-pages) as JSON on loopback, so the fault-injection suite can check where a late write
-would land.
+"""D: the decode engine of a unit and its gRPC service. Owns the paged KV pool and the
+page-state contract of PROTOCOL.md: pages reserved for a transfer go to another request
+only after proof that no write of the failed transfer can land (ABORT_ACK from P, a new
+P instance id heard from P itself on P's socket, or the transport's receiver state).
+A timeout is never proof, and neither is an instance id that a message to D's socket
+claims. Threads: gRPC and the expiry/abort/probe loops on the asyncio loop, the decode
+steps in a StepLoop (engine/step_loop.py); the pool and the batcher are thread-safe.
+`--debug-port` (never set in a pod) serves the pool's ownership map on loopback for
+the fault suite.
 """
 
 from __future__ import annotations
