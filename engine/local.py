@@ -41,13 +41,14 @@ from pdunit.engine.edge import is_loopback
 from pdunit.engine.observability import PARENT_ENV, LogLevel, log_config, setup_logging
 from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
-from pdunit.engine.settings import (
-    MonolithPolicy,
-    TransferMode,
+from pdunit.engine.settings import MonolithPolicy, TransferMode, parse_config
+from pdunit.engine.unit_layout import (
+    UnitPaths,
+    UnitSpec,
     decode_names,
     metrics_block,
     metrics_port_of,
-    parse_config,
+    unit_commands,
 )
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
@@ -265,7 +266,7 @@ class LocalUnit:
         return f"http://{host}:{self.admin_port}/v1/admin"
 
     def sock(self, name: str) -> str:
-        return str(self.run_dir / f"{name}.sock")
+        return self.paths.sock(name)
 
     @property
     def unit_secret_file(self) -> str:
@@ -296,10 +297,6 @@ class LocalUnit:
             return metrics_port_of(self.cfg.metrics_port, "decode", self.decode_names.index(child))
         return metrics_port_of(self.cfg.metrics_port, "prefill" if child == "monolith" else child)
 
-    def metrics_args(self, child: str) -> list[str]:
-        port = self._metrics_port(child)
-        return ["--metrics-port", str(port)] if port else []
-
     def metrics_urls(self) -> dict[str, str]:
         """Child name -> its /metrics URL: the LB's and the guard's (on its HTTP port) always,
         the others' with metrics_port."""
@@ -310,65 +307,42 @@ class LocalUnit:
                 urls[child.name] = f"http://127.0.0.1:{port}/metrics"
         return urls
 
-    def admission_args(self) -> list[str]:
-        """D's (or the monolith's) rate-floor flags; none when left to the engine."""
+    @property
+    def paths(self) -> UnitPaths:
+        """The unit's sockets and secret files: the pod's layout in this run dir."""
+        return UnitPaths(str(self.run_dir), self.unit_secret_file, self.admin_token_file)
+
+    def layout(self) -> UnitSpec:
+        """This unit as engine/unit_layout.py describes a pod's: its paths and ports are
+        this machine's, its HTTP servers listen on loopback, and the engine options of
+        `pdunit local` it has of its own (pool sizes, log level, ...) are set."""
         c = self.cfg
-        return ((["--rate-floor", f"{c.rate_floor:g}"] if c.rate_floor is not None else []) +
-                (["--step-model", c.step_model] if c.step_model else []))
+        mono = c.mode == "monolith"
+        return UnitSpec(
+            model=c.model, transfer=c.transfer, mode="monolith" if mono else "pd", device=c.device,
+            decode_devices=tuple(self._decode_devices()), decoders=self.n_decoders,
+            kv_cache_dtype=c.kv_cache_dtype, dtype=c.dtype, prefill_gemm=c.prefill_gemm,
+            prefill_graphs=c.prefill_graphs, cache_tokens=c.cache_tokens, pool_tokens=c.pool_tokens,
+            monolith_policy=c.policy if mono else None, chunk_tokens=c.chunk_tokens if mono else None,
+            rate_floor=c.rate_floor, step_model=c.step_model,
+            lb_port=self.lb_port, lb_host="127.0.0.1", admin_port=self.admin_port, admin_host=c.admin_host,
+            unit_name=self.unit_name, metrics_port=c.metrics_port,
+            guard=c.guard and _installed("pdunit.sidecars.quiesce_guard.main"), guard_port=self.guard_port,
+            guard_host="127.0.0.1", log_level=c.log_level,
+            extra_args={"prefill": c.extra_prefill_args, "decode": c.extra_decode_args, "lb": c.extra_lb_args,
+                        "monolith": c.extra_monolith_args, "guard": c.extra_guard_args},
+            paths=self.paths, program=(sys.executable, "-m", "pdunit.engine.cli"),
+        )
 
     def commands(self) -> list[tuple[str, list[str]]]:
-        """The same commands the pod's containers run (operator/reconcile.py)."""
-        c = self.cfg
-        pdunit = [sys.executable, "-m", "pdunit.engine.cli"]
-        common = ["--model", c.model, "--device", c.device, "--log-level", c.log_level]
-        if c.dtype:
-            common += ["--dtype", c.dtype]
-        if c.kv_cache_dtype != "auto":
-            common += ["--kv-cache-dtype", c.kv_cache_dtype]
-        # P and the monolith only; nothing when default, so the commands stay the pod's
-        gemm = (["--prefill-gemm", c.prefill_gemm] if c.prefill_gemm != "bf16" else []) + \
-            ([] if c.prefill_graphs is None else ["--prefill-graphs" if c.prefill_graphs else "--no-prefill-graphs"])
-        cmds: list[tuple[str, list[str]]] = []
-        if c.mode == "monolith":
-            cmds.append(("monolith", pdunit + ["monolith", "--socket", self.sock("monolith"), "--policy", c.policy,
-                                              "--chunk-tokens", str(c.chunk_tokens),
-                                              "--pool-tokens", str(c.pool_tokens),
-                                              "--cache-tokens", str(c.cache_tokens)] + common + gemm +
-                         self.metrics_args("monolith") + self.admission_args() + c.extra_monolith_args))
-            p_sock = d_sock = self.sock("monolith")
-        elif c.mode in ("pd", "1p2d"):
-            p_sock = self.sock("prefill")
-            d_socks = [self.sock(name) for name in self.decode_names]
-            d_sock = ",".join(d_socks)
-            if c.transfer in ("proxy", "auto"):
-                cmds.append(("proxy", pdunit + ["proxy", "--socket", self.sock("proxy"), "--log-level", c.log_level] +
-                             self.metrics_args("proxy")))
-            for name, sock, device in zip(self.decode_names, d_socks, self._decode_devices(), strict=True):
-                cmds.append((name, pdunit + ["decode", "--socket", sock, "--prefill-socket", p_sock,
-                                             "--transfer", c.transfer, "--pool-tokens", str(c.pool_tokens),
-                                             "--proxy-socket", self.sock("proxy"),
-                                             "--unit-secret-file", self.unit_secret_file] + common +
-                             (["--device", device] if device != c.device else []) + self.metrics_args(name) +
-                             self.admission_args() + c.extra_decode_args))
-            p_cmd = [sys.executable, "-m", c.prefill_module] if c.prefill_module else pdunit + ["prefill"]
-            cmds.append(("prefill", p_cmd + ["--socket", p_sock, "--decode-socket", d_sock,
-                                             "--transfer", c.transfer, "--cache-tokens", str(c.cache_tokens),
-                                             "--proxy-socket", self.sock("proxy"),
-                                             "--unit-secret-file", self.unit_secret_file] + common + gemm +
-                             self.metrics_args("prefill") + c.extra_prefill_args))
-            if c.guard and _installed("pdunit.sidecars.quiesce_guard.main"):
-                cmds.append(("guard", pdunit + ["guard", "--prefill-socket", p_sock, "--decode-socket", ",".join(d_socks), "--port", str(self.guard_port), "--host", "127.0.0.1",
-                                               "--log-level", c.log_level] + c.extra_guard_args))
-        else:
-            raise ValueError(f"mode {c.mode!r}: expected pd, 1p2d or monolith")
-        proxy_args = ["--proxy-socket", self.sock("proxy")] if any(n == "proxy" for n, _ in cmds) else []
-        token = self.admin_token_file
-        cmds.append(("lb", pdunit + ["lb", "--port", str(self.lb_port), "--host", "127.0.0.1",
-                                    "--admin-host", c.admin_host, "--admin-port", str(self.admin_port),
-                                    "--prefill-socket", p_sock, "--decode-socket", d_sock,
-                                    "--unit-name", self.unit_name, "--log-level", c.log_level] + proxy_args +
-                     (["--admin-token-file", token] if token else []) + c.extra_lb_args))
-        return cmds
+        """The commands the pod's containers run (engine/unit_layout.unit_commands), in
+        start order; `prefill_module` swaps P's program only."""
+        spec = self.layout()
+        cmds = unit_commands(spec)
+        if self.cfg.prefill_module and "prefill" in cmds:
+            args = cmds["prefill"][len(spec.program) + 1:]  # after `<program> prefill`
+            cmds["prefill"] = [sys.executable, "-m", self.cfg.prefill_module, *args]
+        return list(cmds.items())
 
     def start(self) -> LocalUnit:
         """Starts every child. A --lb-port or --admin-port that another process holds now

@@ -313,28 +313,3 @@ def parse_decode_sockets(value: str) -> list[str]:
     if len(set(sockets)) != len(sockets):
         raise ValueError(f"--decode-socket {value!r} names a socket twice: each D once")
     return sockets
-
-
-# A unit's metrics block (a pod's spec.metricsPort, `pdunit local --metrics-port`): one
-# Prometheus port per process, from the block's first port on. The LB serves its own
-# /metrics on its HTTP port.
-METRICS_OFFSETS = {"prefill": 0, "proxy": 1, "guard": 2, "decode": 3}
-
-
-def metrics_block(base: int, decoders: int) -> range:
-    """The ports of a unit's metrics block (empty when `base` is 0)."""
-    return range(base, base + METRICS_OFFSETS["decode"] + decoders) if base else range(0)
-
-
-def metrics_port_of(base: int, role: str, index: int = 0) -> int | None:
-    """The port `role`'s process (decode engine `index`) serves /metrics on; None for the
-    LB, and for every role when `base` is 0."""
-    if not base or role not in METRICS_OFFSETS:
-        return None
-    return base + METRICS_OFFSETS[role] + (index if role == "decode" else 0)
-
-
-def decode_names(n: int) -> list[str]:
-    """The names of a unit's D's (containers, sockets, logs, metric labels): `decode`
-    alone, or `decode-0`, `decode-1`, ... (1PnD)."""
-    return ["decode"] if n == 1 else [f"decode-{i}" for i in range(n)]

@@ -24,13 +24,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from pdunit.engine.settings import (
-    METRICS_OFFSETS,
-    GemmPrecision,
-    TransferMode,
-    canonical_decode_kernel,
-    metrics_block,
-)
+from pdunit.engine.settings import GemmPrecision, TransferMode, canonical_decode_kernel
+from pdunit.engine.unit_layout import METRICS_OFFSETS, metrics_block
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 GROUP = "pdunit.dev"
@@ -182,7 +177,7 @@ class RoleArgs(_Api):
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
 
 
-# The metrics ports run from metricsPort to metricsPort + 2 + decoders (engine/settings.py:
+# The metrics ports run from metricsPort to metricsPort + 2 + decoders (engine/unit_layout.py:
 # metrics_block); the apiserver checks what the operator checks. It applies the fields'
 # defaults before it checks a rule, so all three are set.
 _METRICS_LAST = f"self.metricsPort + {METRICS_OFFSETS['decode'] - 1} + self.decoders"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pdunit.engine.settings import decode_names, metrics_port_of
+from pdunit.engine.unit_layout import decode_names, metrics_port_of
 from pdunit.operator import models as m
 
 RUN_DIR = "/run/pdunit"

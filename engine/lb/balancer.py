@@ -52,7 +52,7 @@ from pdunit.engine.observability import now_ns
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.security import security_event
-from pdunit.engine.settings import decode_names
+from pdunit.engine.unit_layout import decode_names
 
 log = logging.getLogger("pdunit.lb")
 

@@ -30,7 +30,7 @@ from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.proto import proxy_pb2 as proxy_pb
 from pdunit.engine.proto import proxy_pb2_grpc as proxy_pbg
-from pdunit.engine.settings import decode_names
+from pdunit.engine.unit_layout import decode_names
 
 log = logging.getLogger("pdunit.lb.unit")
 

@@ -22,7 +22,8 @@ from pdunit.engine.grpc_server import channel
 from pdunit.engine.observability import log_config, setup_logging, shutdown_event
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.engine.settings import decode_names, parse_config, parse_decode_sockets
+from pdunit.engine.settings import parse_config, parse_decode_sockets
+from pdunit.engine.unit_layout import decode_names
 from pdunit.sidecars.quiesce_guard.policy import (
     Action,
     DecodeObservation,

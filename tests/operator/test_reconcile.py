@@ -24,7 +24,8 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from pdunit.engine.security import write_secret_file
-from pdunit.engine.settings import metrics_block, parse_config
+from pdunit.engine.settings import parse_config
+from pdunit.engine.unit_layout import metrics_block
 from pdunit.operator import models as m
 from pdunit.operator import reconcile as r
 from tests.operator.envtest import FakeLb, wait_for
