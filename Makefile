@@ -57,7 +57,7 @@ lint: install
 	$(BIN)/mypy pkg engine kernels sidecars operator bench
 
 proto: install
-	$(BIN)/python -m pdunit.engine.proto.build engine/proto sidecars/nvlink_proxy
+	$(BIN)/python -m pdunit.engine.proto.build engine/proto
 	$(BIN)/python -m pdunit.operator.proto.build
 
 # The chart's generated dashboard and alert rules (operator/chart_files.py).

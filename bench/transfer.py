@@ -84,8 +84,8 @@ def role_d(args: argparse.Namespace) -> int:
     from pdunit.engine.transfer.auto import AutoReceiver
     from pdunit.engine.transfer.base import Descriptor
     from pdunit.engine.transfer.fabric import FabricReceiver
-    from pdunit.engine.transfer.factory import unit_secret_option
     from pdunit.engine.transfer.ipc import IpcReceiver
+    from pdunit.engine.transfer.options import unit_secret_option
     from pdunit.engine.transfer.posix_fd import PosixFdReceiver
     from pdunit.engine.transfer.proxy import ProxyReceiver
     from pdunit.engine.transfer.tcp import TcpReceiver
@@ -246,9 +246,9 @@ def _time(fn: Any, warmup: int, iters: int) -> list[float]:
 def role_p(args: argparse.Namespace) -> int:
     import torch
 
+    from pdunit.engine.transfer.attach import attach
     from pdunit.engine.transfer.auto import probe_auto
     from pdunit.engine.transfer.base import TransferError
-    from pdunit.engine.transfer.factory import attach
     from pdunit.kernels import cuda_rows, cudadrv
 
     torch.set_num_threads(1)
@@ -264,7 +264,7 @@ def role_p(args: argparse.Namespace) -> int:
     fill_pattern(src_pool, SEED_P)
     torch.cuda.synchronize()
     from pdunit.engine.security import read_secret_file
-    from pdunit.engine.transfer.factory import unit_secret_option
+    from pdunit.engine.transfer.options import unit_secret_option
 
     opts = {"proxy_socket": args.proxy_socket, "probe_all": "1",
             "unit_secret": unit_secret_option(read_secret_file(args.unit_secret_file))}
@@ -306,8 +306,8 @@ def role_p(args: argparse.Namespace) -> int:
         if key not in senders:
             descs = [x for x in undescs(d[mode]) if x.mode == mode]
             if method == "grpc":
+                from pdunit.engine.proto import proxy_pb2 as pb
                 from pdunit.engine.transfer.proxy import ProxySender
-                from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 
                 senders[key] = ProxySender(descs[0], geo, dev, args.proxy_socket, pb.SINGLE_KERNEL,
                                            copy_lane=False)

@@ -32,7 +32,7 @@ def test_the_operator_package_does_not_shadow_the_standard_library():
     assert hasattr(operator, "itemgetter")
 
 
-@pytest.mark.parametrize("proto_dir", ["engine/proto", "sidecars/nvlink_proxy"])
+@pytest.mark.parametrize("proto_dir", ["engine/proto"])
 def test_generated_protobuf_code_is_current(proto_dir, tmp_path):
     src = ROOT / proto_dir
     for proto in src.glob("*.proto"):

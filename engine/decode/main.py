@@ -36,7 +36,8 @@ from pdunit.engine.settings import (
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.transfer.base import PoolGeometry
-from pdunit.engine.transfer.factory import make_receiver, unit_secret_option
+from pdunit.engine.transfer.factory import make_receiver
+from pdunit.engine.transfer.options import unit_secret_option
 from pdunit.kernels.kv_dtype import kv_storage_dtype
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.paged_attention import configure_decode

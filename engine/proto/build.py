@@ -1,7 +1,7 @@
 """Regenerates the Python modules of engine/proto/*.proto (`make proto`).
 
 The generated *_pb2*.py files are committed so that nothing at run time needs protoc;
-tests/test_proto_current.py fails when they are stale.
+tests/test_packaging.py fails when they are stale.
 """
 
 from __future__ import annotations

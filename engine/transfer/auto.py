@@ -32,6 +32,7 @@ from prometheus_client import Counter
 
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.metrics import role_metric
+from pdunit.engine.transfer.attach import attach
 from pdunit.engine.transfer.base import (
     Descriptor,
     KVReceiver,
@@ -40,6 +41,7 @@ from pdunit.engine.transfer.base import (
     TransferError,
     exact_pattern,
 )
+from pdunit.engine.transfer.options import proxy_socket, tcp_address, unit_secret
 
 log = logging.getLogger("pdunit.transfer.auto")
 
@@ -79,8 +81,6 @@ class AutoReceiver(KVReceiver):
     mode = "auto"
 
     def __init__(self, geometry: PoolGeometry, device: str, options: dict[str, str]) -> None:
-        from pdunit.engine.transfer.factory import proxy_socket, tcp_address, unit_secret
-
         self.geometry = geometry
         self.device = torch.device(device)
         self.parts: list[KVReceiver] = []
@@ -186,7 +186,6 @@ class AutoReceiver(KVReceiver):
 
 def _proxy_on_host(geometry: PoolGeometry, device: str, options: dict[str, str], host_rx: Any) -> KVReceiver:
     """CPU: register the host pool's shm segment with the proxy."""
-    from pdunit.engine.transfer.factory import proxy_socket
     from pdunit.engine.transfer.proxy import ProxyReceiver
 
     return ProxyReceiver(geometry, device, proxy_socket(options), shm_pool=host_rx)
@@ -223,8 +222,6 @@ def _probe_source(geometry: PoolGeometry, device: str) -> tuple[torch.Tensor, np
 
 def probe_one(descriptor: Descriptor, geometry: PoolGeometry, device: str,
               options: dict[str, str]) -> tuple[KVSender | None, ProbeResult]:
-    from pdunit.engine.transfer.factory import attach
-
     mode = descriptor.mode
     probe_only = descriptor.params.get("probe_only") == "1"
     if "unavailable" in descriptor.params:

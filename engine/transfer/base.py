@@ -40,11 +40,15 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import get_args
 
 import numpy as np
 import torch
 
-TRANSFER_MODES = ("host", "proxy", "ipc", "posix-fd", "fabric", "tcp")
+from pdunit.engine.settings import TransferMode
+
+# The concrete modes (auto chooses one of them), from the one list in settings.
+TRANSFER_MODES: tuple[str, ...] = tuple(m for m in get_args(TransferMode) if m != "auto")
 
 
 class TransferError(RuntimeError):

@@ -42,6 +42,9 @@ import numpy as np
 import torch
 
 from pdunit.engine.model.config import dtype_name
+from pdunit.engine.proto import proxy_pb2 as pb
+from pdunit.engine.proto import proxy_pb2_grpc as pb_grpc
+from pdunit.engine.proto.lane_framing import recv_frame, send_frame
 from pdunit.engine.transfer.base import (
     CAPABILITY_BYTES,
     Descriptor,
@@ -52,9 +55,6 @@ from pdunit.engine.transfer.base import (
     WriteGate,
 )
 from pdunit.engine.transfer.host import HostReceiver
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
-from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
-from pdunit.sidecars.nvlink_proxy.lane_framing import recv_frame, send_frame
 
 log = logging.getLogger("pdunit.transfer.proxy")
 

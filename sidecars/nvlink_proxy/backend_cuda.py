@@ -38,10 +38,10 @@ import numpy as np
 
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.model.config import torch_dtype
+from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.kernels import cuda_rows, cudadrv
 from pdunit.kernels.cuda_rows import DEFAULT_CONFIG, CopyConfig
 from pdunit.kernels.cudadrv import CudaError, check, drv
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy.regions import Job, JobRejected, Region
 from pdunit.sidecars.nvlink_proxy.stages import StageClock
 

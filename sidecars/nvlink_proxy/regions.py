@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.engine.security import same_bytes
 from pdunit.engine.transfer.base import CAPABILITY_BYTES
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1}
 _POSITIONS = np.arange(1 << 17, dtype=np.int64)  # read-only: 0..n-1 without an arange per job

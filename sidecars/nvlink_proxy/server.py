@@ -51,10 +51,10 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdunit.engine.proto import proxy_pb2 as pb
+from pdunit.engine.proto import proxy_pb2_grpc as pb_grpc
+from pdunit.engine.proto.lane_framing import MAX_FRAME, recv_frame, send_frame
 from pdunit.engine.security import security_event
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
-from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
-from pdunit.sidecars.nvlink_proxy.lane_framing import MAX_FRAME, recv_frame, send_frame
 from pdunit.sidecars.nvlink_proxy.regions import (
     AllowList,
     GrantTable,

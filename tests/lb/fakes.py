@@ -23,8 +23,8 @@ import numpy as np
 
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as proxy_pb
-from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as proxy_pbg
+from pdunit.engine.proto import proxy_pb2 as proxy_pb
+from pdunit.engine.proto import proxy_pb2_grpc as proxy_pbg
 
 N_CODEBOOKS = 11
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from pdunit.engine.ports import free_port
+from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver, make_sender
 from pdunit.engine.transfer.host import HostReceiver
 from pdunit.engine.transfer.proxy import layout_pb
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from pdunit.sidecars.nvlink_proxy.backend_host import HostBackend
 from pdunit.sidecars.nvlink_proxy.regions import AllowList, PeerCreds
 from pdunit.sidecars.nvlink_proxy.server import CopyLane, ProxyService

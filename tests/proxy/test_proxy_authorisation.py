@@ -162,9 +162,9 @@ def test_an_intruder_cannot_cancel_ps_requests(unit):
 def test_the_copy_lane_refuses_a_session_of_another_process(tmp_path):
     """A token is its own process's: presented on a lane connection of another pid, it
     is refused (the lane checks SO_PEERCRED against the session's creds)."""
-    from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
+    from pdunit.engine.proto import proxy_pb2 as pb
+    from pdunit.engine.proto.lane_framing import recv_frame, send_frame
     from pdunit.sidecars.nvlink_proxy.backend_host import HostBackend
-    from pdunit.sidecars.nvlink_proxy.lane_framing import recv_frame, send_frame
     from pdunit.sidecars.nvlink_proxy.regions import AllowList, PeerCreds
     from pdunit.sidecars.nvlink_proxy.server import CopyLane, ProxyService
 

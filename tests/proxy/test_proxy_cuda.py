@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.proxy import ProxyReceiver, ProxySender
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
 from tests.proxy.conftest import start_proxy, stop
 
 pytestmark = [pytest.mark.gpu,

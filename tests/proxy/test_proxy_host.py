@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from pdunit.engine.ports import free_port
+from pdunit.engine.proto import proxy_pb2 as pb
+from pdunit.engine.proto import proxy_pb2_grpc as pb_grpc
 from pdunit.engine.transfer.base import PoolGeometry, TransferError
 from pdunit.engine.transfer.host import HostReceiver
 from pdunit.engine.transfer.proxy import ProxyClient
 from pdunit.kernels import reference
-from pdunit.sidecars.nvlink_proxy import proxy_pb2 as pb
-from pdunit.sidecars.nvlink_proxy import proxy_pb2_grpc as pb_grpc
 from tests.proxy.conftest import start_proxy, stop
 
 GEO = PoolGeometry(n_layers=3, n_kv_heads=2, head_dim=8, dtype=torch.bfloat16, n_slots=128, page_size=1)

@@ -10,7 +10,8 @@ import torch
 
 from pdunit.engine.transfer.auto import AutoReport, ProbeResult, log_choice
 from pdunit.engine.transfer.base import Descriptor, PoolGeometry, TransferError
-from pdunit.engine.transfer.factory import make_receiver, make_sender, unit_secret_option
+from pdunit.engine.transfer.factory import make_receiver, make_sender
+from pdunit.engine.transfer.options import unit_secret_option
 from tests.proxy.conftest import start_proxy, stop
 
 GEO = PoolGeometry(n_layers=2, n_kv_heads=2, head_dim=4, dtype=torch.bfloat16, n_slots=64, page_size=1)
@@ -20,6 +21,25 @@ SECRET = {"unit_secret": unit_secret_option(b"factory-test-secret-0123456789")}
 def test_unknown_mode_names_the_choices():
     with pytest.raises(TransferError, match="expected one of host, proxy, ipc, posix-fd, fabric, tcp, auto"):
         make_receiver("nvlink", GEO, "cpu", {})
+
+
+def test_every_concrete_mode_has_a_sender_and_a_rank_in_the_probe_order():
+    """The modes are listed once (settings.TransferMode): a mode added there without a
+    sender, or without a place in auto's probe order, fails here, not on a unit."""
+    from pdunit.engine.transfer.attach import SENDERS
+    from pdunit.engine.transfer.auto import ORDER
+    from pdunit.engine.transfer.base import TRANSFER_MODES
+
+    assert "auto" not in TRANSFER_MODES
+    assert set(SENDERS) == set(TRANSFER_MODES)
+    assert sorted(ORDER) == sorted(TRANSFER_MODES)
+
+
+def test_an_unknown_mode_in_ds_descriptor_is_refused_by_name():
+    from pdunit.engine.transfer.attach import attach
+
+    with pytest.raises(TransferError, match="unknown transfer mode 'nvlink' in D's descriptor"):
+        attach(Descriptor("nvlink", {}), GEO, "cpu", {})
 
 
 def test_host_mode_on_a_gpu_device_is_refused():

@@ -16,7 +16,8 @@ import torch
 from pdunit.engine.kv.checksum import kv_checksum
 from pdunit.engine.transfer import tcp
 from pdunit.engine.transfer.base import PoolGeometry, TransferError
-from pdunit.engine.transfer.factory import make_receiver, make_sender, unit_secret_option
+from pdunit.engine.transfer.factory import make_receiver, make_sender
+from pdunit.engine.transfer.options import unit_secret_option
 
 GEO = PoolGeometry(n_layers=3, n_kv_heads=2, head_dim=8, dtype=torch.bfloat16, n_slots=256, page_size=1)
 SECRET = b"test-unit-secret-0123456789abcdef"

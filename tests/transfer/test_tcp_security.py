@@ -17,7 +17,8 @@ from prometheus_client import REGISTRY
 
 from pdunit.engine.transfer import tcp
 from pdunit.engine.transfer.base import PoolGeometry, TransferError, WriteGrants
-from pdunit.engine.transfer.factory import make_receiver, make_sender, unit_secret_option
+from pdunit.engine.transfer.factory import make_receiver, make_sender
+from pdunit.engine.transfer.options import unit_secret_option
 from tests.transfer.test_tcp import GEO, SECRET, SECRET_OPTS, RawPeer, _deadline, _rows
 
 ALL_SLOTS = np.arange(GEO.n_slots)
