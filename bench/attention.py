@@ -1,19 +1,12 @@
 """`pdunit bench attention`: the fused prefill attention kernel's launch shapes, side by side.
 
-P's forward spends a share of its time in prefill attention (prefill-20261130-h200x2.md:
-15% at ~220 TFLOP/s). This measures `kernels/prefill_attention.paged_prefill_attention`
-alone over a batch like P's, once per `PrefillTile` in `--tiles`, so the default tile is
-picked from a measurement, and against torch's own SDPA on the same shapes with
-contiguous K/V (a yardstick: a library flash kernel that needs no slot table).
-
-Per point (`--points PROMPTSxROWS[+PREFIX]`: PROMPTS prompts of ROWS new rows each
-after PREFIX cached rows), with K/V at fragmented pool slots (`--page-size`):
-- `ms`: median device time per launch (CUDA events, after `--warmup` launches);
-- `tflops`: causal attention FLOPs (4 x heads x head_dim x visible entries, summed over
-  new rows) over that time;
-- `err`: relative error of the last 128 new rows of each prompt against the float64
-  torch reference (a fast tile that computes the wrong thing shows here).
-GPU only: the kernel runs on the CPU only under Triton's interpreter (the tests do that).
+Owns one measurement: `kernels/prefill_attention.paged_prefill_attention` alone over a
+batch like P's (K/V at fragmented pool slots), once per `PrefillTile` in `--tiles`, and
+torch's SDPA on the same shapes with contiguous K/V as a yardstick; per point the device
+time, TFLOP/s and the error against a float64 reference (columns: docs/performance.md,
+"What each benchmark measures"), so the default tile is picked from a measurement.
+GPU only: on a CPU the kernel runs only under Triton's interpreter (the tests do that).
+It launches the kernel as P does and never changes it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""`pdunit bench compare`: PD against the monolith, side by side in ONE run
-(BENCHMARKS.md section 1): each variant is started as a local unit with the same model,
-the same workload and the same sweep, then stopped; one results file holds every row,
-the capacity per GPU of each variant and the ratios of the headline claims.
+"""`pdunit bench compare`: PD against the monolith, side by side in ONE run (BENCHMARKS.md 1).
 
-Variants: `1p1d` (P and D on two devices, `--transfer`), `1p2d` (one P feeding two D's
-on three devices: P on device 0, the D's on devices 1 and 2), `monolith-prefill-first`,
-`monolith-chunked` (one run per `--chunks` size). `VARIANT+LABEL` adds a copy of a
-variant whose P (or monolith) gets LABEL's flags (`--variant-args`): an A/B of one knob
-side by side in the same run. On CPU (the default) it is a plumbing check with the tiny
-model; on a GPU machine pass `--device cuda` and the model shape.
+Each variant (`1p1d`, `1p2d`, `monolith-prefill-first`, `monolith-chunked` per `--chunks`
+size; `VARIANT+LABEL` a copy with LABEL's `--variant-args`, an A/B of one knob) is started
+as a local unit with the same model, workload and sweep, then stopped; one results file
+holds every row, each variant's capacity per GPU and the ratios of the headline claims.
+On a CPU (the default) it is a plumbing check with the tiny model; on a GPU machine pass
+`--device cuda` and the model shape. It never judges a variant on a run it cut short
+without marking it partial.
 """
 
 from __future__ import annotations

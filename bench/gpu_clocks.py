@@ -1,14 +1,11 @@
 """GPU clocks, power and temperature sampled through a benchmark level (`nvidia-smi`).
 
-On 2026-11-30 the monoliths' decode steps at the same level, code and arrivals moved by
-20-45% between calls (bench/results/capacity-20261130-h200x2-60s-s1.md) while 1P1D's D
-did not. A GPU held below its clocks (power or thermal limit, another tenant's load)
-is one explanation a level can show: `bench compare` samples the variant's GPUs every
-`period_s` through each level and reports the lowest SM clock, the mean power and the
-highest temperature beside the engines' own metrics.
-
-One `nvidia-smi` query per sample (~50 ms of a CPU, in its own thread): nothing runs on
-the GPUs. Where there is no `nvidia-smi` (CPU runs, CI) the sampler reports nothing.
+Owns the sampler `bench compare` runs beside each level: every `period_s` one
+`nvidia-smi` query of the variant's GPUs (in its own thread), reported as the lowest SM
+clock, the mean power and the highest temperature beside the engines' own metrics, so a
+GPU held below its clocks (power, thermal, another tenant) shows in the level it slowed
+(why: docs/performance.md, "What each benchmark measures"). Must never run anything on
+the GPUs; where there is no `nvidia-smi` (CPU runs, CI) it reports nothing.
 """
 
 from __future__ import annotations

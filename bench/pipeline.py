@@ -1,14 +1,11 @@
-"""`pdunit bench pipeline`: P's real pipeline (engine/prefill/worker.py: its reserve
-thread, forward loop and transfer workers, the scheduler, OpenBatch, Handoff, prefix
-cache) timed against `bench plan`'s model of it, on a CPU, with no GPU anywhere.
+"""`pdunit bench pipeline`: P's real pipeline timed against `bench plan`'s model of it, on a CPU.
 
-The forward sleeps what `bench plan` prices it at (its fits of a `bench step` and a
-`bench prefill` result), D is a stub whose RESERVE takes `--reserve-ms` and whose
-COMMIT is instant, the write is instant. The requests are `bench capacity`'s own
-(same seeds), submitted in real time. So any difference between the two columns is P's
-own scheduling: its threads, its hand-offs, its waits. (That is how a 50-ms idle sleep
-in each of P's stages was found: it held requests that the model sent on at once.)
-Per level: forwards and prompts per forward, and each stage's p50/p99 on both sides.
+Owns one comparison: P's own threads, scheduler, hand-offs and prefix cache
+(engine/prefill/) run the requests of `bench capacity` (same seeds) in real time, while
+the forward sleeps what `bench plan` prices it at and D is a stub (RESERVE takes
+`--reserve-ms`, COMMIT and the write are instant). Any difference between the two columns
+is P's own scheduling. Per level: forwards, prompts per forward, each stage's p50/p99 on
+both sides. Needs no GPU and must never use one: the model's prices stand in for it.
 """
 
 from __future__ import annotations

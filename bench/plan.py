@@ -1,54 +1,13 @@
-"""`pdunit bench plan`: the capacity a workload would reach on each variant, predicted
-from two GPU measurements, so a unit can be sized (how many D's per P) and a variant
-judged before a GPU runs it.
+"""`pdunit bench plan`: the capacity a workload would reach on each variant, predicted from
+two GPU measurements, so a unit can be sized (D's per P) and a variant judged unrun.
 
-Costs are fitted from a `bench step` results JSON (decode step time vs batch and
-context, with and without overlap) and a `bench prefill` results JSON (forward time vs
-prompts and rows, one GEMM precision, eager and through the prefill graphs):
-- decode step ms = base + per_stream * B + per_token * (context tokens of the batch);
-- prefill forward ms = base + per_row * computed rows + per_pair * attention pairs
-  (a prompt computing n rows after c cached ones attends n * c + n * (n + 1) / 2 pairs),
-  fitted twice: for forwards replayed from a prefill graph (their rows rounded up to
-  the graph's bucket, engine/model/prefill_graphs.py) and for eager ones, which pay
-  the host's launches; a forward replays a graph when it fits the largest bucket.
-The fit's worst relative error on its own points is reported beside the prediction.
-
-BENCHMARKS.md section 1's workload (engine/loadgen/workload.py: the same seeded arrivals,
-prompts, voices and lengths as `bench capacity` with the same flags and seed) goes
-through a discrete-event model of each variant's scheduler as the engines run it:
-- 1PnD: P reserves requests one at a time (`--reserve-ms` each, engine/prefill/worker.py's
-  reserve stage) and runs back-to-back forwards over what is reserved (FIFO, up to
-  `--max-batch-rows` and `--max-batch-prompts`; the first request after an idle P
-  alone); a prefix-cache hit skips a warm voice's full blocks of reference rows once
-  an earlier forward published them; each request reaches a D `--handoff-ms` after its
-  forward (write, checksum, COMMIT), on the D with the fewest streams; D steps back to
-  back (overlap: a stream joins the step after the one being prepared), one frame per
-  stream per step, P's first frame included;
-- prefill-first monolith: whenever a prompt waits, a forward over the waiting prompts
-  (up to `--max-batch-rows`), else a decode step (no overlap), its prefix cache as P's
-  (`--no-monolith-cache`: none, as before 4ac169e);
-- chunked monolith: every iteration one eager forward of the decode rows plus prompt
-  rows up to the chunk (a mixed forward costs the eager prefill cost of its prompt rows
-  plus the decode rows' per-stream and per-token step costs).
-Each request also takes `--admit-ms` from the client to the engine, and each frame
-`--deliver-ms` back. Each D's pool, and the monolith's, holds `--pool-tokens`: a
-request holds its prompt rows plus its frames from its RESERVE (the monolith: the
-forward that takes it) to its last frame, and one that does not fit is refused, as
-the engines answer `no_capacity` (an error: the level fails). Refusals are found over
-the simulated timeline afterwards: a refused request's work stays in it (latencies a
-little pessimistic there), and 1PnD charges each request to the D the model sends it
-to at commit. Streams are judged by the rules `bench capacity` uses
-(engine/playback.py, driver.summarize_level, capacity.summarize_run), levels swept as
-`bench compare` sweeps them (`--repeat` runs, seed + run; stop at the first failure).
-
-It predicts; it measures nothing. What it leaves out (GIL contention between an
-engine's threads, transfer and compute sharing a GPU, the LB's own work) is why a
-prediction is checked against a measured run: `--measured` takes a `bench compare`
-JSON of the same workload and tabulates its levels beside the prediction's.
-`--kv-scale` and `--prefill-scale` multiply the per-token step cost and the prefill
-cost: what-ifs (0.8 = a P 25% faster), never results. An fp8 KV cache needs no
-what-if: give `--step` a `bench step --kv-cache-dtype fp8_e4m3` result (and
-`--pool-tokens` the tokens its pool holds).
+Owns the cost fits (decode step from a `bench step` JSON; prefill forward, graph and eager,
+from a `bench prefill` JSON) and a discrete-event model of each variant's scheduler over
+`bench capacity`'s seeded workload, its streams judged by the same rules (driver.
+summarize_level, capacity.summarize_run). The model's rules and knobs: docs/performance.md
+("Predicting", "What each benchmark measures"). It predicts and measures nothing:
+`--measured` sets a `bench compare` run beside it; `--kv-scale`/`--prefill-scale` are
+what-ifs, never results.
 """
 
 from __future__ import annotations

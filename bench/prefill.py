@@ -1,37 +1,12 @@
 """`pdunit bench prefill`: P's forward throughput against the GPU's compute peak.
 
-In a 1P1D unit P, not D, bounds capacity once D overlaps its steps
-(`bench/results/capacity-20261130-*`): this measures P's forward as P runs it, so its
-efficiency can be tracked and improved.
-
-Owns one measurement: a model of the given shape with random weights on the device, a
-KV storage like P's, and `run_prefill` (engine/prefill/runner.py, P's own call) over a
-batch of `prompts` prompts of `rows` rows each, every row computed (no cached prefix),
-after `--warmup` untimed forwards. Per point (`--points PROMPTSxROWS,...`):
-- `ms`: wall time per forward (P's forward ends with the first frames on the host, so
-  this is also its device time plus launch gaps);
-- `tokens_per_s`, `us_per_token`: computed rows per second, and per row;
-- `tflops`: achieved, from the model's FLOPs per forward: 2 x the linear weights per row
-  (q|k|v, o, gate|up, down of every layer) plus causal attention
-  (2 x heads x head_dim x L^2 per layer and prompt of L rows);
-- `mfu`: tflops over `--peak-tflops` (default: the dense bf16 peak of known GPUs, else
-  no MFU column), for fp8 rows too, so MFU compares across precisions;
-- `--gemm bf16,fp8`: each point in each GEMM precision (`TTSModel.set_prefill_gemm`),
-  side by side in one run; `speedup` is the bf16 row's ms over this row's;
-- `--profile`: the top CUDA kernels by device time per forward (torch.profiler, in a
-  pass of its own after the timed one), and where the GPU sat idle inside a forward:
-  idle ms, the largest gaps between device operations and the host runtime calls that
-  took longest (a blocking copy or a sync holds the GPU idle).
-- `--graphs`: each (precision, point) again through P's prefill CUDA graphs
-  (`--prefill-graphs`, engine/model/prefill_graphs.py), side by side with the eager
-  rows; `replayed` says whether the point fit a graph;
-- `--host-profile`: where a forward's host time goes, Python function by function
-  (cProfile over `--iters` more forwards, per forward): a forward whose wall time does
-  not shrink with its rows is bound by this host work, not by the GPU. Time spent
-  waiting for the device shows up in the call that syncs (the first frames' copy).
-
-`--device cpu` with `--model tiny` runs the same path as a smoke test (no MFU).
-Never re-implements the forward: it calls P's.
+Owns one measurement: a model of the given shape with random weights, a KV storage like
+P's, and `run_prefill` (engine/prefill/runner.py, P's own call) over `--points
+PROMPTSxROWS` batches, every row computed, after `--warmup` untimed forwards: ms, tokens/s,
+TFLOP/s and MFU per point, optionally per GEMM precision (`--gemm`), through P's prefill
+graphs (`--graphs`), with device (`--profile`) or host (`--host-profile`) profiles (the
+columns: docs/performance.md, "What each benchmark measures"). `--device cpu` with
+`--model tiny` is a smoke test. Never re-implements the forward: it calls P's.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """KEDA scaler edge benchmark: GetMetrics latency over N units, plus the fake LB fleet.
 
-Owns `FakeLBFleet` (many small HTTP servers on loopback, each playing one unit LB's
-`GET /v1/load`, with knobs for slow, failing and garbage answers; the scaler tests use
-it too) and `bench_scaler(n_units)`, which `pdunit bench edges` reports.
-
-What it measures: a real grpcio client calling GetMetrics on the real scaler server,
-which scrapes every fake unit over real loopback HTTP. Client, server and the fake
-units share one process and one event loop, so the numbers include the fakes' CPU
-time: an upper bound for the scaler itself on the same machine. It must never talk to
-anything but 127.0.0.1.
-
-Standalone: `python -m pdunit.bench.scaler_bench --units 100 --requests 200`.
+Owns `FakeLBFleet` (small loopback HTTP servers, each one unit LB's `GET /v1/load`, with
+knobs for slow, failing and garbage answers; the scaler tests use it too) and
+`bench_scaler(n_units)`, which `pdunit bench edges` reports: a real grpcio client calling
+the real scaler, which scrapes every fake over loopback. All share one process and event
+loop, so the figure is an upper bound for the scaler itself. Must never talk to anything
+but 127.0.0.1. Standalone: `python -m pdunit.bench.scaler_bench --units 100 --requests 200`.
 """
 
 from __future__ import annotations
@@ -31,6 +26,22 @@ from typing import Any
 from aiohttp import web
 
 from pdunit.engine.loadgen.summary import percentile
+
+
+def fake_load_document(unit: str, **fields: Any) -> dict[str, Any]:
+    """A `/v1/load` answer of a ready unit that holds nothing, with `fields` changed (None
+    leaves a field out): every field a LoadDocument has, so readers parse it as a real one."""
+    doc: dict[str, Any] = {
+        "unit": unit, "ready": True, "reason": "ready", "draining": False, "transfer_mode": "",
+        "streams_in_flight": 0, "prefill_queue": 0, "transfers_in_flight": 0,
+        "decode_reserved": 0, "decode_in_flight": 0, "held_pages": 0, "held_aborts": 0,
+        "pool_pages": 0, "free_pages": 0, "kv_checks_total": 0, "kv_mismatch_total": 0,
+        "headroom_streams": -1, "requests": {"lb": [], "prefill": [], "decode": [], "proxy": []},
+        "empty": True, "prefill_instance": "", "decode_instance": "", "decoders": [],
+        "lb_instance": "", "probe_age_ms": 0.0, "errors": {},
+    }
+    doc.update(fields)
+    return {k: v for k, v in doc.items() if v is not None}
 
 
 @dataclass
@@ -112,17 +123,15 @@ class FakeLBFleet:
                 return web.json_response({"error": {"code": "internal"}}, status=500)
             if unit.behavior == "garbage":
                 return web.Response(text="not json", content_type="text/plain")
-            doc = {
-                "unit": unit.name,
-                "ready": unit.ready,
-                "draining": unit.draining,
-                "decode_in_flight": unit.decode_in_flight,
-                "streams_in_flight": unit.decode_in_flight,
-                "held_pages": 0,
-                "empty": unit.decode_in_flight == 0,
-            }
-            if unit.headroom_streams is not None:
-                doc["headroom_streams"] = unit.headroom_streams
+            doc = fake_load_document(
+                unit.name,
+                ready=unit.ready,
+                draining=unit.draining,
+                decode_in_flight=unit.decode_in_flight,
+                streams_in_flight=unit.decode_in_flight,
+                empty=unit.decode_in_flight == 0,
+                headroom_streams=unit.headroom_streams,
+            )
             return web.json_response(doc)
         finally:
             self.concurrent -= 1

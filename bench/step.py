@@ -2,63 +2,12 @@
 (BENCHMARKS.md section 3), without and with D's overlap scheduling.
 
 Owns one measurement of D's decode step as D runs it: a model of the given shape with
-random weights drawn on the device, D's own paged pool (engine/kv/pool.py, fragmented by
-churn so a stream's pages are scattered like after real traffic) over a K/V storage
-filled with random values, D's `DecodeBatcher` and `StepForward` (CUDA graphs per batch
-bucket, captured once against the storage exactly as `pdunit decode` does: buckets from
-`max(--batches)`, table width the model's max_positions), and per
-(batch, context) point `batch` synthetic streams admitted as D admits a committed
-transfer, their prompt already `context - 1` tokens long (the first step attends over
-`context` tokens; each step adds one). `min_frames == max_frames` keeps every stream
-running through the timed steps; afterwards they are cancelled and every page must be
-back in the pool.
-
-Each point is measured twice, rows side by side (`--overlap both`, the default):
-- `overlap=False`: the loop of `DecodeEngine._step_once` without overlap: take
-  cancelled/incoming, `decode_entries`, `StepForward(entries)` (graph replay), then
-  `DecodeBatcher.apply` (host sampling: the sync that waits for the device) and the
-  StepFrames message;
-- `overlap=True`: `OverlapScheduler.step_once` (engine/decode/overlap.py), what
-  `pdunit decode --overlap` runs: step n+1 is queued (device-resident tokens, device
-  sampling, async frame copy) before step n's frames are read back.
-The first iteration admits the streams, `--warmup` iterations follow, then `--iters`
-timed iterations; each timed iteration runs (plain) or launches (overlap) one step.
-
-Columns:
-- `steps`, `frames`: steps run/launched and frames published in the timed window;
-  `graph steps`/`eager steps`: how those steps ran, from StepForward's own counter
-  (`pdunit_decode_graph_steps_total{path}`), so a silent eager fallback shows up
-  (on CPU every step is eager: there are no graphs);
-- `step_ms`: wall time per step, the timed window over `steps` (steady state; with
-  overlap this is the pipeline's period);
-- `host_ms`: host time to prepare and queue one step (without overlap it adds to the
-  step; with overlap it is hidden while under the device's step time);
-  `wait_ms` (overlap): host time blocked on the previous step's frames, per step (near
-  0 means the host, not the GPU, sets the pace);
-- `gpu_ms`: device time of the step's forward alone: the point's graph replayed back to
-  back on the last step's staged inputs (CUDA events);
-- `event_gpu_ms`, `event_busy` (overlap, CUDA): read from the scheduler's own
-  `started`/`copied` events of each timed step: their mean span, and the sum of spans
-  over the window's span (the `pdunit_decode_gpu_busy_ratio` formula). A span starts
-  when the device reaches the step, so device idle while the host still stages that
-  step counts as busy here: an upper bound;
-- `gpu_busy` = gpu_ms / step_ms: the share of wall time the device spends in the
-  forward; sampling and the small staging/frame copies are not counted: a lower bound.
-  Without overlap, 1 - gpu_busy is about the host's share of the step; with overlap it
-  should reach ~1 when the host keeps ahead;
-- `roofline_ms` = (weight bytes + the batch's embedding rows + K/V bytes, in the pool's
-  `--kv-cache-dtype`, of the mean timed context, `context + warmup + iters/2`) / the
-  HBM bandwidth measured in the same
-  run (a large device-to-device copy, bytes read + written); `of roofline` =
-  roofline / step_ms, `gpu of roofline` = roofline / gpu_ms (what the forward reaches);
-- `attn_gbps`: one layer's decode attention kernel alone on the staged slot table
-  (launched back to back), in K/V bytes read per second.
-
-`--device cpu` (with `--model tiny`) runs the same engine path eagerly and
-synchronously, for tests: no bandwidth, roofline, graph or event columns there.
-
-Must never be run for a claim without writing its results file (bench/report.py), and
-never re-implements the engine's step: it drives D's own classes.
+random weights, D's own paged pool fragmented by churn, D's `DecodeBatcher` and
+`StepForward` (CUDA graphs as `pdunit decode` captures them), `batch` synthetic streams
+per (batch, context) point, each point with and without overlap; per row step, host,
+wait and device times, the roofline and attention GB/s (the columns: docs/performance.md,
+"What each benchmark measures"). Must never be run for a claim without writing its
+results file (bench/report.py), and never re-implements the engine's step.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """`pdunit bench transfer` (BENCHMARKS.md sections 2 and 6) and the pod-isolation harness.
 
-One run, side by side: contiguous peer copy (the link's ceiling), per-row copies (what
-upstream engines do), the proxy (single kernel and staged), direct ipc / posix-fd
-kernels, and tcp, for a request of `tokens` tokens laid out contiguously and fully
-fragmented (page size 1), in one or more isolation phases:
-
-- `none`        P, D, proxy as plain processes that all see both GPUs
-- `pod-shared`  P and D each in a mount namespace holding only its own GPU's device
-                node (and /proc/driver/nvidia masked to it), the proxy seeing all GPUs,
-                all three in ONE PID namespace (a pod with shareProcessNamespace: true)
-- `pod-separate` the same, but each process in a PID namespace of its own
-
-Processes: the orchestrator (this module's `run_transfer`) starts the proxy, D (owns
-the destination pools, serves verification over a control socket) and P (owns the
-source pool, probes `auto`, times every backend). Every backend's result is verified
-by D bit for bit: each destination row equals the source row, and no row outside the
-destination slots changed. Results: `bench/results/transfer-<date>-<machine>.json/.md`.
-
-Must never report a row whose verification failed as a success.
+Owns one side-by-side run of every KV path (contiguous peer copy, per-row copies, the
+proxy single and staged, direct ipc / posix-fd kernels, tcp) for one request laid out
+contiguously and fully fragmented, in isolation phases `none`, `pod-shared` and
+`pod-separate` (docs/performance.md, "What each benchmark measures"). `run_transfer`
+starts the proxy, D (the destination pools, verification) and P (the source pool, timing
+every backend); D verifies each result bit for bit. Results:
+`bench/results/transfer-<date>-<machine>.json/.md`. Must never report a row whose
+verification failed as a success.
 """
 
 from __future__ import annotations

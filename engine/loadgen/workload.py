@@ -1,14 +1,12 @@
 """The synthetic TTS workload of BENCHMARKS.md section 1: prompts, voices, lengths, arrivals.
 
-A prompt is a voice's reference rows (fixed per voice, so a reused voice hits P's
-prefix cache) followed by per-request text rows; the total is drawn from
-`prompt_rows`. With probability `voice_reuse` a request uses one of `voices` warm
-voices, else a voice never seen before (a cold prefill). Output length is drawn from
-`frames` and sent as both max_frames and min_frames, so random weights never stop
-early at EOS. Ids are uniform within each column's vocabulary (GET /v1/model).
-Arrivals: Poisson at `rate` where a `burst_share` of requests comes in clumps of
-`burst_size` at one instant. Everything is seeded: same config, same requests.
-Never does I/O.
+A prompt is a voice's reference rows (fixed per voice, so a reused voice hits P's prefix
+cache) then per-request text rows, `prompt_rows` in all; a `voice_reuse` share of requests
+use one of `voices` warm voices, the rest a voice never seen (a cold prefill). The length
+drawn from `frames` is sent as max_frames and min_frames (random weights never stop at
+EOS); ids are uniform per column's vocabulary (GET /v1/model). Arrivals: Poisson at `rate`,
+a `burst_share` in clumps of `burst_size`. Seeded: same config, same requests. Never does
+I/O.
 """
 
 from __future__ import annotations
