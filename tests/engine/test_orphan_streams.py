@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from pdunit.bench.faults import wait_until
+from pdunit.bench.fault_unit import wait_until
 from pdunit.bench.report import scrape_metrics
 from pdunit.engine.decode.hub import ORPHANED_STREAMS, FrameHub
 from pdunit.engine.local import LocalConfig, LocalUnit

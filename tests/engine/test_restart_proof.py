@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from pdunit.bench.faults import (
+from pdunit.bench.fault_unit import (
     WEDGE_ID,
     FaultsConfig,
     Unit,
@@ -226,7 +226,7 @@ def test_a_real_p_restart_releases_held_pages_by_proof_b(p_sock, told_by):
 
 @pytest.mark.timeout(240)
 def test_in_a_real_unit_a_forged_restart_keeps_pages_held_and_ps_restart_frees_them(tmp_path):
-    """A local unit (bench/faults.py's, P with fault injection): a wedged write leaves
+    """A local unit (bench/fault_unit.py's, P with fault injection): a wedged write leaves
     pages held (P never acks); an attacker on D's socket sends Hello and Reserve
     claiming a new P; D refuses both and the pages stay held. Then P is restarted (a new
     process on P's socket): its instance frees them by proof (b)."""

@@ -7,7 +7,7 @@ import json
 import httpx
 import numpy as np
 
-from pdunit.bench.faults import wait_until
+from pdunit.bench.fault_unit import wait_until
 
 
 def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> list[list[int]]:

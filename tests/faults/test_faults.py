@@ -1,6 +1,6 @@
 """The fault-injection suite (PROTOCOL.md section 7, issue 5): real local units under
 live traffic, faults injected one after another, and after each one the contract is
-checked (bench/faults.py owns the scenario engine; these tests set the counts).
+checked (bench/faults.py runs the scenario engine; these tests set the counts).
 
 What every run asserts (`report["violations"]` lists any breach, with the numbers):
 - affected clients got their error within `error_bound_s` of the request, naming the
@@ -27,7 +27,9 @@ import json
 
 import pytest
 
-from pdunit.bench.faults import FaultRecord, FaultsConfig, Outcome, judge_stalls, run
+from pdunit.bench.fault_scenarios import FaultRecord
+from pdunit.bench.fault_unit import FaultsConfig, Outcome
+from pdunit.bench.faults import judge_stalls, run
 
 
 def _print(report: dict) -> None:

@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from pdunit.bench.faults import FaultsConfig, run
+from pdunit.bench.fault_unit import FaultsConfig
+from pdunit.bench.faults import run
 from tests.faults.test_faults import _assert_contract
 
 pytestmark = [

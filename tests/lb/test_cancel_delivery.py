@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdunit.bench.faults import wait_until
+from pdunit.bench.fault_unit import wait_until
 from pdunit.bench.report import scrape_metrics
 from pdunit.engine.grpc_server import unix_target
 from pdunit.engine.lb.metrics import LBMetrics
