@@ -1,7 +1,9 @@
-"""The `pdunit` command: one subcommand per process, dispatched lazily.
+"""The engine's commands: one subcommand per process, dispatched lazily.
 
-Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; this
-file only maps names to modules, so `pdunit lb` never imports torch or kopf.
+Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; this file
+only maps names to modules, so `pdunit lb` never imports torch or kopf. The `pdunit`
+command is pkg/cli.py, which adds `bench`: the engine never imports bench.
+`python -m pdunit.engine.cli NAME` runs one of these (what `pdunit local` and tests start).
 """
 
 from __future__ import annotations
@@ -19,21 +21,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pdunit.engine.router.main", "cluster router: picks a unit by session affinity"),
     "operator": ("pdunit.operator.main", "kopf operator for PDUnit/PDUnitSet + KEDA scaler"),
     "local": ("pdunit.engine.local", "run a whole unit as local processes"),
-    "bench": ("pdunit.bench.main", "benchmarks, one per name below: `pdunit bench <name>`"),
 }
+HELP_HINT = "`pdunit <command> --help` lists each command's options (flags or PDUNIT_* env)."
+
+
+def command_lines(commands: dict[str, tuple[str, str]]) -> list[str]:
+    """The usage's head: its first line and one line per command."""
+    return ["usage: pdunit <command> [options]", "", "commands:",
+            *(f"  {name:<10} {text}" for name, (_, text) in commands.items())]
 
 
 def usage() -> str:
-    """Every command, then every benchmark (bench/main.py BENCHES: the list is read from
-    there, so it never falls behind)."""
-    from pdunit.bench.main import listing  # names and texts only: imports no benchmark
-
-    lines = ["usage: pdunit <command> [options]", "", "commands:"]
-    for name, (_, text) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<10} {text}")
-    lines += ["", "benchmarks (pdunit bench <name>):", *listing(), ""]
-    lines.append("`pdunit <command> --help` lists each command's options (flags or PDUNIT_* env).")
-    return "\n".join(lines)
+    return "\n".join([*command_lines(SUBCOMMANDS), "", HELP_HINT])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ from typing import Literal
 import pytest
 
 from pdunit.bench.main import BENCHES
-from pdunit.engine.cli import SUBCOMMANDS
-from pdunit.engine.cli import main as cli_main
+from pdunit.cli import SUBCOMMANDS
+from pdunit.cli import main as cli_main
 from pdunit.engine.local import LocalConfig
 from pdunit.engine.settings import (
     ConfigError,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pdunit.bench.main import BENCHES
-from pdunit.engine.cli import SUBCOMMANDS
+from pdunit.cli import SUBCOMMANDS
 from tests.charts.test_dashboard import exported_metric_names
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -45,7 +45,7 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-for module in ("pdunit.engine.cli", "pdunit.operator.main", "pdunit.operator.scaler",
+for module in ("pdunit.cli", "pdunit.engine.cli", "pdunit.operator.main", "pdunit.operator.scaler",
                "pdunit.engine.router.main", "kubernetes_asyncio.client", "kubernetes_asyncio.config",
                "kubernetes_asyncio.watch"):
     importlib.import_module(module)

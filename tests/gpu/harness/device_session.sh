@@ -24,7 +24,7 @@ run_step() {
         ${GPU_TESTS:-tests/kernels/test_kv_checksum.py tests/bench/test_step.py tests/gpu/test_unit_gpu.py} || rc=$? ;;
     compare) # COMPARE_ARGS split as a shell would, ';' kept inside a word: quotes group flags with spaces
       mapfile -d '' -t compare_argv < <(python3 -c 'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' "${COMPARE_ARGS:-}")
-      logged "$dir/compare.log" timeout "$secs" python3 -m pdunit.engine.cli bench compare $CAP --run-dir /tmp/units \
+      logged "$dir/compare.log" timeout "$secs" python3 -m pdunit.cli bench compare $CAP --run-dir /tmp/units \
         --out "$dir/capacity.json" --plot "$dir/capacity.png" "${compare_argv[@]}" || rc=$?
       # an engine's --sample-stacks file written there (e.g. --prefill-args=--sample-stacks=/tmp/res/compare/p.folded)
       for f in "$dir"/*.folded; do
