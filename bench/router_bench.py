@@ -58,11 +58,9 @@ def build_table(
         table.upsert(DiscoveredUnit(name, f"http://10.0.{i // 250}.{i % 250}:8000"))
         table.apply_load(
             name,
-            {
-                "ready": True,
-                "draining": False,
-                "streams_in_flight": max(0, int(rng.gauss(streams_per_unit, streams_per_unit / 4))),
-            },
+            ready=True,
+            draining=False,
+            streams_in_flight=max(0, int(rng.gauss(streams_per_unit, streams_per_unit / 4))),
         )
     names = list(table.units)
     rng.shuffle(names)
@@ -70,9 +68,9 @@ def build_table(
     n_unready = max(1, n_units * 2 // 100) if n_units >= 10 else 0
     n_dead = max(1, n_units // 100) if n_units >= 10 else 0
     for name in names[:n_drain]:
-        table.apply_load(name, {"ready": False, "draining": True, "streams_in_flight": 5})
+        table.apply_load(name, ready=False, draining=True, streams_in_flight=5)
     for name in names[n_drain : n_drain + n_unready]:
-        table.apply_load(name, {"ready": False, "draining": False, "streams_in_flight": 0})
+        table.apply_load(name, ready=False, draining=False, streams_in_flight=0)
     for name in names[n_drain + n_unready : n_drain + n_unready + n_dead]:
         table.apply_poll_error(name, "poll failed: connection refused")
     return table
@@ -126,7 +124,7 @@ def run(
             unit = table.units[name]
             if unit.reachable and unit.ready and not unit.draining:
                 table.apply_load(
-                    name, {"ready": True, "draining": False, "streams_in_flight": unit.load}
+                    name, ready=True, draining=False, streams_in_flight=unit.load
                 )
     rows = [
         _row("all", n_units, keyed_ns + keyless_ns),

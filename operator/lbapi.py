@@ -2,8 +2,9 @@
 POST /v1/admin/drain on the admin port with the unit's bearer token.
 
 Short timeouts, one shared httpx client, and errors returned as values: an unreachable
-LB is a fact the drain state machine must see (it proves nothing), never an exception
-that aborts a reconcile. Owns no state and no decisions.
+LB, or an answer that is not a LoadDocument, is a fact the drain state machine must see
+(it proves nothing), never an exception that aborts a reconcile. Owns no state and no
+decisions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+
+from pdunit.engine.lb.load import LoadDocumentError, read_load_document
 
 
 class LbApi:
@@ -21,20 +24,21 @@ class LbApi:
         await self.client.aclose()
 
     async def load(self, ip: str, port: int) -> tuple[dict[str, Any] | None, str | None]:
-        """(the /v1/load document, None) or (None, why it could not be read)."""
+        """(the /v1/load document, None) or (None, why it could not be read). The document
+        is parsed as a LoadDocument and handed on as its dict: the reconcile functions
+        read it as one."""
+        url = f"http://{ip}:{port}/v1/load"
         try:
-            resp = await self.client.get(f"http://{ip}:{port}/v1/load")
+            resp = await self.client.get(url)
         except httpx.HTTPError as exc:
-            return None, f"GET http://{ip}:{port}/v1/load: {type(exc).__name__}: {exc}".rstrip(": ")
+            return None, f"GET {url}: {type(exc).__name__}: {exc}".rstrip(": ")
         if resp.status_code != 200:
-            return None, f"GET http://{ip}:{port}/v1/load: HTTP {resp.status_code}"
+            return None, f"GET {url}: HTTP {resp.status_code}"
         try:
-            doc = resp.json()
-        except ValueError:
-            return None, f"GET http://{ip}:{port}/v1/load: body is not JSON"
-        if not isinstance(doc, dict) or "empty" not in doc:
-            return None, f"GET http://{ip}:{port}/v1/load: no 'empty' field (not a pdunit LB?)"
-        return doc, None
+            doc = read_load_document(resp.content)
+        except LoadDocumentError as exc:
+            return None, f"GET {url}: {exc} (not a pdunit LB, or another version?)"
+        return doc.model_dump(), None
 
     async def drain(self, ip: str, port: int, token: str | None, draining: bool = True) -> str | None:
         """POST /v1/admin/drain on the LB's admin port with its bearer token (None: a pod

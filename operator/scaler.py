@@ -1,30 +1,13 @@
 """KEDA external scaler for PDUnitSets: decode streams in flight, or the units needed to
-keep rate-floor headroom, per set.
+keep rate-floor headroom, per set (the trigger's `metric`: inFlight | headroom).
 
-Owns KEDA's external-scaler gRPC service (operator/proto/externalscaler.proto:
-IsActive, StreamIsActive, GetMetricSpec, GetMetrics), the parsing of a ScaledObject's
-`scalerMetadata`, the concurrent scrape of every unit LB's `GET /v1/load` with a short
-timeout and a short cache, and the scaler's Prometheus metrics.
-
-Two metrics, chosen by the trigger's `metric` key, both over the units of one PDUnitSet
-that are ready and not draining (both in the PDUnit's status and in the LB's own answer):
-- `inFlight` (default): `decode_in_flight` summed; KEDA's HPA divides it by
-  `targetInFlightPerUnit` (metric type AverageValue) to get replicas.
-- `headroom`: the units the set needs so that each keeps `targetHeadroomPerUnit`
-  streams of rate-floor headroom (`desired_units`), served with a target of 1, so that
-  KEDA's AverageValue arithmetic (replicas = ceil(value / target)) gives that count.
-
-This module must never:
-- write to the Kubernetes API (it only reads PDUnits and the PDUnitSet);
-- count a unit it could not scrape as zero load without saying so: such a unit is
-  excluded, logged, and counted in `pdunit_scaler_unreachable_units`; when no unit
-  answered at all the RPC fails (UNAVAILABLE), so KEDA keeps the current size (or
-  applies its `fallback`) instead of scaling down on missing data;
-- let one slow unit hold KEDA's poll longer than the scrape timeout (all units are
-  scraped at once, each with its own timeout).
-
-Run inside the operator (`serve_scaler`, port 9090), or alone for tests and debugging:
-`python -m pdunit.operator.scaler --port 9090 [--units-file units.json]`.
+Owns KEDA's external-scaler gRPC service (operator/proto/externalscaler.proto), the
+parsing of a ScaledObject's `scalerMetadata`, the concurrent scrape of each ready,
+non-draining unit's `GET /v1/load` (a LoadDocument) with a short timeout and cache, and
+its Prometheus metrics. Must never write to the Kubernetes API, count a unit it could
+not scrape as zero load (it is excluded, logged, counted; when none answered the RPC
+fails UNAVAILABLE, so KEDA keeps the size), or let one slow unit hold a poll past the
+scrape timeout. Standalone: `python -m pdunit.operator.scaler --port 9090 [--units-file F]`.
 """
 
 from __future__ import annotations
@@ -41,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
 import grpc
+import httpx
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel, Field
 
+from pdunit.engine.lb.load import LoadDocumentError, read_load_document
 from pdunit.operator.proto import externalscaler_pb2 as pb
 from pdunit.operator.proto import externalscaler_pb2_grpc as pb_grpc
 
@@ -278,7 +262,9 @@ class Trigger:
 
     @property
     def target(self) -> float:
-        """The per-replica target KEDA divides the metric by (AverageValue)."""
+        """The per-replica target KEDA divides the metric by (AverageValue): inFlight's
+        `decode_in_flight` sum over `targetInFlightPerUnit`; headroom's `desired_units`
+        over 1, so that KEDA's replicas = ceil(value / target) is that count."""
         return self.target_in_flight_per_unit if self.metric == METRIC_IN_FLIGHT else 1.0
 
 
@@ -419,12 +405,19 @@ class LoadScraper:
             else:
                 candidates.append(unit)
         if candidates:
-            timeout = aiohttp.ClientTimeout(total=trigger.scrape_timeout_s)
-            # One session per scrape (at most one a cache period per set): its lifetime is
-            # this function's, so nothing is left open when the gRPC server stops.
-            connector = aiohttp.TCPConnector(limit=0, force_close=True)
-            async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-                answers = await asyncio.gather(*(self._scrape_unit(session, u) for u in candidates))
+            # One client per scrape (at most one a cache period per set): its lifetime is
+            # this function's, so nothing is left open when the gRPC server stops. No
+            # connection limit, none kept open; plain HTTP to pod IPs, so no CA bundle to
+            # load (verify=False: loading it costs tens of ms per client).
+            async with httpx.AsyncClient(
+                timeout=httpx.Timeout(trigger.scrape_timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                trust_env=False,
+                verify=False,
+            ) as client:
+                answers = await asyncio.gather(
+                    *(self._scrape_unit(client, u, trigger.scrape_timeout_s) for u in candidates)
+                )
             for unit, (answer, problem) in zip(candidates, answers, strict=True):
                 if problem is not None and answer is None:
                     load.unreachable[unit.name] = problem
@@ -444,35 +437,30 @@ class LoadScraper:
         return load
 
     async def _scrape_unit(
-        self, session: aiohttp.ClientSession, unit: UnitEndpoint
+        self, client: httpx.AsyncClient, unit: UnitEndpoint, timeout_s: float
     ) -> tuple[UnitLoad | None, str | None]:
         """(load, None) when counted; (None, why) when unreachable; (load, why) when the LB
-        answered but says it is draining or not ready (excluded, not unreachable)."""
+        answered but says it is draining or not ready (excluded, not unreachable).
+
+        `timeout_s` bounds the whole call (httpx's timeouts are per phase)."""
         url = f"http://{_host(unit.pod_ip)}:{unit.lb_port}/v1/load"
         try:
-            async with session.get(url) as resp:
-                if resp.status != 200:
-                    return None, f"GET {url} answered HTTP {resp.status}"
-                body = await resp.json(content_type=None)
-        except TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                resp = await client.get(url)
+        except (TimeoutError, httpx.TimeoutException):
             return None, f"GET {url} timed out"
-        except (aiohttp.ClientError, OSError) as exc:
+        except (httpx.HTTPError, OSError) as exc:
             return None, f"GET {url} failed: {exc.__class__.__name__}: {exc}"
-        except ValueError as exc:
-            return None, f"GET {url} returned a body that is not JSON: {exc}"
-        if not isinstance(body, dict):
-            return None, f"GET {url} returned no non-negative integer decode_in_flight"
-        in_flight = _count(body, "decode_in_flight")
-        reserved = _count(body, "decode_reserved", 0)
-        if in_flight is None or reserved is None:
-            return None, f"GET {url} returned no non-negative integer decode_in_flight"
-        headroom = body.get("headroom_streams", -1)
-        if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < -1:
-            return None, f"GET {url} returned headroom_streams {headroom!r}, not an integer >= -1"
-        answer = UnitLoad(in_flight, reserved, headroom)
-        if body.get("draining") is True:
+        if resp.status_code != 200:
+            return None, f"GET {url} answered HTTP {resp.status_code}"
+        try:
+            doc = read_load_document(resp.content)
+        except LoadDocumentError as exc:
+            return None, f"GET {url} returned {exc}"
+        answer = UnitLoad(doc.decode_in_flight, doc.decode_reserved, doc.headroom_streams)
+        if doc.draining:
             return answer, "draining (its LB says so)"
-        if body.get("ready") is False:
+        if not doc.ready:
             return answer, "not ready (its LB says so)"
         return answer, None
 
@@ -507,13 +495,6 @@ class LoadScraper:
                 extra={"namespace": trigger.namespace, "unit_set": trigger.unit_set},
             )
             self._last_warning[labels] = (names, now)
-
-
-def _count(body: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
-    value = body.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return None
-    return value
 
 
 def _result(value: SetLoad | ScalerError) -> SetLoad:

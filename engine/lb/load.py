@@ -112,10 +112,11 @@ def _describe(exc: ValidationError) -> str:
         if err["type"] == "missing":
             problems.append(f"field {where or '(document)'} is missing")
         elif err["type"].startswith("json"):
-            problems.append(f"the body is not a JSON object: {err['msg']}")
+            problems.append(f"the body is not JSON: {err['msg']}")
         else:
             problems.append(f"field {where or '(document)'} is {err['input']!r}: {err['msg']}")
-    return "/v1/load answer: " + "; ".join(problems)
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return "not a load document: " + "; ".join(problems[:3]) + more
 
 
 def build_load_document(

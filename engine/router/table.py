@@ -1,27 +1,12 @@
 """The router's unit table: who exists, who may take new streams, and how loaded each is.
 
-Owns, per unit: the URL and state given by discovery, the state, in-flight count and
-rate-floor headroom the unit itself reports on `/v1/load` (polled here), the router's
-own count of proxied streams that are open, and the sessions last routed to it. Owns
-the routing decision (`pick`): consistent hashing with bounded load for session keys,
-least-loaded for the rest, only over routable units, and among those the units with
-headroom first.
-
-Load of a unit = streams the unit reported at its last poll, corrected by the streams
-this router opened or closed since then (the report lags; our own count is exact but
-misses other router replicas), and never below our own open count. Headroom is
-corrected the same way: the unit's `headroom_streams` at its last poll minus the streams
-this router opened there since (-1: the unit has no rate-floor admission, no limit).
-A unit with headroom 0 is skipped while any routable unit has room; only when none has
-does the stream go to one without (its D decides, and refuses with 503 if it must).
-
-A unit's `unit`-labelled series live as long as the unit: `on_unit_gone(name)` is
-called once it has left the table and this router holds no stream to it any more.
-
-A unit is routable only when discovery says ready and not draining, its last poll
-answered ready and not draining, and no rejection (503, 429, refused connection) was
-seen since that poll. An unreachable unit is marked and logged, never silently kept.
-This module must never do HTTP proxying; the poller here only reads `/v1/load`.
+Owns per unit what discovery says, what its `/v1/load` says (polled here, parsed as a
+LoadDocument), the streams this router has open to it and the sessions routed to it;
+and the decision (`pick`): consistent hashing with bounded load for session keys,
+least-loaded otherwise, over routable units with headroom first. Load and headroom are
+the unit's last report corrected by the streams this router opened since (the report
+lags). A unit is routable only when discovery and its last poll say ready and not
+draining and nothing refused a stream since. Must never proxy HTTP (app.py does).
 """
 
 from __future__ import annotations
@@ -37,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from .hashring import DEFAULT_VNODES, HashRing, load_bound
+from pdunit.engine.lb.load import LoadDocumentError, read_load_document
+from pdunit.engine.router.hashring import DEFAULT_VNODES, HashRing, load_bound
 
 
 def _load_of(unit: Unit) -> int:
@@ -85,6 +71,9 @@ class Unit:
     headroom: int = -1  # streams it would still admit now; -1: no limit known
 
     def update_load(self) -> None:
+        """Load: the unit's report plus the streams this router opened since (it misses
+        other routers' since), never below this router's own open count. Headroom: the
+        report's minus those streams (-1 stays -1: no rate-floor admission, no limit)."""
         opened = self.router_in_flight - self.router_in_flight_at_poll
         self.load = max(self.router_in_flight, self.unit_in_flight + opened)
         self.headroom = -1 if self.unit_headroom < 0 else max(0, self.unit_headroom - opened)
@@ -120,7 +109,10 @@ class Decision:
 
 
 class RoutingTable:
-    """Units by name, the hash ring over them, and the routing decision."""
+    """Units by name, the hash ring over them, and the routing decision.
+
+    `on_unit_gone(name)` is called once a removed unit holds no stream of this router
+    any more: its `unit`-labelled series live exactly as long as that."""
 
     def __init__(
         self,
@@ -200,26 +192,26 @@ class RoutingTable:
 
     # ---- what units say about themselves --------------------------------------------
 
-    def apply_load(self, name: str, doc: dict[str, Any]) -> None:
-        """A `/v1/load` answer: the unit's own ready/draining, streams in flight, and
-        `headroom_streams` (optional: a unit without it has no rate-floor admission)."""
+    def apply_load(
+        self,
+        name: str,
+        *,
+        ready: bool,
+        draining: bool,
+        streams_in_flight: int,
+        headroom_streams: int = -1,
+    ) -> None:
+        """What a unit's `/v1/load` said (LoadPoller parses it): its own ready/draining,
+        streams in flight, and rate-floor headroom (-1: no admission, no limit)."""
         unit = self.units.get(name)
         if unit is None:
-            return
-        try:
-            in_flight = int(doc["streams_in_flight"])
-            ready = bool(doc["ready"])
-            draining = bool(doc["draining"])
-            headroom = int(doc.get("headroom_streams", -1))
-        except (KeyError, TypeError, ValueError) as exc:
-            self.apply_poll_error(name, f"/v1/load answer lacks a valid field: {exc!r}")
             return
         before = unit.state
         unit.polled = unit.reachable = True
         unit.unit_ready, unit.unit_draining = ready, draining
         unit.full = unit.rejected = False
-        unit.unit_in_flight = in_flight
-        unit.unit_headroom = max(-1, headroom)
+        unit.unit_in_flight = streams_in_flight
+        unit.unit_headroom = max(-1, headroom_streams)
         unit.router_in_flight_at_poll = unit.router_in_flight
         unit.update_load()
         unit.last_poll_at = time.monotonic()
@@ -453,20 +445,30 @@ class LoadPoller:
             resp = await self.client.get(url + "/v1/load", timeout=self.timeout_s)
             if resp.status_code != 200:
                 raise RuntimeError(f"/v1/load answered HTTP {resp.status_code}")
-            doc = resp.json()
-            if not isinstance(doc, dict):
-                raise RuntimeError("/v1/load answered a non-object JSON document")
-        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
-            # The unit may have been removed or re-addressed while we waited.
-            unit = self.table.units.get(name)
-            if unit is not None and unit.url == url:
-                self.table.apply_poll_error(name, f"poll {url}/v1/load failed: {exc!r}")
-                if self.on_failure is not None:
-                    self.on_failure(name)
+            doc = read_load_document(resp.content)
+        except LoadDocumentError as exc:
+            self._failed(name, url, f"poll {url}/v1/load: {exc}")
+            return
+        except (httpx.HTTPError, RuntimeError) as exc:
+            self._failed(name, url, f"poll {url}/v1/load failed: {exc!r}")
             return
         unit = self.table.units.get(name)
         if unit is not None and unit.url == url:
-            self.table.apply_load(name, doc)
+            self.table.apply_load(
+                name,
+                ready=doc.ready,
+                draining=doc.draining,
+                streams_in_flight=doc.streams_in_flight,
+                headroom_streams=doc.headroom_streams,
+            )
+
+    def _failed(self, name: str, url: str, error: str) -> None:
+        # The unit may have been removed or re-addressed while we waited.
+        unit = self.table.units.get(name)
+        if unit is not None and unit.url == url:
+            self.table.apply_poll_error(name, error)
+            if self.on_failure is not None:
+                self.on_failure(name)
 
     async def poll_once(self) -> None:
         targets = [(u.name, u.url) for u in self.table.units.values() if u.url]

@@ -302,6 +302,27 @@ def test_no_unit_answering_is_an_error_not_zero_load(harness: Harness) -> None:
         assert "u0" in err.value.details() and "u1" in err.value.details()
 
 
+def test_a_unit_whose_load_document_lacks_a_field_or_has_a_wrong_type_is_excluded_naming_it(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    u = harness.fleet.units
+    u["u0"].decode_in_flight = 4
+    u["u1"].decode_in_flight = None  # type: ignore[assignment]  # the field left out
+    u["u2"].headroom_streams = "lots"  # type: ignore[assignment]
+    harness.sets[(NS, SET)] = [u[n].endpoint() for n in ("u0", "u1", "u2")]
+    labels = {"namespace": NS, "unit_set": SET, "reason": "bad_body"}
+    before = sample("pdunit_scaler_unit_scrape_failures_total", **labels) or 0
+    stub = harness.scaler()
+    with caplog.at_level(logging.WARNING, logger="pdunit.scaler.test"):
+        assert metric(stub) == 4
+    assert sample("pdunit_scaler_unit_scrape_failures_total", **labels) == before + 2
+    warning = next(r for r in caplog.records if "excluded from the scaling metric" in r.getMessage())
+    unreachable = warning.unreachable  # type: ignore[attr-defined]
+    assert set(unreachable) == {"u1", "u2"}
+    assert "field decode_in_flight is missing" in unreachable["u1"]
+    assert "field headroom_streams is 'lots'" in unreachable["u2"]
+
+
 def test_a_set_with_no_ready_unit_has_zero_load_and_is_inactive(harness: Harness) -> None:
     harness.sets[(NS, SET)] = [harness.fleet.units["u0"].endpoint(ready=False)]
     stub = harness.scaler()

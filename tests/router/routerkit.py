@@ -25,11 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.edge import EdgeLimits, server_config
 from pdunit.engine.router.app import create_app
 from pdunit.engine.router.config import RouterConfig
 from pdunit.engine.router.discovery import StaticDiscovery, parse_static_units
-from pdunit.engine.router.table import RoutingTable
+from pdunit.engine.router.table import LoadPoller, RoutingTable
 
 
 class _QuietServer(uvicorn.Server):
@@ -120,13 +121,13 @@ class FakeUnit:
         )
 
     def load_doc(self) -> dict[str, Any]:
-        return {
-            "unit": self.name,
-            "ready": self.ready and not self.draining,
-            "draining": self.draining,
-            "streams_in_flight": self.in_flight,
-            "empty": self.in_flight == 0,
-        }
+        return fake_load_document(
+            self.name,
+            ready=self.ready and not self.draining,
+            draining=self.draining,
+            streams_in_flight=self.in_flight,
+            empty=self.in_flight == 0,
+        )
 
     async def _load(self, request: Request) -> Response:
         self.load_polls += 1
@@ -278,3 +279,12 @@ def key_owned_by(table: RoutingTable, unit: str, prefix: str = "voice") -> str:
         if table.ring.owner(key) == unit:
             return key
     raise AssertionError(f"no key maps to {unit}")
+
+
+async def poll_answer(table: RoutingTable, name: str, answer: dict[str, Any]) -> None:
+    """One poll of unit `name` (at its table URL) whose `/v1/load` answers `answer`."""
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
+    async with httpx.AsyncClient(transport=transport) as client:
+        await LoadPoller(table, client, interval_s=1.0, timeout_s=1.0).poll_unit(
+            name, table.units[name].url
+        )

@@ -8,9 +8,10 @@ from typing import Any
 import httpx
 import pytest
 
+from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
 
-from .routerkit import FakeUnit, key_owned_by, read_stream, run_router, run_units
+from .routerkit import FakeUnit, key_owned_by, poll_answer, read_stream, run_router, run_units
 
 pytestmark = pytest.mark.anyio
 
@@ -30,12 +31,10 @@ class HeadroomUnit(FakeUnit):
         return doc
 
 
-def polled(table: RoutingTable, name: str, headroom: int | None, in_flight: int = 0) -> None:
+async def polled(table: RoutingTable, name: str, headroom: int | None, in_flight: int = 0) -> None:
     table.upsert(DiscoveredUnit(name, f"http://{name}:8000"))
-    doc: dict[str, Any] = {"ready": True, "draining": False, "streams_in_flight": in_flight}
-    if headroom is not None:
-        doc["headroom_streams"] = headroom
-    table.apply_load(name, doc)
+    doc = fake_load_document(name, streams_in_flight=in_flight, headroom_streams=headroom)
+    await poll_answer(table, name, doc)  # headroom None: the field is absent
 
 
 async def test_a_unit_without_headroom_is_skipped_before_the_first_byte() -> None:
@@ -62,8 +61,8 @@ async def test_a_unit_without_headroom_is_skipped_before_the_first_byte() -> Non
 
 async def test_headroom_counts_the_streams_this_router_opened_since_the_poll() -> None:
     table = RoutingTable()
-    polled(table, "a", headroom=2)
-    polled(table, "b", headroom=-1, in_flight=50)  # admission off: no limit, but loaded
+    await polled(table, "a", headroom=2)
+    await polled(table, "b", headroom=-1, in_flight=50)  # admission off: no limit, but loaded
     a, b = table.units["a"], table.units["b"]
     picks = []
     for _ in range(2):
@@ -82,18 +81,18 @@ async def test_headroom_counts_the_streams_this_router_opened_since_the_poll() -
     assert table.total_load() == sum(u.load for u in (a, b))  # kept exact across the moves
 
 
-def test_when_no_unit_has_headroom_the_least_loaded_is_tried_and_its_d_decides() -> None:
+async def test_when_no_unit_has_headroom_the_least_loaded_is_tried_and_its_d_decides() -> None:
     table = RoutingTable()
-    polled(table, "a", headroom=0, in_flight=3)
-    polled(table, "b", headroom=0, in_flight=1)
+    await polled(table, "a", headroom=0, in_flight=3)
+    await polled(table, "b", headroom=0, in_flight=1)
     decision = table.pick("voice-1")
     assert decision is not None and decision.unit.name == "b" and decision.how == "no_headroom"
     assert table.pick("voice-1", exclude=frozenset({"a", "b"})) is None
 
 
-def test_a_load_document_without_headroom_means_no_limit() -> None:
+async def test_a_load_document_without_headroom_means_no_limit() -> None:
     table = RoutingTable()
-    polled(table, "old", headroom=None)
+    await polled(table, "old", headroom=None)
     assert table.units["old"].headroom == -1
     table.acquire(table.units["old"])
     assert table.units["old"].headroom == -1
@@ -101,11 +100,10 @@ def test_a_load_document_without_headroom_means_no_limit() -> None:
     assert decision is not None and decision.unit.name == "old" and decision.how == "affinity"
 
 
-def test_a_bad_headroom_value_is_a_poll_error_naming_the_field() -> None:
+async def test_a_bad_headroom_value_is_a_poll_error_naming_the_field() -> None:
     table = RoutingTable()
     table.upsert(DiscoveredUnit("a", "http://a:8000"))
-    table.apply_load("a", {"ready": True, "draining": False, "streams_in_flight": 0,
-                           "headroom_streams": "lots"})
+    await poll_answer(table, "a", fake_load_document("a", headroom_streams="lots"))
     assert table.units["a"].state == "unreachable"
     assert "lots" in table.units["a"].last_error
 

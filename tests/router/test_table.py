@@ -7,16 +7,17 @@ import random
 
 import pytest
 
+from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
+
+from .routerkit import poll_answer
 
 
 def table_of(n: int, in_flight: int = 0, c: float = 1.25) -> RoutingTable:
     table = RoutingTable(load_bound_factor=c)
     for i in range(n):
         table.upsert(DiscoveredUnit(f"u{i}", f"http://10.0.0.{i}:8000"))
-        table.apply_load(
-            f"u{i}", {"ready": True, "draining": False, "streams_in_flight": in_flight}
-        )
+        table.apply_load(f"u{i}", ready=True, draining=False, streams_in_flight=in_flight)
     return table
 
 
@@ -25,7 +26,7 @@ def test_a_unit_is_pending_until_its_first_poll_answers() -> None:
     table.upsert(DiscoveredUnit("a", "http://10.0.0.1:8000"))
     assert table.units["a"].state == "pending"
     assert table.pick("voice") is None
-    table.apply_load("a", {"ready": True, "draining": False, "streams_in_flight": 0})
+    table.apply_load("a", ready=True, draining=False, streams_in_flight=0)
     assert table.units["a"].state == "routable"
     decision = table.pick("voice")
     assert decision is not None and decision.unit.name == "a"
@@ -35,12 +36,12 @@ def test_a_unit_is_pending_until_its_first_poll_answers() -> None:
     ("change", "state"),
     [
         (
-            lambda t: t.apply_load("u0", {"ready": True, "draining": True, "streams_in_flight": 1}),
+            lambda t: t.apply_load("u0", ready=True, draining=True, streams_in_flight=1),
             "draining",
         ),
         (
             lambda t: t.apply_load(
-                "u0", {"ready": False, "draining": False, "streams_in_flight": 0}
+                "u0", ready=False, draining=False, streams_in_flight=0
             ),
             "unready",
         ),
@@ -67,8 +68,20 @@ def test_the_next_good_poll_makes_a_rejecting_unit_routable_again() -> None:
     table = table_of(2)
     table.mark_rejected("u0", 429, "full")
     assert not table.units["u0"].routable
-    table.apply_load("u0", {"ready": True, "draining": False, "streams_in_flight": 2})
+    table.apply_load("u0", ready=True, draining=False, streams_in_flight=2)
     assert table.units["u0"].routable
+
+
+@pytest.mark.anyio
+async def test_a_load_answer_missing_a_field_is_a_poll_error_naming_it() -> None:
+    table = table_of(2)
+    await poll_answer(table, "u0", fake_load_document("u0", draining=None))
+    assert table.units["u0"].state == "unreachable"
+    assert table.units["u0"].last_error == (
+        "poll http://10.0.0.0:8000/v1/load: not a load document: field draining is missing"
+    )
+    await poll_answer(table, "u0", fake_load_document("u0", streams_in_flight=2))
+    assert table.units["u0"].state == "routable" and table.units["u0"].load == 2
 
 
 def test_unreachable_unit_is_logged_with_its_error(caplog: pytest.LogCaptureFixture) -> None:
@@ -84,7 +97,7 @@ def test_unreachable_unit_is_logged_with_its_error(caplog: pytest.LogCaptureFixt
 def test_keyless_requests_go_to_the_least_loaded_unit() -> None:
     table = table_of(3)
     for name, n in (("u0", 5), ("u1", 1), ("u2", 3)):
-        table.apply_load(name, {"ready": True, "draining": False, "streams_in_flight": n})
+        table.apply_load(name, ready=True, draining=False, streams_in_flight=n)
     decision = table.pick(None)
     assert decision is not None and decision.unit.name == "u1" and decision.how == "least_loaded"
 
@@ -97,16 +110,16 @@ def test_keyless_ties_rotate_over_units() -> None:
 def test_load_is_the_units_report_corrected_by_streams_opened_since() -> None:
     table = table_of(1)
     unit = table.units["u0"]
-    table.apply_load("u0", {"ready": True, "draining": False, "streams_in_flight": 10})
+    table.apply_load("u0", ready=True, draining=False, streams_in_flight=10)
     assert unit.load == 10  # other routers' streams included
     table.acquire(unit)
     table.acquire(unit)
     assert unit.load == 12  # our two new streams, before the unit reports them
-    table.apply_load("u0", {"ready": True, "draining": False, "streams_in_flight": 12})
+    table.apply_load("u0", ready=True, draining=False, streams_in_flight=12)
     assert unit.load == 12  # the report now includes them: not counted twice
     table.release(unit)
     assert unit.load == 11
-    table.apply_load("u0", {"ready": True, "draining": False, "streams_in_flight": 0})
+    table.apply_load("u0", ready=True, draining=False, streams_in_flight=0)
     assert unit.load == 1  # never below what this router itself has open
 
 
@@ -127,11 +140,9 @@ def test_total_load_stays_exact_under_random_operations() -> None:
             name = f"u{rng.randrange(6)}"
             table.apply_load(
                 name,
-                {
-                    "ready": rng.random() < 0.9,
-                    "draining": rng.random() < 0.1,
-                    "streams_in_flight": rng.randrange(20),
-                },
+                ready=rng.random() < 0.9,
+                draining=rng.random() < 0.1,
+                streams_in_flight=rng.randrange(20),
             )
         else:
             table.mark_rejected(f"u{rng.randrange(6)}", rng.choice([429, 503]), "x")
