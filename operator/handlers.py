@@ -1,16 +1,13 @@
-"""kopf handlers: the thin I/O shell around reconcile.py.
+"""kopf handlers: the thin I/O shell around the operator's pure modules.
 
-Each handler reads what reconcile.py needs (the object, its pod, its Secret, its PDUnits,
-the LB's `/v1/load`), calls the pure functions, executes the returned actions through kube.py /
-lbapi.py, posts one Kubernetes Event per decision, and writes status. Level-based:
-timers re-run every `resync_seconds`, so a missed event or an operator restart only
-delays a decision. PDUnits carry the finalizer `pdunit.dev/drain`: deleting a unit
-drains it first.
-
-Must never: decide anything reconcile.py could decide; let an exception escape a
-reconcile (a malformed object gets a status condition naming the field, the operator
-keeps running); delete a pod that is not owned by its PDUnit; use a unit Secret another made; log a
-secret's value.
+Each handler reads what the decisions need (the object, its pod, its Secret, its PDUnits,
+the LB's `/v1/load`), calls pure functions (pod.py, unit_status.py, drain.py, rollout.py),
+carries out what they return through kube.py / lbapi.py, posts one Event per decision and
+writes status. Level-based: timers re-run every `resync_seconds`, so a missed event or an
+operator restart only delays a decision. PDUnits carry the finalizer `pdunit.dev/drain`.
+Must never: decide what a pure function could; let an exception escape a reconcile (it
+becomes a condition naming the error); delete a pod its PDUnit does not own; use a unit
+Secret another made; log a secret's value.
 """
 
 from __future__ import annotations
@@ -29,10 +26,14 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
+from pdunit.operator import drain as dr
 from pdunit.operator import models as m
-from pdunit.operator import reconcile as r
+from pdunit.operator import pod as pod_
+from pdunit.operator import rollout as ro
+from pdunit.operator import unit_status as us
 from pdunit.operator.kube import Kube
 from pdunit.operator.lbapi import LbApi
+from pdunit.operator.objects import owned_by, status_of, terminating
 
 if TYPE_CHECKING:
     from pdunit.operator.main import OperatorConfig
@@ -81,25 +82,8 @@ def _warn(obj: dict[str, Any], *, reason: str, message: str) -> None:
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep plain-dict copy of a kopf Body (reconcile.py works on plain dicts)."""
+    """A deep plain-dict copy of a kopf Body (the pure modules work on plain dicts)."""
     return copy.deepcopy({k: body[k] for k in body})
-
-
-def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(
-        ref.get("uid") == uid and ref.get("controller")
-        for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
-    )
-
-
-def _has_controller(obj: dict[str, Any]) -> bool:
-    return any(
-        ref.get("controller") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
-    )
-
-
-def _terminating(obj: dict[str, Any] | None) -> bool:
-    return bool(obj and (obj.get("metadata") or {}).get("deletionTimestamp"))
 
 
 # ---------------------------------------------------------------------------- PDUnit
@@ -111,45 +95,28 @@ async def reconcile_unit(
     """One pass over a PDUnit. Returns True when a deleted unit may lose its finalizer."""
     now = datetime.now(UTC)
     meta = body["metadata"]
-    name, ns, uid = meta["name"], meta["namespace"], meta["uid"]
+    name, ns = meta["name"], meta["namespace"]
     old = body.get("status") or {}
 
     try:
-        spec = r.unit_defaults(body.get("spec") or {})
+        spec = pod_.unit_defaults(body.get("spec") or {})
     except ValidationError as exc:
-        msg = m.validation_message(exc)
-        status = r.invalid_status(body, msg, now)
-        if old.get("message") != status["message"]:
-            _warn(body, reason="InvalidSpec", message=msg)
-        logger.warning("invalid PDUnit spec", extra={"unit": name, "error": msg})
-        await ctx.kube.patch_status(m.UNIT_PLURAL, ns, name, status)
-        if deleting:
-            pod = await ctx.kube.get_pod(ns, name)
-            if pod and _owned_by(pod, uid):
-                await ctx.kube.delete_pod(ns, name, uid=pod["metadata"]["uid"])
-            return True
-        return False
+        return await _invalid_unit(ctx, body, m.validation_message(exc), now, deleting=deleting, logger=logger)
     unit = {**body, "spec": spec}
 
     pod = await ctx.kube.get_pod(ns, name)
-    if pod is not None and not _owned_by(pod, uid):
-        labels = pod["metadata"].get("labels") or {}
-        if labels.get(m.LABEL_UNIT) == name and not _has_controller(pod):
-            owner = r.desired_pod(unit)["metadata"]["ownerReferences"]
-            pod = await ctx.kube.patch_pod(ns, name, {"metadata": {"ownerReferences": owner}})
-            _info(body, reason="PodAdopted", message=f"adopted existing pod {name}")
-        else:
-            msg = (
-                f"pod {ns}/{name} exists and is not this unit's (no {m.LABEL_UNIT}={name} label "
-                "or another controller owns it); delete or rename that pod"
-            )
-            await _conflict(ctx, body, "PodConflict", msg, now)
-            return deleting
+    claim = pod_.claim_pod(body, pod)
+    if claim.kind == "conflict":
+        await _conflict(ctx, body, "PodConflict", claim.message, now)
+        return deleting
+    if claim.kind == "adopt":
+        pod = await ctx.kube.patch_pod(ns, name, claim.patch or {})
+        _info(body, reason="PodAdopted", message=claim.message)
 
-    port = r.lb_port(spec, pod, ctx.cfg.allow_lb_port_override)
-    ip = (pod or {}).get("status", {}).get("podIP")
+    port = pod_.lb_port(spec, pod, ctx.cfg.allow_lb_port_override)
+    ip = status_of(pod).get("podIP")
     load, load_error = None, None
-    if r.pod_running(pod) and ip and not _terminating(pod):
+    if us.pod_may_hold_streams(pod) and ip:
         load, load_error = await ctx.lb.load(ip, port)
         if load_error:
             LOAD_ERRORS.inc()
@@ -157,14 +124,13 @@ async def reconcile_unit(
     draining = bool(spec.get("draining")) or deleting
     drain = old.get("drain")
     if draining:
-        drain = await _drain(ctx, body, pod, ip, port, load, drain, spec, now, logger)
-        if drain.get("completedAt"):
-            pod = None if pod is None or _terminating(pod) or drain.get("podDeleted") else pod
-            drain.pop("podDeleted", None)
+        drain, pod_deleted = await _drain(ctx, body, pod, ip, port, load, drain, spec, now, logger)
+        if drain.get("completedAt") and (pod_deleted or terminating(pod)):
+            pod = None
     else:
         if drain:
-            if drain.get("requested") and r.pod_running(pod) and ip:
-                err = await _post_drain(ctx, body, pod, ip, port, draining=False)
+            if dr.undrain_needed(drain, us.pod_running(pod), ip):
+                err = await _post_drain(ctx, body, pod, ip or "", port, draining=False)
                 if err:
                     _warn(body, reason="DrainCancelFailed", message=err)
             _info(body, reason="DrainCancelled", message="spec.draining set back to false")
@@ -176,70 +142,61 @@ async def reconcile_unit(
                 return False
         pod = await _ensure_pod(ctx, body, unit, pod, logger)
 
-    status = r.unit_status(
-        unit, pod, load, load_error, now, port=port, drain=drain, deleting=deleting
-    )
-    fallback = r.tcp_fallback(spec, status["transferMode"])
-    if fallback and not r.tcp_fallback(spec, old.get("transferMode")):
+    status = us.unit_status(unit, pod, load, load_error, now, port=port, drain=drain, deleting=deleting)
+    fallback = us.tcp_fallback_news(spec, old.get("transferMode"), status["transferMode"])
+    if fallback:
         _warn(body, reason="TcpFallback", message=fallback)
         logger.warning("unit transfer fell back to tcp", extra={"unit": name, "mode": status["transferMode"]})
     if pod and not draining:
-        current = (pod["metadata"].get("annotations") or {}).get(m.ANNOTATION_SPEC_HASH)
-        fresh = current in r.spec_hashes(spec)
-        status["conditions"] = r.set_condition(
-            status["conditions"],
-            "PodUpToDate",
-            fresh,
-            "UpToDate" if fresh else "SpecChanged",
-            ""
-            if fresh
-            else "the spec changed after the pod was created; PDUnitSets roll units "
-            "automatically, for a standalone PDUnit delete its pod (it drains first) to apply",
-            now,
-        )
+        status = us.with_pod_up_to_date(status, pod, spec, now)
     if old.get("phase") != status["phase"]:
         logger.info(
             "unit phase",
-            extra={
-                "unit": name,
-                "phase": status["phase"],
-                "from": old.get("phase"),
-                "why": status["message"],
-            },
+            extra={"unit": name, "phase": status["phase"], "from": old.get("phase"), "why": status["message"]},
         )
     await ctx.kube.patch_status(m.UNIT_PLURAL, ns, name, status)
     return deleting and bool(drain and drain.get("completedAt"))
 
 
+async def _invalid_unit(
+    ctx: Context, body: dict[str, Any], msg: str, now: datetime, *, deleting: bool, logger: logging.Logger
+) -> bool:
+    """A unit whose spec the operator cannot use: Failed naming the field; a deleted one
+    loses its pod (nothing can drain it) and its finalizer."""
+    meta = body["metadata"]
+    status = us.invalid_status(body, msg, now)
+    if status_of(body).get("message") != status["message"]:
+        _warn(body, reason="InvalidSpec", message=msg)
+    logger.warning("invalid PDUnit spec", extra={"unit": meta["name"], "error": msg})
+    await ctx.kube.patch_status(m.UNIT_PLURAL, meta["namespace"], meta["name"], status)
+    if not deleting:
+        return False
+    pod = await ctx.kube.get_pod(meta["namespace"], meta["name"])
+    if pod and owned_by(pod, meta["uid"]):
+        await ctx.kube.delete_pod(meta["namespace"], meta["name"], uid=pod["metadata"]["uid"])
+    return True
+
+
 async def _conflict(ctx: Context, body: dict[str, Any], reason: str, msg: str, now: datetime) -> None:
     """A unit that cannot get its pod because of an object that is not its own: Failed,
     an Event once, the fix in the message."""
-    meta, old = body["metadata"], body.get("status") or {}
-    if old.get("message") != msg:
+    meta = body["metadata"]
+    if status_of(body).get("message") != msg:
         _warn(body, reason=reason, message=msg)
     await ctx.kube.patch_status(
-        m.UNIT_PLURAL,
-        meta["namespace"],
-        meta["name"],
-        {
-            "phase": "Failed",
-            "ready": False,
-            "message": msg,
-            "conditions": r.set_condition(old.get("conditions"), "Ready", False, reason, msg, now),
-        },
+        m.UNIT_PLURAL, meta["namespace"], meta["name"], us.conflict_status(body, reason, msg, now)
     )
 
 
 async def _ensure_secret(ctx: Context, body: dict[str, Any], logger: logging.Logger) -> str | None:
     """Create the unit's Secret once (its values drawn here, 32 random bytes each, never a
-    default); None when it exists and is the unit's own, else what is wrong and the fix.
-    A Secret someone else made is never used: its values would be known to them."""
+    default); None when it exists and is the unit's own, else what is wrong and the fix."""
     meta = body["metadata"]
-    ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    secret_name = r.secret_name(name)
+    ns, name = meta["namespace"], meta["name"]
+    secret_name = pod_.secret_name(name)
     secret = await ctx.kube.get_secret(ns, secret_name)
     if secret is None:
-        manifest = r.desired_secret(body, secrets.token_hex(32), secrets.token_hex(32))
+        manifest = pod_.desired_secret(body, secrets.token_hex(32), secrets.token_hex(32))
         if await ctx.kube.create_secret(ns, manifest) is not None:
             _info(body, reason="SecretCreated", message=f"created secret {secret_name}")
             logger.info("unit secret created", extra={"unit": name, "secret": secret_name})
@@ -247,18 +204,7 @@ async def _ensure_secret(ctx: Context, body: dict[str, Any], logger: logging.Log
         secret = await ctx.kube.get_secret(ns, secret_name)  # made between our read and create
         if secret is None:
             return f"secret {ns}/{secret_name} was created and deleted at once; retrying"
-    if not _owned_by(secret, uid):
-        return (
-            f"secret {ns}/{secret_name} exists and is not this unit's (no controller ownerReference to "
-            f"PDUnit {name} uid {uid}): delete it, the operator then creates the unit's own"
-        )
-    bad = [k for k in (r.UNIT_SECRET_KEY, r.ADMIN_TOKEN_KEY) if r.secret_value(secret, k) is None]
-    if bad:
-        return (
-            f"secret {ns}/{secret_name} has no valid {' or '.join(bad)} (base64 of at least "
-            f"{r.SECRET_MIN_CHARS} characters): delete it, the operator then creates a new one"
-        )
-    return None
+    return pod_.secret_problem(body, secret)
 
 
 async def _post_drain(
@@ -267,14 +213,14 @@ async def _post_drain(
     """POST /v1/admin/drain to the pod's admin port with the token of the unit's Secret
     (read through the API, never logged); None on success, else why not."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    admin = r.admin_port(pod, ctx.cfg.allow_lb_port_override)
+    admin = pod_.admin_port(pod, ctx.cfg.allow_lb_port_override)
     if admin is None:  # a pod from before the admin port: its drain is on lbPort, no token
         return await ctx.lb.drain(ip, port, None, draining=draining)
-    secret = await ctx.kube.get_secret(ns, r.secret_name(name))
-    token = r.secret_value(secret, r.ADMIN_TOKEN_KEY) if secret else None
+    secret = await ctx.kube.get_secret(ns, pod_.secret_name(name))
+    token = pod_.secret_value(secret, pod_.ADMIN_TOKEN_KEY) if secret else None
     if token is None:
         return (
-            f"secret {ns}/{r.secret_name(name)} is missing or has no valid {r.ADMIN_TOKEN_KEY}: the LB "
+            f"secret {ns}/{pod_.secret_name(name)} is missing or has no valid {pod_.ADMIN_TOKEN_KEY}: the LB "
             "takes no drain without it (its preStop hook still drains when the pod is deleted)"
         )
     return await ctx.lb.drain(ip, admin, token, draining=draining)
@@ -289,16 +235,14 @@ async def _ensure_pod(
 ) -> dict[str, Any] | None:
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if pod is None:
-        pod = await ctx.kube.create_pod(ns, r.desired_pod(unit))
+        pod = await ctx.kube.create_pod(ns, pod_.desired_pod(unit))
         _info(body, reason="PodCreated", message=f"created pod {name}")
         logger.info("pod created", extra={"unit": name})
         return pod
-    phase = (pod.get("status") or {}).get("phase")
-    if phase in ("Failed", "Succeeded") and not _terminating(pod):
-        # restartPolicy Always: only eviction or node loss ends here; replace the pod.
-        why = r.pod_problem(pod) or (pod.get("status") or {}).get("reason") or phase
+    why = pod_.replacement_reason(pod)
+    if why:
         await ctx.kube.delete_pod(ns, name, uid=pod["metadata"]["uid"])
-        _warn(body, reason="PodReplaced", message=f"pod {name} is {phase} ({why}); recreating it")
+        _warn(body, reason="PodReplaced", message=why)
     return pod
 
 
@@ -313,70 +257,48 @@ async def _drain(
     spec: dict[str, Any],
     now: datetime,
     logger: logging.Logger,
-) -> dict[str, Any]:
-    """Advance the drain state machine one step and carry out its decision."""
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+) -> tuple[dict[str, Any], bool]:
+    """Advance the drain state machine one step and carry out its decision: the drain's
+    new state, and whether this pass deleted the pod."""
+    name = body["metadata"]["name"]
     if drain and drain.get("completedAt"):
-        return dict(drain)
-    first = not drain
-    step = r.drain_step(
+        return dict(drain), False
+    timeout_s = spec["drainTimeoutSeconds"]
+    step = dr.drain_step(
         drain,
         now=now,
         load=load,
-        pod_may_hold_streams=r.pod_running(pod) and not _terminating(pod),
-        timeout_s=spec["drainTimeoutSeconds"],
+        pod_may_hold_streams=us.pod_may_hold_streams(pod),
+        timeout_s=timeout_s,
         check_interval_s=ctx.cfg.drain_check_interval_seconds,
-        last_in_flight=int((body.get("status") or {}).get("inFlight") or 0),
+        last_in_flight=int(status_of(body).get("inFlight") or 0),
     )
     state = step.state
-    if first:
+    if not drain:
         logger.info("drain started", extra={"unit": name})
     if step.request_drain and ip:
         err = await _post_drain(ctx, body, pod, ip, port)
         if err is None:
             state["requested"] = True
-            _info(
-                body,
-                reason="DrainStarted",
-                message=f"LB stopped taking streams; waiting up to {spec['drainTimeoutSeconds']}s "
-                "for those in flight",
-            )
+            _info(body, reason="DrainStarted", message=dr.drain_started_message(timeout_s))
         else:
             logger.warning("drain request failed", extra={"unit": name, "error": err})
     if step.action == "wait":
-        return state
-    pod_uid = (pod or {}).get("metadata", {}).get("uid")
-    if step.action == "force":
-        if pod is not None:
-            await ctx.kube.delete_pod(
-                ns, name, grace_period_seconds=r.GRACE_MARGIN_SECONDS, uid=pod_uid
-            )
-        DRAINS.labels("forced").inc()
+        return state, False
+    end = dr.drain_end(step, pod=pod, pod_terminating=terminating(pod), now=now, timeout_s=timeout_s,
+                       grace_margin_s=pod_.GRACE_MARGIN_SECONDS)
+    if end.delete_pod and pod is not None:
+        grace = {} if end.grace_period_seconds is None else {"grace_period_seconds": end.grace_period_seconds}
+        await ctx.kube.delete_pod(body["metadata"]["namespace"], name, uid=pod["metadata"]["uid"], **grace)
+    DRAINS.labels(end.result).inc()
+    if step.streams_cut:
         STREAMS_CUT.inc(step.streams_cut)
-        _warn(
-            body,
-            reason="DrainForced",
-            message=f"drain timeout of {spec['drainTimeoutSeconds']}s passed with "
-            f"{step.streams_cut} streams in flight; pod deleted, "
-            f"{step.streams_cut} streams cut",
-        )
-    else:
-        if pod is not None and not _terminating(pod):
-            await ctx.kube.delete_pod(ns, name, uid=pod_uid)
-        DRAINS.labels("clean").inc()
-        _info(body, reason="Drained", message=f"pod deleted: {step.reason}")
+    (_warn if end.warning else _info)(body, reason=end.event_reason, message=end.event_message)
     logger.info(
         "drain finished",
-        extra={
-            "unit": name,
-            "action": step.action,
-            "why": step.reason,
-            "streams_cut": step.streams_cut,
-        },
+        extra={"unit": name, "action": step.action, "why": step.reason, "streams_cut": step.streams_cut},
     )
-    state["completedAt"] = r.iso_us(now)
-    state["podDeleted"] = True  # internal marker for this pass only, popped by the caller
-    return state
+    return end.state, True
 
 
 # ------------------------------------------------------------------------ PDUnitSet
@@ -386,67 +308,37 @@ async def reconcile_set(ctx: Context, body: dict[str, Any], logger: logging.Logg
     now = datetime.now(UTC)
     meta = body["metadata"]
     name, ns, uid = meta["name"], meta["namespace"], meta["uid"]
-    old = body.get("status") or {}
     try:
         m.set_spec(body.get("spec") or {})
     except ValidationError as exc:
         msg = m.validation_message(exc)
-        conditions = r.set_condition(
-            old.get("conditions"), "SpecValid", False, "InvalidSpec", msg, now
-        )
-        if (old.get("conditions") or []) != conditions:
+        status = ro.invalid_set_status(body, msg, now)
+        if (status_of(body).get("conditions") or []) != status["conditions"]:
             _warn(body, reason="InvalidSpec", message=msg)
-        await ctx.kube.patch_status(
-            m.SET_PLURAL,
-            ns,
-            name,
-            {
-                "conditions": conditions,
-                "observedGeneration": meta.get("generation"),
-                "selector": f"{m.LABEL_SET}={name}",
-            },
-        )
+        await ctx.kube.patch_status(m.SET_PLURAL, ns, name, status)
         return
 
-    units = [u for u in await ctx.kube.list_units(ns, f"{m.LABEL_SET}={name}") if _owned_by(u, uid)]
-    plan = r.plan_units(body, units)
+    units = [u for u in await ctx.kube.list_units(ns, f"{m.LABEL_SET}={name}") if owned_by(u, uid)]
+    plan = ro.plan_units(body, units)
     for action in plan.actions:
         DECISIONS.labels(action.kind).inc()
+        unit_name = action.unit
         if action.kind == "create":
-            created = await ctx.kube.create_unit(ns, r.new_unit(body, plan.template_hash))
-            message = f"created unit {created['metadata']['name']}: {action.reason}"
-            _info(body, reason="UnitCreated", message=message)
-        elif action.kind in ("drain", "undrain"):
-            assert action.unit
-            await ctx.kube.patch_unit(
-                ns, action.unit, {"spec": {"draining": action.kind == "drain"}}
-            )
-            verb = "draining" if action.kind == "drain" else "keeping"
-            message = f"{verb} unit {action.unit}: {action.reason}"
-            _info(
-                body,
-                reason="UnitDraining" if action.kind == "drain" else "UnitUndrained",
-                message=message,
-            )
-        elif action.kind == "relabel":
-            assert action.unit and action.template_hash
-            await ctx.kube.patch_unit(
-                ns, action.unit, {"metadata": {"labels": {m.LABEL_TEMPLATE_HASH: action.template_hash}}}
-            )
-            message = f"unit {action.unit}: {action.reason}"
-            _info(body, reason="UnitRelabelled", message=message)
+            created = await ctx.kube.create_unit(ns, ro.new_unit(body, plan.template_hash))
+            unit_name = created["metadata"]["name"]
         elif action.kind == "delete":
             assert action.unit
             await ctx.kube.delete_unit(ns, action.unit)
-            message = f"deleted unit {action.unit}: {action.reason}"
-            _info(body, reason="UnitDeleted", message=message)
         else:
-            raise ValueError(f"unknown action {action.kind!r}")
+            assert action.unit
+            await ctx.kube.patch_unit(ns, action.unit, ro.unit_patch(action))
+        reason, message = ro.action_event(action, unit_name)
+        _info(body, reason=reason, message=message)
         logger.info(
             "set decision",
             extra={"set": name, "action": action.kind, "unit": action.unit, "why": action.reason},
         )
-    await ctx.kube.patch_status(m.SET_PLURAL, ns, name, r.set_status(body, units, now))
+    await ctx.kube.patch_status(m.SET_PLURAL, ns, name, ro.set_status(body, units, now))
 
 
 # ------------------------------------------------------------------------- wiring
@@ -471,25 +363,19 @@ async def _guarded(
         RECONCILES.labels(kind, "error").inc()
         meta = body["metadata"]
         message = _error_text(exc)[:2000]
-        old = body.get("status") or {}
-        conditions = r.set_condition(
-            old.get("conditions"), "Reconciled", False, "Error", message, datetime.now(UTC)
-        )
+        patch = us.reconcile_error_patch(body, message, datetime.now(UTC), unit=plural == m.UNIT_PLURAL)
         where = {
             "kind": kind,
             "object": f"{meta.get('namespace')}/{meta.get('name')}",
             "error": message,
         }
-        if conditions != old.get("conditions"):
+        if patch["conditions"] != status_of(body).get("conditions"):
             # A new error: traceback and Event once; a persisting one: one line per tick.
             logger.exception("reconcile failed", extra=where)
             _warn(body, reason="ReconcileError", message=message)
         else:
             logger.warning("reconcile still failing", extra=where)
         try:
-            patch: dict[str, Any] = {"conditions": conditions}
-            if plural == m.UNIT_PLURAL:
-                patch["message"] = f"reconcile failed: {message}"
             await ctx.kube.patch_status(plural, meta["namespace"], meta["name"], patch)
         except Exception:  # the API itself may be what failed; the log line has it
             logger.warning("could not record the reconcile error in status", exc_info=True)

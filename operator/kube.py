@@ -1,7 +1,7 @@
 """The operator's Kubernetes API calls, as plain dicts in and out.
 
 A thin adapter over kubernetes_asyncio (raw JSON, no generated model classes) so that
-reconcile.py's pure functions see exactly what the API serves. Owns the API client's
+the pure modules see exactly what the API serves. Owns the API client's
 lifetime. Never decides anything: callers (handlers.py) decide, this module executes.
 Every method the operator uses is here, which is also the RBAC it needs:
 pods get/create/patch/delete; secrets get/create (each unit's own Secret, by name);

@@ -251,7 +251,7 @@ class PDUnitSpec(_Api):
     )
     # No CRD default: the apiserver would fill it into every stored set it serves, and
     # units an older operator labelled with a hash of the full spec would roll on this
-    # upgrade (reconcile.template_hashes leaves defaults out from now on).
+    # upgrade (spec_hash.template_hashes leaves defaults out from now on).
     kv_cache_dtype: KvCacheDtype | None = Field(
         default=None,
         description="KV pool precision of prefill and every decode engine (their --kv-cache-dtype, "

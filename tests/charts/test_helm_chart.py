@@ -579,7 +579,7 @@ def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_
     """The unit PodMonitor selects the pods the operator writes and names every metrics
     port they can have (up to 7 decode engines); the control one selects the chart's
     operator and router pods and names ports they declare."""
-    from pdunit.operator import reconcile as r
+    from pdunit.operator.pod import ADMIN_PORT_NAME, desired_pod
 
     assert not by_kind(render([]), "PodMonitor")  # off by default: needs the Prometheus Operator
     docs = render(["--set", "podMonitor.enabled=true", "--set", "podMonitor.labels.release=kps",
@@ -596,12 +596,12 @@ def test_pod_monitors_scrape_every_metrics_port_of_units_operator_and_router_by_
     assert watched["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE, "voices"]
     unit_ports = {e["port"] for e in units["spec"]["podMetricsEndpoints"]}
     for decoders in (1, 7):
-        pod = r.desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
+        pod = desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
                              "spec": {"image": "i", "model": "random:tiny:0", "transfer": "proxy",
                                       "decoders": decoders}})
         assert _matches(units["spec"]["selector"], pod["metadata"]["labels"])
         declared = {p["name"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
-                    for p in c.get("ports", [])} - {r.ADMIN_PORT_NAME}  # the drain, never scraped
+                    for p in c.get("ports", [])} - {ADMIN_PORT_NAME}  # the drain, never scraped
         assert declared <= unit_ports, declared - unit_ports
     assert unit_ports == declared  # 7 decode engines: every name the monitor lists is used
     pods = [d["spec"]["template"] for d in by_kind(docs, "Deployment")]
@@ -618,11 +618,11 @@ PROMETHEUS = ["--set", "networkPolicy.prometheus.podSelector.app=prometheus"]
 
 
 def _unit_pod(decoders: int = 1) -> dict[str, Any]:
-    from pdunit.operator import reconcile as r
+    from pdunit.operator.pod import desired_pod
 
-    return r.desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
-                          "spec": {"image": "i", "model": "random:tiny:0", "transfer": "proxy",
-                                   "decoders": decoders}})
+    return desired_pod({"metadata": {"name": "u", "namespace": NAMESPACE, "uid": "x"},
+                        "spec": {"image": "i", "model": "random:tiny:0", "transfer": "proxy",
+                                 "decoders": decoders}})
 
 
 def _admitted(policy: dict[str, Any], port: str) -> list[dict[str, Any]]:

@@ -9,11 +9,11 @@ import re
 import pytest
 
 from pdunit.operator import models as m
-from pdunit.operator import reconcile as r
 from pdunit.operator import scaler
 from pdunit.operator.alerts import ALERTS, RUNBOOK_BASE
 from pdunit.operator.chart_files import metric_names
 from pdunit.operator.dashboard import PANELS, VARIABLES
+from pdunit.operator.pod import desired_pod
 from pdunit.operator.proto import externalscaler_pb2 as pb
 from tests.charts.test_dashboard import ROOT
 from tests.charts.test_helm_chart import NAMESPACE, PROMETHEUS, one, render
@@ -34,7 +34,7 @@ def test_unit_series_carry_the_pods_set_and_unit_labels() -> None:
     unit = {"metadata": {"name": "voices-abc12", "namespace": NAMESPACE, "uid": "x",
                          "labels": {m.LABEL_SET: "voices"}},
             "spec": {"image": "i", "model": "random:tiny:0", "transfer": "proxy"}}
-    labels = r.desired_pod(unit)["metadata"]["labels"]
+    labels = desired_pod(unit)["metadata"]["labels"]
     assert labels[m.LABEL_SET] == "voices" and labels[m.LABEL_UNIT] == "voices-abc12"
     # the scaler's own namespace label (the set's) survives the scrape of the operator
     control = one(docs, "PodMonitor", "rel-pdunit-control")

@@ -293,7 +293,7 @@ def test_units_of_an_older_operator_are_kept_through_an_upgrade_and_relabelled(
     """An operator before 2026-11-30 labelled units with the hash of the template as the
     apiserver serves it, CRD defaults included. After an upgrade those units are the
     current template: relabelled in place, none drained, none created."""
-    from pdunit.operator.reconcile import template_hashes
+    from pdunit.operator.spec_hash import template_hashes
 
     ns = namespace
     control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit_set("tts", 2))

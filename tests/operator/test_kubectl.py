@@ -9,7 +9,7 @@ from typing import Any
 
 from pdunit.operator import crdgen
 from pdunit.operator import models as m
-from pdunit.operator import reconcile as r
+from pdunit.operator.unit_status import unit_status
 from tests.operator.envtest import ControlPlane, Kubelet, wait_for
 from tests.operator.test_integration import get_pod, get_unit, unit
 
@@ -49,9 +49,9 @@ def test_unit_status_names_the_pods_node() -> None:
         "status": {"phase": "Pending"},
     }
     body = {"metadata": {"name": "u1", "namespace": "ns", "uid": "u"}, "spec": {}}
-    status = r.unit_status(body, pod, None, None, datetime.now(UTC), port=8000)
+    status = unit_status(body, pod, None, None, datetime.now(UTC), port=8000)
     assert status["nodeName"] == "gpu-node-7"
-    assert r.unit_status(body, None, None, None, datetime.now(UTC), port=8000)["nodeName"] is None
+    assert unit_status(body, None, None, None, datetime.now(UTC), port=8000)["nodeName"] is None
     columns = {c["name"]: c["jsonPath"] for c in crdgen.unit_crd()["spec"]["versions"][0][
         "additionalPrinterColumns"]}
     assert columns["Node"] == ".status.nodeName"

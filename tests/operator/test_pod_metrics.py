@@ -17,8 +17,9 @@ import pytest
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port, free_port_block
 from pdunit.engine.security import write_secret_file
-from pdunit.operator import reconcile as r
+from pdunit.engine.unit_layout import ADMIN_TOKEN_FILE, RUN_DIR, UNIT_SECRET_FILE
 from pdunit.operator.chart_files import metric_names, queries
+from pdunit.operator.pod import desired_pod
 from tests.engine.unit_client import random_prompt, stream
 
 # Started in the order `pdunit local` uses (the proxy listening before P and D register
@@ -46,7 +47,7 @@ class PodProcesses(LocalUnit):
 
     def secret_files(self) -> dict[str, str]:
         """The pod's secret file paths -> this unit's files."""
-        return {r.UNIT_SECRET_FILE: self.unit_secret_file, r.ADMIN_TOKEN_FILE: self.pod_admin_token_file}
+        return {UNIT_SECRET_FILE: self.unit_secret_file, ADMIN_TOKEN_FILE: self.pod_admin_token_file}
 
     def commands(self) -> list[tuple[str, list[str]]]:
         by_name = {c["name"]: c for c in self.pod["spec"]["initContainers"] + self.pod["spec"]["containers"]}
@@ -55,11 +56,10 @@ class PodProcesses(LocalUnit):
         for container, child in ORDER.items():
             c = by_name[container]
             env = [f"{e['name']}={e['value']}" for e in c["env"] if "value" in e]
-            # /run/pdunit is the pod's shared volume; here a folder of its own. P and D
-            # find the proxy there by their default, the one flag the pod leaves out.
-            env.append(f"PDUNIT_PROXY_SOCKET={self.run_dir}/proxy.sock")
+            # /run/pdunit is the pod's shared volume; here a folder of its own (every path of
+            # the unit is a flag of its commands: engine/unit_layout.py)
             env.append(f"PDUNIT_UNIT_NAME={self.unit_name}")  # how wait_ready knows the LB is this unit's
-            argv = [self.secret_files().get(a, a).replace(r.RUN_DIR, str(self.run_dir)) for a in c["command"]]
+            argv = [self.secret_files().get(a, a).replace(RUN_DIR, str(self.run_dir)) for a in c["command"]]
             assert argv[0] == "pdunit", argv
             out.append((child, ["env", *env, sys.executable, "-m", "pdunit.engine.cli", *argv[1:]]))
         return out
@@ -90,7 +90,7 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
             "extraArgs": {"prefill": ["--cache-tokens", "16384"], "decode": ["--pool-tokens", "16384"]},
         },
     }
-    pod = r.desired_pod(unit)
+    pod = desired_pod(unit)
     declared = {
         (c["name"], p["name"]): p["containerPort"]
         for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]

@@ -25,9 +25,25 @@ from pydantic import BaseModel, ValidationError
 
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import parse_config
-from pdunit.engine.unit_layout import metrics_block
+from pdunit.engine.unit_layout import ADMIN_TOKEN_FILE, UNIT_SECRET_FILE, metrics_block
 from pdunit.operator import models as m
-from pdunit.operator import reconcile as r
+from pdunit.operator.drain import DrainStep, drain_step
+from pdunit.operator.objects import iso, iso_us
+from pdunit.operator.pod import (
+    ADMIN_TOKEN_KEY,
+    SECRET_FILE_MODE,
+    UNIT_SECRET_KEY,
+    admin_port,
+    desired_pod,
+    desired_secret,
+    lb_port,
+    secret_name,
+    secret_value,
+    unit_defaults,
+)
+from pdunit.operator.rollout import new_unit, pick_victims, plan_units, set_status
+from pdunit.operator.spec_hash import spec_hashes, template_hashes
+from pdunit.operator.unit_status import unit_status
 from tests.operator.envtest import FakeLb, wait_for
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -58,10 +74,10 @@ def _secret_files() -> dict[str, str]:
     folder = Path(tempfile.mkdtemp(prefix="pdunit-secrets-"))
     atexit.register(shutil.rmtree, folder, True)
     files = {}
-    for path in (r.UNIT_SECRET_FILE, r.ADMIN_TOKEN_FILE):
+    for path in (UNIT_SECRET_FILE, ADMIN_TOKEN_FILE):
         local = folder / Path(path).name
         write_secret_file(str(local))
-        local.chmod(r.SECRET_FILE_MODE)
+        local.chmod(SECRET_FILE_MODE)
         files[path] = str(local)
     return files
 
@@ -85,7 +101,7 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
 
 
 def test_pod_runs_lb_prefill_decode_with_proxy_and_guard_as_native_sidecars() -> None:
-    pod = r.desired_pod(a_unit(transfer="auto"))
+    pod = desired_pod(a_unit(transfer="auto"))
     assert [c["name"] for c in pod["spec"]["containers"]] == ["lb", "prefill", "decode"]
     assert [c["name"] for c in pod["spec"]["initContainers"]] == ["nvlink-proxy", "quiesce-guard"]
     for sidecar in pod["spec"]["initContainers"]:
@@ -94,7 +110,7 @@ def test_pod_runs_lb_prefill_decode_with_proxy_and_guard_as_native_sidecars() ->
 
 
 def test_prefill_and_decode_get_one_gpu_each_and_nothing_else_does() -> None:
-    pod = r.desired_pod(
+    pod = desired_pod(
         a_unit(
             gpuResource="example.com/h200",
             resources={"prefill": {"limits": {"example.com/h200": 4, "memory": "64Gi"}}},
@@ -109,7 +125,7 @@ def test_prefill_and_decode_get_one_gpu_each_and_nothing_else_does() -> None:
 
 
 def test_proxy_sees_all_gpus_without_requesting_one() -> None:
-    proxy = containers(r.desired_pod(a_unit(transfer="proxy")))["nvlink-proxy"]
+    proxy = containers(desired_pod(a_unit(transfer="proxy")))["nvlink-proxy"]
     assert env_of(proxy)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert not proxy["resources"].get("limits")
     assert proxy["command"] == ["pdunit", "proxy", "--socket", "/run/pdunit/proxy.sock", "--metrics-port", "9401"]
@@ -128,14 +144,14 @@ def test_proxy_sees_all_gpus_without_requesting_one() -> None:
     ],
 )
 def test_proxy_sidecar_only_for_proxy_and_auto_transfer(transfer: str, has_proxy: bool) -> None:
-    names = [c["name"] for c in r.desired_pod(a_unit(transfer=transfer))["spec"]["initContainers"]]
+    names = [c["name"] for c in desired_pod(a_unit(transfer=transfer))["spec"]["initContainers"]]
     assert ("nvlink-proxy" in names) is has_proxy
     assert "quiesce-guard" in names
 
 
 def test_container_commands_are_the_pdunit_cli() -> None:
     cs = containers(
-        r.desired_pod(
+        desired_pod(
             a_unit(transfer="fabric", lbPort=8100, extraArgs={"decode": ["--max-batch", "64"]})
         )
     )
@@ -221,7 +237,7 @@ def test_engine_commands_parse_with_the_engines_own_config(role: str) -> None:
     """The flags desired_pod writes are flags the real processes accept."""
     module = {"prefill": "pdunit.engine.prefill.main", "decode": "pdunit.engine.decode.main"}[role]
     model = _config_model(module)
-    argv = argv_here(containers(r.desired_pod(a_unit(transfer="proxy")))[role]["command"])
+    argv = argv_here(containers(desired_pod(a_unit(transfer="proxy")))[role]["command"])
     cfg = parse_config(model, argv, f"pdunit {role}", env={})
     assert cfg.transfer == "proxy"  # type: ignore[attr-defined]
     assert cfg.device == "cuda"  # type: ignore[attr-defined]
@@ -238,7 +254,7 @@ def test_engine_commands_parse_with_the_engines_own_config(role: str) -> None:
 def test_sidecar_and_lb_commands_parse_with_their_config(role: str, module: str) -> None:
     pytest.importorskip(module, reason=f"{module} is not written yet (another engineer's)")
     name = {"lb": "lb", "proxy": "nvlink-proxy", "guard": "quiesce-guard"}[role]
-    argv = argv_here(containers(r.desired_pod(a_unit(transfer="proxy")))[name]["command"])
+    argv = argv_here(containers(desired_pod(a_unit(transfer="proxy")))[name]["command"])
     parse_config(_config_model(module), argv, f"pdunit {role}", env={})
 
 
@@ -263,7 +279,7 @@ def _served_port(container: dict[str, Any]) -> int:
 def test_every_process_but_the_lb_serves_metrics_on_a_named_port_of_the_block() -> None:
     """Without these, a pod exposed only the LB's metrics: D's steps, P's queue, the KV
     checks and the transfer mode (what the chart's dashboard queries) were never served."""
-    pod = r.desired_pod(a_unit(transfer="proxy", decoders=2, metricsPort=9500))
+    pod = desired_pod(a_unit(transfer="proxy", decoders=2, metricsPort=9500))
     cs = containers(pod)
     declared = {name: c["ports"] for name, c in cs.items() if name != "lb"}
     assert set(declared) == set(_ROLE_OF)
@@ -282,7 +298,7 @@ def test_every_process_but_the_lb_serves_metrics_on_a_named_port_of_the_block() 
 
 
 def test_metrics_port_zero_declares_no_metrics_port_and_the_guard_serves_no_http() -> None:
-    cs = containers(r.desired_pod(a_unit(transfer="proxy", metricsPort=0)))
+    cs = containers(desired_pod(a_unit(transfer="proxy", metricsPort=0)))
     assert [name for name, c in cs.items() if "ports" in c] == ["lb"]
     assert _served_port(cs["quiesce-guard"]) == 0
     for name in ("prefill", "nvlink-proxy"):
@@ -300,14 +316,14 @@ def test_metrics_port_zero_declares_no_metrics_port_and_the_guard_serves_no_http
 def test_a_metrics_block_over_the_lb_port_or_past_65535_is_refused_naming_metrics_port(
         spec: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(**spec))
+        desired_pod(a_unit(**spec))
     message = m.validation_message(exc.value)
     assert "spec.metricsPort" in message and fragment in message, message
-    r.desired_pod(a_unit(**{**spec, "metricsPort": 0}))  # no block, no clash
+    desired_pod(a_unit(**{**spec, "metricsPort": 0}))  # no block, no clash
 
 
 def test_cpu_device_requests_no_gpu() -> None:
-    cs = containers(r.desired_pod(a_unit(device="cpu", transfer="host")))
+    cs = containers(desired_pod(a_unit(device="cpu", transfer="host")))
     for name in ("prefill", "decode"):
         assert "nvidia.com/gpu" not in (cs[name]["resources"].get("limits") or {})
         command = cs[name]["command"]
@@ -315,7 +331,7 @@ def test_cpu_device_requests_no_gpu() -> None:
 
 
 def test_sockets_live_in_one_shared_memory_volume() -> None:
-    pod = r.desired_pod(a_unit())
+    pod = desired_pod(a_unit())
     run = next(v for v in pod["spec"]["volumes"] if v["name"] == "run")
     assert run["emptyDir"]["medium"] == "Memory"
     for c in containers(pod).values():
@@ -323,18 +339,18 @@ def test_sockets_live_in_one_shared_memory_volume() -> None:
 
 
 def test_readiness_is_the_lb_readyz_on_the_unit_port() -> None:
-    lb = containers(r.desired_pod(a_unit(lbPort=9000)))["lb"]
+    lb = containers(desired_pod(a_unit(lbPort=9000)))["lb"]
     assert lb["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 9000}
     assert lb["ports"][0]["containerPort"] == 9000
 
 
 def test_grace_period_covers_the_drain_timeout() -> None:
-    pod = r.desired_pod(a_unit(drainTimeoutSeconds=900))
+    pod = desired_pod(a_unit(drainTimeoutSeconds=900))
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 900 + 10
 
 
 def test_every_container_drops_all_capabilities_and_runs_read_only_as_non_root() -> None:
-    pod = r.desired_pod(a_unit())
+    pod = desired_pod(a_unit())
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["automountServiceAccountToken"] is False
     for c in containers(pod).values():
@@ -346,7 +362,7 @@ def test_every_container_drops_all_capabilities_and_runs_read_only_as_non_root()
 
 
 def test_a_1p2d_unit_runs_two_decode_engines_each_on_its_own_gpu_and_socket() -> None:
-    pod = r.desired_pod(a_unit(decoders=2))
+    pod = desired_pod(a_unit(decoders=2))
     by_name = {c["name"]: c for c in pod["spec"]["containers"]}
     assert set(by_name) == {"lb", "prefill", "decode-0", "decode-1"}
     socks = ["/run/pdunit/decode-0.sock", "/run/pdunit/decode-1.sock"]
@@ -362,13 +378,13 @@ def test_a_1p2d_unit_runs_two_decode_engines_each_on_its_own_gpu_and_socket() ->
     gpus = sum(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["spec"]["containers"])
     assert gpus == 3
     # 1P1D keeps the plain socket name
-    one = {c["name"]: c for c in r.desired_pod(a_unit())["spec"]["containers"]}
+    one = {c["name"]: c for c in desired_pod(a_unit())["spec"]["containers"]}
     assert "/run/pdunit/decode.sock" in one["decode"]["command"]
 
 
 def test_kv_cache_dtype_reaches_prefill_and_every_decode_engine_alike() -> None:
     """One spec field, so P and its D's cannot disagree (P would refuse the D at Hello)."""
-    by_name = {c["name"]: c for c in r.desired_pod(a_unit(decoders=2, kvCacheDtype="fp8_e4m3"))["spec"]["containers"]}
+    by_name = {c["name"]: c for c in desired_pod(a_unit(decoders=2, kvCacheDtype="fp8_e4m3"))["spec"]["containers"]}
     for name, module in (("prefill", "pdunit.engine.prefill.main"), ("decode-0", "pdunit.engine.decode.main"),
                          ("decode-1", "pdunit.engine.decode.main")):
         argv = argv_here(by_name[name]["command"])
@@ -376,13 +392,13 @@ def test_kv_cache_dtype_reaches_prefill_and_every_decode_engine_alike() -> None:
         assert cfg.kv_cache_dtype == "fp8_e4m3", name  # type: ignore[attr-defined]
     assert "--kv-cache-dtype" not in by_name["lb"]["command"]
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(kvCacheDtype="fp4"))
+        desired_pod(a_unit(kvCacheDtype="fp4"))
     assert "spec.kvCacheDtype" in m.validation_message(exc.value)
 
 
 def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() -> None:
     spec = a_unit(decoders=2, kvCacheDtype="fp8_e4m3", decodeKernel="fp8_dots=0,kv_as_a=1,block_n=64")
-    by_name = {c["name"]: c for c in r.desired_pod(spec)["spec"]["containers"]}
+    by_name = {c["name"]: c for c in desired_pod(spec)["spec"]["containers"]}
     for name in ("decode-0", "decode-1"):
         cfg = parse_config(_config_model("pdunit.engine.decode.main"), argv_here(by_name[name]["command"]),
                            f"pdunit {name}", env={})
@@ -393,13 +409,13 @@ def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() 
         assert "--decode-kernel" not in by_name[name]["command"], name
     # unset, empty or the defaults only: no flag at all
     for value in (None, "", "block_n=64"):
-        pod = r.desired_pod(a_unit(**({} if value is None else {"decodeKernel": value})))
+        pod = desired_pod(a_unit(**({} if value is None else {"decodeKernel": value})))
         decode = next(c for c in pod["spec"]["containers"] if c["name"] == "decode")
         assert "--decode-kernel" not in decode["command"], value
     for bad, fragment in (("nope=1", "unknown setting 'nope'"), ("fp8_dots=3", "fp8_dots=3 is not one of"),
                           ("fp8_dots", "should match pattern")):
         with pytest.raises(ValidationError) as exc:
-            r.desired_pod(a_unit(decodeKernel=bad))
+            desired_pod(a_unit(decodeKernel=bad))
         message = m.validation_message(exc.value)
         assert "spec.decodeKernel" in message and fragment in message, message
 
@@ -410,7 +426,7 @@ def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() 
 ])
 def test_a_gemm_field_reaches_its_engines_only_and_only_when_fp8(field: str, flag: str,
                                                                  engines: dict[str, str]) -> None:
-    by_name = containers(r.desired_pod(a_unit(decoders=2, **{field: "fp8"})))
+    by_name = containers(desired_pod(a_unit(decoders=2, **{field: "fp8"})))
     for name, module in engines.items():
         cfg = parse_config(_config_model(module), argv_here(by_name[name]["command"]), f"pdunit {name}", env={})
         assert getattr(cfg, flag[2:].replace("-", "_")) == "fp8", name
@@ -420,16 +436,16 @@ def test_a_gemm_field_reaches_its_engines_only_and_only_when_fp8(field: str, fla
         assert flag not in by_name[name]["command"], name
     # unset or bf16 (the engine's default): no flag at all
     for value in (None, "bf16"):
-        pod = r.desired_pod(a_unit(decoders=2, **({} if value is None else {field: value})))
+        pod = desired_pod(a_unit(decoders=2, **({} if value is None else {field: value})))
         for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
             assert flag not in c["command"], (value, c["name"])
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(**{field: "int8"}))
+        desired_pod(a_unit(**{field: "int8"}))
     assert f"spec.{field}" in m.validation_message(exc.value)
 
 
 def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
-    pod = r.desired_pod(a_unit("tts-abc12-x7"))
+    pod = desired_pod(a_unit("tts-abc12-x7"))
     assert pod["metadata"]["name"] == "tts-abc12-x7"
     assert pod["metadata"]["ownerReferences"] == [
         {
@@ -451,11 +467,11 @@ def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
 
 
 def test_standalone_unit_pod_has_no_set_label() -> None:
-    assert m.LABEL_SET not in r.desired_pod(a_unit(set_name=None))["metadata"]["labels"]
+    assert m.LABEL_SET not in desired_pod(a_unit(set_name=None))["metadata"]["labels"]
 
 
 def test_user_env_overrides_and_scheduling_fields_pass_through() -> None:
-    pod = r.desired_pod(
+    pod = desired_pod(
         a_unit(
             env=[{"name": "HOME", "value": "/data"}, {"name": "X", "value": "1"}],
             nodeSelector={"gpu": "h200"},
@@ -472,13 +488,13 @@ def test_user_env_overrides_and_scheduling_fields_pass_through() -> None:
 
 @pytest.mark.parametrize("transfer", ["auto", "fabric"])
 def test_pod_validates_against_the_kubernetes_1_34_schema(transfer: str) -> None:
-    pod = r.desired_pod(a_unit(transfer=transfer, resources={"lb": {"requests": {"cpu": "500m"}}}))
+    pod = desired_pod(a_unit(transfer=transfer, resources={"lb": {"requests": {"cpu": "500m"}}}))
     kubernetes_validate.validate(pod, "1.34.0", strict=True)
 
 
 def test_invalid_unit_spec_raises_naming_the_field() -> None:
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(transfer="rdma"))
+        desired_pod(a_unit(transfer="rdma"))
     assert "spec.transfer" in m.validation_message(exc.value)
 
 
@@ -488,7 +504,7 @@ def _pre_stop_argv(container: dict[str, Any], token_file: Path) -> list[str]:
     argv = container["lifecycle"]["preStop"]["exec"]["command"]
     assert argv[0] == "python3"
     argv = [sys.executable, *argv[1:]]
-    argv = [str(token_file) if a == r.ADMIN_TOKEN_FILE else a for a in argv]
+    argv = [str(token_file) if a == ADMIN_TOKEN_FILE else a for a in argv]
     argv[-1] = "0.2"
     return argv
 
@@ -502,7 +518,7 @@ def test_prestop_drains_with_the_admin_token_then_waits_for_two_empty_answers(tm
     lb = FakeLb("u1", token=token)
     try:
         lb.in_flight = 1
-        cs = containers(r.desired_pod(a_unit(lbPort=lb.port, adminPort=lb.admin_port, drainTimeoutSeconds=30)))
+        cs = containers(desired_pod(a_unit(lbPort=lb.port, adminPort=lb.admin_port, drainTimeoutSeconds=30)))
         proc = subprocess.Popen(_pre_stop_argv(cs["lb"], tmp_path / "admin-token"), stderr=subprocess.PIPE)
         wait_for(lambda: lb.drain_log, 10, "the hook's drain request")
         assert proc.poll() is None, "preStop returned while a stream was in flight"
@@ -519,10 +535,10 @@ def test_prestop_of_prefill_and_decode_only_waits_and_holds_no_token(tmp_path: P
     hooks wait for the same two empty answers so they serve the streams in flight."""
     lb = FakeLb("u1", token="ab" * 32)
     try:
-        cs = containers(r.desired_pod(a_unit(lbPort=lb.port, adminPort=lb.admin_port, drainTimeoutSeconds=30)))
+        cs = containers(desired_pod(a_unit(lbPort=lb.port, adminPort=lb.admin_port, drainTimeoutSeconds=30)))
         for name in ("prefill", "decode"):
             argv = cs[name]["lifecycle"]["preStop"]["exec"]["command"]
-            assert r.ADMIN_TOKEN_FILE not in argv and str(lb.admin_port) not in argv
+            assert ADMIN_TOKEN_FILE not in argv and str(lb.admin_port) not in argv
             assert subprocess.run(_pre_stop_argv(cs[name], tmp_path / "none"), timeout=10).returncode == 0
         assert not lb.drain_log and not lb.refused_log
         assert sum(1 for _, empty in lb.load_log if empty) >= 4
@@ -538,37 +554,37 @@ TOKEN = "a0" * 32
 
 def test_the_unit_secret_is_owned_by_its_unit_immutable_and_holds_both_values() -> None:
     unit = a_unit("u7")
-    secret = r.desired_secret(unit, SECRET, TOKEN)
-    assert secret["metadata"]["name"] == r.secret_name("u7") == "u7-unit-secret"
+    secret = desired_secret(unit, SECRET, TOKEN)
+    assert secret["metadata"]["name"] == secret_name("u7") == "u7-unit-secret"
     assert secret["metadata"]["namespace"] == "prod"
     owner = secret["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("PDUnit", "u7", "uid-u7", True)
     assert secret["immutable"] is True  # kept as created: P and D of every pod share it
-    assert r.secret_value(secret, r.UNIT_SECRET_KEY) == SECRET
-    assert r.secret_value(secret, r.ADMIN_TOKEN_KEY) == TOKEN
+    assert secret_value(secret, UNIT_SECRET_KEY) == SECRET
+    assert secret_value(secret, ADMIN_TOKEN_KEY) == TOKEN
     kubernetes_validate.validate(secret, "1.34.0", strict=True)
 
 
 @pytest.mark.parametrize("short", ["", "0" * 31])
 def test_the_unit_secret_never_holds_an_empty_or_short_value(short: str) -> None:
     with pytest.raises(ValueError, match="unit-secret has"):
-        r.desired_secret(a_unit(), short, TOKEN)
+        desired_secret(a_unit(), short, TOKEN)
     with pytest.raises(ValueError, match="admin-token has"):
-        r.desired_secret(a_unit(), SECRET, short)
+        desired_secret(a_unit(), SECRET, short)
 
 
 def test_a_secret_value_that_is_missing_short_or_not_base64_is_no_value() -> None:
-    secret = r.desired_secret(a_unit(), SECRET, TOKEN)
-    assert r.secret_value({"data": {}}, r.ADMIN_TOKEN_KEY) is None
-    assert r.secret_value({"data": {r.ADMIN_TOKEN_KEY: "c2hvcnQ="}}, r.ADMIN_TOKEN_KEY) is None  # "short"
-    assert r.secret_value({"data": {r.ADMIN_TOKEN_KEY: "not base64!"}}, r.ADMIN_TOKEN_KEY) is None
-    assert r.secret_value(secret, r.ADMIN_TOKEN_KEY) == TOKEN
+    secret = desired_secret(a_unit(), SECRET, TOKEN)
+    assert secret_value({"data": {}}, ADMIN_TOKEN_KEY) is None
+    assert secret_value({"data": {ADMIN_TOKEN_KEY: "c2hvcnQ="}}, ADMIN_TOKEN_KEY) is None  # "short"
+    assert secret_value({"data": {ADMIN_TOKEN_KEY: "not base64!"}}, ADMIN_TOKEN_KEY) is None
+    assert secret_value(secret, ADMIN_TOKEN_KEY) == TOKEN
 
 
 def test_engines_mount_only_the_unit_secret_and_the_lb_only_the_admin_token_read_only() -> None:
-    pod = r.desired_pod(a_unit("u7", decoders=2))
+    pod = desired_pod(a_unit("u7", decoders=2))
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    for key in (r.UNIT_SECRET_KEY, r.ADMIN_TOKEN_KEY):
+    for key in (UNIT_SECRET_KEY, ADMIN_TOKEN_KEY):
         assert volumes[key]["secret"] == {
             "secretName": "u7-unit-secret", "items": [{"key": key, "path": key}], "defaultMode": 0o440,
         }
@@ -577,16 +593,16 @@ def test_engines_mount_only_the_unit_secret_and_the_lb_only_the_admin_token_read
                and "secret" in volumes[v["name"]]]
         for name, c in containers(pod).items()
     }
-    unit_secret = [(r.UNIT_SECRET_KEY, "/var/run/secrets/pdunit/unit", True)]
+    unit_secret = [(UNIT_SECRET_KEY, "/var/run/secrets/pdunit/unit", True)]
     assert secret_mounts == {
-        "lb": [(r.ADMIN_TOKEN_KEY, "/var/run/secrets/pdunit/admin", True)],
+        "lb": [(ADMIN_TOKEN_KEY, "/var/run/secrets/pdunit/admin", True)],
         "prefill": unit_secret, "decode-0": unit_secret, "decode-1": unit_secret,
         "nvlink-proxy": [], "quiesce-guard": [],
     }
     cs = containers(pod)
     for name in ("prefill", "decode-0", "decode-1"):
         i = cs[name]["command"].index("--unit-secret-file")
-        assert cs[name]["command"][i + 1] == r.UNIT_SECRET_FILE
+        assert cs[name]["command"][i + 1] == UNIT_SECRET_FILE
     # root-owned files of mode 0440 and group fsGroup: the pod's user reads them as the group
     assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]
 
@@ -598,7 +614,7 @@ def test_the_mounted_file_mode_passes_the_engines_secret_file_rule(tmp_path: Pat
 
     path = tmp_path / "unit-secret"
     path.write_text(SECRET + "\n")
-    path.chmod(r.SECRET_FILE_MODE)
+    path.chmod(SECRET_FILE_MODE)
     assert read_secret_file(str(path)) == SECRET.encode()
     path.chmod(0o644)
     with pytest.raises(SecretFileError, match="readable or writable by others"):
@@ -606,7 +622,7 @@ def test_the_mounted_file_mode_passes_the_engines_secret_file_rule(tmp_path: Pat
 
 
 def test_the_lb_serves_admin_routes_on_its_own_named_port_with_the_token() -> None:
-    pod = r.desired_pod(a_unit(lbPort=8100, adminPort=8200))
+    pod = desired_pod(a_unit(lbPort=8100, adminPort=8200))
     lb = containers(pod)["lb"]
     assert lb["ports"] == [
         {"name": "http", "containerPort": 8100, "protocol": "TCP"},
@@ -616,9 +632,9 @@ def test_the_lb_serves_admin_routes_on_its_own_named_port_with_the_token() -> No
     flags = {cmd[i]: cmd[i + 1] for i in range(2, len(cmd) - 1, 2)}
     assert flags["--port"] == "8100"
     assert (flags["--admin-port"], flags["--admin-host"], flags["--admin-token-file"]) == (
-        "8200", "0.0.0.0", r.ADMIN_TOKEN_FILE,
+        "8200", "0.0.0.0", ADMIN_TOKEN_FILE,
     )
-    assert r.admin_port(pod, allow_override=False) == 8200
+    assert admin_port(pod, allow_override=False) == 8200
     assert lb["readinessProbe"]["httpGet"]["port"] == 8100  # probes stay on the stream port
     cfg = parse_config(_config_model("pdunit.engine.lb.main"), argv_here(cmd), "pdunit lb", env={})
     assert (cfg.port, cfg.admin_port, cfg.admin_host) == (8100, 8200, "0.0.0.0")  # type: ignore[attr-defined]
@@ -626,18 +642,18 @@ def test_the_lb_serves_admin_routes_on_its_own_named_port_with_the_token() -> No
 
 
 def test_a_pod_from_before_the_admin_port_is_drained_on_its_lb_port() -> None:
-    old = r.desired_pod(a_unit())
+    old = desired_pod(a_unit())
     lb = next(c for c in old["spec"]["containers"] if c["name"] == "lb")
     lb["ports"] = [p for p in lb["ports"] if p["name"] != "admin"]
-    assert r.admin_port(old, allow_override=False) is None
-    assert r.admin_port(None, allow_override=False) is None
+    assert admin_port(old, allow_override=False) is None
+    assert admin_port(None, allow_override=False) is None
 
 
 def test_the_admin_port_override_annotation_counts_only_when_allowed() -> None:
-    pod = r.desired_pod(a_unit())
+    pod = desired_pod(a_unit())
     pod["metadata"]["annotations"][m.ANNOTATION_ADMIN_PORT_OVERRIDE] = "31337"
-    assert r.admin_port(pod, allow_override=False) == 8001
-    assert r.admin_port(pod, allow_override=True) == 31337
+    assert admin_port(pod, allow_override=False) == 8001
+    assert admin_port(pod, allow_override=True) == 31337
 
 
 @pytest.mark.parametrize(
@@ -651,7 +667,7 @@ def test_the_admin_port_override_annotation_counts_only_when_allowed() -> None:
 def test_an_admin_port_on_the_lb_port_or_in_the_metrics_block_is_refused_naming_the_field(
         spec: dict[str, Any], field: str, fragment: str) -> None:
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(**spec))
+        desired_pod(a_unit(**spec))
     message = m.validation_message(exc.value)
     assert field in message and fragment in message, message
 
@@ -683,7 +699,7 @@ _ROLE_MODULES = {
 def test_fault_injection_flags_in_extra_args_are_refused_naming_the_field_and_the_flag(
         role: str, args: list[str]) -> None:
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(extraArgs={role: args}))
+        desired_pod(a_unit(extraArgs={role: args}))
     message = m.validation_message(exc.value)
     index = next(i for i, a in enumerate(args) if a.startswith(("--fa", "--transfer-c", "--deb")))
     assert f"spec.extraArgs.{role}.{index}" in message, message
@@ -695,13 +711,13 @@ def test_fault_injection_flags_in_extra_args_are_refused_naming_the_field_and_th
              "PDUNIT_TRANSFER_CHUNK_DELAY_MS", "PDUNIT_DEBUG_PORT"])
 def test_fault_injection_env_is_refused_naming_the_field(name: str) -> None:
     with pytest.raises(ValidationError) as exc:
-        r.desired_pod(a_unit(env=[{"name": "X", "value": "1"}, {"name": name, "value": "1"}]))
+        desired_pod(a_unit(env=[{"name": "X", "value": "1"}, {"name": name, "value": "1"}]))
     message = m.validation_message(exc.value)
     assert "spec.env.1.name" in message and name in message and "fault injection" in message, message
 
 
 def test_flags_and_env_near_the_fault_ones_still_pass() -> None:
-    pod = r.desired_pod(a_unit(
+    pod = desired_pod(a_unit(
         extraArgs={"prefill": ["--transfer-workers", "8", "--transfer-deadline-ms", "500", "--fp8-min-rows", "0"],
                    "decode": ["--decode-kernel", "fp8_dots=0", "--device", "cuda:0"]},
         env=[{"name": "PDUNIT_TRANSFER_WORKERS", "value": "8"}, {"name": "PDUNIT_DEBUG", "value": "1"}],
@@ -781,7 +797,7 @@ LOAD = {
 
 
 def test_status_ready_carries_the_lb_load() -> None:
-    st = r.unit_status(a_unit(), pod(), LOAD, None, T0, port=8000)
+    st = unit_status(a_unit(), pod(), LOAD, None, T0, port=8000)
     assert (st["phase"], st["ready"], st["inFlight"], st["heldPages"], st["transferMode"]) == (
         "Ready",
         True,
@@ -805,20 +821,20 @@ def test_status_ready_carries_the_lb_load() -> None:
 def test_tcp_fallback_condition_only_when_auto_on_gpus_ended_on_tcp(
         spec: dict[str, Any], mode: str, fallback: bool) -> None:
     unit = a_unit(**spec)
-    unit["spec"] = r.unit_defaults(unit["spec"])  # as the handler passes it
-    st = r.unit_status(unit, pod(), {**LOAD, "transfer_mode": mode}, None, T0, port=8000)
+    unit["spec"] = unit_defaults(unit["spec"])  # as the handler passes it
+    st = unit_status(unit, pod(), {**LOAD, "transfer_mode": mode}, None, T0, port=8000)
     (cond,) = [c for c in st["conditions"] if c["type"] == "TcpFallback"]
     assert (cond["status"], cond["reason"]) == (("True", "AutoChoseTcp") if fallback else ("False", "NoFallback"))
     assert ("transfer auto chose tcp" in cond["message"]) is fallback
 
 
 def test_no_tcp_fallback_condition_before_a_transfer_mode_is_known() -> None:
-    st = r.unit_status(a_unit(), pod(), None, "connection refused", T0, port=8000)
+    st = unit_status(a_unit(), pod(), None, "connection refused", T0, port=8000)
     assert "TcpFallback" not in {c["type"] for c in st["conditions"]}
 
 
 def test_status_starting_names_the_unreachable_lb() -> None:
-    st = r.unit_status(
+    st = unit_status(
         a_unit(), pod(), None, "GET http://10.1.2.3:8000/v1/load: ConnectTimeout", T0, port=8000
     )
     assert st["phase"] == "Starting" and st["ready"] is False
@@ -830,7 +846,7 @@ def test_status_starting_names_the_unreachable_lb() -> None:
 def test_one_failed_scrape_keeps_a_ready_unit_ready_but_marks_the_figures_stale() -> None:
     ready_unit = a_unit()
     ready_unit["status"] = {"ready": True, "phase": "Ready", "inFlight": 4}
-    st = r.unit_status(ready_unit, pod(), None, "GET /v1/load: ReadTimeout", T0, port=8000)
+    st = unit_status(ready_unit, pod(), None, "GET /v1/load: ReadTimeout", T0, port=8000)
     assert st["ready"] is True and st["phase"] == "Ready"
     assert st["inFlight"] == 4  # the last known figure, not a silent zero
     cond = next(c for c in st["conditions"] if c["type"] == "LoadReachable")
@@ -848,23 +864,23 @@ def test_status_pending_shows_why_the_pod_waits() -> None:
             }
         ],
     )
-    st = r.unit_status(a_unit(), waiting, None, None, T0, port=8000)
+    st = unit_status(a_unit(), waiting, None, None, T0, port=8000)
     assert st["phase"] == "Pending" and "ImagePullBackOff" in st["message"]
 
 
 def test_status_draining_then_drained() -> None:
     unit = a_unit(draining=True)
     assert (
-        r.unit_status(unit, pod(), LOAD, None, T0, port=8000, drain={"startedAt": "x"})["phase"]
+        unit_status(unit, pod(), LOAD, None, T0, port=8000, drain={"startedAt": "x"})["phase"]
         == "Draining"
     )
-    st = r.unit_status(unit, None, None, None, T0, port=8000, drain={"completedAt": "y"})
+    st = unit_status(unit, None, None, None, T0, port=8000, drain={"completedAt": "y"})
     assert st["phase"] == "Drained" and st["ready"] is False
 
 
 def test_readiness_flips_only_when_the_status_changes() -> None:
-    st1 = r.unit_status(a_unit(), pod(), LOAD, None, T0, port=8000)
-    st2 = r.unit_status(
+    st1 = unit_status(a_unit(), pod(), LOAD, None, T0, port=8000)
+    st2 = unit_status(
         {**a_unit(), "status": st1}, pod(), LOAD, None, T0 + timedelta(minutes=5), port=8000
     )
     ready = [next(c for c in s["conditions"] if c["type"] == "Ready") for s in (st1, st2)]
@@ -874,8 +890,8 @@ def test_readiness_flips_only_when_the_status_changes() -> None:
 def test_lb_port_override_only_when_allowed() -> None:
     p = pod()
     p["metadata"]["annotations"][m.ANNOTATION_LB_PORT_OVERRIDE] = "41234"
-    assert r.lb_port({"lbPort": 8000}, p, allow_override=False) == 8000
-    assert r.lb_port({"lbPort": 8000}, p, allow_override=True) == 41234
+    assert lb_port({"lbPort": 8000}, p, allow_override=False) == 8000
+    assert lb_port({"lbPort": 8000}, p, allow_override=True) == 41234
 
 
 # ------------------------------------------------------------------------ the drain
@@ -883,10 +899,10 @@ def test_lb_port_override_only_when_allowed() -> None:
 
 def step(
     state: dict[str, Any] | None, t: float, load: dict[str, Any] | None, **kw: Any
-) -> r.DrainStep:
+) -> DrainStep:
     args: dict[str, Any] = {"pod_may_hold_streams": True, "timeout_s": 600, "check_interval_s": 5}
     args.update(kw)
-    return r.drain_step(state, now=T0 + timedelta(seconds=t), load=load, **args)
+    return drain_step(state, now=T0 + timedelta(seconds=t), load=load, **args)
 
 
 EMPTY = {"empty": True, "streams_in_flight": 0}
@@ -918,7 +934,7 @@ def test_a_busy_or_unreachable_answer_between_empty_checks_restarts_them() -> No
 
 
 def test_drain_timeout_forces_and_counts_cut_streams() -> None:
-    s = step({"requested": True, "startedAt": r.iso_us(T0)}, 599, BUSY)
+    s = step({"requested": True, "startedAt": iso_us(T0)}, 599, BUSY)
     assert s.action == "wait"
     s = step(s.state, 600, BUSY)
     assert (s.action, s.streams_cut, s.state["forced"], s.state["streamsCut"]) == (
@@ -930,7 +946,7 @@ def test_drain_timeout_forces_and_counts_cut_streams() -> None:
 
 
 def test_drain_timeout_with_unreachable_lb_counts_the_last_known_streams() -> None:
-    s = step({"requested": True, "startedAt": r.iso_us(T0)}, 700, None, last_in_flight=5)
+    s = step({"requested": True, "startedAt": iso_us(T0)}, 700, None, last_in_flight=5)
     assert (s.action, s.streams_cut) == ("force", 5)
 
 
@@ -956,7 +972,7 @@ def set_unit(
         "metadata": {
             "name": name,
             "labels": {m.LABEL_SET: "tts", m.LABEL_TEMPLATE_HASH: thash},
-            "creationTimestamp": r.iso(T0 + timedelta(seconds=created)),
+            "creationTimestamp": iso(T0 + timedelta(seconds=created)),
         },
         "spec": {"draining": draining},
         "status": {
@@ -981,7 +997,7 @@ def a_set(
 
 
 def cur(s: dict[str, Any]) -> str:
-    return r.template_hashes(s["spec"]["template"])[0]
+    return template_hashes(s["spec"]["template"])[0]
 
 
 def test_victims_are_not_ready_first_then_fewest_in_flight() -> None:
@@ -991,24 +1007,24 @@ def test_victims_are_not_ready_first_then_fewest_in_flight() -> None:
         set_unit("c", "h", ready=False, in_flight=4),
         set_unit("d", "h", in_flight=0),
     ]
-    assert [u["metadata"]["name"] for u in r.pick_victims(units, 3)] == ["c", "d", "b"]
+    assert [u["metadata"]["name"] for u in pick_victims(units, 3)] == ["c", "d", "b"]
 
 
 def test_victim_ties_go_to_the_newest_unit() -> None:
     units = [set_unit("old", "h", created=0), set_unit("new", "h", created=100)]
-    assert r.pick_victims(units, 1)[0]["metadata"]["name"] == "new"
+    assert pick_victims(units, 1)[0]["metadata"]["name"] == "new"
 
 
 def test_scale_up_creates_the_missing_units() -> None:
     s = a_set(3)
-    plan = r.plan_units(s, [set_unit("a", cur(s))])
+    plan = plan_units(s, [set_unit("a", cur(s))])
     assert plan.kinds() == ["create", "create"]
 
 
 def test_scale_down_drains_the_units_with_fewest_streams() -> None:
     s = a_set(1)
     h = cur(s)
-    plan = r.plan_units(
+    plan = plan_units(
         s,
         [
             set_unit("a", h, in_flight=5),
@@ -1022,7 +1038,7 @@ def test_scale_down_drains_the_units_with_fewest_streams() -> None:
 def test_drained_units_are_deleted_and_draining_ones_left_alone() -> None:
     s = a_set(1)
     h = cur(s)
-    plan = r.plan_units(
+    plan = plan_units(
         s,
         [
             set_unit("a", h),
@@ -1036,24 +1052,24 @@ def test_drained_units_are_deleted_and_draining_ones_left_alone() -> None:
 def test_scale_up_reclaims_a_draining_unit_before_creating() -> None:
     s = a_set(2)
     h = cur(s)
-    plan = r.plan_units(s, [set_unit("a", h), set_unit("b", h, draining=True, ready=False)])
+    plan = plan_units(s, [set_unit("a", h), set_unit("b", h, draining=True, ready=False)])
     assert [(a.kind, a.unit) for a in plan.actions] == [("undrain", "b")]
 
 
 def test_rollout_waits_for_the_surged_unit_before_draining_an_old_one() -> None:
     s = a_set(2, image="img:2")
     units = [set_unit("a", "old"), set_unit("b", "old")]
-    assert r.plan_units(s, units).kinds() == ["create"]
+    assert plan_units(s, units).kinds() == ["create"]
     units.append(set_unit("n1", cur(s), ready=False))
-    assert r.plan_units(s, units).kinds() == [], "drained an old unit before the new one was Ready"
+    assert plan_units(s, units).kinds() == [], "drained an old unit before the new one was Ready"
     units[-1] = set_unit("n1", cur(s), ready=True)
-    plan = r.plan_units(s, units)
+    plan = plan_units(s, units)
     assert plan.kinds() == ["drain"]
 
 
 def test_rollout_replaces_a_not_ready_old_unit_at_once() -> None:
     s = a_set(2, image="img:2")
-    plan = r.plan_units(s, [set_unit("a", "old"), set_unit("b", "old", ready=False)])
+    plan = plan_units(s, [set_unit("a", "old"), set_unit("b", "old", ready=False)])
     assert sorted((a.kind, a.unit) for a in plan.actions) == [("create", None), ("drain", "b")]
 
 
@@ -1071,7 +1087,7 @@ def simulate(
                 u["status"].update(phase="Drained", ready=False)
             elif u["status"]["phase"] == "Starting":
                 u["status"].update(phase="Ready", ready=True)
-        plan = r.plan_units(s, units)
+        plan = plan_units(s, units)
         for a in plan.actions:
             if a.kind == "create":
                 counter += 1
@@ -1143,7 +1159,7 @@ def test_default_rollout_replaces_one_unit_at_a_time() -> None:
 def test_set_status_counts_and_selector() -> None:
     s = a_set(2, image="img:2")
     h = cur(s)
-    st = r.set_status(
+    st = set_status(
         s,
         [set_unit("a", h), set_unit("b", "old", ready=False), set_unit("c", h, draining=True)],
         T0,
@@ -1161,7 +1177,7 @@ def test_set_status_counts_and_selector() -> None:
 def test_new_unit_is_owned_by_the_set_and_labelled_with_the_template_hash() -> None:
     s = a_set(1)
     s["spec"]["template"]["metadata"] = {"labels": {"team": "tts"}}
-    u = r.new_unit(s, "0123456789")
+    u = new_unit(s, "0123456789")
     assert u["metadata"]["generateName"] == "tts-01234-"
     assert u["metadata"]["labels"] == {
         "team": "tts",
@@ -1183,11 +1199,11 @@ def test_template_hash_leaves_out_fields_at_their_api_defaults() -> None:
     upgrade adding a defaulted field must not change the hash (it would roll every unit)."""
     bare = a_set(1)["spec"]["template"]
     served = {"spec": {**bare["spec"], "transfer": "auto", "decoders": 1, "device": "cuda", "lbPort": 8000}}
-    assert r.template_hashes(served)[0] == r.template_hashes(bare)[0]
-    assert r.template_hashes(served)[1] != r.template_hashes(bare)[1]  # the legacy hash sees them
-    assert r.template_hashes({"spec": {**bare["spec"], "decoders": 2}})[0] != r.template_hashes(bare)[0]
+    assert template_hashes(served)[0] == template_hashes(bare)[0]
+    assert template_hashes(served)[1] != template_hashes(bare)[1]  # the legacy hash sees them
+    assert template_hashes({"spec": {**bare["spec"], "decoders": 2}})[0] != template_hashes(bare)[0]
     unit_spec = {**bare["spec"], "draining": True}
-    assert r.spec_hashes({**unit_spec, "transfer": "auto"})[0] == r.spec_hashes(unit_spec)[0]
+    assert spec_hashes({**unit_spec, "transfer": "auto"})[0] == spec_hashes(unit_spec)[0]
 
 
 def test_units_labelled_with_the_legacy_hash_are_current_and_get_relabelled() -> None:
@@ -1195,11 +1211,11 @@ def test_units_labelled_with_the_legacy_hash_are_current_and_get_relabelled() ->
     template (no rollout on upgrade), and are relabelled once."""
     s = a_set(2)
     s["spec"]["template"]["spec"]["transfer"] = "auto"  # as served: a default filled in
-    current, legacy = r.template_hashes(s["spec"]["template"])
+    current, legacy = template_hashes(s["spec"]["template"])
     assert current != legacy
     units = [set_unit("a", legacy), set_unit("b", current)]
-    plan = r.plan_units(s, units)
+    plan = plan_units(s, units)
     assert plan.kinds() == ["relabel"]
     assert (plan.actions[0].unit, plan.actions[0].template_hash) == ("a", current)
-    assert r.set_status(s, units, T0)["updatedReplicas"] == 2
-    assert r.plan_units(s, [set_unit("a", current), set_unit("b", current)]).kinds() == []
+    assert set_status(s, units, T0)["updatedReplicas"] == 2
+    assert plan_units(s, [set_unit("a", current), set_unit("b", current)]).kinds() == []
