@@ -11,6 +11,7 @@ transformers is imported only when a codec is built, so `import pdunit.engine` s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,14 +34,15 @@ class MimiCodec:
         self.frame_rate = float(cfg.frame_rate)
         self.num_codebooks = int(cfg.num_quantizers)
         self.codebook_size = int(cfg.codebook_size)
-        self.samples_per_frame = int(cfg.latent_stride * int(np.prod(cfg.upsampling_ratios)))
+        self.samples_per_frame = int(cfg.latent_stride) * math.prod(cfg.upsampling_ratios or ())
 
     @classmethod
     def from_directory(cls, path: str, device: str = "cpu") -> MimiCodec:
         """Load a codec saved with `save_pretrained` (local files only, never a download)."""
         from transformers import MimiModel
 
-        return cls(MimiModel.from_pretrained(path, local_files_only=True).to(device))
+        model: Any = MimiModel.from_pretrained(path, local_files_only=True)
+        return cls(model.to(device))
 
     def encode(self, samples: np.ndarray) -> np.ndarray:
         """Mono float samples at `sample_rate` -> codes [num_codebooks, frames] (int64)."""
@@ -103,7 +105,7 @@ class MimiStreamDecoder:
         from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d
 
         transposed = [self._decoder.upsample] if self._decoder.upsample is not None else []
-        convs = []
+        convs: list[Any] = []
         for module in self._decoder.decoder_seanet.modules():
             if isinstance(module, MimiConvTranspose1d):
                 transposed.append(module)
@@ -195,7 +197,8 @@ class MimiStreamDecoder:
             per_layer_padding_mode=[c.pad_mode for c in self._convs],
             per_layer_in_channels=[c.in_channels for c in self._convs],
         )
-        cache.padding_cache = [torch.stack([s.context[i] for s in streams]) for i in range(len(self._convs))]
+        contexts = [torch.stack([s.context[i] for s in streams]) for i in range(len(self._convs))]
+        cache.padding_cache = contexts  # type: ignore[assignment]  # updated in place per layer
         for layer in self._decoder.decoder_seanet.layers:
             if isinstance(layer, MimiConvTranspose1d):
                 x, t = self._transpose(t, x, streams), t + 1
@@ -203,7 +206,7 @@ class MimiStreamDecoder:
                 x = layer(x, padding_cache=cache)
             else:
                 x = layer(x)
-        for i, ctx in enumerate(cache.padding_cache):
+        for i, ctx in enumerate(contexts):
             for s, row in zip(streams, ctx, strict=True):
                 s.context[i] = row
         return x[:, 0, :]  # mono: [B, n x samples_per_frame]
