@@ -88,7 +88,7 @@ def test_a_local_unit_passes_the_prefill_options_to_p_and_the_monolith_only(tmp_
     assert not any(a.startswith("--prefill-g") for a in pd["decode"] + pd["lb"])
     mono = argv_of(mode="monolith", prefill_graphs=False)
     assert "--no-prefill-graphs" in mono["monolith"] and "--prefill-gemm" not in mono["monolith"]
-    # the defaults add nothing: the commands stay the pod's (operator/reconcile.py)
+    # the defaults add nothing: the commands stay the pod's (engine/unit_layout.py)
     assert not any(a.startswith("--prefill-g") for argv in argv_of(mode="pd").values() for a in argv)
     from pdunit.engine.prefill.main import PrefillConfig
 

@@ -65,7 +65,7 @@ seccompProfile:
   type: RuntimeDefault
 {{- end -}}
 
-{{/* The named ports a unit pod serves /metrics on (operator/reconcile.py metrics_port; the
+{{/* The named ports a unit pod serves /metrics on (operator/pod.py metrics_port; the
 LB's on http): the PodMonitor scrapes them, the NetworkPolicy admits Prometheus to them.
 Comma-separated: splitList "," (include "pdunit.unitMetricsPorts" .). */}}
 {{- define "pdunit.unitMetricsPorts" -}}
