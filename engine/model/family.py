@@ -1,4 +1,4 @@
-"""The model-family seam: one registry from a checkpoint's `model_type` to its family.
+"""The model-family seam: the `ModelFamily` interface every family implements.
 
 A family (one file each, engine/model/family_<name>.py; docs/models.md) owns what
 differs between models: parsing its
@@ -6,6 +6,7 @@ checkpoint's config.json into the engine's ModelConfig (plus extras of its own),
 map from checkpoint tensor names to the engine's, the row embedding and the frame
 generator it gives the shared backbone (engine/model/transformer.py). This module must
 never hold backbone math, and nothing outside engine/model/ may branch on a family.
+The registry (`model_type` -> family) is engine/model/registry.py: it imports the families.
 """
 
 from __future__ import annotations
@@ -50,25 +51,3 @@ class ModelFamily(ABC):
     def ignored(self, checkpoint_name: str) -> bool:
         """True for a checkpoint tensor the family deliberately does not load."""
         return False
-
-
-def _registry() -> dict[str, ModelFamily]:
-    from pdunit.engine.model.family_csm import CsmFamily
-    from pdunit.engine.model.family_pdunit import PdunitFamily
-
-    return {f.model_type: f for f in (PdunitFamily(), CsmFamily())}
-
-
-def family_for(model_type: str) -> ModelFamily:
-    """The family registered for `model_type`; an unknown one lists the supported."""
-    families = _registry()
-    if model_type not in families:
-        raise ValueError(
-            f"config.json model_type {model_type!r} is not a supported model family; "
-            f"supported: {', '.join(sorted(families))} (docs/models.md says how to add one)"
-        )
-    return families[model_type]
-
-
-def model_types() -> list[str]:
-    return sorted(_registry())

@@ -1,7 +1,7 @@
 """Building a TTSModel from a model spec: deterministic random weights or a checkpoint.
 
 Owns the two spec forms. A checkpoint is a local directory with `config.json`, whose
-`model_type` selects the model family (engine/model/family.py; absent = `pdunit`), and
+`model_type` selects the model family (engine/model/registry.py; absent = `pdunit`), and
 `model.safetensors` or sharded files with `model.safetensors.index.json`
 (engine/model/checkpoint.py). Every problem is one ValueError at load, naming the field,
 tensor or file. Must never fetch anything from the network: a spec is either
@@ -34,7 +34,8 @@ from pdunit.engine.model.checkpoint import (
     read_tensors,
 )
 from pdunit.engine.model.config import ModelConfig, dtype_name, get_config, torch_dtype
-from pdunit.engine.model.family import ParsedConfig, family_for
+from pdunit.engine.model.family import ParsedConfig
+from pdunit.engine.model.registry import family_for
 from pdunit.engine.model.transformer import TTSModel
 
 CONFIG_FILE = "config.json"

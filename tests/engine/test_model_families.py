@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdunit.engine.model.config import CONFIGS, ModelConfig
-from pdunit.engine.model.family import family_for, model_types
 from pdunit.engine.model.loader import load_model, save_model
+from pdunit.engine.model.registry import family_for, model_types
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 
 
