@@ -7,8 +7,7 @@ non-draining unit's `GET /v1/load` (a LoadDocument) with a short timeout and cac
 its Prometheus metrics. Must never write to the Kubernetes API, count a unit it could
 not scrape as zero load (it is excluded, logged, counted; when none answered the RPC
 fails UNAVAILABLE, so KEDA keeps the size), or let one slow unit hold a poll past the
-scrape timeout. Standalone: `python -m pdunit.operator.scaler --port 9090 [--units-file F]`.
-"""
+scrape timeout. Also standalone: `python -m pdunit.operator.scaler --port 9090`."""
 
 from __future__ import annotations
 

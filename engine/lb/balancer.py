@@ -125,7 +125,6 @@ class LoadBalancer:
         self.ids = RequestIds()
         self.limits: Limits | None = None
         self.decode_names = decode_names(len(config.decode_sockets()))
-        self.hello: pb.HelloReply | None = None  # the first D's (the only one of a 1P1D unit)
         self.hellos: list[pb.HelloReply | None] = [None] * len(self.decode_names)
         self.hello_error = "D's Hello not answered yet"
         self.config_error = ""
@@ -137,11 +136,6 @@ class LoadBalancer:
         self.unit: UnitClient | None = None
         self.subscriptions: list[FrameSubscription] = []
         self._tasks: list[asyncio.Task[None]] = []
-
-    @property
-    def subscription(self) -> FrameSubscription | None:
-        """The first D's frames subscription (the only one of a 1P1D unit)."""
-        return self.subscriptions[0] if self.subscriptions else None
 
     def _subscriptions_changed(self) -> None:
         up = bool(self.subscriptions) and all(s.up for s in self.subscriptions)
@@ -259,8 +253,6 @@ class LoadBalancer:
             self.hello_error = f"{who}'s Hello failed: {exc.code().name}: {exc.details()}"
             return
         self.hellos[index] = reply
-        if index == 0:
-            self.hello = reply
         first = self.hellos[0]
         if first is None:
             return  # checked against the first D once it answers
@@ -400,8 +392,8 @@ class LoadBalancer:
             "vocab_sizes": list(self.limits.vocab_sizes),
             "eos_id": self.config.eos_id
             if self.config.eos_id is not None
-            else self.hello.eos_id
-            if self.hello is not None
+            else self.hellos[0].eos_id
+            if self.hellos[0] is not None
             else None,
             "max_rows": self.limits.max_rows,
             "max_frames_limit": self.limits.max_frames_limit,
@@ -514,8 +506,9 @@ class LoadBalancer:
             # and cannot answer Submit: the client hears at once (PROTOCOL.md 3.4).
             await asyncio.wait({submit, first_event}, timeout=remaining,
                                return_when=asyncio.FIRST_COMPLETED)
-            if first_event.done() and isinstance(first_event.result(), StreamFailure):
-                raise self._failure(first_event.result())
+            early = first_event.result() if first_event.done() else None
+            if isinstance(early, StreamFailure):
+                raise self._failure(early)
             if not submit.done():
                 # the first frame is already here (or the deadline passed): P's answer
                 # follows the commit at once; wait for it for its stamps and counts

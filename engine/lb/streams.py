@@ -1,23 +1,11 @@
 """The LB's stream table and its subscriptions to D's frames (one per D of the unit).
 
-Owns: the map request_id -> `Stream` (registered BEFORE the prompt goes to P, so no
-frame can arrive for an unknown stream), dispatching each `StepFrames` message of
-`Decode.Frames` into the per-stream queues, and the subscription's life: one
-background task, reconnect with backoff when D restarts, and on every break every
-stream in flight fails with a clear error (a stream whose frames may have been lost
-must never look healthy). With several D's (1P2D) P picks the D, so the LB learns a
-stream's D from the subscription its first frame or error came on (`Stream.decode`);
-a break of D i's subscription fails the streams of D i and every stream whose D is not
-known yet (its first frame may be the one lost).
-
-Contract with D (engine/proto/pdunit.proto): D sends every frame of a stream through
-Frames, the first frame (computed by P) included; `finished` is 1 (eos) or 2 (length)
-on a stream's last frame; `errors` ends a stream with a Status; `stamps` carries stage
-timestamps for streams that just started or finished. D must send the call's initial
-metadata (or any first message, an empty StepFrames is fine) as soon as the subscriber
-is registered: the LB counts the subscription live only from then on.
-
-Never: talk HTTP, call P, or decide what a client sees (app.py does).
+Owns the map request_id -> `Stream` (registered BEFORE the prompt goes to P, so no frame
+arrives for an unknown stream), dispatching each `Decode.Frames` message into the
+streams' queues, and each subscription's life: reconnect with backoff when D restarts,
+and on every break fail each stream it may have carried (its D's, and those whose D is
+not known yet: a lost frame must never look healthy). What D must send is docs/api.md's
+"In-pod contract". Never: talk HTTP, call P, or decide what a client sees (balancer.py).
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """Turning logits into frames: greedy, or seeded sampling that is the same in every mode.
 
-Owns the sampling rules of a request (temperature, top-k, seed, EOS suppression). Must
-never depend on which other requests share the batch, the batch order or the device:
-PD and monolith must produce identical frames for identical inputs.
-
-Rules, precisely:
-- `frame_index` counts a stream's frames from 0 (the first frame, computed by prefill).
-- EOS (column 0 == `eos_id`) is suppressed while `frame_index < min_frames`: a stream
-  has at least `min_frames` frames before the frame that ends it.
-- `max_frames` bounds the frames a stream produces (the first included); the worker
-  stops the stream after frame `max_frames - 1`. The sampler never forces EOS.
-- Greedy when `temperature == 0`: per column, the first index of the largest logit.
-- Otherwise, per column: logits / temperature, top-k filter (`top_k == 0`: the whole
-  vocabulary; ties with the k-th value are kept), softmax weights in float64, then
-  inverse-CDF with one uniform per column. The uniform of (seed, frame_index, column)
-  is a counter-based draw: key = SplitMix64(SplitMix64(seed) ^ frame_index), then
-  u = (SplitMix64(key + (column + 1) * 0x9E3779B97F4A7C15) >> 11) * 2**-53. Integer
-  arithmetic only, so the draw is identical on every machine and for every batch
-  composition, and vectorised over a whole step's streams (one generator object per
-  stream and step cost D ~15 us each, ~2 ms of host time per step at 128 streams).
-
-Two entry points with the same rules and the same draws: `sample_frames` (logits ->
-numpy frames on the host; P, the monolith, D without overlap) and
-`sample_frames_device` (logits -> int32 frames on the logits' device, no host sync; D's
-overlap scheduler, which feeds them to the next step without a round-trip). The device
-form takes a `SamplingBatch` built on the host beforehand (`sampling_batch`): the
-uniforms, temperatures and top-k of each row do not depend on the logits. Greedy rows
-are the same argmax in both. Sampled rows run the same float64 operations in the same
-order (division, top-k threshold, exp, a cumulative sum, one comparison); the frame
-could differ only if a device's float64 exp or cumsum rounded differently from
-numpy's AND the uniform fell within that rounding of a CDF boundary (odds far below
-1e-12 per draw); tests/engine/test_sampling.py checks equality on CPU and on CUDA.
+Owns the sampling rules of a request (`SamplingParams`: temperature, top-k, seed, EOS
+suppression, frame bounds) and two entry points with the same rules and the same
+draws: `sample_frames` (to numpy on the host: P, the monolith, D without overlap) and
+`sample_frames_device` (on the logits' device, no host sync: D's overlap scheduler).
+Must never depend on which other requests share the batch, the batch order or the
+device: PD and the monolith must produce identical frames for identical inputs. Its
+wire form is engine/proto/sampling.py's (this package imports no protocol).
 """
 
 from __future__ import annotations
@@ -45,6 +21,11 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling. A stream's frames count from 0 (the first, computed by
+    prefill); EOS (column 0 == eos_id) is suppressed while the frame index is below
+    `min_frames`; `max_frames` bounds the frames (the first included): the worker stops
+    the stream after frame `max_frames - 1`, the sampler never forces EOS."""
+
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
@@ -89,7 +70,13 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 
 def draw_uniforms(seeds: list[int], frame_index: list[int], n_columns: int) -> np.ndarray:
     """float64 [n, n_columns] in [0, 1): row i holds the uniforms of frame
-    `frame_index[i]` of a stream seeded `seeds[i]` (the module docstring's rule)."""
+    `frame_index[i]` of a stream seeded `seeds[i]`.
+
+    A counter-based draw: key = SplitMix64(SplitMix64(seed) ^ frame_index), then
+    u = (SplitMix64(key + (column + 1) * 0x9E3779B97F4A7C15) >> 11) * 2**-53. Integer
+    arithmetic only, so identical on every machine and for every batch, and vectorised
+    over a step's streams (a generator object per stream and step costs D too much
+    host time at large batches)."""
     keys = np.array([_splitmix64(_splitmix64(s & _MASK64) ^ (f & _MASK64)) for s, f in
                      zip(seeds, frame_index, strict=True)], dtype=np.uint64)
     counters = (np.arange(1, n_columns + 1, dtype=np.uint64) * _GOLDEN)[None, :]
@@ -101,7 +88,12 @@ def draw_uniforms(seeds: list[int], frame_index: list[int], n_columns: int) -> n
 def sample_frames(
     logits: torch.Tensor, params: list[SamplingParams], frame_index: list[int], eos_id: int
 ) -> np.ndarray:
-    """logits [n, C, V] -> int32 frames [n, C]. Row i follows params[i] at frame_index[i]."""
+    """logits [n, C, V] -> int32 frames [n, C]. Row i follows params[i] at frame_index[i].
+
+    Greedy when temperature == 0: per column, the first index of the largest logit.
+    Otherwise, per column: logits / temperature, the top-k filter (top_k == 0: the whole
+    vocabulary; ties with the k-th value are kept), softmax weights in float64, then
+    inverse-CDF with one uniform per column (`draw_uniforms`)."""
     if logits.dim() != 3:
         raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [n, C, V]")
     n, n_cols, _ = logits.shape
@@ -222,7 +214,13 @@ def sampling_batch(
 def sample_frames_device(logits: torch.Tensor, sb: SamplingBatch, eos_id: int) -> torch.Tensor:
     """logits [n, C, V] -> int32 frames [n, C] on the logits' device, with the frames
     `sample_frames` returns for the same params and frame indices. No host sync: every
-    shape and row list is known on the host."""
+    shape and row list is known on the host (`sampling_batch`).
+
+    Greedy rows are the same argmax. Sampled rows run the same float64 operations in the
+    same order (division, top-k threshold, exp, a cumulative sum, one comparison): a
+    frame could differ only if a device's exp or cumsum rounded differently from numpy's
+    AND the uniform fell within that rounding of a CDF boundary (odds far below 1e-12 a
+    draw); tests/engine/test_sampling.py checks equality on CPU and on CUDA."""
     if logits.dim() != 3 or logits.shape[0] != sb.n_rows:
         raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [{sb.n_rows}, C, V]")
     logits = logits.float()

@@ -6,7 +6,7 @@ and the decision (`pick`): consistent hashing with bounded load for session keys
 least-loaded otherwise, over routable units with headroom first. Load and headroom are
 the unit's last report corrected by the streams this router opened since (the report
 lags). A unit is routable only when discovery and its last poll say ready and not
-draining and nothing refused a stream since. Must never proxy HTTP (app.py does).
+draining and nothing refused a stream since. Must never proxy HTTP (proxy.py does).
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def test_decode_subscription_break_fails_streams_with_an_error_record_then_recon
         assert rest[-1]["error"]["code"] == "decode_unavailable"
         assert "fake D went away" in rest[-1]["error"]["message"]
         assert all("frame" in r for r in rest[:-1])
-        wait_until(lambda: lb.lb.subscription.connects == 2, what="resubscribe")
+        wait_until(lambda: lb.lb.subscriptions[0].connects == 2, what="resubscribe")
         wait_until(lambda: c.get("/readyz").status_code == 200, what="ready again")
         again = c.post("/v1/tts/stream", json={"prompt": prompt(), "max_frames": 3})
         assert ndjson(again)[-1]["frames"] == 3
@@ -453,7 +453,7 @@ def test_a_new_decode_instance_is_asked_hello_again(start_lb, fake_unit):
     hellos = len(fake_unit.decode.hellos)
     fake_unit.decode.instance_id = "restarted-d"
     wait_until(
-        lambda: lb.lb.hello is not None and lb.lb.hello.instance_id == "restarted-d",
+        lambda: lb.lb.hellos[0] is not None and lb.lb.hellos[0].instance_id == "restarted-d",
         what="Hello to the new D",
     )
     assert len(fake_unit.decode.hellos) == hellos + 1
