@@ -14,8 +14,8 @@ import pytest
 import uvicorn
 
 from pdunit.bench.capacity import CapacityConfig, main, run_capacity
-from pdunit.engine.loadgen.driver import StreamResult, summarize_level
 from pdunit.engine.lb.main import _Server, bind_socket
+from pdunit.engine.loadgen.driver import StreamResult, summarize_level
 
 
 @dataclass
