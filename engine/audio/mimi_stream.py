@@ -1,11 +1,12 @@
 """The Mimi codec for CSM: encode a clip to codes, and decode frames to PCM as they come.
 
-Owns each stream's codec state (`MimiStreamDecoder`): the transposed convolutions' pending
-overlap, the causal convolutions' left context (transformers' MimiConv1dPaddingCache) and
-the decoder transformer's KV (transformers' DynamicCache, cropped to its sliding window),
-so the concatenated chunks equal `MimiModel.decode` of all the frames. It runs
-transformers' modules and weights; it must never re-implement a codec layer, nor decode
-overlapping windows and cross-fade them (the audible stutter it exists to prevent).
+Owns each stream's codec state (`MimiStreamDecoder`, a slot of batched tensors): the
+transposed convolutions' pending overlap, the causal convolutions' left context (through
+transformers' MimiConv1dPaddingCache) and the decoder transformer's KV of its sliding
+window (through transformers' DynamicCache), so the concatenated chunks equal
+`MimiModel.decode` of all the frames. It runs transformers' modules and weights; it must
+never re-implement a codec layer, nor decode overlapping windows and cross-fade them (the
+audible stutter it exists to prevent).
 transformers is imported only when a codec is built, so `import pdunit.engine` stays light.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,22 +57,15 @@ class MimiCodec:
         return MimiStreamDecoder(self)
 
 
-@dataclass
-class _Stream:
-    tokens: int = 0  # decoder-transformer positions seen (frames x latent_stride)
-    pending: list[torch.Tensor] = field(default_factory=list)  # per transposed conv [C, k-s]
-    context: list[torch.Tensor] = field(default_factory=list)  # per causal conv [C, pad]
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer
-
-
 class MimiStreamDecoder:
     """Decodes many streams' frames with each stream's own codec state, batched per call.
 
     `push_many({id: codes [K, n]})` decodes the new frames of several streams in one batch
     per distinct `n` and returns each stream's PCM chunk (float32, n x samples_per_frame).
-    A stream exists from `open` to `close`; `close` frees its state."""
+    A stream holds a slot of the batched state tensors from `open` to `close` (its slot
+    is then free for the next stream); slots grow by doubling from `slots`."""
 
-    def __init__(self, codec: MimiCodec) -> None:
+    def __init__(self, codec: MimiCodec, slots: int = 8) -> None:
         self.codec = codec
         model = codec.model
         cfg = model.config
@@ -87,6 +80,11 @@ class MimiStreamDecoder:
                 raise ValueError(
                     f"codec config {name}={value!r} is not streamable here; Mimi's is {wanted!r}"
                 )
+        if not isinstance(cfg.sliding_window, int) or cfg.sliding_window < 2:
+            raise ValueError(
+                f"codec config sliding_window={cfg.sliding_window!r}: streaming keeps the last "
+                "sliding_window - 1 positions' KV, so it needs an integer >= 2 (Mimi's is 250)"
+            )
         impl = cfg._attn_implementation
         if impl not in ("eager", "sdpa"):
             raise ValueError(
@@ -95,11 +93,21 @@ class MimiStreamDecoder:
             )
         self._decoder = model.decoder
         self._quantizer = model.quantizer
-        self._window = cfg.sliding_window
+        self._past = cfg.sliding_window - 1  # KV positions a stream keeps
         self._dtype = next(model.parameters()).dtype
         self._device = next(model.parameters()).device
         self._convs, self._transposed = self._index_layers()
-        self._streams: dict[str, _Stream] = {}
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
+        # The state, one row per slot: [slots, ...] each.
+        self._shapes = (
+            [(c.in_channels, int(c.padding_total)) for c in self._convs]  # left context
+            + [(m.conv.out_channels, m.conv.kernel_size[0] - m.conv.stride[0]) for m in self._transposed]
+            + [(heads, self._past, dim)] * (2 * cfg.num_hidden_layers)  # keys, values per layer
+        )
+        self._state = [torch.zeros(slots, *shape, device=self._device, dtype=self._dtype) for shape in self._shapes]
+        self._seen = torch.zeros(slots, dtype=torch.int64, device=self._device)  # positions
+        self._slot: dict[str, int] = {}
+        self._free = list(range(slots - 1, -1, -1))
 
     def _index_layers(self) -> tuple[list[Any], list[Any]]:
         from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d
@@ -122,26 +130,30 @@ class MimiStreamDecoder:
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        return len(self._slot)
 
     def __contains__(self, stream_id: object) -> bool:
-        return stream_id in self._streams
+        return stream_id in self._slot
 
     def open(self, stream_id: str) -> None:
-        if stream_id in self._streams:
+        if stream_id in self._slot:
             raise ValueError(f"stream {stream_id!r} is already open")
-        zeros = dict(device=self._device, dtype=self._dtype)
-        self._streams[stream_id] = _Stream(
-            pending=[
-                torch.zeros(m.conv.out_channels, m.conv.kernel_size[0] - m.conv.stride[0], **zeros)
-                for m in self._transposed
-            ],
-            context=[torch.zeros(c.in_channels, int(c.padding_total), **zeros) for c in self._convs],
-        )
+        if not self._free:
+            n = self._seen.shape[0]
+            self._state = [torch.cat([t, torch.zeros_like(t)]) for t in self._state]
+            self._seen = torch.cat([self._seen, torch.zeros_like(self._seen)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        slot = self._free.pop()
+        for t in self._state:
+            t[slot].zero_()
+        self._seen[slot] = 0
+        self._slot[stream_id] = slot
 
     def close(self, stream_id: str) -> None:
-        """Free the stream's state (idempotent: a stream closed twice is not an error)."""
-        self._streams.pop(stream_id, None)
+        """Free the stream's slot (idempotent: a stream closed twice is not an error)."""
+        slot = self._slot.pop(stream_id, None)
+        if slot is not None:
+            self._free.append(slot)
 
     def push(self, stream_id: str, codes: np.ndarray | torch.Tensor) -> np.ndarray:
         return self.push_many({stream_id: codes})[stream_id]
@@ -149,20 +161,21 @@ class MimiStreamDecoder:
     def push_many(self, frames: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
         groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for stream_id, codes in frames.items():
-            if stream_id not in self._streams:
+            if stream_id not in self._slot:
                 raise KeyError(f"stream {stream_id!r} is not open")
             c = self._check(stream_id, codes)
             groups.setdefault(c.shape[1], []).append((stream_id, c))
         out: dict[str, np.ndarray] = {}
         with torch.inference_mode():
             for group in groups.values():
-                pcm = self._decode([s for s, _ in group], torch.stack([c for _, c in group]))
+                slots = torch.tensor([self._slot[s] for s, _ in group], device=self._device)
+                pcm = self._decode(slots, torch.stack([c for _, c in group]).to(self._device))
                 for (stream_id, _), chunk in zip(group, pcm.float().cpu().numpy(), strict=True):
                     out[stream_id] = chunk
         return out
 
     def _check(self, stream_id: str, codes: np.ndarray | torch.Tensor) -> torch.Tensor:
-        c = torch.as_tensor(codes).to(self._device, torch.int64)
+        c = torch.as_tensor(codes).to(torch.int64)
         k, size = self.codec.num_codebooks, self.codec.codebook_size
         if c.ndim != 2 or c.shape[0] != k or c.shape[1] < 1:
             raise ValueError(
@@ -177,7 +190,7 @@ class MimiStreamDecoder:
             )
         return c
 
-    def _decode(self, ids: list[str], codes: torch.Tensor) -> torch.Tensor:
+    def _decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         from transformers.models.mimi.modeling_mimi import (
             MimiConv1d,
             MimiConv1dPaddingCache,
@@ -185,88 +198,66 @@ class MimiStreamDecoder:
             MimiResnetBlock,
         )
 
-        streams = [self._streams[i] for i in ids]
+        n_conv, n_trans = len(self._convs), len(self._transposed)
+        state = [t.index_select(0, slots) for t in self._state]  # this batch's rows
         x = self._quantizer.decode(codes).to(self._dtype)
         t = 0
         if self._decoder.upsample is not None:
-            x, t = self._transpose(0, x, streams), 1
-        x = self._transformer(x, streams)
+            x, t = self._transpose(t, x, state[n_conv + t]), 1
+        x = self._transformer(x, slots, state[n_conv + n_trans :])
         cache = MimiConv1dPaddingCache(
-            num_layers=len(self._convs),
+            num_layers=n_conv,
             per_layer_padding=[int(c.padding_total) for c in self._convs],
             per_layer_padding_mode=[c.pad_mode for c in self._convs],
             per_layer_in_channels=[c.in_channels for c in self._convs],
         )
-        contexts = [torch.stack([s.context[i] for s in streams]) for i in range(len(self._convs))]
+        contexts = state[:n_conv]
         cache.padding_cache = contexts  # type: ignore[assignment]  # updated in place per layer
         for layer in self._decoder.decoder_seanet.layers:
             if isinstance(layer, MimiConvTranspose1d):
-                x, t = self._transpose(t, x, streams), t + 1
+                x, t = self._transpose(t, x, state[n_conv + t]), t + 1
             elif isinstance(layer, (MimiConv1d, MimiResnetBlock)):
                 x = layer(x, padding_cache=cache)
             else:
                 x = layer(x)
-        for i, ctx in enumerate(contexts):
-            for s, row in zip(streams, ctx, strict=True):
-                s.context[i] = row
+        state[:n_conv] = contexts  # the cache replaced each layer's context
+        for full, rows in zip(self._state, state, strict=True):
+            full.index_copy_(0, slots, rows)
         return x[:, 0, :]  # mono: [B, n x samples_per_frame]
 
-    def _transpose(self, index: int, x: torch.Tensor, streams: list[_Stream]) -> torch.Tensor:
+    def _transpose(self, index: int, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
         """A causal transposed conv streamed: the tail of each output (k - s samples, which
-        the next frames still add to) waits in the stream's pending sums."""
+        the next frames still add to) waits in `pending`, updated in place."""
         conv = self._transposed[index].conv
         y = F.conv_transpose1d(x, conv.weight, None, conv.stride, 0, 0, conv.groups, 1)
         tail = conv.kernel_size[0] - conv.stride[0]
         emit = x.shape[-1] * conv.stride[0]
-        y[..., :tail] += torch.stack([s.pending[index] for s in streams])
-        for s, row in zip(streams, y[..., emit:], strict=True):
-            s.pending[index] = row
+        y[..., :tail] += pending
+        pending.copy_(y[..., emit:])
         out = y[..., :emit]
         return out if conv.bias is None else out + conv.bias[None, :, None]
 
-    def _transformer(self, x: torch.Tensor, streams: list[_Stream]) -> torch.Tensor:
-        """The decoder transformer over the new positions, each stream's past KV left-padded
-        to the batch's longest and masked (causal, sliding window, padding)."""
+    def _transformer(self, x: torch.Tensor, slots: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+        """The decoder transformer over the new positions after each stream's last
+        `sliding_window - 1` positions' KV (`kv`: keys, values per layer, updated in place);
+        the mask is causal, the sliding window, and hides the slots of positions before 0."""
         from transformers import DynamicCache
 
-        b, q = x.shape[0], x.shape[-1]
-        past = [s.kv[0][0].shape[1] if s.kv else 0 for s in streams]
-        longest = max(past)
-        start = torch.tensor([s.tokens for s in streams], device=self._device)
-        steps = torch.arange(q, device=self._device)
-        position_ids = start[:, None] + steps[None, :]  # [B, q]
-        kv_pos = start[:, None] - longest + torch.arange(longest + q, device=self._device)[None, :]
-        real = kv_pos >= (start - torch.tensor(past, device=self._device))[:, None]
-        allowed = real[:, None, :] & (kv_pos[:, None, :] <= position_ids[:, :, None])
-        if self._window is not None:
-            allowed &= kv_pos[:, None, :] > position_ids[:, :, None] - self._window
-        mask = torch.zeros(b, 1, q, longest + q, device=self._device, dtype=self._dtype)
+        b, q, p = x.shape[0], x.shape[-1], self._past
+        seen = self._seen.index_select(0, slots)
+        position_ids = seen[:, None] + torch.arange(q, device=self._device)[None, :]  # [B, q]
+        kv_pos = seen[:, None] - p + torch.arange(p + q, device=self._device)[None, :]
+        q_pos = position_ids[:, :, None]
+        allowed = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos)
+        allowed &= kv_pos[:, None, :] > q_pos - (p + 1)
+        mask = torch.zeros(b, 1, q, p + q, device=self._device, dtype=self._dtype)
         mask.masked_fill_(~allowed[:, None], torch.finfo(self._dtype).min)
-        cache = DynamicCache()
-        if longest:
-            ref = next(s.kv for s in streams if s.kv)
-            cache = DynamicCache(ddp_cache_data=[
-                tuple(torch.stack([_left_padded(s, layer, j, ref, longest) for s in streams]) for j in (0, 1))
-                for layer in range(len(ref))
-            ])
+        cache = DynamicCache(ddp_cache_data=list(zip(kv[0::2], kv[1::2], strict=True)))
         out = self._decoder.decoder_transformer(
             x.transpose(1, 2), attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
         )
-        for i, s in enumerate(streams):
-            lo = longest - past[i]
-            if self._window is not None:  # a later position never sees further back than this
-                lo = max(lo, longest + q - (self._window - 1))
-            s.kv = [(layer.keys[i, :, lo:], layer.values[i, :, lo:]) for layer in out.cache.layers]
-            s.tokens += q
+        for i, layer in enumerate(out.cache.layers):
+            kv[2 * i].copy_(layer.keys[:, :, -p:])
+            kv[2 * i + 1].copy_(layer.values[:, :, -p:])
+        self._seen.index_copy_(0, slots, seen + q)
         return out.last_hidden_state.transpose(1, 2)
-
-
-def _left_padded(
-    stream: _Stream, layer: int, j: int, ref: list[tuple[torch.Tensor, torch.Tensor]], length: int
-) -> torch.Tensor:
-    """A stream's past keys (j=0) or values (j=1) of a layer, left-padded with zeros to
-    `length` (a new stream: all zeros, shaped as `ref`'s)."""
-    if not stream.kv:
-        return ref[layer][j].new_zeros(ref[layer][j].shape[0], length, ref[layer][j].shape[2])
-    t = stream.kv[layer][j]
-    return F.pad(t, (0, 0, length - t.shape[1], 0))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdunit.engine.audio.mimi_stream import MimiCodec
+from pdunit.engine.audio.mimi_stream import MimiCodec, MimiStreamDecoder
 from tests.audio.tiny import tiny_mimi
 
 BOUND = 1e-3  # of full scale (float PCM: 1.0)
@@ -52,11 +52,13 @@ def test_decoding_chunks_without_the_codec_state_breaks_the_bound(codec: MimiCod
     assert np.abs(naive - reference).max() > 100 * BOUND
 
 
-def test_two_interleaved_streams_in_one_batch_each_equal_their_one_shot(codec: MimiCodec) -> None:
+@pytest.mark.parametrize("slots", [1, 8])
+def test_two_interleaved_streams_in_one_batch_each_equal_their_one_shot(codec: MimiCodec, slots: int) -> None:
     """Stream b opens three frames after a; the calls mix new and old streams and
-    different chunk sizes (grouped per size inside one call)."""
+    different chunk sizes (grouped per size inside one call). With one slot, b's open
+    grows the state tensors under a's running state."""
     a, b = codes(2), codes(3, frames=7)
-    decoder = codec.stream_decoder()
+    decoder = MimiStreamDecoder(codec, slots=slots)
     decoder.open("a")
     out_a = [decoder.push("a", a[:, 0:3])]
     decoder.open("b")
@@ -69,8 +71,8 @@ def test_two_interleaved_streams_in_one_batch_each_equal_their_one_shot(codec: M
     assert np.abs(np.concatenate(out_b) - one_shot(codec, b)).max() <= BOUND
 
 
-def test_close_frees_the_stream_and_a_reopened_id_starts_fresh(codec: MimiCodec) -> None:
-    decoder = codec.stream_decoder()
+def test_close_frees_the_stream_and_its_slot_starts_fresh_for_the_next(codec: MimiCodec) -> None:
+    decoder = MimiStreamDecoder(codec, slots=1)
     decoder.open("s")
     decoder.push("s", codes(4, frames=3))
     assert decoder.open_streams == 1
@@ -78,9 +80,9 @@ def test_close_frees_the_stream_and_a_reopened_id_starts_fresh(codec: MimiCodec)
     assert decoder.open_streams == 0 and "s" not in decoder
     with pytest.raises(KeyError, match="'s' is not open"):
         decoder.push("s", codes(4, frames=1))
-    decoder.open("s")
+    decoder.open("t")  # the freed slot, holding s's state until reset
     c = codes(5, frames=4)
-    assert np.abs(decoder.push("s", c) - one_shot(codec, c)).max() <= BOUND
+    assert np.abs(decoder.push("t", c) - one_shot(codec, c)).max() <= BOUND
 
 
 def test_frames_of_the_wrong_shape_or_ids_are_refused_naming_them(codec: MimiCodec) -> None:
