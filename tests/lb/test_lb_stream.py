@@ -385,8 +385,11 @@ def test_decode_draining_turns_readiness_off(start_lb, fake_unit):
     lb = start_lb()
     fake_unit.decode.draining = True
     with lb.client() as c:
-        wait_until(lambda: c.get("/readyz").status_code == 503, what="not ready")
-        assert "D is draining" in c.get("/readyz").json()["reason"]
+        # A 503 alone is not the draining one: before its first probe the LB is not ready
+        # either (for another reason); wait for the answer that names the drain.
+        wait_until(lambda: "D is draining" in c.get("/readyz").json().get("reason", ""),
+                   what="readiness naming the drain")
+        assert c.get("/readyz").status_code == 503
 
 
 def test_metrics_count_requests_frames_validation_and_waterfall_stages(start_lb, fake_unit):
