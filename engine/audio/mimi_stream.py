@@ -212,7 +212,7 @@ class MimiStreamDecoder:
             per_layer_in_channels=[c.in_channels for c in self._convs],
         )
         contexts = state[:n_conv]
-        cache.padding_cache = contexts  # type: ignore[assignment]  # updated in place per layer
+        cache.padding_cache = contexts  # type: ignore[assignment]  # it replaces each entry
         for layer in self._decoder.decoder_seanet.layers:
             if isinstance(layer, MimiConvTranspose1d):
                 x, t = self._transpose(t, x, state[n_conv + t]), t + 1
