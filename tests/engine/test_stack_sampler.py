@@ -46,6 +46,6 @@ def test_p_writes_its_threads_stacks_when_it_stops(tmp_path):
         assert last.get("done") and len(frames) == 8
         assert not path.exists()  # written at the stop, not before
     text = path.read_text()
-    assert "worker.py:_step_once" in text  # P's forward loop
-    assert "worker.py:_reserve_once" in text  # its reserve stage
+    assert "pipeline.py:_forward_once" in text  # P's forward loop
+    assert "pipeline.py:_reserve_once" in text  # its reserve stage
 
