@@ -1,27 +1,13 @@
 """CUDA row-copy kernels for KV pools: copy, gather to staging, scatter from staging.
 
 Owns the one kernel every GPU transport and the nvlink-proxy launch: it copies rows
-`src[plane, src_slots[i]] -> dst[plane, dst_slots[i]]` for every plane (layer x K/V)
-in ONE launch, between any two device pointers the executing context can address
-(local, peer, legacy-IPC-mapped or cuMem-mapped). A row is `n_kv_heads * head_dim`
-elements; the kernel moves bytes, so bf16, fp16 and fp32 pools are the same code, and
-any page size is a slot list. A null slot array means the identity (0..n-1): that is
-gather (dst = staging) and scatter (src = staging).
-
-Launch configuration (`CopyConfig`) is a compile-time parameter of the kernel: a block
-copies `rows` rows with `threads` threads; the block's rows x vectors are flattened and
-each thread issues `unroll` loads before their stores (so `rows * vectors / threads`
-loads per thread are in flight when `unroll` covers them all); `hint` picks the cache
-operators of the loads and stores; `blocks_per_sm` > 0 makes the grid persistent (that
-many blocks per SM loop over the row groups). Vectors are 16 bytes when the row size
-and the pointers allow it (narrower otherwise). The default, rows=8, threads=128,
-unroll=8, is the configuration measured first on H200 (0.83-0.88 ms for 2048 scattered
-tokens of 144 KiB); `pdunit bench transfer --tune-kernel` sweeps the others.
-
-The torch CPU reference with the same signatures is kernels/reference.py; the tests
-compare the two bit for bit. This module never checks ownership of rows: the caller
+`src[plane, src_slots[i]] -> dst[plane, dst_slots[i]]` for every plane (layer x K/V) in
+ONE launch, between any two device pointers the executing context can address. It moves
+bytes, so every dtype and page size is the same code; a null slot array is the identity
+(gather, scatter). `CopyConfig` is its launch shape, compiled in by NVRTC for the device's
+own architecture (docs/performance.md, "Kernel notes"); kernels/reference.py is the torch
+reference the tests compare bit for bit. Must never check ownership of rows: the caller
 (the proxy's region table, or the transport) bounds-checks before launching.
-Compiled at first use with NVRTC for the device's own architecture (no PTX JIT).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """FP8 (e4m3) GEMMs for prefill forwards: weights scaled per output channel, activations
-scaled per row at run time, products accumulated in float32 and returned in the model
-dtype.
+per row at run time, float32 accumulation, the result in the model dtype.
 
-Why prefill only: P's forward is compute-bound and its GEMMs are ~75% of it at ~840
-TFLOP/s in bf16 (bench/results/prefill-20261130-h200x2-kernels.md); an H200 runs
-e4m3 GEMMs at twice the bf16 peak. D's step is bound by memory, not FLOPs, and keeps
-bf16 (the step roofline is stated for bf16 weights).
-
-- `Fp8Weight.quantize(w)`: [N, K] weight -> e4m3 values and one float32 scale per row
-  (per output channel), so the rows of a fused q|k|v matrix quantize exactly as the
-  separate matrices would.
-- `quantize_rows(x)`: [M, K] activations -> `Fp8Rows` (e4m3 values, one scale per
-  row): a Triton kernel on CUDA (one read of x), `quantize_rows_reference` (torch)
-  elsewhere. kernels/fused_ops.py's norms and SwiGLU produce `Fp8Rows` directly on the
-  GPU path, so only the attention output goes through this kernel there.
-- `fp8_gemm(a, w, out_dtype)`: a @ w.T for quantised rows; `torch._scaled_mm` with
-  row-wise scales on CUDA, the same arithmetic in float32 from the dequantised values
-  elsewhere (the CPU reference: equal up to the summation order).
-- `fp8_linear(x, w)`: both steps for model-dtype rows.
-
-A scale maps the largest magnitude of its row to e4m3's largest finite value (448); an
-all-zero row takes the scale of `MIN_AMAX` so nothing divides by zero.
+Prefill only: P's forward is compute-bound and an H200 runs e4m3 GEMMs at twice the bf16
+peak; D's step is bound by memory and keeps bf16. `Fp8Weight.quantize` (per output
+channel, so a fused q|k|v quantizes as its parts would), `quantize_rows` (Triton on CUDA,
+torch elsewhere), `fp8_gemm` (`torch._scaled_mm` on CUDA; the same arithmetic in float32
+elsewhere, the CPU reference) and `fp8_linear` (both steps). A scale maps a row's largest
+magnitude to 448; an all-zero row takes `MIN_AMAX`'s, so nothing divides by zero. Must
+never quantise the KV pool: that is kernels/kv_dtype.py. Details: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Fused element-wise Triton kernels of the transformer's GPU path (bf16/fp16).
 
-Owns the small per-layer steps that the torch reference spreads over dozens of kernel
-launches (a decode step of the 4B shape would otherwise launch ~2500 kernels, several
-milliseconds of launch gaps even inside a CUDA graph):
-- `rms_norm`:                y = RMSNorm(x)
-- `add_rms_norm`:            r = x + delta; y = RMSNorm(r)          (returns r, y)
-- `qk_norm_rope_store`:      per-head q/k RMSNorm + rotate-half RoPE from the model's
-                             cos/sin tables at each row's position, K and V written into
-                             the pool at `write_slots` (a negative slot writes nothing:
-                             the CUDA-graph padding rows), roped q returned; an fp8
-                             pool gets `kv_dtype.to_kv` of those rows, bit for bit
-- `silu_mul`:                silu(gate) * up from the fused [gate | up] projection
-
-`rms_norm`, `add_rms_norm` and `silu_mul` take `quant=True` for a prefill forward in
-fp8 (engine/model/transformer.py): their output, the next GEMM's input, is then written
-as e4m3 rows with one scale per row (kernels/fp8_gemm.py's `Fp8Rows`, quantised from
-the model-dtype values the unquantised kernel would have stored), which saves the
-GEMM a separate quantising pass over it.
-
-Each kernel rounds to the model dtype at the same points as the torch reference in
-engine/model/transformer.py (norm output, rope output, silu output, product), computing
-in float32 in between, so the GPU path differs from the reference only by summation
-order. Must never allocate pool slots or read anything but its arguments.
+Owns the small per-layer steps the torch reference spreads over many launches (a decode
+step of the 4B shape would launch thousands of kernels): `rms_norm`, `add_rms_norm`,
+`qk_norm_rope_store` (q/k norm and RoPE, K and V stored at `write_slots`, a negative slot
+storing nothing) and `silu_mul`; the norms and `silu_mul` can write e4m3 rows for an fp8
+prefill (`quant=True`). Each rounds to the model dtype where engine/model/transformer.py's
+reference does, float32 in between, so the two differ only by summation order. Must never
+allocate pool slots or read anything but its arguments. Each kernel's contract:
+docs/performance.md, "Kernel notes".
 """
 
 from __future__ import annotations

@@ -2,16 +2,11 @@
 
 Computes exactly the number engine/kv/checksum.py defines (that module owns the
 definition and the host reference; this one only reproduces it where the pool lives).
-P computes it over its source slots and D over its destination slots for EVERY
-transfer, and D's copy runs beside its decode steps: the earlier torch formulation
-materialised ~15 full-size int64 temporaries per chunk (about 10 ms of GPU time for a
-1.5k-token request of the 4B shape, on each side). Here each program reads one
-(token, layer, K|V) row once, derives the weights in registers and writes one partial
-sum; the partials are added on the host with wrapping uint64 arithmetic, so the result
-does not depend on the reduction order.
-
-Must never write the pool. Needs a contiguous pool `[n_layers, 2, n_slots, n_kv_heads,
-head_dim]` with 1-, 2-, 4- or 8-byte elements (1: an fp8 pool, kernels/kv_dtype.py).
+P and D compute it for EVERY transfer, D beside its decode steps, so it must be cheap:
+each program reads one (token, layer, K|V) row once and writes one partial sum, added on
+the host with wrapping uint64 arithmetic (independent of the order). Must never write the
+pool. Needs a contiguous pool `[n_layers, 2, n_slots, n_kv_heads, head_dim]` with 1-, 2-,
+4- or 8-byte elements (1: an fp8 pool, kernels/kv_dtype.py).
 """
 
 from __future__ import annotations

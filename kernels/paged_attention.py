@@ -1,32 +1,13 @@
 """Decode attention over the paged KV pool: a split-K (flash-decoding) Triton kernel.
 
 Owns decode attention for sequences with ONE new token each, reading K/V straight from
-the pool `[n_layers, 2, n_slots, n_kv_heads, head_dim]` (one layer's `[2, n_slots, Hkv,
-D]` view per call) through a slot table, plus the table builder and a torch reference
-with the same signature. Must never write the pool, allocate slots, or decide which
-tokens a sequence sees: the caller's table and lengths say that.
-
-Paging: a sequence's context is a row of int32 pool slots in position order, so a page
-of any size (1..16, or mixed) is just a run of consecutive entries; the kernel gathers
-one `head_dim` row per slot and never assumes two slots are adjacent.
-
-Work split: one program per (sequence, kv head, split). Its `group = Hq / Hkv` query
-heads share every K/V tile it loads (GQA: each K/V byte is read once per step), the
-query rows padded to 16 for the tensor cores. A sequence's context is cut into
-`n_splits` equal chunks, rounded up to the tile, computed on the device from its
-length: the grid depends only on (batch, n_splits), never on the context length, so a
-captured CUDA graph stays valid while contexts grow. Each split writes its partial
-output and log-sum-exp; a second kernel merges them (skipped when n_splits == 1).
-
-Half precision only (bf16/fp16 queries; the pool in the query's dtype or fp8 e4m3,
-kernels/kv_dtype.py), float32 accumulation; the torch reference covers every dtype and
-is what CPU runs. The dots run in `compute_dtype`: the query's, or fp16 for an fp8 pool,
-because e4m3 -> fp16 is one native conversion per pair of elements on the GPUs that
-have fp8 while e4m3 -> bf16 is a sequence of integer ops: widening to bf16 made the
-fp8 kernel as slow as the bf16 one at half the bytes (bench/results/
-step-20261130-h200x2-kv-fp8.md). Both widenings are exact (every e4m3 value is an fp16
-value), and so is a bf16 query's move to fp16 while |q| < 65504 (a normed, roped query
-is far below that).
+the pool (one layer's `[2, n_slots, Hkv, D]` view per call) through a table of int32 pool
+slots in position order (a page of any size is a run of entries), plus the table builder
+and a torch reference with the same signature (what the CPU runs). One program per
+(sequence, kv head, split); the grid depends only on (batch, n_splits), so a captured CUDA
+graph stays valid while contexts grow. bf16/fp16 queries; the pool in their dtype or fp8
+e4m3, widened exactly (`compute_dtype`). Must never write the pool, allocate slots, or
+decide which tokens a sequence sees. How and why: docs/performance.md, "Kernel notes".
 """
 
 from __future__ import annotations

@@ -2,23 +2,12 @@
 
 Owns attention for sequences with SEVERAL new tokens (a whole prompt, a prompt after a
 cached prefix, or one chunk of a chunked prefill), all sequences of a forward in one
-launch, reading K/V straight from the pool through a slot table (the same int32 table
-as decode, kernels/paged_attention.build_slot_table). Must never write the pool or
-decide which tokens a sequence sees.
-
-Semantics (the torch reference in engine/model/transformer.py): sequence s has
-`ctx_len[s]` context entries, the last `q_len[s]` of which are its new tokens, packed
-in q at rows `[q_start[s], q_start[s] + q_len[s])`. New token i sits at position
-`ctx_len - q_len + i` and attends to context entries j <= that position (causal,
-aligned bottom-right: a cached prefix is visible to every new token).
-
-One program per (block of new rows, kv head, sequence): the tile's rows are those new
-rows times the query heads that share the kv head (GQA maps query head h to kv head
-h // group), so each K/V tile is read once per group, not once per query head. K/V
-tiles that every row sees run without masks; the rest stop at the block's last
-position, so causal work is skipped, not masked. Online softmax in float32, base-2
-exponentials; bf16/fp16 q and out, the pool in q's dtype or fp8 e4m3 (kernels/kv_dtype.py:
-its elements are widened to q's dtype before the dots). The launch shape is a `PrefillTile`.
+launch, reading K/V straight from the pool through decode's slot table
+(kernels/paged_attention.build_slot_table). Sequence s's new tokens are the last
+`q_len[s]` of its `ctx_len[s]` context entries, causal and aligned bottom-right (a cached
+prefix is visible to every new token), as engine/model/transformer.py's torch reference.
+The launch shape is a `PrefillTile`. Must never write the pool or decide which tokens a
+sequence sees. The work split and precision: docs/performance.md, "Kernel notes".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Torch reference implementations of the KV row kernels (CPU, or any device torch runs).
 
-Owns the semantics that every GPU kernel (cupy/Triton, same signatures) must match
-bit for bit, and the argument validation they share. Pool tensors are
-`[n_layers, 2, n_slots, n_kv_heads, head_dim]`; a "row" is one slot of one layer's K or
-V. Must never allocate pool storage or decide which slots to use.
-
-- copy_rows:    dst[:, :, dst_slots] = src[:, :, src_slots]
-- gather_rows:  staging = src[:, :, slots]   (contiguous [L, 2, n, H, D])
-- scatter_rows: dst[:, :, slots] = staging
-
-Destination slots must be distinct: two rows aimed at one slot is a caller bug whose
-result would depend on write order.
+Owns the semantics every GPU kernel (same signatures) must match bit for bit, and the
+argument validation they share, on pools `[n_layers, 2, n_slots, n_kv_heads, head_dim]`
+(a "row" is one slot of one layer's K or V): copy_rows (dst[:, :, dst_slots] =
+src[:, :, src_slots]), gather_rows (staging = src[:, :, slots], contiguous) and
+scatter_rows (dst[:, :, slots] = staging). Destination slots must be distinct: two rows
+aimed at one slot is a caller bug whose result would depend on write order. Must never
+allocate pool storage or decide which slots to use.
 """
 
 from __future__ import annotations

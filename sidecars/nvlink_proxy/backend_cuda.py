@@ -1,30 +1,12 @@
 """CUDA backend of the proxy: maps P's and D's GPU regions and runs copy jobs.
 
-Owns the mapping cache (region, executing GPU) -> device pointer and the two copy
-methods:
-- single kernel: both regions opened in ONE executing GPU's primary context (legacy
-  IPC handles with lazy peer access, or cuMem POSIX-fd imports granted to that GPU),
-  then one row-copy kernel moves the rows over NVLink. `copy_device` picks the
-  executing GPU: `dst` (the default; the kernel reads the source over the link, i.e.
-  pull), `src` (writes over the link, push), or `split` (a `copy_split` share of the
-  tokens pulled by the destination GPU, the rest pushed by the source GPU, both
-  kernels at once). Measured on H200 NV18 with the default kernel: pull, about 90%
-  of the link for 2048 scattered tokens; `pdunit bench transfer --tune-kernel`
-  measures the kernel configurations and the three placements and prints the proxy
-  flags of the best.
-- staged: gather on the source GPU into a staging buffer, one peer copy, scatter on
-  the destination GPU, pipelined in chunks over three streams. Used only where the
-  single kernel cannot run (the source cannot be mapped into the executing context);
-  each fallback is logged and counted, never silent.
-Opening the two handles in DIFFERENT contexts and calling a peer memcpy per row
-reaches about a tenth of the link: this module never does that.
-
-Per job: the slot arrays go through a per-thread pinned buffer with one async upload
-on the job's stream, the launch arguments live in a per-thread block, and a job thread
-keeps its GPU's context current, so the host work around the kernel is a few driver
-calls; each stage is timed into the caller's StageClock.
-
-GPUs are found by UUID. Must never copy without a validated Job (regions.py).
+Owns the mapping cache (region, executing GPU) -> device pointer and the two copy methods:
+single kernel (`_single`: both regions in ONE executing GPU's context, one row-copy
+kernel over NVLink) and staged (`_staged`: gather, one peer copy, scatter), the fallback
+where the single kernel cannot run, logged and counted, never silent. Must never open the
+two handles in different contexts and peer-copy row by row (a fraction of the link:
+docs/performance.md, "Kernel notes"), and never copy without a validated Job
+(regions.py). GPUs are found by UUID.
 """
 
 from __future__ import annotations
@@ -51,6 +33,11 @@ COPY_DEVICES = ("dst", "src", "split")
 
 
 class CudaBackend:
+    """Per job: the slot arrays go through a per-thread pinned buffer with one async
+    upload on the job's stream, the launch arguments live in a per-thread block, and a
+    job thread keeps its GPU's context current, so the host work around the kernel is a
+    few driver calls; each stage is timed into the caller's StageClock."""
+
     name = "cuda"
 
     def __init__(self, staged_chunks: int = 8, copy_config: CopyConfig = DEFAULT_CONFIG,
@@ -172,6 +159,12 @@ class CudaBackend:
             self._local.context_set = True
 
     def _single(self, job: Job, ptrs: list[tuple[int, float, int, int]], clock: StageClock) -> float:
+        """Both regions opened in ONE executing GPU's primary context (legacy IPC handles
+        with lazy peer access, or cuMem POSIX-fd imports granted to that GPU), then one
+        row-copy kernel per part. `copy_device` picks the executing GPU: `dst` (the
+        default; the kernel reads the source over the link: pull), `src` (writes over the
+        link: push), or `split` (a `copy_split` share of the tokens pulled by the
+        destination GPU, the rest pushed by the source GPU, both kernels at once)."""
         lay = job.src.layout
         n = job.n
         parts = []  # (copier, stream, first token, tokens, src ptr, dst ptr)
@@ -224,6 +217,10 @@ class CudaBackend:
         return int(st["stage"])
 
     def _staged(self, job: Job, src_dev: int, dst_dev: int, clock: StageClock) -> float:
+        """Gather on the source GPU into a staging buffer, one peer copy, scatter on the
+        destination GPU, pipelined in chunks over three streams. Used only where the
+        single kernel cannot run (the source cannot be mapped into the executing
+        context)."""
         d = drv()
         lay = job.src.layout
         if src_dev != dst_dev:

@@ -1,17 +1,13 @@
 """The proxy's region table, write grants, job validation, sessions and allow-list.
 
-Owns: which regions exist and which session registered each; the write grants
-(PROTOCOL.md 3.1: the capability a destination region's owner made for one request and
-its slots); and the rule that a copy job touches only rows inside registered regions of
-matching layout. Every job is validated here BEFORE any backend sees it: an unknown
-region, a slot outside [0, n_slots), a length mismatch, duplicate destination slots or
-a layout mismatch raises `JobRejected`; a write without its grant raises `Refused` (a
-security event). Nothing is copied either way. Peers are admitted by their
-kernel-reported credentials (SO_PEERCRED on the auth socket), never by anything they
-claim about themselves; a session owns only what it registered.
-
-Must never map memory or launch copies (the backends do), and never trust a slot
-array or a capability it has not checked.
+Owns which regions exist and which session registered each; the write grants (PROTOCOL.md
+3.1: the capability a destination region's owner made for one request and its slots);
+and the rule that a job touches only rows inside registered regions of matching layout.
+Every job is validated here BEFORE any backend sees it: a bad region, slot, length,
+duplicate destination slot or layout raises `JobRejected`, a write without its grant
+`Refused` (a security event); nothing is copied either way. Peers are admitted by their
+SO_PEERCRED credentials, never by what they claim. Must never map memory or launch copies
+(the backends do), and never trust a slot array or a capability it has not checked.
 """
 
 from __future__ import annotations

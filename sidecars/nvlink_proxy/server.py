@@ -1,37 +1,12 @@
-"""The nvlink-proxy gRPC service: registration, write grants, copy jobs, batch
-quiesce, drain check.
+"""The nvlink-proxy gRPC service: registration, write grants, copy jobs, quiesce, drain check.
 
-Owns the request-level job bookkeeping (which request ids have a job running, which
-are cancelled, per session) and the translation of every failure into a gRPC status
-whose message names the field and the fix. Authentication: a peer first connects to
-the auth socket (`<socket>.auth`); the proxy reads its SO_PEERCRED, checks the
-allow-list and hands out a session token; every RPC that registers memory, grants,
-copies or cancels must carry it in metadata `x-pdunit-session` (InFlight, the
-read-only drain check, needs none). gRPC itself cannot report a unix peer's
-credentials, hence the separate handshake. A token of an earlier proxy instance is
-answered UNAUTHENTICATED: the client handshakes and registers again.
-
-Authorisation (PROTOCOL.md 3.1): a session sees (Info) and uses only the regions it
-registered; a copy reads from the caller's own region and writes only the rows that a
-live grant of the destination's owner allows, for the capability the job presents.
-Quiesce and its cancellations reach the caller's own jobs only, so no session can stop
-another's requests. Every refusal of that kind is a security event.
-
-Copy jobs have a second entry point, the copy lane (`<socket>.copy`, framing in
-proxy.proto): the peer's SO_PEERCRED is checked on the connection itself, then each
-frame runs through the same `run_copy` as the Copy RPC (same validation, admission and
-metrics). It exists for latency: a Python gRPC unary call costs ~10x a socket round trip.
-Each job's stages are timed (stages.py) into `pdunit_proxy_job_stage_seconds{stage}`
-and returned in CopyReply.stage_seconds.
-
-Quiesce (PROTOCOL.md 3.5): `Quiesce(ids, cancel=true)` marks the ids cancelled BEFORE
-looking at running jobs, under one lock with job admission, so after a reply of
-`quiesced=true` no job of those ids runs or can start. A job already past admission
-runs to completion (a launched kernel cannot be recalled); the reply then says which
-ids still run, and the caller asks again.
-
-Must never copy a row of a job that regions.RegionTable.job() and GrantTable.check()
-did not both accept.
+Owns the request-level job bookkeeping (which request ids have a job running, which are
+cancelled, per session) and the translation of every failure into a gRPC status whose
+message names the field and the fix. A peer authenticates by its SO_PEERCRED on the auth
+socket (`AuthListener`); a session sees and uses only the regions and jobs it made
+(`ProxyService`, PROTOCOL.md 3.1), and copy jobs also arrive over the copy lane
+(`CopyLane`). Must never copy a row of a job that regions.RegionTable.job() and
+GrantTable.check() did not both accept.
 """
 
 from __future__ import annotations
@@ -198,6 +173,14 @@ def start_clock(request: pb.CopyRequest) -> StageClock:
 
 
 class ProxyService(pb_grpc.NvlinkProxyServicer):
+    """Authorisation (PROTOCOL.md 3.1): a session sees (Info) and uses only the regions it
+    registered; a copy reads from the caller's own region and writes only the rows that a
+    live grant of the destination's owner allows, for the capability the job presents.
+    Quiesce and its cancellations reach the caller's own jobs only, so no session can stop
+    another's requests. Every refusal of that kind is a security event. Each job's stages
+    are timed (stages.py) into `pdunit_proxy_job_stage_seconds{stage}` and returned in
+    CopyReply.stage_seconds."""
+
     def __init__(self, backends: dict[str, Any], allow: AllowList, cancel_retention_s: float,
                  max_jobs: int = 4) -> None:
         self.instance_id = uuid.uuid4().hex
@@ -387,6 +370,11 @@ class ProxyService(pb_grpc.NvlinkProxyServicer):
             raise  # unreachable: abort raises
 
     def Quiesce(self, request: pb.QuiesceRequest, context: grpc.ServicerContext) -> pb.QuiesceReply:
+        """PROTOCOL.md 3.5: `Quiesce(ids, cancel=true)` marks the ids cancelled BEFORE
+        looking at running jobs, under one lock with job admission, so after a reply of
+        `quiesced=true` no job of those ids runs or can start. A job already past
+        admission runs to completion (a launched kernel cannot be recalled); the reply
+        then says which ids still run, and the caller asks again."""
         session = self._peer(context)
         try:
             ids = _ids(request.request_ids)
@@ -471,7 +459,12 @@ class _UnixListener:
 
 
 class AuthListener(_UnixListener):
-    """The auth socket: SO_PEERCRED -> allow-list -> session token (one JSON line)."""
+    """The auth socket (`<socket>.auth`): SO_PEERCRED -> allow-list -> session token (one
+    JSON line). gRPC itself cannot report a unix peer's credentials, hence this separate
+    handshake. Every RPC that registers memory, grants, copies or cancels must carry the
+    token in metadata `x-pdunit-session` (InFlight, the read-only drain check, needs
+    none); a token of an earlier proxy instance is answered UNAUTHENTICATED, and the
+    client handshakes and registers again."""
 
     def __init__(self, path: str, service: ProxyService) -> None:
         super().__init__(path, service, "proxy-auth")
@@ -507,7 +500,9 @@ class CopyLane(_UnixListener):
     one PERMISSION_DENIED frame and is disconnected before it can send a job. Each job
     names its session (CopyRequest.session), which must be one this proxy issued to the
     same process. Each connection has its own thread; jobs share ProxyService.job_slots
-    with gRPC."""
+    with gRPC. Each frame runs through the same `run_copy` as the Copy RPC (same
+    validation, admission and metrics); the lane exists for latency: a Python gRPC unary
+    call costs far more than a socket round trip (proxy.proto gives the measurement)."""
 
     MAX_FRAME = MAX_FRAME
 

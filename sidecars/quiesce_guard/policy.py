@@ -1,15 +1,10 @@
 """What the quiesce-guard decides, as a pure function of what P and D report
-(PROTOCOL.md section 4). No I/O here: the guard loop feeds observations in and carries
-the returned actions out, so every rule is tested without processes.
+(PROTOCOL.md section 4).
 
-Rules:
-- P holding `max_held_aborts` unanswered aborts must exit (its restart is proof (b)).
-  P exits by itself; if it still reports the limit after `enforce_grace_s`, the guard
-  kills it (SIGKILL through the pod's shared PID namespace).
-- Every D (one, or each of a 1PnD unit's) above `held_drain_fraction` held pages must
-  be draining; the guard reports when each starts and ends, and flags a D that is over
-  the threshold without draining. Actions about a D name it.
-- A new P instance id is reported (held requests of the old one become releasable).
+Owns the rules (`evaluate` states them): when P must exit or be killed for held aborts,
+when a D must drain for held pages, and what is reported. No I/O here: the guard loop
+(main.py) feeds observations in and carries the returned actions out, so every rule is
+tested without processes. Must never act itself: it only returns actions.
 """
 
 from __future__ import annotations
@@ -63,6 +58,14 @@ class GuardState:
 
 def evaluate(obs: Observation, state: GuardState, max_held_aborts: int, held_drain_fraction: float,
              enforce_grace_s: float) -> list[Action]:
+    """The actions for one observation (updating `state`):
+    - P holding `max_held_aborts` unanswered aborts must exit (its restart is proof (b)).
+      P exits by itself; if it still reports the limit after `enforce_grace_s`, the guard
+      kills it (SIGKILL through the pod's shared PID namespace).
+    - Every D (one, or each of a 1PnD unit's) above `held_drain_fraction` held pages must
+      be draining; the guard reports when each starts and ends, and flags a D that is over
+      the threshold without draining. Actions about a D name it.
+    - A new P instance id is reported (held requests of the old one become releasable)."""
     actions: list[Action] = []
     if obs.p_reachable != state.p_reachable:
         state.p_reachable = obs.p_reachable
