@@ -194,7 +194,7 @@ def _flag_value(name: str, value: Any, is_list: bool) -> str:
 # there: this module imports no engine and no torch.
 TransferMode = Literal["auto", "fabric", "proxy", "ipc", "posix-fd", "tcp", "host"]
 # `--policy` of the monolith: engine/monolith/worker.py POLICIES (kept equal the same way).
-MonolithPolicy = Literal["prefill-first", "chunked"]
+MonolithPolicy = Literal["prefill-first", "chunked", "budget"]
 
 
 def kv_cache_dtype_field() -> Any:

@@ -15,7 +15,7 @@ from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
-from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
+from pdunit.engine.monolith.worker import MonolithEngine
 from pdunit.engine.observability import (
     log_config,
     serve_metrics,
@@ -29,6 +29,7 @@ from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import (
     DecodeKernel,
     GemmPrecision,
+    MonolithPolicy,
     PrefillModelFields,
     decode_gemm_field,
     decode_kernel_field,
@@ -44,10 +45,13 @@ PREFILL_GRAPH_SEQS = 16
 
 
 class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields):
-    """Monolith: P and D in one process on one device (prefill-first or chunked prefill)."""
+    """Monolith: P and D in one process on one device (prefill-first, chunked or budget)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
-    policy: str = Field("prefill-first", description=f"scheduling policy: {' | '.join(POLICIES)}")
+    policy: MonolithPolicy = Field("prefill-first", description="scheduling policy: prefill-first (prompts "
+                                   "before decode steps) | chunked (--chunk-tokens rows per step) | budget (a "
+                                   "step's prompt rows are what fits in the rate floor's step budget beside the "
+                                   "decoding streams; needs --rate-floor > 0)")
     chunk_tokens: int = Field(8192, gt=0, description="chunked policy: rows per iteration (decode included)")
     pool_tokens: int = Field(65536, gt=0, description="token rows in the KV pool")
     cache_tokens: int = Field(65536, ge=0, description="token rows of a prefix cache beside the pool, as P keeps "
@@ -55,6 +59,9 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields):
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
+    overlap: bool | None = Field(None, description="overlap scheduling, as D's: queue step n+1 (decode-only, mixed "
+                                 "or prefill-only) before step n's frames reach the host (same frames); default: "
+                                 "on when the model takes the GPU path, off on CPU (--overlap turns it on there too)")
     decode_kernel: DecodeKernel = decode_kernel_field()
     decode_gemm: GemmPrecision = decode_gemm_field()
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
@@ -135,11 +142,16 @@ async def serve(cfg: MonolithConfig) -> int:
     log.info("rate-floor admission", extra={"floor_fps": cfg.floor_fps(model.gpu_path), "margin": cfg.floor_margin,
                                             "step_model": cfg.step_model or None, "on": admission is not None})
     cache = PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens) if cfg.cache_tokens else None
-    engine = MonolithEngine(
-        model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
-        cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
-        admission,
-    )
+    overlap = model.gpu_path if cfg.overlap is None else cfg.overlap
+    try:
+        engine = MonolithEngine(
+            model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
+            cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
+            admission, overlap=overlap, min_chunk_rows=cfg.prefix_block_tokens,
+        )
+    except ValueError as exc:
+        log.error("cannot start the monolith", extra={"error": str(exc)})
+        return 2
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
 
@@ -150,7 +162,8 @@ async def serve(cfg: MonolithConfig) -> int:
     server = await start_unix_server(cfg.socket, register, log)
     engine.loop.start()
     engine_ready(log)
-    log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy})
+    log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy,
+                                      "overlap": engine.overlap is not None})
     await stop.wait()
     engine.hub.close()
     await server.stop(grace=5)

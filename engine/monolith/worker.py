@@ -5,7 +5,11 @@ Policies:
 - `prefill-first` (the common engine default, nano-vllm's scheduler): whenever a prompt
   waits, the iteration runs prefill only, so every decoding stream waits for it.
 - `chunked`: every iteration is one forward over all decoding streams plus prompt rows
-  up to `chunk_tokens` in total (the best a monolith can do).
+  up to `chunk_tokens` in total.
+- `budget`: every iteration's prompt rows are what fits in the rate floor's step budget
+  beside the decoding streams (engine/monolith/policy.py); it needs admission on.
+With `overlap` (engine/decode/overlap.py, D's pipeline) step n+1 is queued before step
+n's frames reach the host, for every policy's decode-only, mixed and prefill-only steps.
 It never transfers KV. With a prefix cache (`cache`, P's PrefixCache over a region of
 the storage beside the pool) a prompt is computed into its cache lease, as P computes
 it, so a reused voice skips its cached leading blocks; when its prefill ends the rows
@@ -38,11 +42,13 @@ from pdunit.engine.batching import prefill_entry
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.overlap import OverlapScheduler, PromptRows
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.kv.pool import NoCapacity, PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease, block_hashes
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.transformer import TTSModel
+from pdunit.engine.monolith.policy import RowBudget
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack
 from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
@@ -53,7 +59,7 @@ from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.monolith")
 
-POLICIES = ("prefill-first", "chunked")
+POLICIES = ("prefill-first", "chunked", "budget")
 
 
 @dataclass
@@ -62,6 +68,16 @@ class Prefilling:
     slots: np.ndarray  # storage slots the prefill reads and writes: the lease's, else the pool's
     done_rows: int = 0  # rows whose K/V is in `slots` (a cache hit starts past its cached rows)
     lease: PrefixLease | None = None
+    planned_rows: int = -1  # rows handed to a step (queued or done); -1: done_rows
+
+    def __post_init__(self) -> None:
+        if self.planned_rows < 0:
+            self.planned_rows = self.done_rows
+
+    @property
+    def in_flight(self) -> bool:
+        """A queued step still writes its rows (overlap)."""
+        return self.planned_rows > self.done_rows
 
 
 class MonolithEngine:
@@ -80,12 +96,19 @@ class MonolithEngine:
         prefill_graphs: PrefillGraphRunner | None = None,
         cache: PrefixCache | None = None,
         admission: AdmissionControl | None = None,
+        overlap: bool = False,
+        min_chunk_rows: int = 16,
     ) -> None:
         """`cache`: slot numbers count from `pool.n_slots`, the first storage slot after
         the pool's (the storage holds both). `admission`: rate-floor admission (None =
-        off)."""
+        off). `overlap`: D's overlap pipeline. `min_chunk_rows`: the budget policy's
+        smallest chunk (one prefix-cache block)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
+        if policy == "budget" and admission is None:
+            raise ValueError("--policy budget sizes each step's prompt rows to the rate floor's step budget, and "
+                             "the rate floor is off: give --rate-floor > 0 (frames/s per stream), or choose "
+                             "--policy prefill-first or chunked")
         self.instance_id = uuid.uuid4().hex
         self.model = model
         self.prefill_graphs = prefill_graphs  # --prefill-graphs: prompt forwards that fit replay a graph
@@ -105,6 +128,10 @@ class MonolithEngine:
         self.prefilling: list[Prefilling] = []
         self.batcher = DecodeBatcher(model, pool, storage, max_batch)
         self.step_forward = StepForward(model, storage, cuda_graphs, max_batch)
+        self.overlap = (OverlapScheduler(model, self.batcher, self.step_forward, prompts=self,
+                                         prefill_graphs=prefill_graphs) if overlap else None)
+        self.row_budget = (RowBudget(admission, min_chunk_rows, max(max_batch_rows, 1))
+                           if policy == "budget" and admission is not None else None)
         self._lock = threading.Lock()
         self._step = 0
         self.admission = admission
@@ -174,7 +201,11 @@ class MonolithEngine:
         return verdict.admit
 
     def prefill_rows_per_step(self) -> float:
-        """The recent mean of prompt rows per decode step."""
+        """The prompt rows admission charges every projected step: the recent mean per
+        decode step; under `budget`, one minimum chunk (the policy shrinks a step's prompt
+        rows to what the floor leaves, so only the chunk that always runs is load)."""
+        if self.row_budget is not None:
+            return float(self.row_budget.block_rows)
         steps = list(self._rows_per_step)
         return sum(steps) / len(steps) if steps else 0.0
 
@@ -261,50 +292,101 @@ class MonolithEngine:
         self.pool.finish(request_id)
 
     def _drop_cancelled_prefills(self) -> None:
-        with self._lock:
-            gone = [p for p in self.prefilling if p.job.cancelled]
-            self.prefilling = [p for p in self.prefilling if not p.job.cancelled]
+        with self._lock:  # one a queued step still writes goes once that step completed
+            gone = [p for p in self.prefilling if p.job.cancelled and not p.in_flight]
+            self.prefilling = [p for p in self.prefilling if p not in gone]
         for p in gone:
             self._drop_reservation(p.job.request_id)
             if p.lease is not None and self.cache is not None:
                 self.cache.release(p.lease)
             self._finish(p.job, pb.CANCELLED, "cancelled")
 
+    def _unplanned(self) -> bool:
+        """Some prompt has rows no step was handed yet."""
+        with self._lock:
+            return any(p.planned_rows < len(p.job.prompt) and not p.job.cancelled for p in self.prefilling)
+
     def _plan_chunks(self, budget: int) -> list[tuple[Prefilling, PrefillChunk]]:
+        """Up to `budget` prompt rows, FIFO, from where each prompt's planned rows end."""
         plan = []
         with self._lock:
             for p in self.prefilling:
                 if budget <= 0:
                     break
                 rows = len(p.job.prompt)
-                end = min(rows, p.done_rows + budget)
-                plan.append((p, PrefillChunk(p.job.prompt, p.slots, p.done_rows, end, p.job.params)))
-                budget -= end - p.done_rows
+                if p.planned_rows >= rows or p.job.cancelled:
+                    continue
+                end = min(rows, p.planned_rows + budget)
+                plan.append((p, PrefillChunk(p.job.prompt, p.slots, p.planned_rows, end, p.job.params)))
+                budget -= end - p.planned_rows
+                p.planned_rows = end
+        t = now_ns()
+        for p, _ in plan:
+            p.job.stamps.setdefault("prefill_start", t)
         return plan
+
+    def _prompt_budget(self, streams: int, context_tokens: int) -> int:
+        """Prompt rows a step beside `streams` decoding streams carries (prefill-first: none)."""
+        if self.policy == "chunked":
+            return self.chunk_tokens - streams
+        if self.row_budget is not None:
+            return self.row_budget.rows(streams, context_tokens)
+        return 0
 
     def _complete_prefills(self, plan: list[tuple[Prefilling, PrefillChunk]], logits: torch.Tensor | None) -> None:
         if not plan:
             return
         assert logits is not None
         frames = first_frames(self.model, logits, [c for _, c in plan])
-        t = now_ns()
         for (p, chunk), frame in zip(plan, frames, strict=True):
             p.done_rows = chunk.end
-            if frame is None:
-                continue
-            job = p.job
-            job.stamps["prefill_end"] = t
-            rows = len(job.prompt)
-            cached = self._take_from_cache(p)
-            self.pool.mark_filled(job.request_id)
-            self.pool.start_decoding(job.request_id)
-            with self._lock:
-                self.prefilling.remove(p)
-            self.batcher.admit(Stream(job.request_id, rows, job.params, frame.astype(np.int32),
-                                      stamps=dict(job.stamps)))
-            m.P_PREFILL_TOKENS.labels(source="computed").inc(rows - cached)
-            m.P_PREFILL_TOKENS.labels(source="cached").inc(cached)
-            self._finish(job, pb.STATUS_OK, prefill_tokens=rows - cached, cached_tokens=cached)
+            if frame is not None:
+                self._prompt_ready(p, frame)
+
+    def _prompt_ready(self, p: Prefilling, frame: np.ndarray) -> None:
+        """A prompt's last row is computed: its stream joins the batcher with its first
+        frame (a prompt cancelled meanwhile is left to _drop_cancelled_prefills)."""
+        job = p.job
+        if job.cancelled:
+            return
+        job.stamps["prefill_end"] = now_ns()
+        rows = len(job.prompt)
+        cached = self._take_from_cache(p)
+        self.pool.mark_filled(job.request_id)
+        self.pool.start_decoding(job.request_id)
+        with self._lock:
+            self.prefilling.remove(p)
+        self.batcher.admit(Stream(job.request_id, rows, job.params, frame.astype(np.int32),
+                                  stamps=dict(job.stamps)))
+        m.P_PREFILL_TOKENS.labels(source="computed").inc(rows - cached)
+        m.P_PREFILL_TOKENS.labels(source="cached").inc(cached)
+        self._finish(job, pb.STATUS_OK, prefill_tokens=rows - cached, cached_tokens=cached)
+
+    # ------------------------------------------------------------------ the overlap pipeline's PromptSource
+    def compose_step(self, batch: list[Stream]) -> tuple[list[Stream], PromptRows | None]:
+        """The next queued step under the policy: prefill-first runs prompt rows alone
+        while any wait; chunked and budget add prompt rows to the decode rows."""
+        if self.policy == "prefill-first":
+            if self._unplanned():
+                return [], self._prompt_rows(self._plan_chunks(max(self.max_batch_rows, 1)))
+            return batch, None
+        assert self.overlap is not None
+        context = sum(s.prompt_tokens + self.overlap.scheduled_frames(s.request_id) for s in batch)
+        plan = self._plan_chunks(self._prompt_budget(len(batch), context))
+        return batch, self._prompt_rows(plan) if plan else None
+
+    def prompts_done(self, prompts: PromptRows, first_frames: np.ndarray) -> None:
+        plan: list[tuple[Prefilling, PrefillChunk]] = prompts.plan
+        for p, chunk in plan:
+            p.done_rows = chunk.end
+        for i, frame in zip(prompts.ending, first_frames, strict=True):
+            self._prompt_ready(plan[i][0], frame)
+
+    @staticmethod
+    def _prompt_rows(plan: list[tuple[Prefilling, PrefillChunk]]) -> PromptRows:
+        ending = [i for i, (_, c) in enumerate(plan) if c.is_last]
+        return PromptRows([prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan], ending,
+                          [plan[i][1].params for i in ending], plan)
 
     def _take_from_cache(self, p: Prefilling) -> int:
         """A prompt prefilled in its cache lease: its full blocks become cache entries and
@@ -326,6 +408,8 @@ class MonolithEngine:
         return min(p.lease.cached_tokens, len(prompt) - 1)
 
     def _step_once(self) -> bool:
+        if self.overlap is not None:
+            return self._overlap_step_once()
         self._forget(self.batcher.take_cancelled())
         self._admit_waiting()
         self._drop_cancelled_prefills()
@@ -344,32 +428,28 @@ class MonolithEngine:
 
     def _run_step(self) -> bool:
         t0 = time.perf_counter()
-        if self.policy == "prefill-first" and self.prefilling:
+        if self.policy == "prefill-first" and self._unplanned():
             plan = self._plan_chunks(max(self.max_batch_rows, 1))
-            for p, _ in plan:
-                p.job.stamps.setdefault("prefill_start", now_ns())
             logits = run_forward(self.model, self.storage,
                                  [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan],
                                  self.prefill_graphs)
             self._complete_prefills(plan, logits)
             seconds = time.perf_counter() - t0
             m.P_PREFILL_SECONDS.observe(seconds)
-            self._observe(0, 0, seconds, plan)
+            self._observe(0, 0, seconds, sum(c.end - c.start for _, c in plan))
             return True
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
-        plan = self._plan_chunks(self.chunk_tokens - len(entries)) if self.policy == "chunked" else []
+        tokens = sum(s.prompt_tokens + s.frames_out for s in streams)
+        plan = self._plan_chunks(self._prompt_budget(len(streams), tokens))
         if not streams and not new and not plan:
             return False
-        for p, _ in plan:
-            p.job.stamps.setdefault("prefill_start", now_ns())
         if plan:  # a mixed batch: a prefill graph when it fits one (few streams, a small chunk), else eager
             entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
             logits = run_forward(self.model, self.storage, entries, self.prefill_graphs)
         else:  # decode only: the same graph path as D, so the comparison is fair
             logits = self.step_forward(entries) if entries else None
         n_dec = len(streams)
-        tokens = sum(s.prompt_tokens + s.frames_out for s in streams)
         out = self.batcher.apply(streams, logits[:n_dec] if logits is not None else None, new)
         self._forget([s.request_id for s in new])  # running now: the batcher counts them
         self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
@@ -381,15 +461,40 @@ class MonolithEngine:
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         m.D_STREAMS.set(len(self.batcher))
-        self._observe(n_dec, tokens, seconds, plan)
+        self._observe(n_dec, tokens, seconds, sum(c.end - c.start for _, c in plan))
         return True
 
-    def _observe(self, streams: int, context_tokens: int, seconds: float,
-                 plan: list[tuple[Prefilling, PrefillChunk]]) -> None:
+    def _overlap_step_once(self) -> bool:
+        """One iteration of the overlap pipeline: queues step n+1 (compose_step), then
+        publishes step n's frames; its prompts' streams join the batcher (prompts_done)."""
+        assert self.overlap is not None
+        self._admit_waiting()
+        self._drop_cancelled_prefills()
+        t0 = time.perf_counter()
+        worked, out = self.overlap.step_once()
+        self._forget(self.overlap.dropped + ([s.request_id for s in out.started] if out is not None else []))
+        if not worked:
+            return False
+        if out is not None:
+            self._step += 1
+            self.hub.publish(step_message(self._step, out))
+            m.D_FRAMES.inc(len(out.request_ids))
+            m.D_STEP_BATCH.observe(len(out.request_ids))
+        seconds = time.perf_counter() - t0
+        m.D_STEP_SECONDS.observe(seconds)
+        m.D_STREAMS.set(len(self.batcher))
+        done = self.overlap.completed
+        if done is not None:  # one pipeline period: the step time its streams see
+            rows = done.prompts.rows if done.prompts is not None else 0
+            self._observe(len(done.streams), self.batcher.context_tokens(), seconds, rows)
+        return True
+
+    def _observe(self, streams: int, context_tokens: int, seconds: float, rows: int) -> None:
         """One step into the step model: its decoding streams, their context, and the
         prompt rows it computed (a mixed or prefill-only step's per-row cost)."""
+        if self.row_budget is not None:
+            self.row_budget.observe(rows)
         if self.admission is not None:
-            rows = sum(c.end - c.start for _, c in plan)
             self._rows_since_decode += rows
             if streams:
                 self._rows_per_step.append(self._rows_since_decode)
