@@ -127,7 +127,7 @@ def build_load_document(
     A part that did not answer reads as zeros (consumers do arithmetic on these fields);
     `errors` names it, and `empty` stays false: nothing is proven about it.
     """
-    from pdunit.engine.lb.balancer import hex_id
+    from pdunit.engine.lb.streams import hex_id
     from pdunit.engine.lb.unit import request_ids_of
     from pdunit.engine.proto import pdunit_pb2 as pb
 
