@@ -48,6 +48,7 @@ from pdunit.engine.unit_layout import (
     decode_names,
     metrics_block,
     metrics_port_of,
+    process_metrics_port,
     unit_commands,
 )
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
@@ -291,18 +292,13 @@ class LocalUnit:
     def _decode_devices(self) -> list[str]:
         return self.cfg.decode_device_list()  # LocalConfig checked that it names one per D
 
-    def _metrics_port(self, child: str) -> int | None:
-        """Where `child` serves /metrics in the metrics block (the monolith: prefill's)."""
-        if child in self.decode_names:
-            return metrics_port_of(self.cfg.metrics_port, "decode", self.decode_names.index(child))
-        return metrics_port_of(self.cfg.metrics_port, "prefill" if child == "monolith" else child)
-
     def metrics_urls(self) -> dict[str, str]:
         """Child name -> its /metrics URL: the LB's and the guard's (on its HTTP port) always,
         the others' with metrics_port."""
         urls = {"lb": f"{self.url}/metrics"}
         for child in self.children:
-            port = self.guard_port if child.name == "guard" else self._metrics_port(child.name)
+            base = self.cfg.metrics_port
+            port = self.guard_port if child.name == "guard" else process_metrics_port(base, child.name)
             if port:
                 urls[child.name] = f"http://127.0.0.1:{port}/metrics"
         return urls

@@ -45,6 +45,15 @@ def metrics_port_of(base: int, role: str, index: int = 0) -> int | None:
     return base + METRICS_OFFSETS[role] + (index if role == "decode" else 0)
 
 
+def process_metrics_port(base: int, process: str) -> int | None:
+    """Where one of `unit_commands`' processes serves /metrics in the block (the monolith
+    on prefill's port, the guard on its one HTTP port); None for the LB (its /metrics is on
+    its stream port) and for every process when `base` is 0."""
+    if process == "decode" or process.startswith("decode-"):
+        return metrics_port_of(base, "decode", int(process.removeprefix("decode-")) if "-" in process else 0)
+    return metrics_port_of(base, "prefill" if process == "monolith" else process)
+
+
 def decode_names(n: int) -> list[str]:
     """The names of a unit's D's (containers, sockets, logs, metric labels): `decode`
     alone, or `decode-0`, `decode-1`, ... (1PnD)."""

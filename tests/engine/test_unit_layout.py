@@ -14,6 +14,7 @@ from pdunit.engine.unit_layout import (
     UnitSpec,
     container_name,
     metrics_port_of,
+    process_metrics_port,
     unit_commands,
 )
 from pdunit.operator.pod import desired_pod
@@ -96,3 +97,11 @@ def test_each_d_gets_its_socket_its_device_its_metrics_port_and_the_decode_extra
 def test_an_unknown_mode_is_refused_naming_the_modes() -> None:
     with pytest.raises(ValueError, match="mode '1p2d': expected pd or monolith"):
         unit_commands(UnitSpec(model="random:tiny:0", mode="1p2d"))
+
+
+def test_each_process_serves_metrics_on_the_port_its_command_names() -> None:
+    for spec in (UnitSpec(model="random:tiny:0", transfer="proxy", decoders=3, metrics_port=9400),
+                 UnitSpec(model="random:tiny:0", mode="monolith", metrics_port=9400)):
+        for process, argv in unit_commands(spec).items():
+            named = flags(argv[2:]).get("--port" if process == "guard" else "--metrics-port")
+            assert process_metrics_port(9400, process) == (int(named) if named else None), process
