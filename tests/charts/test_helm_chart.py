@@ -483,6 +483,19 @@ def test_values_schema_rejects_a_bad_value_naming_the_field(setting: str, named:
     assert named in out.stderr, out.stderr
 
 
+def test_values_schema_lists_the_transfer_modes_of_the_one_list() -> None:
+    """The chart's schema cannot import settings.TransferMode, so it keeps a copy: equal,
+    in the CRD's order (a mode added to the list fails here until the chart takes it)."""
+    import json
+    import typing
+
+    from pdunit.engine.settings import TransferMode
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["examplePDUnitSet"]["properties"]["transfer"]["enum"]
+    assert enum == list(typing.get_args(TransferMode))
+
+
 def test_cpu_units_need_a_host_or_tcp_transfer() -> None:
     out = run_helm(
         "template",
