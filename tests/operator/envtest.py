@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
+from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -363,21 +364,10 @@ class FakeLb:
             empty = n == 0
             if record:
                 self.load_log.append((time.monotonic(), empty))
-            return {
-                "unit": self.unit,
-                "ready": not self.draining,
-                "draining": self.draining,
-                "transfer_mode": self.transfer_mode,
-                "streams_in_flight": n,
-                "prefill_queue": 0,
-                "transfers_in_flight": 0,
-                "decode_in_flight": n,
-                "held_pages": 0,
-                "pool_pages": 4096,
-                "free_pages": 4096 - n,
-                "requests": {},
-                "empty": empty,
-            }
+            # every field of a LoadDocument: the operator parses /v1/load strictly
+            return fake_load_document(self.unit, ready=not self.draining, draining=self.draining,
+                                      transfer_mode=self.transfer_mode, streams_in_flight=n, decode_in_flight=n,
+                                      pool_pages=4096, free_pages=4096 - n, empty=empty)
 
     def stop(self) -> None:
         for srv in (self.server, self.admin_server):
