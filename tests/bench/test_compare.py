@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -452,13 +451,12 @@ def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(t
     assert "== monolith-prefill-first: output of its process" in printed
 
 
+@pytest.mark.timeout(180)  # a wave that waits on its stopped children hangs: the timeout fails it
 def test_a_failing_child_names_its_variant_and_stops_the_wave():
-    started = time.monotonic()
     with pytest.raises(SystemExit, match=r"variant monolith-\S+ failed \(exit code") as exc:
         run_compare(CompareConfig(model="random:nope:0", variants="monolith-prefill-first,monolith-chunked",
                                   chunks="64", parallel_gpus=2, concurrency="1", duration=2), command="test")
     assert "end of its log" in str(exc.value)
-    assert time.monotonic() - started < 60
 
 
 def test_a_run_cut_short_keeps_the_variants_it_finished_marked_partial(tmp_path, monkeypatch):
