@@ -1,21 +1,12 @@
 """`--transfer auto`: find the best transport that really works, at start, with proof.
 
-D side (`AutoReceiver`): allocates ONE pool and offers every mode that can reach it,
-best first: fabric and posix-fd (when a FABRIC cuMem allocation succeeds), else ipc
-(cudaMalloc pool); then proxy (when the sidecar answers) and tcp. A mode the pool
-cannot serve is offered "probe only" on a tiny allocation of its own, so P still
-reports whether it would work; a mode D could not set up at all is offered with its
-exact error (`unavailable`; tcp without the unit's secret is one). Every part checks
-the same write grants, so a reservation has one capability whichever mode P uses.
-
-P side (`probe_auto`): tries fabric -> posix-fd -> ipc -> host -> proxy -> tcp, each
-with a real mapping and a VERIFIED test transfer into D's probe region (checksums of
-what landed in D's memory, never a device attribute), picks the first that passes,
-logs the choice and every failure reason (P then exports the mode it uses as
-`pdunit_transfer_mode{pdunit_transfer_mode=...}`). Nothing downgrades later without a new probe.
-Must never write probe rows into D's pool slots: a probe writes each mode's probe
-region, under that mode's probe authorisation (tcp: a probe grant D issues to the
-authenticated peer), never under a reservation's capability.
+D's `AutoReceiver` allocates ONE pool and offers every mode that can reach it, best first,
+and the modes it cannot serve (probe only, or `unavailable` with the exact error). P's
+`probe_auto` tries them in ORDER, each with a real mapping and a VERIFIED test transfer
+(checksums of what landed in D's memory, never a device attribute), picks the first that
+passes and logs the choice and every failure reason. Nothing downgrades later without a
+new probe. Must never write probe rows into D's pool slots: a probe writes each mode's
+probe region, under that mode's probe authorisation, never under a reservation's capability.
 """
 
 from __future__ import annotations
@@ -78,6 +69,14 @@ class AutoReport:
 
 # ---------------------------------------------------------------- D side
 class AutoReceiver(KVReceiver):
+    """D side: allocates ONE pool and offers every mode that can reach it, best
+    first: fabric and posix-fd (when a FABRIC cuMem allocation succeeds), else ipc
+    (cudaMalloc pool); then proxy (when the sidecar answers) and tcp. A mode the pool
+    cannot serve is offered "probe only" on a tiny allocation of its own, so P still
+    reports whether it would work; a mode D could not set up at all is offered with its
+    exact error (`unavailable`; tcp without the unit's secret is one). Every part checks
+    the same write grants, so a reservation has one capability whichever mode P uses."""
+
     mode = "auto"
 
     def __init__(self, geometry: PoolGeometry, device: str, options: dict[str, str]) -> None:
@@ -278,7 +277,12 @@ def log_choice(report: AutoReport, device: str) -> None:
 def probe_auto(descriptors: list[Descriptor], geometry: PoolGeometry, device: str,
                options: dict[str, str]) -> tuple[KVSender, AutoReport]:
     """Probe D's offers in ORDER; return the first verified sender and the full report.
-    With options["probe_all"] == "1" every mode is probed (the harness's report)."""
+    With options["probe_all"] == "1" every mode is probed (the harness's report).
+
+    P side: fabric -> posix-fd -> ipc -> host -> proxy -> tcp, each with a real mapping
+    and a verified test transfer into D's probe region (tcp: under a probe grant D issues
+    to the authenticated peer); the choice and every failure reason are logged, and P then
+    exports the mode it uses as `pdunit_transfer_mode{pdunit_transfer_mode=...}`."""
     probe_all = options.get("probe_all") == "1"
     ranked = sorted(descriptors, key=lambda d: ORDER.index(d.mode) if d.mode in ORDER else len(ORDER))
     chosen: KVSender | None = None

@@ -1,32 +1,12 @@
-"""The KV transfer interface every transport implements (host, proxy, ipc, posix-fd,
-fabric, tcp).
+"""The KV transfer interface every transport implements (the modes of settings.TransferMode).
 
-The exchange itself (RESERVE -> write -> COMMIT(checksum), ABORT/ABORT_ACK) is the
-workers' job and travels over gRPC (engine/proto); a transport only moves rows and
-answers the quiesce question. It must never decide page ownership: D's pool does.
-
-Layout: a KV pool is one tensor `[n_layers, 2, n_slots, n_kv_heads, head_dim]` (K and V
-of every layer for every token slot). A transfer copies, for every layer and both K and
-V, the rows `src[:, :, src_slots[i]] -> dst[:, :, dst_slots[i]]`: n_layers * 2 *
-len(slots) rows of n_kv_heads * head_dim elements.
-
-Roles:
-- `KVReceiver` lives in D, owns D's pool storage, and says how a sender can reach it
-  (`descriptors()`, sent to P in HelloReply).
-- `KVSender` lives in P, attaches to one receiver descriptor and writes rows.
-
-Write capabilities (PROTOCOL.md section 3.1): D's RESERVE calls `receiver.grant`, which
-returns an unguessable capability bound to that reservation's slots; P's writes carry
-it (`KVSender.write(..., capability=)`). A receiver through which another process
-writes (tcp's listener, the proxy) refuses any write without the capability, outside
-its slots, or after `revoke` (COMMIT, ABORT, held), and reports it as a security event.
-The direct-write transports (host, ipc, posix-fd, fabric) cannot refuse anything: P
-writes D's mapped memory itself, so who can map that memory is their boundary.
-
-Quiesce (PROTOCOL.md section 3.5): `sender.quiesce(request_id)` is the batch-quiesce
-proof. It returns True only when every write of that request has completed or can no
-longer be applied, and guarantees that no write for it starts afterwards. P answers
-ABORT_ACK only on True.
+Owns `KVReceiver` (in D: D's pool storage, and `descriptors()`, sent to P in HelloReply,
+saying how to reach it), `KVSender` (in P: attaches to one descriptor and writes rows
+`src[:, :, src_slots[i]] -> dst[:, :, dst_slots[i]]` of pools `[n_layers, 2, n_slots,
+n_kv_heads, head_dim]`), the write capabilities (`WriteGrants`, PROTOCOL.md 3.1) and the
+quiesce proof (`KVSender.quiesce`, 3.5). The exchange (RESERVE -> write -> COMMIT,
+ABORT/ABORT_ACK) is the workers' job over gRPC (engine/proto): a transport only moves rows
+and answers the quiesce question. Must never decide page ownership: D's pool does.
 """
 
 from __future__ import annotations
@@ -188,7 +168,15 @@ class WriteGrants:
 
 
 class KVReceiver(abc.ABC):
-    """D's side: owns the pool storage that D's model reads and writes."""
+    """D's side: owns the pool storage that D's model reads and writes.
+
+    Write capabilities (PROTOCOL.md 3.1): D's RESERVE calls `grant`, which returns an
+    unguessable capability bound to that reservation's slots; P's writes carry it
+    (`KVSender.write(..., capability=)`). A receiver through which another process writes
+    (tcp's listener, the proxy) refuses any write without the capability, outside its
+    slots, or after `revoke` (COMMIT, ABORT, held), and reports it as a security event.
+    The direct-write transports (host, ipc, posix-fd, fabric) cannot refuse anything: P
+    writes D's mapped memory itself, so who can map that memory is their boundary."""
 
     mode: str
     _grants: WriteGrants | None = None
@@ -234,7 +222,12 @@ class KVReceiver(abc.ABC):
 
 
 class KVSender(abc.ABC):
-    """P's side: writes rows of P's pool into D's pool."""
+    """P's side: writes rows of P's pool into D's pool.
+
+    Quiesce (PROTOCOL.md 3.5): `quiesce(request_id)` is the batch-quiesce proof. It
+    returns True only when every write of that request has completed or can no longer be
+    applied, and guarantees that no write for it starts afterwards. P answers ABORT_ACK
+    only on True."""
 
     mode: str
 

@@ -1,18 +1,11 @@
 """Direct GPU transports (ipc, posix-fd, fabric): P maps D's pool and writes rows into it
 with one copy kernel on P's GPU (source local, destination over the peer link).
 
-Owns what the three share: the receiver's pool + probe allocation and descriptor, the
-sender's mapping, writes, quiesce bookkeeping and the verified probe. The modes differ
-only in how memory is exported and imported (ipc.py, posix_fd.py, fabric.py).
-
-Verified probe (never a device attribute): D fills probe slots [0, PATTERN) with a
-pattern and publishes its checksum; P reads them through its mapping (proves the
-mapping reaches D's real memory), then writes rows into slots [PATTERN, PROBE) and
-reads them back (proves writes land). Pool slots are never touched by a probe.
-
-Quiesce: a write is synchronous (kernel launched and finished inside `write`), so a
-request is quiesced when no write of it runs and it is marked cancelled.
-Must never decide page ownership.
+Owns what the three share: the receiver's pool + probe allocation and descriptor
+(`DirectReceiver`), the sender's mapping, writes, quiesce proof and verified probe
+(`DirectSender`). The modes differ only in how memory is exported and imported (ipc.py,
+posix_fd.py, fabric.py). Must never decide page ownership, and a probe never touches
+pool slots.
 """
 
 from __future__ import annotations
@@ -60,7 +53,12 @@ def _cuda_index(device: str | torch.device) -> int:
 
 
 class DirectReceiver(KVReceiver):
-    """D's side: the pool and the probe region, exported by the subclass."""
+    """D's side: the pool and the probe region, exported by the subclass.
+
+    Verified probe (never a device attribute): D fills probe slots [0, PATTERN) with a
+    pattern and publishes its checksum; P reads them through its mapping (proves the
+    mapping reaches D's real memory), then writes rows into slots [PATTERN, PROBE) and
+    reads them back (proves writes land)."""
 
     mode = ""
 
@@ -101,6 +99,9 @@ class DirectReceiver(KVReceiver):
 
 
 class DirectSender(KVSender):
+    """P's side. Quiesce: a write is synchronous (kernel launched and finished inside
+    `write`), so a request is quiesced when no write of it runs and it is marked cancelled."""
+
     mode = ""
 
     _owners: list[Any]  # what keeps D's mapped memory open (per subclass); released by close()

@@ -2,19 +2,10 @@
 rows straight into it. For CPU runs (tests, `pdunit local` without GPUs).
 
 Owns the shared-memory segment's life (D creates, zeroes and unlinks it; P only maps it)
-and the sender's quiesce bookkeeping. Must never decide page ownership (D's pool does)
-and must never let P unlink D's segment: the sender maps the file with torch.from_file,
-so Python's resource_tracker never learns about it in P. D registers its own segment
-with the tracker, so a crashed D does not leak /dev/shm.
-
-Quiesce proof (PROTOCOL.md 3.5): writes are counted per request id under a lock; once
-`quiesce(req)` marked a request cancelled no write of it starts, and a write already
-running stops at its next chunk boundary. `quiesce` returns True only when no write of
-the request is running, so after True nothing of it can land any more.
-
-In containers /dev/shm is often small (Docker's default is 64 MiB): the receiver
-reserves the whole segment up front (posix_fallocate), so a short /dev/shm fails at
-start with a clear error instead of a SIGBUS on the first write.
+and the sender's quiesce proof (`HostSender`). Must never decide page ownership (D's pool
+does) and must never let P unlink D's segment: the sender maps the file with
+torch.from_file, so Python's resource_tracker never learns about it in P. D registers its
+own segment with the tracker, so a crashed D does not leak /dev/shm.
 """
 
 from __future__ import annotations
@@ -57,6 +48,10 @@ def _segment_bytes(geometry: PoolGeometry) -> int:
 
 
 class HostReceiver(KVReceiver):
+    """D's side. In containers /dev/shm is often small (Docker's default is 64 MiB):
+    the receiver reserves the whole segment up front (posix_fallocate), so a short
+    /dev/shm fails at start with a clear error instead of a SIGBUS on the first write."""
+
     mode = "host"
 
     def __init__(self, geometry: PoolGeometry, name: str | None = None) -> None:
@@ -130,6 +125,11 @@ def _free_shm_bytes() -> int:
 
 
 class HostSender(KVSender):
+    """P's side. Quiesce proof (PROTOCOL.md 3.5): writes are counted per request id
+    under a lock; once `quiesce(req)` marked a request cancelled no write of it starts,
+    and a write already running stops at its next chunk boundary. `quiesce` returns True
+    only when no write of the request is running, so after True nothing of it can land."""
+
     mode = "host"
 
     def __init__(

@@ -1,28 +1,11 @@
 """The `proxy` KV transport: P and D register their pools with the nvlink-proxy sidecar,
 which copies rows between them (sidecars/nvlink_proxy).
 
-Owns the client side: the auth handshake, region registration (host shm on CPU;
-legacy CUDA IPC handle or cuMem POSIX fd on GPU, named by GPU UUID), D's write grants
-(PROTOCOL.md 3.1: `ProxyReceiver.grant` also tells the proxy, which refuses any job
-without the capability), copy jobs and the sender's quiesce bookkeeping. D's receiver
-also registers a small probe region, with a standing grant whose capability travels in
-its descriptor, so `auto` can run a verified test transfer without touching pool slots
-that may belong to live requests.
-
-Copy jobs travel over the proxy's copy lane (a unix stream socket, SO_PEERCRED-checked,
-protobuf frames) rather than the Copy RPC: same messages and checks, about a tenth of
-the per-call cost. Every write records where its time went (`last_stages`). A write
-names D's region by its capability alone, so P need not learn D's new region id when
-the proxy restarts.
-
-Restarts: `SessionKeeper` notices a new proxy instance (a call answered UNAUTHENTICATED,
-or a changed instance id in its periodic Info) and registers everything again (D: its
-regions and every live grant; P: its source regions); until then `unready` names why.
-
-Quiesce proof: a request is quiesced when P has no Copy RPC of it running AND the
-proxy confirms, after marking the id cancelled, that no job of it runs there (a Copy
-that timed out on P's side may still run in the proxy). An unreachable, stopped or
-restarted proxy is never taken as proof. Must never decide page ownership.
+Owns the client side: the auth handshake and session (`ProxyClient`), registering again
+after a proxy restart (`SessionKeeper`), D's pool, probe region and write grants told to
+the proxy (`ProxyReceiver`, PROTOCOL.md 3.1), and P's copy jobs over the copy lane with
+their quiesce proof (`ProxySender`). An unreachable, stopped or restarted proxy is never
+taken as proof that a request is quiesced. Must never decide page ownership.
 """
 
 from __future__ import annotations
@@ -392,7 +375,10 @@ class _LiveGrant:
 class ProxyReceiver(KVReceiver):
     """D's side: allocates the pool (host shm, or GPU memory) and registers it, plus a
     probe region of PROBE_SLOTS slots for verified test transfers. Every grant of a
-    reservation is told to the proxy (and told again after a proxy restart)."""
+    reservation is told to the proxy (and told again after a proxy restart). The probe
+    region has a standing grant whose capability travels in its descriptor, so `auto` can
+    run a verified test transfer without touching pool slots that may belong to live
+    requests."""
 
     mode = "proxy"
     # A stalled proxy must not hold D's RESERVE (on D's gRPC loop) longer; a Grant takes
@@ -559,6 +545,16 @@ class _Staging:
 
 
 class ProxySender(KVSender):
+    """P's side. Copy jobs travel over the proxy's copy lane (a unix stream socket,
+    SO_PEERCRED-checked, protobuf frames) rather than the Copy RPC: same messages and
+    checks, about a tenth of the per-call cost. Every write records where its time went
+    (`last_stages`). A write names D's region by its capability alone, so P need not learn
+    D's new region id when the proxy restarts.
+
+    Quiesce proof: a request is quiesced when P has no Copy of it running AND the proxy
+    confirms, after marking the id cancelled, that no job of it runs there (a Copy that
+    timed out on P's side may still run in the proxy)."""
+
     mode = "proxy"
 
     def __init__(self, descriptor: Descriptor, geometry: PoolGeometry, device: str,

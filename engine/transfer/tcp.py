@@ -1,47 +1,12 @@
 """The `tcp` KV transport, v3 (PROTOCOL.md section 6): the cross-host fallback.
 
-D runs a listener (host:port in its descriptor) and writes every received row into its
-own pool itself; P gathers rows into chunks and sends them over N parallel
-connections. Because D is the writer, D's per-request state is the quiesce proof (c),
-and D is the one that enforces who may write what (PROTOCOL.md 3.1 and 6).
-
-Authentication, per connection, before any frame is read (a challenge-response over
-the unit's secret, HMAC-SHA256, both ways, so P also knows it reached its own D):
-
-    D -> P  CHALLENGE(Ns)
-    P -> D  PROOF(Nc, HMAC(secret, "client" | Ns | Nc))      D compares in constant time
-    D -> P  WELCOME(HMAC(secret, "server" | Nc | Ns))        P compares in constant time
-
-A peer whose proof is wrong, malformed or later than AUTH_TIMEOUT_S is cut off and
-reported (security event `tcp_auth_failed`). This authenticates the peer at connect; it
-does not protect an established stream from an on-path attacker (no encryption or
-per-frame MAC): across hosts, the network between P and D must be trusted.
-
-Per request, on an authenticated connection:
-
-    BEGIN(request_id, n, capability, dst_slots, deadline) -> receiving   (BEGIN_OK)
-    CHUNK(request_id, offset, length, remaining_ms, capability) -> rows applied
-    all rows applied                                      -> completed   (COMPLETED)
-    D gives up (abort, revoke, receiver_quiesced)         -> aborted     (ABORTED)
-
-BEGIN is accepted only when D's grants hold its capability for exactly the slots it
-declares (the reservation D made at RESERVE); a chunk is applied only while its
-request is receiving, with the capability its BEGIN presented, and while the grant
-lives (`revoke` at COMMIT / ABORT / held ends the request). The destination slots come
-from BEGIN only (chunks carry token offsets), so a chunk can never write outside its
-reservation. A refused write writes nothing and answers ABORTED; it is a security event
-(`tcp_write_refused`) unless it carries the request's own capability and only came too
-late (a stalled P after D gave up: counted in `dropped`, the case proof (c) exists for).
-
-Probes (`TcpSender.probe`) ask for a probe grant over the authenticated connection
-(PROBE_GRANT) and write a probe region of their own: a probe never touches the pool.
-
-Applying a chunk and aborting take the same per-request lock, so once `abort()` or
-`revoke()` returns no row of that request is written any more.
-
-Wire format: a fixed 48-byte little-endian header (magic b"PDKV", version, type,
-flags, request_id, a, b, c, d, payload_len) followed by the payload. Must never decide
-page ownership; must never apply a row without its grant or outside `receiving`.
+D runs a listener (host:port in its descriptor) and writes every received row into its own
+pool itself; P gathers rows into chunks and sends them over N parallel connections.
+Because D is the writer, D's per-request state is the quiesce proof (c), and D enforces
+who may write what (PROTOCOL.md 3.1 and 6); every connection is authenticated both ways
+over the unit's secret before any frame is read. The wire (handshake, per-request states,
+frame header) is described above its constants. Must never decide page ownership; must
+never apply a row without its grant or outside `receiving`.
 """
 
 from __future__ import annotations
@@ -78,6 +43,41 @@ from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.transfer.tcp")
 
+# Authentication, per connection, before any frame is read (a challenge-response over
+# the unit's secret, HMAC-SHA256, both ways, so P also knows it reached its own D):
+#
+#     D -> P  CHALLENGE(Ns)
+#     P -> D  PROOF(Nc, HMAC(secret, "client" | Ns | Nc))      D compares in constant time
+#     D -> P  WELCOME(HMAC(secret, "server" | Nc | Ns))        P compares in constant time
+#
+# A peer whose proof is wrong, malformed or later than AUTH_TIMEOUT_S is cut off and
+# reported (security event `tcp_auth_failed`). This authenticates the peer at connect; it
+# does not protect an established stream from an on-path attacker (no encryption or
+# per-frame MAC): across hosts, the network between P and D must be trusted.
+#
+# Per request, on an authenticated connection:
+#
+#     BEGIN(request_id, n, capability, dst_slots, deadline) -> receiving   (BEGIN_OK)
+#     CHUNK(request_id, offset, length, remaining_ms, capability) -> rows applied
+#     all rows applied                                      -> completed   (COMPLETED)
+#     D gives up (abort, revoke, receiver_quiesced)         -> aborted     (ABORTED)
+#
+# BEGIN is accepted only when D's grants hold its capability for exactly the slots it
+# declares (the reservation D made at RESERVE); a chunk is applied only while its
+# request is receiving, with the capability its BEGIN presented, and while the grant
+# lives (`revoke` at COMMIT / ABORT / held ends the request). The destination slots come
+# from BEGIN only (chunks carry token offsets), so a chunk can never write outside its
+# reservation. A refused write writes nothing and answers ABORTED; it is a security event
+# (`tcp_write_refused`) unless it carries the request's own capability and only came too
+# late (a stalled P after D gave up: counted in `dropped`, the case proof (c) exists for).
+#
+# Probes (`TcpSender.probe`) ask for a probe grant over the authenticated connection
+# (PROBE_GRANT) and write a probe region of their own: a probe never touches the pool.
+# Applying a chunk and aborting take the same per-request lock, so once `abort()` or
+# `revoke()` returns no row of that request is written any more.
+#
+# Wire format: a fixed 48-byte little-endian header (magic b"PDKV", version, type,
+# flags, request_id, a, b, c, d, payload_len) followed by the payload.
 MAGIC = b"PDKV"
 VERSION = 4  # the wire of TCP v3 with the handshake and capabilities
 HEADER = struct.Struct("<4sBBHQIIqQQ")  # magic ver type flags rid a b c d payload_len
