@@ -48,12 +48,13 @@ def _assert_contract(report: dict, transfers: int, faults: int) -> None:
     assert report["canary_streams_checked"] >= transfers * 0.9
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(360)
 def test_bounded_fault_run_keeps_the_page_contract(tmp_path):
-    """>= 2,000 transfers and >= 50 faults of every host-transport kind."""
-    cfg = FaultsConfig(transfers=2000, faults=50, max_seconds=330, restart_every=12)
+    """>= 1,000 transfers and >= 30 faults, five of every host-transport kind (the time
+    goes to the faults, ~2.5 s each; the soak below runs 20,000 and 500)."""
+    cfg = FaultsConfig(transfers=1000, faults=30, max_seconds=240, restart_every=12)
     report = run(cfg, run_dir=str(tmp_path / "unit"))
-    _assert_contract(report, 2000, 50)
+    _assert_contract(report, 1000, 30)
     kinds = report["faults_by_kind"]
     assert set(kinds) == {"corrupt", "slow", "p_stop", "lb_stop", "p_kill", "held_exit"}, kinds
     assert report["replays"].get("replay_into_held", 0) >= 1
