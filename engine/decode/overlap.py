@@ -317,9 +317,9 @@ class OverlapScheduler:
         """One forward over the decode rows (`tokens` on the device) and then the prompt
         chunks (host tokens); logits [streams + chunks, C, V] on the device. A step of
         prompt rows only goes through the prefill graphs when given (its tokens are all
-        on the host); a mixed step runs eagerly."""
+        on the host); otherwise it runs eagerly, its host arrays sent without a sync."""
         entries = prompts.entries
-        if not len(positions):
+        if not len(positions) and self.prefill_graphs is not None:
             if started is not None:
                 started.record()
             return run_forward(self.model, self.batcher.storage, entries, self.prefill_graphs)

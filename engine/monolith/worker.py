@@ -47,6 +47,7 @@ from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.kv.pool import NoCapacity, PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease, block_hashes
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
+from pdunit.engine.model.sampling import to_device
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.monolith.policy import RowBudget
 from pdunit.engine.observability import now_ns
@@ -398,9 +399,10 @@ class MonolithEngine:
         prompt = p.job.prompt
         self.cache.publish(p.lease, prompt)
         device = self.storage.device
-        # torch.tensor copies: the pool's slot arrays are read-only views, which from_numpy warns of
-        src = torch.tensor(p.slots, dtype=torch.int64, device=device)
-        dst = torch.tensor(self.pool.slots(p.job.request_id, len(prompt)), dtype=torch.int64, device=device)
+        # astype copies (the pool's slot arrays are read-only views, which from_numpy warns
+        # of); to_device queues the copy without waiting for the step in flight (overlap)
+        src = to_device(p.slots.astype(np.int64), device)
+        dst = to_device(self.pool.slots(p.job.request_id, len(prompt)).astype(np.int64), device)
         # Same thread and stream as the forwards: ordered after the one that wrote the rows
         # and before the first decode step that reads them.
         index_copy_kv(self.storage, 2, dst, self.storage.index_select(2, src))

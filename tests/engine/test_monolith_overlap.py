@@ -5,15 +5,18 @@ codes for the same seeded requests, every page returns to the pool, and a prompt
 cancelled while a queued step still writes its rows keeps its pages until that step
 completed.
 
-Driven on MonolithEngine._step_once directly (no thread), on the CPU with random:tiny."""
+Driven on MonolithEngine._step_once directly (no thread), on the CPU with random:tiny;
+the last test runs real units through `pdunit local` (--overlap, --policy budget)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import numpy as np
 import pytest
+import torch
 
 from pdunit.engine.decode.admission import (
     AdmissionControl,
@@ -24,12 +27,15 @@ from pdunit.engine.decode.admission import (
 )
 from pdunit.engine.decode.batcher import FINISHED_EOS, RUNNING
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.monolith.worker import POLICIES, MonolithEngine
 from pdunit.engine.packing import unpack
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.proto import pdunit_pb2 as pb
+from tests.engine.test_unit_e2e import SMALL, run_all
+from tests.engine.unit_client import load, wait_for
 
 POOL = 8192
 # priced so that the budget policy chunks: 214 ms (4.2 frames/s less 10%) leaves about
@@ -86,14 +92,15 @@ class Run:
     steps: list[tuple[int, int]]  # overlap: (decode streams, prompt rows) of every completed step
 
 
-def make_engine(policy: str, overlap: bool, eos_id: int | None = None) -> MonolithEngine:
-    model = load_model("random:tiny:0", device="cpu")
+def make_engine(policy: str, overlap: bool, eos_id: int | None = None, device: str = "cpu",
+                dtype: str | None = None) -> MonolithEngine:
+    model = load_model("random:tiny:0", device=device, dtype=dtype)
     if eos_id is not None:
         model.config = dataclasses.replace(model.config, eos_id=eos_id)
     admission = None
     if policy == "budget":
         admission = AdmissionControl(RateFloorAdmission(FixedModel(), 4.2), HeldStream(100, 10))
-    return MonolithEngine(model, "random:tiny:0", PagePool(POOL, 4), model.new_kv_storage(POOL),
+    return MonolithEngine(model, "random:tiny:0", PagePool(POOL, 4), model.new_kv_storage(POOL, device=device),
                           Frames(), policy, chunk_tokens=64, max_batch=8, max_batch_rows=256,  # type: ignore[arg-type]
                           admission=admission, overlap=overlap, min_chunk_rows=16)
 
@@ -104,8 +111,21 @@ def job(r: Req, replies: dict[int, pb.SubmitReply]) -> PrefillJob:
                       done=lambda reply: replies.__setitem__(r.rid, reply))
 
 
-def run(policy: str, overlap: bool, reqs: list[Req], eos_id: int | None = None) -> Run:
-    e = make_engine(policy, overlap, eos_id)
+def run(policy: str, overlap: bool, reqs: list[Req], eos_id: int | None = None, device: str = "cpu",
+        dtype: str | None = None, strict_launch: bool = False) -> Run:
+    e = make_engine(policy, overlap, eos_id, device, dtype)
+    if strict_launch:  # CUDA: a synchronizing call while a step is queued raises
+        assert e.overlap is not None
+        launch = e.overlap._launch
+
+        def strict(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        e.overlap._launch = strict  # type: ignore[method-assign]
     replies: dict[int, pb.SubmitReply] = {}
     frames: dict[int, list[list[int]]] = {r.rid: [] for r in reqs}
     codes: dict[int, list[int]] = {r.rid: [] for r in reqs}
@@ -189,3 +209,43 @@ def test_a_prompt_cancelled_while_its_rows_are_in_flight_keeps_its_pages_until_t
     e._step_once()
     assert replies[1].status == pb.CANCELLED and not e.prefilling
     assert e.pool.free_pages == e.pool.n_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_overlap_frames_identical_on_cuda(policy) -> None:
+    """On the GPU path (bf16, decode graphs): the overlapped monolith's frames are the
+    plain loop's, and queueing a mixed or prefill-only step never waits for the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plain = run(policy, False, REQS, device="cuda", dtype="bfloat16")
+    over = run(policy, True, REQS, device="cuda", dtype="bfloat16", strict_launch=True)
+    assert over.engine.step_forward.graphs is not None
+    for r in REQS:
+        assert over.frames[r.rid] == plain.frames[r.rid], f"stream {r.rid}"
+        assert over.codes[r.rid] == plain.codes[r.rid], f"stream {r.rid}"
+
+
+def test_an_overlapped_budget_monolith_unit_streams_the_plain_monoliths_frames(tmp_path) -> None:
+    """Through real processes: `--overlap` and `--policy budget` (with a floor and a fit
+    file pricing prompt rows) reach the monolith, and its streams are the plain
+    prefill-first monolith's, every page back."""
+    # slower than any CPU step here and a floor of 1 frame/s (budget 900 ms): the budget
+    # never shrinks enough to refuse one of these 4 streams, and prompts still chunk
+    fit = tmp_path / "fit.json"
+    fit.write_text(StepCoefficients(base_ms=50.0, per_stream_ms=20.0, per_token_ms=0.02, per_row_ms=4.0).to_json())
+    with LocalUnit(LocalConfig(mode="monolith", **SMALL)) as plain:
+        want = run_all(plain.url)
+    budget = LocalConfig(mode="monolith", policy="budget", rate_floor=1.0, step_model=str(fit),
+                         extra_monolith_args=["--overlap"], **{**SMALL, "log_level": "info"},
+                         run_dir=str(tmp_path / "run"))
+    with LocalUnit(budget) as unit:
+        before = load(unit.url)
+        got = run_all(unit.url)
+        wait_for(lambda: load(unit.url)["free_pages"] == before["free_pages"], what="every page back in the pool")
+        ready = [json.loads(line) for line in (tmp_path / "run" / "logs" / "monolith.log").read_text().splitlines()
+                 if '"monolith ready"' in line]
+    assert ready and ready[0]["policy"] == "budget" and ready[0]["overlap"] is True, ready
+    for (frames, last), (want_frames, _) in zip(got, want, strict=True):
+        assert last.get("done"), last
+        assert frames == want_frames
