@@ -103,8 +103,11 @@ class StepModel:
     cannot separate base from per-stream cost). Thread-safe."""
 
     def __init__(self, seed: StepCoefficients, window: int = 512, refit_every: int = 32,
-                 min_points: int = 64, error_window: int = 256) -> None:
+                 min_points: int = 64, error_window: int = 256, fixed: bool = False) -> None:
         self._lock = threading.Lock()
+        # fixed (--no-step-model-refit): the seed is the model; observed steps feed the
+        # error metric only, never a refit or the budget
+        self.fixed = fixed
         self.coefficients = seed
         self.seed = seed
         self._points: deque[tuple[float, float, float, float]] = deque(maxlen=window)
@@ -125,6 +128,8 @@ class StepModel:
             predicted = self.coefficients.ms(streams, context_tokens, prefill_rows)
             if predicted > 0:
                 self._ratios.append(ms / predicted)
+            if self.fixed:
+                return
             self._points.append((float(streams), float(context_tokens), float(prefill_rows), float(ms)))
             self._since_fit += 1
             if self._since_fit >= self._refit_every:
@@ -226,7 +231,10 @@ class RateFloorAdmission:
         return 1000.0 / self.floor_fps * (1.0 - self.margin)
 
     def budget_ms(self) -> float:
-        """The nominal budget, shrunk when the model has been under-predicting."""
+        """The nominal budget, shrunk when the model has been under-predicting (a fixed
+        model is trusted as it is)."""
+        if self.model.fixed:
+            return self.nominal_budget_ms()
         return self.nominal_budget_ms() / max(1.0, self.model.under_prediction(self.error_quantile))
 
     def judge(self, held: Iterable[HeldStream], new: HeldStream, prefill_rows: float = 0.0) -> Verdict:
@@ -363,6 +371,9 @@ class AdmissionFields(BaseModel):
     step_model: str = Field("", description="the step-time model's seed: a fit file from `pdunit bench step` "
                             "(<results>.fit.json); without one the engine holds at most --cold-streams until it "
                             "has fitted its own steps")
+    step_model_refit: bool = Field(True, description="refit the step model from the engine's own steps and shrink "
+                                   "the budget while it under-predicts; --no-step-model-refit: the --step-model fit "
+                                   "is used as it is (measured on this hardware and trusted; needs --step-model)")
     cold_streams: int = Field(8, gt=0, description="without --step-model: streams held before the first fit")
     floor_error_quantile: float = Field(0.9, gt=0, le=1, description="the quantile of recent observed / predicted "
                                         "step times that shrinks the budget when above 1 (0.5: the model's typical "
@@ -390,8 +401,11 @@ def build_admission(cfg: AdmissionFields, gpu_path: bool) -> AdmissionControl | 
     floor = cfg.floor_fps(gpu_path)
     if floor <= 0:
         return None
+    if not cfg.step_model_refit and not cfg.step_model:
+        raise ValueError("--no-step-model-refit needs --step-model: without a fit file there is no model to keep")
     seed = load_step_model(cfg.step_model) if cfg.step_model else StepCoefficients(0.0, 0.0, 0.0)
     rows, _, frames = cfg.headroom_stream.partition(":")
-    return AdmissionControl(RateFloorAdmission(StepModel(seed), floor, cfg.floor_margin, cfg.floor_error_quantile),
+    model = StepModel(seed, fixed=not cfg.step_model_refit)
+    return AdmissionControl(RateFloorAdmission(model, floor, cfg.floor_margin, cfg.floor_error_quantile),
                             HeldStream(int(rows), int(frames)), seeded=bool(cfg.step_model),
                             cold_streams=cfg.cold_streams)

@@ -7,10 +7,12 @@ import pytest
 
 from pdunit.engine.decode.admission import (
     AdmissionControl,
+    AdmissionFields,
     HeldStream,
     RateFloorAdmission,
     StepCoefficients,
     StepModel,
+    build_admission,
     worst_step,
 )
 
@@ -116,6 +118,26 @@ def test_an_under_predicting_model_shrinks_the_budget() -> None:
     assert model.under_prediction() == pytest.approx(1.5)
     assert adm.budget_ms() == pytest.approx(20.0 / 1.5)
     assert not adm.judge([HeldStream(1, 10)] * 14, HeldStream(1, 10)).admit
+
+
+def test_a_fixed_model_keeps_its_seed_and_its_budget_whatever_the_steps_take(tmp_path) -> None:
+    """--no-step-model-refit: neither a refit nor an under-predicting model moves the
+    verdicts (the same steps as the two tests above move a refitting model)."""
+    seed = StepCoefficients(base_ms=0.0, per_stream_ms=1.0, per_token_ms=0.0)
+    model = StepModel(seed, refit_every=8, min_points=16, fixed=True)
+    adm = RateFloorAdmission(model, floor_fps=50.0, margin=0.0)
+    for b in (2, 4, 8, 16) * 32:
+        model.observe(b, 0, 3.0 * b)  # three times the seed's prediction, four batch sizes
+    assert model.coefficients == seed and model.fits == 0
+    assert model.under_prediction() == pytest.approx(3.0)  # still measured, for the metric
+    assert adm.budget_ms() == pytest.approx(20.0)
+    assert adm.judge([HeldStream(1, 10)] * 18, HeldStream(1, 10)).admit
+    fit = tmp_path / "fit.json"
+    fit.write_text(seed.to_json())
+    fixed = build_admission(AdmissionFields(rate_floor=50, step_model=str(fit), step_model_refit=False), True)
+    assert fixed is not None and fixed.admission.model.fixed
+    with pytest.raises(ValueError, match="--no-step-model-refit needs --step-model"):
+        build_admission(AdmissionFields(rate_floor=50, step_model_refit=False), True)
 
 
 def test_fit_files_name_the_bad_field() -> None:

@@ -233,11 +233,12 @@ def test_the_monolith_unit_answers_503_rate_floor_with_retry_after_and_holds_not
     fit = tmp_path / "step.fit.json"
     fit.write_text(StepCoefficients(base_ms=0.0, per_stream_ms=8.0, per_token_ms=0.004).to_json())
     cfg = LocalConfig(mode="monolith", rate_floor=42, step_model=str(fit), pool_tokens=16384, cache_tokens=16384,
-                      lb_port=0, guard=False, log_level="warning", extra_monolith_args=["--headroom-stream", "64:400"])
+                      lb_port=0, guard=False, log_level="warning", extra_monolith_args=["--headroom-stream", "64:400", "--no-step-model-refit"])
     with LocalUnit(cfg) as unit:
         url = unit.url
         assert load(url)["headroom_streams"] == 2
-        # before any step (the monolith refits its model from its own steps as it serves)
+        # the fit is kept as it is (--no-step-model-refit): on a loaded machine the monolith's
+        # own steps would move a refitted model, and with it how many of the five it admits
         status, _, doc = post(url, random_prompt(64, seed=9), 4000)
         assert status == 422 and "even alone" in doc["error"]["message"], doc
         prompts = [random_prompt(64, seed=i) for i in range(5)]
