@@ -8,6 +8,6 @@ _wheels=(.out/transfer-whl/*.whl)
 [ -d .out/cap-whl ] && _wheels+=(.out/cap-whl/*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "${_wheels[@]}" || exit 10
-mkdir -p /tmp/pdpkg/pdunit && cp pkg/__init__.py /tmp/pdpkg/pdunit/
+mkdir -p /tmp/pdpkg/pdunit && cp pkg/*.py pkg/py.typed /tmp/pdpkg/pdunit/
 for _d in engine kernels sidecars bench operator; do ln -sfn "$PWD/$_d" "/tmp/pdpkg/pdunit/$_d"; done
 export PYTHONPATH=/tmp/site:/tmp/pdpkg
