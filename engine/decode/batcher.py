@@ -18,7 +18,7 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry
 from pdunit.engine.kv.pool import PagePool
-from pdunit.engine.model.sampling import SamplingParams, is_eos, sample_frames
+from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
 
 RUNNING, FINISHED_EOS, FINISHED_LENGTH = 0, 1, 2
@@ -141,25 +141,23 @@ class DecodeBatcher:
             ))
         return streams, entries
 
-    def apply(self, streams: list[Stream], logits: torch.Tensor | None, new: list[Stream]) -> StepOutput:
-        """Samples the decoded streams' next frames, emits the new streams' first frames,
-        retires finished streams. `logits` rows match `streams`."""
+    def apply(self, streams: list[Stream], out: torch.Tensor | None, new: list[Stream]) -> StepOutput:
+        """Makes the decoded streams' next frames (`TTSModel.frames`), emits the new streams' first frames,
+        retires finished streams. `out` (the step's `TTSModel.forward` output) has one
+        row per stream of `streams`."""
         ids: list[int] = []
         frames: list[np.ndarray] = []
         finished: list[int] = []
         ended: list[Stream] = []
-        eos_id = self.model.config.eos_id
         if streams:
-            assert logits is not None
-            sampled = sample_frames(
-                logits, [s.params for s in streams], [s.frames_out for s in streams], eos_id
-            )
+            assert out is not None
+            sampled = self.model.frames(out, [s.params for s in streams], [s.frames_out for s in streams])
             for s, frame in zip(streams, sampled, strict=True):
                 s.last_frame = frame
                 s.frames_out += 1
                 ids.append(s.request_id)
                 frames.append(frame)
-                finished.append(self.finish_code(s, frame, eos_id))
+                finished.append(self.finish_code(s, frame))
         for s in new:
             s.frames_out = 1
             self.running[s.request_id] = s
@@ -167,7 +165,7 @@ class DecodeBatcher:
                 continue  # published at COMMIT, and it did not end the stream
             ids.append(s.request_id)
             frames.append(s.last_frame)
-            finished.append(self.finish_code(s, s.last_frame, eos_id))
+            finished.append(self.finish_code(s, s.last_frame))
         self.joined()
         for rid, code in zip(ids, finished, strict=True):
             if code != RUNNING:
@@ -182,9 +180,10 @@ class DecodeBatcher:
             ended=ended,
         )
 
-    @staticmethod
-    def finish_code(s: Stream, frame: np.ndarray, eos_id: int) -> int:
-        if is_eos(frame, eos_id) and s.frames_out >= s.params.min_frames:
+    def finish_code(self, s: Stream, frame: np.ndarray) -> int:
+        """Whether `frame`, the stream's newest, ends it: the model's end of stream (the
+        family's EOS frame) once min_frames are out, or max_frames."""
+        if self.model.ends_stream(frame) and s.frames_out >= s.params.min_frames:
             return FINISHED_EOS
         if s.frames_out >= s.params.max_frames:
             return FINISHED_LENGTH

@@ -54,12 +54,7 @@ from pdunit.engine.batching import SeqEntry
 from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
-from pdunit.engine.model.sampling import (
-    SamplingParams,
-    sample_frames_device,
-    sampling_batch,
-    to_device,
-)
+from pdunit.engine.model.sampling import SamplingParams, sampling_batch, to_device
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 from pdunit.engine.prefill.runner import run_forward
 
@@ -166,7 +161,6 @@ class OverlapScheduler:
         """One iteration; returns (did any work, the message's content or None)."""
         t0 = time.perf_counter()
         b = self.batcher
-        eos_id = self.model.config.eos_id
         self.completed = None
         self.dropped = b.take_cancelled(free=False)
         for rid in self.dropped:
@@ -176,7 +170,7 @@ class OverlapScheduler:
         first_ids, first_frames, first_codes, ended = [], [], [], []
         for s in new:
             s.frames_out = 1
-            code = b.finish_code(s, s.last_frame, eos_id)
+            code = b.finish_code(s, s.last_frame)
             if not s.first_out:  # else published at COMMIT (and RUNNING)
                 first_ids.append(s.request_id)
                 first_frames.append(s.last_frame)
@@ -212,7 +206,7 @@ class OverlapScheduler:
                 frame = host[row].copy()
                 s.last_frame = frame
                 s.frames_out += 1
-                code = b.finish_code(s, frame, eos_id)
+                code = b.finish_code(s, frame)
                 ids.append(s.request_id)
                 frames.append(frame)
                 codes.append(code)
@@ -294,7 +288,7 @@ class OverlapScheduler:
             keep = list(range(len(batch))) + [len(batch) + i for i in prompts.ending]
             logits = logits.index_select(0, to_device(np.array(keep, dtype=np.int64), dev))
         if len(params):
-            frames_dev = sample_frames_device(logits, sb, self.model.config.eos_id)
+            frames_dev = self.model.frames_device(logits, sb)
         else:  # no decode row and no prompt ends in this step
             frames_dev = torch.zeros((0, n_cols), dtype=torch.int32, device=dev)
         if cuda:

@@ -408,7 +408,7 @@ class DecodeEngine:
         if len(self.batcher) >= self.batcher.max_batch:
             self.batcher.admit(stream)  # first_out stays False: the batcher emits it
             return
-        code = self.batcher.finish_code(stream, stream.last_frame, self.model.config.eos_id)
+        code = self.batcher.finish_code(stream, stream.last_frame)
         ended = code != RUNNING
         out = StepOutput(request_ids=np.array([stream.request_id], dtype=np.uint64),
                          frames=stream.last_frame[None, :].astype(np.int32), finished=np.array([code], np.uint8),

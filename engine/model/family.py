@@ -51,3 +51,7 @@ class ModelFamily(ABC):
     def ignored(self, checkpoint_name: str) -> bool:
         """True for a checkpoint tensor the family deliberately does not load."""
         return False
+
+    def random_shapes(self) -> dict[str, ParsedConfig]:
+        """The family's named shapes for `random:<name>:<seed>` (tests, benchmarks)."""
+        return {}

@@ -17,6 +17,7 @@ The depth decoder's short KV is recomputed within the frame, never paged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,11 @@ from torch import nn
 from pdunit.engine.model.checkpoint import WeightMap
 from pdunit.engine.model.config import ModelConfig, torch_dtype
 from pdunit.engine.model.family import ModelFamily, ParsedConfig
+from pdunit.engine.model.sampling import SamplingBatch, SamplingParams, sample_frames_device
 from pdunit.engine.model.transformer import (
     MLP,
     ForwardBatch,
+    FrameGenerator,
     Linear,
     RMSNorm,
     TTSModel,
@@ -134,17 +137,19 @@ class _DepthLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DepthDecoder(nn.Module):
-    """CSM's frame generator: codebooks 1..K-1 of a frame from the backbone's hidden
-    state and codebook 0, batched across streams."""
+class DepthDecoder(FrameGenerator):
+    """CSM's frame generator: codebook 0 from the backbone's head, codebooks 1..K-1 from
+    the depth decoder, batched across streams; the frame row is the K codebooks then
+    `audio_token_id` (an audio-frame row: the next backbone input as it is)."""
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, d: DepthConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, d: DepthConfig, audio_token_id: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         c = d.backbone
         self.n_codebooks, self.vocab_size = d.n_codebooks, d.vocab_size
+        self.audio_token_id, self.eos_id = audio_token_id, c.eos_id
         self.embed = nn.Embedding(
             d.n_codebooks * d.vocab_size, d.backbone_hidden, device=device, dtype=dtype,
             _weight=torch.empty(d.n_codebooks * d.vocab_size, d.backbone_hidden, device=device, dtype=dtype),
@@ -178,26 +183,44 @@ class DepthDecoder(nn.Module):
         return torch.einsum("bph,phv->bpv", x, self.heads[:n]).float()
 
     @torch.no_grad()
-    def greedy(self, hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
-        """hidden [B, backbone_hidden], code0 [B] -> the greedy frame [B, K] int64."""
-        codes = code0[:, None].to(torch.int64)
-        for _ in range(1, self.n_codebooks):
-            nxt = self.logits(hidden, codes)[:, -1].argmax(dim=-1)
-            codes = torch.cat([codes, nxt[:, None]], dim=1)
-        return codes
+    def frames_device(self, model: TTSModel, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """Codebook j sampled from its logits with column j's uniform (greedy: argmax per
+        codebook, as transformers' greedy generate); EOS suppression (min_frames) applies
+        to codebook 0, the backbone's."""
+        eos = self.eos_id
+        codes = sample_frames_device(model.logits(hidden), _column(sb, 0), eos).to(torch.int64)
+        for j in range(1, self.n_codebooks):
+            nxt = sample_frames_device(self.logits(hidden, codes)[:, -1:], _column(sb, j), eos)
+            codes = torch.cat([codes, nxt.to(torch.int64)], dim=1)
+        text = torch.full_like(codes[:, :1], self.audio_token_id)
+        return torch.cat([codes, text], dim=1).to(torch.int32)
+
+    def ends_stream(self, frame: np.ndarray) -> bool:
+        """CSM's EOS frame: codebooks 0..K-2 all `codebook_eos_token_id` (transformers'
+        generate stops on it; the frame itself is the stream's last)."""
+        return bool((np.asarray(frame)[: self.n_codebooks - 1] == self.eos_id).all())
+
+
+def _column(sb: SamplingBatch, j: int) -> SamplingBatch:
+    """The sampling of one codebook: column j's uniforms; EOS suppressed for codebook 0 only."""
+    return dataclasses.replace(
+        sb,
+        uniforms=sb.uniforms[:, j : j + 1] if sb.uniforms is not None else None,
+        suppress_rows=sb.suppress_rows if j == 0 else [],
+        suppress_index=sb.suppress_index if j == 0 else None,
+    )
 
 
 @torch.no_grad()
 def greedy_frames(model: TTSModel, prompts: list[np.ndarray], max_frames: int) -> list[np.ndarray]:
-    """Offline greedy generation (not wired into P/D serving): for each prompt [T_i, K+1]
-    (csm rows), up to `max_frames` frames [n_i, K] from the backbone (codebook 0, on the
-    engine's paged forward with a private pool) and the depth decoder (codebooks 1..K-1),
-    all streams batched. A stream stops after a frame whose codebooks 0..K-2 are all
-    `eos_id`, as transformers' CSM generate does."""
-    embed, depth = model.row_embedding, model.frame_generator
-    if not isinstance(embed, CsmRowEmbedding) or not isinstance(depth, DepthDecoder):
+    """Offline greedy generation through the serving methods (`forward`, `frames`,
+    `ends_stream`) on a private pool, all streams batched: for each prompt [T_i, K+1]
+    (csm rows), up to `max_frames` frames [n_i, K] (the codebooks; the row's text column
+    dropped). A stream stops after its EOS frame, as transformers' CSM generate does."""
+    if not isinstance(model.frame_generator, DepthDecoder):
         raise ValueError("greedy_frames needs a model loaded by the csm family")
-    eos, k = model.config.eos_id, embed.n_audio
+    k = model.frame_generator.n_codebooks
+    greedy = SamplingParams(max_frames=max_frames)
     pool = model.new_kv_storage(sum(len(p) for p in prompts) + len(prompts) * max_frames, model.device)
     slots, start = [], 0
     for p in prompts:
@@ -207,17 +230,15 @@ def greedy_frames(model: TTSModel, prompts: list[np.ndarray], max_frames: int) -
     new = [np.asarray(p, dtype=np.int64) for p in prompts]
     live = list(range(len(prompts)))
     out: list[list[np.ndarray]] = [[] for _ in prompts]
-    for _ in range(max_frames):
+    for step in range(max_frames):
         batch = ForwardBatch.from_sequences([new[i] for i in live], [slots[i][: lengths[i]] for i in live])
-        h = model.hidden_states(batch, pool)[torch.from_numpy(np.cumsum([len(new[i]) for i in live]) - 1)]
-        code0 = model.logits(h)[:, 0].argmax(dim=-1)
-        frames = depth.greedy(h, code0).cpu().numpy()
+        frames = model.frames(model(batch, pool), [greedy] * len(live), [step] * len(live))
         still = []
         for i, frame in zip(live, frames, strict=True):
-            out[i].append(frame)
-            if not (frame[: k - 1] == eos).all():
+            out[i].append(frame[:k])
+            if not model.ends_stream(frame):
                 still.append(i)
-                new[i] = np.append(frame, embed.audio_token_id)[None, :]
+                new[i] = frame[None, :].astype(np.int64)
                 lengths[i] += 1
         live = still
         if not live:
@@ -287,7 +308,7 @@ class CsmFamily(ModelFamily):
             parsed.model, device=device,
             row_embedding=CsmRowEmbedding(extras.n_audio, extras.audio_token_id),
         )
-        model.frame_generator = DepthDecoder(extras.depth, model.dtype, torch.device(device))
+        model.frame_generator = DepthDecoder(extras.depth, extras.audio_token_id, model.dtype, torch.device(device))
         return model
 
     def weight_map(self, parsed: ParsedConfig, checkpoint_names: set[str]) -> WeightMap:
@@ -313,6 +334,30 @@ class CsmFamily(ModelFamily):
 
     def ignored(self, checkpoint_name: str) -> bool:
         return checkpoint_name.startswith("codec_model.")
+
+    def random_shapes(self) -> dict[str, ParsedConfig]:
+        # csm-tiny: CPU tests and `pdunit local`; float64 as pdunit's tiny (frames that do
+        # not depend on the batch's composition)
+        tiny = self.parse_config(_CSM_TINY, "csm-tiny")
+        return {"csm-tiny": ParsedConfig(dataclasses.replace(tiny.model, dtype="float64"), tiny.extras)}
+
+
+# A tiny CSM written as transformers' CsmConfig would save it: 4 codebooks of 32 ids and
+# 64 text ids (a row is 5 ids), backbone 2 x 64, depth decoder 2 x 32.
+_CSM_TINY: dict[str, Any] = {
+    "model_type": "csm", "num_codebooks": 4, "vocab_size": 32, "text_vocab_size": 64,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "audio_token_id": 62, "audio_eos_token_id": 61, "codebook_pad_token_id": 31, "codebook_eos_token_id": 0,
+    "tie_codebooks_embeddings": False,  # random tables: the backbone's and the depth decoder's differ
+    "depth_decoder_config": {
+        "model_type": DEPTH_MODEL_TYPE, "num_codebooks": 4, "vocab_size": 32, "backbone_hidden_size": 64,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 5, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    },
+}
 
 
 def _layer_map(engine: str, ckpt: str, n_layers: int) -> dict[str, tuple[str, ...]]:

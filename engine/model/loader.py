@@ -33,9 +33,9 @@ from pdunit.engine.model.checkpoint import (
     load_mapped,
     read_tensors,
 )
-from pdunit.engine.model.config import ModelConfig, dtype_name, get_config, torch_dtype
+from pdunit.engine.model.config import CONFIGS, ModelConfig, dtype_name, get_config, torch_dtype
 from pdunit.engine.model.family import ParsedConfig
-from pdunit.engine.model.registry import family_for
+from pdunit.engine.model.registry import family_for, random_shape, random_shape_names
 from pdunit.engine.model.transformer import TTSModel
 
 CONFIG_FILE = "config.json"
@@ -45,16 +45,12 @@ CONFIG_FILE = "config.json"
 _HEAD_GAIN = 3.0
 
 
-def load_model(
-    spec: str, device: str = "cpu", dtype: str | None = None, serving: bool = True
-) -> TTSModel:
-    """`random:<config>:<seed>` or a checkpoint directory (the module docstring).
+def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> TTSModel:
+    """`random:<config>:<seed>` or a checkpoint directory (the module docstring); `config`
+    is a pdunit shape (engine/model/config.py) or a family's random shape (`csm-tiny`).
     `dtype` overrides the config's compute/KV dtype (the returned model's config says
     the dtype it really uses). Its GEMMs run in the model dtype until
-    `TTSModel.set_prefill_gemm`. Raises ValueError naming what is wrong. `serving` (the
-    P/D and monolith engines) also refuses, at load, a model whose frames need a frame
-    generator: those engines take every column of a frame from the backbone's head
-    (docs/models.md)."""
+    `TTSModel.set_prefill_gemm`. Raises ValueError naming what is wrong."""
     if dtype is not None:
         torch_dtype(dtype)  # fail fast on a bad name
     if spec.startswith("random:"):
@@ -64,23 +60,39 @@ def load_model(
                 f"model spec {spec!r}: expected random:<config>:<seed> with a non-negative "
                 "integer seed, e.g. random:tiny:0"
             )
-        config = get_config(parts[1])
-        if dtype is not None:
-            config = dataclasses.replace(config, dtype=dtype)
-        model = TTSModel(config, device=device)
+        model = _random_model(parts[1], device, dtype)
         _fill_random(model, int(parts[2]))
     else:
         model = _load_checkpoint(spec, device, dtype)
-        c = model.config
-        if serving and (model.frame_generator is not None or c.head_vocab_sizes != c.vocab_sizes):
-            raise ValueError(
-                f"model {spec!r}: its frames come from a frame generator, which the P/D and "
-                "monolith engines do not run yet; load it with serving=False (offline only, "
-                "docs/models.md 'Not wired yet')"
-            )
+    c = model.config
+    if model.frame_generator is None and c.head_vocab_sizes != c.vocab_sizes:
+        raise ValueError(
+            f"model {spec!r}: its head gives {len(c.head_vocab_sizes)} of {c.n_codebooks} columns "
+            "(head_codebooks) and no frame generator gives the rest; set head_codebooks to null"
+        )
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _random_model(name: str, device: str, dtype: str | None) -> TTSModel:
+    """A model of the named shape with uninitialised weights: a pdunit config, or a
+    family's random shape."""
+    shape = random_shape(name)
+    if shape is None:
+        if name not in CONFIGS:
+            raise ValueError(
+                f"unknown model config {name!r}: known configs are "
+                f"{', '.join([*CONFIGS, *random_shape_names()])}"
+            )
+        config = get_config(name)
+        if dtype is not None:
+            config = dataclasses.replace(config, dtype=dtype)
+        return TTSModel(config, device=device)
+    family, parsed = shape
+    if dtype is not None:
+        parsed = ParsedConfig(dataclasses.replace(parsed.model, dtype=dtype), parsed.extras)
+    return family.build(parsed, device)
 
 
 def save_model(model: TTSModel, directory: str) -> None:
@@ -99,11 +111,11 @@ def _init_std(name: str, shape: tuple[int, ...], config: ModelConfig) -> float |
     """Standard deviation of a tensor's random init; None = ones (norm weights)."""
     if name.endswith("norm.weight"):
         return None
-    if name == "embed.weight":
+    if name.endswith("embed.weight"):
         # A row's embedding is the sum of n_codebooks entries: unit variance in total.
         return 1.0 / math.sqrt(config.n_codebooks)
-    fan_in = shape[1]
-    if name == "head.weight":
+    fan_in = shape[1]  # [out, in] matrices, and a frame generator's [K-1, in, out] heads
+    if name == "head.weight" or name.endswith(".heads"):
         return _HEAD_GAIN / math.sqrt(fan_in)
     return 1.0 / math.sqrt(fan_in)
 

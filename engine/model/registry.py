@@ -8,7 +8,7 @@ engine/model/family.py's interface, so the families and the registry form no loo
 
 from __future__ import annotations
 
-from pdunit.engine.model.family import ModelFamily
+from pdunit.engine.model.family import ModelFamily, ParsedConfig
 from pdunit.engine.model.family_csm import CsmFamily
 from pdunit.engine.model.family_pdunit import PdunitFamily
 
@@ -30,3 +30,16 @@ def family_for(model_type: str) -> ModelFamily:
 
 def model_types() -> list[str]:
     return sorted(_registry())
+
+
+def random_shape(name: str) -> tuple[ModelFamily, ParsedConfig] | None:
+    """The family and parsed config of a family's random shape `name`; None: no family has it."""
+    for family in _registry().values():
+        shapes = family.random_shapes()
+        if name in shapes:
+            return family, shapes[name]
+    return None
+
+
+def random_shape_names() -> list[str]:
+    return sorted(n for f in _registry().values() for n in f.random_shapes())

@@ -2,8 +2,10 @@
 
 Owns the math of one forward step over a batch of sequences whose K/V live in a paged
 pool tensor `[n_layers, 2, n_slots, n_kv_heads, head_dim]`: prefill (empty or cached
-prefix), chunked prefill, decode, and any mix of them in one call. Must never allocate
-or free pool slots (the pool and the prefix cache do), never sample, and never read a
+prefix), chunked prefill, decode, and any mix of them in one call; and the one way the
+engines turn a forward's output into frame rows (`frames`, `frames_device`) and end a
+stream (`ends_stream`). Must never allocate or free pool slots (the pool and the prefix
+cache do), never hold sampling rules (engine/model/sampling.py does), and never read a
 prompt's validity (the LB validated it).
 
 Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
@@ -14,10 +16,12 @@ final RMSNorm; one linear head per codebook.
 Config options for other backbones (engine/model/config.py; defaults are the above):
 q/k norm off (`qk_norm`), a head over the first `head_codebooks` columns only, Llama 3
 RoPE scaling. A model family (engine/model/family.py) may also give `TTSModel` its row
-embedding (`row_embedding`) and attach a `frame_generator`; this module never knows
-which family it serves. A model without q/k norm or with its own row embedding runs the
-torch reference path on every device (the Triton kernels fuse q/k norm and the summed
-embedding).
+embedding (`row_embedding`) and attach a `FrameGenerator`; this module never knows
+which family it serves. A forward returns the head's logits `[n, C, V]`, or, for a model
+with a frame generator, the final-norm hidden states `[n, hidden]` that the generator
+reads (`frames` takes either). A model without q/k norm, with its own row embedding or
+with a frame generator runs the torch reference path on every device (the Triton
+kernels fuse q/k norm and the summed embedding; the graphs capture the head).
 
 Two paths behind the same `forward`:
 - the torch reference (CPU, and any float32/float64 model): K/V rows are gathered from
@@ -55,6 +59,7 @@ widen on read, so an fp8 pool gives the same frames whichever engine wrote it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, get_args
@@ -65,6 +70,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdunit.engine.model.config import ModelConfig, torch_dtype
+from pdunit.engine.model.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    is_eos,
+    sample_frames,
+    sample_frames_device,
+    sampling_batch,
+)
 from pdunit.engine.settings import GemmPrecision
 from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_kv
 
@@ -373,18 +386,32 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x), fp8)
 
 
+class FrameGenerator(nn.Module, ABC):
+    """A family's frame generator: what turns the backbone's final-norm hidden state of a
+    sequence's last row into its next frame row, and the family's end of stream."""
+
+    @abstractmethod
+    def frames_device(self, model: TTSModel, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """hidden [n, hidden] -> int32 frame rows [n, C] on hidden's device (C: the row
+        width, so a frame is the next step's input row), sampled per `sb`."""
+
+    @abstractmethod
+    def ends_stream(self, frame: np.ndarray) -> bool:
+        """True iff this frame row ends its stream (the family's EOS frame)."""
+
+
 class TTSModel(nn.Module):
     """Weights are allocated uninitialised; `loader.load_model` fills them.
 
     `row_embedding` (a family's): a module called as `row_embedding(embed, tokens,
     offsets)` -> [T, hidden] in place of the sum of the row's embeddings.
     `frame_generator` (a family's, attached after construction): what turns a hidden
-    state into the rest of a frame (None: the head gives every column)."""
+    state into a frame (None: the head gives every column)."""
 
     codebook_offsets: torch.Tensor
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    frame_generator: nn.Module | None
+    frame_generator: FrameGenerator | None
 
     def __init__(
         self,
@@ -453,9 +480,11 @@ class TTSModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
-        """Writes the new tokens' K/V into kv[:, 0/1, write_slots] and returns the logits of
-        each sequence's LAST new token: [n_seqs, C, V_max] float32 (columns with a smaller
-        vocab padded with -inf)."""
+        """Writes the new tokens' K/V into kv[:, 0/1, write_slots] and returns the output of
+        each sequence's LAST new token, one row per sequence, which `frames` turns into
+        frame rows: the logits [n_seqs, C, V_max] float32 (columns with a smaller vocab
+        padded with -inf), or with a frame generator the final-norm hidden states
+        [n_seqs, hidden] in the model dtype."""
         self._check(batch, kv)
         if self.gpu_path:
             return self._forward_gpu(batch, kv)
@@ -465,7 +494,32 @@ class TTSModel(nn.Module):
         x = self._reference_layers(batch, kv)
         last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
         assert int(last[-1]) == t - 1
-        return self._logits(self.norm(x[last]))
+        h = self.norm(x[last])
+        return h if self.frame_generator is not None else self._logits(h)
+
+    def frames(self, out: torch.Tensor, params: list[SamplingParams], frame_index: list[int]) -> np.ndarray:
+        """A forward's output rows -> int32 frame rows [n, C] on the host: row i sampled
+        with params[i] as frame number frame_index[i] of its stream (engine/model/
+        sampling.py's rules; the frame generator's codebooks each draw their own column's
+        uniform). P, D and the monolith call this and nothing else to make frames."""
+        if self.frame_generator is None:
+            return sample_frames(out, params, frame_index, self.config.eos_id)
+        sb = sampling_batch(params, frame_index, self.config.n_codebooks, out.device)
+        return self.frame_generator.frames_device(self, out, sb).cpu().numpy()
+
+    def frames_device(self, out: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """`frames` on the output's device with no host sync (D's overlap scheduler):
+        int32 [n, C], the same frames."""
+        if self.frame_generator is None:
+            return sample_frames_device(out, sb, self.config.eos_id)
+        return self.frame_generator.frames_device(self, out, sb)
+
+    def ends_stream(self, frame: np.ndarray) -> bool:
+        """True iff this frame row is the model's end of stream: column 0 is `eos_id`, or
+        the frame generator's EOS frame."""
+        if self.frame_generator is None:
+            return is_eos(frame, self.config.eos_id)
+        return self.frame_generator.ends_stream(frame)
 
     @torch.no_grad()
     def hidden_states(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
@@ -587,9 +641,14 @@ class TTSModel(nn.Module):
             self.device.type == "cuda"
             and self.dtype in _HALF_DTYPES
             and self.attention_backend == "triton"
-            and self.config.qk_norm
-            and self.row_embedding is None
+            and self.kernel_form
         )
+
+    @property
+    def kernel_form(self) -> bool:
+        """True when the model has the form the Triton kernels and CUDA graphs implement:
+        q/k norm, the summed row embedding and every frame column from the head."""
+        return self.config.qk_norm and self.row_embedding is None and self.frame_generator is None
 
     def sm_count(self) -> int:
         if not self._sm_count:

@@ -18,7 +18,7 @@ from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry, make_batch, prefill_entry
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS, PrefillGraphRunner
-from pdunit.engine.model.sampling import SamplingParams, sample_frames
+from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.settings import PrefillModelFields
 
@@ -110,9 +110,7 @@ def first_frames(model: TTSModel, logits: torch.Tensor, chunks: list[PrefillChun
     done = [i for i, c in enumerate(chunks) if c.is_last]
     out: list[np.ndarray | None] = [None] * len(chunks)
     if done:
-        frames = sample_frames(
-            logits[done], [chunks[i].params for i in done], [0] * len(done), model.config.eos_id
-        )
+        frames = model.frames(logits[done], [chunks[i].params for i in done], [0] * len(done))
         for row, i in enumerate(done):
             out[i] = frames[row]
     return out

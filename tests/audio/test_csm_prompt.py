@@ -174,7 +174,7 @@ def test_rows_embed_as_csm_embeds_the_processors_output(checkpoint: Any, prompte
             input_ids=out["input_ids"], input_values=out["input_values"],
             input_values_cutoffs=out["input_values_cutoffs"],
         )["inputs_embeds"][0]
-        got = load_model(str(directory), serving=False).embed_rows(
+        got = load_model(str(directory)).embed_rows(
             torch.from_numpy(prompter.rows("ok", speaker=1, voice=voice))
         )
     assert got.shape == want.shape

@@ -114,7 +114,9 @@ def assert_matches_oracle(model: TTSModel, oracle: Any) -> None:
     kv = model.new_kv_storage(32)
     hidden = model.hidden_states(batch_of(seqs), kv)
     assert rel(hidden, want_hidden.reshape(hidden.shape)) < 1e-4
-    logits = model(batch_of(seqs), model.new_kv_storage(32))
+    last = model(batch_of(seqs), model.new_kv_storage(32))  # a frame generator's model: the hidden states
+    assert torch.equal(last, hidden.view(2, -1, hidden.shape[-1])[:, -1])
+    logits = model.logits(last)
     assert logits.shape == (2, 1, V)
     assert rel(logits[:, 0], want_logits) < 1e-4
     # depth decoder: codebooks 1..K-1 from the backbone's last state and codebooks 0..K-2
@@ -131,23 +133,18 @@ def assert_matches_oracle(model: TTSModel, oracle: Any) -> None:
 
 
 def test_single_file_checkpoint_matches_transformers_forward(oracle: Any, tmp_path: Path) -> None:
-    model = load_model(str(saved(oracle, tmp_path)), serving=False)
+    model = load_model(str(saved(oracle, tmp_path)))
     assert (tmp_path / "model.safetensors").is_file()
     assert model.config.n_codebooks == K + 1 and model.config.head_codebooks == 1
     assert not model.config.qk_norm
     assert_matches_oracle(model, oracle)
 
 
-def test_serving_engines_refuse_a_model_they_cannot_produce_frames_for(oracle: Any, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="frame generator, which the P/D and monolith engines do not run yet"):
-        load_model(str(saved(oracle, tmp_path)))  # serving=True: what prefill and decode call
-
-
 def test_sharded_checkpoint_matches_transformers_forward(oracle: Any, tmp_path: Path) -> None:
     saved(oracle, tmp_path, shard="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
-    assert_matches_oracle(load_model(str(tmp_path), serving=False), oracle)
+    assert_matches_oracle(load_model(str(tmp_path)), oracle)
 
 
 def test_llama3_rope_scaling_is_honoured(tmp_path: Path) -> None:
@@ -155,13 +152,13 @@ def test_llama3_rope_scaling_is_honoured(tmp_path: Path) -> None:
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
     })
-    model = load_model(str(saved(oracle, tmp_path)), serving=False)
+    model = load_model(str(saved(oracle, tmp_path)))
     assert model.config.rope_llama3 == (8.0, 1.0, 4.0, 16)
     assert_matches_oracle(model, oracle)
 
 
 def test_a_text_row_ignores_its_audio_columns(oracle: Any, tmp_path: Path) -> None:
-    model = load_model(str(saved(oracle, tmp_path)), serving=False)
+    model = load_model(str(saved(oracle, tmp_path)))
     a = rows(4, 3, 2)
     b = a.copy()
     b[:3, :K] = 0  # other audio ids on the text rows
@@ -183,25 +180,25 @@ def edit_config(directory: Path, **changes: Any) -> None:
 def test_unknown_model_type_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None:
     edit_config(saved(oracle, tmp_path), model_type="bark")
     with pytest.raises(ValueError, match=r"model_type 'bark' is not a supported model family; supported: csm, pdunit"):
-        load_model(str(tmp_path), serving=False)
+        load_model(str(tmp_path))
 
 
 def test_unknown_config_field_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None:
     edit_config(saved(oracle, tmp_path), sliding_window=4)
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['sliding_window'\]"):
-        load_model(str(tmp_path), serving=False)
+        load_model(str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["sliding_window"]
     cfg["depth_decoder_config"]["n_experts"] = 2
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"depth_decoder_config has unknown field\(s\) \['n_experts'\]"):
-        load_model(str(tmp_path), serving=False)
+        load_model(str(tmp_path))
 
 
 def test_unsupported_backbone_option_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None:
     edit_config(saved(oracle, tmp_path), attention_bias=True)
     with pytest.raises(ValueError, match="attention_bias is true"):
-        load_model(str(tmp_path), serving=False)
+        load_model(str(tmp_path))
 
 
 def test_missing_or_misshapen_tensor_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None:
@@ -213,7 +210,7 @@ def test_missing_or_misshapen_tensor_is_refused_naming_it(oracle: Any, tmp_path:
     tensors["backbone_model.norm.weight"] = torch.ones(31)
     save_file(tensors, str(weights))
     with pytest.raises(ValueError) as err:
-        load_model(str(tmp_path), serving=False)
+        load_model(str(tmp_path))
     msg = str(err.value)
     assert "missing tensor lm_head.weight (expected shape [19, 32])" in msg
     assert "tensor backbone_model.norm.weight has shape [31], the config expects [32]" in msg
@@ -225,7 +222,7 @@ def test_missing_shard_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None
     gone = sorted(set(index["weight_map"].values()))[0]
     (tmp_path / gone).unlink()
     with pytest.raises(ValueError, match=rf"shard\(s\) \['{gone}'\] listed in model.safetensors.index.json are missing"):
-        load_model(str(tmp_path), serving=False)
+        load_model(str(tmp_path))
 
 
 # ---------------------------------------------------------------- greedy frames (offline)
@@ -234,7 +231,7 @@ def test_missing_shard_is_refused_naming_it(oracle: Any, tmp_path: Path) -> None
 def test_greedy_frames_equal_transformers_generate_frame_for_frame(oracle: Any, tmp_path: Path) -> None:
     from pdunit.engine.model.family_csm import greedy_frames
 
-    model = load_model(str(saved(oracle, tmp_path)), serving=False)
+    model = load_model(str(saved(oracle, tmp_path)))
     texts = [np.array([46, 5, 7, 9, 11]), np.array([46, 30, 2])]  # streams of unequal length
     audio = np.random.default_rng(5).integers(0, V, (1, 3, K))
     prompts = [np.concatenate([np.full((len(t), K), V - 1), t[:, None]], 1) for t in texts]
@@ -254,11 +251,11 @@ def test_bf16_checkpoint_loads_in_its_dtype_or_an_override(tmp_path: Path) -> No
     oracle = tiny_csm().to(torch.bfloat16)
     saved(oracle, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
-    model = load_model(str(tmp_path), serving=False)
+    model = load_model(str(tmp_path))
     assert model.dtype == torch.bfloat16 and model.frame_generator is not None
     assert model.frame_generator.heads.dtype == torch.bfloat16
     # the same bf16 weights widened: float32 on both sides, float32's tolerance
-    assert_matches_oracle(load_model(str(tmp_path), dtype="float32", serving=False), oracle.float())
+    assert_matches_oracle(load_model(str(tmp_path), dtype="float32"), oracle.float())
 
 
 def test_transformers_4_config_spelling_is_read(tmp_path: Path) -> None:
@@ -273,6 +270,6 @@ def test_transformers_4_config_spelling_is_read(tmp_path: Path) -> None:
     cfg["rope_scaling"] = params
     cfg["torch_dtype"] = cfg.pop("dtype")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model = load_model(str(tmp_path), serving=False)
+    model = load_model(str(tmp_path))
     assert model.config.rope_theta == 10000.0 and model.config.rope_llama3 == (4.0, 1.0, 4.0, 16)
     assert_matches_oracle(model, oracle)
