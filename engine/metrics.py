@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Enum, Gauge, Histogram
 
-from .transfer.base import TRANSFER_MODES
+from pdunit.engine.transfer.base import TRANSFER_MODES
 
 ROLES = ("prefill", "decode", "monolith")
 _BY_ROLE: dict[str, list[Counter | Gauge | Histogram | Enum]] = {role: [] for role in ROLES}

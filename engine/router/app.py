@@ -23,11 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..edge import bearer_matches, is_loopback
-from ..security import security_event
-from .config import RouterConfig
-from .proxy import Forwarder, ForwardPolicy, RouterMetrics
-from .table import LoadPoller, RoutingTable
+from pdunit.engine.edge import bearer_matches, is_loopback
+from pdunit.engine.router.config import RouterConfig
+from pdunit.engine.router.proxy import Forwarder, ForwardPolicy, RouterMetrics
+from pdunit.engine.router.table import LoadPoller, RoutingTable
+from pdunit.engine.security import security_event
 
 
 class Discovery(Protocol):

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..edge import EdgeLimits
-from .discovery import parse_static_units
+from pdunit.engine.edge import EdgeLimits
+from pdunit.engine.router.discovery import parse_static_units
 
 LB_MAX_BODY_BYTES = 4 << 20  # the LB's --max-body-bytes default: a larger body is refused there
 

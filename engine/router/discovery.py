@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from .table import DiscoveredUnit, RoutingTable
+from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
 
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"

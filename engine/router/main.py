@@ -17,18 +17,18 @@ from collections.abc import Iterator
 import uvicorn
 from prometheus_client import REGISTRY
 
-from ..edge import bind_sockets, listen_hosts, read_token_file, server_config
-from ..observability import log_config, setup_logging, shutdown_event
-from ..security import SecretFileError
-from ..settings import ConfigError, parse_config
-from .app import Discovery, create_app
-from .config import RouterConfig, check_discovery
-from .discovery import (
+from pdunit.engine.edge import bind_sockets, listen_hosts, read_token_file, server_config
+from pdunit.engine.observability import log_config, setup_logging, shutdown_event
+from pdunit.engine.router.app import Discovery, create_app
+from pdunit.engine.router.config import RouterConfig, check_discovery
+from pdunit.engine.router.discovery import (
     KubernetesDiscovery,
     StaticDiscovery,
     parse_static_units,
     read_incluster_namespace,
 )
+from pdunit.engine.security import SecretFileError
+from pdunit.engine.settings import ConfigError, parse_config
 
 
 class _Server(uvicorn.Server):

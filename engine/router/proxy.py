@@ -39,9 +39,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from ..edge import request_id_problem
-from ..security import security_event
-from .table import RoutingTable, Unit
+from pdunit.engine.edge import request_id_problem
+from pdunit.engine.router.table import RoutingTable, Unit
+from pdunit.engine.security import security_event
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
 CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})

@@ -25,8 +25,14 @@ from pdunit.engine.router.main import main
 from pdunit.engine.router.proxy import ForwardPolicy, to_client, to_unit
 from pdunit.engine.security import SECURITY_EVENTS, write_secret_file
 from tests.lb import rawhttp
-
-from .routerkit import PROMPT, FakeUnit, key_owned_by, read_stream, run_router, run_units
+from tests.router.routerkit import (
+    PROMPT,
+    FakeUnit,
+    key_owned_by,
+    read_stream,
+    run_router,
+    run_units,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -10,8 +10,14 @@ import pytest
 
 from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
-
-from .routerkit import FakeUnit, key_owned_by, poll_answer, read_stream, run_router, run_units
+from tests.router.routerkit import (
+    FakeUnit,
+    key_owned_by,
+    poll_answer,
+    read_stream,
+    run_router,
+    run_units,
+)
 
 pytestmark = pytest.mark.anyio
 

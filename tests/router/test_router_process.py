@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from pdunit.engine.router.main import main
-
-from .routerkit import FakeUnit, run_units
+from tests.router.routerkit import FakeUnit, run_units
 
 
 def test_bad_static_unit_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

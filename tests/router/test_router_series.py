@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry
 from pdunit.engine.router.app import create_app
 from pdunit.engine.router.config import RouterConfig
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
-
-from .routerkit import FakeUnit, key_owned_by, read_stream, run_units, serve
+from tests.router.routerkit import FakeUnit, key_owned_by, read_stream, run_units, serve
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ import struct
 import httpx
 import pytest
 
-from .routerkit import FakeUnit, key_owned_by, read_stream, run_router, run_units
+from tests.router.routerkit import FakeUnit, key_owned_by, read_stream, run_router, run_units
 
 pytestmark = pytest.mark.anyio
 

@@ -9,8 +9,7 @@ import pytest
 
 from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
-
-from .routerkit import poll_answer
+from tests.router.routerkit import poll_answer
 
 
 def table_of(n: int, in_flight: int = 0, c: float = 1.25) -> RoutingTable:
