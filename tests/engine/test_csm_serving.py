@@ -1,0 +1,218 @@
+"""CSM served (issue 23): P's first frame, D's steps (plain and overlapped) and whole
+units (PD, monolith) make the frames transformers' `CsmForConditionalGeneration.generate`
+makes, greedy, frame for frame; a stream ends at CSM's EOS frame; seeded sampling
+repeats. The in-process tests drive the code D runs (run_prefill, DecodeBatcher,
+OverlapScheduler); the unit tests start real processes with `pdunit local`'s LocalUnit.
+A tiny random CsmConfig is built with transformers and saved locally (no downloads)."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pdunit.engine.decode.batcher import (
+    FINISHED_EOS,
+    FINISHED_LENGTH,
+    RUNNING,
+    DecodeBatcher,
+    Stream,
+)
+from pdunit.engine.decode.overlap import OverlapScheduler
+from pdunit.engine.decode.step_forward import StepForward
+from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.model.transformer import TTSModel
+from pdunit.engine.prefill.runner import PrefillChunk, run_forward, run_prefill
+from tests.engine.test_csm_family import AUDIO_TOKEN, K, oracle_embeds, rows, saved, tiny_csm
+from tests.engine.unit_client import load, stream
+
+# text only, text then audio frames, audio frames only (Sesame's rows: K codes + text id)
+PROMPTS = [rows(1, 6, 0), rows(2, 3, 4), rows(3, 0, 5)]
+GREEDY_FRAMES = 8
+EOS_PROMPT = rows(10, 3, 2)  # the EOS model's greedy frames end at their fourth frame
+SMALL = dict(pool_tokens=4096, cache_tokens=4096, lb_port=0, guard=False, log_level="warning", dtype="float64")
+
+
+def generate(oracle: Any, prompt: np.ndarray, frames: int) -> np.ndarray:
+    """transformers' greedy frames [n, K] for one prompt (its rows embedded by its own modules)."""
+    with torch.no_grad():
+        out = oracle.generate(inputs_embeds=oracle_embeds(oracle, [prompt]), max_new_tokens=frames, do_sample=False)
+    return out[0].numpy()
+
+
+def eos_model() -> Any:
+    """A tiny CSM whose depth decoder always gives codebooks 1..K-2 id 0 (zero heads: all
+    logits tie, argmax takes the first), so a frame is CSM's EOS frame (codebooks
+    0..K-2 all codebook_eos_token_id, 0) exactly when the backbone gives codebook 0 id 0."""
+    model = tiny_csm()
+    with torch.no_grad():
+        model.depth_decoder.codebooks_head.weight[: K - 2] = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """The saved checkpoint (float32) and its oracle in float64 (the engines run float64)."""
+    model = tiny_csm()
+    return saved(model, tmp_path_factory.mktemp("csm")), model.double()
+
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    model = eos_model()
+    return saved(model, tmp_path_factory.mktemp("csm-eos")), model.double()
+
+
+class D:
+    """One D in process: a pool, the model, the plain step loop or the overlap one."""
+
+    def __init__(self, model: TTSModel, overlap: bool) -> None:
+        self.model = model
+        self.pool = PagePool(512, 4)
+        self.storage = model.new_kv_storage(2048)
+        self.batcher = DecodeBatcher(model, self.pool, self.storage, max_batch=8)
+        forward = StepForward(model, self.storage, use_graphs=True, max_batch=8)
+        self.overlap = OverlapScheduler(model, self.batcher, forward) if overlap else None
+
+    def run(self, prompts: list[np.ndarray], params: list[SamplingParams]) -> tuple[list[np.ndarray], list[int]]:
+        """Every prompt's frame rows [n, K+1] and its last finish code; all prompts join at once."""
+        for rid, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            slots = self.pool.reserve(rid, len(p), len(p) + sp.max_frames)
+            first = run_prefill(self.model, self.storage, [PrefillChunk(p, slots, 0, len(p), sp)])[0]
+            assert first is not None
+            self.pool.mark_filled(rid)
+            self.pool.start_decoding(rid)
+            self.batcher.admit(Stream(rid, len(p), sp, first.astype(np.int32)))
+        frames: list[list[list[int]]] = [[] for _ in prompts]
+        codes = [RUNNING] * len(prompts)
+        for _ in range(200):
+            out = self._iterate()
+            if out is not None:
+                for rid, frame, code in zip(out.request_ids.tolist(), out.frames.tolist(), out.finished.tolist(),
+                                            strict=True):
+                    frames[rid].append(frame)
+                    codes[rid] = code
+            if not len(self.batcher) and (self.overlap is None or not self.overlap.in_flight):
+                assert self.pool.free_pages == self.pool.n_pages
+                return [np.array(f) for f in frames], codes
+        raise AssertionError("streams still running after 200 iterations")
+
+    def _iterate(self) -> Any:
+        if self.overlap is not None:
+            return self.overlap.step_once()[1]
+        b = self.batcher
+        new = b.take_incoming()
+        streams, entries = b.decode_entries()
+        if not streams and not new:
+            return None
+        return b.apply(streams, run_forward(self.model, self.storage, entries) if entries else None, new)
+
+
+def csm(directory: Path) -> TTSModel:
+    return load_model(str(directory), dtype="float64")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_p_and_d_make_the_greedy_frames_of_transformers_generate(checkpoint: tuple[Path, Any], overlap: bool) -> None:
+    directory, oracle = checkpoint
+    frames, codes = D(csm(directory), overlap).run(PROMPTS, [SamplingParams(max_frames=GREEDY_FRAMES)] * 3)
+    for got, prompt, code in zip(frames, PROMPTS, codes, strict=True):
+        want = generate(oracle, prompt, GREEDY_FRAMES)
+        assert want.shape == (GREEDY_FRAMES, K)  # no EOS frame within these frames
+        assert got.shape == (GREEDY_FRAMES, K + 1) and code == FINISHED_LENGTH
+        assert np.array_equal(got[:, :K], want)
+        assert (got[:, K] == AUDIO_TOKEN).all()  # a frame is an audio-frame row: the next input as it is
+    assert len({f[:, :K].tobytes() for f in frames}) == 3  # not degenerate
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_stream_ends_at_csms_eos_frame_as_transformers_generate_does(
+        eos_checkpoint: tuple[Path, Any], overlap: bool) -> None:
+    directory, oracle = eos_checkpoint
+    want = generate(oracle, EOS_PROMPT, 16)
+    assert 1 < len(want) < 16 and (want[-1, : K - 1] == 0).all()  # transformers stopped at its EOS frame
+    params = [SamplingParams(max_frames=16), SamplingParams(max_frames=16, min_frames=8)]
+    frames, codes = D(csm(directory), overlap).run([EOS_PROMPT, EOS_PROMPT], params)
+    assert np.array_equal(frames[0][:, :K], want) and codes[0] == FINISHED_EOS
+    # min_frames suppresses codebook 0's EOS id: no EOS frame before frame 8
+    assert len(frames[1]) >= 9 and not (frames[1][:8, : K - 1] == 0).all(axis=1).any()
+
+
+def test_seeded_sampling_repeats_and_follows_the_seed(checkpoint: tuple[Path, Any]) -> None:
+    model = csm(checkpoint[0])
+    sampled = [SamplingParams(max_frames=10, temperature=1.0, seed=7),
+               SamplingParams(max_frames=10, temperature=0.8, top_k=5, seed=7)]
+    first, _ = D(model, False).run(PROMPTS[:2], sampled)
+    again, _ = D(model, True).run(PROMPTS[:2], sampled)  # overlapped: the device sampler, same draws
+    other, _ = D(model, False).run(PROMPTS[:2], [dataclasses.replace(p, seed=8) for p in sampled])
+    for a, b, c in zip(first, again, other, strict=True):
+        assert np.array_equal(a, b)
+        assert not np.array_equal(a, c)
+    greedy, _ = D(model, False).run(PROMPTS[:2], [SamplingParams(max_frames=10)] * 2)
+    assert not np.array_equal(first[0], greedy[0])  # sampling really samples
+
+
+def test_random_csm_tiny_builds_in_process_and_streams_audio_frame_rows() -> None:
+    model = load_model("random:csm-tiny:0")
+    assert model.frame_generator is not None and model.config.n_codebooks == 5
+    again = load_model("random:csm-tiny:0")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
+                                                strict=True))
+    prompt = np.concatenate([np.full((6, 4), 31), np.arange(6)[:, None] + 3], axis=1)  # text rows
+    frames, codes = D(model, False).run([prompt], [SamplingParams(max_frames=6)])
+    assert frames[0].shape == (6, 5) and (frames[0][:, 4] == 62).all() and (frames[0][:, :4] < 32).all()
+    assert len({tuple(f) for f in frames[0].tolist()}) > 1
+
+
+def test_a_model_whose_head_lacks_columns_and_has_no_frame_generator_is_refused(tmp_path: Path) -> None:
+    from pdunit.engine.model.config import get_config
+    from pdunit.engine.model.loader import save_model
+
+    save_model(TTSModel(dataclasses.replace(get_config("tiny"), head_codebooks=1)), str(tmp_path))
+    with pytest.raises(ValueError, match="no frame generator gives the rest; set head_codebooks to null"):
+        load_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------- whole units (processes)
+
+
+def run_prompts(url: str, prompts: list[np.ndarray], **params: Any) -> list[tuple[np.ndarray, dict]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:  # concurrently: streams share steps and batches
+        out = list(pool.map(lambda p: stream(url, p.tolist(), **params), prompts))
+    return [(np.array(f), last) for f, last in out]
+
+
+@pytest.fixture(scope="module")
+def csm_units(checkpoint: tuple[Path, Any]) -> Any:
+    model = str(checkpoint[0])
+    with LocalUnit(LocalConfig(mode="pd", model=model, **SMALL)) as pd, \
+            LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)) as mono:
+        yield pd, mono
+
+
+def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate(
+        checkpoint: tuple[Path, Any], csm_units: Any) -> None:
+    oracle = checkpoint[1]
+    want = [generate(oracle, p, GREEDY_FRAMES) for p in PROMPTS]
+    for unit in csm_units:
+        for (frames, last), ref in zip(run_prompts(unit.url, PROMPTS, max_frames=GREEDY_FRAMES), want, strict=True):
+            assert last.get("done"), last
+            assert np.array_equal(frames[:, :K], ref) and (frames[:, K] == AUDIO_TOKEN).all()
+    info = load(csm_units[0].url)
+    assert info["kv_checks_total"] >= len(PROMPTS) and info["kv_mismatch_total"] == 0
+
+
+def test_seeded_sampling_gives_the_same_frames_in_pd_and_the_monolith(csm_units: Any) -> None:
+    params = dict(max_frames=12, temperature=0.9, top_k=6, seed=21)
+    pd, mono = (run_prompts(u.url, PROMPTS, **params) for u in csm_units)
+    for (a, la), (b, lb) in zip(pd, mono, strict=True):
+        assert la.get("done") and lb.get("done"), (la, lb)
+        assert a.shape == (12, K + 1) and np.array_equal(a, b)
