@@ -193,9 +193,12 @@ def run_prompts(url: str, prompts: list[np.ndarray], **params: Any) -> list[tupl
 @pytest.fixture(scope="module")
 def csm_units(checkpoint: tuple[Path, Any]) -> Any:
     model = str(checkpoint[0])
+    # the third: a monolith whose steps mix prompt chunks (6 rows) with decode rows, overlapped
+    mixed = LocalConfig(mode="monolith", model=model, policy="chunked", chunk_tokens=6,
+                        extra_monolith_args=["--overlap"], **SMALL)
     with LocalUnit(LocalConfig(mode="pd", model=model, **SMALL)) as pd, \
-            LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)) as mono:
-        yield pd, mono
+            LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)) as mono, LocalUnit(mixed) as chunked:
+        yield pd, mono, chunked
 
 
 def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate(
@@ -210,9 +213,10 @@ def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate
     assert info["kv_checks_total"] >= len(PROMPTS) and info["kv_mismatch_total"] == 0
 
 
-def test_seeded_sampling_gives_the_same_frames_in_pd_and_the_monolith(csm_units: Any) -> None:
+def test_seeded_sampling_gives_the_same_frames_in_pd_and_the_monoliths(csm_units: Any) -> None:
     params = dict(max_frames=12, temperature=0.9, top_k=6, seed=21)
-    pd, mono = (run_prompts(u.url, PROMPTS, **params) for u in csm_units)
-    for (a, la), (b, lb) in zip(pd, mono, strict=True):
-        assert la.get("done") and lb.get("done"), (la, lb)
-        assert a.shape == (12, K + 1) and np.array_equal(a, b)
+    pd, *monoliths = (run_prompts(u.url, PROMPTS, **params) for u in csm_units)
+    for mono in monoliths:
+        for (a, la), (b, lb) in zip(pd, mono, strict=True):
+            assert la.get("done") and lb.get("done"), (la, lb)
+            assert a.shape == (12, K + 1) and np.array_equal(a, b)
