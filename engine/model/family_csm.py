@@ -1,18 +1,12 @@
 """The `csm` family: Sesame CSM as `transformers` saves CsmForConditionalGeneration.
 
-Owns CSM's config parsing, its tensor-name map, its row embedding and its frame
-generator, the depth decoder. Must never hold backbone math (engine/model/transformer.py
-runs the backbone: Llama-style, no q/k norm) and never load the Mimi codec's tensors
-(`codec_model.*`: not served yet).
-
-A row is `num_codebooks + 1` ids (Sesame's layout): the frame's audio codebooks
-0..K-1, then the text column. A row whose text column is `audio_token_id` is an audio
-frame (embedding: the sum of its K codebook embeddings); any other row is a text token
-(embedding: that token's; its audio columns are ignored, conventionally
-`codebook_pad_token_id`). The backbone's head predicts codebook 0; the depth decoder
-(a small Llama over one frame: position 0 the backbone's hidden state projected,
-position p the embedding of codebook p-1) predicts codebooks 1..K-1 one after another.
-The depth decoder's short KV is recomputed within the frame, never paged.
+Owns CSM's config parsing, tensor-name map, row embedding (a row is K codebooks then a
+text column; `audio_token_id` there makes it an audio frame, its K embeddings summed,
+else a text token) and frame generator: codebook 0 from the backbone's head, 1..K-1
+from the depth decoder (a small Llama over one frame), a frame being an audio-frame row.
+Must never hold backbone math (engine/model/transformer.py runs it) nor load the Mimi
+codec (`codec_model.*`), and must keep the depth decoder's KV inside one frame, never
+paged: only the backbone's KV moves P -> D. docs/models.md describes the layout.
 """
 
 from __future__ import annotations
@@ -113,13 +107,20 @@ class _DepthAttention(nn.Module):
         self.v_proj = Linear(cfg.hidden, kv_dim, dtype, device)
         self.o_proj = Linear(q_dim, cfg.hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        """x [B, n, hidden]: the frame's next n positions; `cache` holds this layer's K and
+        V of the positions before them ([] at position 0) and is extended in place."""
         b, n, _ = x.shape
         q = _rope(self.q_proj(x).view(b, n, self.n_heads, self.head_dim), cos, sin)
         k = _rope(self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
+        if cache:
+            k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
+        cache[:] = [k, v]
+        # causal among the new positions; every earlier position is visible (one new
+        # position after the first call: no mask)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=n > 1, enable_gqa=True
         )
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
 
@@ -132,8 +133,8 @@ class _DepthLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -168,30 +169,42 @@ class DepthDecoder(FrameGenerator):
     def logits(self, hidden: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """hidden [B, backbone_hidden] (the backbone's final-norm state of the frame's
         position), codes [B, n] = codebooks 0..n-1 (1 <= n <= K-1) -> logits [B, n, V]
-        float32 for codebooks 1..n."""
+        float32 for codebooks 1..n (teacher-forced: the whole frame in one pass)."""
         b, n = codes.shape
         if not 1 <= n < self.n_codebooks:
             raise ValueError(f"depth decoder: {n} codebooks given, expected 1..{self.n_codebooks - 1}")
         offsets = torch.arange(n, device=codes.device) * self.vocab_size
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes + offsets)], dim=1)
+        return self._extend(x, 0, [[] for _ in self.layers])
+
+    def _extend(self, x: torch.Tensor, start: int, caches: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The frame's positions start.. (x [B, n, backbone_hidden] inputs) over the K/V
+        of those before (`caches`, extended) -> logits [B, n', V] float32 of the codebooks
+        they predict (position p predicts codebook p; position 0 predicts none)."""
+        n = x.shape[1]
         x = self.project(x)
-        cos = self.rope_cos[: n + 1].unsqueeze(1)
-        sin = self.rope_sin[: n + 1].unsqueeze(1)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        x = self.norm(x)[:, 1:]  # position p predicts codebook p
-        return torch.einsum("bph,phv->bpv", x, self.heads[:n]).float()
+        cos = self.rope_cos[start : start + n].unsqueeze(1)
+        sin = self.rope_sin[start : start + n].unsqueeze(1)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, cos, sin, cache)
+        first = 1 if start == 0 else 0
+        x = self.norm(x)[:, first:]
+        return torch.einsum("bph,phv->bpv", x, self.heads[start + first - 1 : start + n - 1]).float()
 
     @torch.no_grad()
     def frames_device(self, model: TTSModel, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """Codebook j sampled from its logits with column j's uniform (greedy: argmax per
         codebook, as transformers' greedy generate); EOS suppression (min_frames) applies
-        to codebook 0, the backbone's."""
+        to codebook 0, the backbone's. The depth decoder's K/V of the frame's positions
+        lives in `caches` for this call only."""
         eos = self.eos_id
         codes = sample_frames_device(model.logits(hidden), _column(sb, 0), eos).to(torch.int64)
+        caches: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes)], dim=1)
         for j in range(1, self.n_codebooks):
-            nxt = sample_frames_device(self.logits(hidden, codes)[:, -1:], _column(sb, j), eos)
+            nxt = sample_frames_device(self._extend(x, 0 if j == 1 else j, caches)[:, -1:], _column(sb, j), eos)
             codes = torch.cat([codes, nxt.to(torch.int64)], dim=1)
+            x = self.embed(codes[:, -1:] + j * self.vocab_size)  # position j + 1: codebook j's embedding
         text = torch.full_like(codes[:, :1], self.audio_token_id)
         return torch.cat([codes, text], dim=1).to(torch.int32)
 
