@@ -176,6 +176,7 @@ class Verdict:
     at_step: int         # steps from now where the worst step falls
     cold: bool = False   # refused by the trust limit (no fit file, no wide enough steps seen), not the projection
     trusted: int = 0     # with `cold`: the streams the model is trusted for
+    engine_bound: bool = False  # alone_fits: not even the smallest stream fits (the engine's steps, not the request)
 
     def reason(self) -> str:
         if self.cold:
@@ -248,10 +249,15 @@ class RateFloorAdmission:
     def alone_fits(self, new: HeldStream) -> Verdict:
         """Whether the stream could meet the floor even alone, against the nominal budget
         (a 4xx, not a retry, if not: a budget shrunk for the model's recent error only
-        delays a stream, it never makes one unservable)."""
+        delays a stream, it never makes one unservable). When not even a one-row,
+        one-frame stream fits, the engine's own steps are the cause, not the request:
+        `engine_bound`, and the caller judges it as any stream (a retry, 503)."""
         worst, at = worst_step(self.model.coefficients, [new])
         budget = self.nominal_budget_ms()
-        return Verdict(worst <= budget, worst, budget, at)
+        if worst <= budget:
+            return Verdict(True, worst, budget, at)
+        smallest, _ = worst_step(self.model.coefficients, [HeldStream(1, 1)])
+        return Verdict(False, worst, budget, at, engine_bound=smallest > budget)
 
     def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096) -> int:
         """How many more streams like `typical` would be admitted now (binary search)."""

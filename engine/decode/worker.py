@@ -293,7 +293,7 @@ class DecodeEngine:
         max_frames = req.total_tokens - req.n_tokens
         if self.admission is not None:
             alone = self.admission.alone_fits(req.n_tokens, max_frames)
-            if not alone.admit:
+            if not alone.admit and not alone.engine_bound:  # else judged below: a 503
                 return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                        message="rate_floor: even alone this stream would break the floor "
                                                f"({alone.worst_ms:.1f} ms steps at its end, budget "

@@ -184,7 +184,7 @@ class MonolithEngine:
         assert self.admission is not None
         rows, frames = len(job.prompt), job.params.max_frames
         alone = self.admission.alone_fits(rows, frames)
-        if not alone.admit:
+        if not alone.admit and not alone.engine_bound:  # else judged below: a 503
             self._finish(job, pb.INVALID, "rate_floor: even alone this stream would break the floor "
                          f"({alone.worst_ms:.1f} ms steps at its end, budget {alone.budget_ms:.1f} ms): "
                          "ask for fewer frames")

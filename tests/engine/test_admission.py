@@ -140,6 +140,20 @@ def test_a_fixed_model_keeps_its_seed_and_its_budget_whatever_the_steps_take(tmp
         build_admission(AdmissionFields(rate_floor=50, step_model_refit=False), True)
 
 
+def test_even_alone_blames_the_request_only_when_a_smaller_one_would_fit() -> None:
+    """A stream too long for the floor on its own is the request's fault (a 4xx); a model
+    whose every step is over the budget (an engine refitted to slow eager steps) is the
+    engine's: `engine_bound`, answered as a refusal to retry, not a 422."""
+    long_streams = RateFloorAdmission(StepModel(StepCoefficients(1.0, 1.0, 0.01)), floor_fps=50.0, margin=0.0)
+    v = long_streams.alone_fits(HeldStream(1500, 420))
+    assert not v.admit and not v.engine_bound
+    assert long_streams.alone_fits(HeldStream(10, 10)).admit
+    slow_engine = RateFloorAdmission(StepModel(StepCoefficients(26.0, 0.006, 0.0)), floor_fps=42.0, margin=0.1)
+    v = slow_engine.alone_fits(HeldStream(1500, 420))
+    assert not v.admit and v.engine_bound
+    assert not slow_engine.judge([], HeldStream(1500, 420)).admit
+
+
 def test_fit_files_name_the_bad_field() -> None:
     good = StepCoefficients(1.0, 0.1, 0.001)
     assert StepCoefficients.from_json(good.to_json()) == good
