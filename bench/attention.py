@@ -28,6 +28,7 @@ from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.prefill_attention import (
     DEFAULT_TILE,
+    PrefillPlan,
     PrefillTile,
     paged_prefill_attention,
     prefill_plan,
@@ -113,8 +114,7 @@ def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: lis
     dev = torch.device("cuda")
     ctx = pool_case(prompts, rows, cached, cfg.page_size, rng)
     n_slots = max(int(c.max()) for c in ctx) + 1
-    plan = prefill_plan([rows] * prompts, ctx, [i * rows for i in range(prompts)])
-    dp = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
+    dp = prefill_plan([rows] * prompts, ctx, [i * rows for i in range(prompts)], device=dev)
     g = torch.Generator(device=dev).manual_seed(cfg.seed)
     q = torch.randn(prompts * rows, hq, d, device=dev, generator=g).to(dtype)
     kv = to_kv(torch.randn(2, n_slots, hkv, d, device=dev, generator=g), kv_storage_dtype(cfg.kv_cache_dtype, dtype))
@@ -124,9 +124,9 @@ def run_point(cfg: AttentionBenchConfig, point: tuple[int, int, int], tiles: lis
     # the check: each prompt's last CHECK_ROWS new rows against the float64 reference
     n_chk = min(CHECK_ROWS, rows)
     chk_rows = torch.cat([torch.arange((i + 1) * rows - n_chk, (i + 1) * rows) for i in range(prompts)]).to(dev)
-    chk_plan = prefill_plan([n_chk] * prompts, ctx, [i * n_chk for i in range(prompts)])
+    chk = prefill_plan([n_chk] * prompts, ctx, [i * n_chk for i in range(prompts)], device=dev)
     want = reference_prefill_attention(
-        q[chk_rows].double(), kv.double(), *(chk_plan[k].to(dev) for k in ("table", "ctx_len", "q_len", "q_start")))
+        q[chk_rows].double(), kv.double(), chk["table"], chk["ctx_len"], chk["q_len"], chk["q_start"])
     out_rows = []
     for tile in tiles:
         def launch(tile: PrefillTile = tile) -> None:
@@ -177,7 +177,7 @@ def sdpa_per_prompt(q: torch.Tensor, kv: torch.Tensor, q_rows: list[tuple[int, i
 
 
 def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Tensor, kv: torch.Tensor,
-                 dp: dict[str, Any], ctx: list[np.ndarray], chk_rows: torch.Tensor,
+                 dp: PrefillPlan, ctx: list[np.ndarray], chk_rows: torch.Tensor,
                  want: torch.Tensor) -> list[dict[str, Any]]:
     """torch's varlen attention on the same batch, when this torch has it: a library
     kernel is worth taking if it beats ours (ARCHITECTURE: kernels). Rows say why not

@@ -253,7 +253,8 @@ def checked_argv(text: str, source: str, engine: str, device: str) -> list[str]:
     from pdunit.engine.monolith.main import MonolithConfig
     from pdunit.engine.prefill.main import PrefillConfig
 
-    config: type[BaseModel] = {"P": PrefillConfig, "D": DecodeConfig, "monolith": MonolithConfig}[engine]
+    configs: dict[str, type[BaseModel]] = {"P": PrefillConfig, "D": DecodeConfig, "monolith": MonolithConfig}
+    config = configs[engine]
     argv = shlex.split(text)
     try:
         parse_config(config, ["--device", device, *argv], f"pdunit bench compare {source}", env={})

@@ -105,6 +105,8 @@ def reference_frames(model: Any, prompt: np.ndarray, max_frames: int, min_frames
     rows = len(prompt)
     storage = model.new_kv_storage(rows + max_frames)
     frame = run_prefill(model, storage, [PrefillChunk(prompt, np.arange(rows, dtype=np.int64), 0, rows, params)])[0]
+    if frame is None:
+        raise RuntimeError("reference_frames: the prefill of the whole prompt returned no first frame")
     frames = [frame]
     eos = model.config.eos_id
     while not ((is_eos(frame, eos) and len(frames) >= min_frames) or len(frames) >= max_frames):

@@ -165,7 +165,7 @@ class Panel:
     """One subplot: lines keyed by label -> (xs, ys); optional horizontal guide lines."""
 
     ylabel: str
-    lines: dict[str, tuple[Sequence[float], Sequence[float | None]]]
+    lines: Mapping[str, tuple[Sequence[float], Sequence[float | None]]]
     guides: dict[str, float] = field(default_factory=dict)
     ylim: tuple[float | None, float | None] | None = None
 

@@ -427,7 +427,7 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
             row["event_busy"] = sum(spans) / whole if whole > 0 else None
         runner = e.forward.graphs
         size = runner.bucket_for(batch) if runner is not None else None
-        if size is not None:
+        if runner is not None and size is not None:
             # the staged inputs are the last timed step's: replaying them back to back
             # rewrites the same K/V rows of streams about to be cancelled
             row["gpu_ms"] = statistics.median(event_times_ms(lambda: runner.replay_staged(size), cfg.iters, 1))

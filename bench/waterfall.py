@@ -67,14 +67,15 @@ def analyze(streams: list[dict[str, Any]], tolerance: float = 0.05) -> tuple[lis
     stamped = np.array([(t[LAST] - t[FIRST]) / 1e6 if FIRST in t and LAST in t else np.nan for t in lines])
     ratio = stamped / client
     off = np.abs(1 - ratio[~np.isnan(ratio)])
+    unexplained = percentile(off, 95)
     summary = {
         "streams": len(lines),
         "client_ms_p50": percentile(client, 50), "client_ms_p99": percentile(client, 99),
         "stamped_ms_p50": percentile(stamped[~np.isnan(stamped)], 50),
         "stamped_over_client_p50": percentile(ratio[~np.isnan(ratio)], 50),
-        "unexplained_p95": percentile(off, 95),
+        "unexplained_p95": unexplained,
         "tolerance": tolerance,
-        "adds_up": bool(len(off) == len(lines) and percentile(off, 95) <= tolerance),
+        "adds_up": bool(len(off) == len(lines) and unexplained is not None and unexplained <= tolerance),
     }
     return rows, summary
 

@@ -658,7 +658,7 @@ def main(argv: list[str]) -> int:
     unit.keep_logs = True  # a temp run dir loses its sockets and secrets at stop, never the logs it printed
     unit.logs_dir.mkdir(exist_ok=True)
     to_file = cfg.log_format == "file"
-    setup_logging("local", cfg.log_level, "text" if to_file else cfg.log_format,
+    setup_logging("local", cfg.log_level, "text" if cfg.log_format == "file" else cfg.log_format,
                   unit.logs_dir / "local.log" if to_file else None)
     log_config(log, cfg)
     print(f"pdunit local: starting a {cfg.mode} unit; every process logs to {unit.logs_dir}/<name>.log"

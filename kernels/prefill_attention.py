@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -68,22 +69,35 @@ class PrefillTile:
 DEFAULT_TILE = PrefillTile()
 
 
+class PrefillPlan(TypedDict):
+    """What `paged_prefill_attention` takes beside q, the pool and out."""
+
+    table: torch.Tensor  # int32 [S, W]
+    ctx_len: torch.Tensor  # int32 [S]
+    q_len: torch.Tensor  # int32 [S]
+    q_start: torch.Tensor  # int32 [S]
+    max_q_len: int
+
+
 def prefill_plan(
-    query_lens: Sequence[int], context_slots: Sequence[torch.Tensor | np.ndarray], first_row: Sequence[int]
-) -> dict[str, torch.Tensor | int]:
-    """CPU tensors the kernel takes, for the sequences given: `table` int32 [S, W],
-    `ctx_len`, `q_len`, `q_start` int32 [S], and `max_q_len`."""
+    query_lens: Sequence[int], context_slots: Sequence[torch.Tensor | np.ndarray], first_row: Sequence[int],
+    device: torch.device | str = "cpu", non_blocking: bool = False,
+) -> PrefillPlan:
+    """The tensors the kernel takes, for the sequences given, built on the CPU and moved
+    to `device`: `table` int32 [S, W], `ctx_len`, `q_len`, `q_start` int32 [S], and
+    `max_q_len`."""
     if not (len(query_lens) == len(context_slots) == len(first_row)):
         raise ValueError("prefill_plan: query_lens, context_slots and first_row differ in length")
     table, lengths = build_slot_table(context_slots)
     q_len = torch.tensor(list(query_lens), dtype=torch.int32)
     if bool((q_len < 1).any()) or bool((q_len > lengths).any()):
         raise ValueError(f"prefill_plan: need 1 <= q_len <= ctx_len, got {q_len.tolist()} / {lengths.tolist()}")
+    q_start = torch.tensor(list(first_row), dtype=torch.int32)
     return {
-        "table": table,
-        "ctx_len": lengths,
-        "q_len": q_len,
-        "q_start": torch.tensor(list(first_row), dtype=torch.int32),
+        "table": table.to(device, non_blocking=non_blocking),
+        "ctx_len": lengths.to(device, non_blocking=non_blocking),
+        "q_len": q_len.to(device, non_blocking=non_blocking),
+        "q_start": q_start.to(device, non_blocking=non_blocking),
         "max_q_len": int(q_len.max()),
     }
 

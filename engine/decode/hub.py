@@ -64,7 +64,7 @@ class FrameHub:
         """Callable from any thread."""
         self.loop.call_soon_threadsafe(self._fan_out, message)
 
-    def publish_error(self, request_id: int, status: int, message: str) -> None:
+    def publish_error(self, request_id: int, status: pb.Status, message: str) -> None:
         self.publish(pb.StepFrames(errors=[pb.StreamError(request_id=request_id, status=status, message=message)]))
 
     def _fan_out(self, message: pb.StepFrames) -> None:

@@ -176,7 +176,7 @@ class ProxyClient:
         self.call("Revoke", pb.RevokeRequest(region_id=region_id, request_id=request_id), timeout_s=timeout_s)
 
     def copy(self, request_id: int, src_region: str, src_slots: np.ndarray, dst_region: str,
-             dst_slots: np.ndarray, deadline_unix_ms: int, method: int = pb.METHOD_AUTO,
+             dst_slots: np.ndarray, deadline_unix_ms: int, method: pb.CopyMethod = pb.METHOD_AUTO,
              verify: bool = False, timeout_s: float | None = None, capability: bytes = b"") -> pb.CopyReply:
         """One copy job. `dst_region` "" names the region whose owner granted `capability`."""
         req = pb.CopyRequest(
@@ -558,7 +558,7 @@ class ProxySender(KVSender):
     mode = "proxy"
 
     def __init__(self, descriptor: Descriptor, geometry: PoolGeometry, device: str,
-                 socket_path: str = "", method: int = pb.METHOD_AUTO, copy_lane: bool = True) -> None:
+                 socket_path: str = "", method: pb.CopyMethod = pb.METHOD_AUTO, copy_lane: bool = True) -> None:
         if descriptor.mode != "proxy":
             raise TransferError(f"ProxySender needs a 'proxy' descriptor, got {descriptor.mode!r}")
         for key in ("region", "probe_region", "probe_capability"):

@@ -111,7 +111,7 @@ class Layout:
 class Region:
     region_id: str
     name: str
-    kind: int
+    kind: pb.RegionKind
     layout: Layout
     size_bytes: int
     owner: PeerCreds
@@ -123,7 +123,7 @@ class Region:
     owner_fd: int = -1
     alloc_bytes: int = 0
     shm_name: str = ""
-    backend_state: dict[str, Any] = field(default_factory=dict)
+    backend_state: dict[str | tuple[Any, ...], Any] = field(default_factory=dict)
 
     @property
     def is_cuda(self) -> bool:
