@@ -51,16 +51,16 @@ class PrefillGraphRunner:
     ) -> None:
         from pdunit.kernels.paged_attention import HALF_DTYPES, INTERPRET
 
-        if model.dtype not in HALF_DTYPES or not (model.device.type == "cuda" or (INTERPRET and not capture)):
-            raise ValueError(
-                "PrefillGraphRunner needs the model's GPU path: a CUDA model in bfloat16 or float16 "
-                f"(got device {model.device}, dtype {model.dtype})"
-            )
         if not model.kernel_form:
             raise ValueError(
                 "prefill graphs (--prefill-graphs) capture the Triton kernels, which this model's form "
                 "(no q/k norm, a family row embedding or a frame generator) does not run: drop "
                 "--prefill-graphs, it runs the torch reference path"
+            )
+        if model.dtype not in HALF_DTYPES or not (model.device.type == "cuda" or (INTERPRET and not capture)):
+            raise ValueError(
+                "PrefillGraphRunner needs the model's GPU path: a CUDA model in bfloat16 or float16 "
+                f"(got device {model.device}, dtype {model.dtype})"
             )
         if kv.device != model.device:
             raise ValueError(f"kv is on {kv.device}, the model on {model.device}: put both on one device")

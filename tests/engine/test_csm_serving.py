@@ -172,6 +172,15 @@ def test_random_csm_tiny_builds_in_process_and_streams_audio_frame_rows() -> Non
     assert len({tuple(f) for f in frames[0].tolist()}) > 1
 
 
+def test_prefill_graphs_refuse_a_model_outside_the_kernels_form_naming_the_flag() -> None:
+    from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
+
+    model = load_model("random:csm-tiny:0")
+    assert not model.kernel_form and not model.gpu_path
+    with pytest.raises(ValueError, match=r"--prefill-graphs.*frame generator.*drop --prefill-graphs"):
+        PrefillGraphRunner(model, model.new_kv_storage(64), capture=False)
+
+
 def test_a_model_whose_head_lacks_columns_and_has_no_frame_generator_is_refused(tmp_path: Path) -> None:
     from pdunit.engine.model.config import get_config
     from pdunit.engine.model.loader import save_model
