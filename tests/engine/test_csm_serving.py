@@ -229,3 +229,20 @@ def test_seeded_sampling_gives_the_same_frames_in_pd_and_the_monoliths(csm_units
         for (a, la), (b, lb) in zip(pd, mono, strict=True):
             assert la.get("done") and lb.get("done"), (la, lb)
             assert a.shape == (12, K + 1) and np.array_equal(a, b)
+
+
+def test_a_reused_voice_hits_the_prefix_cache_and_keeps_transformers_frames(
+        checkpoint: tuple[Path, Any], csm_units: Any) -> None:
+    """A voice (36 audio frames) before two texts: the second request computes only its
+    own rows in P and in the monolith, and both stay generate's frames."""
+    oracle = checkpoint[1]
+    voice = rows(40, 0, 36)
+    texts = [np.concatenate([voice, rows(41 + i, 4, 0)]) for i in range(2)]
+    want = [generate(oracle, p, GREEDY_FRAMES) for p in texts]
+    for unit in csm_units[:2]:
+        for i, (prompt, ref) in enumerate(zip(texts, want, strict=True)):
+            frames, last = stream(unit.url, prompt.tolist(), max_frames=GREEDY_FRAMES)
+            assert last.get("done"), last
+            assert np.array_equal(np.array(frames)[:, :K], ref)
+            if i:
+                assert last["cached_tokens"] >= 36 - 16 and last["prefill_tokens"] == 40 - last["cached_tokens"]
