@@ -49,8 +49,8 @@ lock:
 run: install
 	$(BIN)/pdunit local --model random:tiny:0 --lb-port 0 --load-streams 6 --load-frames 105
 
-# Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected).
-test: install envtest helm
+# Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected), after lint.
+test: install lint envtest helm
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi; \
 	exit $$rc
