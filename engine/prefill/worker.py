@@ -104,7 +104,7 @@ class PrefillEngine:
         self.scheduler.put(job)
         m.P_QUEUE.set(len(self.scheduler))
 
-    def cancel(self, request_id: int, status: int = pb.CANCELLED, reason: str = "cancelled by the client") -> bool:
+    def cancel(self, request_id: int, status: pb.Status = pb.CANCELLED, reason: str = "cancelled by the client") -> bool:
         job = self.scheduler.cancel(request_id)
         if job is not None:
             self.pipeline.finish(job, status, reason)
