@@ -7,6 +7,7 @@ A tiny random CsmConfig is built with transformers and saved locally (no downloa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,18 +27,16 @@ from pdunit.engine.decode.batcher import (
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.kv.pool import PagePool
-from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.prefill.runner import PrefillChunk, run_forward, run_prefill
 from tests.engine.test_csm_family import AUDIO_TOKEN, K, oracle_embeds, rows, saved, tiny_csm
-from tests.engine.unit_client import load, stream
 
 # text only, text then audio frames, audio frames only (Sesame's rows: K codes + text id)
 PROMPTS = [rows(1, 6, 0), rows(2, 3, 4), rows(3, 0, 5)]
 GREEDY_FRAMES = 8
-EOS_PROMPT = rows(10, 3, 2)  # the EOS model's greedy frames end at their fourth frame
+EOS_PROMPT = rows(10, 3, 2)
 SMALL = dict(pool_tokens=4096, cache_tokens=4096, lb_port=0, guard=False, log_level="warning", dtype="float64")
 
 
@@ -49,12 +48,17 @@ def generate(oracle: Any, prompt: np.ndarray, frames: int) -> np.ndarray:
 
 
 def eos_model() -> Any:
-    """A tiny CSM whose depth decoder always gives codebooks 1..K-2 id 0 (zero heads: all
-    logits tie, argmax takes the first), so a frame is CSM's EOS frame (codebooks
-    0..K-2 all codebook_eos_token_id, 0) exactly when the backbone gives codebook 0 id 0."""
+    """A tiny CSM that ends EOS_PROMPT's greedy stream at a frame i >= 2: its depth heads
+    for codebooks 1..K-2 are zero (all logits tie, argmax takes id 0), and codebook 0's
+    head row for id 0 becomes that of the id that first wins at frame i, so id 0 ties it
+    there and wins, making frame i CSM's EOS frame (codebooks 0..K-2 all 0, the
+    codebook_eos_token_id); earlier frames, whose winners beat that id, are unchanged."""
     model = tiny_csm()
     with torch.no_grad():
         model.depth_decoder.codebooks_head.weight[: K - 2] = 0
+        c0 = generate(copy.deepcopy(model).double(), EOS_PROMPT, 16)[:, 0].tolist()
+        i = next(i for i in range(2, 16) if c0[i] not in c0[:i] and 0 not in c0[: i + 1])
+        model.lm_head.weight[0] = model.lm_head.weight[c0[i]]
     return model
 
 
@@ -77,7 +81,7 @@ class D:
     def __init__(self, model: TTSModel, overlap: bool) -> None:
         self.model = model
         self.pool = PagePool(512, 4)
-        self.storage = model.new_kv_storage(2048)
+        self.storage = model.new_kv_storage(2048, device=model.device)
         self.batcher = DecodeBatcher(model, self.pool, self.storage, max_batch=8)
         forward = StepForward(model, self.storage, use_graphs=True, max_batch=8)
         self.overlap = OverlapScheduler(model, self.batcher, forward) if overlap else None
@@ -160,6 +164,23 @@ def test_seeded_sampling_repeats_and_follows_the_seed(checkpoint: tuple[Path, An
     assert not np.array_equal(first[0], greedy[0])  # sampling really samples
 
 
+@pytest.mark.gpu
+def test_csm_on_cuda_makes_the_cpus_frames_plain_and_overlapped() -> None:
+    """The reference path on CUDA (csm has no kernel form): float64 frames equal the
+    CPU's, greedy and seeded; in bf16 the overlap scheduler's frames equal the plain loop's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = [np.concatenate([np.full((n, 4), 31), np.arange(n)[:, None] % 60], axis=1) for n in (9, 23)]
+    params = [SamplingParams(max_frames=12), SamplingParams(max_frames=12, temperature=0.9, top_k=8, seed=3)]
+    cpu, _ = D(load_model("random:csm-tiny:0"), False).run(prompts, params)
+    for overlap in (False, True):
+        gpu, _ = D(load_model("random:csm-tiny:0", device="cuda"), overlap).run(prompts, params)
+        assert all(np.array_equal(a, b) for a, b in zip(cpu, gpu, strict=True)), f"overlap={overlap}"
+    plain, over = (D(load_model("random:csm-tiny:0", device="cuda", dtype="bfloat16"), o).run(prompts, params)[0]
+                   for o in (False, True))
+    assert all(np.array_equal(a, b) for a, b in zip(plain, over, strict=True))
+
+
 def test_random_csm_tiny_builds_in_process_and_streams_audio_frame_rows() -> None:
     model = load_model("random:csm-tiny:0")
     assert model.frame_generator is not None and model.config.n_codebooks == 5
@@ -193,6 +214,19 @@ def test_a_model_whose_head_lacks_columns_and_has_no_frame_generator_is_refused(
 # ---------------------------------------------------------------- whole units (processes)
 
 
+def stream(url: str, prompt: list[list[int]], **params: Any) -> tuple[list[list[int]], dict]:
+    # the LB's stack (unit_client), imported only by the unit tests: not needed in process
+    from tests.engine.unit_client import stream as unit_stream
+
+    return unit_stream(url, prompt, **params)
+
+
+def load(url: str) -> dict:
+    from tests.engine.unit_client import load as unit_load
+
+    return unit_load(url)
+
+
 def run_prompts(url: str, prompts: list[np.ndarray], **params: Any) -> list[tuple[np.ndarray, dict]]:
     with ThreadPoolExecutor(len(prompts)) as pool:  # concurrently: streams share steps and batches
         out = list(pool.map(lambda p: stream(url, p.tolist(), **params), prompts))
@@ -201,6 +235,8 @@ def run_prompts(url: str, prompts: list[np.ndarray], **params: Any) -> list[tupl
 
 @pytest.fixture(scope="module")
 def csm_units(checkpoint: tuple[Path, Any]) -> Any:
+    from pdunit.engine.local import LocalConfig, LocalUnit  # the LB's stack: not needed in process
+
     model = str(checkpoint[0])
     # the third: a monolith whose steps mix prompt chunks (6 rows) with decode rows, overlapped
     mixed = LocalConfig(mode="monolith", model=model, policy="chunked", chunk_tokens=6,
