@@ -229,7 +229,7 @@ class MonolithEngine:
             for rid in request_ids:
                 self._admitted.pop(rid, None)
 
-    def _finish(self, job: PrefillJob, status: int, message: str = "", **fields: int) -> None:
+    def _finish(self, job: PrefillJob, status: pb.Status, message: str = "", **fields: int) -> None:
         """The prompt's answer; a failed one leaves `_admitted` (a served one when its
         stream runs)."""
         if status != pb.STATUS_OK:
@@ -432,7 +432,7 @@ class MonolithEngine:
         t0 = time.perf_counter()
         if self.policy == "prefill-first" and self._unplanned():
             plan = self._plan_chunks(max(self.max_batch_rows, 1))
-            logits = run_forward(self.model, self.storage,
+            logits: torch.Tensor | None = run_forward(self.model, self.storage,
                                  [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan],
                                  self.prefill_graphs)
             self._complete_prefills(plan, logits)
