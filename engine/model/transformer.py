@@ -593,8 +593,8 @@ class TTSModel(nn.Module):
         for i, layer in enumerate(self._decoder_layers()):
             a, m = layer.attn, layer.mlp
             qkv, gate_up = Fp8Weight.quantize(w.qkv[i]), Fp8Weight.quantize(w.gate_up[i])
-            g = _LayerGemms(qkv, Fp8Weight.quantize(a.o_proj.weight), gate_up,
-                            Fp8Weight.quantize(m.down_proj.weight))
+            o, down = Fp8Weight.quantize(a.o_proj.weight), Fp8Weight.quantize(m.down_proj.weight)
+            g = _LayerGemms(qkv, o, gate_up, down)
             # The reference path's separate projections: row views of the fused ones
             # (per-row scales make them equal to quantising each matrix alone).
             row = 0
@@ -603,7 +603,7 @@ class TTSModel(nn.Module):
                 row += proj.weight.shape[0]
             m.gate_proj.fp8 = gate_up.rows(0, c.ffn_hidden)
             m.up_proj.fp8 = gate_up.rows(c.ffn_hidden, 2 * c.ffn_hidden)
-            a.o_proj.fp8, m.down_proj.fp8 = g.o, g.down
+            a.o_proj.fp8, m.down_proj.fp8 = o, down
             layers.append(g)
         self._gemms[True] = layers
 
@@ -692,8 +692,7 @@ class TTSModel(nn.Module):
             table, lengths = table.to(dev, non_blocking=True), lengths.to(dev, non_blocking=True)
         if not pre:
             return self.decode_step(tokens, positions, write_slots, table, lengths, kv, splits)
-        plan = prefill_plan([qlens[i] for i in pre], [ctx[i] for i in pre], starts[pre].tolist())
-        pf = {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
+        pf = prefill_plan([qlens[i] for i in pre], [ctx[i] for i in pre], starts[pre].tolist(), dev, non_blocking=True)
         last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
         if not dec:
             return self.prefill_step(tokens, positions, write_slots, pf["table"], pf["ctx_len"], pf["q_len"],
