@@ -146,7 +146,7 @@ class DecodeEngine:
             m.D_POOL_PAGES.labels(state=state).set(n)
         m.D_STREAMS.set(len(self.batcher))
 
-    def fail_transfer(self, request_id: int, status: int, reason: str, message: str) -> None:
+    def fail_transfer(self, request_id: int, status: pb.Status, reason: str, message: str) -> None:
         """A transfer failed: its pages go HELD (never free), LB hears now, P gets ABORTs."""
         with self._lock:
             res = self.reservations.pop(request_id, None)
@@ -435,7 +435,7 @@ class DecodeEngine:
         with torch.cuda.stream(self._check_stream):
             return kv_checksum(self.storage, slots, sample)
 
-    def cancel(self, request_id: int, status: int = pb.STATUS_OK, message: str = "") -> bool:
+    def cancel(self, request_id: int, status: pb.Status = pb.STATUS_OK, message: str = "") -> bool:
         """The client went away (status OK), or P gave up on the transfer (its status and
         message reach the client as they are)."""
         with self._lock:  # a committing request is in `reservations` or the batcher, never neither

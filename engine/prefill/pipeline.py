@@ -99,7 +99,7 @@ class PrefillPipeline:
         self._forward = forward or run_prefill
         self.kv_check_sample = kv_check_sample
         self.active: dict[int, PrefillJob] = {}  # taken from the queue, not finished
-        self.cancel_reasons: dict[int, tuple[int, str]] = {}  # why an active job was cancelled
+        self.cancel_reasons: dict[int, tuple[pb.Status, str]] = {}  # why an active job was cancelled
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._open: OpenBatch[_Live] = OpenBatch(scheduler.max_batch_prompts, scheduler.max_batch_rows)
@@ -140,7 +140,7 @@ class PrefillPipeline:
         with self._lock:
             return list(self.active)
 
-    def mark_cancelled(self, request_id: int, status: int, reason: str) -> PrefillJob | None:
+    def mark_cancelled(self, request_id: int, status: pb.Status, reason: str) -> PrefillJob | None:
         """Marks a request in the pipeline cancelled (ended at its next stage, with
         `status` and `reason`); returns it, None when it is not in the pipeline."""
         with self._lock:
@@ -150,7 +150,7 @@ class PrefillPipeline:
                 self.cancel_reasons[request_id] = (status, reason)
         return job
 
-    def finish(self, job: PrefillJob, status: int, message: str = "", **fields: int) -> None:
+    def finish(self, job: PrefillJob, status: pb.Status, message: str = "", **fields: int) -> None:
         """The request's end: counted, forgotten here and by the links, answered."""
         m.P_REQUESTS.labels(outcome=pb.Status.Name(status).lower()).inc()
         with self._lock:
@@ -160,7 +160,7 @@ class PrefillPipeline:
         if job.done is not None:
             job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
 
-    def _cancel_reason(self, request_id: int) -> tuple[int, str]:
+    def _cancel_reason(self, request_id: int) -> tuple[pb.Status, str]:
         with self._lock:
             return self.cancel_reasons.get(request_id, (pb.CANCELLED, "cancelled by the client"))
 
@@ -326,7 +326,7 @@ class PrefillPipeline:
         self._committer.submit(self._commit, job, stub, link, frame, checksum, cached)
 
     @staticmethod
-    def _tell_decode(stub: pbg.DecodeStub, request_id: int, status: int, message: str,
+    def _tell_decode(stub: pbg.DecodeStub, request_id: int, status: pb.Status, message: str,
                      timeout: float = 2.0) -> None:
         """Cancel to the D holding the request's reservation; unanswered, D frees it at its
         deadline (or holds it and asks for the abort our quiesce proves)."""
