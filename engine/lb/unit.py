@@ -93,10 +93,8 @@ class UnitClient:
             else grpc.aio.insecure_channel(channel_target(sock), options=options)
             for sock in sockets
         ]
-        self.decode_channel = self.decode_channels[0]
         self.prefill = pbg.PrefillStub(self.prefill_channel)
         self.decodes = [pbg.DecodeStub(c) for c in self.decode_channels]
-        self.decode = self.decodes[0]
         self.proxy_channel: grpc.aio.Channel | None = None
         self._proxy: proxy_pbg.NvlinkProxyStub | None = None
         if proxy_socket:

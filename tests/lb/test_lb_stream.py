@@ -470,7 +470,7 @@ def test_monolith_mode_uses_one_socket_for_both_services(loop_thread, short_dir,
     loop_thread.run(mono.start(monolith=True))
     try:
         lb = start_lb(prefill_socket=mono.prefill_socket, decode_socket=mono.prefill_socket)
-        assert lb.lb.unit.prefill_channel is lb.lb.unit.decode_channel
+        assert lb.lb.unit.prefill_channel is lb.lb.unit.decode_channels[0]
         with lb.client() as c:
             resp = c.post("/v1/tts/stream", json={"prompt": prompt(), "max_frames": 4})
         assert [x["frame"] for x in ndjson(resp)[:-1]] == [frame_of(j) for j in range(4)]
