@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -31,12 +31,10 @@ from pdunit.operator import models as m
 from pdunit.operator import pod as pod_
 from pdunit.operator import rollout as ro
 from pdunit.operator import unit_status as us
+from pdunit.operator.config import OperatorConfig
 from pdunit.operator.kube import Kube
 from pdunit.operator.lbapi import LbApi
 from pdunit.operator.objects import owned_by, status_of, terminating
-
-if TYPE_CHECKING:
-    from pdunit.operator.main import OperatorConfig
 
 # Our own logger, not kopf's per-object one: main.py keeps kopf.objects at WARNING.
 log = logging.getLogger("pdunit.operator")

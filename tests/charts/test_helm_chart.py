@@ -410,7 +410,7 @@ def test_every_container_runs_as_non_root_with_no_capabilities() -> None:
 def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
     from pdunit.engine.router.config import RouterConfig, check_discovery
     from pdunit.engine.settings import parse_config
-    from pdunit.operator.main import OperatorConfig
+    from pdunit.operator.config import OperatorConfig
 
     docs = render(["--set", "operator.watchNamespaces={tts}"])
     containers = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdunit.engine.settings import parse_config
-from pdunit.operator.main import OperatorConfig
+from pdunit.operator.config import OperatorConfig
 from tests.charts.test_helm_chart import CHART, NAMESPACE, by_kind, one, render, run_helm
 
 
