@@ -1,12 +1,9 @@
 """The HTTP edge of `pdunit lb` and `pdunit router`: what every byte from outside meets
 before an app sees it.
 
-Owns the limits of the uvicorn servers both run (`EdgeLimits`, flags of both): the size
-of a request's line and headers (431), the time they may take to arrive (408, or a
-silent close for a connection that sent nothing), the time a body may take once its
-headers are in (408), idle keep-alive, and the number of open connections (503). Also
-the rules both apply at the door: which `X-Request-Id` may be echoed, which addresses
-a server listens on by default, and the bearer-token check of admin endpoints.
+Owns the limits of the uvicorn servers both run (`EdgeLimits`) and the rules both apply
+at the door: which `X-Request-Id` may be echoed, which addresses a server listens on by
+default, and the bearer-token check of admin endpoints.
 
 Every refusal here is a security event (engine/security.py). This module never routes,
 parses bodies or holds request state; it must never let an app see a request that broke
@@ -40,6 +37,10 @@ REQUEST_ID_RULE = f"1-{REQUEST_ID_MAX} characters of A-Z a-z 0-9 . _ : + / = -"
 POD_IP_ENV = "PDUNIT_POD_IP"
 
 
+# The size of a request's line and headers (431), the time they may take to arrive
+# (408, or a silent close for a connection that sent nothing), the time a body may take
+# once its headers are in (408), idle keep-alive, and the number of open connections
+# (503): flags of both the LB and the router.
 class EdgeLimits(BaseModel):
     """The limits of one HTTP server; a base of LBConfig and RouterConfig (their flags)."""
 

@@ -1,19 +1,13 @@
 """Triton kernels compiled inside an engine process (P, D, the monolith), timed, and
-named when one compiles while the engine serves.
-
-Triton compiles a kernel the first time it runs with a new specialization: a new
-constexpr, or an integer argument whose divisibility by 16 (or value 1) differs from
-every earlier call. The engines warm up and capture their CUDA graphs before they serve,
-so serving should compile nothing; a compile that still happens holds the step that
-needs it for as long as it takes (hundreds of ms for a cold cache), which every stream
-of that engine sees as a freeze. This makes each one visible:
-`pdunit_kernel_compiles_total{phase}` and `pdunit_kernel_compile_seconds_total{phase}`
-(phase `startup` or `serving`), and a WARNING naming the kernel and its seconds for a
-compile while serving. `pdunit bench compare` shows the serving seconds per level.
+named when one compiles while the engine serves: serving should compile nothing (the
+engines warm up and capture their graphs first), and a compile while serving holds the
+step that needs it, which every stream of that engine sees as a freeze.
 
 Owns Triton's two JIT hooks (`triton.knobs.runtime.jit_cache_hook`, called before a
 compile, and `jit_post_compile_hook`, after); a hook installed before ours is still
 called. Without Triton, or with one that has no such hooks, nothing is installed.
+Exports `pdunit_kernel_compiles_total{phase}` / `pdunit_kernel_compile_seconds_total{phase}`
+and a WARNING naming the kernel for a compile while serving.
 """
 
 from __future__ import annotations
@@ -27,6 +21,11 @@ from prometheus_client import Counter
 
 from pdunit.engine.metrics import ROLES, role_metric
 
+# Triton compiles a kernel the first time it runs with a new specialization: a new
+# constexpr, or an integer argument whose divisibility by 16 (or value 1) differs from
+# every earlier call. A compile while serving takes hundreds of ms for a cold cache.
+# phase is `startup` or `serving`; `pdunit bench compare` shows the serving seconds per
+# level.
 COMPILES = role_metric(Counter(
     "pdunit_kernel_compiles_total", "Triton kernel compiles in this process, at start-up or while serving",
     ["phase"], registry=None), *ROLES)

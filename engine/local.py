@@ -1,18 +1,13 @@
 """`pdunit local`: a whole unit as local processes, started with the same commands a
-pod runs (ARCHITECTURE.md section 3), for development, `make run`, tests and CPU
-benchmarks.
+pod runs (engine/unit_layout.py), for development, `make run`, tests and CPU benchmarks.
 
 Owns the child processes: each runs in its own process group with a parent-death
-signal, so neither Ctrl-C, SIGTERM nor a crash of this process leaves an orphan. Once
-the unit was ready it supervises them as a pod's kubelet does its containers: a child
-that exits is started again with the same command after a backoff (`RestartBackoff`),
-the others keep serving; `--no-restart` stops the whole unit instead. A child that
-exits before the unit was first ready fails the start (a command that cannot start is
-a configuration error, not a crash). It never talks to the engines itself except
-through the LB's HTTP API, and never calls the unit ready before the LB it started
-answers as this unit (`unit_name`, drawn per unit): a stranger on `--lb-port` is not it.
-Every child logs to `<run dir>/logs/<name>.log`; so does `pdunit local` itself unless
-`--log-format` asks for its log on stderr, so its terminal shows the unit's summary.
+signal, so neither Ctrl-C, SIGTERM nor a crash of this process leaves an orphan; once
+the unit was ready it restarts a child that exits, as a kubelet does (`LocalUnit`).
+It never talks to the engines itself except through the LB's HTTP API, and never calls
+the unit ready before the LB it started answers as this unit (`unit_name`, drawn per
+unit): a stranger on `--lb-port` is not it. Every child logs to
+`<run dir>/logs/<name>.log`; so does `pdunit local` itself unless `--log-format` asks.
 """
 
 from __future__ import annotations
@@ -199,6 +194,11 @@ class StartFailed(RuntimeError):
     """The unit did not start; the message says why and what to change."""
 
 
+# Supervision: a child that exits after the unit was first ready is started again with
+# the same command after a backoff (`RestartBackoff`), the others keep serving;
+# `--no-restart` stops the whole unit instead. A child that exits before the unit was
+# first ready fails the start (a command that cannot start is a configuration error, not
+# a crash). With its log in the run dir, the terminal shows the unit's summary.
 @dataclass
 class LocalUnit:
     """Starts and stops one unit; usable from tests and benchmarks as a context manager."""

@@ -1,24 +1,11 @@
 """Logs, metrics and shutdown conventions shared by every pdunit process.
 
-- Logs: one JSON object per line on stderr (`ts` in RFC 3339, UTC; `level`, `component`,
-  `msg`, plus any `extra=` fields such as `request_id`), or one readable text line per
-  record (`log_format="text"`); with a `log_file`, every record goes there as JSON and
-  only warnings reach stderr (`pdunit local`: its terminal keeps the unit's summary).
-  `log_config` writes the resolved config once at start.
-- Metrics: prometheus_client's default registry, names prefixed `pdunit_` with units in
-  the name (`_seconds`, `_bytes`, `_total`). Processes without an HTTP server expose
-  them with `serve_metrics(port)`. No `*_created` series: `setup_logging` (every
-  process's first call) turns them off; they would double the series of every counter
-  and histogram, and nothing reads them (Prometheus detects counter resets itself).
-- GC pauses: `setup_logging` also times every cyclic garbage collection of the process
-  (`pdunit_gc_pause_seconds{generation}`): a decode step is 10-20 ms, so a long
-  collection in D or the LB is a stall every stream sees, and prometheus_client's own
-  `python_gc_*` series count collections without their durations. The serving processes
-  (LB, P, D, monolith) call `settle_gc_for_serving` once started: start-up objects
-  frozen, young collections less frequent.
-- Shutdown: `shutdown_event()` returns an asyncio.Event set on SIGTERM/SIGINT, so every
-  server drains the same way; `die_with_parent()` ties a child of `pdunit local` to it.
-This module owns no business logic.
+Owns the log formats (`JsonFormatter`, `TextFormatter`, `setup_logging`), the metric
+conventions (prometheus_client's default registry, `pdunit_` names with units in the
+name, `serve_metrics` for processes without an HTTP server), GC pause timing
+(`pdunit_gc_pause_seconds`, `settle_gc_for_serving`), and shutdown (`shutdown_event()`
+set on SIGTERM/SIGINT so every server drains the same way; `die_with_parent()` ties a
+child of `pdunit local` to it). This module owns no business logic.
 """
 
 from __future__ import annotations
@@ -55,6 +42,11 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith("_")}
 
 
+# Logs: one JSON object per line on stderr (`ts` in RFC 3339, UTC; `level`, `component`,
+# `msg`, plus any `extra=` fields such as `request_id`), or one readable text line per
+# record (`log_format="text"`); with a `log_file`, every record goes there as JSON and
+# only warnings reach stderr (`pdunit local`: its terminal keeps the unit's summary).
+# `log_config` writes the resolved config once at start.
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: what tests, the fault suite and log pipelines parse."""
 
@@ -96,6 +88,11 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+# GC pauses: `setup_logging` times every cyclic garbage collection of the process: a
+# decode step is 10-20 ms, so a long collection in D or the LB is a stall every stream
+# sees, and prometheus_client's own `python_gc_*` series count collections without their
+# durations. The serving processes (LB, P, D, monolith) call `settle_gc_for_serving` once
+# started: start-up objects frozen, young collections less frequent.
 GC_PAUSE_SECONDS = Histogram(
     "pdunit_gc_pause_seconds", "Time the process spent in one cyclic garbage collection (every thread waits)",
     ["generation"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
@@ -149,6 +146,9 @@ def watch_gc_pauses() -> None:
         gc.callbacks.append(_time_gc)
 
 
+# No `*_created` series: `setup_logging` (every process's first call) turns them off;
+# they would double the series of every counter and histogram, and nothing reads them
+# (Prometheus detects counter resets itself).
 def setup_logging(component: str, level: str = "info", log_format: LogFormat = "json",
                   log_file: Path | None = None) -> logging.Logger:
     """The whole process's logging; returns the component's logger. Records go to stderr

@@ -2,17 +2,10 @@
 a PrometheusRule when `prometheusRule.enabled`), generated here as the dashboard is, so
 that every rule names metrics the code exports and a unit pod serves
 (tests/charts/test_alerts.py, tests/operator/test_pod_metrics.py).
-
 `make chart-files` rewrites it (operator/chart_files.py).
 
-Thresholds are the product's own: 42 frames/s per stream (BENCHMARKS.md's capacity rule
-at 2x real time), TTFA p95 500 ms, any stutter, any KV checksum mismatch, any stream cut.
-
 Every alert keeps the labels that say where to look (namespace, and pod, set or unit
-set) and links its runbook: a section of docs/runbooks.md named after the alert (what it
-means, how to check, what to do; tests/charts/test_alerts.py holds each to that). The
-unit pods' `pdunit.dev/set` label reaches the series as `pdunit_dev_set` (the
-PodMonitor's podTargetLabels).
+set) and links its runbook: a section of docs/runbooks.md named after the alert.
 """
 
 from __future__ import annotations
@@ -23,6 +16,11 @@ import yaml
 
 # Where docs/runbooks.md is published; the chart's prometheusRule.runbookBaseUrl
 # replaces it (a fork's or a mirror's copy of the same file).
+# Thresholds are the product's own: 42 frames/s per stream (BENCHMARKS.md's capacity
+# rule at 2x real time), TTFA p95 500 ms, any stutter, any KV checksum mismatch, any
+# stream cut. A runbook section says what the alert means, how to check, what to do
+# (tests/charts/test_alerts.py holds each to that). The unit pods' `pdunit.dev/set` label
+# reaches the series as `pdunit_dev_set` (the PodMonitor's podTargetLabels).
 RUNBOOK_BASE = "https://github.com/pdunit/pdunit/blob/main/docs/runbooks.md"
 
 

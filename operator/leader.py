@@ -1,17 +1,11 @@
 """Leader election on a coordination.k8s.io/v1 Lease: one operator replica acts, the rest wait.
 
 Owns the Lease's record (holderIdentity, acquireTime, renewTime, leaseDurationSeconds,
-leaseTransitions) and the answer to "may this replica act now". A candidate takes the
-Lease only when it is free (no holder: the last leader released it) or when the record
-has not changed for a whole lease duration by this process's monotonic clock (wall
-clocks of two nodes may disagree; the time a record was first seen as it is cannot).
-Every write is a replace carrying the read resourceVersion, so of two candidates one
-gets 409 and loses.
-
-The leader renews every `retry_s`; when no renewal succeeded for `renew_deadline_s`
-(shorter than the lease) or another identity holds the record, `hold` returns and the
-caller must stop acting at once (main.py stops kopf and exits non-zero): a partitioned
-leader stops before any standby may take over. Never acts on any other object.
+leaseTransitions) and the answer to "may this replica act now" (`may_take`,
+`LeaderElector.hold`). Every write is a replace carrying the read resourceVersion, so
+of two candidates one gets 409 and loses. A leader that cannot renew must stop acting
+at once (main.py stops kopf and exits non-zero), before any standby may take over.
+Never acts on any other object.
 """
 
 from __future__ import annotations
@@ -60,6 +54,10 @@ def observe(previous: Observed | None, spec: dict[str, Any], now: float) -> Obse
     return Observed(holder, renew, duration, now)
 
 
+# A candidate takes the Lease only when it is free (no holder: the last leader released
+# it) or when the record has not changed for a whole lease duration by this process's
+# monotonic clock (wall clocks of two nodes may disagree; the time a record was first
+# seen as it is cannot).
 def may_take(observed: Observed, identity: str, now: float) -> bool:
     """Whether `identity` may write itself as holder: the Lease is its own, released, or
     unchanged for a whole lease duration since this process first saw it so."""
@@ -68,6 +66,10 @@ def may_take(observed: Observed, identity: str, now: float) -> bool:
     return now - observed.seen_at >= observed.duration_s
 
 
+# The leader renews every `retry_s`; when no renewal succeeded for `renew_deadline_s`
+# (shorter than the lease) or another identity holds the record, `hold` returns and the
+# caller must stop acting at once: a partitioned leader stops before any standby may
+# take over.
 class LeaderElector:
     """Acquire, renew and release one Lease for `identity`."""
 

@@ -2,19 +2,9 @@
 when its projected step time over the lifetimes of the streams it holds, plus the new
 one, would break the rate floor for anyone.
 
-Owns two things:
-- `StepModel`: step ms = base + per_stream * streams + per_token * context tokens of
-  the batch (+ per_row * prefill rows of a monolith's mixed step), seeded from a fit
-  file (`--step-model`, written by `pdunit bench step --step-model-out`) and refitted
-  online from the engine's own steps (non-negative least squares over a window);
-  its recent error (observed / predicted) is tracked.
-- `RateFloorAdmission`: the projection. Every held stream (decoding, or reserved and
-  not yet committed) grows by one context token per step until its max frames; the
-  projected step is piecewise linear between stream ends, so its maximum over the
-  horizon is at now or just before a stream ends: those points are checked. The
-  budget is 1 / floor less `margin`, shrunk by the model's recent under-prediction
-  (budget / p90 of observed/predicted when above 1), so one bad fit cannot stutter
-  everyone.
+Owns the step model (`StepModel`: step ms from streams, context tokens and prefill rows,
+seeded from `--step-model` and refitted online) and the projection
+(`RateFloorAdmission`).
 
 Must never block or allocate pages: it answers yes/no and a headroom count; the
 caller refuses (status RATE_FLOOR) and holds nothing.
@@ -94,6 +84,11 @@ class StepCoefficients:
         return cls(**values)
 
 
+# step ms = base + per_stream * streams + per_token * context tokens of the batch
+# (+ per_row * prefill rows of a monolith's mixed step), seeded from a fit file
+# (`--step-model`, written by `pdunit bench step --step-model-out`) and refitted online
+# from the engine's own steps (non-negative least squares over a window); its recent
+# error (observed / predicted) is tracked.
 class StepModel:
     """The engine's step-time model: a seed, then refits from observed steps.
 
@@ -210,9 +205,15 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
     return float(ms[i]), int(ks[i])
 
 
+# Every held stream (decoding, or reserved and not yet committed) grows by one context
+# token per step until its max frames; the projected step is piecewise linear between
+# stream ends, so its maximum over the horizon is at now or just before a stream ends:
+# those points are checked. The budget is 1 / floor less `margin`, shrunk by the model's
+# recent under-prediction (budget / p90 of observed/predicted when above 1), so one bad
+# fit cannot stutter everyone.
 class RateFloorAdmission:
     """Admits a stream only while the projected step stays within the floor's budget
-    for every stream held (module docstring)."""
+    for every stream held (the comment above)."""
 
     def __init__(self, model: StepModel, floor_fps: float, margin: float = 0.10,
                  error_quantile: float = 0.9) -> None:

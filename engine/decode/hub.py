@@ -2,16 +2,10 @@
 
 Thread-safe publish into asyncio queues of the server's loop. A subscriber that falls
 behind by more than `max_queue` messages is dropped (its LB reconnects and fails the
-affected streams loudly) rather than letting D's memory grow without bound.
+affected streams loudly) rather than letting D's memory grow without bound. A stream
+nobody can receive any more is handed to the engine to end (orphans, on `FrameHub`).
 
-Orphans (with `end_orphans_with`): a stream belongs to the subscribers (by their
-`FramesRequest.subscriber` name) that were connected when its first frame went out.
-When none of them is connected any more for `orphan_grace_s`, nobody can receive its
-frames (the LB fails every stream of a subscription that breaks; an LB restarted under
-a new name never knew them), so the hub hands it to the engine to end, counted and
-logged: no stream decodes to max frames for nobody. A subscriber of the same name
-connected again within the grace keeps its streams. The hub never ends a stream
-itself and never decides anything about pages.
+The hub never ends a stream itself and never decides anything about pages.
 """
 
 from __future__ import annotations
@@ -35,6 +29,13 @@ ORPHANED_STREAMS = role_metric(PromCounter(
     "decode", "monolith")
 
 
+# Orphans (with `end_orphans_with`): a stream belongs to the subscribers (by their
+# `FramesRequest.subscriber` name) that were connected when its first frame went out.
+# When none of them is connected any more for `orphan_grace_s`, nobody can receive its
+# frames (the LB fails every stream of a subscription that breaks; an LB restarted under
+# a new name never knew them), so the hub hands it to the engine to end, counted and
+# logged: no stream decodes to max frames for nobody. A subscriber of the same name
+# connected again within the grace keeps its streams.
 class FrameHub:
     def __init__(self, loop: asyncio.AbstractEventLoop, max_queue: int = 10_000, orphan_grace_s: float = 2.0) -> None:
         self.loop = loop

@@ -1,41 +1,13 @@
 """Overlap scheduling for D (`pdunit decode --overlap`): the host prepares and queues
 decode step n+1 while the device runs step n; step n's frames reach the host
 asynchronously and are published one iteration later. Same frames as without overlap.
-
-One iteration:
-1. drop cancelled streams, admit new ones (their first frames, computed by P, go out
-   with this iteration's message);
-2. build step n+1 on the host: positions, write slots, slot tables and the sampling
-   draws depend only on how many frames each stream has been scheduled for, never on
-   the sampled values. Its input tokens are step n's sampled frames, which stay on the
-   device: one device-side gather (rows of step n's output, plus the first frames of
-   new streams) fills the step's token buffer, with no host round-trip;
-3. queue step n+1 (forward, device sampling, an async copy of its frames into pinned
-   memory, a CUDA event);
-4. wait for step n's copy (the device is busy with n+1 by then), apply step n's frames
-   (EOS, length), publish one StepFrames message.
-
-EOS is seen one step late: a stream whose frame of step n was EOS is already in step
-n+1; that row is computed and discarded, never published. Its K/V row lands inside the
-stream's own reservation: a stream is scheduled only while it has fewer than
-`max_frames` frames, so the extra row's position is at most prompt + max_frames - 2,
-the bound without overlap (the pool reserves prompt + max_frames tokens). The length
-end is known up front and costs no extra step.
-
-Pages of an ended or cancelled stream return to the pool only after the last queued
-step that writes them has completed (its event), never while a step can still write
-them. On CPU the same code runs with CPU tensors; the "async" copy and the event are
-then no-ops, so the pipeline, the one-step-late publication and the page rule are what
-the CPU tests exercise.
-
-The monolith (`pdunit monolith --overlap`) runs the same pipeline with a `PromptSource`:
-each step may also carry prompt rows (a mixed step, or a prefill-only one), computed in
-the same forward from host tokens; a prompt's first frame is sampled on the device at
-frame index 0 beside the decode rows and handed back when the step completes.
+The monolith (`pdunit monolith --overlap`) runs the same pipeline with a `PromptSource`.
 
 Owns: the in-flight step, per-stream scheduled-frame counts, deferred page frees and
 the overlap metrics. Must never publish a frame computed after its stream ended, and
-never free pages a queued step may still write.
+never free pages a queued step may still write (a stream's pages return to the pool
+only after the last queued step that writes them has completed: its event).
+The iteration and its rules: the comment above `OverlapScheduler`.
 """
 
 from __future__ import annotations
@@ -95,6 +67,10 @@ class PromptRows:
         return sum(len(e.tokens) for e in self.entries)
 
 
+# The monolith's prompt rows: each step may also carry prompt rows (a mixed step, or a
+# prefill-only one), computed in the same forward from host tokens; a prompt's first
+# frame is sampled on the device at frame index 0 beside the decode rows and handed back
+# when the step completes.
 class PromptSource(Protocol):
     """What the monolith gives the pipeline: each step's composition, and the prompts'
     first frames when a step completes."""
@@ -121,6 +97,29 @@ class _Step:
     prompts: PromptRows | None = None     # the prompt rows it computed (the monolith)
 
 
+# One iteration:
+# 1. drop cancelled streams, admit new ones (their first frames, computed by P, go out
+#    with this iteration's message);
+# 2. build step n+1 on the host: positions, write slots, slot tables and the sampling
+#    draws depend only on how many frames each stream has been scheduled for, never on
+#    the sampled values. Its input tokens are step n's sampled frames, which stay on the
+#    device: one device-side gather (rows of step n's output, plus the first frames of
+#    new streams) fills the step's token buffer, with no host round-trip;
+# 3. queue step n+1 (forward, device sampling, an async copy of its frames into pinned
+#    memory, a CUDA event);
+# 4. wait for step n's copy (the device is busy with n+1 by then), apply step n's frames
+#    (EOS, length), publish one StepFrames message.
+#
+# EOS is seen one step late: a stream whose frame of step n was EOS is already in step
+# n+1; that row is computed and discarded, never published. Its K/V row lands inside the
+# stream's own reservation: a stream is scheduled only while it has fewer than
+# `max_frames` frames, so the extra row's position is at most prompt + max_frames - 2,
+# the bound without overlap (the pool reserves prompt + max_frames tokens). The length
+# end is known up front and costs no extra step.
+#
+# On CPU the same code runs with CPU tensors; the "async" copy and the event are then
+# no-ops, so the pipeline, the one-step-late publication and the page rule are what the
+# CPU tests exercise.
 @dataclass
 class OverlapScheduler:
     model: TTSModel

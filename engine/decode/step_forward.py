@@ -5,10 +5,6 @@ is counted in `pdunit_decode_graph_steps_total{path}`.
 
 Owns the graph runner's life: captured once at start against D's pool storage, which
 must never be reallocated afterwards (the graphs hold its address).
-
-`launch` is the overlap scheduler's form (engine/decode/overlap.py): the decode rows'
-tokens are already on the model's device (the previous step's sampled frames), so the
-step is queued without a host sync and its logits stay on the device.
 """
 
 from __future__ import annotations
@@ -56,6 +52,9 @@ class StepForward:
                 self._seen[key] = self.graphs.stats[key]
         return logits
 
+    # The overlap scheduler's form (engine/decode/overlap.py): the decode rows' tokens are
+    # already on the model's device (the previous step's sampled frames), so the step is
+    # queued without a host sync and its logits stay on the device.
     def launch(
         self,
         tokens: torch.Tensor,

@@ -1,24 +1,8 @@
 """The KV transfer checksum: P computes it over its source slots, D over its destination
 slots; equal iff the rows arrived intact and in the right place (PROTOCOL.md 3, COMMIT).
 
-Owns the definition, which a GPU implementation must reproduce bit for bit:
-
-    checksum = sum over sampled tokens t, layers l, k/v index kv, elements e of
-               word(t, l, kv, e) * (splitmix64(((t * L + l) * 2 + kv) * E + e) | 1)
-    mod 2**64
-
-- t is the token index within the request (0-based position in `slots`); with
-  `sample_every = k` only t = 0, k, 2k, ... are summed (t keeps its full value).
-- E = n_kv_heads * head_dim; e = head * head_dim + dim.
-- word = the element's bits read as an unsigned integer (8, 16, 32 or 64 bits: an fp8
-  pool's elements are 8-bit words), so the check is bit-exact, NaN payloads and signed
-  zeros included.
-- splitmix64 is the standard finaliser (constants below). The weight is odd, so flipping
-  any single bit changes the sum (w * 2**b != 0 mod 2**64 for odd w, b < 64); distinct
-  weights per (t, l, kv, e) make swapped or misplaced rows change it.
-- A wrapping sum is order independent: any reduction order (GPU blocks) gives the same.
-
-Must never modify storage.
+Owns the definition (written above `kv_checksum`), which a GPU implementation must
+reproduce bit for bit. Must never modify storage.
 """
 
 from __future__ import annotations
@@ -51,6 +35,22 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+# The definition:
+#
+#     checksum = sum over sampled tokens t, layers l, k/v index kv, elements e of
+#                word(t, l, kv, e) * (splitmix64(((t * L + l) * 2 + kv) * E + e) | 1)
+#     mod 2**64
+#
+# - t is the token index within the request (0-based position in `slots`); with
+#   `sample_every = k` only t = 0, k, 2k, ... are summed (t keeps its full value).
+# - E = n_kv_heads * head_dim; e = head * head_dim + dim.
+# - word = the element's bits read as an unsigned integer (8, 16, 32 or 64 bits: an fp8
+#   pool's elements are 8-bit words), so the check is bit-exact, NaN payloads and signed
+#   zeros included.
+# - splitmix64 is the standard finaliser (constants above). The weight is odd, so flipping
+#   any single bit changes the sum (w * 2**b != 0 mod 2**64 for odd w, b < 64); distinct
+#   weights per (t, l, kv, e) make swapped or misplaced rows change it.
+# - A wrapping sum is order independent: any reduction order (GPU blocks) gives the same.
 def kv_checksum(
     storage: torch.Tensor, slots: np.ndarray | torch.Tensor, sample_every: int = 1
 ) -> int:

@@ -7,13 +7,6 @@ Owns page ownership and its counters. Must never touch KV storage (it hands out 
 numbers only), and must never free pages a writer may still hit: `finish` is legal only
 from `decoding` (D owns those pages; no transfer writes them), and `held` pages return
 to `free` only through `release_held` with a `Proof`. Timeouts are not proofs.
-
-A page holds `page_size` consecutive slots; page p covers slots
-`[p * page_size, (p + 1) * page_size)`. A request's pages need not be contiguous: the
-free list is FIFO (freed pages join the tail, allocation takes the head), so after
-churn a request's pages come from many earlier owners, which is the fragmentation real
-traffic produces and the transfer path must handle. Allocation is O(pages needed).
-
 Thread-safe: D's gRPC handlers and its step loop call it concurrently.
 """
 
@@ -77,6 +70,11 @@ _TRANSITIONS: dict[str, tuple[tuple[PageState, ...], PageState]] = {
 }
 
 
+# A page holds `page_size` consecutive slots; page p covers slots
+# `[p * page_size, (p + 1) * page_size)`. A request's pages need not be contiguous: the
+# free list is FIFO (freed pages join the tail, allocation takes the head), so after
+# churn a request's pages come from many earlier owners, which is the fragmentation real
+# traffic produces and the transfer path must handle. Allocation is O(pages needed).
 class PagePool:
     def __init__(self, n_pages: int, page_size: int = 1) -> None:
         if n_pages < 1:

@@ -3,17 +3,9 @@ recomputing the K/V of its cached leading blocks.
 
 Owns which of P's storage slots are free, which hold a cached block, and which are leased
 to a request being prefilled. Must never touch storage (slot numbers only) and never
-evict a block that a request in flight uses (pinned).
-
-A prompt is cut into blocks of `block_tokens` rows. Block i's key is the hash chain
-`h_i = blake2b-128(h_{i-1} || bytes of block i)` (`h_{-1}` empty), so a block matches
-only when every row before it matches too: its K/V depend on all of them. Only FULL
-blocks are cached. At least one row is always computed fresh, because prefill needs the
-last row's logits: a fully cached prompt recomputes its last block.
-
-Eviction is LRU over unpinned blocks; a chain's deeper blocks are kept more recently used
-than its shallower ones, so a chain is evicted from its tail and never leaves
-unreachable blocks behind a missing head. Thread-safe (one lock).
+evict a block that a request in flight uses (pinned): a block's K/V depend on every row
+before it, so a block is keyed by the hash chain of its prompt (`block_hashes`).
+Thread-safe (one lock).
 """
 
 from __future__ import annotations
@@ -48,6 +40,11 @@ class _Block:
     pins: int = 0
 
 
+# A prompt is cut into blocks of `block_tokens` rows. Block i's key is the hash chain
+# `h_i = blake2b-128(h_{i-1} || bytes of block i)` (`h_{-1}` empty), so a block matches
+# only when every row before it matches too. Only FULL blocks are cached. At least one
+# row is always computed fresh, because prefill needs the last row's logits: a fully
+# cached prompt recomputes its last block.
 def block_hashes(prompt: np.ndarray, block_tokens: int) -> list[bytes]:
     """Hash chain over the prompt's full blocks."""
     rows = np.ascontiguousarray(prompt, dtype="<i8")
@@ -61,6 +58,9 @@ def block_hashes(prompt: np.ndarray, block_tokens: int) -> list[bytes]:
     return out
 
 
+# Eviction is LRU over unpinned blocks; a chain's deeper blocks are kept more recently
+# used than its shallower ones, so a chain is evicted from its tail and never leaves
+# unreachable blocks behind a missing head.
 class PrefixCache:
     def __init__(self, n_slots: int, block_tokens: int = 16) -> None:
         if n_slots < 1:

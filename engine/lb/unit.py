@@ -1,16 +1,10 @@
 """The LB's view of the rest of its unit: gRPC channels to P, D (and the proxy), probes.
 
 Owns: the channels (unix sockets; in monolith mode P and D are the same socket; a unit
-may have several D's, 1P2D, named `decode-0`, `decode-1`, ... then), the `Decode.Hello`
-handshake that tells the LB n_codebooks, the periodic `Info` probe of P, every D and
-the proxy, a short cache of those answers for `/v1/load`, and the delivery of cancels
-(to P and to the D that holds the stream, or every D when that is not known): each
-target is asked again with backoff until it answers (found or not found) or the
-stream's deadline passes, so a stopped D still learns of it when it runs again; at most
-`max_pending_cancels` deliveries (one per target) run at once, a cancel beyond them is
-dropped, counted (`result="given_up"`) and logged. The proxy (when
-configured) is asked `NvlinkProxy.InFlight` (its own proto in sidecars/nvlink_proxy)
-so that `/v1/load` checks its request ids too.
+may have several D's, named `decode-0`, `decode-1`, ...), the `Decode.Hello` handshake
+that tells the LB n_codebooks, the periodic `Info` probe of P, every D and the proxy
+(`NvlinkProxy.InFlight`, so that `/v1/load` checks its request ids too), a short cache
+of those answers for `/v1/load`, and the delivery of cancels (`UnitClient.cancel`).
 
 Never: decide HTTP status codes or touch the stream table.
 """
@@ -160,6 +154,11 @@ class UnitClient:
             role="proxy", in_flight=int(reply.jobs_running), request_ids=reply.request_ids
         )
 
+    # A cancel goes to P and to the D that holds the stream, or every D when that is not
+    # known: each target is asked again with backoff until it answers (found or not found) or
+    # the stream's deadline passes, so a stopped D still learns of it when it runs again; at
+    # most `max_pending_cancels` deliveries (one per target) run at once, a cancel beyond them
+    # is dropped, counted (`result="given_up"`) and logged.
     def cancel(
         self, request_id: int, timeout: float, decode: int | None = None, deadline: float | None = None
     ) -> None:

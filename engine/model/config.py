@@ -1,16 +1,10 @@
 """Model shapes: the named configs of the multi-codebook TTS decoder (ARCHITECTURE.md 4).
 
-Owns the numbers that define a model (layers, heads, vocabularies, EOS id, compute dtype)
-and the KV size they imply. Must never hold weights or touch a device.
+Owns the numbers that define a model (layers, heads, vocabularies, EOS id, compute dtype,
+backbone variants) and the KV size they imply. Must never hold weights or touch a device.
 
 A prompt row and an output frame are `n_codebooks` ids; column j takes ids in
 `[0, vocab_sizes[j])`. Column 0 carries the end-of-stream id `eos_id`.
-
-Backbone variants a checkpoint may need (defaults = the `pdunit` family's model):
-`qk_norm` (per-head q/k RMSNorm), `head_codebooks` (how many leading columns the
-backbone's head predicts; the others come from the family's frame generator),
-`rope_llama3` (Llama 3 RoPE frequency scaling). A family (engine/model/family.py) maps
-its checkpoint's config onto these fields.
 """
 
 from __future__ import annotations
@@ -50,6 +44,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # kw_only: the spec orders `n_codebooks` (defaulted) before `vocab_sizes` (required).
+# Backbone variants a checkpoint may need (defaults = the `pdunit` family's model):
+# `qk_norm` (per-head q/k RMSNorm), `head_codebooks` (how many leading columns the
+# backbone's head predicts; the others come from the family's frame generator),
+# `rope_llama3` (Llama 3 RoPE frequency scaling). A family (engine/model/family.py) maps
+# its checkpoint's config onto these fields.
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str

@@ -2,17 +2,8 @@
 
 Owns the static device buffers each graph reads (tokens, positions, write slots, the
 slot table and lengths), the pinned host staging that fills them, the capture, and the
-replay. A batch of n decodes runs in the smallest bucket >= n: rows n.. are padding
-(write slot -1, so their K/V is never stored; length 1; their logits are dropped).
-Contexts grow without recapture: the table is `max_context` wide and the attention
-kernel's grid depends only on the bucket (kernels/paged_attention.py).
-
-Anything a graph does not cover (a prefill row in the batch, more sequences than the
-largest bucket, a context longer than `max_context`) runs eagerly through
-`model.forward`, counted in `stats["eager"]` so a caller can export it.
-
-Must never allocate or free pool slots, sample, or change the model; the pool tensor
-and the model's weights must stay where they were at capture (a graph holds their
+replay. Must never allocate or free pool slots, sample, or change the model; the pool
+tensor and the model's weights must stay where they were at capture (a graph holds their
 addresses): build a new runner after reallocating either, or after changing the model's
 `decode_gemm` (a replay refuses then).
 """
@@ -46,6 +37,13 @@ class _Graph:
         self.logits: torch.Tensor | None = None
 
 
+# A batch of n decodes runs in the smallest bucket >= n: rows n.. are padding (write
+# slot -1, so their K/V is never stored; length 1; their logits are dropped). Contexts
+# grow without recapture: the table is `max_context` wide and the attention kernel's grid
+# depends only on the bucket (kernels/paged_attention.py). Anything a graph does not
+# cover (a prefill row in the batch, more sequences than the largest bucket, a context
+# longer than `max_context`) runs eagerly through `model.forward`, counted in
+# `stats["eager"]` so a caller can export it.
 class DecodeGraphRunner:
     """`run(batch) -> logits` with the semantics of `model.forward(batch, kv)`."""
 

@@ -1,16 +1,11 @@
 """Building a TTSModel from a model spec: deterministic random weights or a checkpoint.
 
-Owns the two spec forms. A checkpoint is a local directory with `config.json`, whose
-`model_type` selects the model family (engine/model/registry.py; absent = `pdunit`), and
-`model.safetensors` or sharded files with `model.safetensors.index.json`
-(engine/model/checkpoint.py). Every problem is one ValueError at load, naming the field,
-tensor or file. Must never fetch anything from the network: a spec is either
-`random:<config>:<seed>` or a local directory.
-
-Random weights are generated per tensor from numpy's PCG64 seeded by (seed, CRC32 of the
-tensor name), as float32 uniforms built from integer draws only (no transcendental
-functions), then cast to the model dtype: the same seed gives bit-identical weights on
-any machine and for any device, and one tensor's values do not depend on the others.
+Owns the two spec forms: `random:<config>:<seed>`, or a local directory with
+`config.json`, whose `model_type` selects the model family (engine/model/registry.py;
+absent = `pdunit`), and `model.safetensors` or sharded files with
+`model.safetensors.index.json` (engine/model/checkpoint.py). Every problem is one
+ValueError at load, naming the field, tensor or file. Must never fetch anything from the
+network. Random weights are bit-identical for a seed on any machine (`_fill_tensor`).
 """
 
 from __future__ import annotations
@@ -130,6 +125,10 @@ def _fill_random(model: TTSModel, seed: int) -> None:
             pass
 
 
+# Random weights are generated per tensor from numpy's PCG64 seeded by (seed, CRC32 of
+# the tensor name), as float32 uniforms built from integer draws only (no transcendental
+# functions), then cast to the model dtype: the same seed gives bit-identical weights on
+# any machine and for any device, and one tensor's values do not depend on the others.
 @torch.no_grad()
 def _fill_tensor(name: str, param: torch.Tensor, config: ModelConfig, seed: int) -> None:
     std = _init_std(name, tuple(param.shape), config)

@@ -1,26 +1,10 @@
 """CUDA graphs for small prefill forwards: one captured `TTSModel.prefill_step` per row
-bucket.
+bucket. Small forwards are bound by their kernel launches from Python (docs/performance.md,
+Kernel notes); a replay launches them all at once.
 
-Why: below ~1000 rows P's forward is bound by its ~330 kernel launches from Python
-(~12 ms on an H200 whether it computes 300 rows or 800; the largest part is Triton's
-launch path: bench/results/prefill-20261130-h200-hostprofile.md). A replay launches
-them all at once.
-
-Owns the static device buffers the graphs read (tokens, positions and write slots of
-the largest bucket's rows; the slot table, lengths and row offsets of `max_seqs`
-sequences; each sequence's last row), the pinned host staging that fills them, the
-capture and the replay. A forward of T rows and n sequences runs in the smallest
-bucket >= T: rows T.. are padding (write slot -1: no K/V stored; they belong to no
-sequence and are never read), sequences n.. have q_len 0 (the attention kernel's
-programs for them exit at once). The attention grid is sized for the bucket, so one
-graph serves every split of its rows into prompts.
-
-Anything a graph does not cover (more rows than the largest bucket, more sequences
-than `max_seqs`, a context longer than `max_context`, a GEMM precision other than the
-one captured for the bucket) runs eagerly through `model.forward`, counted in
-`stats["eager"]`. Must never allocate or free pool slots or change the model; the pool
-tensor and the weights must stay where they were at capture.
-
+Owns the static device buffers the graphs read, the pinned host staging that fills them,
+the capture and the replay. Must never allocate or free pool slots or change the model;
+the pool tensor and the weights must stay where they were at capture.
 `capture=False` stages and runs `prefill_step` eagerly on the same padded inputs: what
 a graph would replay, checkable without a GPU (Triton's interpreter) and by the GPU
 tests against the captured graphs.
@@ -37,6 +21,16 @@ from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 from pdunit.engine.settings import PREFILL_GRAPH_ROWS as DEFAULT_ROW_BUCKETS
 
 
+# The buffers: tokens, positions and write slots of the largest bucket's rows; the slot
+# table, lengths and row offsets of `max_seqs` sequences; each sequence's last row. A
+# forward of T rows and n sequences runs in the smallest bucket >= T: rows T.. are
+# padding (write slot -1: no K/V stored; they belong to no sequence and are never read),
+# sequences n.. have q_len 0 (the attention kernel's programs for them exit at once). The
+# attention grid is sized for the bucket, so one graph serves every split of its rows
+# into prompts. Anything a graph does not cover (more rows than the largest bucket, more
+# sequences than `max_seqs`, a context longer than `max_context`, a GEMM precision other
+# than the one captured for the bucket) runs eagerly through `model.forward`, counted in
+# `stats["eager"]`.
 class PrefillGraphRunner:
     """`run(batch) -> logits` with the semantics of `model.forward(batch, kv)`."""
 

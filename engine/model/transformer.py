@@ -5,56 +5,9 @@ pool tensor `[n_layers, 2, n_slots, n_kv_heads, head_dim]`: prefill (empty or ca
 prefix), chunked prefill, decode, and any mix of them in one call; and the one way the
 engines turn a forward's output into frame rows (`frames`, `frames_device`) and end a
 stream (`ends_stream`). Must never allocate or free pool slots (the pool and the prefix
-cache do), never hold sampling rules (engine/model/sampling.py does), and never read a
-prompt's validity (the LB validated it).
-
-Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
-`n_codebooks` embeddings; per layer RMSNorm -> GQA attention with per-head q/k RMSNorm
-(Qwen3's qk-norm) and RoPE (rotate-half) -> residual, RMSNorm -> SwiGLU -> residual;
-final RMSNorm; one linear head per codebook.
-
-Config options for other backbones (engine/model/config.py; defaults are the above):
-q/k norm off (`qk_norm`), a head over the first `head_codebooks` columns only, Llama 3
-RoPE scaling. A model family (engine/model/family.py) may also give `TTSModel` its row
-embedding (`row_embedding`) and attach a `FrameGenerator`; this module never knows
-which family it serves. A forward returns the head's logits `[n, C, V]`, or, for a model
-with a frame generator, the final-norm hidden states `[n, hidden]` that the generator
-reads (`frames` takes either). A model without q/k norm, with its own row embedding or
-with a frame generator runs the torch reference path on every device (the Triton
-kernels fuse q/k norm and the summed embedding; the graphs capture the head).
-
-Two paths behind the same `forward`:
-- the torch reference (CPU, and any float32/float64 model): K/V rows are gathered from
-  the pool by `context_slots`. Context entry j of a sequence is its token at position j,
-  so a new token at position p attends to entries j <= p. Every CPU test and the
-  PD-vs-monolith frame identity rely on this path; it must stay bit-for-bit as it is.
-- the GPU path (a CUDA model in bf16/fp16, `gpu_path` says whether it is taken): the
-  same math through Triton kernels (kernels/paged_attention.py for decode rows,
-  kernels/prefill_attention.py for multi-token rows, kernels/fused_ops.py for norms,
-  RoPE + KV store and SwiGLU) and fused q|k|v and gate|up projections, about ten launches
-  per layer. `decode_step` is its capture-safe decode-only form, which
-  engine/model/cuda_graphs.py records per batch size; `prefill_step` its capture-safe
-  prefill-only form (every prefill-only batch runs it), which
-  engine/model/prefill_graphs.py records per row bucket.
-
-Prefill GEMM precision (`set_prefill_gemm`): "bf16" (the default) runs every GEMM in
-the model dtype; "fp8" runs the four per-layer GEMMs of every forward that has a
-sequence of more than one new row (a prefill, a chunk, a mixed monolith step) and at
-least `min_rows` rows in all in e4m3 with per-channel weight and per-row activation
-scales (kernels/fp8_gemm.py), on both paths (the reference dequantises and multiplies
-in float32). With min_rows > 0 a prompt's numerics depend on what it was batched with.
-
-Decode GEMM precision (`set_decode_gemm`): decode-only forwards (`decode_step`, the
-decode CUDA graphs, the reference path's one-row sequences) run their four GEMMs in the
-model dtype ("bf16", the default) or in e4m3 ("fp8", the same weights and scales as the
-prefill's). On an H200 (bench/results/step-20261130-h200x2-dg-*.md, -p16-*.md) an fp8
-step is 1.5-3% faster at 224-256 streams x 2k and slower below (the activations'
-quantisation, small-M fp8 GEMMs): attention is most of a large step. A forward with prompt rows (a
-monolith's mixed step included) follows the prefill rule.
-
-KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
-"fp8_e4m3")`); both paths store through kernels/kv_dtype.py's saturating cast and
-widen on read, so an fp8 pool gives the same frames whichever engine wrote it.
+cache do), never hold sampling rules (engine/model/sampling.py does), never read a
+prompt's validity (the LB validated it), and never know which family it serves.
+Architecture, paths and precisions: the comments above `TTSModel` and its methods.
 """
 
 from __future__ import annotations
@@ -400,6 +353,24 @@ class FrameGenerator(nn.Module, ABC):
         """True iff this frame row ends its stream (the family's EOS frame)."""
 
 
+# Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
+# `n_codebooks` embeddings; per layer RMSNorm -> GQA attention with per-head q/k RMSNorm
+# (Qwen3's qk-norm) and RoPE (rotate-half) -> residual, RMSNorm -> SwiGLU -> residual;
+# final RMSNorm; one linear head per codebook.
+#
+# Config options for other backbones (engine/model/config.py; defaults are the above):
+# q/k norm off (`qk_norm`), a head over the first `head_codebooks` columns only, Llama 3
+# RoPE scaling. A model family (engine/model/family.py) may also give `TTSModel` its row
+# embedding (`row_embedding`) and attach a `FrameGenerator`. A forward returns the head's
+# logits `[n, C, V]`, or, for a model with a frame generator, the final-norm hidden states
+# `[n, hidden]` that the generator reads (`frames` takes either). A model without q/k
+# norm, with its own row embedding or with a frame generator runs the torch reference
+# path on every device (the Triton kernels fuse q/k norm and the summed embedding; the
+# graphs capture the head).
+#
+# KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
+# "fp8_e4m3")`); both paths store through kernels/kv_dtype.py's saturating cast and
+# widen on read, so an fp8 pool gives the same frames whichever engine wrote it.
 class TTSModel(nn.Module):
     """Weights are allocated uninitialised; `loader.load_model` fills them.
 
@@ -478,6 +449,19 @@ class TTSModel(nn.Module):
             dtype=kv_storage_dtype(kv_cache_dtype, self.dtype), device=device,
         )
 
+    # Two paths behind the same `forward`:
+    # - the torch reference (CPU, and any float32/float64 model): K/V rows are gathered from
+    #   the pool by `context_slots`. Context entry j of a sequence is its token at position j,
+    #   so a new token at position p attends to entries j <= p. Every CPU test and the
+    #   PD-vs-monolith frame identity rely on this path; it must stay bit-for-bit as it is.
+    # - the GPU path (a CUDA model in bf16/fp16, `gpu_path` says whether it is taken): the
+    #   same math through Triton kernels (kernels/paged_attention.py for decode rows,
+    #   kernels/prefill_attention.py for multi-token rows, kernels/fused_ops.py for norms,
+    #   RoPE + KV store and SwiGLU) and fused q|k|v and gate|up projections, about ten
+    #   launches per layer. `decode_step` is its capture-safe decode-only form, which
+    #   engine/model/cuda_graphs.py records per batch size; `prefill_step` its capture-safe
+    #   prefill-only form (every prefill-only batch runs it), which
+    #   engine/model/prefill_graphs.py records per row bucket.
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Writes the new tokens' K/V into kv[:, 0/1, write_slots] and returns the output of
@@ -549,6 +533,12 @@ class TTSModel(nn.Module):
             x = layer(x, cos, sin, kv[i], batch.write_slots, plan, fp8)
         return x
 
+    # "bf16" (the default) runs every GEMM in the model dtype; "fp8" runs the four
+    # per-layer GEMMs of every forward that has a sequence of more than one new row (a
+    # prefill, a chunk, a mixed monolith step) and at least `min_rows` rows in all in e4m3
+    # with per-channel weight and per-row activation scales (kernels/fp8_gemm.py), on both
+    # paths (the reference dequantises and multiplies in float32). With min_rows > 0 a
+    # prompt's numerics depend on what it was batched with.
     @torch.no_grad()
     def set_prefill_gemm(self, mode: str, min_rows: int = 0) -> None:
         """"bf16" or "fp8" for the GEMMs of forwards with prompt rows and at least
@@ -563,6 +553,11 @@ class TTSModel(nn.Module):
             self._quantise_gemms("prefill_gemm")
         self.prefill_gemm, self.fp8_min_rows = mode, min_rows
 
+    # Decode-only forwards (`decode_step`, the decode CUDA graphs, the reference path's
+    # one-row sequences) run their four GEMMs in the model dtype ("bf16", the default) or in
+    # e4m3 ("fp8", the same weights and scales as the prefill's); what fp8 gains is in
+    # docs/performance.md (Kernel notes). A forward with prompt rows (a monolith's mixed step
+    # included) follows the prefill rule.
     @torch.no_grad()
     def set_decode_gemm(self, mode: str) -> None:
         """"bf16" or "fp8" for the GEMMs of decode-only forwards (the module docstring).

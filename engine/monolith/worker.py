@@ -1,28 +1,13 @@
 """The monolith: prefill and decode in one process on one device, the baseline PD is
-measured against. Same model, same batcher, same kernels as P and D.
+measured against. Same model, same batcher, same kernels as P and D; policies
+`prefill-first` (nano-vllm's scheduler), `chunked` and `budget` (`POLICIES`), optionally
+with `overlap` (engine/decode/overlap.py) and a prefix cache, and rate-floor admission
+(engine/decode/admission.py) in `submit`.
 
-Policies:
-- `prefill-first` (the common engine default, nano-vllm's scheduler): whenever a prompt
-  waits, the iteration runs prefill only, so every decoding stream waits for it.
-- `chunked`: every iteration is one forward over all decoding streams plus prompt rows
-  up to `chunk_tokens` in total.
-- `budget`: every iteration's prompt rows are what fits in the rate floor's step budget
-  beside the decoding streams (engine/monolith/policy.py); it needs admission on.
-With `overlap` (engine/decode/overlap.py, D's pipeline) step n+1 is queued before step
-n's frames reach the host, for every policy's decode-only, mixed and prefill-only steps.
-It never transfers KV. With a prefix cache (`cache`, P's PrefixCache over a region of
-the storage beside the pool) a prompt is computed into its cache lease, as P computes
-it, so a reused voice skips its cached leading blocks; when its prefill ends the rows
-are copied into the stream's pool pages (one device copy, the monolith's "transfer").
-Without a cache, prompt rows are written in place in the pool and go straight to
-decoding.
-
-Rate-floor admission (engine/decode/admission.py, `admission`): `submit` refuses a
-prompt (RATE_FLOOR, before it is queued: it holds nothing) when the projected step
-over the monolith's streams (decoding, and admitted but still queued or prefilling,
-as held streams) plus the new one would break the floor's budget; a prompt that alone
-would is INVALID. Every step is observed into the step model, a mixed or prefill-only
-step with its prompt rows (the per-row term).
+It never transfers KV. Without a cache, prompt rows are written in place in the pool
+and go straight to decoding; with one, a prompt's rows are copied from its cache lease
+into the stream's pool pages when its prefill ends (one device copy, the monolith's
+"transfer").
 """
 
 from __future__ import annotations
@@ -60,6 +45,17 @@ from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.monolith")
 
+# - `prefill-first` (the common engine default, nano-vllm's scheduler): whenever a prompt
+#   waits, the iteration runs prefill only, so every decoding stream waits for it.
+# - `chunked`: every iteration is one forward over all decoding streams plus prompt rows
+#   up to `chunk_tokens` in total.
+# - `budget`: every iteration's prompt rows are what fits in the rate floor's step budget
+#   beside the decoding streams (engine/monolith/policy.py); it needs admission on.
+# With `overlap` (D's pipeline) step n+1 is queued before step n's frames reach the host,
+# for every policy's decode-only, mixed and prefill-only steps. With a prefix cache
+# (`cache`, P's PrefixCache over a region of the storage beside the pool) a prompt is
+# computed into its cache lease, as P computes it, so a reused voice skips its cached
+# leading blocks.
 POLICIES = ("prefill-first", "chunked", "budget")
 
 
@@ -155,6 +151,12 @@ class MonolithEngine:
         self.loop = StepLoop("monolith", self._step_once, model.device)
 
     # ------------------------------------------------------------------ requests
+    # Rate-floor admission (`admission`): refuses a prompt (RATE_FLOOR, before it is
+    # queued: it holds nothing) when the projected step over the monolith's streams
+    # (decoding, and admitted but still queued or prefilling, as held streams) plus the new
+    # one would break the floor's budget; a prompt that alone would is INVALID. Every step is
+    # observed into the step model, a mixed or prefill-only step with its prompt rows (the
+    # per-row term).
     def submit(self, job: PrefillJob) -> None:
         job.stamps["p_admitted"] = now_ns()
         if self.admission is not None and not self._admit(job):

@@ -1,11 +1,8 @@
 """Consistent hashing with bounded load (Mirrokni, Thorup, Zadimoghaddam, 2018).
 
 Owns the ring (virtual nodes of each unit, sorted by hash), the order in which a key
-visits units, and the load bound. A key goes to the first unit clockwise from its hash
-whose load is below the bound `ceil(c * (L + 1) / n)`, where L is the load already
-placed on the n eligible units and the +1 counts the request being placed (without it
-an idle cluster would have a bound of 0 and nobody could take anything). Because the
-minimum load is at most the average, some unit is always below the bound.
+visits units, and the load bound (`load_bound`): a key goes to the first unit clockwise
+from its hash whose load is below it.
 
 This module is pure: no I/O, no clock, no knowledge of HTTP or of what "load" means.
 It must never decide routability (draining, unready): the caller passes that in.
@@ -26,6 +23,10 @@ def key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
+# The bound is `ceil(c * (L + 1) / n)`, where L is the load already placed on the n
+# eligible units and the +1 counts the request being placed (without it an idle cluster
+# would have a bound of 0 and nobody could take anything). Because the minimum load is
+# at most the average, some unit is always below the bound.
 def load_bound(total_load: int, n_units: int, factor: float) -> int:
     """The most streams a unit may hold before a new key skips it: ceil(c * (L + 1) / n)."""
     if n_units <= 0:

@@ -1,24 +1,13 @@
 """Forwarding one `POST /v1/tts/stream` to a unit and relaying the stream back.
 
 Owns the attempt loop (pick a unit, send, retry elsewhere on a refusal), the header
-policy, and the relay that copies the unit's body to the client chunk by chunk.
+policy (`to_unit`, `to_client`), and the relay that copies the unit's body to the
+client chunk by chunk.
 
 The one rule this module must never break: a retry happens only when the unit cannot
-have started the stream: it answered 503, 429 or 502 (the LB answers 200 only with the
-first frame, so any status it sends is before the first byte; 502 is P or D failing the
-start, which another unit may not), or the TCP connection was refused or timed out.
-Once a unit answered 200, that unit owns the request: a failure later ends
-the client's stream with an error trailer (NDJSON) or a broken connection (binary
-frames), never a second start elsewhere. A request that reached a unit and then failed
-before any answer (read timeout, reset) is not retried either: the unit may be running
-it.
-
-The header policy (`to_unit`, `to_client`): hop-by-hop headers (RFC 9110 7.6.1: those
-Connection names, Keep-Alive, TE, Trailer, Transfer-Encoding, Upgrade, Proxy-*) and
-credentials (Authorization, Cookie) never cross the router in either direction, nor
-Set-Cookie or the unit's internal X-Pdunit-* headers towards the client; a client's
-X-Forwarded-For / Forwarded are kept only from --trusted-proxies. The body is read up
-to --max-body-bytes and refused (413, connection closed) the moment it passes it.
+have started the stream (`RETRIED_STATUS`, or a refused / timed-out connection). Once a
+unit answered 200, that unit owns the request: a later failure ends the client's stream
+with an error trailer (NDJSON) or a broken connection (binary frames).
 """
 
 from __future__ import annotations
@@ -43,6 +32,12 @@ from pdunit.engine.edge import request_id_problem
 from pdunit.engine.router.table import RoutingTable, Unit
 from pdunit.engine.security import security_event
 
+# The header policy: hop-by-hop headers (RFC 9110 7.6.1: those Connection names,
+# Keep-Alive, TE, Trailer, Transfer-Encoding, Upgrade, Proxy-*) and credentials
+# (Authorization, Cookie) never cross the router in either direction, nor Set-Cookie or
+# the unit's internal X-Pdunit-* headers towards the client; a client's X-Forwarded-For
+# / Forwarded are kept only from --trusted-proxies. The body is read up to
+# --max-body-bytes and refused (413, connection closed) the moment it passes it.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"})
 CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
 FORWARDED = frozenset(
@@ -57,6 +52,10 @@ NOT_TO_CLIENT = frozenset({"set-cookie", "content-length", "date", "server", "x-
 BINARY_FRAMES = "application/x-pdunit-frames"
 # A unit's answers that prove it did not start the stream and that another unit may not
 # give: draining/unready, full, and P or D failing the start (see the module docstring).
+# The LB answers 200 only with the first frame, so any status it sends is before the
+# first byte; 502 is P or D failing the start, which another unit may not. A request
+# that reached a unit and then failed before any answer (read timeout, reset) is not
+# retried either: the unit may be running it.
 RETRIED_STATUS = frozenset({503, 429, 502})
 
 
