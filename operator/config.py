@@ -19,6 +19,11 @@ class OperatorConfig(BaseModel):
         default_factory=list,
         description="namespaces to watch, comma-separated (empty = the whole cluster)",
     )
+    unit_image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        description="Secrets every unit pod is pulled with, comma-separated, before the PDUnit's own "
+        "spec.imagePullSecrets (the chart passes its imagePullSecrets)",
+    )
     resync_seconds: float = Field(5.0, gt=0, le=600, description="reconcile period of every object")
     drain_check_interval_seconds: float = Field(
         5.0, ge=0, le=600, description="min seconds between the two empty checks of a drain"

@@ -233,7 +233,7 @@ async def _ensure_pod(
 ) -> dict[str, Any] | None:
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if pod is None:
-        pod = await ctx.kube.create_pod(ns, pod_.desired_pod(unit))
+        pod = await ctx.kube.create_pod(ns, pod_.desired_pod(unit, ctx.cfg.unit_image_pull_secrets))
         _info(body, reason="PodCreated", message=f"created pod {name}")
         logger.info("pod created", extra={"unit": name})
         return pod

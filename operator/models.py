@@ -21,11 +21,12 @@ from pydantic import (
     StringConstraints,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
 from pdunit.engine.settings import GemmPrecision, TransferMode, canonical_decode_kernel
-from pdunit.engine.unit_layout import METRICS_OFFSETS, metrics_block
+from pdunit.engine.unit_layout import METRICS_OFFSETS, RUN_DIR, SECRETS_DIR, metrics_block
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 GROUP = "pdunit.dev"
@@ -133,7 +134,19 @@ class EnvVar(_Api):
             "messageExpression": f"self + ' turns on fault injection or sets one of its flags: {_FAULT_WHY}'",
         }]},
     )
-    value: str = Field(default="", max_length=32768, description="Literal value.")
+    value: str | None = Field(default=None, max_length=32768, description="Literal value (or valueFrom).")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef), "
+        "validated by the apiserver when the pod is created.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"env {self.name} has both value and valueFrom: keep one")
+        return self
 
 
 class Toleration(_Api):
@@ -172,6 +185,146 @@ class RoleArgs(_Api):
     decode: list[ExtraArg] | None = Field(default=None, max_length=64)
     proxy: list[ExtraArg] | None = Field(default=None, max_length=64)
     guard: list[ExtraArg] | None = Field(default=None, max_length=64)
+
+
+# --------------------------------------------------------------- pod adaptation
+# A core/v1 object the CRD keeps whole (x-kubernetes-preserve-unknown-fields): the
+# apiserver validates it against the Pod schema when the operator creates the pod, and a
+# refusal there reaches the PDUnit's status naming the pod field. Embedding the core
+# schemas instead would copy ~4000 lines of Kubernetes' OpenAPI into each CRD, pinned to
+# one Kubernetes minor, for errors that name the same field one step earlier.
+KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+
+# What the operator owns in the pod: its volumes (sockets, scratch, shared memory, the
+# unit's Secret, the voice store) and the paths they are mounted at. Refused by name.
+VOICES_MOUNT_PATH = "/var/lib/pdunit/voices"
+OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token")
+OPERATOR_MOUNT_PATHS: tuple[str, ...] = (RUN_DIR, "/tmp", "/dev/shm", SECRETS_DIR, VOICES_MOUNT_PATH)
+# Labels the router, the scaler and the chart select unit pods on.
+OPERATOR_LABEL_KEYS: tuple[str, ...] = (LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY)
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_OWNED_WHY = "the operator owns it (docs/operator.md, the unit pod)"
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+
+
+def _not_operator_volume(name: str) -> str:
+    if name in OPERATOR_VOLUMES:
+        raise ValueError(f"volume name {name!r} is one of the operator's {list(OPERATOR_VOLUMES)}: "
+                         f"{_OWNED_WHY}; rename yours")
+    return name
+
+
+def _not_operator_path(path: str) -> str:
+    for owned in OPERATOR_MOUNT_PATHS:
+        if path == owned or path.startswith(owned + "/"):
+            raise ValueError(f"mountPath {path} is (or is under) the operator's {owned}: {_OWNED_WHY}; "
+                             "mount elsewhere")
+    return path
+
+
+_MOUNT_PATH_RULE = " && ".join(
+    f"!(self == '{p}' || self.startsWith('{p}/'))" for p in OPERATOR_MOUNT_PATHS
+)
+
+
+class LocalObjectReference(_Api):
+    name: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+
+
+class Volume(_Api):
+    """A core/v1 Volume (any source: persistentVolumeClaim, hostPath, image, configMap, ...):
+    its name is checked here, the rest by the apiserver when the pod is created."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    name: Annotated[str, AfterValidator(_not_operator_volume)] = Field(
+        min_length=1, max_length=63, pattern=_DNS_LABEL,
+        description=f"Volume name (not one of the operator's: {', '.join(OPERATOR_VOLUMES)}).",
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": f"!(self in {_cel_list(OPERATOR_VOLUMES)})",
+            "messageExpression": f"'volume name ' + self + ' is one of the operator\\'s: {_OWNED_WHY}; rename yours'",
+        }]},
+    )
+
+
+class VolumeMount(_Api):
+    name: str = Field(min_length=1, max_length=63, pattern=_DNS_LABEL, description="A volume of spec.volumes.")
+    mount_path: Annotated[str, AfterValidator(_not_operator_path)] = Field(
+        min_length=2, max_length=4096, pattern="^/",
+        description=f"Absolute path, not at or under the operator's {', '.join(OPERATOR_MOUNT_PATHS)}.",
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": _MOUNT_PATH_RULE,
+            "messageExpression": f"'mountPath ' + self + ' is (or is under) a path of the operator: {_OWNED_WHY}'",
+        }]},
+    )
+    read_only: bool | None = None
+    sub_path: str | None = Field(default=None, max_length=4096)
+
+
+class RoleVolumeMounts(_Api):
+    """Extra volume mounts per container role (decode: every decode engine)."""
+
+    lb: list[VolumeMount] | None = Field(default=None, max_length=32)
+    prefill: list[VolumeMount] | None = Field(default=None, max_length=32)
+    decode: list[VolumeMount] | None = Field(default=None, max_length=32)
+    proxy: list[VolumeMount] | None = Field(default=None, max_length=32)
+    guard: list[VolumeMount] | None = Field(default=None, max_length=32)
+
+
+_LABEL_RULE = (
+    f"self.all(k, !k.startsWith('{GROUP}/') && !(k in {_cel_list(OPERATOR_LABEL_KEYS)}))"
+)
+
+
+class PodMetadata(_Api):
+    """Labels and annotations added to the unit's pod (never the operator's own keys)."""
+
+    labels: dict[str, str] | None = Field(
+        default=None, max_length=64,
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": _LABEL_RULE,
+            "message": f"pod labels under {GROUP}/ and {', '.join(OPERATOR_LABEL_KEYS)} are set by the operator",
+        }]},
+    )
+    annotations: dict[str, str] | None = Field(
+        default=None, max_length=64,
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": f"self.all(k, !k.startsWith('{GROUP}/'))",
+            "message": f"pod annotations under {GROUP}/ are set by the operator",
+        }]},
+    )
+
+    @field_validator("labels")
+    @classmethod
+    def _not_operator_labels(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key in value or {}:
+            if key.startswith(f"{GROUP}/") or key in OPERATOR_LABEL_KEYS:
+                raise ValueError(f"pod label {key} is set by the operator: remove it")
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _not_operator_annotations(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key in value or {}:
+            if key.startswith(f"{GROUP}/"):
+                raise ValueError(f"pod annotation {key} is set by the operator: remove it")
+        return value
+
+
+class VoiceStore(_Api):
+    """The voice store's volume, mounted into the LB container at VOICES_MOUNT_PATH."""
+
+    volume: str = Field(min_length=1, max_length=63, pattern=_DNS_LABEL,
+                        description="A volume of spec.volumes holding the voice store's directory.")
+    sub_path: str | None = Field(default=None, max_length=4096, description="Folder inside that volume.")
+    read_only: bool | None = Field(default=None, description="Mount read-only (voices are then never added).")
+
+
+Qos = Literal["Burstable", "Guaranteed"]
 
 
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
@@ -333,6 +486,41 @@ class PDUnitSpec(_Api):
     tolerations: list[Toleration] | None = Field(default=None, max_length=64)
     env: list[EnvVar] | None = Field(default=None, max_length=128)
     extra_args: RoleArgs | None = None
+    # Pod adaptation (docs/operator.md, adapting the pod). No CRD defaults (kvCacheDtype's reason).
+    pod_metadata: PodMetadata | None = None
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        default=None, max_length=16, description="Pulled with these Secrets, after the operator's own list.")
+    service_account_name: str | None = Field(
+        default=None, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="The pod's service account (its token stays unmounted: unit pods never call the API).")
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=_DNS_SUBDOMAIN)
+    runtime_class_name: str | None = Field(default=None, max_length=253, pattern=_DNS_SUBDOMAIN)
+    affinity: KubeObject | None = Field(default=None, description="A core/v1 Affinity.")
+    topology_spread_constraints: list[KubeObject] | None = Field(
+        default=None, max_length=16, description="core/v1 TopologySpreadConstraints.")
+    volumes: list[Volume] | None = Field(
+        default=None, max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="core/v1 Volumes added to the pod (weights, voices, caches).")
+    volume_mounts: RoleVolumeMounts | None = None
+    qos: Qos | None = Field(
+        default=None,
+        description="Burstable (unset): every container requests CPU and memory (defaults where "
+        "spec.resources gives none). Guaranteed: each container's CPU and memory limits equal its requests.")
+    voices: VoiceStore | None = None
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> PDUnitSpec:
+        names = {v.name for v in self.volumes or []}
+        for role in ROLES:
+            for i, mount in enumerate(getattr(self.volume_mounts, role, None) or []):
+                if mount.name not in names:
+                    raise ValueError(f"volumeMounts.{role}[{i}].name {mount.name!r} is not a volume of "
+                                     f"spec.volumes {sorted(names)}: add it there")
+        if self.voices and self.voices.volume not in names:
+            raise ValueError(f"voices.volume {self.voices.volume!r} is not a volume of spec.volumes "
+                             f"{sorted(names)}: add it there")
+        return self
 
 
 class Condition(_Api):

@@ -11,6 +11,7 @@ container more or less than one GPU.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,20 +108,35 @@ def _container_security() -> dict[str, Any]:
     }
 
 
+# CPU and memory every container requests unless spec.resources.<role> says otherwise:
+# a pod holding two GPUs must not be QoS BestEffort (the first evicted under memory
+# pressure). Sized for the processes' own needs; a large model's weights in host memory
+# need more on prefill and decode (spec.resources).
+DEFAULT_REQUESTS: dict[str, dict[str, str]] = {
+    "lb": {"cpu": "250m", "memory": "512Mi"},
+    "prefill": {"cpu": "1", "memory": "4Gi"},
+    "decode": {"cpu": "1", "memory": "4Gi"},
+    "proxy": {"cpu": "100m", "memory": "256Mi"},
+    "guard": {"cpu": "50m", "memory": "128Mi"},
+}
+
+
 def _resources(spec: dict[str, Any], role: str, gpu: bool) -> dict[str, Any]:
     given = ((spec.get("resources") or {}).get(role)) or {}
-    out: dict[str, Any] = {}
-    for key in ("requests", "limits"):
-        if given.get(key):
-            out[key] = {k: v for k, v in given[key].items()}
+    out: dict[str, Any] = {key: dict(given.get(key) or {}) for key in ("requests", "limits")}
+    for name, amount in DEFAULT_REQUESTS[role].items():
+        # A limit without a request makes Kubernetes request the limit: keep that meaning.
+        out["requests"].setdefault(name, out["limits"].get(name, amount))
+    if spec.get("qos") == "Guaranteed":
+        for name in ("cpu", "memory"):
+            out["limits"][name] = out["requests"][name] = out["limits"].get(name, out["requests"][name])
     if gpu:
         # Exactly one GPU per engine container is the unit's contract; a user value for
         # the GPU resource is overridden rather than silently doubled.
         gpu_name = spec.get("gpuResource", "nvidia.com/gpu")
-        out.setdefault("limits", {})[gpu_name] = 1
-        if "requests" in out:
-            out["requests"][gpu_name] = 1
-    return out
+        out["limits"][gpu_name] = 1
+        out["requests"][gpu_name] = 1
+    return {key: value for key, value in out.items() if value}
 
 
 def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
@@ -141,7 +157,7 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
     # User env last: it may override ours on purpose (e.g. HOME), never the reverse.
     seen = {e["name"]: i for i, e in enumerate(env)}
     for item in spec.get("env") or []:
-        entry = {"name": item["name"], "value": item.get("value", "")}
+        entry = {k: item[k] for k in ("name", "value", "valueFrom") if item.get(k) is not None}
         if item["name"] in seen:
             env[seen[item["name"]]] = entry
         else:
@@ -154,7 +170,7 @@ _SECRET_OF_ROLE = {"prefill": UNIT_SECRET_KEY, "decode": UNIT_SECRET_KEY, "lb": 
 _SECRET_FILE = {UNIT_SECRET_KEY: UNIT_SECRET_FILE, ADMIN_TOKEN_KEY: ADMIN_TOKEN_FILE}
 
 
-def _mounts(role: str) -> list[dict[str, Any]]:
+def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [
         {"name": "run", "mountPath": RUN_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -164,6 +180,12 @@ def _mounts(role: str) -> list[dict[str, Any]]:
     if key:
         folder = _SECRET_FILE[key].rsplit("/", 1)[0]
         mounts.append({"name": key, "mountPath": folder, "readOnly": True})
+    voices = spec.get("voices")
+    if voices and role == "lb":
+        mounts.append({"name": voices["volume"], "mountPath": m.VOICES_MOUNT_PATH,
+                       **{k: voices[k] for k in ("subPath", "readOnly") if k in voices}})
+    # The user's mounts after ours (the models refuse names and paths of ours).
+    mounts.extend(dict(x) for x in (spec.get("volumeMounts") or {}).get(role) or [])
     return mounts
 
 
@@ -294,11 +316,16 @@ def _container(
         "resources": _resources(
             spec, role, gpu=role in ("prefill", "decode") and spec["device"] == "cuda"
         ),
-        "volumeMounts": _mounts(role),
+        "volumeMounts": _mounts(spec, role),
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         **({"ports": ports} if ports else {}),
     }
+
+
+# Pod fields the spec passes through as they are (the apiserver validates them).
+_POD_FIELDS = ("serviceAccountName", "priorityClassName", "runtimeClassName", "nodeSelector",
+               "tolerations", "affinity", "topologySpreadConstraints")
 
 
 def unit_defaults(spec: dict[str, Any]) -> dict[str, Any]:
@@ -306,14 +333,17 @@ def unit_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     return m.PDUnitSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
 
 
-def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
-    """The Pod manifest of one PDUnit. Raises pydantic.ValidationError on a bad spec."""
+def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) -> dict[str, Any]:
+    """The Pod manifest of one PDUnit, pulled with `image_pull_secrets` (the operator's
+    --unit-image-pull-secrets, the chart's imagePullSecrets) and the spec's own. Raises
+    pydantic.ValidationError on a bad spec."""
     meta = metadata_of(unit)
     name = meta["name"]
     spec = unit_defaults(unit.get("spec") or {})
     port = spec["lbPort"]
 
     labels = {k: v for k, v in labels_of(unit).items() if k != m.LABEL_TEMPLATE_HASH}
+    labels.update((spec.get("podMetadata") or {}).get("labels") or {})
     labels.update(
         {
             m.LABEL_NAME: "pdunit",
@@ -407,12 +437,17 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
                 }
                 for key in (UNIT_SECRET_KEY, ADMIN_TOKEN_KEY)
             ),
+            *(dict(v) for v in spec.get("volumes") or []),
         ],
     }
-    if spec.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(spec["nodeSelector"])
-    if spec.get("tolerations"):
-        pod_spec["tolerations"] = [dict(t) for t in spec["tolerations"]]
+    pull = list(dict.fromkeys([*image_pull_secrets, *(s["name"] for s in spec.get("imagePullSecrets") or [])]))
+    if pull:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in pull]
+    for field in _POD_FIELDS:
+        if spec.get(field):
+            pod_spec[field] = spec[field]
+    annotations = {**((spec.get("podMetadata") or {}).get("annotations") or {}),
+                   m.ANNOTATION_SPEC_HASH: spec_hashes(spec)[0]}
 
     return {
         "apiVersion": "v1",
@@ -421,7 +456,7 @@ def desired_pod(unit: dict[str, Any]) -> dict[str, Any]:
             "name": name,
             "namespace": meta.get("namespace"),
             "labels": labels,
-            "annotations": {m.ANNOTATION_SPEC_HASH: spec_hashes(spec)[0]},
+            "annotations": annotations,
             "ownerReferences": [_owner(unit)],
         },
         "spec": pod_spec,

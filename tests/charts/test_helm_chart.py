@@ -709,3 +709,15 @@ def test_a_prometheus_namespace_selector_admits_prometheus_of_that_namespace() -
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
     }]
+
+
+def test_the_charts_pull_secrets_reach_the_operator_for_every_unit_pod() -> None:
+    from pdunit.engine.settings import parse_config
+    from pdunit.operator.config import OperatorConfig
+
+    docs = render(["--set", "imagePullSecrets[0].name=regcred", "--set", "imagePullSecrets[1].name=mirror"])
+    op = one(docs, "Deployment", "rel-pdunit-operator")["spec"]["template"]["spec"]["containers"][0]
+    cfg = parse_config(OperatorConfig, op["args"][1:], "pdunit operator", env={})
+    assert cfg.unit_image_pull_secrets == ["regcred", "mirror"]
+    default = one(render([]), "Deployment", "rel-pdunit-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--unit-image-pull-secrets") for a in default["args"])

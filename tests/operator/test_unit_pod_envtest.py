@@ -1,0 +1,83 @@
+"""The adapted unit pod on a real kube-apiserver (envtest, Kubernetes v1.34): a PDUnit
+with every pod and container override gives a pod the apiserver accepts (its admission
+checks the priority class and the runtime class exist), carrying them; the CRD's CEL
+rules refuse the operator's own names before any pod is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from tests.operator.envtest import ControlPlane, Kubelet, wait_for
+from tests.operator.test_integration import get_pod, get_unit, unit
+
+
+def _apply(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def test_a_unit_with_overrides_gets_a_pod_the_apiserver_accepts_with_them(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    ns = namespace
+    _apply(control_plane, ns, {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                               "metadata": {"name": f"{ns}-high"}, "value": 1000})
+    _apply(control_plane, ns, {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                               "metadata": {"name": f"{ns}-nvidia"}, "handler": "nvidia"})
+    spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+              "labelSelector": {"matchLabels": {"pdunit.dev/unit": "adapted"}}}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}}
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit(
+        "adapted",
+        podMetadata={"labels": {"cost": "gpu"}, "annotations": {"example.com/owner": "voice"}},
+        imagePullSecrets=[{"name": "regcred"}],
+        serviceAccountName="units",
+        priorityClassName=f"{ns}-high",
+        runtimeClassName=f"{ns}-nvidia",
+        affinity=affinity,
+        topologySpreadConstraints=[spread],
+        volumes=[{"name": "weights", "hostPath": {"path": "/models", "type": "Directory"}},
+                 {"name": "voice-store", "persistentVolumeClaim": {"claimName": "voices"}}],
+        volumeMounts={"prefill": [{"name": "weights", "mountPath": "/models", "readOnly": True}],
+                      "decode": [{"name": "weights", "mountPath": "/models", "readOnly": True}]},
+        voices={"volume": "voice-store"},
+        env=[{"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        qos="Guaranteed",
+        model="/models/qwen3-4b",
+    ))
+    pod = wait_for(lambda: get_pod(api, ns, "adapted"), 30, "pod adapted",
+                   describe=lambda: (get_unit(api, ns, "adapted") or {}).get("status"))
+    spec = pod["spec"]
+    assert pod["metadata"]["labels"]["cost"] == "gpu"
+    assert pod["metadata"]["annotations"]["example.com/owner"] == "voice"
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert (spec["serviceAccountName"], spec["priorityClassName"], spec["runtimeClassName"]) == (
+        "units", f"{ns}-high", f"{ns}-nvidia")
+    assert spec["priority"] == 1000  # the Priority admission plugin resolved the class
+    assert spec["affinity"] == affinity and spec["topologySpreadConstraints"] == [spread]
+    assert {"weights", "voice-store"} <= {v["name"] for v in spec["volumes"]}
+    cs = {c["name"]: c for c in spec["containers"]}
+    assert any(mt["mountPath"] == "/models" for mt in cs["decode"]["volumeMounts"])
+    assert any(mt["name"] == "voice-store" for mt in cs["lb"]["volumeMounts"])
+    assert {"name": "NODE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}} in (
+        cs["lb"]["env"])
+    assert pod["status"]["qosClass"] == "Guaranteed"  # computed by the apiserver at create
+
+
+def test_the_crd_refuses_the_operators_volume_and_mount_names(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    bad_volume = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False, input=unit(
+        "bad-volume", volumes=[{"name": "run", "emptyDir": {}}]))
+    assert bad_volume.returncode != 0 and "spec.volumes[0].name" in bad_volume.stderr
+    assert "volume name run is one of the operator's" in bad_volume.stderr
+    bad_mount = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False, input=unit(
+        "bad-mount", volumes=[{"name": "w", "emptyDir": {}}],
+        volumeMounts={"lb": [{"name": "w", "mountPath": "/run/pdunit/x"}]}))
+    assert bad_mount.returncode != 0 and "spec.volumeMounts.lb[0].mountPath" in bad_mount.stderr
+    bad_label = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False, input=unit(
+        "bad-label", podMetadata={"labels": {"app.kubernetes.io/component": "x"}}))
+    assert bad_label.returncode != 0 and "spec.podMetadata.labels" in bad_label.stderr
