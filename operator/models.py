@@ -377,8 +377,9 @@ class PDUnitSpec(_Api):
     model: str = Field(
         min_length=1,
         max_length=4096,
-        description="'random:<config>:<seed>' (deterministic random weights) or an absolute "
-        "path inside the image to a safetensors file + JSON config.",
+        description="'random:<config>:<seed>' (deterministic random weights) or the absolute path of a "
+        "checkpoint folder (config.json + safetensors) in the image or in a volume of spec.volumes that "
+        "volumeMounts mounts into prefill and decode (a PVC, a hostPath, an OCI image volume).",
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
