@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from pdunit.bench import report
 from pdunit.engine.lb.validate import Limits, parse_request
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
+from pdunit.engine.packing import pack
 from pdunit.engine.settings import ConfigError, parse_config
 
 BENCH = "edges"
@@ -75,12 +76,12 @@ def run_edges(config: EdgesConfig | dict[str, Any] | None = None) -> dict[str, A
         "binary-int32": (
             "application/octet-stream",
             {"x-pdunit-dtype": "int32", "x-pdunit-row-width": str(cfg.cols)},
-            ids.astype("<i4").tobytes(),
+            pack(ids, "i4"),
         ),
         "binary-int64": (
             "application/octet-stream",
             {"x-pdunit-dtype": "int64", "x-pdunit-row-width": str(cfg.cols)},
-            ids.astype("<i8").tobytes(),
+            pack(ids, "i8"),
         ),
     }
     rows: list[dict[str, Any]] = []

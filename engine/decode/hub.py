@@ -15,10 +15,10 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
-import numpy as np
 from prometheus_client import Counter as PromCounter
 
 from pdunit.engine.metrics import role_metric
+from pdunit.engine.packing import view
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 log = logging.getLogger("pdunit.decode.hub")
@@ -121,8 +121,8 @@ class FrameHub:
             self._forget(err.request_id)
         if not message.request_ids:
             return
-        ids = np.frombuffer(message.request_ids, dtype="<u8")
-        finished = np.frombuffer(message.finished, dtype=np.uint8)
+        ids = view(message.request_ids, "u8")
+        finished = view(message.finished, "u1")
         if finished.size != ids.size:
             return  # malformed: the LB fails these streams itself
         for rid in ids[finished != 0].tolist():

@@ -49,6 +49,7 @@ from pdunit.engine.lb.validate import (
 )
 from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.observability import now_ns
+from pdunit.engine.packing import view
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.security import security_event
@@ -301,7 +302,7 @@ class LoadBalancer:
                 f"--n-codebooks is {cfg.n_codebooks} but D serves {ncb} codebooks: "
                 f"fix --n-codebooks or leave it unset"
             )
-        from_d = tuple(np.frombuffer(reply.vocab_sizes, dtype="<i8").tolist())
+        from_d = tuple(view(reply.vocab_sizes, "i8").tolist())
         if cfg.vocab_sizes:
             try:
                 vocab = parse_vocab_sizes(cfg.vocab_sizes, ncb)

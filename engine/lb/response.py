@@ -11,7 +11,6 @@ the write ends: a stream left in the table would keep /v1/load from reporting em
 from __future__ import annotations
 
 import json
-import struct
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdunit.engine.lb.streams import Frames, Stream, StreamEvent
 from pdunit.engine.observability import now_ns
+from pdunit.engine.packing import pack
 
 if TYPE_CHECKING:
     from pdunit.engine.lb.balancer import LoadBalancer
@@ -95,7 +95,7 @@ class FrameStreamResponse(Response):
             if isinstance(event, Frames):
                 for row in event.rows:
                     if self.binary:
-                        out.append(_int32_row(row))
+                        out.append(pack(row, "i4"))
                     else:
                         out.append(
                             b'{"i": %d, "frame": [%s]}\n'
@@ -131,7 +131,4 @@ class FrameStreamResponse(Response):
         out.append(TRAILER_MARKER + text if self.binary else text + b"\n")
         return b"".join(out), True
 
-
-def _int32_row(row: list[int]) -> bytes:
-    return struct.pack(f"<{len(row)}i", *row)
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
 from pdunit.engine.lb.metrics import LBMetrics
+from pdunit.engine.packing import view
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 
@@ -146,7 +146,7 @@ class StreamTable:
 
     def dispatch(self, msg: pb.StepFrames, decode: int = 0) -> None:
         """Route one decode step's frames, errors and stamps (from D `decode`) to their streams."""
-        ids = np.frombuffer(msg.request_ids, dtype="<u8")
+        ids = view(msg.request_ids, "u8")
         n = ids.size
         for rid, stamps in msg.stamps.items():
             stream = self._streams.get(rid)
@@ -177,7 +177,7 @@ class StreamTable:
                             )
                         )
             else:
-                rows = np.frombuffer(msg.frames, dtype="<i4").reshape(n, ncb).tolist()
+                rows = view(msg.frames, "i4", ncb).tolist()
                 finished = msg.finished
                 unknown = 0
                 for j, rid in enumerate(ids.tolist()):

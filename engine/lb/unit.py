@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
 from pdunit.engine.lb.metrics import LBMetrics
+from pdunit.engine.packing import view
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.proto import proxy_pb2 as proxy_pb
@@ -41,7 +41,7 @@ def channel_target(socket_path: str) -> str:
 def request_ids_of(info: pb.InfoReply | None) -> list[int]:
     if info is None or not info.request_ids:
         return []
-    return np.frombuffer(info.request_ids, dtype="<u8").tolist()
+    return view(info.request_ids, "u8").tolist()
 
 
 @dataclass

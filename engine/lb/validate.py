@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pdunit.engine.packing import pack, view
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 JSON_CONTENT_TYPE = "application/json"
@@ -202,10 +203,10 @@ def parse_binary(body: bytes, headers: Mapping[str, str], limits: Limits) -> Pac
         raise too_many_rows(rows, limits)
     sampling = _sampling_from_headers(headers, limits)
     if itemsize == 4:
-        ids = np.frombuffer(body, dtype="<i4").reshape(rows, width)
+        ids = view(body, "i4", width)
         bad = ids.view("<u4") >= limits._vocab32
     else:
-        ids = np.frombuffer(body, dtype="<i8").reshape(rows, width)
+        ids = view(body, "i8", width)
         bad = ids.view("<u8") >= limits._vocab64
     if bad.any():
         raise _out_of_range(ids, bad, limits)
@@ -213,7 +214,7 @@ def parse_binary(body: bytes, headers: Mapping[str, str], limits: Limits) -> Pac
         # The body already is the packed little-endian int64 prompt: no copy.
         return PackedRequest(ids, body, sampling, "binary")
     packed = ids.astype("<i8")
-    return PackedRequest(packed, packed.tobytes(), sampling, "binary")
+    return PackedRequest(packed, pack(packed, "i8"), sampling, "binary")
 
 
 def _header_int(raw: str, name: str) -> int:
@@ -397,7 +398,7 @@ def _parse_json_fast(body: bytes, limits: Limits) -> PackedRequest | None:
     bad = ids.view(np.uint64) >= limits._vocab64
     if bad.any():
         raise _out_of_range(ids, bad, limits)
-    return PackedRequest(ids, ids.tobytes(), sampling, "json")
+    return PackedRequest(ids, pack(ids, "i8"), sampling, "json")
 
 
 def _digit_runs(raw: bytes) -> int:
@@ -568,7 +569,7 @@ def _parse_json_exact(body: bytes, limits: Limits) -> PackedRequest:
                 raise _id_out_of_range(r, c, v, limits)
     sampling = make_sampling(obj, limits)
     ids = np.array(prompt, dtype=np.int64)
-    return PackedRequest(ids, ids.tobytes(), sampling, "json")
+    return PackedRequest(ids, pack(ids, "i8"), sampling, "json")
 
 
 def _unknown_fields(unknown: set[str]) -> RequestError:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdunit.engine.packing import pack
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -76,7 +78,7 @@ class StreamSpec:
                     "X-Pdunit-Seed": str(self.seed),
                 }
             )
-            return self.prompt.astype("<i4").tobytes(), headers
+            return pack(self.prompt, "i4"), headers
         if body_format == "json":
             headers["Content-Type"] = "application/json"
             doc = {

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pdunit.engine.model.config import dtype_name
+from pdunit.engine.packing import pack, view
 from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.engine.proto import proxy_pb2_grpc as pb_grpc
 from pdunit.engine.proto.lane_framing import recv_frame, send_frame
@@ -169,7 +170,7 @@ class ProxyClient:
         `capability` into `dst_slots` of our region `region_id`."""
         self.call("Grant", pb.GrantRequest(
             region_id=region_id, request_id=request_id, capability=capability,
-            dst_slots=np.ascontiguousarray(dst_slots, dtype="<i8").tobytes(),
+            dst_slots=pack(dst_slots, "i8"),
             deadline_unix_ms=deadline_unix_ms, any_request=any_request), timeout_s=timeout_s)
 
     def revoke(self, region_id: str, request_id: int, timeout_s: float | None = None) -> None:
@@ -181,8 +182,8 @@ class ProxyClient:
         """One copy job. `dst_region` "" names the region whose owner granted `capability`."""
         req = pb.CopyRequest(
             request_id=request_id, src_region=src_region, dst_region=dst_region,
-            src_slots=np.ascontiguousarray(src_slots, dtype="<i8").tobytes(),
-            dst_slots=np.ascontiguousarray(dst_slots, dtype="<i8").tobytes(),
+            src_slots=pack(src_slots, "i8"),
+            dst_slots=pack(dst_slots, "i8"),
             deadline_unix_ms=deadline_unix_ms, method=method, verify=verify, capability=capability)
         if not self.copy_lane:
             req.client_send_ns = time.monotonic_ns()  # the proxy reports the way in as stage "recv"
@@ -254,14 +255,14 @@ class ProxyClient:
 
     def quiesce(self, request_ids: list[int], cancel: bool = True, wait_ms: int = 0) -> tuple[bool, list[int]]:
         reply = self.call("Quiesce", pb.QuiesceRequest(
-            request_ids=np.asarray(request_ids, dtype="<u8").tobytes(), cancel=cancel, wait_ms=wait_ms),
+            request_ids=pack(request_ids, "u8"), cancel=cancel, wait_ms=wait_ms),
             timeout_s=self.timeout_s + wait_ms / 1000)
-        running = np.frombuffer(reply.running, dtype="<u8").tolist()  # type: ignore[attr-defined]
+        running = view(reply.running, "u8").tolist()  # type: ignore[attr-defined]
         return bool(reply.quiesced), [int(x) for x in running]  # type: ignore[attr-defined]
 
     def in_flight(self) -> list[int]:
         reply = self.call("InFlight", pb.Empty())
-        return [int(x) for x in np.frombuffer(reply.request_ids, dtype="<u8")]  # type: ignore[attr-defined]
+        return [int(x) for x in view(reply.request_ids, "u8")]  # type: ignore[attr-defined]
 
     def info(self, timeout_s: float | None = None) -> pb.InfoReply:
         return self.call("Info", pb.Empty(), timeout_s=timeout_s)  # type: ignore[return-value]

@@ -28,6 +28,7 @@ import torch
 from prometheus_client import Counter
 
 from pdunit.engine.metrics import role_metric
+from pdunit.engine.packing import pack, unpack
 from pdunit.engine.security import same_bytes, security_event
 from pdunit.engine.transfer.base import (
     CAPABILITY_BYTES,
@@ -404,7 +405,7 @@ class TcpReceiver(KVReceiver):
                          f"{CAPABILITY_BYTES}-byte capability and {n} dst slots", late=False)
             return
         capability = bytes(payload[:CAPABILITY_BYTES])
-        slots = np.frombuffer(payload[CAPABILITY_BYTES:], dtype="<i8").copy()
+        slots = unpack(payload[CAPABILITY_BYTES:], "i8")
         why = ""
         if n and (slots.min() < 0 or slots.max() >= target.shape[2]):
             why = f"dst slots outside the {'probe region' if probe else 'pool'} [0, {target.shape[2]})"
@@ -672,7 +673,7 @@ class TcpSender(KVSender):
             self._ensure_connected()
             n = int(s.size)
             _send(self._conns[0].sock, self._conns[0].lock, BEGIN, request_id, flags=flags, a=n,
-                  c=deadline_unix_ms, payload=d.astype("<i8").tobytes(), capability=capability)
+                  c=deadline_unix_ms, payload=pack(d, "i8"), capability=capability)
             if not waiter.begun.wait(max(0.0, deadline_unix_ms / 1000 - time.time())):
                 raise TransferError(f"request {request_id}: receiver did not answer BEGIN before the deadline")
             if waiter.event.is_set():

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pdunit.engine.packing import view
 from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.engine.security import same_bytes
 from pdunit.engine.transfer.base import CAPABILITY_BYTES
@@ -190,7 +191,7 @@ def validate_registration(req: pb.RegisterRequest) -> Layout:
 def _slots(raw: bytes, what: str) -> np.ndarray:
     if len(raw) % 8:
         raise JobRejected("INVALID_ARGUMENT", f"{what} has {len(raw)} bytes, not a packed int64 array")
-    return np.frombuffer(raw, dtype="<i8")
+    return view(raw, "i8")
 
 
 class RegionTable:

@@ -23,9 +23,9 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
+from pdunit.engine.packing import pack, view
 from pdunit.engine.proto import proxy_pb2 as pb
 from pdunit.engine.proto import proxy_pb2_grpc as pb_grpc
 from pdunit.engine.proto.lane_framing import MAX_FRAME, recv_frame, send_frame
@@ -144,11 +144,11 @@ class JobTracker:
 def _ids(raw: bytes) -> list[int]:
     if len(raw) % 8:
         raise JobRejected("INVALID_ARGUMENT", f"request_ids has {len(raw)} bytes, not packed uint64")
-    return [int(x) for x in np.frombuffer(raw, dtype="<u8")]
+    return [int(x) for x in view(raw, "u8")]
 
 
 def _pack(ids: list[int]) -> bytes:
-    return np.asarray(ids, dtype="<u8").tobytes()
+    return pack(ids, "u8")
 
 
 class CopyError(Exception):
