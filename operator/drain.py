@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from pdunit.engine.lb.load import LoadDocument
 from pdunit.operator.objects import iso_us, parse_time
 
 
@@ -35,7 +36,7 @@ def drain_step(
     state: dict[str, Any] | None,
     *,
     now: datetime,
-    load: dict[str, Any] | None,
+    load: LoadDocument | None,
     pod_may_hold_streams: bool,
     timeout_s: float,
     check_interval_s: float,
@@ -58,7 +59,7 @@ def drain_step(
             st, "delete", request_drain=False, reason="no running pod: nothing in flight"
         )
 
-    if load is not None and load.get("empty") is True:
+    if load is not None and load.empty:
         first = parse_time(st.get("firstEmptyAt"))
         if not st.get("emptyChecks") or first is None:
             st.update(emptyChecks=1, firstEmptyAt=iso_us(now))
@@ -70,14 +71,10 @@ def drain_step(
 
     st.update(emptyChecks=0, firstEmptyAt=None)
     if (now - started).total_seconds() >= timeout_s:
-        cut = int(load.get("streams_in_flight", 0)) if load else int(last_in_flight or 0)
+        cut = load.streams_in_flight if load is not None else int(last_in_flight or 0)
         st.update(forced=True, streamsCut=cut)
         return DrainStep(st, "force", request, streams_cut=cut, reason="drain timeout")
-    why = (
-        "LB unreachable"
-        if load is None
-        else f"{load.get('streams_in_flight', '?')} streams in flight"
-    )
+    why = "LB unreachable" if load is None else f"{load.streams_in_flight} streams in flight"
     return DrainStep(st, "wait", request, reason=why)
 
 

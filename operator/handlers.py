@@ -26,6 +26,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
+from pdunit.engine.lb.load import LoadDocument
 from pdunit.operator import drain as dr
 from pdunit.operator import models as m
 from pdunit.operator import pod as pod_
@@ -250,7 +251,7 @@ async def _drain(
     pod: dict[str, Any] | None,
     ip: str | None,
     port: int,
-    load: dict[str, Any] | None,
+    load: LoadDocument | None,
     drain: dict[str, Any] | None,
     spec: dict[str, Any],
     now: datetime,

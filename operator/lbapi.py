@@ -9,11 +9,9 @@ decisions.
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 
-from pdunit.engine.lb.load import LoadDocumentError, read_load_document
+from pdunit.engine.lb.load import LoadDocument, LoadDocumentError, read_load_document
 
 
 class LbApi:
@@ -23,10 +21,8 @@ class LbApi:
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def load(self, ip: str, port: int) -> tuple[dict[str, Any] | None, str | None]:
-        """(the /v1/load document, None) or (None, why it could not be read). The document
-        is parsed as a LoadDocument and handed on as its dict: the reconcile functions
-        read it as one."""
+    async def load(self, ip: str, port: int) -> tuple[LoadDocument | None, str | None]:
+        """(the /v1/load document, None) or (None, why it could not be read)."""
         url = f"http://{ip}:{port}/v1/load"
         try:
             resp = await self.client.get(url)
@@ -38,7 +34,7 @@ class LbApi:
             doc = read_load_document(resp.content)
         except LoadDocumentError as exc:
             return None, f"GET {url}: {exc} (not a pdunit LB, or another version?)"
-        return doc.model_dump(), None
+        return doc, None
 
     async def drain(self, ip: str, port: int, token: str | None, draining: bool = True) -> str | None:
         """POST /v1/admin/drain on the LB's admin port with its bearer token (None: a pod

@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from pdunit.engine.lb.load import LoadDocument
 from pdunit.operator import models as m
 from pdunit.operator.objects import iso, metadata_of, status_of, terminating
 from pdunit.operator.spec_hash import spec_hashes
@@ -84,7 +85,7 @@ def set_condition(
 def unit_status(
     unit: dict[str, Any],
     pod: dict[str, Any] | None,
-    load: dict[str, Any] | None,
+    load: LoadDocument | None,
     load_error: str | None,
     now: datetime,
     *,
@@ -103,14 +104,10 @@ def unit_status(
         "podIP": status_of(pod).get("podIP") if pod else None,
         "nodeName": (pod.get("spec") or {}).get("nodeName") if pod else None,
         "lbPort": port,
-        "draining": draining or bool(load and load.get("draining")),
-        "transferMode": (load or {}).get("transfer_mode") or old.get("transferMode"),
-        "inFlight": int((load or {}).get("streams_in_flight", 0))
-        if load
-        else (old.get("inFlight") if pod else 0),
-        "heldPages": int((load or {}).get("held_pages", 0))
-        if load
-        else (old.get("heldPages") if pod else 0),
+        "draining": draining or bool(load and load.draining),
+        "transferMode": (load.transfer_mode if load else None) or old.get("transferMode"),
+        "inFlight": load.streams_in_flight if load else (old.get("inFlight") if pod else 0),
+        "heldPages": load.held_pages if load else (old.get("heldPages") if pod else 0),
         "drain": drain,
     }
     problem = pod_problem(pod) if pod else None
@@ -120,7 +117,7 @@ def unit_status(
         # LoadReachable=False below says the figures are stale.
         lb_ready = bool(old.get("ready")) and not status["draining"]
     else:
-        lb_ready = bool(load and load.get("ready")) and not status["draining"]
+        lb_ready = bool(load and load.ready) and not status["draining"]
     ready = pod_ready(pod) and lb_ready
 
     if draining:
@@ -146,7 +143,7 @@ def unit_status(
             message = problem
         elif load_error:
             message = f"LB /v1/load unreachable: {load_error}"
-        elif load is not None and not load.get("ready"):
+        elif load is not None and not load.ready:
             message = "LB reports not ready (prefill/decode starting)"
         else:
             message = "waiting for pod readiness"

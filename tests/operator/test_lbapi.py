@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import httpx
 
 from pdunit.bench.scaler_bench import fake_load_document
+from pdunit.engine.lb.load import LoadDocument, read_load_document
 from pdunit.operator.lbapi import LbApi
 
 
-def load_answering(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None]:
-    async def read() -> tuple[dict[str, Any] | None, str | None]:
+def load_answering(response: httpx.Response) -> tuple[LoadDocument | None, str | None]:
+    async def read() -> tuple[LoadDocument | None, str | None]:
         api = LbApi(1.0)
         await api.close()
         api.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: response))
@@ -27,7 +27,8 @@ def load_answering(response: httpx.Response) -> tuple[dict[str, Any] | None, str
 def test_a_load_document_is_read_whole() -> None:
     doc, error = load_answering(httpx.Response(200, json=fake_load_document("u0", held_pages=4)))
     assert error is None and doc is not None
-    assert doc == fake_load_document("u0", held_pages=4)
+    assert doc == read_load_document(fake_load_document("u0", held_pages=4))
+    assert doc.model_dump() == fake_load_document("u0", held_pages=4)
 
 
 def test_a_document_missing_a_field_is_an_error_naming_it() -> None:

@@ -23,6 +23,8 @@ import kubernetes_validate
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from pdunit.bench.scaler_bench import fake_load_document
+from pdunit.engine.lb.load import LoadDocument, read_load_document
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import parse_config
 from pdunit.engine.unit_layout import ADMIN_TOKEN_FILE, UNIT_SECRET_FILE, metrics_block
@@ -786,14 +788,9 @@ def pod(phase: str = "Running", ready: bool = True, **status: Any) -> dict[str, 
     }
 
 
-LOAD = {
-    "ready": True,
-    "draining": False,
-    "transfer_mode": "proxy",
-    "streams_in_flight": 7,
-    "held_pages": 2,
-    "empty": False,
-}
+LOAD = read_load_document(fake_load_document(
+    "u0", ready=True, draining=False, transfer_mode="proxy", streams_in_flight=7, held_pages=2, empty=False,
+))
 
 
 def test_status_ready_carries_the_lb_load() -> None:
@@ -822,7 +819,7 @@ def test_tcp_fallback_condition_only_when_auto_on_gpus_ended_on_tcp(
         spec: dict[str, Any], mode: str, fallback: bool) -> None:
     unit = a_unit(**spec)
     unit["spec"] = unit_defaults(unit["spec"])  # as the handler passes it
-    st = unit_status(unit, pod(), {**LOAD, "transfer_mode": mode}, None, T0, port=8000)
+    st = unit_status(unit, pod(), LOAD.model_copy(update={"transfer_mode": mode}), None, T0, port=8000)
     (cond,) = [c for c in st["conditions"] if c["type"] == "TcpFallback"]
     assert (cond["status"], cond["reason"]) == (("True", "AutoChoseTcp") if fallback else ("False", "NoFallback"))
     assert ("transfer auto chose tcp" in cond["message"]) is fallback
@@ -898,15 +895,15 @@ def test_lb_port_override_only_when_allowed() -> None:
 
 
 def step(
-    state: dict[str, Any] | None, t: float, load: dict[str, Any] | None, **kw: Any
+    state: dict[str, Any] | None, t: float, load: LoadDocument | None, **kw: Any
 ) -> DrainStep:
     args: dict[str, Any] = {"pod_may_hold_streams": True, "timeout_s": 600, "check_interval_s": 5}
     args.update(kw)
     return drain_step(state, now=T0 + timedelta(seconds=t), load=load, **args)
 
 
-EMPTY = {"empty": True, "streams_in_flight": 0}
-BUSY = {"empty": False, "streams_in_flight": 3}
+EMPTY = read_load_document(fake_load_document("u0", empty=True, streams_in_flight=0))
+BUSY = read_load_document(fake_load_document("u0", empty=False, streams_in_flight=3))
 
 
 def test_drain_deletes_only_after_two_empty_checks_apart() -> None:
