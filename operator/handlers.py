@@ -234,6 +234,9 @@ async def _ensure_pod(
 ) -> dict[str, Any] | None:
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if pod is None:
+        claims = pod_.desired_claim_template(unit)  # gpuAllocation dra: the pod's claim needs it first
+        if claims is not None:
+            await ctx.kube.create_claim_template(ns, claims)
         pod = await ctx.kube.create_pod(ns, pod_.desired_pod(unit, ctx.cfg.unit_image_pull_secrets))
         _info(body, reason="PodCreated", message=f"created pod {name}")
         logger.info("pod created", extra={"unit": name})

@@ -5,6 +5,7 @@ the pure modules see exactly what the API serves. Owns the API client's
 lifetime. Never decides anything: callers (handlers.py) decide, this module executes.
 Every method the operator uses is here, which is also the RBAC it needs:
 pods get/create/patch/delete; secrets get/create (each unit's own Secret, by name);
+resourceclaimtemplates create (a gpuAllocation dra unit's own, by name);
 pdunits list/create/patch/delete, pdunits/status patch; pdunitsets/status patch;
 the leader-election Lease get/create/update (events are posted by kopf).
 """
@@ -43,6 +44,7 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.coordination = client.CoordinationV1Api(api)
+        self.resource = client.ResourceV1Api(api)
 
     @classmethod
     async def connect(cls) -> Kube:
@@ -167,6 +169,17 @@ class Kube:
         """Create; None when one of that name already exists (read it again)."""
         try:
             resp = self.core.create_namespaced_secret(namespace, cast(Any, secret), _preload_content=False)
+            return await self._json(resp)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    async def create_claim_template(self, namespace: str, template: dict[str, Any]) -> dict[str, Any] | None:
+        """Create a ResourceClaimTemplate; None when one of that name already exists."""
+        try:
+            resp = self.resource.create_namespaced_resource_claim_template(
+                namespace, cast(Any, template), _preload_content=False)
             return await self._json(resp)
         except ApiException as exc:
             if exc.status == 409:

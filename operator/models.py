@@ -198,8 +198,12 @@ KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-pr
 # What the operator owns in the pod: its volumes (sockets, scratch, shared memory, the
 # unit's Secret, the voice store) and the paths they are mounted at. Refused by name.
 VOICES_MOUNT_PATH = "/var/lib/pdunit/voices"
-OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token")
-OPERATOR_MOUNT_PATHS: tuple[str, ...] = (RUN_DIR, "/tmp", "/dev/shm", SECRETS_DIR, VOICES_MOUNT_PATH)
+# proxyDeviceAccess volumeMounts: the NVIDIA container runtime reads the GPUs a container
+# gets from the mounts under this folder (`all`: every GPU of the node).
+NVIDIA_DEVICES_DIR = "/var/run/nvidia-container-devices"
+OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token", "nvidia-all-gpus")
+OPERATOR_MOUNT_PATHS: tuple[str, ...] = (RUN_DIR, "/tmp", "/dev/shm", SECRETS_DIR, VOICES_MOUNT_PATH,
+                                         NVIDIA_DEVICES_DIR)
 # Labels the router, the scaler and the chart select unit pods on.
 OPERATOR_LABEL_KEYS: tuple[str, ...] = (LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY)
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -325,6 +329,22 @@ class VoiceStore(_Api):
 
 
 Qos = Literal["Burstable", "Guaranteed"]
+GpuAllocation = Literal["devicePlugin", "dra"]
+ProxyDeviceAccess = Literal["envVar", "volumeMounts"]
+_QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-_.A-Za-z0-9]*[A-Za-z0-9])?$"
+
+
+class DraSettings(_Api):
+    """gpuAllocation dra: the unit's ResourceClaimTemplate (resource.k8s.io/v1)."""
+
+    device_class_name: str = Field(
+        default="gpu.nvidia.com", max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="DeviceClass of each GPU request (the NVIDIA DRA driver's: gpu.nvidia.com).")
+    nvlink_domain_attribute: str | None = Field(
+        default=None, max_length=128, pattern=_QUALIFIED_NAME,
+        description="Fully qualified device attribute whose value all the unit's GPUs must share "
+        "(a matchAttribute constraint): the NVLink domain as the node's DRA driver publishes it. Unset: "
+        "no constraint beyond one node (every GPU of an NVSwitch node shares one NVLink domain).")
 
 
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
@@ -357,6 +377,23 @@ class PDUnitSpec(_Api):
                     "message": "device cpu needs transfer host or tcp (the other modes move "
                     "GPU memory)",
                     "fieldPath": ".transfer",
+                },
+                {
+                    "rule": "!has(self.gpuAllocation) || self.gpuAllocation != 'dra' || self.device == 'cuda'",
+                    "message": "gpuAllocation dra needs device cuda (a cpu unit claims no GPU)",
+                    "fieldPath": ".gpuAllocation",
+                },
+                {
+                    "rule": "!has(self.proxyDeviceAccess) || !has(self.gpuAllocation) || "
+                    "self.gpuAllocation != 'dra'",
+                    "message": "proxyDeviceAccess is for gpuAllocation devicePlugin: with dra the proxy "
+                    "holds the unit's claim",
+                    "fieldPath": ".proxyDeviceAccess",
+                },
+                {
+                    "rule": "!has(self.dra) || (has(self.gpuAllocation) && self.gpuAllocation == 'dra')",
+                    "message": "dra settings need gpuAllocation dra",
+                    "fieldPath": ".dra",
                 },
                 {
                     "rule": "self.adminPort != self.lbPort",
@@ -509,6 +546,29 @@ class PDUnitSpec(_Api):
         description="Burstable (unset): every container requests CPU and memory (defaults where "
         "spec.resources gives none). Guaranteed: each container's CPU and memory limits equal its requests.")
     voices: VoiceStore | None = None
+    gpu_allocation: GpuAllocation | None = Field(
+        default=None,
+        description="devicePlugin (unset): prefill and each decode request one gpuResource. dra: one "
+        "ResourceClaimTemplate <unit>-gpus with one request per engine, the proxy holding them all "
+        "(Kubernetes >= 1.34, a DRA driver; docs/operator.md).")
+    proxy_device_access: ProxyDeviceAccess | None = Field(
+        default=None,
+        description="devicePlugin only: how the nvlink proxy (no GPU request) sees the node's GPUs: "
+        "envVar (unset: NVIDIA_VISIBLE_DEVICES=all) or volumeMounts (a mount at "
+        f"{NVIDIA_DEVICES_DIR}/all).")
+    dra: DraSettings | None = None
+
+    @model_validator(mode="after")
+    def _gpu_allocation_fits(self) -> PDUnitSpec:
+        if self.gpu_allocation == "dra":
+            if self.device != "cuda":
+                raise ValueError("gpuAllocation dra needs device cuda (a cpu unit claims no GPU)")
+            if self.proxy_device_access is not None:
+                raise ValueError("proxyDeviceAccess is for gpuAllocation devicePlugin: with dra the proxy "
+                                 "holds the unit's claim; remove it")
+        elif self.dra is not None:
+            raise ValueError("dra settings need gpuAllocation dra: set it or remove dra")
+        return self
 
     @model_validator(mode="after")
     def _mounts_name_volumes(self) -> PDUnitSpec:

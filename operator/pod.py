@@ -1,8 +1,9 @@
 """The desired pod of one PDUnit and its Secret, as plain dicts the Kubernetes API takes.
 
 Owns `desired_pod` (containers lb, prefill, decode or decode-<i>, native sidecars
-nvlink-proxy and quiesce-guard; env, mounts, resources, probes, the preStop drain hook),
-`desired_secret` and how the operator reaches a pod's LB (`lb_port`, `admin_port`). The
+nvlink-proxy and quiesce-guard; env, mounts, resources, probes, the preStop drain hook,
+the spec's overrides merged in), `desired_secret`, `desired_claim_template` (gpuAllocation
+dra) and how the operator reaches a pod's LB (`lb_port`, `admin_port`). The
 commands come from engine/unit_layout.py, the one place `pdunit local` builds them too.
 Must never draw a secret value (the caller does), never do I/O, never give an engine
 container more or less than one GPU.
@@ -149,10 +150,12 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
         {"name": "PDUNIT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PDUNIT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    if role == "proxy":
+    if role == "proxy" and not uses_dra(spec):
         # No GPU is requested, yet the proxy must see every GPU to open P's and D's
-        # memory in one context (NVIDIA container runtime honours this env variable).
-        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+        # memory in one context: the NVIDIA container runtime honours this env variable,
+        # or (proxyDeviceAccess volumeMounts) a mount under NVIDIA_DEVICES_DIR (_mounts).
+        if spec.get("proxyDeviceAccess", "envVar") == "envVar":
+            env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
         env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
     # User env last: it may override ours on purpose (e.g. HOME), never the reverse.
     seen = {e["name"]: i for i, e in enumerate(env)}
@@ -180,6 +183,9 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
     if key:
         folder = _SECRET_FILE[key].rsplit("/", 1)[0]
         mounts.append({"name": key, "mountPath": folder, "readOnly": True})
+    if role == "proxy" and _proxy_mounts_devices(spec):
+        mounts.append({"name": NVIDIA_ALL_GPUS_VOLUME, "mountPath": f"{m.NVIDIA_DEVICES_DIR}/all",
+                       "readOnly": True})
     voices = spec.get("voices")
     if voices and role == "lb":
         mounts.append({"name": voices["volume"], "mountPath": m.VOICES_MOUNT_PATH,
@@ -187,6 +193,60 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
     # The user's mounts after ours (the models refuse names and paths of ours).
     mounts.extend(dict(x) for x in (spec.get("volumeMounts") or {}).get(role) or [])
     return mounts
+
+
+NVIDIA_ALL_GPUS_VOLUME = "nvidia-all-gpus"
+# The pod's claim of the unit's GPUs (gpuAllocation dra) and its template's requests: one
+# per engine container, named as the container; the proxy holds the whole claim.
+GPU_CLAIM = "gpus"
+
+
+def uses_dra(spec: dict[str, Any]) -> bool:
+    return spec.get("gpuAllocation") == "dra"
+
+
+def _proxy_mounts_devices(spec: dict[str, Any]) -> bool:
+    return not uses_dra(spec) and spec.get("proxyDeviceAccess") == "volumeMounts"
+
+
+def claim_template_name(unit_name: str) -> str:
+    """The name of a unit's ResourceClaimTemplate (gpuAllocation dra)."""
+    return f"{unit_name}-gpus"
+
+
+def _engine_names(spec: dict[str, Any]) -> list[str]:
+    return [container_name("prefill"), *(container_name(p) for p in decode_names(int(spec.get("decoders", 1))))]
+
+
+def desired_claim_template(unit: dict[str, Any]) -> dict[str, Any] | None:
+    """The ResourceClaimTemplate (resource.k8s.io/v1) of a gpuAllocation dra unit, None for
+    any other: one request of exactly one GPU per engine container (named as it), all of
+    them constrained to one value of spec.dra.nvlinkDomainAttribute when it is set. The
+    kubelet's claim is made from it per pod and goes with the pod; the template goes with
+    the unit (ownerReference)."""
+    spec = unit_defaults(unit.get("spec") or {})
+    if not uses_dra(spec):
+        return None
+    dra = spec.get("dra") or m.DraSettings().model_dump(by_alias=True, exclude_none=True)
+    names = _engine_names(spec)
+    devices: dict[str, Any] = {"requests": [
+        {"name": n, "exactly": {"deviceClassName": dra["deviceClassName"], "allocationMode": "ExactCount",
+                                "count": 1}} for n in names]}
+    if dra.get("nvlinkDomainAttribute"):
+        devices["constraints"] = [{"requests": names, "matchAttribute": dra["nvlinkDomainAttribute"]}]
+    meta = metadata_of(unit)
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {
+            "name": claim_template_name(meta["name"]),
+            "namespace": meta.get("namespace"),
+            "labels": {m.LABEL_NAME: "pdunit", m.LABEL_COMPONENT: "unit-gpus",
+                       m.LABEL_MANAGED_BY: "pdunit-operator", m.LABEL_UNIT: meta["name"]},
+            "ownerReferences": [_owner(unit)],
+        },
+        "spec": {"spec": {"devices": devices}},
+    }
 
 
 def secret_name(unit_name: str) -> str:
@@ -314,7 +374,7 @@ def _container(
         "command": command,
         "env": _env(unit_name, spec, role),
         "resources": _resources(
-            spec, role, gpu=role in ("prefill", "decode") and spec["device"] == "cuda"
+            spec, role, gpu=role in ("prefill", "decode") and spec["device"] == "cuda" and not uses_dra(spec)
         ),
         "volumeMounts": _mounts(spec, role),
         "securityContext": _container_security(),
@@ -440,6 +500,15 @@ def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) ->
             *(dict(v) for v in spec.get("volumes") or []),
         ],
     }
+    if _proxy_mounts_devices(spec) and layout.runs_proxy:
+        pod_spec["volumes"].append({"name": NVIDIA_ALL_GPUS_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}})
+    if uses_dra(spec):
+        pod_spec["resourceClaims"] = [{"name": GPU_CLAIM, "resourceClaimTemplateName": claim_template_name(name)}]
+        for c in [*containers, *sidecars]:
+            if c["name"] in _engine_names(spec):
+                c["resources"]["claims"] = [{"name": GPU_CLAIM, "request": c["name"]}]
+            elif c["name"] == container_name("proxy"):
+                c["resources"]["claims"] = [{"name": GPU_CLAIM}]  # every request: the unit's GPUs
     pull = list(dict.fromkeys([*image_pull_secrets, *(s["name"] for s in spec.get("imagePullSecrets") or [])]))
     if pull:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in pull]

@@ -359,6 +359,7 @@ OPERATOR_APP_RULES = {
     ("", "secrets", "get"),
     ("", "secrets", "create"),
     ("", "events", "create"),
+    ("resource.k8s.io", "resourceclaimtemplates", "create"),  # a dra unit's own
 }
 
 

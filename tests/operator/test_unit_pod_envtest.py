@@ -81,3 +81,29 @@ def test_the_crd_refuses_the_operators_volume_and_mount_names(
     bad_label = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False, input=unit(
         "bad-label", podMetadata={"labels": {"app.kubernetes.io/component": "x"}}))
     assert bad_label.returncode != 0 and "spec.podMetadata.labels" in bad_label.stderr
+
+
+def test_a_dra_unit_gets_its_claim_template_and_a_pod_whose_containers_reference_it(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    """resource.k8s.io/v1 is served by the v1.34 apiserver: the operator creates the
+    unit's ResourceClaimTemplate, then the pod whose engines each use one request of it
+    and whose proxy holds the whole claim; the apiserver accepts both."""
+    ns = namespace
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit(
+        "paired", device="cuda", transfer="proxy", decoders=2, gpuAllocation="dra",
+        dra={"nvlinkDomainAttribute": "gpu.nvidia.com/nvlinkDomain"}))
+    template = wait_for(
+        lambda: api.get(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates/paired-gpus"),
+        30, "ResourceClaimTemplate paired-gpus", describe=lambda: (get_unit(api, ns, "paired") or {}).get("status"))
+    owner = template["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("PDUnit", "paired")
+    devices = template["spec"]["spec"]["devices"]
+    assert [r["name"] for r in devices["requests"]] == ["prefill", "decode-0", "decode-1"]
+    assert devices["constraints"][0]["matchAttribute"] == "gpu.nvidia.com/nvlinkDomain"
+    pod = wait_for(lambda: get_pod(api, ns, "paired"), 30, "pod paired")
+    assert pod["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "paired-gpus"}]
+    cs = {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
+    assert [cs[n]["resources"]["claims"] for n in ("prefill", "decode-0", "decode-1")] == [
+        [{"name": "gpus", "request": n}] for n in ("prefill", "decode-0", "decode-1")]
+    assert cs["nvlink-proxy"]["resources"]["claims"] == [{"name": "gpus"}]
