@@ -33,6 +33,7 @@ import httpx
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pdunit.engine.edge import is_loopback
+from pdunit.engine.lb.load import LoadDocument, LoadDocumentError, read_load_document
 from pdunit.engine.observability import PARENT_ENV, LogLevel, log_config, setup_logging
 from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
@@ -454,16 +455,18 @@ class LocalUnit:
             if r.status_code != 200:
                 self.why_not = f"/readyz answers {r.status_code}: {r.text[:300]}"
                 return False
-            doc = httpx.get(f"{self.url}/v1/load", timeout=max(timeout_s, 5.0)).json()
-        except (httpx.HTTPError, ValueError) as exc:
+            doc = read_load_document(httpx.get(f"{self.url}/v1/load", timeout=max(timeout_s, 5.0)).content)
+        except httpx.HTTPError as exc:
             self.why_not = f"{self.url}: {exc or type(exc).__name__}"
             return False
-        unit = doc.get("unit") if isinstance(doc, dict) else None
-        if unit != self.unit_name:
-            self.why_not = (f"{self.url} answers as unit {unit!r}, not as this unit's LB ({self.unit_name}): "
+        except LoadDocumentError as exc:  # our LB always answers one: this is not it
+            self.why_not = f"{self.url}/v1/load: {exc}: another process holds port {self.lb_port}"
+            return False
+        if doc.unit != self.unit_name:
+            self.why_not = (f"{self.url} answers as unit {doc.unit!r}, not as this unit's LB ({self.unit_name}): "
                             f"another process holds port {self.lb_port}")
             return False
-        self.lb_instance = str(doc.get("lb_instance") or "")
+        self.lb_instance = doc.lb_instance
         return True
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -620,7 +623,7 @@ def _run_interruptibly(unit: LocalUnit, work: Callable[[LocalUnit], dict]) -> di
     return out["result"]
 
 
-def print_short_load(unit: LocalUnit, result: dict[str, Any], load: dict[str, Any]) -> int:
+def print_short_load(unit: LocalUnit, result: dict[str, Any], load: LoadDocument) -> int:
     """The short load's report for a person: the stream table, what its pass column
     judges, the KV counters and the verdict; returns the exit code (1: a stream failed or a
     KV check mismatched; the pass column's capacity criteria do not decide it)."""
@@ -638,9 +641,9 @@ def print_short_load(unit: LocalUnit, result: dict[str, Any], load: dict[str, An
     if unit.on_cpu:
         print("      this unit runs on the CPU, where they are not expected to hold (pass False is no fault); "
               "here the run checks that every stream completes and every KV check matches")
-    checks, mismatches = load.get("kv_checks_total"), load.get("kv_mismatch_total")
-    print(f"KV checks: {checks}  mismatches: {mismatches}  held pages: {load.get('held_pages')}  "
-          f"transfer: {load.get('transfer_mode')}")
+    checks, mismatches = load.kv_checks_total, load.kv_mismatch_total
+    print(f"KV checks: {checks}  mismatches: {mismatches}  held pages: {load.held_pages}  "
+          f"transfer: {load.transfer_mode}")
     streams = sum(r.get("streams", 0) for r in result["rows"])
     errors = sum(r.get("errors", 0) for r in result["rows"])
     if errors or mismatches:
@@ -697,7 +700,7 @@ def main(argv: list[str]) -> int:
             result = _run_interruptibly(unit, run_short_load)
             if result is None:
                 return 0
-            load = httpx.get(f"{unit.url}/v1/load", timeout=5).json()
+            load = read_load_document(httpx.get(f"{unit.url}/v1/load", timeout=5).content)
             return print_short_load(unit, result, load)
         print("Ctrl-C stops the unit" + (" (a child that exits is restarted)." if cfg.restart else
                                          "; so does any child's exit (--no-restart)."), flush=True)

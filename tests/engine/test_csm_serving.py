@@ -27,6 +27,7 @@ from pdunit.engine.decode.batcher import (
 from pdunit.engine.decode.overlap import OverlapScheduler
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.lb.load import LoadDocument
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
@@ -221,7 +222,7 @@ def stream(url: str, prompt: list[list[int]], **params: Any) -> tuple[list[list[
     return unit_stream(url, prompt, **params)
 
 
-def load(url: str) -> dict:
+def load(url: str) -> LoadDocument:
     from tests.engine.unit_client import load as unit_load
 
     return unit_load(url)
@@ -255,7 +256,7 @@ def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate
             assert last.get("done"), last
             assert np.array_equal(frames[:, :K], ref) and (frames[:, K] == AUDIO_TOKEN).all()
     info = load(csm_units[0].url)
-    assert info["kv_checks_total"] >= len(PROMPTS) and info["kv_mismatch_total"] == 0
+    assert info.kv_checks_total >= len(PROMPTS) and info.kv_mismatch_total == 0
 
 
 def test_seeded_sampling_gives_the_same_frames_in_pd_and_the_monoliths(csm_units: Any) -> None:

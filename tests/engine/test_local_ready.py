@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from pdunit.bench.scaler_bench import fake_load_document
 from pdunit.engine.local import LocalConfig, LocalUnit
 
 
@@ -22,6 +23,7 @@ class FakeLB:
 
     def __init__(self, unit: str) -> None:
         self.unit = unit
+        self.partial = False  # answer /v1/load with a document that is not a LoadDocument
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -29,7 +31,7 @@ class FakeLB:
                 if self.path == "/readyz":
                     body = {"ready": True, "reason": ""}
                 elif self.path == "/v1/load":
-                    body = {"unit": fake.unit, "ready": True, "lb_instance": "f" * 32}
+                    body = fake_load_document(fake.unit, lb_instance="f" * 32, empty=None if fake.partial else True)
                 else:
                     self.send_error(404)
                     return
@@ -66,6 +68,15 @@ def test_a_ready_stranger_on_the_lb_port_is_not_this_units_lb(stranger, tmp_path
     assert "answers as unit 'someone-else'" in unit.why_not and unit.unit_name in unit.why_not
     with pytest.raises(TimeoutError, match=f"another process holds port {stranger.port}"):
         unit.wait_ready(timeout_s=3.0)
+    assert unit.lb_instance == ""
+
+
+def test_a_stranger_whose_load_is_no_load_document_is_not_this_units_lb(stranger, tmp_path):
+    unit = LocalUnit(LocalConfig(lb_port=stranger.port, run_dir=str(tmp_path), guard=False))
+    stranger.unit, stranger.partial = unit.unit_name, True  # even naming this unit
+    assert not unit.answers_ready()
+    assert "field empty is missing" in unit.why_not
+    assert f"another process holds port {stranger.port}" in unit.why_not
     assert unit.lb_instance == ""
 
 

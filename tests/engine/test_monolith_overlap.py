@@ -242,7 +242,7 @@ def test_an_overlapped_budget_monolith_unit_streams_the_plain_monoliths_frames(t
     with LocalUnit(budget) as unit:
         before = load(unit.url)
         got = run_all(unit.url)
-        wait_for(lambda: load(unit.url)["free_pages"] == before["free_pages"], what="every page back in the pool")
+        wait_for(lambda: load(unit.url).free_pages == before.free_pages, what="every page back in the pool")
         ready = [json.loads(line) for line in (tmp_path / "run" / "logs" / "monolith.log").read_text().splitlines()
                  if '"monolith ready"' in line]
     assert ready and ready[0]["policy"] == "budget" and ready[0]["overlap"] is True, ready

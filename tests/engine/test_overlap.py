@@ -261,7 +261,7 @@ def test_pd_unit_with_overlap_streams_the_plain_loops_frames_and_frees_everythin
         for i, (frames, last) in enumerate(got):
             assert last.get("done"), last
             assert frames == expected.frames[i], f"request {i}"
-        wait_for(lambda: load(unit.url)["free_pages"] == before["free_pages"], what="every page back in D's pool")
+        wait_for(lambda: load(unit.url).free_pages == before.free_pages, what="every page back in D's pool")
 
 
 @pytest.mark.gpu

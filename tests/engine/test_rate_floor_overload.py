@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from pdunit.bench.capacity import run_capacity
+from pdunit.engine.lb.load import LoadDocument
 from pdunit.engine.local import LocalConfig, LocalUnit
 from tests.engine.unit_client import load, wait_empty
 
@@ -61,7 +62,7 @@ def met_floor(row: dict[str, Any]) -> bool:
                 and row["passed"])
 
 
-def empty(url: str) -> dict[str, Any]:
+def empty(url: str) -> LoadDocument:
     wait_empty(url, timeout=60, what="the unit empty")
     return load(url)
 
@@ -115,7 +116,7 @@ def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(w
         print(f"refusals answered in {row['refusal_p99_ms']:.0f} ms at p99", flush=True)
         # nothing held once the streams ended, and the unit admits again
         doc = empty(unit.url)
-        assert doc["held_pages"] == 0 and doc["headroom_streams"] > 0, doc
+        assert doc.held_pages == 0 and doc.headroom_streams > 0, doc
     # goodput: refusing beats letting everyone in, at the same overload
     assert row["goodput_fps"] > over_goodput, (row["goodput_fps"], over_goodput)
     # against the best fixed concurrency that kept the floor: reported, not judged (see the module docstring)

@@ -105,4 +105,4 @@ def test_a_forged_begin_during_a_live_stream_changes_nothing(tcp_unit):
     assert delta('pdunit_security_events_total{what="tcp_auth_failed"}') >= attempts // 2
     assert delta('pdunit_security_events_total{what="tcp_write_refused"}') >= attempts // 2
     info = load(tcp_unit.url)
-    assert info["kv_mismatch_total"] == 0 and info["transfer_mode"] == "tcp"
+    assert info.kv_mismatch_total == 0 and info.transfer_mode == "tcp"

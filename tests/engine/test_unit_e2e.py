@@ -89,9 +89,9 @@ def test_a_wrapped_child_runs_its_command_through_the_wrapper(pd_unit):
 def test_every_pd_transfer_was_checked(pd_unit):
     stream(pd_unit.url, random_prompt(50, seed=99), max_frames=4, min_frames=4)
     info = load(pd_unit.url)
-    assert info["kv_checks_total"] >= 1
-    assert info["kv_mismatch_total"] == 0
-    assert info["transfer_mode"] == "host"
+    assert info.kv_checks_total >= 1
+    assert info.kv_mismatch_total == 0
+    assert info.transfer_mode == "host"
 
 
 def test_reused_voice_hits_prefix_cache(pd_unit):
@@ -126,7 +126,7 @@ def test_monolith_reused_voice_hits_its_prefix_cache_with_pd_frames(which, pd_un
     assert again_frames == first_frames
     assert other_frames == stream(pd_unit.url, voice + random_prompt(30, seed=54), **params)[0]
     # every page went back once the streams ended (a cache hit's pages too)
-    wait_for(lambda: load(unit.url)["free_pages"] == load(unit.url)["pool_pages"], what="the pool whole again")
+    wait_for(lambda: load(unit.url).free_pages == load(unit.url).pool_pages, what="the pool whole again")
 
 
 def test_disconnecting_client_frees_its_pages(pd_unit):
@@ -136,13 +136,13 @@ def test_disconnecting_client_frees_its_pages(pd_unit):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        wait_for(lambda: load(pd_unit.url)["decode_in_flight"] >= 1, what="the stream decoding in D")
-    wait_for(lambda: load(pd_unit.url)["decode_in_flight"] == 0, what="stream cancelled in D")
+        wait_for(lambda: load(pd_unit.url).decode_in_flight >= 1, what="the stream decoding in D")
+    wait_for(lambda: load(pd_unit.url).decode_in_flight == 0, what="stream cancelled in D")
     # Every page, not "as many as before": an earlier test's stream may still have been
     # returning its pages when this one started.
-    after = wait_for(lambda: (lambda x: x if x["free_pages"] == x["pool_pages"] else None)(load(pd_unit.url)),
+    after = wait_for(lambda: (lambda x: x if x.free_pages == x.pool_pages else None)(load(pd_unit.url)),
                      what="every page of D's pool back in the free list")
-    assert after["held_pages"] == 0
+    assert after.held_pages == 0
 
 
 def _children(pid: int) -> list[int]:
@@ -222,8 +222,8 @@ def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, mon
     for (frames, last), (mono_frames, _) in zip(got, want, strict=True):
         assert last.get("done"), last
         assert frames == mono_frames
-    assert info["transfer_mode"] == transfer
-    assert info["kv_checks_total"] == 2 and info["kv_mismatch_total"] == 0
+    assert info.transfer_mode == transfer
+    assert info.kv_checks_total == 2 and info.kv_mismatch_total == 0
 
 
 def test_fp8_prefill_gemms_reach_p_and_the_monolith_and_keep_pd_equal_to_it(pd_unit):
@@ -256,14 +256,14 @@ def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit):
     for transfer in ("tcp", "proxy"):
         with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **fp8)) as unit:
             others[transfer] = [stream(unit.url, p, **params) for p, params in REQUESTS[:2]]
-            assert load(unit.url)["kv_mismatch_total"] == 0
+            assert load(unit.url).kv_mismatch_total == 0
     full = run_all(pd_unit.url)
     for (frames, last), (mono_frames, mono_last), (chunk_frames, _) in zip(got, want, chunked, strict=True):
         assert last.get("done") and mono_last.get("done"), (last, mono_last)
         assert frames == mono_frames == chunk_frames
     for transfer, frames in others.items():
         assert [f for f, _ in frames] == [f for f, _ in got[:2]], transfer
-    assert info["kv_checks_total"] == len(REQUESTS) and info["kv_mismatch_total"] == 0
+    assert info.kv_checks_total == len(REQUESTS) and info.kv_mismatch_total == 0
     assert [f for f, _ in got] != [f for f, _ in full]
 
 

@@ -8,6 +8,7 @@ import httpx
 import numpy as np
 
 from pdunit.bench.fault_unit import wait_until
+from pdunit.engine.lb.load import LoadDocument, read_load_document
 
 
 def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> list[list[int]]:
@@ -35,15 +36,16 @@ def stream(url: str, prompt: list[list[int]], timeout: float = 120.0, **params) 
     return frames, last
 
 
-def load(url: str) -> dict:
-    return httpx.get(f"{url}/v1/load", timeout=5.0).json()
+def load(url: str) -> LoadDocument:
+    """The unit's /v1/load, parsed strictly: a field missing or of a wrong type fails the test."""
+    return read_load_document(httpx.get(f"{url}/v1/load", timeout=5.0).content)
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
     return wait_until(predicate, timeout, what, interval)
 
 
-def wait_empty(url: str, timeout: float = 20.0, what: str = "an empty unit") -> dict:
+def wait_empty(url: str, timeout: float = 20.0, what: str = "an empty unit") -> LoadDocument:
     """The unit's /v1/load once it reports empty: a stream's last frame reaches the client
     before D, P and the proxy have released it, so one read right after can still see it."""
-    return wait_for(lambda: (lambda d: d if d["empty"] else None)(load(url)), timeout=timeout, what=what)
+    return wait_for(lambda: (lambda d: d if d.empty else None)(load(url)), timeout=timeout, what=what)
