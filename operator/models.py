@@ -549,7 +549,7 @@ class PDUnitSpec(_Api):
     gpu_allocation: GpuAllocation | None = Field(
         default=None,
         description="devicePlugin (unset): prefill and each decode request one gpuResource. dra: one "
-        "ResourceClaimTemplate <unit>-gpus with one request per engine, the proxy holding them all "
+        "ResourceClaimTemplate <unit>-gpus-<hash> with one request per engine, the proxy holding them all "
         "(Kubernetes >= 1.34, a DRA driver; docs/operator.md).")
     proxy_device_access: ProxyDeviceAccess | None = Field(
         default=None,

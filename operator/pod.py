@@ -12,6 +12,8 @@ container more or less than one GPU.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,9 +211,12 @@ def _proxy_mounts_devices(spec: dict[str, Any]) -> bool:
     return not uses_dra(spec) and spec.get("proxyDeviceAccess") == "volumeMounts"
 
 
-def claim_template_name(unit_name: str) -> str:
-    """The name of a unit's ResourceClaimTemplate (gpuAllocation dra)."""
-    return f"{unit_name}-gpus"
+def claim_template_name(unit_name: str, devices: dict[str, Any]) -> str:
+    """The name of a unit's ResourceClaimTemplate (gpuAllocation dra): the unit's name and
+    a hash of what it asks for. Templates are immutable, so a spec that asks for other
+    GPUs (more decoders, another class) gets a template of its own for its next pod."""
+    digest = hashlib.sha256(json.dumps(devices, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{unit_name}-gpus-{digest}"
 
 
 def _engine_names(spec: dict[str, Any]) -> list[str]:
@@ -239,7 +244,7 @@ def desired_claim_template(unit: dict[str, Any]) -> dict[str, Any] | None:
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
         "metadata": {
-            "name": claim_template_name(meta["name"]),
+            "name": claim_template_name(meta["name"], devices),
             "namespace": meta.get("namespace"),
             "labels": {m.LABEL_NAME: "pdunit", m.LABEL_COMPONENT: "unit-gpus",
                        m.LABEL_MANAGED_BY: "pdunit-operator", m.LABEL_UNIT: meta["name"]},
@@ -503,7 +508,9 @@ def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) ->
     if _proxy_mounts_devices(spec) and layout.runs_proxy:
         pod_spec["volumes"].append({"name": NVIDIA_ALL_GPUS_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}})
     if uses_dra(spec):
-        pod_spec["resourceClaims"] = [{"name": GPU_CLAIM, "resourceClaimTemplateName": claim_template_name(name)}]
+        template = desired_claim_template(unit)
+        assert template is not None  # uses_dra
+        pod_spec["resourceClaims"] = [{"name": GPU_CLAIM, "resourceClaimTemplateName": template["metadata"]["name"]}]
         for c in [*containers, *sidecars]:
             if c["name"] in _engine_names(spec):
                 c["resources"]["claims"] = [{"name": GPU_CLAIM, "request": c["name"]}]

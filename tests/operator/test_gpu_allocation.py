@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdunit.operator import models as m
-from pdunit.operator.pod import GPU_CLAIM, claim_template_name, desired_claim_template, desired_pod
+from pdunit.operator.pod import GPU_CLAIM, desired_claim_template, desired_pod
 from tests.operator.test_reconcile import a_unit, containers, env_of
 
 NVLINK = "gpu.nvidia.com/nvlinkDomain"
@@ -25,7 +25,7 @@ def dra_unit(**spec: Any) -> dict[str, Any]:
 def test_dra_claim_template_asks_one_gpu_per_engine_sharing_the_nvlink_domain() -> None:
     template = desired_claim_template(dra_unit(decoders=2, dra={"nvlinkDomainAttribute": NVLINK}))
     assert template is not None
-    assert template["apiVersion"] == "resource.k8s.io/v1" and template["metadata"]["name"] == "u1-gpus"
+    assert template["apiVersion"] == "resource.k8s.io/v1" and template["metadata"]["name"].startswith("u1-gpus-")
     assert template["metadata"]["ownerReferences"][0]["uid"] == "uid-u1"
     devices = template["spec"]["spec"]["devices"]
     assert [r["name"] for r in devices["requests"]] == ["prefill", "decode-0", "decode-1"]
@@ -43,6 +43,17 @@ def test_dra_without_an_nvlink_attribute_has_no_constraint_and_takes_the_device_
     kubernetes_validate.validate(template, "1.34.0", strict=True)
 
 
+def test_a_unit_asking_for_other_gpus_gets_a_template_of_another_name() -> None:
+    names = set()
+    for spec in ({}, {"decoders": 2}, {"dra": {"deviceClassName": "gpu.example.com"}}):
+        template = desired_claim_template(dra_unit(**spec))
+        assert template is not None
+        names.add(template["metadata"]["name"])
+    assert len(names) == 3
+    again = desired_claim_template(dra_unit())
+    assert again is not None and again["metadata"]["name"] in names  # stable for one spec
+
+
 def test_device_plugin_units_have_no_claim_template() -> None:
     assert desired_claim_template(a_unit()) is None
     assert desired_claim_template(a_unit(gpuAllocation="devicePlugin")) is None
@@ -50,7 +61,10 @@ def test_device_plugin_units_have_no_claim_template() -> None:
 
 def test_dra_pod_gives_each_engine_its_request_and_the_proxy_the_whole_claim() -> None:
     pod = desired_pod(dra_unit(decoders=2, dra={"nvlinkDomainAttribute": NVLINK}))
-    assert pod["spec"]["resourceClaims"] == [{"name": GPU_CLAIM, "resourceClaimTemplateName": claim_template_name("u1")}]
+    template = desired_claim_template(dra_unit(decoders=2, dra={"nvlinkDomainAttribute": NVLINK}))
+    assert template is not None
+    assert pod["spec"]["resourceClaims"] == [
+        {"name": GPU_CLAIM, "resourceClaimTemplateName": template["metadata"]["name"]}]
     cs = containers(pod)
     for name in ("prefill", "decode-0", "decode-1"):
         assert cs[name]["resources"]["claims"] == [{"name": GPU_CLAIM, "request": name}]

@@ -93,16 +93,18 @@ def test_a_dra_unit_gets_its_claim_template_and_a_pod_whose_containers_reference
     control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit(
         "paired", device="cuda", transfer="proxy", decoders=2, gpuAllocation="dra",
         dra={"nvlinkDomainAttribute": "gpu.nvidia.com/nvlinkDomain"}))
-    template = wait_for(
-        lambda: api.get(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates/paired-gpus"),
-        30, "ResourceClaimTemplate paired-gpus", describe=lambda: (get_unit(api, ns, "paired") or {}).get("status"))
+    (template,) = wait_for(
+        lambda: api.items(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates", "pdunit.dev/unit=paired"),
+        30, "the ResourceClaimTemplate of paired", describe=lambda: (get_unit(api, ns, "paired") or {}).get("status"))
+    name = template["metadata"]["name"]
+    assert name.startswith("paired-gpus-")
     owner = template["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("PDUnit", "paired")
     devices = template["spec"]["spec"]["devices"]
     assert [r["name"] for r in devices["requests"]] == ["prefill", "decode-0", "decode-1"]
     assert devices["constraints"][0]["matchAttribute"] == "gpu.nvidia.com/nvlinkDomain"
     pod = wait_for(lambda: get_pod(api, ns, "paired"), 30, "pod paired")
-    assert pod["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "paired-gpus"}]
+    assert pod["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": name}]
     cs = {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
     assert [cs[n]["resources"]["claims"] for n in ("prefill", "decode-0", "decode-1")] == [
         [{"name": "gpus", "request": n}] for n in ("prefill", "decode-0", "decode-1")]
