@@ -269,6 +269,16 @@ class VolumeMount(_Api):
     sub_path: str | None = Field(default=None, max_length=4096)
 
 
+class RoleEnv(_Api):
+    """Environment variables of one container role only (decode: every decode engine), after spec.env."""
+
+    lb: list[EnvVar] | None = Field(default=None, max_length=64)
+    prefill: list[EnvVar] | None = Field(default=None, max_length=64)
+    decode: list[EnvVar] | None = Field(default=None, max_length=64)
+    proxy: list[EnvVar] | None = Field(default=None, max_length=64)
+    guard: list[EnvVar] | None = Field(default=None, max_length=64)
+
+
 class RoleVolumeMounts(_Api):
     """Extra volume mounts per container role (decode: every decode engine)."""
 
@@ -541,6 +551,7 @@ class PDUnitSpec(_Api):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="core/v1 Volumes added to the pod (weights, voices, caches).")
     volume_mounts: RoleVolumeMounts | None = None
+    role_env: RoleEnv | None = None
     qos: Qos | None = Field(
         default=None,
         description="Burstable (unset): every container requests CPU and memory (defaults where "

@@ -161,11 +161,12 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
         env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
     # User env last: it may override ours on purpose (e.g. HOME), never the reverse.
     seen = {e["name"]: i for i, e in enumerate(env)}
-    for item in spec.get("env") or []:
+    for item in [*(spec.get("env") or []), *((spec.get("roleEnv") or {}).get(role) or [])]:
         entry = {k: item[k] for k in ("name", "value", "valueFrom") if item.get(k) is not None}
         if item["name"] in seen:
             env[seen[item["name"]]] = entry
         else:
+            seen[item["name"]] = len(env)
             env.append(entry)
     return env
 

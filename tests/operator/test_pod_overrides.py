@@ -71,6 +71,23 @@ def test_container_overrides_reach_their_role_only() -> None:
     assert cs["prefill"]["resources"]["requests"]["cpu"] == DEFAULT_REQUESTS["prefill"]["cpu"]
 
 
+def test_role_env_reaches_its_role_only_and_wins_over_spec_env() -> None:
+    cs = containers(desired_pod(a_unit(
+        decoders=2, env=[{"name": "A", "value": "all"}],
+        roleEnv={"decode": [{"name": "A", "value": "d"},
+                            {"name": "GPU", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory"}}}]})))
+    for name in ("decode-0", "decode-1"):
+        assert [e for e in cs[name]["env"] if e["name"] == "A"] == [{"name": "A", "value": "d"}]
+        assert any(e["name"] == "GPU" and "valueFrom" in e for e in cs[name]["env"])
+    assert [e for e in cs["prefill"]["env"] if e["name"] == "A"] == [{"name": "A", "value": "all"}]
+    assert all(e["name"] != "GPU" for e in cs["lb"]["env"])
+
+
+def test_role_env_refuses_fault_injection_naming_the_item() -> None:
+    msg = _refusal(roleEnv={"prefill": [{"name": "PDUNIT_FAULT_INJECTION", "value": "1"}]})
+    assert "spec.roleEnv.prefill.0.name" in msg
+
+
 def test_the_overridden_pod_validates_against_the_kubernetes_1_34_schema() -> None:
     kubernetes_validate.validate(desired_pod(overridden_unit(), ["chart-cred"]), "1.34.0", strict=True)
 
