@@ -542,7 +542,7 @@ class TTSModel(nn.Module):
     @torch.no_grad()
     def set_prefill_gemm(self, mode: str, min_rows: int = 0) -> None:
         """"bf16" or "fp8" for the GEMMs of forwards with prompt rows and at least
-        `min_rows` rows (the module docstring). "fp8" quantises every layer's weights
+        `min_rows` rows (the comment above). "fp8" quantises every layer's weights
         once (+1 byte per weight in memory) and raises ValueError, naming the reason,
         where the device cannot."""
         if mode not in GEMM_PRECISIONS:
@@ -560,7 +560,7 @@ class TTSModel(nn.Module):
     # included) follows the prefill rule.
     @torch.no_grad()
     def set_decode_gemm(self, mode: str) -> None:
-        """"bf16" or "fp8" for the GEMMs of decode-only forwards (the module docstring).
+        """"bf16" or "fp8" for the GEMMs of decode-only forwards (the comment above).
         Set it before decode graphs are captured: they record the GEMMs of the mode
         live at capture. "fp8" quantises the weights as set_prefill_gemm does (once,
         shared) and raises ValueError, naming the reason, where the device cannot."""

@@ -51,7 +51,7 @@ UNIT_HEADERS_FOR_CLIENT = frozenset({"x-pdunit-request-id"})
 NOT_TO_CLIENT = frozenset({"set-cookie", "content-length", "date", "server", "x-request-id"})
 BINARY_FRAMES = "application/x-pdunit-frames"
 # A unit's answers that prove it did not start the stream and that another unit may not
-# give: draining/unready, full, and P or D failing the start (see the module docstring).
+# give: draining/unready, full, and P or D failing the start.
 # The LB answers 200 only with the first frame, so any status it sends is before the
 # first byte; 502 is P or D failing the start, which another unit may not. A request
 # that reached a unit and then failed before any answer (read timeout, reset) is not
