@@ -26,7 +26,7 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 # Flags of other tools the docs show in their commands, and flags named as history.
 NOT_PDUNITS = {
     "--set": "helm", "--create-namespace": "helm", "--name": "kind / k3d", "--rm": "docker",
-    "--build-arg": "docker", "--no-deps": "pip",
+    "--build-arg": "docker", "--no-deps": "pip", "--validate": "kubectl",
     "--copy-": "the proxy's --copy-* family, named as a prefix",
     "--start-steps": "performance.md's tried-and-removed row: built, measured, removed",
 }
