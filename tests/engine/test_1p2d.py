@@ -40,7 +40,7 @@ def monolith_unit():
 
 
 def decoders(url: str) -> dict[str, dict]:
-    return {d["name"]: d for d in load(url)["decoders"]}
+    return {d.name: d.model_dump() for d in load(url).decoders}
 
 
 def run_all(url: str) -> list[tuple[list, dict]]:
@@ -56,9 +56,9 @@ def test_local_1p2d_starts_two_decoders_wired_to_one_prefill_and_the_lb(unit_1p2
     for who in ("prefill", "lb"):
         assert argv[who][argv[who].index("--decode-socket") + 1] == both
     doc = load(unit_1p2d.url)
-    assert doc["ready"] and doc["empty"]
-    assert [d["name"] for d in doc["decoders"]] == ["decode-0", "decode-1"]
-    assert doc["pool_pages"] == sum(d["pool_pages"] for d in doc["decoders"]) > 0
+    assert doc.ready and doc.empty
+    assert [d.name for d in doc.decoders] == ["decode-0", "decode-1"]
+    assert doc.pool_pages == sum(d.pool_pages for d in doc.decoders) > 0
 
 
 def test_1p2d_frames_identical_to_monolith_and_both_decoders_stream(unit_1p2d, monolith_unit):
@@ -82,7 +82,7 @@ def test_1p2d_frames_identical_to_monolith_and_both_decoders_stream(unit_1p2d, m
 
 def test_disconnecting_client_frees_its_pages_in_the_decoder_that_held_it(unit_1p2d):
     before = wait_empty(unit_1p2d.url, what="an empty unit")
-    free_before = {d["name"]: d["free_pages"] for d in before["decoders"]}
+    free_before = {d.name: d.free_pages for d in before.decoders}
     body = {"prompt": random_prompt(100, seed=5), "max_frames": 1500, "min_frames": 1500}
     with httpx.stream("POST", f"{unit_1p2d.url}/v1/tts/stream", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -134,10 +134,10 @@ def test_a_stopped_decoder_gets_no_new_requests_the_other_serves_them(unit_1p2d)
     # decode-0 never saw them; whatever it reserved for a RESERVE that P gave up on is
     # returned on proof, and the unit is ready and empty again
     assert _decode_info(unit_1p2d, "decode-0").kv_checks_total == checks_0
-    wait_for(lambda: load(unit_1p2d.url)["ready"], what="the unit ready again")
+    wait_for(lambda: load(unit_1p2d.url).ready, what="the unit ready again")
     doc = wait_empty(unit_1p2d.url, timeout=30,
                    what="every D empty (held pages returned)")
-    assert doc["held_pages"] == 0
+    assert doc.held_pages == 0
     frames, last = stream(unit_1p2d.url, random_prompt(60, seed=7), max_frames=5, min_frames=5)
     assert last.get("done") and len(frames) == 5
 

@@ -236,7 +236,7 @@ def test_the_monolith_unit_answers_503_rate_floor_with_retry_after_and_holds_not
                       lb_port=0, guard=False, log_level="warning", extra_monolith_args=["--headroom-stream", "64:400", "--no-step-model-refit"])
     with LocalUnit(cfg) as unit:
         url = unit.url
-        assert load(url)["headroom_streams"] == 2
+        assert load(url).headroom_streams == 2
         # the fit is kept as it is (--no-step-model-refit): on a loaded machine the monolith's
         # own steps would move a refitted model, and with it how many of the five it admits
         status, _, doc = post(url, random_prompt(64, seed=9), 4000)
@@ -252,4 +252,4 @@ def test_the_monolith_unit_answers_503_rate_floor_with_retry_after_and_holds_not
             assert retry is not None and doc["error"]["code"] == "rate_floor", doc
             assert "rate_floor" in doc["error"]["message"]
         wait_empty(url, what="the unit empty")
-        assert load(url)["held_pages"] == 0
+        assert load(url).held_pages == 0

@@ -39,7 +39,7 @@ def test_streams_beyond_the_floor_are_refused_with_503_and_nothing_held(floor_un
     """One test, in this order (the verdicts rest on the fit, which D keeps as it is)."""
     url = floor_unit.url
     doc = load(url)
-    assert doc["headroom_streams"] == 2 and doc["decoders"][0]["headroom_streams"] == 2, doc
+    assert doc.headroom_streams == 2 and doc.decoders[0].headroom_streams == 2, doc
     # a stream that alone would break the floor: a 4xx naming it, not a retry
     frames, last = stream(url, random_prompt(64, seed=9), max_frames=4000, min_frames=4000)
     assert frames == [] and last["http_status"] == 422, last
@@ -56,7 +56,7 @@ def test_streams_beyond_the_floor_are_refused_with_503_and_nothing_held(floor_un
         assert last["error"]["code"] == "rate_floor", last
         assert "rate_floor" in last["error"]["message"]
     # nothing held once the admitted two ended, and the headroom is the fit's again
-    assert wait_empty(url, what="the unit empty")["headroom_streams"] == 2
+    assert wait_empty(url, what="the unit empty").headroom_streams == 2
     (d_metrics,) = [u for name, u in floor_unit.metrics_urls().items() if name.startswith("decode")]
     text = httpx.get(d_metrics, timeout=5).text
     assert "pdunit_rate_floor_refusals_total 3.0" in text, text  # the 4xx is no refusal to retry

@@ -66,7 +66,7 @@ def test_pd_unit_on_two_gpus_streams_every_frame(transfer, kv_cache_dtype, tmp_p
     for frames, last in results:
         assert last.get("done"), last
         assert len(frames) == FRAMES
-    assert info["kv_checks_total"] == 12 and info["kv_mismatch_total"] == 0, info
+    assert info.kv_checks_total == 12 and info.kv_mismatch_total == 0, info
 
 
 def _streams_and_metrics(tmp_path, n: int, metrics_of: str, **cfg) -> dict[str, float]:
