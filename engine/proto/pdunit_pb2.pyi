@@ -76,7 +76,7 @@ class Identity(_message.Message):
     def __init__(self, sender_instance: _Optional[str] = ..., receiver_instance: _Optional[str] = ..., budget_ms: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "rows", "cols", "sampling", "deadline_unix_ms", "stamps")
+    __slots__ = ("request_id", "prompt", "rows", "cols", "sampling", "deadline_unix_ms", "stamps", "audio")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class SubmitRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     STAMPS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prompt: bytes
     rows: int
@@ -91,7 +92,8 @@ class SubmitRequest(_message.Message):
     sampling: Sampling
     deadline_unix_ms: int
     stamps: Stamps
-    def __init__(self, request_id: _Optional[int] = ..., prompt: _Optional[bytes] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., stamps: _Optional[_Union[Stamps, _Mapping]] = ...) -> None: ...
+    audio: bool
+    def __init__(self, request_id: _Optional[int] = ..., prompt: _Optional[bytes] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., stamps: _Optional[_Union[Stamps, _Mapping]] = ..., audio: _Optional[bool] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("status", "message", "prefill_tokens", "cached_tokens", "stamps")
@@ -179,7 +181,7 @@ class HelloRequest(_message.Message):
     def __init__(self, sender_instance: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model")
+    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model", "audio_format")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class HelloReply(_message.Message):
     VOCAB_SIZES_FIELD_NUMBER: _ClassVar[int]
     EOS_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     geometry: PoolGeometry
     transports: _containers.RepeatedCompositeFieldContainer[TransportDescriptor]
@@ -194,7 +197,20 @@ class HelloReply(_message.Message):
     vocab_sizes: bytes
     eos_id: int
     model: str
-    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    audio_format: AudioFormat
+    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, _Mapping]] = ...) -> None: ...
+
+class AudioFormat(_message.Message):
+    __slots__ = ("sample_rate", "samples_per_frame", "frame_rate_hz", "codec")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    FRAME_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    samples_per_frame: int
+    frame_rate_hz: float
+    codec: str
+    def __init__(self, sample_rate: _Optional[int] = ..., samples_per_frame: _Optional[int] = ..., frame_rate_hz: _Optional[float] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "n_tokens", "deadline_unix_ms", "identity", "total_tokens")
@@ -225,7 +241,7 @@ class ReserveReply(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ..., dst_slots: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "first_frame", "checksum", "checksum_sample", "sampling", "prompt_tokens", "identity", "stamps")
+    __slots__ = ("request_id", "first_frame", "checksum", "checksum_sample", "sampling", "prompt_tokens", "identity", "stamps", "audio")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +250,7 @@ class CommitRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     STAMPS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     first_frame: bytes
     checksum: int
@@ -242,7 +259,8 @@ class CommitRequest(_message.Message):
     prompt_tokens: int
     identity: Identity
     stamps: Stamps
-    def __init__(self, request_id: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., checksum: _Optional[int] = ..., checksum_sample: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., stamps: _Optional[_Union[Stamps, _Mapping]] = ...) -> None: ...
+    audio: bool
+    def __init__(self, request_id: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., checksum: _Optional[int] = ..., checksum_sample: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., stamps: _Optional[_Union[Stamps, _Mapping]] = ..., audio: _Optional[bool] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("status", "message", "instance_id")
@@ -271,7 +289,7 @@ class StreamError(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepFrames(_message.Message):
-    __slots__ = ("step", "request_ids", "frames", "finished", "errors", "step_unix_ns", "stamps")
+    __slots__ = ("step", "request_ids", "frames", "finished", "errors", "step_unix_ns", "stamps", "audio")
     class StampsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +304,7 @@ class StepFrames(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     STEP_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     STAMPS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     step: int
     request_ids: bytes
     frames: bytes
@@ -293,7 +312,22 @@ class StepFrames(_message.Message):
     errors: _containers.RepeatedCompositeFieldContainer[StreamError]
     step_unix_ns: int
     stamps: _containers.MessageMap[int, Stamps]
-    def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., frames: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ..., step_unix_ns: _Optional[int] = ..., stamps: _Optional[_Mapping[int, Stamps]] = ...) -> None: ...
+    audio: _containers.RepeatedCompositeFieldContainer[AudioChunk]
+    def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[bytes] = ..., frames: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ..., step_unix_ns: _Optional[int] = ..., stamps: _Optional[_Mapping[int, Stamps]] = ..., audio: _Optional[_Iterable[_Union[AudioChunk, _Mapping]]] = ...) -> None: ...
+
+class AudioChunk(_message.Message):
+    __slots__ = ("request_id", "pcm", "first_frame", "frames", "last")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    pcm: bytes
+    first_frame: int
+    frames: int
+    last: bool
+    def __init__(self, request_id: _Optional[int] = ..., pcm: _Optional[bytes] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class InfoReply(_message.Message):
     __slots__ = ("role", "instance_id", "peer_instance_id", "queue", "in_flight", "held_pages", "pool_pages", "free_pages", "held_aborts", "draining", "transfer_mode", "kv_checks_total", "kv_mismatch_total", "request_ids", "pid", "unready", "headroom_streams")
