@@ -53,7 +53,7 @@ _INERT_FIELDS = {
 _BACKBONE_FIELDS = _SHAPE_FIELDS | _INERT_FIELDS | {
     "text_vocab_size", "codebook_pad_token_id", "codebook_eos_token_id", "audio_token_id",
     "audio_eos_token_id", "tie_codebooks_embeddings", "depth_decoder_config",
-    "codec_config",  # the Mimi codec: its tensors are not loaded yet (docs/models.md)
+    "codec_config",  # the Mimi codec: `--codec checkpoint` loads it (engine/audio/codec_spec.py)
 }
 _DEPTH_FIELDS = _SHAPE_FIELDS | _INERT_FIELDS | {"backbone_hidden_size"}
 _REQUIRED = (
@@ -80,6 +80,10 @@ class CsmExtras:
     codebook_pad_token_id: int
     tied_codebook_embeddings: bool
     depth: DepthConfig
+    # ids per codebook of the checkpoint's codec (codec_config's codebook_size; without a
+    # codec_config the codebook vocabulary): CSM's vocabulary holds a few ids more (2051
+    # vs Mimi's 2048: eos, pad) that no audio frame carries
+    codec_codebook_size: int = 0
 
 
 class CsmRowEmbedding(nn.Module):
@@ -146,10 +150,12 @@ class DepthDecoder(FrameGenerator):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, d: DepthConfig, audio_token_id: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, d: DepthConfig, audio_token_id: int, dtype: torch.dtype, device: torch.device,
+                 codec_codebook_size: int = 0) -> None:
         super().__init__()
         c = d.backbone
         self.n_codebooks, self.vocab_size = d.n_codebooks, d.vocab_size
+        self.codec_codebook_size = codec_codebook_size or d.vocab_size
         self.audio_token_id, self.eos_id = audio_token_id, c.eos_id
         self.embed = nn.Embedding(
             d.n_codebooks * d.vocab_size, d.backbone_hidden, device=device, dtype=dtype,
@@ -212,6 +218,14 @@ class DepthDecoder(FrameGenerator):
         """CSM's EOS frame: codebooks 0..K-2 all `codebook_eos_token_id` (transformers'
         generate stops on it; the frame itself is the stream's last)."""
         return bool((np.asarray(frame)[: self.n_codebooks - 1] == self.eos_id).all())
+
+    @property
+    def codec_books(self) -> tuple[int, int]:
+        return self.n_codebooks, self.codec_codebook_size
+
+    def codec_codes(self, frames: np.ndarray) -> np.ndarray:
+        """A frame row's K codebooks (the text column, `audio_token_id`, is not audio)."""
+        return np.ascontiguousarray(np.asarray(frames, dtype=np.int64)[:, : self.n_codebooks].T)
 
 
 def _column(sb: SamplingBatch, j: int) -> SamplingBatch:
@@ -311,7 +325,7 @@ class CsmFamily(ModelFamily):
         extras = CsmExtras(
             n_audio=k, audio_token_id=audio_token, audio_eos_token_id=raw.get("audio_eos_token_id"),
             codebook_pad_token_id=int(raw.get("codebook_pad_token_id", v - 1)),
-            tied_codebook_embeddings=bool(tied), depth=depth,
+            tied_codebook_embeddings=bool(tied), depth=depth, codec_codebook_size=_codec_codebook_size(raw, v),
         )
         return ParsedConfig(backbone, extras)
 
@@ -321,7 +335,8 @@ class CsmFamily(ModelFamily):
             parsed.model, device=device,
             row_embedding=CsmRowEmbedding(extras.n_audio, extras.audio_token_id),
         )
-        model.frame_generator = DepthDecoder(extras.depth, extras.audio_token_id, model.dtype, torch.device(device))
+        model.frame_generator = DepthDecoder(extras.depth, extras.audio_token_id, model.dtype, torch.device(device),
+                                             extras.codec_codebook_size)
         return model
 
     def weight_map(self, parsed: ParsedConfig, checkpoint_names: set[str]) -> WeightMap:
@@ -381,6 +396,20 @@ def _layer_map(engine: str, ckpt: str, n_layers: int) -> dict[str, tuple[str, ..
         **{f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
     }
     return {f"{engine}.{i}.{e}": (f"{ckpt}.{i}.{c}",) for i in range(n_layers) for e, c in names.items()}
+
+
+def _codec_codebook_size(raw: dict[str, Any], vocab: int) -> int:
+    """codec_config's codebook_size (at most the codebook vocabulary), else the vocabulary."""
+    codec = raw.get("codec_config")
+    if not isinstance(codec, dict) or "codebook_size" not in codec:
+        return vocab
+    size = codec["codebook_size"]
+    if not isinstance(size, int) or not 1 <= size <= vocab:
+        raise ValueError(
+            f"config.json codec_config.codebook_size must be an integer in [1, vocab_size={vocab}] "
+            f"(got {size!r}): the codec decodes the codebooks' ids"
+        )
+    return size
 
 
 def _check_fields(raw: dict[str, Any], known: set[str], where: str) -> None:

@@ -352,6 +352,15 @@ class FrameGenerator(nn.Module, ABC):
     def ends_stream(self, frame: np.ndarray) -> bool:
         """True iff this frame row ends its stream (the family's EOS frame)."""
 
+    @property
+    @abstractmethod
+    def codec_books(self) -> tuple[int, int]:
+        """(codebooks, ids per codebook) of the codec that turns these frames into audio."""
+
+    @abstractmethod
+    def codec_codes(self, frames: np.ndarray) -> np.ndarray:
+        """Frame rows [n, C] -> the codec's codes, int64 [codebooks, n]."""
+
 
 # Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
 # `n_codebooks` embeddings; per layer RMSNorm -> GQA attention with per-head q/k RMSNorm
@@ -504,6 +513,23 @@ class TTSModel(nn.Module):
         if self.frame_generator is None:
             return is_eos(frame, self.config.eos_id)
         return self.frame_generator.ends_stream(frame)
+
+    @property
+    def codec_books(self) -> tuple[int, int]:
+        """(codebooks, ids per codebook) a codec of this model's frames must have
+        (`--codec` is checked against it): every column of the head, of the widest
+        vocabulary, or the frame generator's codec."""
+        if self.frame_generator is None:
+            return self.config.n_codebooks, self.config.vocab_max
+        return self.frame_generator.codec_books
+
+    def codec_codes(self, frames: np.ndarray) -> np.ndarray:
+        """Frame rows [n, C] (as `frames` makes them) -> the codec's codes int64
+        [codebooks, n]: every column, or what the frame generator says. The engines'
+        codec stage calls this and nothing else; it never looks at the family."""
+        if self.frame_generator is None:
+            return np.ascontiguousarray(np.asarray(frames, dtype=np.int64).T)
+        return self.frame_generator.codec_codes(frames)
 
     @torch.no_grad()
     def hidden_states(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
