@@ -20,3 +20,11 @@ class UnknownVoice(FieldError):
     def __init__(self, name: str) -> None:
         super().__init__("voice", f"no voice named {name!r}; GET /v1/voices lists the stored ones")
         self.name = name
+
+
+class VoiceExists(FieldError):
+    """A voice of that name is stored and the upload did not ask to replace it (409)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__("name", f"a voice named {name!r} exists; delete it first or replace it")
+        self.name = name

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdunit.engine.audio.errors import FieldError, UnknownVoice
+from pdunit.engine.audio.errors import FieldError, UnknownVoice, VoiceExists
 from pdunit.engine.audio.pcm import UNKNOWN, pcm16_to_float
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class VoiceStore:
         field: `name`, `transcript`, `speaker`, `audio` (the WAV or PCM clip) or `codes`."""
         path = self._path(name)
         if not replace and path.exists():
-            raise FieldError("name", f"a voice named {name!r} exists; delete it first or replace it")
+            raise VoiceExists(name)
         lim = self.limits
         if not isinstance(transcript, str) or not transcript.strip():
             raise FieldError("transcript", "is empty; give the words the clip says")
@@ -204,10 +204,10 @@ class VoiceStore:
                 try:
                     os.link(tmp, path)  # fails if the name appeared meanwhile
                 except FileExistsError:
-                    raise FieldError("name", f"a voice named {voice.name!r} exists") from None
+                    raise VoiceExists(voice.name) from None
                 except OSError:  # a volume without hard links: checked, then renamed
                     if path.exists():
-                        raise FieldError("name", f"a voice named {voice.name!r} exists") from None
+                        raise VoiceExists(voice.name) from None
                     os.replace(tmp, path)
             else:
                 os.replace(tmp, path)

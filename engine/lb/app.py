@@ -1,7 +1,8 @@
 """The LB's HTTP routes (docs/api.md): the stream app and the admin app of one unit.
 
-Owns the translation between HTTP and the LoadBalancer: POST /v1/tts/stream, /healthz,
-/readyz, /v1/load, /v1/model, /metrics on the stream port; POST /v1/admin/drain only on
+Owns the translation between HTTP and the LoadBalancer: POST /v1/tts/stream, POST
+/v1/audio/speech and /v1/voices (speech.py), /v1/models, /healthz, /readyz, /v1/load,
+/v1/model, /metrics on the stream port; POST /v1/admin/drain only on
 the admin port, behind a bearer token when one is configured. Must never hold state or
 decide anything about a stream: the LoadBalancer (balancer.py) does, so a route is a
 few lines a reader can check against docs/api.md.
@@ -19,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from pdunit.engine.edge import bearer_matches
+from pdunit.engine.lb import speech
 from pdunit.engine.lb.balancer import LoadBalancer
 from pdunit.engine.lb.validate import RequestError, check_json_depth
 from pdunit.engine.security import security_event
@@ -40,6 +42,31 @@ def create_app(lb: LoadBalancer) -> FastAPI:
     @app.post("/v1/tts/stream")
     async def tts_stream(request: Request) -> Response:
         return await lb.handle_stream(request)
+
+    @app.post("/v1/audio/speech")
+    async def audio_speech(request: Request) -> Response:
+        return await speech.handle_speech(lb, request)
+
+    @app.post("/v1/voices")
+    async def create_voice(request: Request) -> Response:
+        return await speech.create_voice(lb, request)
+
+    @app.get("/v1/voices")
+    async def list_voices() -> Response:
+        return await speech.list_voices(lb)
+
+    @app.get("/v1/voices/{name}")
+    async def get_voice(name: str) -> Response:
+        return await speech.get_voice(lb, name)
+
+    @app.delete("/v1/voices/{name}")
+    async def delete_voice(name: str) -> Response:
+        return await speech.delete_voice(lb, name)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = [lb.config.model] if lb.config.model else []
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "pdunit"} for m in served]}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

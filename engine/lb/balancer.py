@@ -31,6 +31,7 @@ from pdunit.engine.lb.config import LBConfig, parse_vocab_sizes
 from pdunit.engine.lb.load import LoadDocument, build_load_document
 from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.lb.response import BINARY_FRAMES, FrameStreamResponse, wait_disconnect
+from pdunit.engine.lb.speech import Speech
 from pdunit.engine.lb.streams import (
     FrameSubscription,
     Stream,
@@ -112,6 +113,11 @@ class StreamStartError(Exception):
         self.code = code
         self.message = message
         self.retry_after = retry_after
+        self.request_id: int | None = None  # set once the stream had an id
+
+
+class ClientGone(Exception):
+    """The client disconnected before its stream's first event (its stream was cancelled)."""
 
 
 class LoadBalancer:
@@ -137,6 +143,8 @@ class LoadBalancer:
         self.unit: UnitClient | None = None
         self.subscriptions: list[FrameSubscription] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.speech = Speech.load(config)  # text, codec and voices (speech.py); ValueError naming the flag
+        self.speech_lock = asyncio.Lock()  # one voice encode at a time
 
     def _subscriptions_changed(self) -> None:
         up = bool(self.subscriptions) and all(s.up for s in self.subscriptions)
@@ -281,14 +289,16 @@ class LoadBalancer:
 
     def _same_model(self, first: pb.HelloReply, other: pb.HelloReply, index: int) -> None:
         """Every D of a unit must serve the first D's model: the LB validates against one."""
-        mine = (first.model, first.n_codebooks, first.vocab_sizes, first.eos_id)
-        theirs = (other.model, other.n_codebooks, other.vocab_sizes, other.eos_id)
+        mine = (first.model, first.n_codebooks, first.vocab_sizes, first.eos_id,
+                first.audio_format.SerializeToString(deterministic=True))
+        theirs = (other.model, other.n_codebooks, other.vocab_sizes, other.eos_id,
+                  other.audio_format.SerializeToString(deterministic=True))
         if mine != theirs:
             raise ValueError(
                 f"{self.decode_names[index]} serves model {other.model!r} ({other.n_codebooks} "
                 f"codebooks, eos {other.eos_id}) but {self.decode_names[0]} serves {first.model!r} "
                 f"({first.n_codebooks} codebooks, eos {first.eos_id}): every D of a unit must run "
-                f"the same model"
+                f"the same model and codec"
             )
 
     def _limits_from(self, reply: pb.HelloReply) -> Limits:
@@ -302,6 +312,13 @@ class LoadBalancer:
                 f"--n-codebooks is {cfg.n_codebooks} but D serves {ncb} codebooks: "
                 f"fix --n-codebooks or leave it unset"
             )
+        if cfg.model and reply.model != cfg.model:
+            raise ValueError(
+                f"--model is {cfg.model!r} but D serves {reply.model!r}: give the LB the spec D serves"
+            )
+        if cfg.codec and reply.audio_format.codec != cfg.codec:
+            has = f"decodes with {reply.audio_format.codec!r}" if reply.audio_format.sample_rate else "has no codec"
+            raise ValueError(f"--codec is {cfg.codec!r} but D {has}: give D and the LB the same --codec")
         from_d = tuple(view(reply.vocab_sizes, "i8").tolist())
         if cfg.vocab_sizes:
             try:
@@ -447,10 +464,32 @@ class LoadBalancer:
                 headers={"X-Request-Id": client_rid} if client_rid else None,
             )
         stamps = {"lb_received": received, "lb_validated": now_ns()}
+        try:
+            stream, first = await self.open_stream(request, packed, stamps, client_rid)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        except StreamStartError as exc:
+            rid = exc.request_id or 0
+            return self._reject(exc, client_rid or hex_id(rid), request_id=rid)
+        binary = BINARY_FRAMES in request.headers.get("accept", "")
+        headers = {
+            "X-Request-Id": client_rid or stream.hex_id,
+            "X-Pdunit-Request-Id": stream.hex_id,
+        }
+        return FrameStreamResponse(self, stream, first, binary, headers)
+
+    async def open_stream(
+        self, request: Request, packed: PackedRequest, stamps: dict[str, int], client_rid: str,
+        audio: bool = False,
+    ) -> tuple[Stream, list[StreamEvent]]:
+        """Registers a stream, submits it to P (with `audio`: D decodes it to PCM) and waits
+        for its first event. Raises ClientGone when the client left first, StreamStartError
+        (its `request_id` set) when the stream failed before it; either way the stream has
+        left the table. The caller writes the 200 and must `finish` the stream."""
         rid = self.ids.next()
-        stream = self.table.open(rid, stamps, client_rid)
-        deadline_ns = received + self.config.request_deadline_ms * 1_000_000
-        starting = asyncio.ensure_future(self._start_stream(stream, packed, deadline_ns))
+        stream = self.table.open(rid, stamps, client_rid, audio=audio)
+        deadline_ns = stamps["lb_received"] + self.config.request_deadline_ms * 1_000_000
+        starting = asyncio.ensure_future(self._start_stream(stream, packed, deadline_ns, audio))
         gone = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait({starting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -467,25 +506,21 @@ class LoadBalancer:
             with contextlib.suppress(asyncio.CancelledError, StreamStartError):
                 await starting
             self.finish(stream, "disconnected", 499)
-            return Response(status_code=499)  # nobody reads it: the client is gone
+            raise ClientGone
         try:
             first = starting.result()
         except StreamStartError as exc:
             self.finish(stream, exc.code, exc.status)
-            return self._reject(exc, client_rid or stream.hex_id, request_id=rid)
+            exc.request_id = rid
+            raise
         except Exception:
             log.exception("stream start failed unexpectedly", extra={"request_id": stream.hex_id})
             self.finish(stream, "internal_error", 500)
             raise
-        binary = BINARY_FRAMES in request.headers.get("accept", "")
-        headers = {
-            "X-Request-Id": client_rid or stream.hex_id,
-            "X-Pdunit-Request-Id": stream.hex_id,
-        }
-        return FrameStreamResponse(self, stream, first, binary, headers)
+        return stream, first
 
     async def _start_stream(
-        self, stream: Stream, packed: PackedRequest, deadline_ns: int
+        self, stream: Stream, packed: PackedRequest, deadline_ns: int, audio: bool = False
     ) -> list[StreamEvent]:
         """Submit to P and wait for the first frame; StreamStartError on any failure."""
         assert self.unit is not None
@@ -498,6 +533,7 @@ class LoadBalancer:
             sampling=packed.sampling,
             deadline_unix_ms=deadline_ns // 1_000_000,
             stamps=pb.Stamps(ns=stream.stamps),
+            audio=audio,
         )
         remaining = max(0.001, (deadline_ns - now_ns()) / 1e9)
         submit = asyncio.ensure_future(self.unit.prefill.Submit(req, timeout=remaining))

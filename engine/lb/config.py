@@ -53,6 +53,21 @@ class LBConfig(EdgeLimits):
         "reports (must match it)",
     )
     eos_id: int | None = Field(None, description="the model's EOS id, reported by /v1/model")
+    model: str = Field(
+        "",
+        description="the model spec D serves (its --model), which D's Hello must name; a CSM (a "
+        "checkpoint directory, or random:csm-tiny:<seed>) gives POST /v1/audio/speech its tokenizer",
+    )
+    codec: str = Field(
+        "",
+        description="the codec spec D decodes with (its --codec), which D's Hello must name; encodes "
+        "the clips uploaded to /v1/voices; needs --model",
+    )
+    voices: str = Field(
+        "",
+        description="the voice store's directory (/v1/voices; the voices POST /v1/audio/speech "
+        "speaks with); needs --model and --codec",
+    )
     max_rows: int = Field(4096, ge=1, description="most prompt rows accepted (413 above)")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body (413 above)")
     default_max_frames: int = Field(630, ge=1, description="max_frames when a request gives none")
@@ -92,6 +107,14 @@ class LBConfig(EdgeLimits):
                 f"admin_host {self.admin_host!r} is not a loopback address: give "
                 f"--admin-token-file (a bearer token file) or --admin-host 127.0.0.1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _speech_flags_complete(self) -> LBConfig:
+        if self.codec and not self.model:
+            raise ValueError("--codec needs --model (the codec's codebooks are the model's)")
+        if self.voices and not self.codec:
+            raise ValueError("--voices needs --codec (the store encodes clips with it) and --model")
         return self
 
     @field_validator("decode_socket")

@@ -18,7 +18,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pdunit.engine.lb.streams import Frames, Stream, StreamEvent
+from pdunit.engine.lb.streams import Frames, Stream, StreamEvent, StreamFailure
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack
 
@@ -106,7 +106,7 @@ class FrameStreamResponse(Response):
                     self.outcome = event.finished
                     trailer = {"done": True, "reason": event.finished}
                     break
-            else:
+            elif isinstance(event, StreamFailure):
                 self.outcome = event.code
                 trailer = {"error": {"code": event.code, "message": event.message}}
                 break

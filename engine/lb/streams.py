@@ -42,7 +42,18 @@ class StreamFailure:
     message: str
 
 
-StreamEvent = Frames | StreamFailure
+@dataclass(frozen=True)
+class Audio:
+    """An audio stream's next PCM (an AudioChunk of D's): 16-bit LE mono of its frames
+    `first_frame` .. first_frame + frames - 1; `last`: the stream's PCM is complete."""
+
+    pcm: bytes
+    first_frame: int
+    frames: int
+    last: bool
+
+
+StreamEvent = Frames | StreamFailure | Audio
 
 
 def hex_id(request_id: int) -> str:
@@ -65,6 +76,7 @@ class Stream:
     cached_tokens: int = 0  # rows P served from its prefix cache
     writing: bool = False  # its response is being written: frame_timeout_ms applies
     last_event: float = 0.0  # monotonic time of the last event queued (or of the write's start)
+    audio: bool = False  # a speech stream: it ends with its last AudioChunk, not its last frame
 
     @property
     def hex_id(self) -> str:
@@ -73,7 +85,13 @@ class Stream:
     def push(self, event: StreamEvent) -> None:
         if self.ended:
             return
-        if isinstance(event, StreamFailure) or event.finished:
+        if isinstance(event, StreamFailure):
+            self.ended = True
+        elif isinstance(event, Audio):
+            if not self.audio:
+                return  # PCM nobody asked for: a frames stream never sees it
+            self.ended = event.last
+        elif event.finished and not self.audio:
             self.ended = True
         self.last_event = time.monotonic()
         self.queue.put_nowait(event)
@@ -109,10 +127,12 @@ class StreamTable:
     def ids(self) -> list[int]:
         return list(self._streams)
 
-    def open(self, request_id: int, stamps: dict[str, int], client_request_id: str = "") -> Stream:
+    def open(
+        self, request_id: int, stamps: dict[str, int], client_request_id: str = "", audio: bool = False
+    ) -> Stream:
         if request_id in self._streams:
             raise KeyError(f"request id {request_id:016x} is already streaming")
-        stream = Stream(request_id, stamps, client_request_id)
+        stream = Stream(request_id, stamps, client_request_id, audio=audio)
         self._streams[request_id] = stream
         self._empty.clear()
         self._metrics.streams_in_flight.set(len(self._streams))
@@ -189,6 +209,10 @@ class StreamTable:
                     stream.push(Frames([rows[j]], FINISHED_NAMES.get(finished[j], "")))
                 if unknown:
                     self._metrics.unknown_frames.inc(unknown)
+        for chunk in msg.audio:  # after the frames: a last chunk comes with or after its last frame
+            stream = self._streams.get(chunk.request_id)
+            if stream is not None:
+                stream.push(Audio(chunk.pcm, chunk.first_frame, chunk.frames, chunk.last))
         for err in msg.errors:
             stream = self._streams.get(err.request_id)
             if stream is not None:
