@@ -1,6 +1,6 @@
 """The thread every engine (P's stages, D, the monolith) runs its steps in, the
 process-wide knobs of an engine's start and end of start, and the StepFrames message
-a decode step publishes.
+a decode step publishes (`publish_step`: frames, stamps and the codec stage's PCM).
 
 A loop whose step raises exits the process (EXIT_STEP_LOOP_CRASHED): an engine whose
 loop died must never go on answering gRPC while serving nothing. Owns no engine state.
@@ -24,7 +24,9 @@ from pdunit.engine.packing import pack
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 if TYPE_CHECKING:
+    from pdunit.engine.audio.codec_stage import CodecStage
     from pdunit.engine.decode.batcher import StepOutput
+    from pdunit.engine.decode.hub import FrameHub
 
 log = logging.getLogger("pdunit.step_loop")
 
@@ -90,6 +92,20 @@ def step_message(step: int, out: StepOutput) -> pb.StepFrames:
     for s in out.ended:
         s.stamps["last_frame_step"] = msg.step_unix_ns
         msg.stamps[s.request_id].CopyFrom(pb.Stamps(ns=s.stamps))
+    return msg
+
+
+def publish_step(hub: FrameHub, step: int, out: StepOutput, codec: CodecStage | None = None) -> pb.StepFrames:
+    """Publish one decode step's frames (`step_message`) with the PCM chunks the codec
+    stage has due for its audio streams (and a StreamError for any whose codec failed).
+    Every publisher of frames goes through here: D's steps (plain, overlapped), D's first
+    frame at COMMIT and the monolith's steps, so no frame's audio is left out."""
+    msg = step_message(step, out)
+    if codec is not None:
+        chunks, errors = codec.step(out)
+        msg.audio.extend(chunks)
+        msg.errors.extend(errors)
+    hub.publish(msg)
     return msg
 
 

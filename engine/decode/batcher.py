@@ -34,6 +34,7 @@ class Stream:
     stamps: dict[str, int] = field(default_factory=dict)
     first_out: bool = False           # its first frame already went out (D publishes it at COMMIT)
     admitted_at: float = 0.0          # perf_counter() at `DecodeBatcher.admit`
+    audio: bool = False               # its frames are decoded to PCM (engine/audio/codec_stage.py)
 
 
 @dataclass

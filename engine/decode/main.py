@@ -8,6 +8,7 @@ import sys
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
+from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
 from pdunit.engine.decode.admission import AdmissionFields, build_admission
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug
@@ -43,7 +44,7 @@ from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.paged_attention import configure_decode
 
 
-class DecodeConfig(StackSamplingFields, AdmissionFields):
+class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields):
     """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
 
     socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
@@ -128,6 +129,11 @@ async def serve(cfg: DecodeConfig) -> int:
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return 2
+    try:
+        codec, audio_format = build_codec_stage(cfg, model, cfg.model, cfg.device, log)
+    except ValueError as exc:
+        log.error("cannot start the codec", extra={"error": str(exc)})
+        return 2
     mc = model.config
     kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, model.dtype)
     free = torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cfg.pool_tokens == 0 else 0
@@ -148,7 +154,7 @@ async def serve(cfg: DecodeConfig) -> int:
         model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
         cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
-        overlap=model.gpu_path if cfg.overlap is None else cfg.overlap,
+        overlap=model.gpu_path if cfg.overlap is None else cfg.overlap, codec=codec, audio_format=audio_format,
     )
     try:
         admission = build_admission(cfg, model.gpu_path)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pdunit.engine import metrics as m
+from pdunit.engine.audio.codec_stage import CodecStage
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
@@ -41,7 +42,7 @@ from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.proto.sampling import sampling_from_pb
 from pdunit.engine.security import security_event
-from pdunit.engine.step_loop import StepLoop, step_message
+from pdunit.engine.step_loop import StepLoop, publish_step
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
 
 log = logging.getLogger("pdunit.decode")
@@ -91,9 +92,15 @@ class DecodeEngine:
         cuda_graphs: bool = True,
         overlap: bool = False,
         admission: AdmissionControl | None = None,
+        codec: CodecStage | None = None,
+        audio_format: pb.AudioFormat | None = None,
     ) -> None:
+        """`codec` (--codec; None: no codec, audio requests are refused) decodes the frames
+        of streams that ask for audio; `audio_format` is what Hello announces of it."""
         self.instance_id = uuid.uuid4().hex
         self.admission = admission  # rate-floor admission (engine/decode/admission.py); None = off
+        self.codec = codec
+        self.audio_format = audio_format
         self.model = model
         self.model_spec = model_spec
         self.geometry = geometry
@@ -121,6 +128,8 @@ class DecodeEngine:
         self._draining = False
         self._step = 0
         self.loop = StepLoop("decode-step", self._step_once, model.device)
+        if codec is not None:
+            codec.on_fail = self._end_failed_audio
         self._p_channel: grpc.aio.Channel | None = None
         self._check_stream: torch.cuda.Stream | None = None  # COMMIT checksums (GPU), made on first use
 
@@ -362,6 +371,11 @@ class DecodeEngine:
     def commit(self, req: pb.CommitRequest) -> pb.CommitReply:
         if not self.identity_ok(req.identity):
             return pb.CommitReply(status=pb.STALE_INSTANCE, instance_id=self.instance_id)
+        if req.audio and self.codec is None:
+            message = ("audio: this decode engine has no codec (start it with --codec) and cannot turn the "
+                       "stream's frames into PCM; ask for frames only, or send it to an engine with a codec")
+            self.fail_transfer(req.request_id, pb.INVALID, "no_codec", message)
+            return pb.CommitReply(status=pb.INVALID, instance_id=self.instance_id, message=message)
         with self._lock:
             res = self.reservations.get(req.request_id)
             if res is None or self.pool.state_of(req.request_id) != PageState.RESERVED:
@@ -380,7 +394,7 @@ class DecodeEngine:
         stamps.update(res.stamps)
         first = unpack(req.first_frame, "i4").astype(np.int32)
         stream = Stream(req.request_id, req.prompt_tokens, sampling_from_pb(req.sampling), first.copy(),
-                        frames_out=1, stamps=stamps)
+                        frames_out=1, stamps=stamps, audio=req.audio)
         # Under the engine lock from the reservation's end to the batcher's admission:
         # a Cancel in between finds the request in one of them (see `cancel`).
         with self._lock:
@@ -388,6 +402,8 @@ class DecodeEngine:
                 return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id)
             self.pool.start_decoding(req.request_id)
             stamps["d_committed"] = now_ns()
+            if stream.audio and self.codec is not None:
+                self.codec.open(req.request_id)  # under the lock: the idle sweep (`_sweep_audio`) sees it admitted
             self._publish_first_frame(stream)
         self.loop.work.set()
         self._update_gauges()
@@ -413,8 +429,10 @@ class DecodeEngine:
         out = StepOutput(request_ids=np.array([stream.request_id], dtype=np.uint64),
                          frames=stream.last_frame[None, :].astype(np.int32), finished=np.array([code], np.uint8),
                          started=[stream], ended=[stream] if ended else [])
-        self.hub.publish(step_message(self._step, out))
+        publish_step(self.hub, self._step, out, self.codec)  # the first frame's audio: its first chunk
         m.D_FRAMES.inc()
+        if not ended and stream.audio and self.codec is not None and stream.request_id not in self.codec:
+            ended = True  # its codec failed on the first frame (a StreamError went out): it ends here
         if ended:
             self.pool.finish(stream.request_id)
             return
@@ -462,10 +480,13 @@ class DecodeEngine:
     def _step_once(self) -> bool:
         if self.overlap is not None:
             return self._overlap_step_once()
-        self.batcher.take_cancelled()
+        dropped = self.batcher.take_cancelled()
+        if self.codec is not None:
+            self.codec.drop(dropped)
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
         if not streams and not new:
+            self._sweep_audio()
             self._update_gauges()
             return False
         t0 = time.perf_counter()
@@ -473,7 +494,7 @@ class DecodeEngine:
         logits = self.step_forward(entries) if entries else None
         out = self.batcher.apply(streams, logits, new)
         self._step += 1
-        self.hub.publish(step_message(self._step, out))
+        publish_step(self.hub, self._step, out, self.codec)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         if self.admission is not None and streams:
@@ -491,12 +512,15 @@ class DecodeEngine:
         assert self.overlap is not None
         t0 = time.perf_counter()
         worked, out = self.overlap.step_once()
+        if self.codec is not None:
+            self.codec.drop(self.overlap.dropped)
         if not worked:
+            self._sweep_audio()
             self._update_gauges()
             return False
         if out is not None:
             self._step += 1
-            self.hub.publish(step_message(self._step, out))
+            publish_step(self.hub, self._step, out, self.codec)
             m.D_STEP_BATCH.observe(len(out.request_ids))
             m.D_FRAMES.inc(len(out.request_ids))
             if out.ended:
@@ -508,6 +532,22 @@ class DecodeEngine:
             # one pipeline period = one frame per stream: the step time the floor sees
             self.admission.observe(len(out.request_ids), self.batcher.context_tokens(), seconds * 1000)
         return True
+
+    def _sweep_audio(self) -> None:
+        """Idle: no codec slot outlives its stream, whatever path forgot the stream. Under
+        the engine lock: a COMMIT opens a stream's slot and admits it under it too."""
+        if self.codec is None or not len(self.codec):
+            return
+        with self._lock:
+            gone = self.codec.retain(self.batcher.request_ids())
+        if gone:
+            log.warning("codec slots of streams no longer decoding freed", extra={"request_ids": gone})
+
+    def _end_failed_audio(self, request_id: int) -> None:
+        """The codec failed on a stream (its StreamError is out): the stream ends as a
+        cancelled one (the batcher's own lock; never the engine's, which COMMIT holds)."""
+        if self.batcher.cancel(request_id):
+            self.loop.work.set()
 
     # ------------------------------------------------------------------ expiry, abort + probe loops
     def _p_stub(self) -> pbg.PrefillStub:
@@ -613,6 +653,8 @@ class DecodeEngine:
             eos_id=self.model.config.eos_id,
             model=self.model_spec,
         )
+        if self.audio_format is not None:
+            reply.audio_format.CopyFrom(self.audio_format)
         for d in self.receiver.descriptors():
             reply.transports.append(pb.TransportDescriptor(mode=d.mode, params=d.params, handle=d.handle))
         return reply

@@ -8,6 +8,7 @@ import sys
 
 from pydantic import Field
 
+from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
 from pdunit.engine.decode.admission import AdmissionFields, build_admission
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.grpc_server import start_unix_server
@@ -44,7 +45,7 @@ from pdunit.kernels.paged_attention import configure_decode
 PREFILL_GRAPH_SEQS = 16
 
 
-class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields):
+class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, CodecFields):
     """Monolith: P and D in one process on one device (prefill-first, chunked or budget)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
@@ -76,7 +77,8 @@ class MonolithPrefill(pbg.PrefillServicer):
         self.engine = engine
 
     async def Submit(self, request, context):  # noqa: N802 - gRPC names
-        return await serve_submit(request, self.engine.model.config, self.engine.submit, self.engine.cancel)
+        return await serve_submit(request, self.engine.model.config,
+                                  lambda job: self.engine.submit(job, audio=request.audio), self.engine.cancel)
 
     async def Cancel(self, request, context):  # noqa: N802
         return pb.CancelReply(found=self.engine.cancel(request.request_id))
@@ -135,6 +137,11 @@ async def serve(cfg: MonolithConfig) -> int:
         log.error("cannot start the model", extra={"error": str(exc)})
         return 2
     try:
+        codec, audio_format = build_codec_stage(cfg, model, cfg.model, cfg.device, log)
+    except ValueError as exc:
+        log.error("cannot start the codec", extra={"error": str(exc)})
+        return 2
+    try:
         admission = build_admission(cfg, model.gpu_path)
     except ValueError as exc:
         log.error("cannot start rate-floor admission", extra={"error": str(exc)})
@@ -147,7 +154,8 @@ async def serve(cfg: MonolithConfig) -> int:
         engine = MonolithEngine(
             model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
             cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
-            admission, overlap=overlap, min_chunk_rows=cfg.prefix_block_tokens,
+            admission, overlap=overlap, min_chunk_rows=cfg.prefix_block_tokens, codec=codec,
+            audio_format=audio_format,
         )
     except ValueError as exc:
         log.error("cannot start the monolith", extra={"error": str(exc)})

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pdunit.engine import metrics as m
+from pdunit.engine.audio.codec_stage import CodecStage
 from pdunit.engine.batching import prefill_entry
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
@@ -40,7 +41,7 @@ from pdunit.engine.packing import pack
 from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.proto import pdunit_pb2 as pb
-from pdunit.engine.step_loop import StepLoop, step_message
+from pdunit.engine.step_loop import StepLoop, publish_step
 from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.monolith")
@@ -57,6 +58,8 @@ log = logging.getLogger("pdunit.monolith")
 # computed into its cache lease, as P computes it, so a reused voice skips its cached
 # leading blocks.
 POLICIES = ("prefill-first", "chunked", "budget")
+NO_CODEC = ("audio: this engine has no codec (start it with --codec) and cannot turn the stream's frames into "
+            "PCM; ask for frames only, or send it to an engine with a codec")
 
 
 @dataclass
@@ -95,11 +98,15 @@ class MonolithEngine:
         admission: AdmissionControl | None = None,
         overlap: bool = False,
         min_chunk_rows: int = 16,
+        codec: CodecStage | None = None,
+        audio_format: pb.AudioFormat | None = None,
     ) -> None:
         """`cache`: slot numbers count from `pool.n_slots`, the first storage slot after
         the pool's (the storage holds both). `admission`: rate-floor admission (None =
         off). `overlap`: D's overlap pipeline. `min_chunk_rows`: the budget policy's
-        smallest chunk (one prefix-cache block)."""
+        smallest chunk (one prefix-cache block). `codec` (--codec; None: audio requests
+        are refused) decodes the frames of streams that ask for audio; `audio_format` is
+        what Hello announces of it."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         if policy == "budget" and admission is None:
@@ -149,6 +156,11 @@ class MonolithEngine:
         self._rows_per_step: deque[int] = deque(maxlen=256)
         self._rows_since_decode = 0
         self.loop = StepLoop("monolith", self._step_once, model.device)
+        self.codec = codec
+        self.audio_format = audio_format
+        self._audio: set[int] = set()  # admitted prompts whose stream wants audio, until it runs or fails
+        if codec is not None:
+            codec.on_fail = self._end_failed_audio
 
     # ------------------------------------------------------------------ requests
     # Rate-floor admission (`admission`): refuses a prompt (RATE_FLOOR, before it is
@@ -157,10 +169,16 @@ class MonolithEngine:
     # one would break the floor's budget; a prompt that alone would is INVALID. Every step is
     # observed into the step model, a mixed or prefill-only step with its prompt rows (the
     # per-row term).
-    def submit(self, job: PrefillJob) -> None:
+    def submit(self, job: PrefillJob, audio: bool = False) -> None:
+        """`audio`: decode the stream's frames to PCM too (refused, INVALID, without a codec)."""
         job.stamps["p_admitted"] = now_ns()
+        if audio and self.codec is None:
+            self._finish(job, pb.INVALID, NO_CODEC)
+            return
         if self.admission is not None and not self._admit(job):
             return
+        if audio:
+            self._audio.add(job.request_id)
         if self.cache is not None:  # hashed on the caller's thread: the loop's would leave the GPU idle
             job.prefix_chain = block_hashes(job.prompt, self.cache.block_tokens)
         self.waiting.put(job)
@@ -236,6 +254,7 @@ class MonolithEngine:
         stream runs)."""
         if status != pb.STATUS_OK:
             self._forget([job.request_id])
+            self._audio.discard(job.request_id)
         if job.done is not None:
             job.done(pb.SubmitReply(status=status, message=message, stamps=pb.Stamps(ns=job.stamps), **fields))
 
@@ -359,8 +378,12 @@ class MonolithEngine:
         self.pool.start_decoding(job.request_id)
         with self._lock:
             self.prefilling.remove(p)
+        audio = job.request_id in self._audio
+        self._audio.discard(job.request_id)
+        if audio and self.codec is not None:
+            self.codec.open(job.request_id)
         self.batcher.admit(Stream(job.request_id, rows, job.params, frame.astype(np.int32),
-                                  stamps=dict(job.stamps)))
+                                  stamps=dict(job.stamps), audio=audio))
         m.P_PREFILL_TOKENS.labels(source="computed").inc(rows - cached)
         m.P_PREFILL_TOKENS.labels(source="cached").inc(cached)
         self._finish(job, pb.STATUS_OK, prefill_tokens=rows - cached, cached_tokens=cached)
@@ -414,7 +437,10 @@ class MonolithEngine:
     def _step_once(self) -> bool:
         if self.overlap is not None:
             return self._overlap_step_once()
-        self._forget(self.batcher.take_cancelled())
+        dropped = self.batcher.take_cancelled()
+        self._forget(dropped)
+        if self.codec is not None:
+            self.codec.drop(dropped)
         self._admit_waiting()
         self._drop_cancelled_prefills()
         if self.model.device.type != "cuda":
@@ -447,6 +473,7 @@ class MonolithEngine:
         tokens = sum(s.prompt_tokens + s.frames_out for s in streams)
         plan = self._plan_chunks(self._prompt_budget(len(streams), tokens))
         if not streams and not new and not plan:
+            self._sweep_audio()
             return False
         if plan:  # a mixed batch: a prefill graph when it fits one (few streams, a small chunk), else eager
             entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
@@ -459,7 +486,7 @@ class MonolithEngine:
         self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
         if len(out.request_ids):
             self._step += 1
-            self.hub.publish(step_message(self._step, out))
+            publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
         seconds = time.perf_counter() - t0
@@ -477,11 +504,14 @@ class MonolithEngine:
         t0 = time.perf_counter()
         worked, out = self.overlap.step_once()
         self._forget(self.overlap.dropped + ([s.request_id for s in out.started] if out is not None else []))
+        if self.codec is not None:
+            self.codec.drop(self.overlap.dropped)
         if not worked:
+            self._sweep_audio()
             return False
         if out is not None:
             self._step += 1
-            self.hub.publish(step_message(self._step, out))
+            publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
         seconds = time.perf_counter() - t0
@@ -492,6 +522,18 @@ class MonolithEngine:
             rows = done.prompts.rows if done.prompts is not None else 0
             self._observe(len(done.streams), self.batcher.context_tokens(), seconds, rows)
         return True
+
+    def _sweep_audio(self) -> None:
+        """Idle: no codec slot outlives its stream (the loop thread opens them too)."""
+        if self.codec is not None and len(self.codec):
+            gone = self.codec.retain(self.batcher.request_ids())
+            if gone:
+                log.warning("codec slots of streams no longer decoding freed", extra={"request_ids": gone})
+
+    def _end_failed_audio(self, request_id: int) -> None:
+        """The codec failed on a stream (its StreamError is out): it ends as a cancelled one."""
+        if self.batcher.cancel(request_id):
+            self.loop.work.set()
 
     def _observe(self, streams: int, context_tokens: int, seconds: float, rows: int) -> None:
         """One step into the step model: its decoding streams, their context, and the
@@ -523,5 +565,5 @@ class MonolithEngine:
         return pb.HelloReply(
             instance_id=self.instance_id, n_codebooks=mc.n_codebooks,
             vocab_sizes=pack(np.array(mc.vocab_sizes, dtype=np.int64), "i8"), eos_id=mc.eos_id,
-            model=self.model_spec,
+            model=self.model_spec, audio_format=self.audio_format,
         )

@@ -1,0 +1,235 @@
+"""The codec stage of an engine that decodes (D, the monolith): each audio stream's frames
+-> streamed PCM chunks (AudioChunk) riding on the step's StepFrames.
+
+Owns the chunking policy (first chunk after `first_chunk_frames`, then every `chunk_frames`;
+what is pending at a stream's end, `last`), one batched `push_many` per step for every
+due stream, the codec slots of the open audio streams, and the `--codec` flags. It must
+never decode a stream's finishing EOS frame (not audio), never emit a frame twice or out of
+order, never raise into the step loop (a codec error ends that stream's audio with a
+StreamError), and never keep a slot of a stream its engine forgot (`drop`, `retain`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+from pydantic import BaseModel, Field
+
+from pdunit.engine import metrics as m
+from pdunit.engine.audio.pcm import float_to_pcm16
+from pdunit.engine.proto import pdunit_pb2 as pb
+
+if TYPE_CHECKING:
+    from pdunit.engine.audio.mimi_stream import MimiCodec, MimiStreamDecoder
+    from pdunit.engine.model.transformer import TTSModel
+
+_RUNNING, _EOS, _LENGTH = 0, 1, 2  # StepFrames.finished (engine/decode/batcher.py)
+
+CODEC_STEP_SECONDS = m.role_metric(Histogram(
+    "pdunit_codec_step_seconds", "Wall time of a step's codec decode (one batched call for every due audio stream)",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=None), "decode", "monolith")
+CODEC_STREAMS = m.role_metric(Gauge(
+    "pdunit_codec_streams", "Audio streams holding a codec slot (their frames are decoded to PCM)", registry=None),
+    "decode", "monolith")
+CODEC_FRAMES = m.role_metric(Counter(
+    "pdunit_codec_frames_total", "Frames decoded to PCM by the codec stage", registry=None), "decode", "monolith")
+CODEC_FAILURES = m.role_metric(Counter(
+    "pdunit_codec_failures_total", "Audio streams whose codec decode failed (a StreamError ended them)",
+    registry=None), "decode", "monolith")
+
+
+class CodecFields(BaseModel):
+    """The codec flags of every engine that decodes (D, the monolith)."""
+
+    codec: str = Field("", description="codec that turns frames into PCM for requests that ask for audio: "
+                       "random:mimi-tiny:<seed> (a tiny random Mimi shaped to the model), a directory saved by "
+                       "MimiModel.save_pretrained, or checkpoint (the model checkpoint's own codec_config and "
+                       "codec_model.* tensors, as transformers saves CSM); empty = no codec, audio requests "
+                       "are refused")
+    audio_first_chunk_frames: int = Field(1, gt=0, description="frames of a stream's first PCM chunk (TTFA: 1 "
+                                          "sends the first frame's audio at once)")
+    audio_chunk_frames: int = Field(2, gt=0, description="frames of each later PCM chunk (fewer, larger codec "
+                                    "calls vs the audio's latency)")
+
+
+def build_codec_stage(cfg: CodecFields, model: TTSModel, model_spec: str, device: str,
+                      log: logging.Logger) -> tuple[CodecStage | None, pb.AudioFormat | None]:
+    """The codec stage `cfg` asks for (None, None without --codec), checked against the
+    model's codebooks; ValueError naming the flag when it cannot be had."""
+    if not cfg.codec:
+        log.info("codec", extra={"codec": None, "audio": "refused: no --codec"})
+        return None, None
+    from pdunit.engine.audio.codec_spec import audio_format, load_codec
+
+    k, size = model.codec_books
+    codec = load_codec(cfg.codec, n_codebooks=k, codebook_size=size, device=device, model_dir=model_spec)
+    fmt = audio_format(codec, cfg.codec)
+    stage = CodecStage.for_model(codec, model, cfg.audio_first_chunk_frames, cfg.audio_chunk_frames)
+    log.info("codec", extra={"codec": cfg.codec, "sample_rate": fmt.sample_rate,
+                             "samples_per_frame": fmt.samples_per_frame, "frame_rate_hz": fmt.frame_rate_hz,
+                             "codebooks": k, "codebook_size": size, "first_chunk_frames": stage.first_chunk_frames,
+                             "chunk_frames": stage.chunk_frames})
+    return stage, fmt
+
+
+class Frames(Protocol):
+    """What a step hands the stage (engine/decode/batcher.StepOutput)."""
+
+    request_ids: np.ndarray  # uint64 [n]
+    frames: np.ndarray       # int32 [n, C]
+    finished: np.ndarray     # uint8 [n]
+
+
+@dataclass
+class _Audio:
+    key: str                  # the decoder's stream id
+    sent: int = 0             # frames already in chunks
+    pending: list[np.ndarray] = field(default_factory=list)  # frame rows not yet decoded
+
+
+class CodecStage:
+    """The audio streams of one engine. `open` when a stream that asked for audio starts
+    decoding; `step(out)` with every published step (from any thread: one lock) returns
+    the chunks due and the errors; `drop` when the engine forgets a stream (cancelled,
+    failed); `retain(live)` closes every stream not in `live` (a sweep when idle)."""
+
+    def __init__(self, decoder: MimiStreamDecoder, codes: Callable[[np.ndarray], np.ndarray],
+                 first_chunk_frames: int = 1, chunk_frames: int = 2) -> None:
+        if first_chunk_frames < 1 or chunk_frames < 1:
+            raise ValueError(f"audio chunks need >= 1 frame (got first {first_chunk_frames}, then {chunk_frames}): "
+                             "--audio-first-chunk-frames and --audio-chunk-frames")
+        self.decoder = decoder
+        self.codes = codes  # frame rows [n, C] -> codec codes [K, n] (TTSModel.codec_codes)
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self._streams: dict[int, _Audio] = {}
+        self._lock = threading.Lock()
+        # called with a stream whose codec decode failed (its StreamError is out): the
+        # engine ends the stream (never a lock the caller of `step` holds)
+        self.on_fail: Callable[[int], object] | None = None
+
+    @classmethod
+    def for_model(cls, codec: MimiCodec, model: TTSModel, first_chunk_frames: int = 1,
+                  chunk_frames: int = 2) -> CodecStage:
+        return cls(codec.stream_decoder(), model.codec_codes, first_chunk_frames, chunk_frames)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._streams
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(self, request_id: int) -> None:
+        with self._lock:
+            if request_id in self._streams:
+                return
+            key = str(request_id)
+            self.decoder.close(key)  # a slot left by an earlier stream of this id (never expected)
+            self.decoder.open(key)
+            self._streams[request_id] = _Audio(key)
+            CODEC_STREAMS.set(len(self._streams))
+
+    def drop(self, request_ids: Iterable[int]) -> None:
+        """Streams the engine forgot (cancelled, failed): their slots are freed, nothing
+        pending is decoded."""
+        with self._lock:
+            for rid in request_ids:
+                self._close(int(rid))
+
+    def retain(self, live: Iterable[int]) -> list[int]:
+        """Close every audio stream not in `live` (the engine's streams now); returns them."""
+        keep = {int(r) for r in live}
+        with self._lock:
+            gone = [rid for rid in self._streams if rid not in keep]
+            for rid in gone:
+                self._close(rid)
+        return gone
+
+    def _close(self, rid: int) -> None:
+        audio = self._streams.pop(rid, None)
+        if audio is not None:
+            self.decoder.close(audio.key)
+            CODEC_STREAMS.set(len(self._streams))
+
+    def step(self, out: Frames) -> tuple[list[pb.AudioChunk], list[pb.StreamError]]:
+        """Buffer this step's frames of the audio streams; decode the due ones in one
+        batched call. A finishing EOS frame is dropped (not audio); a length-finished
+        stream's last frame is audio; a finished stream's chunk is `last` (an empty one
+        when nothing was pending) and its slot is freed."""
+        if not self._streams or not len(out.request_ids):
+            return [], []
+        with self._lock:
+            due: dict[int, bool] = {}  # request id -> last
+            for rid, frame, code in zip(out.request_ids.tolist(), out.frames, out.finished.tolist(), strict=True):
+                audio = self._streams.get(rid)
+                if audio is None:
+                    continue
+                if code != _EOS:
+                    audio.pending.append(np.array(frame, copy=True))
+                need = self.first_chunk_frames if audio.sent == 0 else self.chunk_frames
+                if code != _RUNNING or len(audio.pending) >= need:
+                    due[rid] = code != _RUNNING
+            return self._decode(due)
+
+    def _decode(self, due: dict[int, bool]) -> tuple[list[pb.AudioChunk], list[pb.StreamError]]:
+        batch: dict[str, np.ndarray] = {}
+        errors: list[pb.StreamError] = []
+        for rid in list(due):
+            audio = self._streams[rid]
+            if not audio.pending:
+                continue
+            try:
+                codes = self._checked(self.codes(np.stack(audio.pending)), audio.sent)
+            except ValueError as exc:
+                errors.append(self._fail(rid, str(exc)))
+                del due[rid]
+                continue
+            batch[audio.key] = codes
+        pcm: dict[str, np.ndarray] = {}
+        if batch:
+            t0 = time.perf_counter()
+            try:
+                pcm = self.decoder.push_many(batch)
+            except Exception as exc:  # the codec failed for the batch: those streams' audio ends
+                for rid in [r for r in due if self._streams[r].key in batch]:
+                    errors.append(self._fail(rid, f"codec decode failed: {exc}"))
+                    del due[rid]
+            CODEC_STEP_SECONDS.observe(time.perf_counter() - t0)
+            CODEC_FRAMES.inc(sum(c.shape[1] for c in batch.values()))
+        chunks = []
+        for rid, last in due.items():
+            audio = self._streams[rid]
+            n = len(audio.pending)
+            data = float_to_pcm16(pcm[audio.key]) if n else b""
+            chunks.append(pb.AudioChunk(request_id=rid, pcm=data, first_frame=audio.sent, frames=n, last=last))
+            audio.sent += n
+            audio.pending.clear()
+            if last:
+                self._close(rid)
+        return chunks, errors
+
+    def _checked(self, codes: np.ndarray, first: int) -> np.ndarray:
+        """Codes in the codec's range, else ValueError naming the frame and codebook (a
+        model whose codebook vocabulary is wider than the codec's, e.g. CSM's 2051 ids vs
+        Mimi's 2048, can sample an id no audio has)."""
+        size = self.decoder.codec.codebook_size
+        bad = (codes < 0) | (codes >= size)
+        if bad.any():
+            book, frame = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"codec: frame {first + frame} codebook {book} has id {int(codes[book, frame])}, "
+                             f"outside the codec's [0, {size}): the stream's audio ends here")
+        return codes
+
+    def _fail(self, rid: int, message: str) -> pb.StreamError:
+        self._close(rid)
+        CODEC_FAILURES.inc()
+        if self.on_fail is not None:
+            self.on_fail(rid)
+        return pb.StreamError(request_id=rid, status=pb.INTERNAL, message=message)
