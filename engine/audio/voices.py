@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import struct
 import tempfile
 import wave
 from dataclasses import dataclass
@@ -157,7 +158,7 @@ class VoiceStore:
             with wave.open(io.BytesIO(data)) as w:
                 channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
                 pcm = w.readframes(n)
-        except (wave.Error, EOFError, ValueError) as exc:
+        except (wave.Error, EOFError, ValueError, RuntimeError, struct.error) as exc:  # wave's own on bad chunks
             raise FieldError("audio", f"is not a WAV file of PCM samples ({exc})") from None
         if channels != 1:
             raise FieldError("audio", f"has {channels} channels; upload mono")

@@ -120,7 +120,7 @@ class Speech:
                 raise ValueError(f"--codec {config.codec!r}: the model {config.model!r} is not a CSM")
             from pdunit.engine.audio.codec_spec import load_codec
 
-            n_books, size = codec_books(prompter)
+            n_books, size = codec_books(config.model)
             out.codec = load_codec(config.codec, n_codebooks=n_books, codebook_size=size,
                                    model_dir=config.model if Path(config.model).is_dir() else None)
         if config.voices:
@@ -164,10 +164,20 @@ def load_prompter(model: str, max_rows: int) -> CsmPrompter | None:
         raise ValueError(f"--model {model!r}: {exc}") from None
 
 
-def codec_books(prompter: CsmPrompter) -> tuple[int, int]:
-    """(codebooks, ids per codebook) of the model's frames, which the codec must have."""
-    lay = prompter.layout
-    return lay.num_codebooks, lay.audio_vocab_size
+def codec_books(model: str) -> tuple[int, int]:
+    """(codebooks, ids per codebook) of a CSM's codec (`TTSModel.codec_books`, read from
+    the model's config without building it): what D checks its --codec against."""
+    from pdunit.engine.model.family_csm import CsmExtras, CsmFamily
+    from pdunit.engine.model.registry import random_shape
+
+    if model.startswith("random:"):
+        shape = random_shape(model.split(":")[1])
+        assert shape is not None  # load_prompter took it for a CSM
+        parsed = shape[1]
+    else:
+        parsed = CsmFamily().parse_config(json.loads((Path(model) / "config.json").read_text()), Path(model).name)
+    extras: CsmExtras = parsed.extras
+    return extras.n_audio, extras.codec_codebook_size
 
 
 # ------------------------------------------------------------------ POST /v1/audio/speech

@@ -29,8 +29,8 @@ from pdunit.engine.proto import proxy_pb2_grpc as proxy_pbg
 N_CODEBOOKS = 11
 
 
-def frame_of(j: int) -> list[int]:
-    return [(j + c) % 1024 for c in range(N_CODEBOOKS)]
+def frame_of(j: int, n_codebooks: int = N_CODEBOOKS) -> list[int]:
+    return [(j + c) % 1024 for c in range(n_codebooks)]
 
 
 class LoopThread:
@@ -60,6 +60,15 @@ class Active:
     total: int
     emitted: int = 0
     stalled: bool = False
+    audio: bool = False
+    audio_sent: int = 0  # frames whose PCM went out
+
+
+def pcm_of(first_frame: int, frames: int, samples_per_frame: int) -> bytes:
+    """Fake PCM: sample i of a stream is i mod 32768, so a client can check order."""
+    start = first_frame * samples_per_frame
+    samples = np.arange(start, start + frames * samples_per_frame, dtype=np.int64) % 32768
+    return samples.astype("<i2").tobytes()
 
 
 @dataclass
@@ -75,7 +84,14 @@ class FakeDecode(pbg.DecodeServicer):
     draining: bool = False
     unready: str = ""  # InfoReply.unready: why D cannot serve now (e.g. re-registering)
     pending_errors: list[pb.StreamError] = field(default_factory=list)
+    audio_streams: list[int] = field(default_factory=list)
+    pending_audio: list[Any] = field(default_factory=list)  # Actives whose last chunk is due
     send_metadata: bool = True  # False: like a D that sends nothing before its first step
+    model: str = "fake"
+    vocab: int = 1024  # ids per column (Hello's vocab_sizes)
+    audio_format: pb.AudioFormat | None = None  # a D with a codec: AudioChunks for audio streams
+    audio_chunks: tuple[int, int] = (1, 2)  # first chunk after 1 frame, then every 2
+    last_chunk_later: bool = False  # the last chunk one step after the finishing frame
     _stepper: asyncio.Task[None] | None = None
 
     async def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloReply:
@@ -83,9 +99,10 @@ class FakeDecode(pbg.DecodeServicer):
         return pb.HelloReply(
             instance_id=self.instance_id,
             n_codebooks=self.n_codebooks,
-            vocab_sizes=np.full(self.n_codebooks, 1024, dtype="<i8").tobytes(),
+            vocab_sizes=np.full(self.n_codebooks, self.vocab, dtype="<i8").tobytes(),
             eos_id=1023,
-            model="fake",
+            model=self.model,
+            audio_format=self.audio_format,
         )
 
     async def Frames(self, request: pb.FramesRequest, context: Any) -> Any:
@@ -125,8 +142,10 @@ class FakeDecode(pbg.DecodeServicer):
             kv_checks_total=7,
         )
 
-    def start_stream(self, request_id: int, frames: int) -> None:
-        self.active[request_id] = Active(request_id, frames)
+    def start_stream(self, request_id: int, frames: int, audio: bool = False) -> None:
+        self.active[request_id] = Active(request_id, frames, audio=audio)
+        if audio:
+            self.audio_streams.append(request_id)
 
     def break_subscriptions(self) -> None:
         for q in list(self.subscribers):
@@ -140,22 +159,31 @@ class FakeDecode(pbg.DecodeServicer):
             ids, frames, finished = [], [], []
             stamps: dict[int, pb.Stamps] = {}
             now = time.time_ns()
+            audio, self.pending_audio = [self._chunk(a, last=True) for a in self.pending_audio], []
             for a in list(self.active.values()):
                 if a.stalled:
                     continue
                 ids.append(a.request_id)
-                frames.append(frame_of(a.emitted))
+                frames.append(frame_of(a.emitted, self.n_codebooks))
                 if a.emitted == 0:
                     stamps[a.request_id] = pb.Stamps(ns={"d_first_frame": now})
                 a.emitted += 1
-                if a.emitted >= a.total:
+                done = a.emitted >= a.total
+                if done:
                     finished.append(2)
                     stamps.setdefault(a.request_id, pb.Stamps()).ns["d_last_frame"] = now
                     del self.active[a.request_id]
                 else:
                     finished.append(0)
+                if a.audio and self.audio_format is not None:
+                    first, every = self.audio_chunks
+                    due = a.emitted - a.audio_sent >= (first if a.audio_sent == 0 else every)
+                    if done and self.last_chunk_later:
+                        self.pending_audio.append(a)
+                    elif due or done:
+                        audio.append(self._chunk(a, last=done))
             errors, self.pending_errors = self.pending_errors, []
-            if not ids and not errors:
+            if not ids and not errors and not audio:
                 continue
             msg = pb.StepFrames(
                 step=step,
@@ -165,9 +193,18 @@ class FakeDecode(pbg.DecodeServicer):
                 errors=errors,
                 step_unix_ns=now,
                 stamps=stamps,
+                audio=audio,
             )
             for q in self.subscribers:
                 q.put_nowait(msg)
+
+    def _chunk(self, a: Active, last: bool) -> pb.AudioChunk:
+        assert self.audio_format is not None
+        n = a.emitted - a.audio_sent
+        chunk = pb.AudioChunk(request_id=a.request_id, first_frame=a.audio_sent, frames=n, last=last,
+                              pcm=pcm_of(a.audio_sent, n, self.audio_format.samples_per_frame))
+        a.audio_sent = a.emitted
+        return chunk
 
 
 @dataclass
@@ -202,7 +239,7 @@ class FakePrefill(pbg.PrefillServicer):
             if self.hang_s:
                 await asyncio.sleep(self.hang_s)
         else:
-            self.decode.start_stream(request.request_id, request.sampling.max_frames)
+            self.decode.start_stream(request.request_id, request.sampling.max_frames, request.audio)
         return pb.SubmitReply(
             status=pb.STATUS_OK,
             prefill_tokens=request.rows,
