@@ -44,10 +44,12 @@ FORCE:
 lock:
 	$(BIN)/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
 
-# The main job: a whole unit as local processes on CPU with the tiny model, a short
-# load, the stream table and the KV check counters.
+# The main job: a whole unit as local processes on CPU with the tiny random CSM and Mimi,
+# a short load, the stream table and the KV check counters, then one POST
+# /v1/audio/speech into .out/out.wav (noise: the weights are random).
 run: install
-	$(BIN)/pdunit local --model random:tiny:0 --lb-port 0 --load-streams 6 --load-frames 105
+	$(BIN)/pdunit local --model random:csm-tiny:0 --codec random:mimi-tiny:0 --lb-port 0 \
+	  --load-streams 6 --load-frames 105 --speak "Hello from pdunit." --speak-out .out/out.wav
 
 # Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected), after lint.
 test: install lint envtest helm

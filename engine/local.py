@@ -12,6 +12,7 @@ unit): a stranger on `--lb-port` is not it. Every child logs to
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -30,8 +31,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from pdunit.engine.audio.pcm import wav_header
 from pdunit.engine.edge import is_loopback
 from pdunit.engine.lb.load import LoadDocument, LoadDocumentError, read_load_document
 from pdunit.engine.observability import PARENT_ENV, LogLevel, log_config, setup_logging
@@ -88,6 +91,13 @@ class LocalConfig(BaseModel):
     load_frames: int = Field(105, gt=0, description="frames per stream of the short load")
     load_prompt_rows: str = Field("1000-2000", description="prompt rows of the short load (a or a-b)")
     load_requests: int = Field(0, ge=0, description="streams in the short load (0 = 2 x load_streams)")
+    codec: str = Field("", description="the codec D (or the monolith) decodes audio with (their --codec, e.g. "
+                       "random:mimi-tiny:0 with random:csm-tiny:0); the LB then serves /v1/audio/speech")
+    voices: str = Field("", description="the LB's voice store (default with --codec: <run dir>/voices)")
+    speak: str = Field("", description="after the load: speak this text through POST /v1/audio/speech (with a "
+                       "demo voice uploaded first when the store has none) into --speak-out; needs --codec")
+    speak_out: str = Field("out.wav", description="the WAV file --speak writes")
+    speak_frames: int = Field(50, gt=0, description="most frames --speak asks for (its max_frames)")
     extra_prefill_args: list[str] = Field(default_factory=list, description="appended to P's command")
     prefill_module: str = Field("", description="run P as `python -m MODULE` with P's arguments instead of "
                                 "`pdunit prefill` (the fault suite: pdunit.bench.fault_injection)")
@@ -150,6 +160,8 @@ class LocalConfig(BaseModel):
             if getattr(self, name) in block:
                 raise ValueError(f"--metrics-port {self.metrics_port}: its block {block[0]}..{block[-1]} takes "
                                  f"--{name.replace('_', '-')} {getattr(self, name)}: move one of them")
+        if self.speak and not self.codec:
+            raise ValueError("--speak needs --codec (D turns frames into audio with it)")
         if self.lb_port and self.lb_port == self.admin_port:
             raise ValueError(f"--admin-port {self.admin_port} is --lb-port: give the admin port another one "
                              "(or 0 for a free one)")
@@ -322,6 +334,7 @@ class LocalUnit:
             prefill_graphs=c.prefill_graphs, cache_tokens=c.cache_tokens, pool_tokens=c.pool_tokens,
             monolith_policy=c.policy if mono else None, chunk_tokens=c.chunk_tokens if mono else None,
             rate_floor=c.rate_floor, step_model=c.step_model,
+            codec=c.codec, voices=(c.voices or str(self.run_dir / "voices")) if c.codec else "",
             lb_port=self.lb_port, lb_host="127.0.0.1", admin_port=self.admin_port, admin_host=c.admin_host,
             unit_name=self.unit_name, metrics_port=c.metrics_port,
             guard=c.guard and _installed("pdunit.sidecars.quiesce_guard.main"), guard_port=self.guard_port,
@@ -601,6 +614,66 @@ def run_short_load(unit: LocalUnit) -> dict:
     return run_load(cfg)
 
 
+DEMO_VOICE = "pdunit-demo"
+
+
+def demo_clip(sample_rate: int, seconds: float = 2.0) -> bytes:
+    """A synthetic voice clip (a gliding tone with a little noise), 16-bit PCM: a stand-in
+    for a person's recording, so `--speak` runs without any file."""
+    from pdunit.engine.audio.pcm import float_to_pcm16
+
+    t = np.arange(int(sample_rate * seconds)) / sample_rate
+    tone = 0.3 * np.sin(2 * np.pi * (0.05 * sample_rate + 0.02 * sample_rate * t) * t)
+    noise = 0.02 * np.random.default_rng(0).standard_normal(t.size)
+    return float_to_pcm16(tone + noise)
+
+
+def speak(unit: LocalUnit) -> dict[str, Any]:
+    """--speak: one POST /v1/audio/speech (WAV), written to --speak-out as it comes; the demo
+    voice is uploaded first when the store lacks it. Returns what print_speech reports."""
+    c = unit.cfg
+    with httpx.Client(base_url=unit.url, timeout=120) as h:
+        audio = h.get("/v1/model").raise_for_status().json()["audio"]
+        rate = int(audio["sample_rate"])
+        if h.get(f"/v1/voices/{DEMO_VOICE}").status_code == 404:
+            clip = base64.b64encode(demo_clip(rate)).decode()
+            h.post("/v1/voices", json={"name": DEMO_VOICE, "transcript": "This is a demo voice.", "audio": clip,
+                                       "audio_format": "pcm"}).raise_for_status()
+        body = {"model": c.model, "voice": DEMO_VOICE, "input": c.speak, "response_format": "wav",
+                "max_frames": c.speak_frames}
+        path = Path(c.speak_out).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        first_byte: float | None = None
+        size = 0
+        with h.stream("POST", "/v1/audio/speech", json=body) as resp, path.open("wb") as out:
+            if resp.status_code != 200:
+                resp.read()
+                raise RuntimeError(f"POST /v1/audio/speech answered {resp.status_code}: {resp.text}")
+            for chunk in resp.iter_bytes():
+                if first_byte is None:
+                    first_byte = time.perf_counter() - start
+                out.write(chunk)
+                size += len(chunk)
+            samples = max(0, size - 44) // 2
+            out.seek(0)  # the streamed header said "unknown length": patch in the real one
+            out.write(wav_header(rate, samples))
+    return {"path": str(path), "samples": samples, "rate": rate, "frames": samples // int(audio["samples_per_frame"]),
+            "first_byte_s": first_byte or 0.0, "seconds": time.perf_counter() - start}
+
+
+def print_speech(unit: LocalUnit, spoken: dict[str, Any]) -> int:
+    c = unit.cfg
+    duration = spoken["samples"] / spoken["rate"]
+    print(f"\nspeech: {spoken['path']}: {duration:.2f} s of audio ({spoken['frames']} frames, "
+          f"{spoken['rate']} Hz, 16-bit mono); first audio byte after {1000 * spoken['first_byte_s']:.0f} ms, "
+          f"all of it after {spoken['seconds']:.2f} s", flush=True)
+    if c.model.startswith("random:") or c.codec.startswith("random:"):
+        print(f"        it is noise: {c.model} and {c.codec} have random weights; the text went through the "
+              "tokenizer, the prompt, the engines and the codec, but nothing learned to speak", flush=True)
+    return 0 if spoken["samples"] else 1
+
+
 def _run_interruptibly(unit: LocalUnit, work: Callable[[LocalUnit], dict]) -> dict | None:
     """`work(unit)` on a thread of its own, its result; None when a signal came first (the
     unit's stop then ends the work's requests, and the daemon thread with the process)."""
@@ -694,14 +767,26 @@ def main(argv: list[str]) -> int:
         token = unit.admin_token_file
         print(f"admin: {unit.admin_url}" + (f"  (bearer token in {token})" if token else ""), flush=True)
         unit.supervise()
-        if cfg.load_streams:
-            print(f"load: {cfg.load_requests or 2 * cfg.load_streams} streams of {cfg.load_frames} frames, "
-                  f"{cfg.load_streams} at a time", flush=True)
-            result = _run_interruptibly(unit, run_short_load)
-            if result is None:
-                return 0
-            load = read_load_document(httpx.get(f"{unit.url}/v1/load", timeout=5).content)
-            return print_short_load(unit, result, load)
+        if cfg.load_streams or cfg.speak:
+            code = 0
+            if cfg.load_streams:
+                print(f"load: {cfg.load_requests or 2 * cfg.load_streams} streams of {cfg.load_frames} frames, "
+                      f"{cfg.load_streams} at a time", flush=True)
+                result = _run_interruptibly(unit, run_short_load)
+                if result is None:
+                    return 0
+                load = read_load_document(httpx.get(f"{unit.url}/v1/load", timeout=5).content)
+                code = print_short_load(unit, result, load)
+            if cfg.speak:
+                try:
+                    spoken = _run_interruptibly(unit, speak)
+                except (httpx.HTTPError, RuntimeError, OSError, KeyError, TypeError) as exc:
+                    print(f"speech: FAILED: {exc}; the logs are in {unit.logs_dir}", file=sys.stderr, flush=True)
+                    return 1
+                if spoken is None:
+                    return 0
+                code = max(code, print_speech(unit, spoken))
+            return code
         print("Ctrl-C stops the unit" + (" (a child that exits is restarted)." if cfg.restart else
                                          "; so does any child's exit (--no-restart)."), flush=True)
         while not unit.interrupted.is_set() and (cfg.restart or all(c.proc.poll() is None for c in unit.children)):

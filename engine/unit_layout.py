@@ -100,6 +100,8 @@ class UnitSpec:
     monolith_policy: str | None = None
     chunk_tokens: int | None = None
     rate_floor: float | None = None  # D's and the monolith's admission
+    codec: str = ""  # D's and the monolith's --codec; with it the LB takes text (--model, --codec)
+    voices: str = ""  # the LB's voice store (--voices), only with a codec
     step_model: str = ""
     lb_port: int = LB_PORT
     lb_host: str = ""
@@ -155,6 +157,14 @@ def _decode_flags(spec: UnitSpec) -> list[str]:
             (["--decode-gemm", spec.decode_gemm] if spec.decode_gemm != "bf16" else []))
 
 
+def _lb_speech_flags(spec: UnitSpec) -> list[str]:
+    """A unit with a codec speaks: the LB tokenizes text for the model D serves, encodes
+    voice clips with D's codec and keeps the voice store (docs/api.md)."""
+    if not spec.codec:
+        return []
+    return ["--model", spec.model, "--codec", spec.codec, *_opt("--voices", spec.voices)]
+
+
 def _extra(spec: UnitSpec, role: str) -> list[str]:
     return list(spec.extra_args.get(role) or [])
 
@@ -174,7 +184,8 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
             *cli, "monolith", "--socket", p_sock, "--model", spec.model, "--device", spec.device,
             *_model_flags(spec), *_opt("--policy", spec.monolith_policy), *_opt("--chunk-tokens", spec.chunk_tokens),
             *_opt("--pool-tokens", spec.pool_tokens), *_opt("--cache-tokens", spec.cache_tokens), *log,
-            *_decode_flags(spec), *_prefill_flags(spec), *_metrics(spec, "prefill"), *_extra(spec, "monolith"),
+            *_decode_flags(spec), *_opt("--codec", spec.codec), *_prefill_flags(spec), *_metrics(spec, "prefill"),
+            *_extra(spec, "monolith"),
         ]
     else:
         p_sock, d_socks = paths.sock("prefill"), spec.decode_sockets()
@@ -187,7 +198,8 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
                 *cli, "decode", "--socket", sock, "--prefill-socket", p_sock, "--model", spec.model,
                 "--transfer", spec.transfer, "--device", spec.device_of_decode(i),
                 "--unit-secret-file", paths.unit_secret_file, *proxy, *_model_flags(spec),
-                *_opt("--pool-tokens", spec.pool_tokens), *log, *_decode_flags(spec), *_metrics(spec, "decode", i),
+                *_opt("--pool-tokens", spec.pool_tokens), *log, *_decode_flags(spec), *_opt("--codec", spec.codec),
+                *_metrics(spec, "decode", i),
                 *_extra(spec, "decode"),
             ]
         cmds["prefill"] = [
@@ -208,6 +220,6 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
         *_opt("--host", spec.lb_host), "--admin-port", str(spec.admin_port), "--admin-host", spec.admin_host,
         *_opt("--admin-token-file", token), *_opt("--unit-name", spec.unit_name), *log,
         *proxy,  # the drain's empty check asks the proxy too
-        *_extra(spec, "lb"),
+        *_lb_speech_flags(spec), *_extra(spec, "lb"),
     ]
     return cmds

@@ -33,10 +33,12 @@ from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.lb.response import BINARY_FRAMES, FrameStreamResponse, wait_disconnect
 from pdunit.engine.lb.speech import Speech
 from pdunit.engine.lb.streams import (
+    ClientGone,
     FrameSubscription,
     Stream,
     StreamEvent,
     StreamFailure,
+    StreamStartError,
     StreamTable,
     hex_id,
 )
@@ -104,20 +106,6 @@ class RequestIds:
         self._recent.append(rid)
         self._seen.add(rid)
         return rid
-
-
-class StreamStartError(Exception):
-    def __init__(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-        self.request_id: int | None = None  # set once the stream had an id
-
-
-class ClientGone(Exception):
-    """The client disconnected before its stream's first event (its stream was cancelled)."""
 
 
 class LoadBalancer:
@@ -416,7 +404,17 @@ class LoadBalancer:
             "max_rows": self.limits.max_rows,
             "max_frames_limit": self.limits.max_frames_limit,
             "default_max_frames": self.limits.default_max_frames,
+            "audio": self._audio_document(),
         }
+
+    def _audio_document(self) -> dict[str, Any] | None:
+        """D's PCM (AudioFormat), None when D has no codec (the unit serves frames only)."""
+        hello = self.hellos[0]
+        if hello is None or not hello.audio_format.sample_rate:
+            return None
+        fmt = hello.audio_format
+        return {"sample_rate": fmt.sample_rate, "samples_per_frame": fmt.samples_per_frame,
+                "frame_rate_hz": fmt.frame_rate_hz, "codec": fmt.codec}
 
     # ------------------------------------------------------------ one stream
 

@@ -35,7 +35,15 @@ from pdunit.engine.audio.errors import FieldError, UnknownVoice, VoiceExists
 from pdunit.engine.audio.pcm import sse_audio_delta, sse_audio_done, wav_header
 from pdunit.engine.edge import request_id_problem
 from pdunit.engine.lb.response import wait_disconnect
-from pdunit.engine.lb.streams import Audio, Frames, Stream, StreamEvent, StreamFailure
+from pdunit.engine.lb.streams import (
+    Audio,
+    ClientGone,
+    Frames,
+    Stream,
+    StreamEvent,
+    StreamFailure,
+    StreamStartError,
+)
 from pdunit.engine.lb.validate import (
     PackedRequest,
     RequestError,
@@ -277,8 +285,6 @@ async def handle_speech(lb: LoadBalancer, request: Request) -> Response:
     except ClientDisconnect:
         lb.metrics.requests.labels(code="499", outcome="disconnected").inc()
         return Response(status_code=499)
-    from pdunit.engine.lb.balancer import ClientGone, StreamStartError
-
     stamps = {"lb_received": received, "lb_validated": now_ns()}
     try:
         stream, first = await lb.open_stream(request, packed, stamps, client_rid, audio=True)
@@ -289,7 +295,8 @@ async def handle_speech(lb: LoadBalancer, request: Request) -> Response:
         err = SpeechError(exc.status, exc.message, None, exc.code, exc.retry_after)
         return err.response(retry_s, {"X-Request-Id": client_rid or rid, "X-Pdunit-Request-Id": rid})
     headers = {"X-Request-Id": client_rid or stream.hex_id, "X-Pdunit-Request-Id": stream.hex_id,
-               "X-Pdunit-Sample-Rate": str(fmt.sample_rate)}
+               "X-Pdunit-Sample-Rate": str(fmt.sample_rate), "X-Pdunit-Prompt-Rows": str(packed.rows),
+               "X-Pdunit-Cached-Rows": str(stream.cached_tokens)}  # the voice's prefix, once P cached it
     return SpeechStreamResponse(lb, stream, first, req, fmt, headers)
 
 

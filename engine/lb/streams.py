@@ -56,6 +56,20 @@ class Audio:
 StreamEvent = Frames | StreamFailure | Audio
 
 
+class StreamStartError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        self.request_id: int | None = None  # set once the stream had an id
+
+
+class ClientGone(Exception):
+    """The client disconnected before its stream's first event (its stream was cancelled)."""
+
+
 def hex_id(request_id: int) -> str:
     """A request id as the API shows it: 16 hex digits."""
     return f"{request_id:016x}"
