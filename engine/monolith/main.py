@@ -78,7 +78,7 @@ class MonolithPrefill(pbg.PrefillServicer):
 
     async def Submit(self, request, context):  # noqa: N802 - gRPC names
         return await serve_submit(request, self.engine.model.config,
-                                  lambda job: self.engine.submit(job, audio=request.audio), self.engine.cancel)
+                                  self.engine.submit, self.engine.cancel)
 
     async def Cancel(self, request, context):  # noqa: N802
         return pb.CancelReply(found=self.engine.cancel(request.request_id))

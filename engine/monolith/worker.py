@@ -169,15 +169,15 @@ class MonolithEngine:
     # one would break the floor's budget; a prompt that alone would is INVALID. Every step is
     # observed into the step model, a mixed or prefill-only step with its prompt rows (the
     # per-row term).
-    def submit(self, job: PrefillJob, audio: bool = False) -> None:
-        """`audio`: decode the stream's frames to PCM too (refused, INVALID, without a codec)."""
+    def submit(self, job: PrefillJob) -> None:
+        """A job with `audio` has its frames decoded to PCM too (refused, INVALID, without a codec)."""
         job.stamps["p_admitted"] = now_ns()
-        if audio and self.codec is None:
+        if job.audio and self.codec is None:
             self._finish(job, pb.INVALID, NO_CODEC)
             return
         if self.admission is not None and not self._admit(job):
             return
-        if audio:
+        if job.audio:
             self._audio.add(job.request_id)
         if self.cache is not None:  # hashed on the caller's thread: the loop's would leave the GPU idle
             job.prefix_chain = block_hashes(job.prompt, self.cache.block_tokens)

@@ -30,6 +30,7 @@ class PrefillJob:
     # the prompt's prefix-cache hash chain when taken at submit (the monolith: off its
     # loop thread); None: PrefixCache.acquire hashes it
     prefix_chain: list[bytes] | None = field(default=None, repr=False)
+    audio: bool = False           # the stream wants PCM (SubmitRequest.audio): D's codec decodes it
 
 
 def joins_batch(prompts: int, rows: int, next_rows: int, max_prompts: int, max_rows: int) -> bool:

@@ -59,7 +59,7 @@ async def serve_submit(
         return pb.SubmitReply(status=pb.INVALID, message=str(exc))
     job = PrefillJob(
         request_id=req.request_id, prompt=prompt, params=params,
-        deadline_unix_ms=req.deadline_unix_ms, stamps=dict(req.stamps.ns), done=done,
+        deadline_unix_ms=req.deadline_unix_ms, stamps=dict(req.stamps.ns), done=done, audio=req.audio,
     )
     submit(job)
     try:

@@ -199,9 +199,10 @@ def monolith(model: TTSModel, codec: MimiCodec | None, policy: str, overlap: boo
                           overlap=overlap, codec=stage, audio_format=fmt)
 
 
-def job(rid: int, rows: int, params: SamplingParams, replies: dict[int, pb.SubmitReply]) -> PrefillJob:
+def job(rid: int, rows: int, params: SamplingParams, replies: dict[int, pb.SubmitReply],
+        audio: bool = False) -> PrefillJob:
     return PrefillJob(rid, audio_rows(100 + rid, rows), params, int(time.time() * 1000) + 600_000, {},
-                      done=lambda reply: replies.__setitem__(rid, reply))
+                      done=lambda reply: replies.__setitem__(rid, reply), audio=audio)
 
 
 @pytest.mark.parametrize(("policy", "overlap"), [("prefill-first", False), ("chunked", True)])
@@ -209,9 +210,9 @@ def test_the_monolith_streams_an_audio_streams_pcm_and_none_for_a_frames_stream(
     e = monolith(model, codec, policy, overlap)
     assert e.hello().audio_format.codec == CODEC
     replies: dict[int, pb.SubmitReply] = {}
-    e.submit(job(1, 20, SamplingParams(max_frames=8, min_frames=8, temperature=1.0, seed=1), replies), audio=True)
+    e.submit(job(1, 20, SamplingParams(max_frames=8, min_frames=8, temperature=1.0, seed=1), replies, audio=True))
     e.submit(job(2, 9, SamplingParams(max_frames=6, min_frames=6, temperature=1.0, seed=2), replies))
-    e.submit(job(3, 40, SamplingParams(max_frames=5, min_frames=5, temperature=1.0, seed=3), replies), audio=True)
+    e.submit(job(3, 40, SamplingParams(max_frames=5, min_frames=5, temperature=1.0, seed=3), replies, audio=True))
     hub: Hub = e.hub  # type: ignore[assignment]
     for _ in range(200):
         e._step_once()
@@ -228,5 +229,5 @@ def test_the_monolith_without_a_codec_refuses_audio_naming_the_flag(model) -> No
     e = monolith(model, None, "prefill-first", False)
     assert not e.hello().HasField("audio_format")
     replies: dict[int, pb.SubmitReply] = {}
-    e.submit(job(1, 5, SamplingParams(max_frames=3), replies), audio=True)
+    e.submit(job(1, 5, SamplingParams(max_frames=3), replies, audio=True))
     assert replies[1].status == pb.INVALID and "--codec" in replies[1].message
