@@ -105,7 +105,12 @@ def build_servers(config: LBConfig, lb: LoadBalancer, token: bytes | None) -> Se
 async def serve(config: LBConfig, token: bytes | None) -> int:
     logger = setup_logging("lb", config.log_level)
     log_config(logger, config)
-    lb = LoadBalancer(config)
+    try:
+        lb = LoadBalancer(config)  # loads what --model, --codec and --voices name
+    except ValueError as exc:
+        logger.error("cannot start", extra={"reason": str(exc)})
+        print(f"pdunit lb: {exc}", file=sys.stderr)
+        return 2
     try:
         servers = build_servers(config, lb, token)
     except OSError as exc:

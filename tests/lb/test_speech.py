@@ -7,6 +7,8 @@ import base64
 import io
 import json
 import os
+import subprocess
+import sys
 import threading
 import wave
 from collections.abc import Callable, Iterator
@@ -299,3 +301,18 @@ def test_tiny_tokenizer_stays_in_the_tiny_vocabulary():
     assert rows.shape[1] == 5 and rows[:, 4].max() < 64 and rows[:, :4].max() < 32
     vocab = p.tokenizer.get_vocab()
     assert vocab["<|AUDIO|>"] == 62 and vocab["<|audio_eos|>"] == 61 and max(vocab.values()) < 64
+
+
+def test_lb_flags_for_speech_come_together_and_a_bad_model_stops_the_start(tmp_path):
+    from pydantic import ValidationError
+
+    from pdunit.engine.lb.config import LBConfig
+
+    with pytest.raises(ValidationError, match="--voices needs --codec"):
+        LBConfig(model=MODEL, voices=str(tmp_path))
+    with pytest.raises(ValidationError, match="--codec needs --model"):
+        LBConfig(codec=CODEC)
+    out = subprocess.run([sys.executable, "-m", "pdunit.engine.lb.main", "--model", str(tmp_path / "nowhere"),
+                          "--host", "127.0.0.1", "--port", "0", "--admin-port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot read its config.json" in out.stderr
