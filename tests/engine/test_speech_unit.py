@@ -11,21 +11,14 @@ import wave
 import httpx
 import numpy as np
 import openai
-import pytest
 
 from pdunit.engine.local import LocalConfig, LocalUnit, demo_clip
 
 MODEL, CODEC = "random:csm-tiny:0", "random:mimi-tiny:0"
 
 
-@pytest.mark.parametrize("mode", [
-    "monolith",
-    pytest.param("pd", marks=pytest.mark.xfail(strict=True, reason=(
-        "P does not pass SubmitRequest.audio on yet: its PrefillJob has no audio field "
-        "(engine/prefill/scheduler.py, submit.py; docs/audio.md 'Not wired yet')"))),
-])
-def test_openai_client_gets_a_wav_of_frames_x_samples_per_frame_from_a_local_unit(tmp_path, mode) -> None:
-    cfg = LocalConfig(mode=mode, model=MODEL, codec=CODEC, voices=str(tmp_path / "voices"), pool_tokens=4096,
+def test_openai_client_gets_a_wav_of_frames_x_samples_per_frame_from_a_local_unit(tmp_path) -> None:
+    cfg = LocalConfig(model=MODEL, codec=CODEC, voices=str(tmp_path / "voices"), pool_tokens=4096,
                       cache_tokens=4096, lb_port=0, guard=False, log_level="warning")
     with LocalUnit(cfg) as unit:
         audio = httpx.get(f"{unit.url}/v1/model", timeout=10).json()["audio"]
