@@ -19,13 +19,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from prometheus_client import Gauge
 from pydantic import BaseModel, Field, field_validator
 
 from pdunit.engine import metrics as m
 
-# The pdunit family's floor: 2 x its codec's 21 frames/s (the model-family seam will
-# take it from the model).
+# The floor when neither a loaded codec nor the model's config names a frame rate: the
+# `pdunit` family's, 2 x its 21 frames/s (`resolve_floor`).
 DEFAULT_FLOOR_FPS = 42.0
+
+RATE_FLOOR_FPS = m.role_metric(Gauge(
+    "pdunit_rate_floor_frames_per_second", "The rate floor admission keeps (0 = admission off), and where it "
+    "came from: flag (--rate-floor), codec (2 x the loaded codec's frame rate), model (2 x the model config's "
+    "frame rate), default (42), cpu (off by default on CPU)", ["source"], registry=None), "decode", "monolith")
 # Terms of the step model, in the order of StepModel's coefficients.
 TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms")
 
@@ -371,8 +377,9 @@ class AdmissionFields(BaseModel):
 
     rate_floor: float | None = Field(None, ge=0, description="rate floor in frames/s per stream (2 x the codec's "
                                      "frame rate: 42 for 21 Hz): a stream whose admission would break it for any "
-                                     "held stream is refused (RATE_FLOOR); 0 = off; default 42 where the model "
-                                     "takes the GPU path, 0 (off) on CPU")
+                                     "held stream is refused (RATE_FLOOR); 0 = off; default on a CUDA device: 2 x "
+                                     "the --codec's frame rate, else 2 x the model config's (CSM: codec_config's "
+                                     "12.5 Hz -> 25), else 42; 0 (off) on CPU")
     floor_margin: float = Field(0.10, ge=0, lt=1, description="share of the floor's step budget (1 / floor) kept "
                                 "free")
     step_model: str = Field("", description="the step-time model's seed: a fit file from `pdunit bench step` "
@@ -396,23 +403,60 @@ class AdmissionFields(BaseModel):
             raise ValueError(f"expected PROMPT_ROWS:FRAMES, two positive integers (got {v!r})")
         return v
 
-    def floor_fps(self, gpu_path: bool) -> float:
-        if self.rate_floor is None:
-            return DEFAULT_FLOOR_FPS if gpu_path else 0.0
-        return self.rate_floor
+    def floor_fps(self, on_gpu: bool) -> float:
+        """The floor without a model's frame rate (`resolve_floor` for an engine's)."""
+        return resolve_floor(self.rate_floor, on_gpu).fps
 
 
-def build_admission(cfg: AdmissionFields, gpu_path: bool) -> AdmissionControl | None:
-    """The engine's admission from its flags; None when the floor is 0 (off). Raises
-    ValueError naming the flag for a bad fit file."""
-    floor = cfg.floor_fps(gpu_path)
-    if floor <= 0:
+@dataclass(frozen=True)
+class FloorSetting:
+    """The rate floor an engine keeps and where it came from (`resolve_floor`)."""
+
+    fps: float
+    source: str  # flag | codec | model | default | cpu
+    detail: str
+
+    def export(self) -> None:
+        RATE_FLOOR_FPS.clear()
+        RATE_FLOOR_FPS.labels(source=self.source).set(self.fps)
+
+    def log_fields(self) -> dict[str, object]:
+        return {"floor_fps": self.fps, "floor_source": self.source, "floor_detail": self.detail}
+
+
+def resolve_floor(flag: float | None, on_gpu: bool, codec_frame_rate_hz: float | None = None,
+                  model_frame_rate_hz: float | None = None) -> FloorSetting:
+    """The floor follows the model (ARCHITECTURE.md 4: 2 x the codec's frame rate).
+    `--rate-floor` wins; else off on CPU (a shared CPU meets no floor); else 2 x the loaded
+    codec's frame rate; else 2 x the frame rate the model's config names (CSM's
+    codec_config); else DEFAULT_FLOOR_FPS (the `pdunit` family's 21 Hz)."""
+    if flag is not None:
+        return FloorSetting(float(flag), "flag", f"--rate-floor {flag:g}" + (" (admission off)" if flag <= 0 else ""))
+    if not on_gpu:
+        return FloorSetting(0.0, "cpu", "off by default on CPU: --rate-floor turns admission on")
+    if codec_frame_rate_hz:
+        return FloorSetting(2 * codec_frame_rate_hz, "codec", f"2 x the codec's {codec_frame_rate_hz:g} Hz")
+    if model_frame_rate_hz:
+        return FloorSetting(2 * model_frame_rate_hz, "model",
+                            f"2 x the model config's {model_frame_rate_hz:g} Hz (no --codec loaded)")
+    return FloorSetting(DEFAULT_FLOOR_FPS, "default", f"{DEFAULT_FLOOR_FPS:g}: neither a codec nor the model's "
+                        "config names a frame rate (2 x 21 Hz, the pdunit family's)")
+
+
+def build_admission(cfg: AdmissionFields, on_gpu: bool, floor: FloorSetting | None = None) -> AdmissionControl | None:
+    """The engine's admission from its flags and its floor (`resolve_floor`; without one,
+    resolved from the flag alone); None when the floor is 0 (off). Raises ValueError
+    naming the flag for a bad fit file."""
+    setting = floor if floor is not None else resolve_floor(cfg.rate_floor, on_gpu)
+    setting.export()
+    floor_fps = setting.fps
+    if floor_fps <= 0:
         return None
     if not cfg.step_model_refit and not cfg.step_model:
         raise ValueError("--no-step-model-refit needs --step-model: without a fit file there is no model to keep")
     seed = load_step_model(cfg.step_model) if cfg.step_model else StepCoefficients(0.0, 0.0, 0.0)
     rows, _, frames = cfg.headroom_stream.partition(":")
     model = StepModel(seed, fixed=not cfg.step_model_refit)
-    return AdmissionControl(RateFloorAdmission(model, floor, cfg.floor_margin, cfg.floor_error_quantile),
+    return AdmissionControl(RateFloorAdmission(model, floor_fps, cfg.floor_margin, cfg.floor_error_quantile),
                             HeldStream(int(rows), int(frames)), seeded=bool(cfg.step_model),
                             cold_streams=cfg.cold_streams)

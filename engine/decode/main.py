@@ -9,7 +9,7 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator
 
 from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
-from pdunit.engine.decode.admission import AdmissionFields, build_admission
+from pdunit.engine.decode.admission import AdmissionFields, build_admission, resolve_floor
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
@@ -156,15 +156,19 @@ async def serve(cfg: DecodeConfig) -> int:
         cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
         overlap=model.gpu_path if cfg.overlap is None else cfg.overlap, codec=codec, audio_format=audio_format,
     )
+    # the floor follows the model: --rate-floor, else (on a CUDA device) 2 x the codec's or
+    # the model config's frame rate, else 42; off on CPU (engine/decode/admission.py)
+    on_gpu = model.device.type == "cuda"
+    floor = resolve_floor(cfg.rate_floor, on_gpu, audio_format.frame_rate_hz if audio_format is not None else None,
+                          model.frame_rate_hz)
     try:
-        admission = build_admission(cfg, model.gpu_path)
+        admission = build_admission(cfg, on_gpu, floor)
     except ValueError as exc:
         log.error("cannot start rate-floor admission", extra={"error": str(exc)})
         return 2
     engine.admission = admission
-    log.info("rate-floor admission", extra={"floor_fps": cfg.floor_fps(model.gpu_path),
-                                            "margin": cfg.floor_margin, "step_model": cfg.step_model or None,
-                                            "on": admission is not None})
+    log.info("rate-floor admission", extra={**floor.log_fields(), "margin": cfg.floor_margin,
+                                            "step_model": cfg.step_model or None, "on": admission is not None})
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
     server = await start_unix_server(

@@ -84,6 +84,9 @@ class CsmExtras:
     # codec_config the codebook vocabulary): CSM's vocabulary holds a few ids more (2051
     # vs Mimi's 2048: eos, pad) that no audio frame carries
     codec_codebook_size: int = 0
+    # frames per second of audio of the checkpoint's codec (codec_config; None without
+    # one): the rate floor's default is twice it (engine/decode/admission.py)
+    codec_frame_rate_hz: float | None = None
 
 
 class CsmRowEmbedding(nn.Module):
@@ -151,9 +154,10 @@ class DepthDecoder(FrameGenerator):
     rope_sin: torch.Tensor
 
     def __init__(self, d: DepthConfig, audio_token_id: int, dtype: torch.dtype, device: torch.device,
-                 codec_codebook_size: int = 0) -> None:
+                 codec_codebook_size: int = 0, frame_rate_hz: float | None = None) -> None:
         super().__init__()
         c = d.backbone
+        self._frame_rate_hz = frame_rate_hz
         self.n_codebooks, self.vocab_size = d.n_codebooks, d.vocab_size
         self.codec_codebook_size = codec_codebook_size or d.vocab_size
         self.audio_token_id, self.eos_id = audio_token_id, c.eos_id
@@ -222,6 +226,11 @@ class DepthDecoder(FrameGenerator):
     @property
     def codec_books(self) -> tuple[int, int]:
         return self.n_codebooks, self.codec_codebook_size
+
+    @property
+    def frame_rate_hz(self) -> float | None:
+        """codec_config's frame rate (Mimi: 12.5 Hz), None when the config has no codec_config."""
+        return self._frame_rate_hz
 
     def codec_codes(self, frames: np.ndarray) -> np.ndarray:
         """A frame row's K codebooks (the text column, `audio_token_id`, is not audio)."""
@@ -326,6 +335,7 @@ class CsmFamily(ModelFamily):
             n_audio=k, audio_token_id=audio_token, audio_eos_token_id=raw.get("audio_eos_token_id"),
             codebook_pad_token_id=int(raw.get("codebook_pad_token_id", v - 1)),
             tied_codebook_embeddings=bool(tied), depth=depth, codec_codebook_size=_codec_codebook_size(raw, v),
+            codec_frame_rate_hz=_codec_frame_rate(raw),
         )
         return ParsedConfig(backbone, extras)
 
@@ -336,7 +346,7 @@ class CsmFamily(ModelFamily):
             row_embedding=CsmRowEmbedding(extras.n_audio, extras.audio_token_id),
         )
         model.frame_generator = DepthDecoder(extras.depth, extras.audio_token_id, model.dtype, torch.device(device),
-                                             extras.codec_codebook_size)
+                                             extras.codec_codebook_size, extras.codec_frame_rate_hz)
         return model
 
     def weight_map(self, parsed: ParsedConfig, checkpoint_names: set[str]) -> WeightMap:
@@ -410,6 +420,28 @@ def _codec_codebook_size(raw: dict[str, Any], vocab: int) -> int:
             f"(got {size!r}): the codec decodes the codebooks' ids"
         )
     return size
+
+
+def _codec_frame_rate(raw: dict[str, Any]) -> float | None:
+    """codec_config's frames per second: its `frame_rate` when saved (older transformers
+    write it; newer ones `_frame_rate`, null unless it was given), else Mimi's own formula (transformers' MimiConfig.frame_rate: sampling_rate
+    over twice the product of upsampling_ratios, MimiConfig's defaults for a missing
+    field: 24000 / (2 x 960) = 12.5); None without a codec_config."""
+    codec = raw.get("codec_config")
+    if not isinstance(codec, dict):
+        return None
+    rate = codec.get("frame_rate", codec.get("_frame_rate"))
+    if rate is None:
+        ratios = codec.get("upsampling_ratios") or [8, 6, 5, 4]
+        sampling = codec.get("sampling_rate", 24000)
+        if not (isinstance(ratios, list) and all(isinstance(r, int) and r > 0 for r in ratios)
+                and isinstance(sampling, int | float) and not isinstance(sampling, bool)):
+            raise ValueError(f"config.json codec_config: sampling_rate {sampling!r} and upsampling_ratios "
+                             f"{ratios!r} must be a number and positive integers (the codec's frame rate)")
+        rate = sampling / (2 * int(np.prod(ratios)))
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < float("inf"):
+        raise ValueError(f"config.json codec_config.frame_rate must be a number > 0 (got {rate!r})")
+    return float(rate)
 
 
 def _check_fields(raw: dict[str, Any], known: set[str], where: str) -> None:

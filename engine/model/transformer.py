@@ -361,6 +361,11 @@ class FrameGenerator(nn.Module, ABC):
     def codec_codes(self, frames: np.ndarray) -> np.ndarray:
         """Frame rows [n, C] -> the codec's codes, int64 [codebooks, n]."""
 
+    @property
+    def frame_rate_hz(self) -> float | None:
+        """Frames per second of audio, when the family's config names it (None: it does not)."""
+        return None
+
 
 # Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
 # `n_codebooks` embeddings; per layer RMSNorm -> GQA attention with per-head q/k RMSNorm
@@ -522,6 +527,15 @@ class TTSModel(nn.Module):
         if self.frame_generator is None:
             return self.config.n_codebooks, self.config.vocab_max
         return self.frame_generator.codec_books
+
+    @property
+    def frame_rate_hz(self) -> float | None:
+        """Frames per second of audio as the model's config names it (CSM: its
+        codec_config's), None when it names none: the rate floor's default without a
+        loaded codec (engine/decode/admission.py `resolve_floor`)."""
+        if self.frame_generator is None:
+            return None
+        return self.frame_generator.frame_rate_hz
 
     def codec_codes(self, frames: np.ndarray) -> np.ndarray:
         """Frame rows [n, C] (as `frames` makes them) -> the codec's codes int64

@@ -9,7 +9,7 @@ import sys
 from pydantic import Field
 
 from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
-from pdunit.engine.decode.admission import AdmissionFields, build_admission
+from pdunit.engine.decode.admission import AdmissionFields, build_admission, resolve_floor
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
@@ -141,12 +141,17 @@ async def serve(cfg: MonolithConfig) -> int:
     except ValueError as exc:
         log.error("cannot start the codec", extra={"error": str(exc)})
         return 2
+    # the floor follows the model: --rate-floor, else (on a CUDA device) 2 x the codec's or
+    # the model config's frame rate, else 42; off on CPU (engine/decode/admission.py)
+    on_gpu = model.device.type == "cuda"
+    floor = resolve_floor(cfg.rate_floor, on_gpu, audio_format.frame_rate_hz if audio_format is not None else None,
+                          model.frame_rate_hz)
     try:
-        admission = build_admission(cfg, model.gpu_path)
+        admission = build_admission(cfg, on_gpu, floor)
     except ValueError as exc:
         log.error("cannot start rate-floor admission", extra={"error": str(exc)})
         return 2
-    log.info("rate-floor admission", extra={"floor_fps": cfg.floor_fps(model.gpu_path), "margin": cfg.floor_margin,
+    log.info("rate-floor admission", extra={**floor.log_fields(), "margin": cfg.floor_margin,
                                             "step_model": cfg.step_model or None, "on": admission is not None})
     cache = PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens) if cfg.cache_tokens else None
     overlap = model.gpu_path if cfg.overlap is None else cfg.overlap
