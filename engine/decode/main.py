@@ -11,6 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
 from pdunit.engine.decode.admission import AdmissionFields, build_admission, resolve_floor
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_forward import resolve_decode_graphs
 from pdunit.engine.decode.worker import DecodeEngine, DecodeService, serve_debug
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
@@ -62,7 +63,10 @@ class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields):
                                     "for the decode CUDA graphs, activations and the allocator's scratch")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
-    cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode steps (GPU path only)")
+    cuda_graphs: bool | None = Field(None, description="replay captured CUDA graphs for decode steps (one per "
+                                     "batch bucket); default on where the model takes the GPU path (CUDA, bf16 or "
+                                     "fp16, a model form the kernels run), else off; asking for them elsewhere (a "
+                                     "csm model, CPU) is an error")
     overlap: bool | None = Field(None, description="overlap scheduling: queue decode step n+1 before step n's "
                                  "frames reach the host (same frames); default: on when the model takes the GPU "
                                  "path, off on CPU (--overlap turns it on there too)")
@@ -126,6 +130,7 @@ async def serve(cfg: DecodeConfig) -> int:
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     try:
         model.set_decode_gemm(cfg.decode_gemm)  # before the decode graphs record the GEMMs
+        decode_graphs = resolve_decode_graphs(cfg.cuda_graphs, model)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return 2
@@ -153,7 +158,7 @@ async def serve(cfg: DecodeConfig) -> int:
     engine = DecodeEngine(
         model, cfg.model, geometry, PagePool(n_pages, cfg.page_size), receiver, FrameHub(loop),
         cfg.prefill_socket, cfg.max_batch, cfg.held_drain_fraction,
-        cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, cfg.cuda_graphs,
+        cfg.abort_resend_ms / 1000, cfg.probe_interval_ms / 1000, decode_graphs,
         overlap=model.gpu_path if cfg.overlap is None else cfg.overlap, codec=codec, audio_format=audio_format,
     )
     # the floor follows the model: --rate-floor, else (on a CUDA device) 2 x the codec's or
@@ -181,6 +186,7 @@ async def serve(cfg: DecodeConfig) -> int:
     engine_ready(log)
     log.info("decode ready", extra={"instance_id": engine.instance_id, "transfer": receiver.mode,
                                     "pool_pages": n_pages, "overlap": engine.overlap is not None,
+                                    "decode_graphs": engine.step_forward.graphs is not None,
                                     "kv_dtype": dtype_name(geometry.dtype),
                                     "kv_bytes": geometry.bytes_for(geometry.n_slots)})
     await stop.wait()

@@ -27,6 +27,22 @@ GRAPH_STEPS = role_metric(Counter("pdunit_decode_graph_steps_total", "Decode-ste
                                   registry=None), "decode", "monolith")
 
 
+def resolve_decode_graphs(flag: bool | None, model: TTSModel) -> bool:
+    """`--cuda-graphs` of D and the monolith: default (None) on where the model takes its
+    GPU path, silently off elsewhere (CPU, a model form without graphs); asked for
+    (True) where they cannot be captured, a ValueError naming the flag and the reason
+    (engine/model/cuda_graphs.py `decode_graphs_refusal`), as `--prefill-graphs` is."""
+    if flag is None:
+        return model.gpu_path
+    if flag:
+        from pdunit.engine.model.cuda_graphs import decode_graphs_refusal
+
+        refusal = decode_graphs_refusal(model)
+        if refusal is not None:
+            raise ValueError(refusal)
+    return flag
+
+
 class StepForward:
     def __init__(self, model: TTSModel, storage: torch.Tensor, use_graphs: bool, max_batch: int) -> None:
         self.model = model

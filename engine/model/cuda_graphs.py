@@ -37,6 +37,21 @@ class _Graph:
         self.logits: torch.Tensor | None = None
 
 
+def decode_graphs_refusal(model: TTSModel) -> str | None:
+    """Why decode CUDA graphs cannot be captured for `model` (naming `--cuda-graphs`, the
+    engines' flag), None when they can: its form (the kernels the graphs record) first,
+    then its device and dtype."""
+    if not model.kernel_form:
+        return ("decode CUDA graphs (--cuda-graphs) capture the Triton kernels, which this model's form (no q/k "
+                "norm, a family row embedding or a frame generator, e.g. csm's depth decoder) does not run: drop "
+                "--cuda-graphs (or pass --no-cuda-graphs), its decode steps run the torch reference path")
+    if not model.gpu_path:
+        return ("decode CUDA graphs (--cuda-graphs) need the model's GPU path: a CUDA model in bfloat16 or float16 "
+                f"with attention_backend 'triton' (got device {model.device}, dtype {model.dtype}, backend "
+                f"{model.attention_backend!r}): drop --cuda-graphs")
+    return None
+
+
 # A batch of n decodes runs in the smallest bucket >= n: rows n.. are padding (write
 # slot -1, so their K/V is never stored; length 1; their logits are dropped). Contexts
 # grow without recapture: the table is `max_context` wide and the attention kernel's grid
@@ -56,12 +71,9 @@ class DecodeGraphRunner:
     ) -> None:
         from pdunit.kernels.paged_attention import choose_splits
 
-        if not model.gpu_path:
-            raise ValueError(
-                "DecodeGraphRunner needs the model's GPU path: a CUDA model in bfloat16 or "
-                f"float16 with attention_backend 'triton' (got device {model.device}, dtype "
-                f"{model.dtype}, backend {model.attention_backend!r})"
-            )
+        refusal = decode_graphs_refusal(model)
+        if refusal is not None:
+            raise ValueError(refusal)
         if kv.device != model.device:
             raise ValueError(f"kv is on {kv.device}, the model on {model.device}: put both on one GPU")
         sizes = sorted({int(b) for b in buckets})

@@ -11,6 +11,7 @@ from pydantic import Field
 from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
 from pdunit.engine.decode.admission import AdmissionFields, build_admission, resolve_floor
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_forward import resolve_decode_graphs
 from pdunit.engine.grpc_server import start_unix_server
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
@@ -59,7 +60,9 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, C
                               "one: a reused voice skips its cached leading blocks (0 = none)")
     page_size: int = Field(1, gt=0, description="tokens per page")
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
-    cuda_graphs: bool = Field(True, description="replay captured CUDA graphs for decode-only steps (GPU path)")
+    cuda_graphs: bool | None = Field(None, description="replay captured CUDA graphs for decode-only steps, as D's "
+                                     "--cuda-graphs: default on where the model takes the GPU path, else off; asking "
+                                     "for them elsewhere (a csm model, CPU) is an error")
     overlap: bool | None = Field(None, description="overlap scheduling, as D's: queue step n+1 (decode-only, mixed "
                                  "or prefill-only) before step n's frames reach the host (same frames); default: "
                                  "on when the model takes the GPU path, off on CPU (--overlap turns it on there too)")
@@ -133,6 +136,7 @@ async def serve(cfg: MonolithConfig) -> int:
     model, storage, graphs = started
     try:
         model.set_decode_gemm(cfg.decode_gemm)  # before the decode graphs record the GEMMs
+        decode_graphs = resolve_decode_graphs(cfg.cuda_graphs, model)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return 2
@@ -158,7 +162,7 @@ async def serve(cfg: MonolithConfig) -> int:
     try:
         engine = MonolithEngine(
             model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
-            cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, cfg.cuda_graphs, graphs, cache,
+            cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, decode_graphs, graphs, cache,
             admission, overlap=overlap, min_chunk_rows=cfg.prefix_block_tokens, codec=codec,
             audio_format=audio_format,
         )
@@ -176,7 +180,8 @@ async def serve(cfg: MonolithConfig) -> int:
     engine.loop.start()
     engine_ready(log)
     log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy,
-                                      "overlap": engine.overlap is not None})
+                                      "overlap": engine.overlap is not None,
+                                      "decode_graphs": engine.step_forward.graphs is not None})
     await stop.wait()
     engine.hub.close()
     await server.stop(grace=5)
