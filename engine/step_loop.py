@@ -24,7 +24,7 @@ from pdunit.engine.packing import pack
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 if TYPE_CHECKING:
-    from pdunit.engine.audio.codec_stage import CodecStage
+    from pdunit.engine.audio.codec_stage import CodecStage, StepCost
     from pdunit.engine.decode.batcher import StepOutput
     from pdunit.engine.decode.hub import FrameHub
 
@@ -95,18 +95,20 @@ def step_message(step: int, out: StepOutput) -> pb.StepFrames:
     return msg
 
 
-def publish_step(hub: FrameHub, step: int, out: StepOutput, codec: CodecStage | None = None) -> pb.StepFrames:
+def publish_step(hub: FrameHub, step: int, out: StepOutput, codec: CodecStage | None = None) -> StepCost | None:
     """Publish one decode step's frames (`step_message`) with the PCM chunks the codec
     stage has due for its audio streams (and a StreamError for any whose codec failed).
     Every publisher of frames goes through here: D's steps (plain, overlapped), D's first
-    frame at COMMIT and the monolith's steps, so no frame's audio is left out."""
+    frame at COMMIT and the monolith's steps, so no frame's audio is left out. Returns the
+    codec's cost of the step (None without a codec): admission's codec term."""
     msg = step_message(step, out)
+    cost = None
     if codec is not None:
-        chunks, errors = codec.step(out)
+        chunks, errors, cost = codec.step_costed(out)
         msg.audio.extend(chunks)
         msg.errors.extend(errors)
     hub.publish(msg)
-    return msg
+    return cost
 
 
 def engine_setup(threads: int, gil_switch_ms: float) -> None:

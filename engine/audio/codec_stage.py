@@ -87,6 +87,16 @@ class Frames(Protocol):
     finished: np.ndarray     # uint8 [n]
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """What one step's codec work cost: its wall time and the audio streams among the
+    step's rows (due for a chunk or not): rate-floor admission's codec term
+    (engine/decode/admission.py `StepModel.observe_codec`)."""
+
+    seconds: float = 0.0
+    audio_streams: int = 0
+
+
 @dataclass
 class _Audio:
     key: str                  # the decoder's stream id
@@ -163,20 +173,29 @@ class CodecStage:
         batched call. A finishing EOS frame is dropped (not audio); a length-finished
         stream's last frame is audio; a finished stream's chunk is `last` (an empty one
         when nothing was pending) and its slot is freed."""
+        chunks, errors, _ = self.step_costed(out)
+        return chunks, errors
+
+    def step_costed(self, out: Frames) -> tuple[list[pb.AudioChunk], list[pb.StreamError], StepCost]:
+        """`step`, and what it cost (`StepCost`)."""
         if not self._streams or not len(out.request_ids):
-            return [], []
+            return [], [], StepCost()
+        t0 = time.perf_counter()
         with self._lock:
+            audio_rows = 0
             due: dict[int, bool] = {}  # request id -> last
             for rid, frame, code in zip(out.request_ids.tolist(), out.frames, out.finished.tolist(), strict=True):
                 audio = self._streams.get(rid)
                 if audio is None:
                     continue
+                audio_rows += 1
                 if code != _EOS:
                     audio.pending.append(np.array(frame, copy=True))
                 need = self.first_chunk_frames if audio.sent == 0 else self.chunk_frames
                 if code != _RUNNING or len(audio.pending) >= need:
                     due[rid] = code != _RUNNING
-            return self._decode(due)
+            chunks, errors = self._decode(due)
+        return chunks, errors, StepCost(time.perf_counter() - t0, audio_rows)
 
     def _decode(self, due: dict[int, bool]) -> tuple[list[pb.AudioChunk], list[pb.StreamError]]:
         batch: dict[str, np.ndarray] = {}

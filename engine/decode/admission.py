@@ -2,9 +2,9 @@
 when its projected step time over the lifetimes of the streams it holds, plus the new
 one, would break the rate floor for anyone.
 
-Owns the step model (`StepModel`: step ms from streams, context tokens and prefill rows,
-seeded from `--step-model` and refitted online) and the projection
-(`RateFloorAdmission`).
+Owns the step model (`StepModel`: step ms from streams, context tokens, prefill rows and
+audio streams, seeded from `--step-model` and refitted online), the projection
+(`RateFloorAdmission`) and the floor an engine keeps (`resolve_floor`).
 
 Must never block or allocate pages: it answers yes/no and a headroom count; the
 caller refuses (status RATE_FLOOR) and holds nothing.
@@ -16,13 +16,17 @@ import json
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import Gauge
 from pydantic import BaseModel, Field, field_validator
 
 from pdunit.engine import metrics as m
+
+if TYPE_CHECKING:
+    from pdunit.engine.audio.codec_stage import StepCost
 
 # The floor when neither a loaded codec nor the model's config names a frame rate: the
 # `pdunit` family's, 2 x its 21 frames/s (`resolve_floor`).
@@ -32,8 +36,10 @@ RATE_FLOOR_FPS = m.role_metric(Gauge(
     "pdunit_rate_floor_frames_per_second", "The rate floor admission keeps (0 = admission off), and where it "
     "came from: flag (--rate-floor), codec (2 x the loaded codec's frame rate), model (2 x the model config's "
     "frame rate), default (42), cpu (off by default on CPU)", ["source"], registry=None), "decode", "monolith")
-# Terms of the step model, in the order of StepModel's coefficients.
-TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms")
+# Terms of the step model, in the order of StepModel's coefficients; a fit file may leave
+# out the optional ones (0).
+TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms", "per_audio_stream_ms")
+OPTIONAL_TERMS = ("per_row_ms", "per_audio_stream_ms")
 
 
 def nonneg_fit(x: np.ndarray, y: np.ndarray) -> tuple[tuple[float, ...], float]:
@@ -57,10 +63,13 @@ class StepCoefficients:
     per_stream_ms: float
     per_token_ms: float
     per_row_ms: float = 0.0
+    # the codec stage's time per step per audio stream (engine/audio/codec_stage.py)
+    per_audio_stream_ms: float = 0.0
 
-    def ms(self, streams: float, context_tokens: float, prefill_rows: float = 0.0) -> float:
+    def ms(self, streams: float, context_tokens: float, prefill_rows: float = 0.0,
+           audio_streams: float = 0.0) -> float:
         return (self.base_ms + self.per_stream_ms * streams + self.per_token_ms * context_tokens
-                + self.per_row_ms * prefill_rows)
+                + self.per_row_ms * prefill_rows + self.per_audio_stream_ms * audio_streams)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -80,7 +89,7 @@ class StepCoefficients:
         values = {}
         for name in TERMS:
             if name not in doc:
-                if name == "per_row_ms":
+                if name in OPTIONAL_TERMS:
                     continue
                 raise ValueError(f"{source}: field {name} is missing")
             v = doc[name]
@@ -91,10 +100,15 @@ class StepCoefficients:
 
 
 # step ms = base + per_stream * streams + per_token * context tokens of the batch
-# (+ per_row * prefill rows of a monolith's mixed step), seeded from a fit file
-# (`--step-model`, written by `pdunit bench step --step-model-out`) and refitted online
-# from the engine's own steps (non-negative least squares over a window); its recent
-# error (observed / predicted) is tracked.
+# (+ per_row * prefill rows of a monolith's mixed step) (+ per_audio_stream * the audio
+# streams of the step: the codec stage's cost), seeded from a fit file (`--step-model`,
+# written by `pdunit bench step --step-model-out`) and refitted online from the engine's
+# own steps (non-negative least squares over a window); its recent error (observed /
+# predicted) is tracked. The codec term is fitted apart, from the codec stage's own time
+# per step (`observe_codec`: least squares through 0 over the audio streams of each step
+# that had some), and the other terms from the step's time less the codec's: the codec's
+# time is measured, never guessed from the mix. With `fixed` (--no-step-model-refit) a
+# fit file's own codec term is kept; one without it (0) still gets the measured term.
 class StepModel:
     """The engine's step-time model: a seed, then refits from observed steps.
 
@@ -118,9 +132,31 @@ class StepModel:
         self._since_fit = 0
         self.fits = 0
         self.fit_error = 0.0  # worst relative error of the last fit on its own points
+        # the codec term's points: (audio streams, codec ms) of recent steps with audio,
+        # and their running sums of a*c and a*a
+        self._codec_points: deque[tuple[float, float]] = deque(maxlen=window)
+        self._codec_sums = [0.0, 0.0]
 
-    def predict(self, streams: float, context_tokens: float, prefill_rows: float = 0.0) -> float:
-        return self.coefficients.ms(streams, context_tokens, prefill_rows)
+    def predict(self, streams: float, context_tokens: float, prefill_rows: float = 0.0,
+                audio_streams: float = 0.0) -> float:
+        return self.coefficients.ms(streams, context_tokens, prefill_rows, audio_streams)
+
+    def observe_codec(self, audio_streams: float, codec_ms: float) -> None:
+        """One step's codec time over its audio streams: refits the per-audio-stream term
+        (least squares through 0 over the window) at once."""
+        if audio_streams <= 0 or (self.fixed and self.seed.per_audio_stream_ms > 0):
+            return
+        a, c = float(audio_streams), max(0.0, float(codec_ms))
+        with self._lock:
+            if len(self._codec_points) == self._codec_points.maxlen:
+                oa, oc = self._codec_points[0]
+                self._codec_sums[0] -= oa * oc
+                self._codec_sums[1] -= oa * oa
+            self._codec_points.append((a, c))
+            self._codec_sums[0] += a * c
+            self._codec_sums[1] += a * a
+            per_audio = max(0.0, self._codec_sums[0] / self._codec_sums[1]) if self._codec_sums[1] > 0 else 0.0
+            self.coefficients = replace(self.coefficients, per_audio_stream_ms=per_audio)
 
     def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
         if streams <= 0 and prefill_rows <= 0:
@@ -145,7 +181,8 @@ class StepModel:
         with_rows = bool((pts[:, 2] > 0).any())
         cols = [np.ones(len(pts)), pts[:, 0], pts[:, 1]] + ([pts[:, 2]] if with_rows else [])
         coef, worst = nonneg_fit(np.stack(cols, axis=1), pts[:, 3])
-        self.coefficients = StepCoefficients(coef[0], coef[1], coef[2], coef[3] if with_rows else 0.0)
+        self.coefficients = StepCoefficients(coef[0], coef[1], coef[2], coef[3] if with_rows else 0.0,
+                                             self.coefficients.per_audio_stream_ms)
         self.fit_error = worst
         self.fits += 1
 
@@ -162,11 +199,12 @@ class StepModel:
 @dataclass(frozen=True)
 class HeldStream:
     """A stream the engine holds: `context` tokens now (prompt + frames so far, or the
-    prompt alone while reserved) and `frames_left` steps to go (max frames less those
-    out)."""
+    prompt alone while reserved), `frames_left` steps to go (max frames less those out),
+    and whether its frames are decoded to audio (the codec's per-audio-stream cost)."""
 
     context: int
     frames_left: int
+    audio: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,6 +226,11 @@ class Verdict:
                 f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
 
 
+def held_stream(h: tuple[int, ...]) -> HeldStream:
+    """(context, frames left[, audio]) -> HeldStream."""
+    return HeldStream(int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False)
+
+
 def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_rows: float = 0.0) -> tuple[float, int]:
     """The largest projected step time over the streams' remaining lifetimes and the step
     (from now) where it falls. At step k a stream with `frames_left > k` is in the batch
@@ -196,16 +239,19 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
         return (model.ms(0, 0, prefill_rows) if prefill_rows else 0.0), 0
     left = np.array([s.frames_left for s in streams], dtype=np.int64)
     ctx = np.array([s.context for s in streams], dtype=np.float64)
+    audio = np.array([s.audio for s in streams], dtype=np.float64)
     # Candidate steps: now, and the last step of each stream (just before the batch shrinks).
     ks = np.unique(np.concatenate([[0], np.maximum(left - 1, 0)]))
     order = np.argsort(left)
-    left_sorted, ctx_sorted = left[order], ctx[order]
+    left_sorted, ctx_sorted, audio_sorted = left[order], ctx[order], audio[order]
     # Streams alive at step k: frames_left > k. Suffix sums over streams sorted by end.
     suffix_ctx = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
+    suffix_audio = np.concatenate([np.cumsum(audio_sorted[::-1])[::-1], [0.0]])
     first_alive = np.searchsorted(left_sorted, ks, side="right")  # index of first stream with left > k
     alive = len(streams) - first_alive
     tokens = suffix_ctx[first_alive] + alive * ks
-    ms = model.base_ms + model.per_stream_ms * alive + model.per_token_ms * tokens + model.per_row_ms * prefill_rows
+    ms = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * tokens + model.per_row_ms * prefill_rows
+          + model.per_audio_stream_ms * suffix_audio[first_alive])
     ms = np.where(alive > 0, ms, 0.0)
     i = int(np.argmax(ms))
     return float(ms[i]), int(ks[i])
@@ -263,7 +309,7 @@ class RateFloorAdmission:
         budget = self.nominal_budget_ms()
         if worst <= budget:
             return Verdict(True, worst, budget, at)
-        smallest, _ = worst_step(self.model.coefficients, [HeldStream(1, 1)])
+        smallest, _ = worst_step(self.model.coefficients, [HeldStream(1, 1, new.audio)])
         return Verdict(False, worst, budget, at, engine_bound=smallest > budget)
 
     def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096) -> int:
@@ -305,29 +351,33 @@ class AdmissionControl:
         self.cold_streams = cold_streams
         self.widest_step = 0
         self._lock = threading.Lock()
-        self._recent: deque[tuple[int, int]] = deque([(typical.context, typical.frames_left)], maxlen=recent)
+        self._recent: deque[tuple[int, int, bool]] = deque([(typical.context, typical.frames_left, typical.audio)],
+                                                           maxlen=recent)
 
     @property
     def model(self) -> StepModel:
         return self.admission.model
 
     def typical(self) -> HeldStream:
+        """The median recent stream; an audio one when at least half the recent ones were."""
         with self._lock:
-            pts = np.array(self._recent)
-        return HeldStream(int(np.median(pts[:, 0])), int(np.median(pts[:, 1])))
+            pts = np.array(self._recent, dtype=np.float64)
+        return HeldStream(int(np.median(pts[:, 0])), int(np.median(pts[:, 1])), bool(pts[:, 2].mean() >= 0.5))
 
-    def judge(self, held: Iterable[tuple[int, int]], prompt_tokens: int, max_frames: int,
-              prefill_rows: float = 0.0) -> Verdict:
-        """The verdict on a new stream; an admitted one becomes part of the typical mix."""
-        streams = [HeldStream(c, f) for c, f in held]
+    def judge(self, held: Iterable[tuple[int, ...]], prompt_tokens: int, max_frames: int,
+              prefill_rows: float = 0.0, audio: bool = False) -> Verdict:
+        """The verdict on a new stream (`audio`: its frames are decoded by the codec);
+        `held`: (context, frames left[, audio]) of each held stream. An admitted one
+        becomes part of the typical mix."""
+        streams = [held_stream(h) for h in held]
         trusted = self.trusted_streams()
         if len(streams) >= trusted:  # beyond what the model has seen: not judged by it at all
             v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
         else:
-            v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames), prefill_rows)
+            v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows)
         if v.admit:
             with self._lock:
-                self._recent.append((prompt_tokens, max_frames))
+                self._recent.append((prompt_tokens, max_frames, audio))
         else:
             m.D_RATE_FLOOR_REFUSALS.inc()
         return v
@@ -339,19 +389,27 @@ class AdmissionControl:
             return 1 << 30
         return max(self.cold_streams, 2 * self.widest_step)
 
-    def alone_fits(self, prompt_tokens: int, max_frames: int) -> Verdict:
-        return self.admission.alone_fits(HeldStream(prompt_tokens, max_frames))
+    def alone_fits(self, prompt_tokens: int, max_frames: int, audio: bool = False) -> Verdict:
+        return self.admission.alone_fits(HeldStream(prompt_tokens, max_frames, audio))
 
-    def headroom(self, held: Iterable[tuple[int, int]]) -> int:
-        streams = [HeldStream(c, f) for c, f in held]
+    def headroom(self, held: Iterable[tuple[int, ...]]) -> int:
+        streams = [held_stream(h) for h in held]
         room = self.admission.headroom(streams, self.typical())
         return max(0, min(room, self.trusted_streams() - len(streams)))
 
-    def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
+    def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0,
+                codec: StepCost | None = None) -> None:
+        """One step: `ms` its whole time, `codec` the codec stage's part of it and the
+        step's audio streams (engine/step_loop.py `publish_step`): the codec term; the
+        rest of the time fits the other terms."""
         self.widest_step = max(self.widest_step, streams)
-        self.model.observe(streams, context_tokens, ms, prefill_rows)
+        codec_ms = 0.0
+        if codec is not None and codec.audio_streams > 0:
+            codec_ms = codec.seconds * 1000
+            self.model.observe_codec(codec.audio_streams, codec_ms)
+        self.model.observe(streams, context_tokens, max(0.0, ms - codec_ms), prefill_rows)
 
-    def export(self, held: Iterable[tuple[int, int]]) -> int:
+    def export(self, held: Iterable[tuple[int, ...]]) -> int:
         """Sets the admission gauges; returns the headroom."""
         headroom = self.headroom(held)
         m.D_HEADROOM.set(headroom)

@@ -77,11 +77,15 @@ class DecodeBatcher:
         with self._lock:
             return list(self.running) + [s.request_id for s in self._incoming]
 
-    def lifetimes(self) -> list[tuple[int, int]]:
+    def lifetimes(self, audio: bool = False) -> list[tuple[int, ...]]:
         """(context tokens now, frames still to come) of every stream it holds, running or
-        waiting: what rate-floor admission projects (engine/decode/admission.py)."""
+        waiting: what rate-floor admission projects (engine/decode/admission.py); with
+        `audio`, whether each stream is decoded to audio as a third element."""
         with self._lock:  # a stream between take_incoming and `running` is held too
             streams = {s.request_id: s for s in [*self.running.values(), *self._joining, *self._incoming]}
+        if audio:
+            return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out), s.audio)
+                    for s in streams.values()]
         return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out))
                 for s in streams.values()]
 

@@ -301,7 +301,7 @@ class DecodeEngine:
                                    message=f"n_tokens={req.n_tokens} total_tokens={req.total_tokens}")
         max_frames = req.total_tokens - req.n_tokens
         if self.admission is not None:
-            alone = self.admission.alone_fits(req.n_tokens, max_frames)
+            alone = self.admission.alone_fits(req.n_tokens, max_frames, self.codec is not None)
             if not alone.admit and not alone.engine_bound:  # else judged below: a 503
                 return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                        message="rate_floor: even alone this stream would break the floor "
@@ -312,7 +312,8 @@ class DecodeEngine:
                 return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                        message=f"request {req.request_id} already has pages in D")
             if self.admission is not None:  # under the lock: two RESERVEs never both take the last room
-                verdict = self.admission.judge(self._lifetimes(), req.n_tokens, max_frames)
+                verdict = self.admission.judge(self._lifetimes(), req.n_tokens, max_frames,
+                                               audio=self.codec is not None)
                 if not verdict.admit:
                     log.info("stream refused: rate floor", extra={
                         "request_id": req.request_id, "worst_ms": round(verdict.worst_ms, 2),
@@ -347,10 +348,14 @@ class DecodeEngine:
         return pb.ReserveReply(status=pb.STATUS_OK, dst_slots=pack(slots, "i8"), instance_id=self.instance_id,
                                capability=capability)
 
-    def _lifetimes(self) -> list[tuple[int, int]]:
-        """(context, frames to come) of every stream D holds: decoding, waiting for the
-        batch, and reserved but not committed (they will decode too). Under the lock."""
-        return self.batcher.lifetimes() + [(r.n_tokens, r.max_frames) for r in self.reservations.values()]
+    def _lifetimes(self) -> list[tuple[int, ...]]:
+        """(context, frames to come, audio) of every stream D holds: decoding, waiting for
+        the batch, and reserved but not committed (they will decode too). Under the lock.
+        A reservation counts as audio when D has a codec: RESERVE does not say (COMMIT
+        does), so D charges it the codec's cost, the safe side."""
+        audio = self.codec is not None
+        return self.batcher.lifetimes(audio=True) + [(r.n_tokens, r.max_frames, audio)
+                                                     for r in self.reservations.values()]
 
     def headroom(self) -> int:
         """Streams like the recent ones D would still admit (-1: admission off)."""
@@ -494,11 +499,11 @@ class DecodeEngine:
         logits = self.step_forward(entries) if entries else None
         out = self.batcher.apply(streams, logits, new)
         self._step += 1
-        publish_step(self.hub, self._step, out, self.codec)
+        cost = publish_step(self.hub, self._step, out, self.codec)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         if self.admission is not None and streams:
-            self.admission.observe(len(streams), tokens, seconds * 1000)
+            self.admission.observe(len(streams), tokens, seconds * 1000, codec=cost)
         m.D_STEP_BATCH.observe(len(out.request_ids))
         m.D_FRAMES.inc(len(out.request_ids))
         if out.ended:
@@ -518,9 +523,10 @@ class DecodeEngine:
             self._sweep_audio()
             self._update_gauges()
             return False
+        cost = None
         if out is not None:
             self._step += 1
-            publish_step(self.hub, self._step, out, self.codec)
+            cost = publish_step(self.hub, self._step, out, self.codec)
             m.D_STEP_BATCH.observe(len(out.request_ids))
             m.D_FRAMES.inc(len(out.request_ids))
             if out.ended:
@@ -530,7 +536,8 @@ class DecodeEngine:
         m.D_STEP_SECONDS.observe(seconds)
         if self.admission is not None and out is not None and len(out.request_ids):
             # one pipeline period = one frame per stream: the step time the floor sees
-            self.admission.observe(len(out.request_ids), self.batcher.context_tokens(), seconds * 1000)
+            self.admission.observe(len(out.request_ids), self.batcher.context_tokens(), seconds * 1000,
+                                   codec=cost)
         return True
 
     def _sweep_audio(self) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdunit.engine import metrics as m
-from pdunit.engine.audio.codec_stage import CodecStage
+from pdunit.engine.audio.codec_stage import CodecStage, StepCost
 from pdunit.engine.batching import prefill_entry
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
@@ -144,7 +144,7 @@ class MonolithEngine:
         # submit until the stream runs or fails, so a prompt moving between the queue,
         # `prefilling` and the batcher is never missed by the projection (while it
         # waits in the batcher it counts twice: the safe side).
-        self._admitted: dict[int, tuple[int, int]] = {}
+        self._admitted: dict[int, tuple[int, int, bool]] = {}  # (prompt rows, max frames, audio)
         self._admitted_lock = threading.Lock()
         # The most streams one observed step decoded. A step model fitted from the
         # engine's own steps (no --step-model) is trusted up to twice that: a fit of
@@ -203,17 +203,17 @@ class MonolithEngine:
         """Rate-floor admission of a new prompt; a refused one is answered here."""
         assert self.admission is not None
         rows, frames = len(job.prompt), job.params.max_frames
-        alone = self.admission.alone_fits(rows, frames)
+        alone = self.admission.alone_fits(rows, frames, job.audio)
         if not alone.admit and not alone.engine_bound:  # else judged below: a 503
             self._finish(job, pb.INVALID, "rate_floor: even alone this stream would break the floor "
                          f"({alone.worst_ms:.1f} ms steps at its end, budget {alone.budget_ms:.1f} ms): "
                          "ask for fewer frames")
             return False
         with self._admitted_lock:  # two submits never both take the last room
-            held = self.batcher.lifetimes() + list(self._admitted.values())
-            verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step())
+            held = self.batcher.lifetimes(audio=True) + list(self._admitted.values())
+            verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step(), audio=job.audio)
             if verdict.admit:
-                self._admitted[job.request_id] = (rows, frames)
+                self._admitted[job.request_id] = (rows, frames, job.audio)
         if not verdict.admit:
             log.info("stream refused: rate floor", extra={
                 "request_id": job.request_id, "worst_ms": round(verdict.worst_ms, 2),
@@ -230,12 +230,12 @@ class MonolithEngine:
         steps = list(self._rows_per_step)
         return sum(steps) / len(steps) if steps else 0.0
 
-    def _lifetimes(self) -> list[tuple[int, int]]:
-        """(context, frames to come) of every stream the monolith holds: decoding or
-        waiting for the batch, and admitted prompts not yet there."""
+    def _lifetimes(self) -> list[tuple[int, ...]]:
+        """(context, frames to come, audio) of every stream the monolith holds: decoding
+        or waiting for the batch, and admitted prompts not yet there."""
         with self._admitted_lock:
-            admitted = list(self._admitted.values())
-        return self.batcher.lifetimes() + admitted
+            admitted: list[tuple[int, ...]] = list(self._admitted.values())
+        return self.batcher.lifetimes(audio=True) + admitted
 
     def headroom(self) -> int:
         """Streams like the recent ones it would still admit (-1: admission off)."""
@@ -484,15 +484,16 @@ class MonolithEngine:
         out = self.batcher.apply(streams, logits[:n_dec] if logits is not None else None, new)
         self._forget([s.request_id for s in new])  # running now: the batcher counts them
         self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
+        cost = None
         if len(out.request_ids):
             self._step += 1
-            publish_step(self.hub, self._step, out, self.codec)
+            cost = publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         m.D_STREAMS.set(len(self.batcher))
-        self._observe(n_dec, tokens, seconds, sum(c.end - c.start for _, c in plan))
+        self._observe(n_dec, tokens, seconds, sum(c.end - c.start for _, c in plan), cost)
         return True
 
     def _overlap_step_once(self) -> bool:
@@ -509,9 +510,10 @@ class MonolithEngine:
         if not worked:
             self._sweep_audio()
             return False
+        cost = None
         if out is not None:
             self._step += 1
-            publish_step(self.hub, self._step, out, self.codec)
+            cost = publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
         seconds = time.perf_counter() - t0
@@ -520,7 +522,7 @@ class MonolithEngine:
         done = self.overlap.completed
         if done is not None:  # one pipeline period: the step time its streams see
             rows = done.prompts.rows if done.prompts is not None else 0
-            self._observe(len(done.streams), self.batcher.context_tokens(), seconds, rows)
+            self._observe(len(done.streams), self.batcher.context_tokens(), seconds, rows, cost)
         return True
 
     def _sweep_audio(self) -> None:
@@ -535,9 +537,10 @@ class MonolithEngine:
         if self.batcher.cancel(request_id):
             self.loop.work.set()
 
-    def _observe(self, streams: int, context_tokens: int, seconds: float, rows: int) -> None:
-        """One step into the step model: its decoding streams, their context, and the
-        prompt rows it computed (a mixed or prefill-only step's per-row cost)."""
+    def _observe(self, streams: int, context_tokens: int, seconds: float, rows: int,
+                 codec: StepCost | None = None) -> None:
+        """One step into the step model: its decoding streams, their context, the prompt
+        rows it computed (a mixed or prefill-only step's per-row cost) and its codec cost."""
         if self.row_budget is not None:
             self.row_budget.observe(rows)
         if self.admission is not None:
@@ -545,7 +548,7 @@ class MonolithEngine:
             if streams:
                 self._rows_per_step.append(self._rows_since_decode)
                 self._rows_since_decode = 0
-            self.admission.observe(streams, context_tokens, seconds * 1000, rows)
+            self.admission.observe(streams, context_tokens, seconds * 1000, rows, codec=codec)
 
     # ------------------------------------------------------------------ info
     def info(self) -> pb.InfoReply:
