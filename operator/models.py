@@ -359,6 +359,36 @@ class DraSettings(_Api):
 
 _MODEL_RULE = "self.startsWith('/') || self.matches('^random:[A-Za-z0-9_.-]+:[0-9]+$')"
 
+# spec.codec: the --codec of every decode engine and of the LB (engine/audio/codec_spec.py's
+# forms). `checkpoint` reads the model's own folder, so it needs a model path.
+CODEC_CHECKPOINT = "checkpoint"
+CODEC_PATTERN = r"^random:mimi-tiny:[0-9]+$"
+_CODEC_RULE = f"self == '' || self == '{CODEC_CHECKPOINT}' || self.matches('{CODEC_PATTERN}') || self.startsWith('/')"
+_CODEC_MESSAGE = (f"codec must be empty, '{CODEC_CHECKPOINT}', 'random:mimi-tiny:<seed>' or the absolute path "
+                  "of a folder saved by MimiModel.save_pretrained")
+_CODEC_CHECKPOINT_MESSAGE = (f"codec {CODEC_CHECKPOINT} reads the model checkpoint's own codec: model must be "
+                             "a checkpoint folder (an absolute path)")
+AUDIO_MAX_CHUNK_FRAMES = 100  # 8 s of audio at Mimi's 12.5 frames a second
+
+
+def _codec_form(value: str | None) -> str | None:
+    if value and value != CODEC_CHECKPOINT and not re.match(CODEC_PATTERN, value) and not value.startswith("/"):
+        raise ValueError(f"{_CODEC_MESSAGE}: got {value[:100]!r}")
+    return value
+
+
+class AudioChunks(_Api):
+    """PCM chunking of every decode engine's codec stage (unset: the first chunk after 1 frame, then every 2)."""
+
+    first_chunk_frames: int | None = Field(
+        default=None, ge=1, le=AUDIO_MAX_CHUNK_FRAMES,
+        description="Frames of a stream's first PCM chunk (--audio-first-chunk-frames; 1 sends the first "
+        "frame's audio at once: the lowest time to first audio). Unset: 1.")
+    chunk_frames: int | None = Field(
+        default=None, ge=1, le=AUDIO_MAX_CHUNK_FRAMES,
+        description="Frames of each later PCM chunk (--audio-chunk-frames; fewer, larger codec calls against "
+        "the audio's latency). Unset: 2.")
+
 
 # The metrics ports run from metricsPort to metricsPort + 2 + decoders (engine/unit_layout.py:
 # metrics_block); the apiserver checks what the operator checks. It applies the fields'
@@ -414,6 +444,16 @@ class PDUnitSpec(_Api):
                     "rule": _METRICS_PORTS_RULE,
                     "message": _METRICS_PORTS_MESSAGE,
                     "fieldPath": ".metricsPort",
+                },
+                {
+                    "rule": f"!has(self.codec) || self.codec != '{CODEC_CHECKPOINT}' || self.model.startsWith('/')",
+                    "message": _CODEC_CHECKPOINT_MESSAGE,
+                    "fieldPath": ".codec",
+                },
+                {
+                    "rule": "!has(self.audio) || (has(self.codec) && self.codec != '')",
+                    "message": "audio chunking needs a codec: set codec or remove audio",
+                    "fieldPath": ".audio",
                 },
             ]
         }
@@ -557,6 +597,35 @@ class PDUnitSpec(_Api):
         description="Burstable (unset): every container requests CPU and memory (defaults where "
         "spec.resources gives none). Guaranteed: each container's CPU and memory limits equal its requests.")
     voices: VoiceStore | None = None
+    # No CRD defaults (kvCacheDtype's reason): a unit without them keeps its hash.
+    codec: Annotated[str, StringConstraints(max_length=4096), AfterValidator(_codec_form)] | None = Field(
+        default=None,
+        description="The codec that turns frames into PCM (--codec of every decode engine and of the LB, which "
+        "then serves POST /v1/audio/speech and /v1/voices, reading the tokenizer of spec.model): "
+        "random:mimi-tiny:<seed> (a tiny random Mimi shaped to the model), checkpoint (the CSM checkpoint "
+        "folder's own codec) or the absolute path of a folder saved by MimiModel.save_pretrained, in the image "
+        "or on a volume of spec.volumes. Unset or empty: frames only. The LB and the decode engines get the "
+        "mounts that hold spec.model and a codec folder (docs/operator.md).",
+        json_schema_extra={"x-kubernetes-validations": [{"rule": _CODEC_RULE, "message": _CODEC_MESSAGE}]},
+    )
+    audio: AudioChunks | None = None
+
+    @field_validator("codec")
+    @classmethod
+    def _codec_fits_the_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        model = info.data.get("model")
+        if value == CODEC_CHECKPOINT and model is not None and not model.startswith("/"):
+            raise ValueError(f"{_CODEC_CHECKPOINT_MESSAGE}: model is {model!r}")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _audio_needs_a_codec(cls, value: AudioChunks | None, info: ValidationInfo) -> AudioChunks | None:
+        # a codec that failed its own check is not in info.data: named once, there
+        if value is not None and "codec" in info.data and not info.data["codec"]:
+            raise ValueError("audio chunking needs a codec: set codec or remove audio")
+        return value
+
     gpu_allocation: GpuAllocation | None = Field(
         default=None,
         description="devicePlugin (unset): prefill and each decode request one gpuResource. dra: one "
@@ -580,6 +649,7 @@ class PDUnitSpec(_Api):
         elif self.dra is not None:
             raise ValueError("dra settings need gpuAllocation dra: set it or remove dra")
         return self
+
 
     @model_validator(mode="after")
     def _mounts_name_volumes(self) -> PDUnitSpec:

@@ -195,7 +195,48 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
                        **{k: voices[k] for k in ("subPath", "readOnly") if k in voices}})
     # The user's mounts after ours (the models refuse names and paths of ours).
     mounts.extend(dict(x) for x in (spec.get("volumeMounts") or {}).get(role) or [])
-    return mounts
+    return mounts + _carried_mounts(spec, role, mounts)
+
+
+def folders_read(spec: dict[str, Any], role: str) -> list[str]:
+    """The folders `role`'s command names beyond its own mounts' purpose: with a codec
+    the LB reads spec.model (tokenizer.json, config.json; `checkpoint`: its codec) and a
+    codec folder, every decode engine the codec folder. Absolute paths only."""
+    codec = spec.get("codec") or ""
+    if not codec:
+        return []
+    wanted = [spec["model"]] if role == "lb" else []
+    if role in ("lb", "decode") and codec.startswith("/"):
+        wanted.append(codec)
+    return [p for p in wanted if p.startswith("/")]
+
+
+def _holder(mounts: Sequence[dict[str, Any]], path: str) -> dict[str, Any] | None:
+    """The mount whose mountPath is the deepest at or above `path`."""
+    best: dict[str, Any] | None = None
+    for mount in mounts:
+        at = mount["mountPath"].rstrip("/")
+        if (path == at or path.startswith(at + "/")) and (best is None or len(at) > len(best["mountPath"].rstrip("/"))):
+            best = mount
+    return best
+
+
+def _carried_mounts(spec: dict[str, Any], role: str, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Read-only copies of the spec's mounts (of prefill, decode or the LB) holding a
+    folder `role` reads (folders_read) that none of its own mounts holds: a checkpoint
+    on a volume mounted for prefill and decode reaches the LB at the same path. A folder
+    no mount holds is the image's."""
+    user = spec.get("volumeMounts") or {}
+    carried: list[dict[str, Any]] = []
+    for path in folders_read(spec, role):
+        if _holder([*own, *carried], path):
+            continue
+        for other in ("prefill", "decode", "lb"):
+            found = _holder(user.get(other) or [], path)
+            if found:
+                carried.append({**found, "readOnly": True})
+                break
+    return carried
 
 
 NVIDIA_ALL_GPUS_VOLUME = "nvidia-all-gpus"
@@ -364,8 +405,25 @@ def layout_of(spec: dict[str, Any]) -> UnitSpec:
         admin_port=spec["adminPort"],
         admin_host="0.0.0.0",
         metrics_port=int(spec["metricsPort"]),
-        extra_args={role: list(args or []) for role, args in (spec.get("extraArgs") or {}).items()},
+        codec=spec.get("codec") or "",  # D's and the LB's --codec; with it the LB takes text (--model)
+        voices=m.VOICES_MOUNT_PATH if spec.get("voices") else "",  # passed only with a codec
+        extra_args=_extra_args(spec),
     )
+
+
+# spec.audio -> every decode engine's codec stage flags (UnitSpec has no fields for them).
+_AUDIO_FLAGS = {"firstChunkFrames": "--audio-first-chunk-frames", "chunkFrames": "--audio-chunk-frames"}
+
+
+def _extra_args(spec: dict[str, Any]) -> dict[str, list[str]]:
+    """spec.extraArgs per role, every decode engine's after spec.audio's flags (so a
+    flag of extraArgs.decode still wins: argparse keeps the last)."""
+    out = {role: list(args or []) for role, args in (spec.get("extraArgs") or {}).items()}
+    audio = spec.get("audio") or {}
+    flags = [x for key, flag in _AUDIO_FLAGS.items() if audio.get(key) is not None for x in (flag, str(audio[key]))]
+    if flags:
+        out["decode"] = [*flags, *out.get("decode", [])]
+    return out
 
 
 def _container(
