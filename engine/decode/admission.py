@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -353,6 +353,9 @@ class AdmissionControl:
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, int, bool]] = deque([(typical.context, typical.frames_left, typical.audio)],
                                                            maxlen=recent)
+        # `export_for`'s last answer and the key it was computed for
+        self._exported: tuple[Hashable, int] | None = None
+        self.headroom_computations = 0
 
     @property
     def model(self) -> StepModel:
@@ -393,6 +396,7 @@ class AdmissionControl:
         return self.admission.alone_fits(HeldStream(prompt_tokens, max_frames, audio))
 
     def headroom(self, held: Iterable[tuple[int, ...]]) -> int:
+        self.headroom_computations += 1
         streams = [held_stream(h) for h in held]
         room = self.admission.headroom(streams, self.typical())
         return max(0, min(room, self.trusted_streams() - len(streams)))
@@ -408,6 +412,21 @@ class AdmissionControl:
             codec_ms = codec.seconds * 1000
             self.model.observe_codec(codec.audio_streams, codec_ms)
         self.model.observe(streams, context_tokens, max(0.0, ms - codec_ms), prefill_rows)
+
+    def export_for(self, key: Hashable, held: Callable[[], Iterable[tuple[int, ...]]]) -> int:
+        """`export` at most once per `key`: the engine's step and the version of its held
+        set (it changes whenever the held streams, the step model or the typical stream
+        can change). Between steps and changes, a probe (Info) gets the headroom computed
+        last instead of a binary search over the held streams' lifetimes. The key is read
+        before `held()`, so a value is never kept past a change."""
+        with self._lock:
+            last = self._exported
+        if last is not None and last[0] == key:
+            return last[1]
+        value = self.export(held())
+        with self._lock:
+            self._exported = (key, value)
+        return value
 
     def export(self, held: Iterable[tuple[int, ...]]) -> int:
         """Sets the admission gauges; returns the headroom."""

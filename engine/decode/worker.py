@@ -127,6 +127,9 @@ class DecodeEngine:
         self._lock = threading.Lock()
         self._draining = False
         self._step = 0
+        # bumped (under the lock) whenever a reservation comes or goes: with the step it
+        # keys the cached headroom (`headroom`)
+        self._held_version = 0
         self.loop = StepLoop("decode-step", self._step_once, model.device)
         if codec is not None:
             codec.on_fail = self._end_failed_audio
@@ -161,6 +164,7 @@ class DecodeEngine:
             res = self.reservations.pop(request_id, None)
             if res is None:
                 return
+            self._held_version += 1
             self.pool.hold(request_id)
             self.held[request_id] = Held(request_id, res.p_instance, time.monotonic(), reason)
         self._revoke(request_id)
@@ -324,6 +328,7 @@ class DecodeEngine:
                 slots = self.pool.reserve(req.request_id, req.n_tokens, req.total_tokens)
             except NoCapacity as exc:
                 return pb.ReserveReply(status=pb.NO_CAPACITY, instance_id=self.instance_id, message=str(exc))
+            self._held_version += 1
             self.reservations[req.request_id] = Reservation(
                 req.request_id, req.identity.sender_instance, req.deadline_unix_ms, req.n_tokens, slots,
                 stamps={"d_reserved": now_ns()}, max_frames=max_frames)
@@ -358,12 +363,18 @@ class DecodeEngine:
                                                      for r in self.reservations.values()]
 
     def headroom(self) -> int:
-        """Streams like the recent ones D would still admit (-1: admission off)."""
+        """Streams like the recent ones D would still admit (-1: admission off). Computed
+        at most once per step and change of the held set (a reservation made, committed or
+        failed): every Info probe asks, and the answer is a binary search over the held
+        streams' lifetimes."""
         if self.admission is None:
             return -1
-        with self._lock:
-            held = self._lifetimes()
-        return self.admission.export(held)
+
+        def held() -> list[tuple[int, ...]]:
+            with self._lock:
+                return self._lifetimes()
+
+        return self.admission.export_for((self._step, self._held_version), held)
 
     def _revoke(self, request_id: int) -> None:
         """The reservation's write capability ends (COMMIT, held): receivers that check
@@ -405,6 +416,7 @@ class DecodeEngine:
         with self._lock:
             if self.reservations.pop(req.request_id, None) is None:  # failed meanwhile
                 return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id)
+            self._held_version += 1
             self.pool.start_decoding(req.request_id)
             stamps["d_committed"] = now_ns()
             if stream.audio and self.codec is not None:
@@ -486,6 +498,9 @@ class DecodeEngine:
         if self.overlap is not None:
             return self._overlap_step_once()
         dropped = self.batcher.take_cancelled()
+        if dropped:
+            with self._lock:  # streams left between steps: the cached headroom is stale
+                self._held_version += 1
         if self.codec is not None:
             self.codec.drop(dropped)
         new = self.batcher.take_incoming()
@@ -517,6 +532,9 @@ class DecodeEngine:
         assert self.overlap is not None
         t0 = time.perf_counter()
         worked, out = self.overlap.step_once()
+        if self.overlap.dropped:
+            with self._lock:  # streams left between steps: the cached headroom is stale
+                self._held_version += 1
         if self.codec is not None:
             self.codec.drop(self.overlap.dropped)
         if not worked:

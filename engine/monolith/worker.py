@@ -146,6 +146,9 @@ class MonolithEngine:
         # waits in the batcher it counts twice: the safe side).
         self._admitted: dict[int, tuple[int, int, bool]] = {}  # (prompt rows, max frames, audio)
         self._admitted_lock = threading.Lock()
+        # bumped by every loop iteration that worked and every change of `_admitted`
+        # (under `_admitted_lock`): the key of the cached headroom (`headroom`)
+        self._held_version = 0
         # The most streams one observed step decoded. A step model fitted from the
         # engine's own steps (no --step-model) is trusted up to twice that: a fit of
         # small batches says little of large ones, and a burst judged by it at once
@@ -214,6 +217,7 @@ class MonolithEngine:
             verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step(), audio=job.audio)
             if verdict.admit:
                 self._admitted[job.request_id] = (rows, frames, job.audio)
+                self._held_version += 1
         if not verdict.admit:
             log.info("stream refused: rate floor", extra={
                 "request_id": job.request_id, "worst_ms": round(verdict.worst_ms, 2),
@@ -238,16 +242,18 @@ class MonolithEngine:
         return self.batcher.lifetimes(audio=True) + admitted
 
     def headroom(self) -> int:
-        """Streams like the recent ones it would still admit (-1: admission off)."""
+        """Streams like the recent ones it would still admit (-1: admission off), computed
+        at most once per loop iteration that worked and change of the admitted prompts."""
         if self.admission is None:
             return -1
-        return self.admission.export(self._lifetimes())
+        return self.admission.export_for(self._held_version, self._lifetimes)
 
     def _forget(self, request_ids: list[int]) -> None:
         """Streams that run now, or that ended before they ran, leave `_admitted`."""
         with self._admitted_lock:
             for rid in request_ids:
                 self._admitted.pop(rid, None)
+            self._held_version += 1
 
     def _finish(self, job: PrefillJob, status: pb.Status, message: str = "", **fields: int) -> None:
         """The prompt's answer; a failed one leaves `_admitted` (a served one when its
@@ -435,6 +441,13 @@ class MonolithEngine:
         return min(p.lease.cached_tokens, len(prompt) - 1)
 
     def _step_once(self) -> bool:
+        worked = self._step_once_inner()
+        if worked:
+            with self._admitted_lock:
+                self._held_version += 1
+        return worked
+
+    def _step_once_inner(self) -> bool:
         if self.overlap is not None:
             return self._overlap_step_once()
         dropped = self.batcher.take_cancelled()
