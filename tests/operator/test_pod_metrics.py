@@ -3,22 +3,27 @@ container starts with its own command from `desired_pod`, the unit serves a stre
 every port the pod declares serves Prometheus metrics; together they serve every unit
 metric the chart's dashboard and alert rules query (the dashboard's panels on D's steps, P's aborts,
 the KV checks and the transfer mode had nothing to scrape while only the LB's port was
-declared). The LB's admin port takes the drain only with the token of the unit's Secret."""
+declared). The LB's admin port takes the drain only with the token of the unit's Secret.
+A unit with spec.codec speaks through the same commands (a voice stored, one WAV)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import re
 import sys
+import wave
 from typing import Any
 
 import httpx
 import pytest
 
-from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.local import LocalConfig, LocalUnit, demo_clip
 from pdunit.engine.ports import free_port, free_port_block
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.unit_layout import ADMIN_TOKEN_FILE, RUN_DIR, UNIT_SECRET_FILE
 from pdunit.operator.chart_files import metric_names, queries
+from pdunit.operator.models import VOICES_MOUNT_PATH
 from pdunit.operator.pod import desired_pod
 from tests.engine.unit_client import random_prompt, stream
 
@@ -51,15 +56,19 @@ class PodProcesses(LocalUnit):
 
     def commands(self) -> list[tuple[str, list[str]]]:
         by_name = {c["name"]: c for c in self.pod["spec"]["initContainers"] + self.pod["spec"]["containers"]}
-        assert set(by_name) == set(ORDER), sorted(by_name)
+        assert set(by_name) <= set(ORDER) and {"lb", "prefill", "decode"} <= set(by_name), sorted(by_name)
         out = []
         for container, child in ORDER.items():
+            if container not in by_name:  # the proxy runs with transfer proxy and auto only
+                continue
             c = by_name[container]
             env = [f"{e['name']}={e['value']}" for e in c["env"] if "value" in e]
             # /run/pdunit is the pod's shared volume; here a folder of its own (every path of
             # the unit is a flag of its commands: engine/unit_layout.py)
             env.append(f"PDUNIT_UNIT_NAME={self.unit_name}")  # how wait_ready knows the LB is this unit's
-            argv = [self.secret_files().get(a, a).replace(RUN_DIR, str(self.run_dir)) for a in c["command"]]
+            # the voice store's volume: a folder of the run dir
+            argv = [self.secret_files().get(a, a).replace(RUN_DIR, str(self.run_dir))
+                    .replace(VOICES_MOUNT_PATH, str(self.run_dir / "voices")) for a in c["command"]]
             assert argv[0] == "pdunit", argv
             out.append((child, ["env", *env, sys.executable, "-m", "pdunit.engine.cli", *argv[1:]]))
         return out
@@ -125,3 +134,39 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
     everything = set().union(*served.values())
     missing = _unit_metrics_read_by_the_chart() - everything
     assert not missing, f"the dashboard or the alerts query unit metrics no port of the pod serves: {sorted(missing)}"
+
+
+@pytest.mark.timeout(300)
+def test_a_speaking_unit_pod_serves_speech_through_its_own_commands():
+    """spec.codec and spec.voices as the operator passes them (--codec to D, --model,
+    --codec and --voices to the LB, spec.audio's chunking to D): a voice uploaded into the
+    pod's voice store, one POST /v1/audio/speech answered with a WAV of frames x the
+    codec's samples per frame."""
+    lb_port = free_port()
+    unit = {
+        "metadata": {"name": "speaking-unit", "namespace": "t", "uid": "u"},
+        "spec": {
+            "image": "pdunit:cpu", "model": "random:csm-tiny:0", "codec": "random:mimi-tiny:0",
+            "audio": {"firstChunkFrames": 2, "chunkFrames": 3}, "device": "cpu", "transfer": "host",
+            "lbPort": lb_port, "adminPort": free_port(), "metricsPort": 0,
+            "volumes": [{"name": "voice-store", "emptyDir": {}}], "voices": {"volume": "voice-store"},
+            "extraArgs": {"prefill": ["--cache-tokens", "4096"], "decode": ["--pool-tokens", "4096"]},
+        },
+    }
+    pod = desired_pod(unit)
+    with PodProcesses(pod, lb_port) as procs:
+        audio = httpx.get(f"{procs.url}/v1/model", timeout=10).json()["audio"]
+        rate, spf = audio["sample_rate"], audio["samples_per_frame"]
+        clip = base64.b64encode(demo_clip(rate, seconds=1.0)).decode()
+        resp = httpx.post(f"{procs.url}/v1/voices", timeout=60, json={
+            "name": "demo", "transcript": "a demo voice", "audio": clip, "audio_format": "pcm"})
+        assert resp.status_code == 201, resp.text
+        assert (procs.run_dir / "voices").is_dir()  # the store is the pod's voice volume
+        speech = httpx.post(f"{procs.url}/v1/audio/speech", timeout=120, json={
+            "model": "random:csm-tiny:0", "voice": "demo", "input": "Hello there.", "response_format": "wav",
+            "max_frames": 7, "min_frames": 7})
+        assert speech.status_code == 200, speech.text
+        with wave.open(io.BytesIO(speech.content)) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (rate, 1, 2)
+            pcm = w.readframes(w.getnframes())
+        assert len(pcm) == 2 * 7 * spf  # 7 frames, every one decoded once (first chunk 2, then 3 and 2)

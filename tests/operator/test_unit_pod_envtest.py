@@ -109,3 +109,39 @@ def test_a_dra_unit_gets_its_claim_template_and_a_pod_whose_containers_reference
     assert [cs[n]["resources"]["claims"] for n in ("prefill", "decode-0", "decode-1")] == [
         [{"name": "gpus", "request": n}] for n in ("prefill", "decode-0", "decode-1")]
     assert cs["nvlink-proxy"]["resources"]["claims"] == [{"name": "gpus"}]
+
+
+def test_the_crd_refuses_a_bad_codec_naming_the_field(control_plane: ControlPlane, namespace: str) -> None:
+    cases = [
+        ({"codec": "mimi"}, "spec.codec", "codec must be empty, 'checkpoint', 'random:mimi-tiny:<seed>'"),
+        ({"codec": "checkpoint"}, "spec.codec", "codec checkpoint reads the model checkpoint's own codec"),
+        ({"audio": {"chunkFrames": 2}}, "spec.audio", "audio chunking needs a codec"),
+        ({"codec": "random:mimi-tiny:0", "audio": {"chunkFrames": 0}}, "spec.audio.chunkFrames", "0"),
+    ]
+    for i, (spec, field, words) in enumerate(cases):
+        out = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False,
+                                    input=unit(f"bad-codec-{i}", model="random:csm-tiny:0", **spec))
+        assert out.returncode != 0 and f"{field}:" in out.stderr and words in out.stderr, (spec, out.stderr)
+
+
+def test_a_speaking_unit_gets_a_pod_whose_lb_reads_the_checkpoint_from_the_engines_volume(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    ns = namespace
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit(
+        "speaking", model="/models/csm-1b", codec="checkpoint", audio={"chunkFrames": 4},
+        volumes=[{"name": "weights", "hostPath": {"path": "/models", "type": "Directory"}},
+                 {"name": "voice-store", "emptyDir": {}}],
+        volumeMounts={"prefill": [{"name": "weights", "mountPath": "/models", "readOnly": True}],
+                      "decode": [{"name": "weights", "mountPath": "/models", "readOnly": True}]},
+        voices={"volume": "voice-store"},
+    ))
+    pod = wait_for(lambda: get_pod(api, ns, "speaking"), 30, "pod speaking",
+                   describe=lambda: (get_unit(api, ns, "speaking") or {}).get("status"))
+    cs = {c["name"]: c for c in pod["spec"]["containers"]}
+    lb = cs["lb"]["command"]
+    assert lb[lb.index("--model") + 1] == "/models/csm-1b" and lb[lb.index("--codec") + 1] == "checkpoint"
+    assert "--voices" in lb
+    assert {"name": "weights", "mountPath": "/models", "readOnly": True} in [
+        {k: mt[k] for k in ("name", "mountPath", "readOnly") if k in mt} for mt in cs["lb"]["volumeMounts"]]
+    assert cs["decode"]["command"][-2:] == ["--audio-chunk-frames", "4"]
