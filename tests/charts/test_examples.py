@@ -55,3 +55,24 @@ def test_the_weights_example_mounts_the_model_into_prefill_and_decode_and_voices
         mounts = {mt["mountPath"]: mt["name"] for mt in cs[name]["volumeMounts"]}
         assert spec["model"].startswith("/models/") and mounts["/models"] == "weights"
     assert {"name": "voice-store", "mountPath": m.VOICES_MOUNT_PATH} in cs["lb"]["volumeMounts"]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_the_speaking_examples_give_the_lb_the_model_codec_and_voices_and_the_mounts_they_live_on() -> None:
+    docs = {d["metadata"]["name"]: d for d in _docs(EXAMPLES / "unit-weights-and-voices.yaml")}
+    (spec,) = _unit_specs(docs["tts"])
+    pod = desired_pod({"metadata": {"name": "u", "uid": "x"}, "spec": spec})
+    cs = {c["name"]: c for c in pod["spec"]["containers"]}
+    lb = cs["lb"]["command"]
+    assert (_flag(lb, "--model"), _flag(lb, "--codec"), _flag(lb, "--voices")) == (
+        spec["model"], "checkpoint", m.VOICES_MOUNT_PATH)
+    assert _flag(cs["decode"]["command"], "--codec") == "checkpoint"
+    assert {"name": "weights", "mountPath": "/models", "readOnly": True} in cs["lb"]["volumeMounts"]
+    (own,) = _unit_specs(docs["tts-own-codec"])
+    cs = {c["name"]: c for c in desired_pod({"metadata": {"name": "u", "uid": "x"}, "spec": own})["spec"]["containers"]}
+    assert _flag(cs["lb"]["command"], "--codec") == _flag(cs["decode"]["command"], "--codec") == "/codecs/mimi"
+    assert {"name": "codecs", "mountPath": "/codecs", "readOnly": True} in cs["lb"]["volumeMounts"]
+    assert not any(mt["name"] == "codecs" for mt in cs["prefill"]["volumeMounts"])
