@@ -51,9 +51,12 @@ run: install
 	$(BIN)/pdunit local --model random:csm-tiny:0 --codec random:mimi-tiny:0 --lb-port 0 \
 	  --load-streams 6 --load-frames 105 --speak "Hello from pdunit." --speak-out .out/out.wav
 
-# Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected), after lint.
+# Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected), after lint,
+# on TEST_WORKERS pytest-xdist workers (a file's tests stay on one worker, and so do the
+# envtest control plane's: tests/conftest.py), the slowest 20 listed at the end.
+TEST_WORKERS ?= 2
 test: install lint envtest helm
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 

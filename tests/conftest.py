@@ -1,5 +1,20 @@
-"""Shared test setup: one torch thread (2-core CI box; more threads only contend)."""
+"""Shared test setup: one torch thread per process (2-core CI box; more threads only
+contend), and the groups pytest-xdist keeps together (`make test` runs two workers):
+each file's tests stay on one worker (its module fixtures start once), and every test
+of the one envtest control plane (a session fixture) on the same worker."""
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Session fixtures too costly to start once per worker: their users form one group.
+SHARED_SESSION_FIXTURES = ("control_plane",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        shared = [name for name in SHARED_SESSION_FIXTURES if name in fixtures]
+        group = shared[0] if shared else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
