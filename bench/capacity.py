@@ -77,6 +77,7 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
             "errors": 0,  # a rate-floor refusal (503 rate_floor) is none
             "min_rate": cfg.min_rate,
             "ttfa_p95_ms": cfg.ttfa_p95_ms,
+            "api": cfg.api,  # speech: TTFA at the first audio byte, audio stalls fail a level too
         },
         "levels": key,
     }

@@ -97,6 +97,14 @@ class CompareConfig(BaseModel):
     frames: str = Field("", description="frames per stream, LOW-HIGH ('': BENCHMARKS.md's 105-630, 5-30 s of "
                         "audio, with a GPU device; 105-210 on cpu, where a run checks the plumbing)")
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests reusing a warm voice")
+    api: Literal["frames", "speech"] = Field("frames", description="what the load drives: frames (POST "
+                                             "/v1/tts/stream) or speech (POST /v1/audio/speech: text + an uploaded "
+                                             "voice, PCM out; needs --codec and a CSM --model; rows then report TTFA "
+                                             "at the first audio byte and audio-level stutter beside frame-level)")
+    codec: str = Field("", description="every variant's codec (D's or the monolith's --codec, e.g. "
+                       "random:mimi-tiny:0 with --model random:csm-tiny:0): the LB then serves /v1/audio/speech")
+    voice_source: Literal["pcm", "codes"] = Field("pcm", description="--api speech: voices uploaded as synthetic "
+                                                  "PCM clips or as codec codes (the load driver's --voice-source)")
     prefill_gemm: Literal["bf16", "fp8"] = Field("bf16", description="GEMM precision of every variant's forwards "
                                                  "with prompt rows (P's and the monolith's --prefill-gemm)")
     kv_cache_dtype: KvCacheDtype = Field("auto", description="KV pool precision of every variant's "
@@ -141,6 +149,9 @@ Unit = tuple[str, int, LocalConfig]  # a variant's name, its GPU count, its unit
 
 def variant_units(cfg: CompareConfig) -> list[Unit]:
     gpu = cfg.device != "cpu"
+    if cfg.api == "speech" and not cfg.codec:
+        raise SystemExit("pdunit bench compare: --api speech needs --codec (the codec D turns frames into audio "
+                         "with, e.g. --model random:csm-tiny:0 --codec random:mimi-tiny:0)")
 
     def device(offset: int) -> str:
         return f"{cfg.device}:{cfg.gpu_base + offset}"
@@ -148,7 +159,7 @@ def variant_units(cfg: CompareConfig) -> list[Unit]:
     first = device(0) if gpu else "cpu"
     base = dict(model=cfg.model, pool_tokens=cfg.pool_tokens, cache_tokens=cfg.cache_tokens, lb_port=0,
                 prefill_gemm=cfg.prefill_gemm, prefill_graphs=cfg.prefill_graphs, kv_cache_dtype=cfg.kv_cache_dtype,
-                log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=first)
+                log_level="warning", ready_timeout_s=cfg.ready_timeout_s, device=first, codec=cfg.codec)
     labels, decode_labels = variant_labels(cfg)
     decode_args = checked_argv(cfg.decode_args, "--decode-args", "D", first)
     out: list[Unit] = []
@@ -651,7 +662,8 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
         burst_share=cfg.burst_share, burst_size=cfg.burst_size, duration=cfg.duration, ramp=cfg.ramp,
         warmup=cfg.ramp,
         prompt_rows=parse_range(cfg.prompt_rows, "prompt_rows"), frames=parse_range(stream_frames(cfg), "frames"),
-        voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False,
+        voice_reuse=cfg.voice_reuse, mode_label=name, gpus=gpus, progress=False, api=cfg.api,
+        voice_source=cfg.voice_source,
         client_procs=client_processes(cfg) if key == "rate" else 1)
     rows: list[dict[str, Any]] = []
     overload_rows: list[dict[str, Any]] = []

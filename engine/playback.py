@@ -1,12 +1,11 @@
 """What a listener hears: per-stream timing and the playback model of BENCHMARKS.md section 1.
 
-Input: the arrival time of every frame of one stream (seconds since the request was
-sent, non-decreasing). Output: TTFT (first frame in), TTFA (the first `start_frames`
-frames are in: the first playable audio), the rate from first to last frame, the worst
-1-second window, and the player: it starts at TTFA and consumes `fps` frames per
-second; a stall is each time the buffer runs empty before the stream ended (the next
-frame arrives after its play time); the player then waits for it and plays on. A
-stream "stutters" if it stalls at least once. Pure functions; no I/O.
+Frames (`play`, `stream_timing`): each frame's arrival time (s since the request was
+sent); the player starts once `start_frames` are in (TTFA) and plays `fps` a second.
+Audio (`play_audio`): each chunk's arrival and its seconds of PCM (samples / rate); the
+player starts once `start_s` seconds are in. Either way a stall is each time the buffer
+runs empty before the stream ended (the player waits, then plays on); a stream that
+stalls once "stutters". Also the rate and the worst 1-second window. Pure; no I/O.
 """
 
 from __future__ import annotations
@@ -43,6 +42,33 @@ def play(arrivals: np.ndarray, start_frames: int = 9, fps: float = AUDIO_FPS) ->
         raise ValueError("a stream without frames has no playback")
     start = float(arr[min(start_frames, arr.size) - 1])
     lateness = arr - np.arange(arr.size) / fps
+    running = np.maximum.accumulate(np.concatenate(([start], lateness)))[:-1]
+    late = lateness - running
+    stalled = late > _EPS
+    return Playback(start_s=start, stalls=int(stalled.sum()), stall_s=float(late[stalled].sum()))
+
+
+def play_audio(arrivals: np.ndarray, seconds: np.ndarray, start_s: float = 0.0) -> Playback:
+    """Replay a stream of audio chunks: chunk k arrives at `arrivals[k]` holding
+    `seconds[k]` of audio. The player starts when `start_s` seconds of audio are in (the
+    last arrival when the stream holds less) and plays in real time; chunk k plays at
+    T_k = max(T_{k-1} + seconds_{k-1}, arrival_k): with D_k the audio before chunk k,
+    T_k - D_k = max(start, max_{j<=k}(arrival_j - D_j)), and chunk k stalls (the buffer of
+    received audio ran empty) exactly when arrival_k - D_k exceeds that maximum over j < k.
+    """
+    arr = np.asarray(arrivals, dtype=np.float64)
+    dur = np.asarray(seconds, dtype=np.float64)
+    if arr.size == 0 or arr.shape != dur.shape:
+        raise ValueError(f"{arr.size} arrivals for {dur.size} chunk durations: need one each, at least one")
+    if (dur < 0).any():
+        raise ValueError("a chunk cannot hold negative seconds of audio")
+    if (dur > 0).any():  # an empty chunk holds nothing to wait for
+        arr, dur = arr[dur > 0], dur[dur > 0]
+    before = np.concatenate(([0.0], np.cumsum(dur)[:-1]))  # audio received before chunk k
+    # the first chunk after which `start_s` seconds are in (a tolerance for float sums)
+    ready = int(np.searchsorted(before + dur, start_s - _EPS, side="left"))
+    start = float(arr[min(ready, arr.size - 1)])
+    lateness = arr - before
     running = np.maximum.accumulate(np.concatenate(([start], lateness)))[:-1]
     late = lateness - running
     stalled = late > _EPS

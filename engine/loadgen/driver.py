@@ -1,22 +1,24 @@
 """The load driver: streams sent to an LB, each stream's playback judged, one row per level.
 
-Owns issuing the synthetic workload (workload.py) closed loop or as Poisson arrivals,
-timing every frame of every stream, replaying them through the playback model
-(engine/playback.py: stutter, rate, TTFA), a level's row and its pass criteria, and the
-table that prints them. `pdunit local`'s short load and `pdunit bench capacity` both run
-it. Never starts a unit and never writes a file: it only measures the URL it is given
-(result files are bench/'s). A 503 `rate_floor` is a refusal, not an error.
+Owns issuing the synthetic workload (workload.py) closed loop or as Poisson arrivals to
+`/v1/tts/stream` (`--api frames`) or `/v1/audio/speech` (`--api speech`: its voices
+uploaded first), timing every frame or audio byte, the playback model (engine/playback.py:
+stutter, rate, TTFA), a level's row, its pass criteria and the table. `pdunit local` and
+`pdunit bench capacity` run it. Never starts a unit and never writes a file (result
+files are bench/'s). A 503 `rate_floor` is a refusal, not an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import numpy as np
@@ -30,9 +32,12 @@ from pdunit.engine.loadgen.workload import (
     WorkloadConfig,
     arrival_times,
     parse_range,
+    voice_clip,
+    voice_codes,
+    warm_voice,
 )
 from pdunit.engine.loop_lag import watch_loop_lag
-from pdunit.engine.playback import AUDIO_FPS, stream_timing
+from pdunit.engine.playback import AUDIO_FPS, play_audio, stream_timing
 
 REFUSAL_CODE = "rate_floor"  # the LB's error code of a rate-floor refusal (503 + Retry-After)
 
@@ -80,6 +85,15 @@ class LoadConfig(BaseModel):
     )
     ttfa_p95_ms: float = Field(500.0, gt=0, description="capacity: TTFA p95 must stay under this")
     body: str = Field("binary", description="request body: binary (int32) or json")
+    api: Literal["frames", "speech"] = Field(
+        "frames", description="frames: POST /v1/tts/stream (rows in, frames out); speech: POST "
+        "/v1/audio/speech (text + a voice in, PCM out; --prompt-rows unused; needs a unit with a codec)"
+    )
+    voice_source: Literal["pcm", "codes"] = Field(
+        "pcm", description="--api speech: voices uploaded as synthetic PCM clips (the LB's codec encodes "
+        "them) or as synthetic codec codes (no encoding: below the audio vocabulary less CSM's 3 special ids)"
+    )
+    voice_seconds: float = Field(2.0, ge=1.0, le=30.0, description="--api speech: each voice's clip length")
     seed: int = Field(0, description="workload seed")
     mode_label: str = Field(
         "1p1d",
@@ -152,6 +166,14 @@ class StreamResult:
     last_frame_s: float | None = None  # since send: with send_unix_ns, the client's end of stream
     answered_s: float | None = None  # since send: the response's status line
     retry_after: str | None = None  # a refusal's Retry-After header
+    api: str = "frames"
+    # speech: seconds of PCM received, the audio-level player (on seconds, not frames),
+    # and what the LB said of the prompt (None through a router, which keeps them)
+    audio_s: float | None = None
+    audio_stalls: int = 0
+    audio_stall_s: float = 0.0
+    cached_rows: int | None = None
+    chunk_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # speech: per arrival
 
     @property
     def refused(self) -> bool:
@@ -167,9 +189,14 @@ class StreamResult:
     def stutter(self) -> bool:
         return self.stalls > 0
 
+    @property
+    def audio_stutter(self) -> bool:
+        return self.audio_stalls > 0
+
     def record(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("arrivals")
+        d.pop("chunk_bytes")
         return d
 
 
@@ -254,6 +281,166 @@ async def stream_once(
     return res
 
 
+@dataclass(frozen=True)
+class SpeechTarget:
+    """What --api speech sends with: the served model's spec (GET /v1/models), D's audio
+    format (GET /v1/model's `audio`) and how voices are uploaded."""
+
+    model: str
+    sample_rate: int
+    samples_per_frame: int
+    frame_rate_hz: float
+    n_books: int  # the codec's codebooks (the model's columns less the text one)
+    code_range: int  # --voice-source codes: codes drawn in [0, code_range)
+    voice_source: str = "pcm"
+    voice_seconds: float = 2.0
+
+    def voice_body(self, name: str) -> dict[str, Any]:
+        """POST /v1/voices's body for voice `name` (replace: a rerun keeps one copy)."""
+        # a transcript of its own from the first character: no voice shares a cached block with another
+        tag = hashlib.sha256(name.encode()).hexdigest()[:12]
+        doc: dict[str, Any] = {"name": name, "transcript": f"{tag}, a synthetic voice of the load driver.",
+                               "replace": True}
+        if self.voice_source == "codes":
+            frames = max(1, round(self.voice_seconds * self.frame_rate_hz))
+            doc["codes"] = voice_codes(name, self.n_books, self.code_range, frames)
+        else:
+            clip = voice_clip(name, self.sample_rate, self.voice_seconds)
+            doc.update(audio=base64.b64encode(clip).decode(), audio_format="pcm")
+        return doc
+
+
+async def speech_target(client: httpx.AsyncClient, url: str, model: dict[str, Any],
+                        cfg: LoadConfig) -> SpeechTarget:
+    """--api speech's target, from /v1/model (already read) and GET /v1/models."""
+    audio = model.get("audio")
+    if not audio:
+        raise RuntimeError(f"{url} serves no audio (GET /v1/model has no `audio`): --api speech needs a unit "
+                           "whose D has --codec (pdunit local --codec ...)")
+    resp = await client.get(f"{url}/v1/models")
+    data = resp.json().get("data") if resp.status_code == 200 else None
+    if not data:
+        raise RuntimeError(f"{url}/v1/models lists no model ({resp.status_code}): --api speech needs the LB's "
+                           "--model")
+    n_books = int(model["n_codebooks"]) - 1  # CSM: the codebooks then the text column
+    return SpeechTarget(model=str(data[0]["id"]), sample_rate=int(audio["sample_rate"]),
+                        samples_per_frame=int(audio["samples_per_frame"]),
+                        frame_rate_hz=float(audio["frame_rate_hz"]), n_books=n_books,
+                        code_range=max(1, min(int(v) for v in model["vocab_sizes"][:n_books]) - 3),
+                        voice_source=cfg.voice_source, voice_seconds=cfg.voice_seconds)
+
+
+async def upload_voice(client: httpx.AsyncClient, url: str, target: SpeechTarget, name: str) -> str | None:
+    """POST /v1/voices; None when stored, else the error (status and code)."""
+    try:
+        resp = await client.post(f"{url}/v1/voices", json=target.voice_body(name))
+    except httpx.HTTPError as exc:
+        return f"voice_upload:{type(exc).__name__}"
+    if resp.status_code == 201:
+        return None
+    return f"voice_upload:{resp.status_code}:{_error_code(resp.content)}"
+
+
+async def upload_warm_voices(client: httpx.AsyncClient, url: str, target: SpeechTarget, n: int) -> None:
+    """The `n` warm voices, uploaded before the first level; RuntimeError when one is refused."""
+    for v in range(n):
+        error = await upload_voice(client, url, target, warm_voice(v))
+        if error is not None:
+            raise RuntimeError(f"uploading warm voice {warm_voice(v)!r} to {url}/v1/voices failed: {error}")
+
+
+def _error_code(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:80].decode(errors="replace")
+
+
+async def speech_once(
+    client: httpx.AsyncClient,
+    url: str,
+    spec: StreamSpec,
+    target: SpeechTarget,
+    start_frames: int = 9,
+    level_t0: float | None = None,
+) -> StreamResult:
+    """One POST /v1/audio/speech streamed as raw PCM: the arrival time and size of every
+    chunk read. TTFA is the first audio byte; the frame-level timing runs on the time each
+    frame's samples were complete, the audio-level player on the seconds received, both
+    with a start buffer of `start_frames` frames of audio. A cold voice (not `reused`) is
+    uploaded before the request is sent (outside its times) and deleted after it."""
+    res = StreamResult(index=spec.index, voice=spec.voice, reused=spec.reused, prompt_rows=0,
+                       frames_requested=spec.frames, started_s=0.0, send_unix_ns=0, api="speech")
+    if not spec.reused:
+        error = await upload_voice(client, url, target, spec.voice)
+        if error is not None:
+            res.error = error
+            return res
+    try:
+        await _speech(client, url, spec, target, res, level_t0)
+    finally:
+        if not spec.reused:
+            try:
+                await client.delete(f"{url}/v1/voices/{spec.voice}")
+            except httpx.HTTPError:
+                pass  # a leftover cold voice is replaced by a rerun's upload
+    if res.frames:
+        _speech_timing(res, target, start_frames)
+    return res
+
+
+async def _speech(client: httpx.AsyncClient, url: str, spec: StreamSpec, target: SpeechTarget,
+                  res: StreamResult, level_t0: float | None) -> None:
+    body = {"model": target.model, "input": spec.text, "voice": spec.voice, "response_format": "pcm",
+            "stream_format": "audio", "max_frames": spec.frames, "min_frames": spec.frames, "seed": spec.seed}
+    times: list[float] = []
+    sizes: list[int] = []
+    t0 = time.perf_counter()
+    res.started_s, res.send_unix_ns = t0 - (level_t0 or t0), time.time_ns()
+    try:
+        async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as resp:
+            res.status = resp.status_code
+            res.answered_s = time.perf_counter() - t0
+            if resp.status_code != 200:
+                res.retry_after = resp.headers.get("retry-after")
+                res.error = f"http_{resp.status_code}:{_error_code(await resp.aread())}"
+                return
+            for name in ("prompt_rows", "cached_rows"):
+                value = resp.headers.get(f"x-pdunit-{name.replace('_', '-')}")
+                if value is not None and value.isdigit():
+                    setattr(res, name, int(value))
+            async for chunk in resp.aiter_raw():
+                if chunk:
+                    times.append(time.perf_counter() - t0)
+                    sizes.append(len(chunk))
+    except httpx.TimeoutException:
+        res.error = "timeout"
+    except httpx.HTTPError as exc:
+        res.error = f"transport:{type(exc).__name__}"  # the LB cuts a failed stream's body
+    res.arrivals, res.chunk_bytes = np.asarray(times), np.asarray(sizes, dtype=np.int64)
+    total = sum(sizes)
+    want = spec.frames * target.samples_per_frame * 2
+    if res.error is None and total != want:
+        res.error = f"audio_bytes:{total}!={want}"
+    res.frames = total // 2 // target.samples_per_frame
+
+
+def _speech_timing(res: StreamResult, target: SpeechTarget, start_frames: int) -> None:
+    times = res.arrivals
+    samples = res.chunk_bytes / 2.0
+    res.audio_s = float(samples.sum()) / target.sample_rate
+    res.ttfa_s = float(times[0])  # the first audio byte
+    # frame k is playable once its samples are all in
+    need = (np.arange(res.frames) + 1) * target.samples_per_frame
+    frame_arrivals = times[np.searchsorted(np.cumsum(samples), need, side="left")]
+    timing = stream_timing(frame_arrivals, start_frames, target.frame_rate_hz)
+    res.ttft_s, res.last_frame_s = float(frame_arrivals[0]), float(frame_arrivals[-1])
+    res.rate, res.worst_window = timing.rate, timing.worst_window
+    res.stalls, res.stall_s = timing.playback.stalls, timing.playback.stall_s
+    audio = play_audio(times, samples / target.sample_rate, start_frames / target.frame_rate_hz)
+    res.audio_stalls, res.audio_stall_s = audio.stalls, audio.stall_s
+
+
 async def fetch_model(client: httpx.AsyncClient, url: str, timeout: float = 30.0) -> dict[str, Any]:
     """GET /v1/model, waiting (503) until the unit is ready."""
     end = time.monotonic() + timeout
@@ -335,13 +522,15 @@ async def run_level(
     schedule: list[tuple[float, StreamSpec]] | None = None,
     window: Callable[[str], None] | None = None,
     t0: float | None = None,
+    speech: SpeechTarget | None = None,
 ) -> list[StreamResult]:
     """One level: closed loop at `concurrency` (specs from `workload`), or the Poisson
     arrivals of `schedule` (poisson_schedule). `t0`: the level's start on this process's
     perf_counter (default: now; a client shard gets the start all shards share).
     `window("start")` / `window("end")` are called (in a worker thread) when the counted
     window opens (after --warmup) and when arrivals stop: a caller reads the unit's own
-    metrics there, so they cover the steady state and not the ramp or the drain."""
+    metrics there, so they cover the steady state and not the ramp or the drain.
+    `speech`: the streams are POST /v1/audio/speech calls (--api speech)."""
     results: list[StreamResult] = []
     t0 = time.perf_counter() if t0 is None else t0
     stop_at = t0 + cfg.duration
@@ -360,9 +549,12 @@ async def run_level(
     async def one(spec: StreamSpec) -> StreamResult:
         progress.in_flight += 1
         try:
-            r = await stream_once(
-                client, cfg.url, spec, cfg.body, cfg.start_frames, cfg.fps, level_t0=t0
-            )
+            if speech is not None:
+                r = await speech_once(client, cfg.url, spec, speech, cfg.start_frames, level_t0=t0)
+            else:
+                r = await stream_once(
+                    client, cfg.url, spec, cfg.body, cfg.start_frames, cfg.fps, level_t0=t0
+                )
         finally:
             progress.in_flight -= 1
         if r.started_s >= cfg.warmup:
@@ -429,7 +621,8 @@ async def run_level(
 # of their own, as real listeners are spread over machines.
 
 
-def _shard_main(conn: Any, cfg_doc: dict[str, Any], schedule: list[tuple[float, StreamSpec]]) -> None:
+def _shard_main(conn: Any, cfg_doc: dict[str, Any], schedule: list[tuple[float, StreamSpec]],
+                speech: SpeechTarget | None = None) -> None:
     """A client shard (a spawned process): says ready, waits for the shared start (wall
     clock), sends its schedule, returns (results, loop lags) or ("error", traceback)."""
     import traceback
@@ -438,27 +631,28 @@ def _shard_main(conn: Any, cfg_doc: dict[str, Any], schedule: list[tuple[float, 
         cfg = LoadConfig.model_validate(cfg_doc)
         conn.send("ready")
         start_wall = conn.recv()
-        conn.send(asyncio.run(_run_shard(cfg, schedule, start_wall)))
+        conn.send(asyncio.run(_run_shard(cfg, schedule, start_wall, speech)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises
         conn.send(("error", traceback.format_exc()))
 
 
 async def _run_shard(cfg: LoadConfig, schedule: list[tuple[float, StreamSpec]],
-                     start_wall: float) -> tuple[list[StreamResult], list[float]]:
+                     start_wall: float, speech: SpeechTarget | None = None) -> tuple[list[StreamResult], list[float]]:
     lags: list[float] = []
     probe = asyncio.ensure_future(watch_loop_lag(lags.append))
     try:
         async with _client(cfg) as client:
             t0 = time.perf_counter() + (start_wall - time.time())
             results = await run_level(client, cfg, None, _Progress(False, 1, cfg.duration, 0), schedule=schedule,
-                                      t0=t0)
+                                      t0=t0, speech=speech)
     finally:
         probe.cancel()
     return results, lags
 
 
 async def run_level_sharded(cfg: LoadConfig, schedule: list[tuple[float, StreamSpec]],
-                            window: Callable[[str], None] | None) -> tuple[list[StreamResult], list[float]]:
+                            window: Callable[[str], None] | None,
+                            speech: SpeechTarget | None = None) -> tuple[list[StreamResult], list[float]]:
     """A Poisson level sent by --client-procs processes, request i by shard i % n, all
     starting at one wall-clock instant; their results and loop lags merged."""
     import multiprocessing
@@ -470,7 +664,7 @@ async def run_level_sharded(cfg: LoadConfig, schedule: list[tuple[float, StreamS
     try:
         for k in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_shard_main, args=(child, doc, schedule[k::n]), daemon=True)
+            proc = ctx.Process(target=_shard_main, args=(child, doc, schedule[k::n], speech), daemon=True)
             proc.start()
             shards.append((proc, parent))
         for k, (_, conn) in enumerate(shards):
@@ -556,8 +750,14 @@ def summarize_level(
     concurrency: int | None,
     rate: float | None,
     elapsed_s: float,
+    speech: SpeechTarget | None = None,
 ) -> dict[str, Any]:
+    """A level's row. With `speech` the streams' frames are the codec's, so --min-rate
+    (frames/s at --fps) is judged as the same multiple of real time at the codec's frame
+    rate, and audio stalls fail the level as frame stalls do; TTFA is the first audio byte."""
     ok = [r for r in results if r.ok]
+    fps = speech.frame_rate_hz if speech is not None else cfg.fps
+    floor = cfg.min_rate * fps / cfg.fps
     refused = [r for r in results if r.refused]
     rates = [r.rate for r in ok if r.rate is not None]
     windows = [r.worst_window for r in ok if r.worst_window is not None]
@@ -569,7 +769,7 @@ def summarize_level(
             errors[r.error] = errors.get(r.error, 0) + 1
     stutters = sum(r.stutter for r in ok)
     # streams that met the floor: every frame at >= --min-rate and no stall
-    good = [r for r in ok if r.rate is not None and r.rate >= cfg.min_rate and not r.stutter]
+    good = [r for r in ok if r.rate is not None and r.rate >= floor and not r.stutter and not r.audio_stutter]
     row: dict[str, Any] = {
         "mode": cfg.mode_label,
         "gpus": cfg.gpus,
@@ -594,7 +794,7 @@ def summarize_level(
         # Poisson levels: how many listeners this arrival rate is, each hearing its audio
         # in real time (rate x mean audio length): the load in streams, independent of
         # how fast the server generates (a fast server finishes streams early).
-        "realtime_streams": (round(rate * sum(r.frames for r in ok) / len(ok) / cfg.fps, 1)
+        "realtime_streams": (round(rate * sum(r.frames for r in ok) / len(ok) / fps, 1)
                              if rate is not None and ok else None),
         "elapsed_s": round(elapsed_s, 3),
         "gpu_busy": None,  # measured by the unit's own metrics, not from the client side
@@ -602,16 +802,43 @@ def summarize_level(
     for name, values in (("ttft", ttft), ("ttfa", ttfa)):
         for key, value in percentiles(values).items():
             row[f"{name}_{key}_ms"] = value
+    row.update(audio_row(ok, speech, floor))
     row["passed"] = bool(
         ok
         and row["errors"] == 0
         and stutters == 0
+        and not row.get("audio_stalls")
         and row["min_rate"] is not None
-        and row["min_rate"] >= cfg.min_rate
+        and row["min_rate"] >= floor
         and row["ttfa_p95_ms"] is not None
         and row["ttfa_p95_ms"] <= cfg.ttfa_p95_ms
     )
     return row
+
+
+def audio_row(ok: list[StreamResult], speech: SpeechTarget | None, floor: float) -> dict[str, Any]:
+    """A speech level's audio fields (None for a frames level): seconds of audio, the
+    audio-level player's stutter beside the frame-level one, the rate floor the streams
+    were judged at (frames/s of the codec), and the voices' prefix-cache hits as the LB
+    reported them (`X-Pdunit-Cached-Rows`; None through a router, which keeps them)."""
+    keys = ("api", "rate_floor", "audio_s_total", "audio_stutter_share", "audio_stalls", "warm_cache_hit_share",
+            "cold_cache_hit_share", "cached_rows_share")
+    if speech is None:
+        return {k: None for k in keys} | {"api": "frames"}
+    warm = [r for r in ok if r.reused and r.cached_rows is not None]
+    cold = [r for r in ok if not r.reused and r.cached_rows is not None]
+    told = [r for r in ok if r.cached_rows is not None and r.prompt_rows]
+    rows = sum(r.prompt_rows for r in told)
+    return {
+        "api": "speech",
+        "rate_floor": round(floor, 3),
+        "audio_s_total": round(sum(r.audio_s or 0.0 for r in ok), 3),
+        "audio_stutter_share": (sum(r.audio_stutter for r in ok) / len(ok)) if ok else None,
+        "audio_stalls": sum(r.audio_stalls for r in ok),
+        "warm_cache_hit_share": (sum(bool(r.cached_rows) for r in warm) / len(warm)) if warm else None,
+        "cold_cache_hit_share": (sum(bool(r.cached_rows) for r in cold) / len(cold)) if cold else None,
+        "cached_rows_share": round(sum(r.cached_rows or 0 for r in told) / rows, 4) if rows else None,
+    }
 
 
 CLIENT_LAG_WARN_MS = 20.0
@@ -641,6 +868,7 @@ COLUMNS = [
     Column("refused_share", "refused", "{:.1%}"),
     Column("goodput_fps", "goodput fps", "{:.0f}"),
     Column("stutter_share", "stutter", "{:.1%}"),
+    Column("audio_stutter_share", "audio stutter", "{:.1%}"),
     Column("min_rate", "min fps", "{:.1f}"),
     Column("p1_rate", "p1 fps", "{:.1f}"),
     Column("worst_window", "worst 1s", "{:.0f}"),
@@ -650,6 +878,7 @@ COLUMNS = [
     Column("ttfa_p50_ms", "TTFA p50", "{:.0f}"),
     Column("ttfa_p95_ms", "p95", "{:.0f}"),
     Column("ttfa_p99_ms", "p99", "{:.0f}"),
+    Column("warm_cache_hit_share", "warm hit", "{:.0%}"),
     Column("client_lag_p99_ms", "client lag p99", "{:.0f}"),
     Column("passed", "pass"),
 ]
@@ -657,6 +886,12 @@ COLUMNS = [
 
 def pass_criteria(config: dict[str, Any]) -> str:
     """What a row's pass column checks (summarize_level's `passed`), in words."""
+    speech = config.get("speech")
+    if speech:
+        floor = config["min_rate"] * speech["frame_rate_hz"] / config["fps"]
+        return (f"every stream ends without an error or a stall (frame- or audio-level) at >= {floor:g} codec "
+                f"frames/s ({config['min_rate']:g} / {config['fps']:g} x real time), and TTFA (first audio byte) "
+                f"p95 <= {config['ttfa_p95_ms']:g} ms")
     return (f"every stream ends without an error or a stall (stutter) at >= {config['min_rate']:g} frames/s, and "
             f"TTFA p95 <= {config['ttfa_p95_ms']:g} ms")
 
@@ -676,6 +911,9 @@ async def run_load_async(
     streams: list[dict[str, Any]] = []
     async with _client(cfg) as client:
         model = await fetch_model(client, url)
+        speech = await speech_target(client, url, model, cfg) if cfg.api == "speech" else None
+        if speech is not None:
+            await upload_warm_voices(client, url, speech, cfg.voices)
         workload = Workload(
             WorkloadConfig(
                 n_codebooks=int(model["n_codebooks"]),
@@ -685,6 +923,7 @@ async def run_load_async(
                 voices=cfg.voices,
                 voice_reuse=cfg.voice_reuse,
                 seed=cfg.seed,
+                speech=speech is not None,
             )
         )
         levels: list[tuple[int | None, float | None]] = [(c, None) for c in levels_c] + [
@@ -699,22 +938,25 @@ async def run_load_async(
                 if schedule is not None and cfg.client_procs > 1:
                     print(f"rate={r:g}/s: {len(schedule)} arrivals over {cfg.client_procs} client processes",
                           file=sys.stderr, flush=True)
-                    results, lags = await run_level_sharded(cfg, schedule, window)
+                    results, lags = await run_level_sharded(cfg, schedule, window, speech)
                 else:
                     probe = asyncio.ensure_future(watch_loop_lag(lags.append))
                     try:
                         results = await run_level(client, cfg, workload, progress, concurrency=c, schedule=schedule,
-                                                  window=window)
+                                                  window=window, speech=speech)
                     finally:
                         probe.cancel()
-                row = summarize_level(results, cfg, c, r, time.perf_counter() - t)
+                row = summarize_level(results, cfg, c, r, time.perf_counter() - t, speech)
                 rows.append(row | client_lag(lags, row["mode"], c if c is not None else r))
                 if keep_streams:
                     # the level as `concurrency` / `arrival_rate` (a stream's own `rate` is its frames/s)
                     streams.extend({**s.record(), "concurrency": c, "arrival_rate": r} for s in results)
         finally:
             progress.close()
-    doc: dict[str, Any] = {"machine": machine, "config": {**cfg.model_dump(), "model": model}, "rows": rows}
+    config = {**cfg.model_dump(), "model": model}
+    if speech is not None:
+        config["speech"] = asdict(speech)
+    doc: dict[str, Any] = {"machine": machine, "config": config, "rows": rows}
     if keep_streams:
         doc["streams"] = streams
     return doc

@@ -1,12 +1,12 @@
 """The synthetic TTS workload of BENCHMARKS.md section 1: prompts, voices, lengths, arrivals.
 
-A prompt is a voice's reference rows (fixed per voice, so a reused voice hits P's prefix
-cache) then per-request text rows, `prompt_rows` in all; a `voice_reuse` share of requests
-use one of `voices` warm voices, the rest a voice never seen (a cold prefill). The length
-drawn from `frames` is sent as max_frames and min_frames (random weights never stop at
-EOS); ids are uniform per column's vocabulary (GET /v1/model). Arrivals: Poisson at `rate`,
-a `burst_share` in clumps of `burst_size`. Seeded: same config, same requests. Never does
-I/O.
+Frames (`/v1/tts/stream`): a voice's reference rows (fixed per voice: P's prefix cache)
+then text rows, `prompt_rows` in all, ids uniform per column (GET /v1/model). Speech
+(`/v1/audio/speech`): a sentence (SPEECH_TEXTS, or made from its words) and a stored
+voice's name; `voice_clip` / `voice_codes` make a voice's upload, fixed per name. Either
+way a `voice_reuse` share uses one of `voices` warm voices, the rest a voice never seen
+(a cold prefill); `frames` is sent as max_frames = min_frames. Arrivals: Poisson at
+`rate`, a `burst_share` in clumps of `burst_size`. Seeded; never does I/O.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class WorkloadConfig:
     voice_reuse: float = 0.5
     reference_share: float = 0.75  # reference rows = this share of prompt_rows' low end
     seed: int = 0
+    speech: bool = False  # text + a voice's name (/v1/audio/speech) instead of rows
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_rows
@@ -59,6 +60,7 @@ class StreamSpec:
     prompt: np.ndarray  # int32 [rows, n_codebooks]
     frames: int
     seed: int
+    text: str = ""  # speech: the input to speak (`prompt` is then empty)
 
     @property
     def rows(self) -> int:
@@ -122,6 +124,11 @@ class Workload:
         frames = int(rng.integers(cfg.frames[0], cfg.frames[1] + 1))
         seed = int(rng.integers(0, 2**63))
         reused = cfg.voices > 0 and bool(rng.random() < cfg.voice_reuse)
+        if cfg.speech:
+            v = int(rng.integers(0, max(1, cfg.voices)))
+            voice = warm_voice(v) if reused else f"{COLD_PREFIX}{cfg.seed}-{index}"
+            return StreamSpec(index=index, voice=voice, reused=reused, text=speech_text(rng),
+                              prompt=np.zeros((0, cfg.n_codebooks), np.int32), frames=frames, seed=seed)
         if reused:
             v = int(rng.integers(0, cfg.voices))
             voice, reference = f"voice-{v}", self._reference(v)
@@ -136,6 +143,59 @@ class Workload:
     def __iter__(self) -> Iterator[StreamSpec]:
         while True:
             yield self.next()
+
+
+# ------------------------------------------------------------------ speech
+
+SPEECH_TEXTS = (
+    "Hello there, how are you today?",
+    "The weather is clear and the wind is calm.",
+    "Please hold the line, your call matters to us.",
+    "Turn left at the next corner, then go straight on.",
+    "Your order has shipped and will arrive on Tuesday.",
+    "We measured the time to the first byte of audio.",
+    "A stream must never stall while the listener waits.",
+    "Read me the news, then play some quiet music.",
+    "The meeting starts at ten, in the second room.",
+    "Thank you for waiting, the doctor will see you now.",
+    "Seven cats sat on a warm wall in the sun.",
+    "Streaming speech should sound smooth from start to end.",
+)
+WORDS = tuple(sorted({w.strip(",.?").lower() for t in SPEECH_TEXTS for w in t.split()}))
+WARM_PREFIX, COLD_PREFIX = "loadgen-", "loadgen-cold-"
+
+
+def warm_voice(v: int) -> str:
+    """Warm voice v's name: the same for every seed, so a rerun finds it warm."""
+    return f"{WARM_PREFIX}{v}"
+
+
+def speech_text(rng: np.random.Generator) -> str:
+    """A sentence of SPEECH_TEXTS (half the draws), else 4-12 of their words in a new order."""
+    if rng.random() < 0.5:
+        return SPEECH_TEXTS[int(rng.integers(0, len(SPEECH_TEXTS)))]
+    words = [WORDS[int(i)] for i in rng.integers(0, len(WORDS), int(rng.integers(4, 13)))]
+    return " ".join(words).capitalize() + "."
+
+
+def _name_seed(name: str) -> list[int]:
+    return [3, *name.encode()]  # a voice's content depends on its name only
+
+
+def voice_clip(name: str, sample_rate: int, seconds: float) -> bytes:
+    """A synthetic reference clip, 16-bit little-endian mono PCM, fixed per name: a tone
+    gliding from a pitch of its own, with a little noise (a stand-in for a recording)."""
+    rng = np.random.default_rng(_name_seed(name))
+    t = np.arange(int(sample_rate * seconds)) / sample_rate
+    f0 = sample_rate * float(rng.uniform(0.02, 0.08))
+    x = 0.3 * np.sin(2 * np.pi * (f0 + 0.01 * sample_rate * t) * t) + 0.02 * rng.standard_normal(t.size)
+    return (np.clip(x, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
+def voice_codes(name: str, n_books: int, size: int, frames: int) -> list[list[int]]:
+    """Synthetic codec codes [n_books][frames], uniform in [0, size), fixed per name."""
+    rng = np.random.default_rng(_name_seed(name))
+    return rng.integers(0, size, (n_books, frames)).tolist()  # type: ignore[no-any-return]
 
 
 def arrival_times(

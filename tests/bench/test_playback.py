@@ -78,3 +78,55 @@ def test_stream_timing_collects_ttft_ttfa_and_playback():
 def test_no_frames_is_an_error_not_a_silent_zero():
     with pytest.raises(ValueError):
         play(np.array([]))
+
+
+# ------------------------------------------------------------------ audio: seconds, not frames
+
+
+def test_audio_gap_longer_than_the_buffer_is_a_stall():
+    from pdunit.engine.playback import play_audio
+
+    # 0.2 s chunks; the player starts once 0.4 s are in (t=0.1). Chunks 0-1 play 0.1-0.5,
+    # chunk 2 arrives at 0.3 (plays 0.5-0.7); chunk 3 arrives 1.0, the buffer ran out at
+    # 0.7: a 0.3 s stall; chunk 4 arrives 1.1, due at 1.2: on time.
+    pb = play_audio(np.array([0.0, 0.1, 0.3, 1.0, 1.1]), np.full(5, 0.2), start_s=0.4)
+    assert pb.start_s == pytest.approx(0.1)
+    assert pb.stalls == 1 and pb.stall_s == pytest.approx(0.3) and pb.stutter
+
+
+def test_audio_gap_shorter_than_the_buffer_is_no_stall():
+    from pdunit.engine.playback import play_audio
+
+    # 1 s buffered at t=0 then a 0.9 s gap: the player still had 0.1 s left.
+    pb = play_audio(np.array([0.0, 0.0, 0.9, 1.0]), np.array([0.5, 0.5, 0.2, 0.2]), start_s=1.0)
+    assert (pb.start_s, pb.stalls, pb.stall_s) == (0.0, 0, 0.0)
+
+
+def test_audio_chunks_of_unequal_length_are_judged_by_their_seconds():
+    from pdunit.engine.playback import play_audio
+
+    # same arrivals, same total audio: a first chunk long enough covers the gap, a short one does not
+    arrivals = np.array([0.0, 0.5, 0.6])
+    assert play_audio(arrivals, np.array([0.6, 0.1, 0.1])).stalls == 0
+    short = play_audio(arrivals, np.array([0.1, 0.6, 0.1]))
+    assert short.stalls == 1 and short.stall_s == pytest.approx(0.4)
+
+
+def test_audio_stream_shorter_than_the_start_buffer_starts_at_its_end_and_empty_chunks_are_ignored():
+    from pdunit.engine.playback import play_audio
+
+    pb = play_audio(np.array([0.1, 0.2, 5.0, 0.3]), np.array([0.05, 0.05, 0.0, 0.05]), start_s=1.0)
+    assert (pb.start_s, pb.stalls) == (0.3, 0)
+    with pytest.raises(ValueError):
+        play_audio(np.array([0.0]), np.array([0.1, 0.1]))
+
+
+def test_audio_player_equals_the_frame_player_for_one_frame_per_chunk():
+    from pdunit.engine.playback import play_audio
+
+    rng = np.random.default_rng(0)
+    arrivals = np.sort(rng.uniform(0, 5, 80))
+    frames = play(arrivals, start_frames=9, fps=21.0)
+    audio = play_audio(arrivals, np.full(80, 1 / 21.0), start_s=9 / 21.0)
+    assert (audio.start_s, audio.stalls) == (frames.start_s, frames.stalls)
+    assert audio.stall_s == pytest.approx(frames.stall_s)
