@@ -454,6 +454,7 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("examplePDUnitSet.decodeGemm=int8", "/examplePDUnitSet/decodeGemm"),
         ("examplePDUnitSet.decodeKernel=fp8_dots", "/examplePDUnitSet/decodeKernel"),
         ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
+        ("examplePDUnitSet.codec=mimi", "/examplePDUnitSet/codec"),
         ("keda.targetInFlightPerUnit=0", "/keda/targetInFlightPerUnit"),
         ("operator.logLevel=loud", "/operator/logLevel"),
         ("images.operator.pullPolicy=Sometimes", "/images/operator/pullPolicy"),
@@ -533,6 +534,14 @@ def test_the_example_set_carries_decode_kernel_only_when_set() -> None:
     assert "decodeKernel" not in default
     set_ = one(render(["--set", "examplePDUnitSet.decodeKernel=kv_as_a=1\\,fp8_dots=1"]), "PDUnitSet")
     assert set_["spec"]["template"]["spec"]["decodeKernel"] == "kv_as_a=1,fp8_dots=1"
+
+
+def test_the_example_set_carries_a_codec_only_when_set() -> None:
+    default = one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert "codec" not in default  # the key would change the template's hash
+    speaking = one(render(["--set", "examplePDUnitSet.model=random:csm-tiny:0",
+                           "--set", "examplePDUnitSet.codec=random:mimi-tiny:0"]), "PDUnitSet")
+    assert speaking["spec"]["template"]["spec"]["codec"] == "random:mimi-tiny:0"
 
 
 @pytest.mark.parametrize("key", ["prefillGemm", "decodeGemm"])
