@@ -199,9 +199,9 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
 
 
 def folders_read(spec: dict[str, Any], role: str) -> list[str]:
-    """The folders `role`'s command names beyond its own mounts' purpose: with a codec
-    the LB reads spec.model (tokenizer.json, config.json; `checkpoint`: its codec) and a
-    codec folder, every decode engine the codec folder. Absolute paths only."""
+    """The folders a speaking unit's `role` reads that the engines' mounts may hold: the
+    LB spec.model (tokenizer.json, config.json; `checkpoint`: its codec) and a codec
+    folder, every decode engine the codec folder. Absolute paths only."""
     codec = spec.get("codec") or ""
     if not codec:
         return []
