@@ -102,6 +102,8 @@ class UnitSpec:
     rate_floor: float | None = None  # D's and the monolith's admission
     codec: str = ""  # D's and the monolith's --codec; with it the LB takes text (--model, --codec)
     voices: str = ""  # the LB's voice store (--voices), only with a codec
+    audio_first_chunk_frames: int | None = None  # D's and the monolith's codec stage chunking
+    audio_chunk_frames: int | None = None
     step_model: str = ""
     lb_port: int = LB_PORT
     lb_host: str = ""
@@ -157,6 +159,12 @@ def _decode_flags(spec: UnitSpec) -> list[str]:
             (["--decode-gemm", spec.decode_gemm] if spec.decode_gemm != "bf16" else []))
 
 
+def _codec_flags(spec: UnitSpec) -> list[str]:
+    """The codec stage of every engine that decodes (D, the monolith)."""
+    return [*_opt("--codec", spec.codec), *_opt("--audio-first-chunk-frames", spec.audio_first_chunk_frames),
+            *_opt("--audio-chunk-frames", spec.audio_chunk_frames)]
+
+
 def _lb_speech_flags(spec: UnitSpec) -> list[str]:
     """A unit with a codec speaks: the LB tokenizes text for the model D serves, encodes
     voice clips with D's codec and keeps the voice store (docs/api.md)."""
@@ -184,7 +192,7 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
             *cli, "monolith", "--socket", p_sock, "--model", spec.model, "--device", spec.device,
             *_model_flags(spec), *_opt("--policy", spec.monolith_policy), *_opt("--chunk-tokens", spec.chunk_tokens),
             *_opt("--pool-tokens", spec.pool_tokens), *_opt("--cache-tokens", spec.cache_tokens), *log,
-            *_decode_flags(spec), *_opt("--codec", spec.codec), *_prefill_flags(spec), *_metrics(spec, "prefill"),
+            *_decode_flags(spec), *_codec_flags(spec), *_prefill_flags(spec), *_metrics(spec, "prefill"),
             *_extra(spec, "monolith"),
         ]
     else:
@@ -198,7 +206,7 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
                 *cli, "decode", "--socket", sock, "--prefill-socket", p_sock, "--model", spec.model,
                 "--transfer", spec.transfer, "--device", spec.device_of_decode(i),
                 "--unit-secret-file", paths.unit_secret_file, *proxy, *_model_flags(spec),
-                *_opt("--pool-tokens", spec.pool_tokens), *log, *_decode_flags(spec), *_opt("--codec", spec.codec),
+                *_opt("--pool-tokens", spec.pool_tokens), *log, *_decode_flags(spec), *_codec_flags(spec),
                 *_metrics(spec, "decode", i),
                 *_extra(spec, "decode"),
             ]

@@ -407,23 +407,10 @@ def layout_of(spec: dict[str, Any]) -> UnitSpec:
         metrics_port=int(spec["metricsPort"]),
         codec=spec.get("codec") or "",  # D's and the LB's --codec; with it the LB takes text (--model)
         voices=m.VOICES_MOUNT_PATH if spec.get("voices") else "",  # passed only with a codec
-        extra_args=_extra_args(spec),
+        audio_first_chunk_frames=(spec.get("audio") or {}).get("firstChunkFrames"),
+        audio_chunk_frames=(spec.get("audio") or {}).get("chunkFrames"),
+        extra_args={role: list(args or []) for role, args in (spec.get("extraArgs") or {}).items()},
     )
-
-
-# spec.audio -> every decode engine's codec stage flags (UnitSpec has no fields for them).
-_AUDIO_FLAGS = {"firstChunkFrames": "--audio-first-chunk-frames", "chunkFrames": "--audio-chunk-frames"}
-
-
-def _extra_args(spec: dict[str, Any]) -> dict[str, list[str]]:
-    """spec.extraArgs per role, every decode engine's after spec.audio's flags (so a
-    flag of extraArgs.decode still wins: argparse keeps the last)."""
-    out = {role: list(args or []) for role, args in (spec.get("extraArgs") or {}).items()}
-    audio = spec.get("audio") or {}
-    flags = [x for key, flag in _AUDIO_FLAGS.items() if audio.get(key) is not None for x in (flag, str(audio[key]))]
-    if flags:
-        out["decode"] = [*flags, *out.get("decode", [])]
-    return out
 
 
 def _container(

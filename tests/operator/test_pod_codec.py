@@ -113,12 +113,15 @@ def test_audio_chunking_reaches_every_decode_engine_before_its_extra_args() -> N
                                               extraArgs={"decode": ["--audio-chunk-frames", "6"]})))
     for name in ("decode-0", "decode-1"):
         argv = cs[name]["command"]
-        assert argv[-6:] == ["--audio-first-chunk-frames", "2", "--audio-chunk-frames", "5",
-                             "--audio-chunk-frames", "6"]  # extraArgs last: argparse keeps it
+        flags = [(x, argv[i + 1]) for i, x in enumerate(argv) if x.startswith("--audio-")]
+        # spec.audio's, then extraArgs' (last: argparse keeps it)
+        assert flags == [("--audio-first-chunk-frames", "2"), ("--audio-chunk-frames", "5"),
+                         ("--audio-chunk-frames", "6")]
+        assert argv[-2:] == ["--audio-chunk-frames", "6"]
     assert "--audio-chunk-frames" not in cs["lb"]["command"] + cs["prefill"]["command"]
-    only_first = containers(desired_pod(speaking_unit(audio={"firstChunkFrames": 3})))
-    assert only_first["decode"]["command"][-2:] == ["--audio-first-chunk-frames", "3"]
-    assert "--audio-chunk-frames" not in only_first["decode"]["command"]
+    only_first = containers(desired_pod(speaking_unit(audio={"firstChunkFrames": 3})))["decode"]["command"]
+    assert only_first[only_first.index("--audio-first-chunk-frames") + 1] == "3"
+    assert "--audio-chunk-frames" not in only_first
 
 
 @pytest.mark.parametrize(("spec", "field", "words"), [
