@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from pdunit.engine.edge import bearer_matches, is_loopback
 from pdunit.engine.router.config import RouterConfig
-from pdunit.engine.router.proxy import Forwarder, ForwardPolicy, RouterMetrics
+from pdunit.engine.router.proxy import SPEECH_PATH, Forwarder, ForwardPolicy, RouterMetrics
 from pdunit.engine.router.table import LoadPoller, RoutingTable
 from pdunit.engine.security import security_event
 
@@ -167,6 +167,10 @@ def create_app(
     async def tts_stream(request: Request) -> Response:
         state = _state(request)
         return await state.forwarder.forward(request)
+
+    @app.post(SPEECH_PATH)
+    async def speech(request: Request) -> Response:
+        return await _state(request).forwarder.forward(request, SPEECH_PATH)
 
     @app.get("/v1/units", response_model=None)
     async def units(request: Request) -> dict[str, Any] | JSONResponse:

@@ -1,13 +1,13 @@
-"""Forwarding one `POST /v1/tts/stream` to a unit and relaying the stream back.
+"""Forwarding one `POST /v1/tts/stream` or `/v1/audio/speech` to a unit and relaying it back.
 
-Owns the attempt loop (pick a unit, send, retry elsewhere on a refusal), the header
-policy (`to_unit`, `to_client`), and the relay that copies the unit's body to the
-client chunk by chunk.
+Owns the attempt loop (pick a unit, send, retry elsewhere on a refusal), the affinity key
+(the session header, else a speech body's voice), the header policy (`to_unit`,
+`to_client`), and the relay that copies the unit's body to the client chunk by chunk.
 
 The one rule this module must never break: a retry happens only when the unit cannot
 have started the stream (`RETRIED_STATUS`, or a refused / timed-out connection). Once a
 unit answered 200, that unit owns the request: a later failure ends the client's stream
-with an error trailer (NDJSON) or a broken connection (binary frames).
+with an error trailer (NDJSON) or a broken connection (binary frames, audio).
 """
 
 from __future__ import annotations
@@ -47,9 +47,16 @@ FORWARDED = frozenset(
 SET_BY_ROUTER = frozenset({"host", "content-length", "x-request-id"})
 # The unit's response headers a client may see; the router adds X-Pdunit-Unit. Every other
 # X-Pdunit-* header is internal to the unit.
-UNIT_HEADERS_FOR_CLIENT = frozenset({"x-pdunit-request-id"})
+UNIT_HEADERS_FOR_CLIENT = frozenset(
+    {"x-pdunit-request-id", "x-pdunit-sample-rate", "x-pdunit-prompt-rows", "x-pdunit-cached-rows"}
+)
 NOT_TO_CLIENT = frozenset({"set-cookie", "content-length", "date", "server", "x-request-id"})
-BINARY_FRAMES = "application/x-pdunit-frames"
+NDJSON = "application/x-ndjson"
+STREAM_PATH, SPEECH_PATH = "/v1/tts/stream", "/v1/audio/speech"
+# A speech body is parsed for its voice only up to the LB's own limit for it (a larger one
+# is refused there, 413): the router reads whole bodies up to --max-body-bytes anyway.
+SPEECH_PEEK_BYTES = 64 << 10
+VOICE_NAME_CHARS = 64  # a stored voice's name is 1-64 characters (engine/audio/voices.py)
 # A unit's answers that prove it did not start the stream and that another unit may not
 # give: draining/unready, full, and P or D failing the start.
 # The LB answers 200 only with the first frame, so any status it sends is before the
@@ -86,6 +93,13 @@ class RouterMetrics:
             "Routing decisions by how the unit was chosen: affinity (the key's owner), "
             "walked (owner at its load bound), least_loaded (no key), over_bound",
             ["how"],
+            registry=registry,
+        )
+        self.affinity_keys = Counter(
+            "pdunit_router_affinity_keys_total",
+            "Requests by where their affinity key came from: header (the session header), "
+            "voice (a speech body's voice), none (least loaded)",
+            ["source"],
             registry=registry,
         )
         self.first_byte_seconds = Histogram(
@@ -184,6 +198,25 @@ def to_client(headers: httpx.Headers) -> dict[str, str]:
     return out
 
 
+def voice_key(body: bytes) -> str | None:
+    """The affinity key of a speech body: `voice:<name>` from its JSON `voice` (a name or
+    OpenAI's `{"id": name}`), so a voice's requests reach the unit whose P caches its
+    prefix. None for anything else (too large, not JSON, nested past the parser, no
+    voice, not a voice name): the body still goes to a unit, whose LB refuses it."""
+    if len(body) > SPEECH_PEEK_BYTES:
+        return None
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    voice = doc.get("voice") if isinstance(doc, dict) else None
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if not isinstance(voice, str) or not 1 <= len(voice) <= VOICE_NAME_CHARS:
+        return None
+    return f"voice:{voice}"
+
+
 def error_response(
     status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
@@ -257,7 +290,9 @@ class Forwarder:
             parts.append(part)
         return b"".join(parts)
 
-    async def forward(self, request: Request) -> Response:
+    async def forward(self, request: Request, path: str = STREAM_PATH) -> Response:
+        """One request to `path` on a unit: /v1/tts/stream, or /v1/audio/speech whose
+        body's voice is the affinity key when no session header is given."""
         given = request.headers.get("x-request-id")
         problem = request_id_problem(given) if given is not None else None
         if problem:
@@ -279,6 +314,11 @@ class Forwarder:
             body.headers["x-request-id"] = ctx.request_id
             self.metrics.requests.labels(unit="", outcome="client_error").inc()
             return body
+        source = "header" if ctx.session is not None else "none"
+        if ctx.session is None and path == SPEECH_PATH:
+            ctx.session = voice_key(body)
+            source = "voice" if ctx.session is not None else source
+        self.metrics.affinity_keys.labels(source=source).inc()
         peer = request.client.host if request.client is not None else None
         headers = to_unit(request.headers.items(), peer, self.policy, ctx.request_id)
         tried: list[str] = []
@@ -291,18 +331,18 @@ class Forwarder:
             self.metrics.decisions.labels(how=decision.how).inc()
             unit = decision.unit
             tried.append(unit.name)
-            outcome = await self._attempt(unit, body, headers, ctx, decision.how)
+            outcome = await self._attempt(unit, path, body, headers, ctx, decision.how)
             if outcome is not None:
                 return outcome
         return self._no_unit(ctx)
 
     async def _attempt(
-        self, unit: Unit, body: bytes, headers: list[tuple[str, str]], ctx: _Request, how: str
+        self, unit: Unit, path: str, body: bytes, headers: list[tuple[str, str]], ctx: _Request, how: str
     ) -> Response | None:
         """Send to `unit`: a Response to return, or None to try the next unit."""
         self.table.acquire(unit)
         request = self.client.build_request(
-            "POST", unit.url + "/v1/tts/stream", content=body, headers=headers
+            "POST", unit.url + path, content=body, headers=headers
         )
         try:
             upstream = await self.client.send(request, stream=True)
@@ -460,7 +500,9 @@ class RelayResponse(Response):
         self.on_first_byte = on_first_byte
         self.log = logger
         self.request_id = request_id
-        self.binary = BINARY_FRAMES in upstream.headers.get("content-type", "")
+        # only NDJSON has room for an error trailer; binary frames and audio (PCM, WAV,
+        # SSE) are cut instead
+        self.binary = NDJSON not in upstream.headers.get("content-type", "")
         self.sent = 0
         self.finished = False
 
@@ -491,7 +533,7 @@ class RelayResponse(Response):
                 await self.upstream.aclose()
             self.on_done(outcome, self.sent)
         if abort is not None:
-            # Binary frames have no room for an error trailer mid-frame: break the
+            # Binary frames and audio have no room for an error trailer: break the
             # connection so the client cannot take a cut stream for a whole one.
             raise abort
 
@@ -535,4 +577,4 @@ class RelayResponse(Response):
 
 
 class UpstreamBroken(Exception):
-    """The unit broke a binary-frames stream after it started."""
+    """The unit broke a binary-frames or audio stream after it started."""
