@@ -130,6 +130,11 @@ class DecodeEngine:
         # bumped (under the lock) whenever a reservation comes or goes: with the step it
         # keys the cached headroom (`headroom`)
         self._held_version = 0
+        # audio streams past COMMIT's reservation whose first frame (and its codec chunk)
+        # is being published outside the engine lock, not yet in the batcher (`commit`);
+        # a Cancel meanwhile marks them in `_committing_cancelled`
+        self._committing: dict[int, Stream] = {}
+        self._committing_cancelled: set[int] = set()
         self.loop = StepLoop("decode-step", self._step_once, model.device)
         if codec is not None:
             codec.on_fail = self._end_failed_audio
@@ -359,8 +364,10 @@ class DecodeEngine:
         A reservation counts as audio when D has a codec: RESERVE does not say (COMMIT
         does), so D charges it the codec's cost, the safe side."""
         audio = self.codec is not None
-        return self.batcher.lifetimes(audio=True) + [(r.n_tokens, r.max_frames, audio)
-                                                     for r in self.reservations.values()]
+        committing = [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out), True)
+                      for s in self._committing.values()]
+        return self.batcher.lifetimes(audio=True) + committing + [(r.n_tokens, r.max_frames, audio)
+                                                                  for r in self.reservations.values()]
 
     def headroom(self) -> int:
         """Streams like the recent ones D would still admit (-1: admission off). Computed
@@ -411,45 +418,82 @@ class DecodeEngine:
         first = unpack(req.first_frame, "i4").astype(np.int32)
         stream = Stream(req.request_id, req.prompt_tokens, sampling_from_pb(req.sampling), first.copy(),
                         frames_out=1, stamps=stamps, audio=req.audio)
-        # Under the engine lock from the reservation's end to the batcher's admission:
-        # a Cancel in between finds the request in one of them (see `cancel`).
+        # Under the engine lock from the reservation's end to the batcher's admission (or,
+        # for an audio stream, to `_committing`): a Cancel in between finds the request in
+        # one of them (see `cancel`).
         with self._lock:
             if self.reservations.pop(req.request_id, None) is None:  # failed meanwhile
                 return pb.CommitReply(status=pb.UNKNOWN_REQUEST, instance_id=self.instance_id)
             self._held_version += 1
             self.pool.start_decoding(req.request_id)
             stamps["d_committed"] = now_ns()
-            if stream.audio and self.codec is not None:
-                self.codec.open(req.request_id)  # under the lock: the idle sweep (`_sweep_audio`) sees it admitted
-            self._publish_first_frame(stream)
+            audio = stream.audio and self.codec is not None
+            if audio:
+                self.codec.open(req.request_id)  # type: ignore[union-attr]  # under the lock: the idle sweep sees it
+            if len(self.batcher) + len(self._committing) >= self.batcher.max_batch:
+                self.batcher.admit(stream)  # the batch is full: first_out stays False, the batcher emits it
+                audio = False
+            elif audio:
+                self._committing[stream.request_id] = stream
+            else:
+                self._publish_first_frame(stream)
+        if audio:
+            self._publish_first_audio_frame(stream)
         self.loop.work.set()
         self._update_gauges()
         return pb.CommitReply(status=pb.STATUS_OK, instance_id=self.instance_id)
 
-    def _publish_first_frame(self, stream: Stream) -> None:
-        """Called under the engine lock. The first frame (P sampled it) goes to the LB
-        now, not with D's next step: it needs nothing from D, and the next step boundary
-        is one to two steps away (22-26 ms p50 at 128+ streams on the H200s). A stream
-        that this frame ends (EOS past min_frames, or max_frames == 1) never enters the
-        batch.
-
-        Unless the batch is full (`--max-batch` streams running or waiting): the stream
-        then waits for room, and a first frame sent now would open a gap of that wait
-        inside the stream (its rate and worst 1-s window count from its first frame).
-        Its first frame goes out with the step that takes it in, so the wait falls
-        before the stream's first frame, where the TTFA budget covers it."""
-        if len(self.batcher) >= self.batcher.max_batch:
-            self.batcher.admit(stream)  # first_out stays False: the batcher emits it
-            return
+    # The first frame (P sampled it) goes to the LB at COMMIT, not with D's next step: it
+    # needs nothing from D, and the next step boundary is one to two steps away (22-26 ms
+    # p50 at 128+ streams on the H200s). A stream that this frame ends (EOS past
+    # min_frames, or max_frames == 1) never enters the batch. Unless the batch is full
+    # (`--max-batch` streams running, waiting or committing): the stream then waits for
+    # room, and a first frame sent now would open a gap of that wait inside the stream
+    # (its rate and worst 1-s window count from its first frame); its first frame goes
+    # out with the step that takes it in, so the wait falls before it, where the TTFA
+    # budget covers it. An audio stream's first frame carries its first PCM chunk: the
+    # codec's call is made outside the engine lock (`_publish_first_audio_frame`).
+    def _first_frame(self, stream: Stream) -> tuple[StepOutput, bool]:
         code = self.batcher.finish_code(stream, stream.last_frame)
         ended = code != RUNNING
         out = StepOutput(request_ids=np.array([stream.request_id], dtype=np.uint64),
                          frames=stream.last_frame[None, :].astype(np.int32), finished=np.array([code], np.uint8),
                          started=[stream], ended=[stream] if ended else [])
-        publish_step(self.hub, self._step, out, self.codec)  # the first frame's audio: its first chunk
+        return out, ended
+
+    def _publish_first_frame(self, stream: Stream) -> None:
+        """A frames stream's first frame; called under the engine lock (no codec call)."""
+        out, ended = self._first_frame(stream)
+        publish_step(self.hub, self._step, out, self.codec)
         m.D_FRAMES.inc()
+        self._admit_after_first_frame(stream, ended)
+
+    def _publish_first_audio_frame(self, stream: Stream) -> None:
+        """An audio stream's first frame with its first chunk, published outside the engine
+        lock (the codec's call held it for that long: Reserve, Cancel and Info waited; on
+        the CPU with the tiny codec ~25 ms p50 against ~0.06 ms for a frames stream). The
+        stream waits in `_committing` meanwhile, so no step decodes it before its first
+        frame is out; then it joins the batch, or ends if it was cancelled meanwhile."""
+        out, ended = self._first_frame(stream)
+        publish_step(self.hub, self._step, out, self.codec)  # the codec decodes the first chunk here
+        m.D_FRAMES.inc()
+        rid = stream.request_id
+        with self._lock:
+            self._committing.pop(rid, None)
+            self._held_version += 1
+            if rid in self._committing_cancelled:
+                self._committing_cancelled.discard(rid)
+                self.pool.finish(rid)
+                if self.codec is not None:
+                    self.codec.drop([rid])
+                return
+            self._admit_after_first_frame(stream, ended)
+
+    def _admit_after_first_frame(self, stream: Stream, ended: bool) -> None:
+        """Under the engine lock: the stream joins the batch, or its pages are freed if its
+        first frame ended it (or its codec failed on it: a StreamError went out)."""
         if not ended and stream.audio and self.codec is not None and stream.request_id not in self.codec:
-            ended = True  # its codec failed on the first frame (a StreamError went out): it ends here
+            ended = True
         if ended:
             self.pool.finish(stream.request_id)
             return
@@ -473,8 +517,11 @@ class DecodeEngine:
     def cancel(self, request_id: int, status: pb.Status = pb.STATUS_OK, message: str = "") -> bool:
         """The client went away (status OK), or P gave up on the transfer (its status and
         message reach the client as they are)."""
-        with self._lock:  # a committing request is in `reservations` or the batcher, never neither
+        with self._lock:  # a committing request is in `reservations`, `_committing` or the batcher
             decoding = self.batcher.cancel(request_id)
+            if not decoding and request_id in self._committing:
+                self._committing_cancelled.add(request_id)  # its COMMIT ends it once its first frame is out
+                decoding = True
             pending = not decoding and request_id in self.reservations
         if decoding:
             self.loop.work.set()
@@ -564,7 +611,7 @@ class DecodeEngine:
         if self.codec is None or not len(self.codec):
             return
         with self._lock:
-            gone = self.codec.retain(self.batcher.request_ids())
+            gone = self.codec.retain(self.batcher.request_ids() + list(self._committing))
         if gone:
             log.warning("codec slots of streams no longer decoding freed", extra={"request_ids": gone})
 
@@ -653,7 +700,7 @@ class DecodeEngine:
 
     def info(self) -> pb.InfoReply:
         with self._lock:
-            ids = list(self.reservations) + list(self.held)
+            ids = list(self.reservations) + list(self.held) + list(self._committing)
         ids += self.batcher.request_ids()
         return pb.InfoReply(
             role="decode", instance_id=self.instance_id, peer_instance_id=self.p_instance, pid=os.getpid(),
