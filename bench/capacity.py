@@ -41,9 +41,10 @@ class CapacityConfig(LoadConfig):
 STEADY_LIFETIMES = 3.0
 
 
-def steady_duration_s(cfg: CapacityConfig) -> float:
-    """The shortest --duration whose levels reach the steady state (STEADY_LIFETIMES)."""
-    return STEADY_LIFETIMES * cfg.frames[1] / cfg.min_rate
+def steady_duration_s(cfg: CapacityConfig, floor: float | None = None) -> float:
+    """The shortest --duration whose levels reach the steady state (STEADY_LIFETIMES);
+    `floor`: the rate floor the rows were judged at (--api speech: the codec's), else --min-rate."""
+    return STEADY_LIFETIMES * cfg.frames[1] / (floor or cfg.min_rate)
 
 
 def short_levels_warning(name: str, duration: float, needed: float) -> str:
@@ -95,7 +96,7 @@ def summarize_run(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, 
     summary["capacity_per_gpu"] = {cfg.mode_label: per_gpu}
     summary["capacity_lower_bound_only"] = {cfg.mode_label: capacity is not None and capacity == levels[-1]}
     # levels too short for the steady state (a --requests level has no set length)
-    steady_s = steady_duration_s(cfg)
+    steady_s = steady_duration_s(cfg, next((r["rate_floor"] for r in rows if r.get("rate_floor")), None))
     summary["steady_state_s"] = round(steady_s, 1)
     summary["levels_too_short"] = {cfg.mode_label: not cfg.requests and cfg.duration < steady_s}
     if cfg.gpus:

@@ -230,6 +230,30 @@ def test_goodput_counts_only_the_streams_that_met_the_floor():
     assert row["passed"] is False  # the admitted streams did not all keep the floor
 
 
+def test_a_speech_level_is_judged_at_the_codecs_frame_rate_and_on_audio_stalls():
+    from pdunit.engine.loadgen.driver import SpeechTarget
+
+    target = SpeechTarget(model="m", sample_rate=24000, samples_per_frame=1920, frame_rate_hz=12.5, n_books=32,
+                          code_range=2048)
+
+    def spoken(rate: float, audio_stalls: int = 0, cached: int = 0, reused: bool = True) -> StreamResult:
+        return StreamResult(index=0, voice="v", reused=reused, prompt_rows=100, frames_requested=100, started_s=0,
+                            send_unix_ns=0, frames=100, rate=rate, ttfa_s=0.1, api="speech", audio_s=8.0,
+                            audio_stalls=audio_stalls, cached_rows=cached)
+
+    cfg = CapacityConfig(min_rate=42.0, fps=21.0)  # 2x real time: 25 frames/s at 12.5 Hz
+    row = summarize_level([spoken(30.0, cached=80), spoken(26.0), spoken(40.0, reused=False)], cfg, 3, None, 1.0,
+                          target)
+    assert row["api"] == "speech" and row["rate_floor"] == 25.0 and row["passed"] is True
+    assert row["audio_s_total"] == 24.0 and row["audio_stalls"] == 0 and row["audio_stutter_share"] == 0.0
+    assert row["warm_cache_hit_share"] == 0.5 and row["cold_cache_hit_share"] == 0.0
+    assert row["cached_rows_share"] == pytest.approx(80 / 300)
+    row = summarize_level([spoken(30.0), spoken(30.0, audio_stalls=1)], cfg, 2, None, 1.0, target)
+    assert row["audio_stutter_share"] == 0.5 and row["passed"] is False  # an audio stall fails the level
+    assert summarize_level([spoken(24.0)], cfg, 1, None, 1.0, target)["passed"] is False
+    assert summarize_level([spoken(30.0)], cfg, 1, None, 1.0)["api"] == "frames"
+
+
 def test_poisson_arrivals_with_bursts(serve):
     fake = FakeLB(fps=300.0)
     url = serve(fake)
