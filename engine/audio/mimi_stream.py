@@ -4,11 +4,10 @@ Owns each stream's codec state (`MimiStreamDecoder`, a slot of batched tensors):
 transposed convolutions' pending overlap, the causal convolutions' left context (through
 transformers' MimiConv1dPaddingCache) and the decoder transformer's KV of its sliding
 window (through transformers' DynamicCache), so the concatenated chunks equal
-`MimiModel.decode` of all the frames. It runs transformers' modules and weights; it must
-never re-implement a codec layer, nor decode overlapping windows and cross-fade them (the
-audible stutter it exists to prevent).
-transformers is imported only when a codec is built, so `import pdunit.engine` stays light.
-"""
+`MimiModel.decode` of all the frames; `graphs=True` replays CUDA graphs of the same push
+(engine/audio/mimi_graphs.py). It runs transformers' modules and weights; it must never
+decode overlapping windows and cross-fade them (the audible stutter it exists to prevent).
+transformers is imported only when a codec is built, so `import pdunit.engine` stays light."""
 
 from __future__ import annotations
 
@@ -36,6 +35,10 @@ class MimiCodec:
         self.codebook_size = int(cfg.codebook_size)
         self.samples_per_frame = int(cfg.latent_stride) * math.prod(cfg.upsampling_ratios or ())
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     @classmethod
     def from_directory(cls, path: str, device: str = "cpu") -> MimiCodec:
         """Load a codec saved with `save_pretrained` (local files only, never a download)."""
@@ -53,8 +56,10 @@ class MimiCodec:
             codes = self.model.encode(x.to(dtype)[None, None, :]).audio_codes
         return codes[0].to(torch.int64).cpu().numpy()
 
-    def stream_decoder(self) -> MimiStreamDecoder:
-        return MimiStreamDecoder(self)
+    def stream_decoder(self, graphs: bool = False) -> MimiStreamDecoder:
+        """`graphs`: replay CUDA graphs of the push (meant for a codec on CUDA; on a CPU
+        the same static-shape path runs uncaptured)."""
+        return MimiStreamDecoder(self, graphs=graphs)
 
 
 class MimiStreamDecoder:
@@ -63,9 +68,15 @@ class MimiStreamDecoder:
     `push_many({id: codes [K, n]})` decodes the new frames of several streams in one batch
     per distinct `n` and returns each stream's PCM chunk (float32, n x samples_per_frame).
     A stream holds a slot of the batched state tensors from `open` to `close` (its slot
-    is then free for the next stream); slots grow by doubling from `slots`."""
+    is then free for the next stream); slots grow by doubling from `slots`.
 
-    def __init__(self, codec: MimiCodec, slots: int = 8) -> None:
+    `graphs=True`: a call of at most `graph_frames` frames a stream runs as a CUDA graph
+    captured per (batch bucket, frames), the batch padded to its bucket with a scratch
+    slot (engine/audio/mimi_graphs.py); the same samples as the eager push to rounding.
+    `use_graphs` turns it off and on per call (the benchmark's eager rows)."""
+
+    def __init__(self, codec: MimiCodec, slots: int = 8, graphs: bool = False,
+                 buckets: tuple[int, ...] | None = None, graph_frames: int = 4) -> None:
         self.codec = codec
         model = codec.model
         cfg = model.config
@@ -108,6 +119,17 @@ class MimiStreamDecoder:
         self._seen = torch.zeros(slots, dtype=torch.int64, device=self._device)  # positions
         self._slot: dict[str, int] = {}
         self._free = list(range(slots - 1, -1, -1))
+        self.state_version = 0  # bumped when the state tensors are replaced (growth)
+        self._graphs: Any = None
+        self.use_graphs = graphs
+        self.scratch_slot = -1  # with graphs: the slot a bucket's padded rows use
+        if graphs:
+            from pdunit.engine.audio.mimi_graphs import DEFAULT_BUCKETS, MimiGraphs
+
+            if slots < 2:
+                raise ValueError(f"graphs need >= 2 slots (one is the padding's scratch slot; got {slots})")
+            self.scratch_slot = self._free.pop()  # padded rows of a bucket read and write it
+            self._graphs = MimiGraphs(self, buckets or DEFAULT_BUCKETS, graph_frames)
 
     def _index_layers(self) -> tuple[list[Any], list[Any]]:
         from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d
@@ -143,6 +165,7 @@ class MimiStreamDecoder:
             self._state = [torch.cat([t, torch.zeros_like(t)]) for t in self._state]
             self._seen = torch.cat([self._seen, torch.zeros_like(self._seen)])
             self._free = list(range(2 * n - 1, n - 1, -1))
+            self.state_version += 1  # captured graphs read the old tensors
         slot = self._free.pop()
         for t in self._state:
             t[slot].zero_()
@@ -158,18 +181,39 @@ class MimiStreamDecoder:
     def push(self, stream_id: str, codes: np.ndarray | torch.Tensor) -> np.ndarray:
         return self.push_many({stream_id: codes})[stream_id]
 
+    @property
+    def graphs(self) -> Any:
+        """The decoder's `MimiGraphs` (None without `graphs=True`): its buckets and counters."""
+        return self._graphs
+
     def push_many(self, frames: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
+        """Every stream's codes are checked (shape, range) before anything is decoded."""
+        k = self.codec.num_codebooks
         groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for stream_id, codes in frames.items():
             if stream_id not in self._slot:
                 raise KeyError(f"stream {stream_id!r} is not open")
-            c = self._check(stream_id, codes)
+            c = torch.as_tensor(codes)
+            if c.ndim != 2 or c.shape[0] != k or c.shape[1] < 1:
+                raise ValueError(
+                    f"stream {stream_id!r}: codes of shape {tuple(c.shape)}, expected ({k}, frames >= 1)"
+                )
             groups.setdefault(c.shape[1], []).append((stream_id, c))
+        stacked = {}
+        for n, group in groups.items():  # one range check per group (per stream, 10s of us each)
+            batch = torch.stack([c for _, c in group]).to(torch.int64)
+            if bool(((batch < 0) | (batch >= self.codec.codebook_size)).any()):
+                for stream_id, c in group:
+                    self._check(stream_id, c)
+            stacked[n] = batch
         out: dict[str, np.ndarray] = {}
         with torch.inference_mode():
-            for group in groups.values():
-                slots = torch.tensor([self._slot[s] for s, _ in group], device=self._device)
-                pcm = self._decode(slots, torch.stack([c for _, c in group]).to(self._device))
+            for n, group in groups.items():
+                slots = [self._slot[s] for s, _ in group]
+                if self._graphs is not None and self.use_graphs and self._graphs.handles(n):
+                    pcm = self._graphs.decode(slots, stacked[n])
+                else:
+                    pcm = self._decode(torch.tensor(slots, device=self._device), stacked[n].to(self._device))
                 for (stream_id, _), chunk in zip(group, pcm.float().cpu().numpy(), strict=True):
                     out[stream_id] = chunk
         return out
@@ -243,15 +287,9 @@ class MimiStreamDecoder:
         the mask is causal, the sliding window, and hides the slots of positions before 0."""
         from transformers import DynamicCache
 
-        b, q, p = x.shape[0], x.shape[-1], self._past
+        q, p = x.shape[-1], self._past
         seen = self._seen.index_select(0, slots)
-        position_ids = seen[:, None] + torch.arange(q, device=self._device)[None, :]  # [B, q]
-        kv_pos = seen[:, None] - p + torch.arange(p + q, device=self._device)[None, :]
-        q_pos = position_ids[:, :, None]
-        allowed = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos)
-        allowed &= kv_pos[:, None, :] > q_pos - (p + 1)
-        mask = torch.zeros(b, 1, q, p + q, device=self._device, dtype=self._dtype)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(self._dtype).min)
+        position_ids, mask = window_mask(seen, q, p, self._dtype)
         cache = DynamicCache(ddp_cache_data=list(zip(kv[0::2], kv[1::2], strict=True)))
         out = self._decoder.decoder_transformer(
             x.transpose(1, 2), attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
@@ -261,3 +299,19 @@ class MimiStreamDecoder:
             kv[2 * i + 1].copy_(layer.values[:, :, -p:])
         self._seen.index_copy_(0, slots, seen + q)
         return out.last_hidden_state.transpose(1, 2)
+
+
+def window_mask(seen: torch.Tensor, q: int, past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [B, q] of `q` new positions after each stream's `seen`, and the additive
+    4-D mask [B, 1, q, past + q] over the window's `past` KV rows then the new ones: causal,
+    the sliding window (`past + 1` positions), and hiding rows before position 0. Tensor
+    ops only (no host sync): the eager and the captured push both build it so."""
+    steps = torch.arange(past + q, device=seen.device)
+    position_ids = seen[:, None] + steps[None, :q]  # [B, q]
+    kv_pos = seen[:, None] - past + steps[None, :]
+    q_pos = position_ids[:, :, None]
+    allowed = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos)
+    allowed &= kv_pos[:, None, :] > q_pos - (past + 1)
+    mask = torch.zeros(seen.shape[0], 1, q, past + q, device=seen.device, dtype=dtype)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return position_ids, mask
