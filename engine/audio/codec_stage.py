@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 _RUNNING, _EOS, _LENGTH = 0, 1, 2  # StepFrames.finished (engine/decode/batcher.py)
 
+# The refusal of an audio stream by an engine started without --codec (D, the monolith).
+NO_CODEC = ("audio: this engine has no codec (start it with --codec) and cannot turn the stream's frames into "
+            "PCM; ask for frames only, or send it to an engine with a codec")
 CODEC_STEP_SECONDS = m.role_metric(Histogram(
     "pdunit_codec_step_seconds", "Wall time of a step's codec decode (one batched call for every due audio stream)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=None), "decode", "monolith")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pdunit.engine import metrics as m
-from pdunit.engine.audio.codec_stage import CodecStage
+from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
@@ -65,6 +65,7 @@ class Reservation:
     dst_slots: np.ndarray
     stamps: dict[str, int] = field(default_factory=dict)
     max_frames: int = 0  # total_tokens - n_tokens of its RESERVE: the frames it will decode
+    audio: bool = False  # its RESERVE asked for audio: admission charges the codec's cost
 
 
 @dataclass
@@ -309,8 +310,10 @@ class DecodeEngine:
             return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                    message=f"n_tokens={req.n_tokens} total_tokens={req.total_tokens}")
         max_frames = req.total_tokens - req.n_tokens
+        if req.audio and self.codec is None:  # refused before any page is taken (COMMIT checks again)
+            return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id, message=NO_CODEC)
         if self.admission is not None:
-            alone = self.admission.alone_fits(req.n_tokens, max_frames, self.codec is not None)
+            alone = self.admission.alone_fits(req.n_tokens, max_frames, req.audio)
             if not alone.admit and not alone.engine_bound:  # else judged below: a 503
                 return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                        message="rate_floor: even alone this stream would break the floor "
@@ -321,8 +324,7 @@ class DecodeEngine:
                 return pb.ReserveReply(status=pb.INVALID, instance_id=self.instance_id,
                                        message=f"request {req.request_id} already has pages in D")
             if self.admission is not None:  # under the lock: two RESERVEs never both take the last room
-                verdict = self.admission.judge(self._lifetimes(), req.n_tokens, max_frames,
-                                               audio=self.codec is not None)
+                verdict = self.admission.judge(self._lifetimes(), req.n_tokens, max_frames, audio=req.audio)
                 if not verdict.admit:
                     log.info("stream refused: rate floor", extra={
                         "request_id": req.request_id, "worst_ms": round(verdict.worst_ms, 2),
@@ -336,7 +338,7 @@ class DecodeEngine:
             self._held_version += 1
             self.reservations[req.request_id] = Reservation(
                 req.request_id, req.identity.sender_instance, req.deadline_unix_ms, req.n_tokens, slots,
-                stamps={"d_reserved": now_ns()}, max_frames=max_frames)
+                stamps={"d_reserved": now_ns()}, max_frames=max_frames, audio=req.audio)
         self._update_gauges()
         # The write capability (PROTOCOL.md 3.1), outside the engine lock: the proxy's
         # receiver tells its sidecar. Granted after the reservation exists and checked
@@ -360,13 +362,10 @@ class DecodeEngine:
 
     def _lifetimes(self) -> list[tuple[int, ...]]:
         """(context, frames to come, audio) of every stream D holds: decoding, waiting for
-        the batch, and reserved but not committed (they will decode too). Under the lock.
-        A reservation counts as audio when D has a codec: RESERVE does not say (COMMIT
-        does), so D charges it the codec's cost, the safe side."""
-        audio = self.codec is not None
+        the batch, and reserved but not committed (they will decode too). Under the lock."""
         committing = [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out), True)
                       for s in self._committing.values()]
-        return self.batcher.lifetimes(audio=True) + committing + [(r.n_tokens, r.max_frames, audio)
+        return self.batcher.lifetimes(audio=True) + committing + [(r.n_tokens, r.max_frames, r.audio)
                                                                   for r in self.reservations.values()]
 
     def headroom(self) -> int:
@@ -395,10 +394,8 @@ class DecodeEngine:
         if not self.identity_ok(req.identity):
             return pb.CommitReply(status=pb.STALE_INSTANCE, instance_id=self.instance_id)
         if req.audio and self.codec is None:
-            message = ("audio: this decode engine has no codec (start it with --codec) and cannot turn the "
-                       "stream's frames into PCM; ask for frames only, or send it to an engine with a codec")
-            self.fail_transfer(req.request_id, pb.INVALID, "no_codec", message)
-            return pb.CommitReply(status=pb.INVALID, instance_id=self.instance_id, message=message)
+            self.fail_transfer(req.request_id, pb.INVALID, "no_codec", NO_CODEC)
+            return pb.CommitReply(status=pb.INVALID, instance_id=self.instance_id, message=NO_CODEC)
         with self._lock:
             res = self.reservations.get(req.request_id)
             if res is None or self.pool.state_of(req.request_id) != PageState.RESERVED:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdunit.engine import metrics as m
-from pdunit.engine.audio.codec_stage import CodecStage, StepCost
+from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage, StepCost
 from pdunit.engine.batching import prefill_entry
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
@@ -58,8 +58,6 @@ log = logging.getLogger("pdunit.monolith")
 # computed into its cache lease, as P computes it, so a reused voice skips its cached
 # leading blocks.
 POLICIES = ("prefill-first", "chunked", "budget")
-NO_CODEC = ("audio: this engine has no codec (start it with --codec) and cannot turn the stream's frames into "
-            "PCM; ask for frames only, or send it to an engine with a codec")
 
 
 @dataclass

@@ -302,7 +302,7 @@ class DecodeLinks(Sequence[DecodeLink]):
         for attempt in range(2):
             reply = link.stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
-                deadline_unix_ms=deadline, identity=self.identity(link, deadline)),
+                deadline_unix_ms=deadline, identity=self.identity(link, deadline), audio=job.audio),
                 timeout=5.0)
             if reply.status != pb.STALE_INSTANCE or attempt:
                 return reply

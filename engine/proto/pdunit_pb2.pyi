@@ -213,18 +213,20 @@ class AudioFormat(_message.Message):
     def __init__(self, sample_rate: _Optional[int] = ..., samples_per_frame: _Optional[int] = ..., frame_rate_hz: _Optional[float] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "n_tokens", "deadline_unix_ms", "identity", "total_tokens")
+    __slots__ = ("request_id", "n_tokens", "deadline_unix_ms", "identity", "total_tokens", "audio")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     n_tokens: int
     deadline_unix_ms: int
     identity: Identity
     total_tokens: int
-    def __init__(self, request_id: _Optional[int] = ..., n_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    audio: bool
+    def __init__(self, request_id: _Optional[int] = ..., n_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., total_tokens: _Optional[int] = ..., audio: _Optional[bool] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("status", "message", "dst_slots", "instance_id", "capability")

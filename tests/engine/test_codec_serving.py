@@ -115,9 +115,12 @@ def decode_engine(model: TTSModel, codec: MimiCodec | None, overlap: bool = Fals
 
 
 def commit(d: DecodeEngine, rid: int, first: np.ndarray, audio: bool, max_frames: int,
-           min_frames: int = 0) -> pb.CommitReply:
+           min_frames: int = 0, reserve_audio: bool | None = None) -> pb.CommitReply:
+    """RESERVE then COMMIT as P sends them: both carry `audio` (RESERVE's `reserve_audio`
+    when given, to play a P that did not say it at RESERVE)."""
     reply = d.reserve(pb.ReserveRequest(request_id=rid, n_tokens=ROWS, total_tokens=ROWS + max_frames,
-                                        identity=pb.Identity(sender_instance="p")))
+                                        identity=pb.Identity(sender_instance="p"),
+                                        audio=audio if reserve_audio is None else reserve_audio))
     assert reply.status == pb.STATUS_OK, reply
     slots = unpack(reply.dst_slots, "i8")
     rows = torch.randn(d.storage[:, :, :ROWS].shape, dtype=d.storage.dtype,
@@ -175,7 +178,13 @@ def test_a_cancelled_audio_stream_frees_its_codec_slot_in_d(model, codec) -> Non
 def test_d_without_a_codec_refuses_audio_naming_the_flag(model) -> None:
     d, hub = decode_engine(model, None)
     assert not d.hello().HasField("audio_format")
-    reply = commit(d, 6, audio_rows(6, 1)[0], audio=True, max_frames=4)
+    free = d.pool.free_pages
+    at_reserve = d.reserve(pb.ReserveRequest(request_id=5, n_tokens=ROWS, total_tokens=ROWS + 4, audio=True,
+                                             identity=pb.Identity(sender_instance="p")))
+    assert at_reserve.status == pb.INVALID and "--codec" in at_reserve.message
+    assert d.pool.free_pages == free and 5 not in d.reservations  # refused before any page was taken
+    # a P that did not say it at RESERVE is refused at COMMIT
+    reply = commit(d, 6, audio_rows(6, 1)[0], audio=True, max_frames=4, reserve_audio=False)
     assert reply.status == pb.INVALID and "--codec" in reply.message
     (msg,) = hub.messages  # the LB hears it as the stream's error
     assert msg.errors[0].request_id == 6
