@@ -49,7 +49,7 @@ lock:
 # /v1/audio/speech into .out/out.wav (noise: the weights are random).
 run: install
 	$(BIN)/pdunit local --model random:csm-tiny:0 --codec random:mimi-tiny:0 --lb-port 0 \
-	  --load-streams 6 --load-frames 105 --speak "Hello from pdunit." --speak-out .out/out.wav
+	  --load-streams 6 --load-frames 105 --load-api speech --speak "Hello from pdunit." --speak-out .out/out.wav
 
 # Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected), after lint,
 # on TEST_WORKERS pytest-xdist workers (a file's tests stay on one worker, and so do the

@@ -91,6 +91,9 @@ class LocalConfig(BaseModel):
     load_frames: int = Field(105, gt=0, description="frames per stream of the short load")
     load_prompt_rows: str = Field("1000-2000", description="prompt rows of the short load (a or a-b)")
     load_requests: int = Field(0, ge=0, description="streams in the short load (0 = 2 x load_streams)")
+    load_api: Literal["frames", "speech"] = Field(
+        "frames", description="the short load's API: frames (/v1/tts/stream) or speech (/v1/audio/speech, "
+        "text and voices; needs --codec)")
     codec: str = Field("", description="the codec D (or the monolith) decodes audio with (their --codec, e.g. "
                        "random:mimi-tiny:0 with random:csm-tiny:0); the LB then serves /v1/audio/speech")
     voices: str = Field("", description="the LB's voice store (default with --codec: <run dir>/voices)")
@@ -162,6 +165,8 @@ class LocalConfig(BaseModel):
                                  f"--{name.replace('_', '-')} {getattr(self, name)}: move one of them")
         if self.speak and not self.codec:
             raise ValueError("--speak needs --codec (D turns frames into audio with it)")
+        if self.load_api == "speech" and not self.codec:
+            raise ValueError("--load-api speech needs --codec (D turns frames into audio with it)")
         if self.lb_port and self.lb_port == self.admin_port:
             raise ValueError(f"--admin-port {self.admin_port} is --lb-port: give the admin port another one "
                              "(or 0 for a free one)")
@@ -609,7 +614,7 @@ def run_short_load(unit: LocalUnit) -> dict:
     cfg = LoadConfig(
         url=unit.url, concurrency=[c.load_streams], requests=c.load_requests or 2 * c.load_streams,
         prompt_rows=(lo, hi), frames=(c.load_frames, c.load_frames), mode_label=f"local-{c.mode}",
-        gpus=0,
+        gpus=0, api=c.load_api,
     )
     return run_load(cfg)
 

@@ -83,6 +83,8 @@ def test_the_literal_types_list_what_the_engines_build():
     (["--lb-port", "9000", "--admin-port", "9000"], "pdunit local: --admin-port 9000 is --lb-port"),
     (["--metrics-port", "9000", "--lb-port", "9002"], "--metrics-port 9000: its block 9000..9003 takes --lb-port 9002"),
     (["--extra-lb-args=--unit-name=x"], "drop --unit-name"),
+    (["--speak", "hi"], "pdunit local: --speak needs --codec"),
+    (["--load-api", "speech"], "pdunit local: --load-api speech needs --codec"),
 ])
 def test_values_that_fail_only_together_or_later_are_refused_at_parse_time(argv, says, capsys):
     """These were accepted and failed after the children started (a traceback from
