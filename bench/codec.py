@@ -1,0 +1,333 @@
+"""`pdunit bench codec`: the codec stage's cost per call vs batch (issue 26's Benchmarks).
+
+Owns one measurement of `MimiStreamDecoder.push_many` as the codec stage makes it, once a
+step for the streams whose chunk is due: Mimi's real shape (transformers' MimiConfig
+defaults, 32 codebooks) or a tiny one, random weights built locally (nothing downloaded),
+streams warmed past the sliding window, per dtype and per path (eager, CUDA graphs): ms
+per call and per stream, and the share of D's step at the same batch (a step-model fit
+from bench/results, or --d-step-ms). Must never be run for a claim without writing its
+results file, and never re-implements the decoder (it times the engine's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import gc
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdunit.bench import report
+from pdunit.bench.cuda_timing import event_times_ms
+from pdunit.engine.loadgen.summary import Column, machine_info, text_table
+
+COLUMNS = [
+    Column("dtype", "dtype"),
+    Column("mode", "path"),
+    Column("batch", "batch"),
+    Column("frames", "frames"),
+    Column("bucket", "bucket"),
+    Column("ms", "ms/call", "{:.3f}"),
+    Column("p90_ms", "p90 ms", "{:.3f}"),
+    Column("us_per_stream", "us/stream", "{:.1f}"),
+    Column("audio_ms", "audio ms", "{:.0f}"),
+    Column("d_step_ms", "D step ms", "{:.2f}"),
+    Column("of_d_step", "of D step", "{:.1%}"),
+    Column("speedup", "vs eager", "{:.2f}x"),
+]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = {"eager": ("eager",), "graphs": ("graphs",), "both": ("eager", "graphs")}
+# D's step fit of record (bench step, H200, qwen3-4b-shape, 16-256 streams x 1-2k context)
+D_STEP_MODEL = report.RESULTS_DIR / "step-20261201-h200.fit.json"
+TARGET = 0.10  # issue 26: the codec adds <= 10% to D's step at 256 streams
+
+
+@dataclasses.dataclass
+class CodecConfig:
+    shape: str = "real"
+    batches: list[int] = dataclasses.field(default_factory=lambda: [1, 64, 128, 256, 512])
+    frames: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    dtypes: list[str] = dataclasses.field(default_factory=lambda: ["fp32"])
+    mode: str = "both"
+    warm_frames: int = -1  # -1: past the sliding window
+    warm_chunk: int = 8
+    iters: int = 20
+    warmup: int = 3
+    buckets: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    graph_frames: int = 4
+    d_step_ms: float = 0.0  # > 0: this flat D step for every batch, else the step model
+    d_step_model: str = str(D_STEP_MODEL)
+    d_context: int = 1024  # context tokens per stream in D's step model
+    device: str = "cuda"
+    seed: int = 0
+    out: str = "bench/results"
+    machine_tag: str | None = None
+    command: str = ""
+
+
+def build_codec(shape: str, dtype: torch.dtype, device: str, seed: int) -> Any:
+    """A `MimiCodec` of `shape` with random weights, built on `device`: `real` is
+    transformers' MimiConfig defaults (Kyutai Mimi: 24 kHz, ratios (8, 6, 5, 4), 8-layer
+    transformer, window 250) at CSM's 32 codebooks of 2048; `tiny` is the tests' codec.
+    The codebooks are drawn too (transformers' init leaves them at zero)."""
+    from transformers import MimiConfig, MimiModel
+
+    from pdunit.engine.audio.codec_spec import tiny_mimi_model
+    from pdunit.engine.audio.mimi_stream import MimiCodec
+
+    torch.manual_seed(seed)
+    if shape == "real":
+        with torch.device(device):
+            model: Any = MimiModel(MimiConfig(num_quantizers=32))
+    elif shape == "tiny":
+        model = tiny_mimi_model(4, 32, seed=seed)
+        model = model.to(torch.device(device))
+    else:
+        raise ValueError(f"--shape must be real or tiny (got {shape!r})")
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("embed_sum"):
+                buf.copy_(torch.randn(buf.shape, generator=g, device=device))
+    return MimiCodec(model.to(dtype).eval())
+
+
+def d_step_ms(cfg: CodecConfig, batch: int) -> tuple[float | None, str]:
+    """D's step at `batch` streams: --d-step-ms, else the step model at --d-context."""
+    if cfg.d_step_ms > 0:
+        return cfg.d_step_ms, f"--d-step-ms {cfg.d_step_ms}"
+    if not cfg.d_step_model:
+        return None, "none"
+    from pdunit.engine.decode.admission import StepCoefficients
+
+    path = Path(cfg.d_step_model)
+    model = StepCoefficients.from_json(path.read_text(), source=str(path))
+    return model.ms(batch, batch * cfg.d_context), f"{path.name} at {cfg.d_context} tokens a stream"
+
+
+def _time_ms(fn: Any, iters: int, warmup: int, cuda: bool) -> list[float]:
+    if cuda:
+        return event_times_ms(fn, iters, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One decoder (graphs or not) with max(batches) streams, warmed, then each (batch,
+    frames) point timed on the first `batch` streams."""
+    from pdunit.engine.audio.mimi_stream import MimiStreamDecoder
+
+    cuda = codec.device.type == "cuda"
+    graphs = mode == "graphs"
+    most = max(cfg.batches)
+    dec = MimiStreamDecoder(codec, slots=most + 1, graphs=graphs, buckets=tuple(cfg.buckets),
+                            graph_frames=cfg.graph_frames)
+    ids = [f"s{i}" for i in range(most)]
+    for s in ids:
+        dec.open(s)
+    rng = np.random.default_rng(cfg.seed)
+    k, size = codec.num_codebooks, codec.codebook_size
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(codec.device)
+    t0 = time.perf_counter()
+    dec.use_graphs = False  # warming is a few long calls, not the timed shape
+    warm = cfg.warm_frames if cfg.warm_frames >= 0 else default_warm_frames(codec)
+    done = 0
+    while done < warm:
+        n = min(cfg.warm_chunk, warm - done)
+        dec.push_many({s: rng.integers(0, size, size=(k, n)) for s in ids})
+        done += n
+    dec.use_graphs = graphs
+    warm_s = time.perf_counter() - t0
+    rows = []
+    for batch in cfg.batches:
+        for frames in cfg.frames:
+            codes = rng.integers(0, size, size=(batch, k, frames))
+            calls = {ids[i]: codes[i] for i in range(batch)}
+            times = _time_ms(lambda push=dec.push_many, calls=calls: push(calls), cfg.iters, cfg.warmup, cuda)
+            ms = statistics.median(times)
+            d_ms, _ = d_step_ms(cfg, batch)
+            uses_graph = graphs and dec.graphs.handles(frames)
+            rows.append({
+                "dtype": dtype_name, "mode": mode, "batch": batch, "frames": frames,
+                "bucket": dec.graphs.bucket(batch) if uses_graph else None,
+                "ms": ms, "p90_ms": float(np.percentile(times, 90)), "min_ms": min(times),
+                "us_per_stream": ms * 1e3 / batch,
+                "audio_ms": frames * 1e3 / codec.frame_rate,
+                "d_step_ms": d_ms, "of_d_step": ms / d_ms if d_ms else None,
+                "iters": cfg.iters,
+            })
+            print({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in rows[-1].items()}, flush=True)
+    info = {
+        "warm_frames": warm, "warm_s": round(warm_s, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated(codec.device) / 2**30, 2) if cuda else None,
+    }
+    if graphs:
+        info.update(captures=dec.graphs.captures, capture_s=round(dec.graphs.capture_seconds, 2),
+                    replays=dec.graphs.replays)
+    del dec
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows, info
+
+
+def default_warm_frames(codec: Any) -> int:
+    """Frames that take a stream past the decoder transformer's sliding window (its
+    positions run at the encoder's rate, `positions_per_frame` a codec frame)."""
+    cfg = codec.model.config
+    per_frame = max(1, round(float(cfg.encodec_frame_rate) / float(cfg.frame_rate)))
+    return math.ceil(cfg.sliding_window / per_frame) + 1
+
+
+def run_codec(cfg: CodecConfig) -> dict[str, Any]:
+    cuda = cfg.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("pdunit bench codec: --device cuda but no CUDA device (use --device cpu --shape tiny)")
+    rows: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
+    codec = None
+    for dtype_name in cfg.dtypes:
+        codec = build_codec(cfg.shape, DTYPES[dtype_name], cfg.device, cfg.seed)
+        for mode in MODES[cfg.mode]:
+            got, info = measure(codec, cfg, dtype_name, mode)
+            rows += got
+            runs[f"{dtype_name}/{mode}"] = info
+        del codec
+        gc.collect()
+    eager = {(r["dtype"], r["batch"], r["frames"]): r["ms"] for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        base = eager.get((r["dtype"], r["batch"], r["frames"]))
+        r["speedup"] = base / r["ms"] if base and r["mode"] != "eager" else None
+    return report.Results(
+        bench="codec",
+        machine=machine_info(),
+        command=cfg.command,
+        config={k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("command", "out")},
+        rows=rows,
+        summary=_summary(rows, runs, cfg),
+    ).document()
+
+
+def _summary(rows: list[dict[str, Any]], runs: dict[str, Any], cfg: CodecConfig) -> dict[str, Any]:
+    """Per (dtype, path, frames): a line ms = base + per_stream x batch over the batches,
+    and the share of D's step at 256 streams against the target."""
+    fits: dict[str, Any] = {}
+    for key in sorted({(r["dtype"], r["mode"], r["frames"]) for r in rows}):
+        pts = sorted((r["batch"], r["ms"], r["of_d_step"]) for r in rows if (r["dtype"], r["mode"], r["frames"]) == key)
+        entry: dict[str, Any] = {}
+        if len(pts) >= 2:
+            slope, base = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+            entry.update(base_ms=round(float(base), 4), per_stream_ms=round(float(slope), 5))
+        at = {p[0]: p[2] for p in pts}
+        if at.get(256) is not None:
+            entry["of_d_step_at_256"] = round(at[256], 4)
+            entry["meets_target"] = at[256] <= TARGET
+        fits["/".join(map(str, key)) + "f"] = entry
+    return {
+        "d_step": d_step_ms(cfg, 256)[1],
+        "target": f"codec <= {TARGET:.0%} of D's step at 256 streams",
+        "fits": fits,
+        "runs": runs,
+    }
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _dtypes(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in values if v not in DTYPES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(DTYPES)} (comma-separated), got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = CodecConfig()
+    p = argparse.ArgumentParser(prog="pdunit bench codec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=("real", "tiny"), default=d.shape,
+                   help="real: Mimi's sizes (transformers' MimiConfig defaults, 32 codebooks); tiny: the tests' codec")
+    p.add_argument("--batches", type=_ints, default=d.batches, help="streams per call, comma-separated")
+    p.add_argument("--frames", type=_ints, default=d.frames, help="frames per stream per call, comma-separated")
+    p.add_argument("--dtype", type=_dtypes, default=d.dtypes, help="fp32, bf16 or both (comma-separated)")
+    p.add_argument("--mode", choices=tuple(MODES), default=d.mode, help="eager, CUDA graphs, or both")
+    p.add_argument("--warm-frames", type=int, default=d.warm_frames,
+                   help="frames each stream decodes before timing (-1: past the sliding window; 0: fresh streams)")
+    p.add_argument("--warm-chunk", type=int, default=d.warm_chunk, help="frames per warming call")
+    p.add_argument("--iters", type=int, default=d.iters, help="timed calls per point")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed calls per point (the graph capture included)")
+    p.add_argument("--buckets", type=_ints, default=d.buckets, help="graph batch buckets")
+    p.add_argument("--graph-frames", type=int, default=d.graph_frames,
+                   help="largest frames per call captured (longer calls run eagerly)")
+    p.add_argument("--d-step-ms", type=float, default=d.d_step_ms,
+                   help="D's step in ms for every batch (default: the step model below)")
+    p.add_argument("--d-step-model", default=d.d_step_model,
+                   help="a bench step fit (.fit.json) giving D's step at each batch; '' for none")
+    p.add_argument("--d-context", type=int, default=d.d_context, help="context tokens per stream in the step model")
+    p.add_argument("--device", default=d.device, help="cuda, cuda:N or cpu")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out, help="folder (or .json path) for codec-<date>-<tag>.json/.md")
+    p.add_argument("--machine-tag", default=d.machine_tag, help="file-name tag (default: from the GPU)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _parser().parse_args(argv)
+    problems = []
+    if a.iters < 1 or a.warmup < 0 or a.warm_chunk < 1 or a.graph_frames < 1 or a.warm_frames < -1:
+        problems.append("--iters, --warm-chunk, --graph-frames must be >= 1, --warmup >= 0, --warm-frames >= -1")
+    if a.device != "cpu" and not a.device.startswith("cuda"):
+        problems.append(f"--device must be cuda, cuda:N or cpu (got {a.device!r})")
+    if problems:
+        raise SystemExit("pdunit bench codec: " + "; ".join(problems))
+    cfg = CodecConfig(
+        shape=a.shape, batches=a.batches, frames=a.frames, dtypes=a.dtype, mode=a.mode,
+        warm_frames=a.warm_frames, warm_chunk=a.warm_chunk, iters=a.iters, warmup=a.warmup,
+        buckets=a.buckets, graph_frames=a.graph_frames, d_step_ms=a.d_step_ms,
+        d_step_model=a.d_step_model, d_context=a.d_context, device=a.device, seed=a.seed,
+        out=a.out, machine_tag=a.machine_tag,
+        command="pdunit bench codec " + " ".join(shlex.quote(x) for x in argv),
+    )
+    machine = machine_info()
+    print(f"machine: {report.machine_slug(machine)} ({machine.get('gpu_model') or machine.get('cpu_model')})")
+    print(f"command: {cfg.command}")
+    print(f"config: {dataclasses.asdict(cfg)}", flush=True)
+    doc = run_codec(cfg)
+    tag = cfg.machine_tag or report.machine_slug(doc["machine"]).lower()
+    path = Path(cfg.out)
+    if path.suffix != ".json":
+        path = path / f"codec-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
+    report.Results.from_document(doc).write(path, COLUMNS, title="Codec (Mimi stream decode) per call vs batch")
+    print(text_table(doc["rows"], COLUMNS))
+    print("summary:", doc["summary"])
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

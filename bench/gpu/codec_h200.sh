@@ -1,0 +1,27 @@
+#!/bin/bash
+# Issue 26's codec run on one GPU (nvidia-h200, or an H100: the tag says which), ~3-4 min:
+# the graph == eager GPU tests, then `pdunit bench codec` at Mimi's real shape (random
+# weights, 32 codebooks), batches 1-512, 1 and 2 frames a call, eager and CUDA graphs, once
+# per dtype. Everything lands in $OUT: env.txt, pytest.txt, codec-<date>-<gpu>-<dtype>.json
+# and .md, the logs, summary.txt (one status line a step).
+#   bash bench/gpu/codec_h200.sh        (from the repo root, on the device machine)
+set -uo pipefail
+source tests/gpu/harness/setup.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/env.txt" 2>&1
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+  >> "$OUT/env.txt" 2>&1
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
+rc=0
+step() {  # step NAME SECONDS LOG CMD...: the command under a timeout, its output also in LOG
+  local name=$1 secs=$2 log=$3 t0=$SECONDS code; shift 3
+  timeout "$secs" "$@" 2>&1 | tee "$log"; code=${PIPESTATUS[0]}
+  echo "$name rc=$code $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  [ "$code" -eq 0 ] || rc=1
+}
+step gpu-tests 150 "$OUT/pytest.txt" python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/gpu/test_codec_graphs.py
+for dt in fp32 bf16; do
+  step "codec-$dt" 180 "$OUT/codec-$dt.log" python3 -m pdunit.bench.codec --shape real --dtype "$dt" --mode both \
+    --batches 1,64,128,256,512 --frames 1,2 --iters 10 --warmup 2 --machine-tag "$gpu-$dt" --out "$OUT"
+done
+exit $rc
