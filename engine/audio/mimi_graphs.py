@@ -144,6 +144,20 @@ class MimiGraphs:
     def bucket(self, batch: int) -> int:
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
 
+    def prepare(self, frames: tuple[int, ...] = (1, 2), max_batch: int | None = None) -> int:
+        """Capture now (at engine start, not in a step) every bucket up to the one holding
+        `max_batch` for each frames-a-call in `frames`; returns the graphs made. Slot growth
+        drops them: give the decoder its slots up front."""
+        top = self.bucket(max_batch) if max_batch else self.buckets[-1]
+        made = 0
+        with torch.inference_mode():
+            for n in frames:
+                for bucket in self.buckets:
+                    if bucket <= top and self.handles(n) and (bucket, n) not in self._entries:
+                        self._entry(bucket, n)
+                        made += 1
+        return made
+
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
         """PCM [B, n x samples_per_frame] of `codes` [B, K, n] (int64, host) for the
         streams in `slots`, as the eager push returns it (a tensor the caller owns)."""

@@ -56,10 +56,11 @@ class MimiCodec:
             codes = self.model.encode(x.to(dtype)[None, None, :]).audio_codes
         return codes[0].to(torch.int64).cpu().numpy()
 
-    def stream_decoder(self, graphs: bool = False) -> MimiStreamDecoder:
+    def stream_decoder(self, graphs: bool = False, slots: int = 8) -> MimiStreamDecoder:
         """`graphs`: replay CUDA graphs of the push (meant for a codec on CUDA; on a CPU
-        the same static-shape path runs uncaptured)."""
-        return MimiStreamDecoder(self, graphs=graphs)
+        the same static-shape path runs uncaptured); `slots`: the streams it holds before
+        its state grows (growth drops the captured graphs)."""
+        return MimiStreamDecoder(self, slots=slots, graphs=graphs)
 
 
 class MimiStreamDecoder:

@@ -101,3 +101,14 @@ def test_graph_options_are_checked(codec: MimiCodec) -> None:
         MimiStreamDecoder(codec, graphs=True, buckets=(0, 4))
     d = MimiStreamDecoder(codec, graphs=True, buckets=(4, 16))
     assert d.graphs.bucket(1) == 4 and d.graphs.bucket(5) == 16 and d.graphs.bucket(40) == 16
+
+
+def test_prepare_builds_every_bucket_up_to_the_batch_before_any_push(codec: MimiCodec) -> None:
+    d = codec.stream_decoder(graphs=True, slots=16)
+    assert d.graphs.prepare(frames=(1, 2), max_batch=5) == 8  # buckets 1, 2, 4, 8 x 2 frame counts
+    assert d.graphs.prepare(frames=(1, 2), max_batch=5) == 0  # already there
+    assert d.graphs.prepare(frames=(9,)) == 0  # over graph_frames: eager
+    d.open("a")
+    before = d.graphs.replays
+    d.push("a", np.zeros((4, 2), dtype=np.int64))
+    assert d.graphs.replays == before + 1

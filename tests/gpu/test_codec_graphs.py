@@ -96,3 +96,21 @@ def test_real_mimi_shape_graphs_equal_eager_past_the_window():
     print(f"real fp32: max |graph - eager| {worst:.3g}, peak {peak:.3g}, captures {graphs.graphs.captures}")
     assert graphs.graphs.captures == 2 and peak > 0
     assert worst <= 1e-4 * max(1.0, peak)
+
+
+def test_prepare_captures_up_front_and_pushes_replay_without_capturing():
+    codec = lively(tiny_mimi())
+    codec.model.to("cuda")
+    d = codec.stream_decoder(graphs=True, slots=16)
+    assert d.graphs.prepare(frames=(1, 2), max_batch=8) == d.graphs.captures == 8  # buckets 1, 2, 4, 8
+    eager = codec.stream_decoder()
+    for s in ("a", "b", "c"):
+        d.open(s)
+        eager.open(s)
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 2):
+        batch = {s: rng.integers(0, 32, size=(4, n)) for s in ("a", "b", "c")}
+        got, want = d.push_many(batch), eager.push_many(batch)
+        peak = max(1.0, max(float(np.abs(want[s]).max()) for s in batch))
+        assert max(float(np.abs(got[s] - want[s]).max()) for s in batch) <= 1e-4 * peak
+    assert d.graphs.captures == 8 and d.graphs.replays == 3
