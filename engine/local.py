@@ -42,6 +42,7 @@ from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import MonolithPolicy, TransferMode, parse_config
 from pdunit.engine.unit_layout import (
+    UNIX_SOCKET_PATH_MAX,
     UnitPaths,
     UnitSpec,
     decode_names,
@@ -369,6 +370,11 @@ class LocalUnit:
             if reason:
                 raise StartFailed(f"{flag} {port}: cannot listen on {host}:{port} ({reason}); another process "
                                   f"holds it: stop that process, or give {flag} 0 for a free port")
+        too_long = self.paths.too_long_socket(self.n_decoders)
+        if too_long:
+            raise StartFailed(f"--run-dir {self.run_dir}: the unit's socket {too_long} is {len(too_long.encode())} "
+                              f"bytes, over the {UNIX_SOCKET_PATH_MAX} a unix socket path holds: give a shorter "
+                              "--run-dir (or none: a short temp dir)")
         self.logs_dir.mkdir(exist_ok=True)
         for name, argv in self.commands():
             argv = self.cfg.wrappers.get(name, []) + argv

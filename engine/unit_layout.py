@@ -65,6 +65,9 @@ def container_name(process: str) -> str:
     return CONTAINER_NAMES.get(process, process)
 
 
+UNIX_SOCKET_PATH_MAX = 107  # sun_path's 108 bytes less the terminating NUL (Linux)
+
+
 @dataclass(frozen=True)
 class UnitPaths:
     """Where a unit's sockets and secret files are: the pod's, or a local run dir's."""
@@ -76,6 +79,13 @@ class UnitPaths:
     def sock(self, name: str) -> str:
         """The unix socket of process `name` (prefill, decode, decode-1, proxy, monolith)."""
         return f"{self.run_dir}/{name}.sock"
+
+    def too_long_socket(self, decoders: int) -> str | None:
+        """The longest socket path of a unit of `decoders` D's when it is over what a unix
+        socket address holds (a bind would fail with no word of why); None when all fit."""
+        longest = max((self.sock(n) for n in ("prefill", "proxy", "monolith", *decode_names(decoders))),
+                      key=lambda p: len(p.encode()))
+        return longest if len(longest.encode()) > UNIX_SOCKET_PATH_MAX else None
 
 
 @dataclass(frozen=True)

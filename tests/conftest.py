@@ -3,6 +3,10 @@ contend), and the groups pytest-xdist keeps together (`make test` runs two worke
 each file's tests stay on one worker (its module fixtures start once), and every test
 of the one envtest control plane (a session fixture) on the same worker."""
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -18,3 +22,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         shared = [name for name in SHARED_SESSION_FIXTURES if name in fixtures]
         group = shared[0] if shared else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    """A folder for unix sockets, removed after the test: their paths hold at most 107
+    bytes, and pytest's tmp_path under an xdist worker (.../popen-gwN/<test name>) can
+    leave too little of that for a unit's run dir."""
+    d = tempfile.mkdtemp(prefix="pdt", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -418,15 +418,16 @@ def test_bad_labelled_copies_stop_the_run_naming_what_is_wrong(kw, message, caps
         variant_units(CompareConfig(**kw))
 
 
-def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(tmp_path, capsys):
+def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(tmp_path, short_dir, capsys):
     out = tmp_path / "capacity.json"
+    run = Path(short_dir) / "run"  # the variants' sockets: tmp_path can be too long for them
     # the chunked monolith as a labelled copy: its child gets the label's flags (logging
     # at info shows them in its resolved config)
     doc = run_compare(CompareConfig(variants="monolith-prefill-first,monolith-chunked+b", chunks="64",
                                     variant_args="b=--log-level=info --max-batch=32",
                                     parallel_gpus=2, concurrency="1", duration=2, prompt_rows="50-100",
                                     frames="21-42", pool_tokens=8192, cache_tokens=8192, ramp=0,
-                                    run_dir=str(tmp_path / "run"), out=str(out)), command="test")
+                                    run_dir=str(run), out=str(out)), command="test")
     names = ["monolith-prefill-first", "monolith-chunked-64+b"]
     assert [r["mode"] for r in doc["rows"]] == names
     assert all(r["gpus"] == 1 and r["engine"]["d_step_ms"] > 0 and r["waterfall"] for r in doc["rows"])
@@ -441,9 +442,9 @@ def test_parallel_variants_run_in_processes_of_their_own_into_one_results_file(t
     assert doc["files"] == [str(out), str(out.with_suffix(".md"))]
     assert "### monolith-chunked-64+b at concurrency 1" in out.with_suffix(".md").read_text()
     for name in names:  # each child kept its unit's logs under <run_dir>/<variant>
-        assert (tmp_path / "run" / name / "logs").is_dir()
-    assert '"max_batch": 32' in (tmp_path / "run" / names[1] / "logs" / "monolith.log").read_text()
-    assert "resolved config" not in (tmp_path / "run" / names[0] / "logs" / "monolith.log").read_text()
+        assert (run / name / "logs").is_dir()
+    assert '"max_batch": 32' in (run / names[1] / "logs" / "monolith.log").read_text()
+    assert "resolved config" not in (run / names[0] / "logs" / "monolith.log").read_text()
     assert saved["summary"]["variant_over_base"] == {"monolith-chunked-64+b": None}  # its variant did not run
     printed = capsys.readouterr().out
     assert "waves: [monolith-prefill-first | monolith-chunked-64+b]" in printed

@@ -41,7 +41,7 @@ class Block(importlib.abc.MetaPathFinder):
         dists = {canon(d) for d in owners.get(top, ())}
         if top != "pdunit" and dists and not dists & (closure | {"pdunit"}):
             blocked.append(top)
-            raise ImportError(f"{top} is not in the operator image")
+            raise ModuleNotFoundError(f"{top} is not in the operator image", name=top)  # as a missing module is
         return None
 
 sys.meta_path.insert(0, Block())

@@ -22,7 +22,11 @@ def test_the_sampler_sees_each_thread_where_it_runs_and_not_itself(tmp_path):
     spinner.start()
     idle.start()
     sampler = StackSampler(tmp_path / "stacks.folded", hz=500).start()
-    time.sleep(0.3)
+    # until 20 samples, not a fixed time: on a loaded machine the spinner holds the GIL and
+    # the sampler gets far fewer than 500 a second (18 in 0.3 s seen under a busy suite)
+    deadline = time.monotonic() + 60
+    while sampler.samples < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
     per_thread = sampler.stop()
     stop.set()
     spinner.join()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,14 +24,6 @@ def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
     yield lt
     lt.close()
-
-
-@pytest.fixture
-def short_dir() -> Iterator[str]:
-    # Unix socket paths are limited to ~107 bytes: pytest's tmp_path can be longer.
-    d = tempfile.mkdtemp(prefix="pdlb", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
