@@ -37,7 +37,34 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
-class FrameStreamResponse(Response):
+class StreamResponse(Response):
+    """A 200 whose chunked body a subclass's `_write` sends while the stream runs; a client
+    that goes away cancels the write. Always ends the stream in the LB (`outcome`: what
+    `_write` reached; "disconnected" unless it says otherwise)."""
+
+    lb: LoadBalancer
+    stream: Stream
+    outcome: str
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    await wait_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                await self._write(send)
+                tg.cancel_scope.cancel()
+        finally:
+            self.lb.finish(self.stream, self.outcome, 200)
+
+    async def _write(self, send: Send) -> None:
+        raise NotImplementedError
+
+
+class FrameStreamResponse(StreamResponse):
     """200 + frames as they come, then the final record; always ends the stream in the LB."""
 
     def __init__(
@@ -58,20 +85,6 @@ class FrameStreamResponse(Response):
         self.first = first
         self.binary = binary
         self.outcome = "disconnected"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:
-                    await wait_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                await self._write(send)
-                tg.cancel_scope.cancel()
-        finally:
-            self.lb.finish(self.stream, self.outcome, 200)
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

@@ -24,17 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from pdunit.engine.audio.errors import FieldError, UnknownVoice, VoiceExists
 from pdunit.engine.audio.pcm import sse_audio_delta, sse_audio_done, wav_header
 from pdunit.engine.edge import request_id_problem
-from pdunit.engine.lb.response import wait_disconnect
+from pdunit.engine.lb.response import StreamResponse
 from pdunit.engine.lb.streams import (
     Audio,
     ClientGone,
@@ -345,7 +344,7 @@ async def read_limited(request: Request, limit: int, field: str = "body") -> byt
     return b"".join(chunks)
 
 
-class SpeechStreamResponse(Response):
+class SpeechStreamResponse(StreamResponse):
     """200 + the stream's PCM as D's chunks come (raw, WAV or SSE); always ends the stream."""
 
     def __init__(self, lb: LoadBalancer, stream: Stream, first: list[StreamEvent], req: SpeechRequest,
@@ -361,20 +360,6 @@ class SpeechStreamResponse(Response):
         self.reason = ""  # eos | length, from the finishing frame
         self.audio_frames = 0
         self.rows = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:
-                    await wait_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                await self._write(send)
-                tg.cancel_scope.cancel()
-        finally:
-            self.lb.finish(self.stream, self.outcome, 200)
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
