@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdunit.engine.audio.mimi_stream import window_mask
+from pdunit.engine.audio.mimi_mask import window_mask
 
 if TYPE_CHECKING:
     from pdunit.engine.audio.mimi_stream import MimiStreamDecoder

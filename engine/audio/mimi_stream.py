@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdunit.engine.audio.mimi_mask import window_mask
+
 if TYPE_CHECKING:
     from transformers import MimiModel
 
@@ -300,19 +302,3 @@ class MimiStreamDecoder:
             kv[2 * i + 1].copy_(layer.values[:, :, -p:])
         self._seen.index_copy_(0, slots, seen + q)
         return out.last_hidden_state.transpose(1, 2)
-
-
-def window_mask(seen: torch.Tensor, q: int, past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids [B, q] of `q` new positions after each stream's `seen`, and the additive
-    4-D mask [B, 1, q, past + q] over the window's `past` KV rows then the new ones: causal,
-    the sliding window (`past + 1` positions), and hiding rows before position 0. Tensor
-    ops only (no host sync): the eager and the captured push both build it so."""
-    steps = torch.arange(past + q, device=seen.device)
-    position_ids = seen[:, None] + steps[None, :q]  # [B, q]
-    kv_pos = seen[:, None] - past + steps[None, :]
-    q_pos = position_ids[:, :, None]
-    allowed = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos)
-    allowed &= kv_pos[:, None, :] > q_pos - (past + 1)
-    mask = torch.zeros(seen.shape[0], 1, q, past + q, device=seen.device, dtype=dtype)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    return position_ids, mask
