@@ -11,7 +11,6 @@ transformers is imported only when a codec is built, so `import pdunit.engine` s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,9 @@ class MimiCodec:
         self.frame_rate = float(cfg.frame_rate)
         self.num_codebooks = int(cfg.num_quantizers)
         self.codebook_size = int(cfg.codebook_size)
-        self.samples_per_frame = int(cfg.latent_stride) * math.prod(cfg.upsampling_ratios or ())
+        # sampling rate / frame rate: transformers before 5.2x has no `latent_stride` (the
+        # same figure x the upsampling ratios); both versions' models decode this many a frame
+        self.samples_per_frame = round(self.sample_rate / self.frame_rate)
 
     @property
     def device(self) -> torch.device:
