@@ -5,6 +5,13 @@
 # per dtype. Everything lands in $OUT: env.txt, pytest.txt, codec-<date>-<gpu>-<dtype>.json
 # and .md, the logs, summary.txt (one status line a step).
 #   bash bench/gpu/codec_h200.sh        (from the repo root, on the device machine)
+# Carry .out/transfer-whl (tests/gpu/harness/setup.sh) with, beside its usual wheels,
+# transformers 5.24.0 and what it imports at our pins (huggingface-hub, tokenizers,
+# safetensors, hf-xet, httpx2, httpcore2, h11, anyio, idna, truststore, typer, click,
+# shellingham, rich, markdown-it-py, mdurl, Pygments, annotated-doc, fsspec, filelock;
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d .out/transfer-whl NAME==PIN ...` with constraints.txt's pins):
+# the image's transformers 5.17 has another Mimi module layout and no latent_stride.
 set -uo pipefail
 source tests/gpu/harness/setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/env.txt" 2>&1
