@@ -110,7 +110,8 @@ def _time_gc(phase: str, info: dict[str, int]) -> None:
 
 
 GC_FROZEN_OBJECTS = Gauge(
-    "pdunit_gc_frozen_objects", "Objects alive at the end of start-up, moved out of the collector's reach")
+    "pdunit_gc_frozen_objects", "Objects moved out of the collector's reach at the end of start-up and "
+    "still alive (read at scrape: freed ones leave the count)")
 # The collector's thresholds in serving processes (Python's: 700, 10, 10). A young
 # collection walks the young objects alive at that moment (frames in flight), not the
 # ones already freed, so collecting the youngest generation after 10000 net allocations
@@ -135,7 +136,7 @@ def settle_gc_for_serving(logger: logging.Logger) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVING_GC_THRESHOLDS)
-    GC_FROZEN_OBJECTS.set(gc.get_freeze_count())
+    GC_FROZEN_OBJECTS.set_function(gc.get_freeze_count)
     logger.info("garbage collector settled for serving", extra={
         "frozen_objects": gc.get_freeze_count(), "thresholds": list(gc.get_threshold())})
 
