@@ -224,6 +224,7 @@ class Scenario:
         self.relay = relay
         self.faults: list[FaultRecord] = []
         self.fault_outcomes: list[Outcome] = []
+        self.fault_refusals: list[str] = []  # fault requests refused at admission, then retried
         self.stats: Counter = Counter()
         self.violations: list[str] = []
         # A fresh connection per fault request: between faults the client idles for about
@@ -240,6 +241,13 @@ class Scenario:
         body = {"prompt": marked_prompt(marker, rows, self.cfg.seed * 7919 + self.seq),
                 "max_frames": frames, "min_frames": frames}
         out = stream_once(self.client, self.unit.url, body, tag=tag)
+        deadline = time.monotonic() + self.cfg.recover_timeout_s
+        # Refused at the door (503 not_ready, Retry-After): the fault was never injected.
+        # Ask again as a client honouring Retry-After would; each refusal is reported.
+        while out.status == 503 and out.code == "not_ready" and time.monotonic() < deadline:
+            self.fault_refusals.append(f"{tag}: {out.message}")
+            time.sleep(0.25)
+            out = stream_once(self.client, self.unit.url, body, tag=tag)
         self.fault_outcomes.append(out)
         return out
 

@@ -254,6 +254,7 @@ def evaluate(cfg: FaultsConfig, scenario: Scenario, traffic: Traffic, start: pb.
         "faults": len(scenario.faults),
         "faults_by_kind": dict(faults_by_kind),
         "fault_requests": len(scenario.fault_outcomes),
+        "fault_requests_refused": scenario.fault_refusals,
         "kv_checks": checks,
         "kv_mismatches": mismatches,
         "kv_mismatches_injected": corrupt_injected,

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from pdunit.engine.edge import bearer_matches
+from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
 from pdunit.engine.lb import speech
 from pdunit.engine.lb.balancer import LoadBalancer
 from pdunit.engine.lb.validate import RequestError, check_json_depth
@@ -126,16 +127,20 @@ def create_admin_app(lb: LoadBalancer, token: bytes | None) -> FastAPI:
 
     @app.post("/v1/admin/drain")
     async def drain(request: Request) -> JSONResponse:
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > ADMIN_BODY_LIMIT:
-                return JSONResponse(
-                    {"error": {"code": "body_too_large", "field": "body",
-                               "message": f"an admin body holds at most {ADMIN_BODY_LIMIT} bytes"}},
-                    status_code=413,
-                    headers={"Connection": "close"},
-                )
+        try:
+            raw = await read_limited(request, ADMIN_BODY_LIMIT)
+        except BadContentLength as exc:
+            return JSONResponse(
+                {"error": {"code": "bad_header", "field": "Content-Length", "message": str(exc)}},
+                status_code=400, headers={"Connection": "close"},
+            )
+        except BodyTooLarge:
+            return JSONResponse(
+                {"error": {"code": "body_too_large", "field": "body",
+                           "message": f"an admin body holds at most {ADMIN_BODY_LIMIT} bytes"}},
+                status_code=413,
+                headers={"Connection": "close"},
+            )
         draining = True
         if raw.strip():
             try:

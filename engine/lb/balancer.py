@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from pdunit.engine.edge import request_id_problem
+from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
 from pdunit.engine.lb.config import LBConfig, parse_vocab_sizes
 from pdunit.engine.lb.load import LoadDocument, build_load_document
 from pdunit.engine.lb.metrics import LBMetrics
@@ -149,6 +150,7 @@ class LoadBalancer:
             cfg.proxy_socket,
             self.metrics,
             max_message_bytes=max(8 << 20, 2 * rows),
+            late_grace_s=self.stale_after_s(),
         )
         several = len(self.decode_names) > 1
         self.subscriptions = [
@@ -333,6 +335,10 @@ class LoadBalancer:
 
     # ------------------------------------------------------------ state
 
+    def stale_after_s(self) -> float:
+        """How old the oldest probe answer may be before the unit is not ready."""
+        return 2 * self.config.probe_interval_s + 0.5
+
     def readiness(self) -> tuple[bool, str]:
         if self.shutting_down:
             return False, "the LB is shutting down"
@@ -351,8 +357,11 @@ class LoadBalancer:
                 return False, f"no live frames subscription to {who}: {sub.last_error}"
         assert self.unit is not None
         snap = self.unit.snapshot
-        age = time.monotonic() - snap.at
-        if age > 2 * self.config.probe_interval_s + 0.5:
+        age = time.monotonic() - snap.oldest_answer()
+        if age > self.stale_after_s():
+            late = next(iter(snap.late.values()), "")
+            if late:
+                return False, f"{late} (its last answer {age:.1f} s ago)"
             return False, f"P and D last answered their probe {age:.1f} s ago"
         for target in ("prefill", *self.decode_names, "proxy"):
             if target in snap.errors:
@@ -441,7 +450,7 @@ class LoadBalancer:
             return Response(status_code=499)
         except RequestError as exc:
             self.metrics.requests.labels(code=str(exc.status), outcome="rejected").inc()
-            # the rest of the body is not read: the connection cannot carry another request
+            # past the limit only a bounded rest was read: the connection carries no more
             headers = {"Connection": "close"}
             if client_rid:
                 headers["X-Request-Id"] = client_rid
@@ -683,26 +692,11 @@ class LoadBalancer:
 
 
 async def read_body(request: Request, limits: Limits) -> bytes:
-    """The body, refusing more than --max-body-bytes before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise RequestError(
-                400,
-                "bad_header",
-                f"Content-Length is {declared!r}, expected an integer",
-                field="Content-Length",
-            ) from None
-        if size > limits.max_body_bytes:
-            raise body_too_large(size, limits)
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_body_bytes:
-            raise body_too_large(size, limits)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The body, refusing more than --max-body-bytes (engine/http_body.py)."""
+    try:
+        return await read_limited(request, limits.max_body_bytes)
+    except BadContentLength as exc:
+        raise RequestError(400, "bad_header", str(exc), field="Content-Length") from None
+    except BodyTooLarge as exc:
+        raise body_too_large(exc.size, limits) from None
 

@@ -137,6 +137,13 @@ class LBMetrics:
             ["target"],
             registry=registry,
         )
+        self.probe_late = Counter(
+            "pdunit_lb_probe_late_total",
+            "Info probes past their timeout whose target's previous reply, still fresh, "
+            "stood in (a subset of probe_failures)",
+            ["target"],
+            registry=registry,
+        )
         self._stages: set[str] = set()
 
     def observe_stages(self, stamps: dict[str, int]) -> None:

@@ -33,6 +33,7 @@ from starlette.types import Send
 from pdunit.engine.audio.errors import FieldError, UnknownVoice, VoiceExists
 from pdunit.engine.audio.pcm import sse_audio_delta, sse_audio_done, wav_header
 from pdunit.engine.edge import request_id_problem
+from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
 from pdunit.engine.lb.response import StreamResponse
 from pdunit.engine.lb.streams import (
     Audio,
@@ -260,7 +261,7 @@ async def handle_speech(lb: LoadBalancer, request: Request) -> Response:
         fmt = speech_format(lb)
         limits = lb.limits
         assert limits is not None and lb.speech.prompter is not None and lb.speech.store is not None
-        body = await read_limited(request, SPEECH_BODY_LIMIT)
+        body = await read_speech_body(request, SPEECH_BODY_LIMIT)
         t0 = time.perf_counter()
         req = parse_speech(body)
         served = lb.config.model
@@ -325,23 +326,14 @@ def speech_rows(prompter: CsmPrompter, text: str, voice: Voice) -> np.ndarray:
     return prompter.rows(text, speaker=voice.speaker, voice=[turn])
 
 
-async def read_limited(request: Request, limit: int, field: str = "body") -> bytes:
-    """The body, refusing more than `limit` bytes before reading them (413)."""
-    declared = request.headers.get("content-length")
-    too_big = SpeechError(413, f"the body is larger than {limit} bytes", field, "body_too_large")
-    if declared is not None:
-        if not declared.isdigit():
-            raise SpeechError(400, f"Content-Length is {declared!r}, expected an integer",
-                              "Content-Length", "bad_header")
-        if int(declared) > limit:
-            raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_speech_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than `limit` bytes (engine/http_body.py) as a SpeechError."""
+    try:
+        return await read_limited(request, limit)
+    except BadContentLength as exc:
+        raise SpeechError(400, str(exc), "Content-Length", "bad_header") from None
+    except BodyTooLarge:
+        raise SpeechError(413, f"the body is larger than {limit} bytes", "body", "body_too_large") from None
 
 
 class SpeechStreamResponse(StreamResponse):
@@ -470,7 +462,7 @@ async def create_voice(lb: LoadBalancer, request: Request) -> Response:
     """POST /v1/voices: JSON or multipart/form-data (docs/api.md)."""
     try:
         store = _store(lb)
-        body = await read_limited(request, voice_body_limit(store))
+        body = await read_speech_body(request, voice_body_limit(store))
         fields = parse_voice_upload(request.headers.get("content-type", ""), body)
         async with lb.speech_lock:  # one encode at a time: the codec runs on the LB's CPU
             voice = await asyncio.to_thread(lambda: store.put(**fields))

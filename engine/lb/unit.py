@@ -46,13 +46,26 @@ def request_ids_of(info: pb.InfoReply | None) -> list[int]:
 
 @dataclass
 class InfoSnapshot:
-    """One probe round. A missing reply has its error in `errors[target]`."""
+    """One probe round. A missing reply has its error in `errors[target]`; a reply
+    carried over from an earlier round (the target was late, not gone) has the reason in
+    `late[target]` and its own time in `answered[target]`."""
 
-    at: float  # time.monotonic()
+    at: float  # time.monotonic() of the round
     decodes: list[pb.InfoReply | None]  # every D, --decode-socket order
     prefill: pb.InfoReply | None = None
     proxy: pb.InfoReply | None = None
     errors: dict[str, str] = field(default_factory=dict)
+    answered: dict[str, float] = field(default_factory=dict)  # target -> time of its reply
+    late: dict[str, str] = field(default_factory=dict)
+
+    def reply(self, target: str, decode_names: list[str]) -> pb.InfoReply | None:
+        if target in ("prefill", "proxy"):
+            return getattr(self, target)
+        return self.decodes[decode_names.index(target)]
+
+    def oldest_answer(self) -> float:
+        """When the oldest reply this snapshot holds was given (the round's time if none)."""
+        return min(self.answered.values(), default=self.at)
 
 
 class UnitClient:
@@ -65,15 +78,19 @@ class UnitClient:
         max_message_bytes: int,
         cancel_retry_s: float = 60.0,
         max_pending_cancels: int = 4096,
+        late_grace_s: float = 0.0,
     ) -> None:
         """`cancel_retry_s`: how long a cancel is retried when the caller gives no
         deadline (D decodes a stream for at most its max frames; 60 s covers the
-        default 630 frames at real time)."""
+        default 630 frames at real time). `late_grace_s`: how old a target's last reply
+        may be and still stand in when its probe runs past the timeout (a busy engine
+        answers late; one that is gone answers UNAVAILABLE and counts at once)."""
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self._metrics = metrics
+        self.late_grace_s = late_grace_s
         self.cancel_retry_s = cancel_retry_s
         self.max_pending_cancels = max_pending_cancels
         self.prefill_channel = grpc.aio.insecure_channel(
@@ -122,20 +139,42 @@ class UnitClient:
             targets[name] = asyncio.ensure_future(stub.Info(pb.Empty(), timeout=timeout))
         if self._proxy is not None:
             targets["proxy"] = asyncio.ensure_future(self._proxy_in_flight(self._proxy, timeout))
+        previous = self.snapshot
         snap = InfoSnapshot(at=time.monotonic(), decodes=[None] * len(self.decodes))
         for name, fut in targets.items():
             try:
                 reply = await fut
+                answered = time.monotonic()
             except grpc.aio.AioRpcError as exc:
-                snap.errors[name] = f"{name} Info failed: {exc.code().name}: {exc.details()}"
+                reason = f"{name} Info failed: {exc.code().name}: {exc.details()}"
                 self._metrics.probe_failures.labels(target=name).inc()
-                continue
+                carried = self._carried(previous, name, exc.code())
+                if carried is None:
+                    snap.errors[name] = reason
+                    continue
+                reply, answered = carried
+                snap.late[name] = reason
+                self._metrics.probe_late.labels(target=name).inc()
             if name in ("prefill", "proxy"):
                 setattr(snap, name, reply)
             else:
                 snap.decodes[self.decode_names.index(name)] = reply
+            snap.answered[name] = answered
         self.snapshot = snap
         return snap
+
+    def _carried(
+        self, previous: InfoSnapshot, name: str, code: grpc.StatusCode
+    ) -> tuple[pb.InfoReply, float] | None:
+        """The previous reply of a target that answered late (DEADLINE_EXCEEDED), if that
+        reply is younger than `late_grace_s`; None otherwise (the failure counts)."""
+        if code != grpc.StatusCode.DEADLINE_EXCEEDED or name in previous.errors:
+            return None
+        reply = previous.reply(name, self.decode_names)
+        answered = previous.answered.get(name)
+        if reply is None or answered is None or time.monotonic() - answered > self.late_grace_s:
+            return None
+        return reply, answered
 
     async def fresh_snapshot(self, max_age: float, timeout: float) -> InfoSnapshot:
         """The cached probe if younger than `max_age`, else a new one (concurrent callers share it)."""

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from pdunit.engine.edge import request_id_problem
+from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
 from pdunit.engine.router.table import RoutingTable, Unit
 from pdunit.engine.security import security_event
 
@@ -259,36 +260,25 @@ class Forwarder:
         self.log = logger
 
     async def _read_body(self, request: Request) -> bytes | Response:
-        """The whole body, or a 413 the moment it passes --max-body-bytes (nothing is
-        forwarded and the connection is closed: the client stops sending)."""
+        """The whole body, or a 413 past --max-body-bytes (nothing is forwarded; the
+        connection closes after a bounded rest is read, engine/http_body.py)."""
         limit = self.policy.max_body_bytes
         close = {"connection": "close"}
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        try:
+            return await read_limited(request, limit)
+        except BadContentLength as exc:
+            return error_response(400, "bad_header", str(exc), headers=close, field="Content-Length")
+        except BodyTooLarge as exc:
+            said = "is" if exc.declared else "exceeds"
             return error_response(
                 413,
                 "body_too_large",
-                f"request body is {declared} bytes; the router forwards at most {limit} "
+                f"request body {said} {exc.size} bytes; the router forwards at most {limit} "
                 "(--max-body-bytes)",
                 headers=close,
                 field="body",
                 limit=limit,
             )
-        parts: list[bytes] = []
-        size = 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                return error_response(
-                    413,
-                    "body_too_large",
-                    f"request body exceeds {limit} bytes (--max-body-bytes)",
-                    headers=close,
-                    field="body",
-                    limit=limit,
-                )
-            parts.append(part)
-        return b"".join(parts)
 
     async def forward(self, request: Request, path: str = STREAM_PATH) -> Response:
         """One request to `path` on a unit: /v1/tts/stream, or /v1/audio/speech whose

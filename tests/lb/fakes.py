@@ -83,6 +83,7 @@ class FakeDecode(pbg.DecodeServicer):
     held_pages: int = 0
     draining: bool = False
     unready: str = ""  # InfoReply.unready: why D cannot serve now (e.g. re-registering)
+    info_delays: list[float] = field(default_factory=list)  # the next Info calls answer this late
     pending_errors: list[pb.StreamError] = field(default_factory=list)
     audio_streams: list[int] = field(default_factory=list)
     pending_audio: list[Any] = field(default_factory=list)  # Actives whose last chunk is due
@@ -127,6 +128,8 @@ class FakeDecode(pbg.DecodeServicer):
         return pb.CancelReply(found=found)
 
     async def Info(self, request: pb.Empty, context: Any) -> pb.InfoReply:
+        if self.info_delays:
+            await asyncio.sleep(self.info_delays.pop(0))
         ids = np.array(list(self.active), dtype="<u8").tobytes()
         return pb.InfoReply(
             role="decode",

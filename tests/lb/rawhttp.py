@@ -132,3 +132,20 @@ def request(url: str, raw: bytes) -> Outcome:
     with connect(url) as sock:
         sock.sendall(raw)
         return read_until_closed(sock)
+
+
+def post_whole(url: str, path: str, body: bytes, headers: str = "Content-Type: application/json",
+               chunked: bool = False) -> Outcome:
+    """A client that writes its whole request before reading (as httpx does): `sent` is
+    what the socket accepted before the server reset it, then whatever came back."""
+    with connect(url) as sock:
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n{framing}\r\n\r\n".encode()
+        step = 1 << 16
+        pieces = [body[i:i + step] for i in range(0, len(body), step)]
+        if chunked:
+            pieces = [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces] + [b"0\r\n\r\n"]
+        sent = send_all_or_broken(sock, [head, *pieces])
+        out = read_until_closed(sock)
+        out.sent = sent - len(head)
+        return out

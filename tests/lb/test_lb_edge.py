@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 import numpy as np
@@ -169,6 +170,41 @@ def test_a_body_shorter_than_its_content_length_is_answered_408(start_lb, fake_u
     wait_until(lambda: len(lb.lb.table) == 0, what="no stream left")
     with lb.client() as c:  # the LB still serves
         assert c.post("/v1/tts/stream", json={"prompt": prompt(), "max_frames": 3}).status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_client_that_sends_its_whole_oversized_body_reads_its_413(start_lb, fake_unit, chunked):
+    """The LB reads and drops the rest of a refused body (within engine/http_body.py's
+    bounds) before it answers and closes: closing on unread bytes resets the connection,
+    and a client still writing got ECONNRESET, never its 413 (a CI flake of the speech
+    route's 4-MiB upload)."""
+    lb = start_lb(max_body_bytes=4096)
+    body = b"[" * (2 << 20)
+    out = rawhttp.post_whole(lb.url, "/v1/tts/stream", body, chunked=chunked)
+    assert out.sent >= len(body)  # every byte accepted: no reset while it was sent
+    assert out.status == 413 and out.closed, out.data[:300]
+    assert json.loads(out.body)["error"]["code"] == "body_too_large"
+    assert fake_unit.prefill.submits == []
+
+
+def test_a_client_that_stops_sending_its_oversized_body_gets_its_413_soon(start_lb, fake_unit):
+    """The drain waits at most LINGER_IDLE_S for the next byte (a bounded wait)."""
+    lb = start_lb(max_body_bytes=4096)
+    with rawhttp.connect(lb.url) as sock:
+        sock.sendall(b"POST /v1/tts/stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1048576\r\n\r\n" + b"[" * 65536)
+        t0 = time.monotonic()
+        out = rawhttp.read_until_closed(sock)
+    assert out.status == 413 and out.closed
+    assert time.monotonic() - t0 < 8  # the idle bound, not the edge's body timeout (408)
+
+
+def test_an_oversized_admin_body_is_a_413_the_client_reads(start_lb, fake_unit):
+    lb = start_lb()
+    out = rawhttp.post_whole(lb.admin_url, "/v1/admin/drain", b" " * (1 << 20))
+    assert out.sent >= 1 << 20
+    assert out.status == 413 and json.loads(out.body)["error"]["field"] == "body"
+    assert not lb.lb.draining
 
 
 def test_a_body_declared_over_the_limit_is_refused_and_the_connection_closed(start_lb, fake_unit):
@@ -344,6 +380,41 @@ def test_readiness_is_false_while_p_or_d_says_unready(start_lb, fake_unit, who):
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert fake_unit.prefill.submits == []
 
+
+def _late_probes(lb) -> float:
+    return lb.lb.metrics.probe_late.labels(target="decode")._value.get()
+
+
+def test_one_late_probe_answer_does_not_make_the_unit_unready(start_lb, fake_unit):
+    """A busy D answers one Info past the probe's timeout: its previous answer (fresh)
+    stands in, so the LB keeps admitting streams (a loaded machine refused a fault
+    run's stream with `not_ready` for one late answer)."""
+    lb = start_lb()  # probe_interval_s 0.2: the probe's timeout; a reply may stand in 0.9 s
+    fake_unit.decode.info_delays = [0.5]
+    statuses = []
+    with lb.client() as c:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            statuses.append(c.get("/readyz").status_code)
+            time.sleep(0.02)
+        admitted = c.post("/v1/tts/stream", json={"prompt": prompt(), "max_frames": 2})
+    assert _late_probes(lb) == 1
+    assert set(statuses) == {200}
+    assert admitted.status_code == 200
+
+
+def test_a_d_that_keeps_answering_late_makes_the_unit_unready(start_lb, fake_unit):
+    """Late for longer than 2 x the probe interval + 0.5 s: the stand-in is too old and
+    the LB says why it is not ready; ready again once D answers in time."""
+    lb = start_lb()
+    fake_unit.decode.info_delays = [0.5] * 100
+    with lb.client() as c:
+        wait_until(lambda: c.get("/readyz").status_code == 503, what="LB unready")
+        reason = c.get("/readyz").json()["reason"]
+        fake_unit.decode.info_delays = []
+        wait_until(lambda: c.get("/readyz").status_code == 200, what="LB ready again")
+    assert reason.startswith("decode Info failed: DEADLINE_EXCEEDED")
+    assert _late_probes(lb) >= 1
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,18 @@ def test_the_routers_body_limit_is_the_lbs() -> None:
     assert RouterConfig(units=["a=http://x:1"]).max_body_bytes == LBConfig().max_body_bytes
 
 
+async def test_a_client_that_sends_its_whole_oversized_body_reads_its_413() -> None:
+    """Past the limit the router drops a bounded rest before it answers (engine/http_body.py):
+    a client that writes everything before reading gets the 413, not a reset."""
+    unit = FakeUnit("a")
+    async with run_units(unit) as served, run_router({"a": served["a"].url}) as router:
+        body = b"[" * (6 << 20)
+        out = await in_thread(lambda: rawhttp.post_whole(router.url, "/v1/tts/stream", body))
+    assert out.sent >= len(body)
+    assert out.status == 413 and json.loads(out.body)["error"]["limit"] == 4 << 20
+    assert unit.starts == 0 and unit.headers == []
+
+
 async def test_a_body_over_the_limit_is_refused_while_it_is_sent_and_never_forwarded() -> None:
     unit = FakeUnit("a")
     async with run_units(unit) as served, run_router({"a": served["a"].url}) as router:
@@ -176,7 +188,7 @@ async def test_a_body_over_the_limit_is_refused_while_it_is_sent_and_never_forwa
         out = await in_thread(send)
     assert out.status == 413 and out.closed
     assert json.loads(out.body)["error"]["limit"] == 4 << 20
-    assert out.sent < size  # the router closed while the client was still sending
+    assert out.sent < size  # past the linger bound (engine/http_body.py) the router stopped reading
     assert unit.starts == 0 and unit.headers == []
 
 
