@@ -377,7 +377,15 @@ class CsmFamily(ModelFamily):
         # csm-tiny: CPU tests and `pdunit local`; float64 as pdunit's tiny (frames that do
         # not depend on the batch's composition)
         tiny = self.parse_config(_CSM_TINY, "csm-tiny")
-        return {"csm-tiny": ParsedConfig(dataclasses.replace(tiny.model, dtype="float64"), tiny.extras)}
+        # the GPU benchmarks' shapes (random weights, bf16): Sesame's CSM-1B as
+        # transformers' CsmConfig defaults describe it, and the source articles' dual-AR
+        # model written as this family (its backbone has q/k norm, which no CsmConfig says)
+        dualar = self.parse_config(_DUALAR_4B, "dualar-4b-shape")
+        return {
+            "csm-tiny": ParsedConfig(dataclasses.replace(tiny.model, dtype="float64"), tiny.extras),
+            "csm-1b-shape": self.parse_config(_CSM_1B, "csm-1b-shape"),
+            "dualar-4b-shape": ParsedConfig(dataclasses.replace(dualar.model, qk_norm=True), dualar.extras),
+        }
 
 
 # A tiny CSM written as transformers' CsmConfig would save it: 4 codebooks of 32 ids and
@@ -394,6 +402,50 @@ _CSM_TINY: dict[str, Any] = {
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 5, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    },
+}
+
+
+_ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# Sesame CSM-1B's shape (transformers' CsmConfig defaults, Llama-3.2-1B's RoPE): backbone
+# 16 x 2048 (32 q / 8 kv heads of 64: 32 KiB of bf16 KV a token), depth decoder 4 x 1024
+# (8 q / 2 kv of 128) over 32 codebooks of 2051 ids, text vocabulary 128256; Mimi at 12.5 Hz.
+_CSM_1B: dict[str, Any] = {
+    "model_type": "csm", "num_codebooks": 32, "vocab_size": 2051, "text_vocab_size": 128256,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "rope_parameters": _ROPE_LLAMA3, "dtype": "bfloat16",
+    "audio_token_id": 128002, "audio_eos_token_id": 128003, "codebook_pad_token_id": 2050,
+    "codebook_eos_token_id": 0, "tie_codebooks_embeddings": True,
+    "codec_config": {"frame_rate": 12.5, "codebook_size": 2048},
+    "depth_decoder_config": {
+        "model_type": DEPTH_MODEL_TYPE, "num_codebooks": 32, "vocab_size": 2051, "backbone_hidden_size": 2048,
+        "hidden_size": 1024, "intermediate_size": 8192, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 33, "rms_norm_eps": 1e-5,
+        "rope_parameters": _ROPE_LLAMA3,
+    },
+}
+
+# The source articles' dual-AR model as this family: the qwen3-4b-shape backbone (36 x
+# 2560, 32 q / 8 kv heads of 128: 144 KiB of bf16 KV a token; q/k norm set after parsing)
+# whose head gives the semantic column, and a 4-layer fast decoder for the 10 codebooks
+# after it (10 dependent steps a frame). A row is 11 audio ids + the text column, as this
+# family writes rows; 4096 ids a column (as qwen3-4b-shape); 21 frames a second.
+_DUALAR_4B: dict[str, Any] = {
+    "model_type": "csm", "num_codebooks": 11, "vocab_size": 4096, "text_vocab_size": 151936,
+    "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "dtype": "bfloat16",
+    "audio_token_id": 151646, "audio_eos_token_id": 151647, "codebook_pad_token_id": 4095,
+    "codebook_eos_token_id": 0, "tie_codebooks_embeddings": True,
+    "codec_config": {"frame_rate": 21.0, "codebook_size": 4096},
+    "depth_decoder_config": {
+        "model_type": DEPTH_MODEL_TYPE, "num_codebooks": 11, "vocab_size": 4096, "backbone_hidden_size": 2560,
+        "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 12, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
 }
 

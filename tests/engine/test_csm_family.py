@@ -273,3 +273,41 @@ def test_transformers_4_config_spelling_is_read(tmp_path: Path) -> None:
     model = load_model(str(tmp_path))
     assert model.config.rope_theta == 10000.0 and model.config.rope_llama3 == (4.0, 1.0, 4.0, 16)
     assert_matches_oracle(model, oracle)
+
+
+def test_csm_1b_shape_is_the_shape_of_transformers_default_csm() -> None:
+    """`random:csm-1b-shape` (the GPU benchmarks' model) has the shape transformers'
+    CsmConfig() describes (Sesame's CSM-1B): backbone, depth decoder, codebooks, vocabularies."""
+    from transformers import CsmConfig
+
+    from pdunit.engine.model.registry import random_shape
+
+    ref = CsmConfig()
+    shape = random_shape("csm-1b-shape")
+    assert shape is not None
+    m, extras = shape[1].model, shape[1].extras
+    assert (m.n_layers, m.hidden, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_hidden) == (
+        ref.num_hidden_layers, ref.hidden_size, ref.num_attention_heads, ref.num_key_value_heads,
+        ref.head_dim, ref.intermediate_size)
+    assert m.vocab_sizes == (ref.vocab_size,) * ref.num_codebooks + (ref.text_vocab_size,)
+    assert not m.qk_norm and m.dtype == "bfloat16"
+    assert m.kv_bytes_per_token() == 32 << 10
+    d, dref = extras.depth.backbone, ref.depth_decoder_config
+    assert (d.n_layers, d.hidden, d.n_heads, d.n_kv_heads, d.head_dim, d.ffn_hidden) == (
+        dref.num_hidden_layers, dref.hidden_size, dref.num_attention_heads, dref.num_key_value_heads,
+        dref.head_dim, dref.intermediate_size)
+    assert (extras.audio_token_id, extras.codebook_pad_token_id) == (ref.audio_token_id, ref.codebook_pad_token_id)
+    assert extras.codec_frame_rate_hz == 12.5  # Mimi: the floor is 25 frames/s
+
+
+def test_dualar_4b_shape_is_the_articles_model_in_csm_form() -> None:
+    """The articles' shape: 144 KiB of bf16 KV a token with q/k norm, 10 fast-decoder steps
+    a frame (11 audio columns), 21 frames a second."""
+    from pdunit.engine.model.registry import random_shape
+
+    shape = random_shape("dualar-4b-shape")
+    assert shape is not None
+    m, extras = shape[1].model, shape[1].extras
+    assert m.qk_norm and m.kv_bytes_per_token() == 144 << 10 and (m.n_layers, m.hidden) == (36, 2560)
+    assert extras.n_audio == 11 and m.n_codebooks == 12 and extras.depth.backbone.n_layers == 4
+    assert extras.codec_frame_rate_hz == 21.0
