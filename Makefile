@@ -27,7 +27,7 @@ install: $(STAMP)
 # repo root (and its operator/ folder) first on sys.path.
 $(STAMP): pyproject.toml constraints.txt $(PKG_FILES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=strict
+	$(BIN)/pip install -q -c constraints.txt -e '.[engine,operator,bench,dev]' --config-settings editable_mode=strict
 	echo 'import operator  # pdunit: stdlib operator first (make install)' \
 	  > "$$($(BIN)/python -P -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/pdunit_stdlib_first.pth"
 	touch $(STAMP)

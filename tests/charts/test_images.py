@@ -1,18 +1,25 @@
-"""The Dockerfiles, checked without a Docker engine: the operator image's package list is
-enough to import what it runs, every package is pinned, both images run as non-root."""
+"""The Dockerfiles and pyproject's extras, checked without a Docker engine: the operator
+image's extra is enough to import what it runs (and holds no torch), every module the
+source imports comes from a declared distribution, every package is pinned, both images
+run as non-root."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata as md
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
 
 # Imports `pdunit operator` and `pdunit router` (what the operator image runs) while every
-# installed distribution outside requirements.txt's dependency closure is blocked, as if
+# installed distribution outside the operator extra's dependency closure is blocked, as if
 # it were not installed in the image.
 _PROBE = r"""
 import importlib, importlib.abc, importlib.metadata as md, re, sys
@@ -54,9 +61,18 @@ print("blocked:", sorted(set(blocked)))
 """
 
 
-def _requirements() -> list[str]:
-    lines = (IMAGES / "operator" / "requirements.txt").read_text().splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+def _project() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def _names(requirements: list[str]) -> list[str]:
+    return [Requirement(r).name for r in requirements]
+
+
+def _requirements(extra: str = "operator") -> list[str]:
+    """The distributions `pdunit[extra]` installs directly: the core and the extra's."""
+    project = _project()
+    return _names(project["dependencies"]) + _names(project["optional-dependencies"][extra])
 
 
 def _canon(name: str) -> str:
@@ -104,10 +120,56 @@ def test_both_images_run_as_non_root_with_pdunit_as_entrypoint() -> None:
         assert "--constraint /tmp/constraints.txt" in text, f"{image}: installs unpinned"
 
 
-def test_operator_image_installs_pdunit_without_its_torch_dependencies() -> None:
-    text = (IMAGES / "operator" / "Dockerfile").read_text()
-    assert re.search(r"pip install --no-deps /tmp/dist/pdunit-\*\.whl", text)
-    assert "torch" not in {_canon(n) for n in _requirements()}
+def test_each_image_installs_pdunit_with_its_extra_and_the_operators_has_no_torch() -> None:
+    for image, extra in (("operator", "operator"), ("unit", "engine")):
+        text = (IMAGES / image / "Dockerfile").read_text()
+        assert f'"${{whl}}[{extra}]"' in text, f"{image}: does not install pdunit[{extra}]"
+        assert "--no-deps /tmp/dist" not in text and "requirements.txt" not in text, image
+    assert not {"torch", "numpy"} & {_canon(n) for n in _requirements()}
+
+
+# Shipped files that only a developer runs: their imports may come from the dev extra.
+DEV_TOOLS = {"engine/proto/build.py"}  # `make proto`: grpc_tools
+
+
+def _third_party_imports() -> dict[str, str]:
+    """Every top-level module the shipped source imports (a file naming one), pdunit's own
+    and the standard library's aside."""
+    folders = {"pkg", "engine", "kernels", "sidecars", "operator", "bench"}
+    found: dict[str, str] = {}
+    for folder in folders:
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    tops = [a.name.split(".")[0] for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    tops = [node.module.split(".")[0]]
+                else:
+                    continue
+                for top in tops:
+                    if top not in sys.stdlib_module_names and top != "pdunit":
+                        where = str(path.relative_to(REPO))
+                        if found.get(top) in (None, *DEV_TOOLS):
+                            found[top] = where
+    return found
+
+
+def test_every_module_the_source_imports_comes_from_a_declared_distribution() -> None:
+    """A module imported by the source but declared by no extra works here (dev installs
+    everything) and fails in an image (transformers was in dev only: the unit image's codec
+    could not load)."""
+    project = _project()
+    declared = {_canon(n) for n in _names(project["dependencies"])}
+    for extra in ("engine", "operator", "bench"):
+        declared |= {_canon(n) for n in _names(project["optional-dependencies"][extra])}
+    dev = {_canon(n) for n in _names(project["optional-dependencies"]["dev"])}
+    owners = md.packages_distributions()
+    undeclared = {}
+    for top, where in _third_party_imports().items():
+        dists = {_canon(d) for d in owners.get(top, ())}
+        if not dists & (declared | (dev if where in DEV_TOOLS else set())):
+            undeclared[top] = (where, sorted(dists))
+    assert not undeclared, f"imported but declared by no extra: {undeclared}"
 
 
 def test_dockerignore_sends_every_folder_the_wheel_packages() -> None:
