@@ -57,6 +57,7 @@ from pdunit.engine.packing import view
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.security import security_event
+from pdunit.engine.tracing import LB_STAGES, Tracing
 from pdunit.engine.unit_layout import decode_names
 
 log = logging.getLogger("pdunit.lb")
@@ -134,6 +135,7 @@ class LoadBalancer:
         self._tasks: list[asyncio.Task[None]] = []
         self.speech = Speech.load(config)  # text, codec and voices (speech.py); ValueError naming the flag
         self.speech_lock = asyncio.Lock()  # one voice encode at a time
+        self.tracing = Tracing("lb", config.otlp_endpoint, self.instance_id)
 
     def _subscriptions_changed(self) -> None:
         up = bool(self.subscriptions) and all(s.up for s in self.subscriptions)
@@ -180,6 +182,7 @@ class LoadBalancer:
         if self.unit is not None:
             await self.unit.wait_background(timeout=self.config.cancel_timeout_ms / 1000)
             await self.unit.close()
+        self.tracing.shutdown()
 
     async def shutdown(self, timeout: float) -> int:
         """SIGTERM: refuse new streams, let those in flight finish; returns how many were cut."""
@@ -495,6 +498,8 @@ class LoadBalancer:
         left the table. The caller writes the 200 and must `finish` the stream."""
         rid = self.ids.next()
         stream = self.table.open(rid, stamps, client_rid, audio=audio)
+        stream.span = self.tracing.start("lb.stream", stamps["lb_received"], request.headers.items(),
+                                         request_id=stream.hex_id, audio=audio)
         deadline_ns = stamps["lb_received"] + self.config.request_deadline_ms * 1_000_000
         starting = asyncio.ensure_future(self._start_stream(stream, packed, deadline_ns, audio))
         gone = asyncio.ensure_future(wait_disconnect(request.receive))
@@ -543,7 +548,8 @@ class LoadBalancer:
             audio=audio,
         )
         remaining = max(0.001, (deadline_ns - now_ns()) / 1e9)
-        submit = asyncio.ensure_future(self.unit.prefill.Submit(req, timeout=remaining))
+        metadata = stream.span.metadata() if stream.span is not None else None
+        submit = asyncio.ensure_future(self.unit.prefill.Submit(req, timeout=remaining, metadata=metadata))
         first_event = asyncio.ensure_future(stream.queue.get())
         try:
             # D may fail the transfer (and say so on the frames stream) while P is stopped
@@ -633,6 +639,10 @@ class LoadBalancer:
             )
         self.metrics.requests.labels(code=str(status), outcome=outcome).inc()
         stamps = stream.stamps
+        if stream.span is not None:
+            stream.span.end(stamps, LB_STAGES, now_ns(), "" if outcome in NORMAL_END else outcome,
+                            outcome=outcome, status=status, frames=stream.frames_out)
+            stream.span = None
         extra: dict[str, Any] = {
             "request_id": stream.hex_id,
             "client_request_id": stream.client_request_id,

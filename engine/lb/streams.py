@@ -22,6 +22,7 @@ from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.packing import view
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.tracing import Span
 
 FINISHED_NAMES = {1: "eos", 2: "length"}
 
@@ -91,6 +92,7 @@ class Stream:
     writing: bool = False  # its response is being written: frame_timeout_ms applies
     last_event: float = 0.0  # monotonic time of the last event queued (or of the write's start)
     audio: bool = False  # a speech stream: it ends with its last AudioChunk, not its last frame
+    span: Span | None = None  # its trace span (engine/tracing.py), None when tracing is off
 
     @property
     def hex_id(self) -> str:

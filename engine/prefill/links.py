@@ -303,7 +303,7 @@ class DecodeLinks(Sequence[DecodeLink]):
             reply = link.stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
                 deadline_unix_ms=deadline, identity=self.identity(link, deadline), audio=job.audio),
-                timeout=5.0)
+                timeout=5.0, metadata=job.span.metadata() if job.span is not None else None)
             if reply.status != pb.STALE_INSTANCE or attempt:
                 return reply
             log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id,

@@ -38,10 +38,11 @@ from pdunit.engine.settings import (
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
+from pdunit.engine.tracing import Tracing, TracingFields
 from pdunit.engine.transfer.options import unit_secret_option
 
 
-class PrefillConfig(PrefillModelFields, StackSamplingFields):
+class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields):
     """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
 
     socket: str = Field("/run/pdunit/prefill.sock", description="unix socket P serves on")
@@ -132,14 +133,16 @@ async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine]
     await loop.run_in_executor(None, engine.connect)
     engine.links.start_probe()
 
+    tracing = Tracing("prefill", cfg.otlp_endpoint, engine.instance_id)
     server = await start_unix_server(
-        cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine), s), log)
+        cfg.socket, lambda s: pbg.add_PrefillServicer_to_server(PrefillService(engine, tracing), s), log)
     engine.start()
     engine_ready(log)
     log.info("prefill ready", extra={"instance_id": engine.instance_id, "d_instance": engine.links.instances(),
                                      "decoders": len(engine.links), "transfer": engine.links.transfer_modes()})
     await stop.wait()
     await server.stop(grace=5)
+    tracing.shutdown()
     engine.stop()
     engine.links.stop_probe()
     engine.links.close()

@@ -31,6 +31,7 @@ class PrefillJob:
     # loop thread); None: PrefixCache.acquire hashes it
     prefix_chain: list[bytes] | None = field(default=None, repr=False)
     audio: bool = False           # the stream wants PCM (SubmitRequest.audio): D's codec decodes it
+    span: Any = None              # its trace span (engine/tracing.Span): RESERVE carries its context to D
 
 
 def joins_batch(prompts: int, rows: int, next_rows: int, max_prompts: int, max_rows: int) -> bool:

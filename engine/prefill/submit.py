@@ -10,10 +10,12 @@ from collections.abc import Callable
 import numpy as np
 
 from pdunit.engine.model.config import ModelConfig
+from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import unpack
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto.sampling import sampling_from_pb
+from pdunit.engine.tracing import PREFILL_STAGES, Span
 
 
 def check_prompt(req: pb.SubmitRequest, config: ModelConfig) -> tuple[np.ndarray | None, str]:
@@ -39,6 +41,29 @@ async def serve_submit(
     config: ModelConfig,
     submit: Callable[[PrefillJob], None],
     cancel: Callable[[int], bool],
+    span: Span | None = None,
+) -> pb.SubmitReply:
+    """Check, queue and answer one Submit. `span`: the request's trace span in this
+    process (engine/tracing.py), closed with its stages when the answer is known."""
+    try:
+        reply = await _serve(req, config, submit, cancel, span)
+    except BaseException as exc:
+        if span is not None:
+            span.end({}, (), now_ns(), f"Submit did not complete: {exc!r}")
+        raise
+    if span is not None:
+        failed = "" if reply.status == pb.STATUS_OK else pb.Status.Name(reply.status).lower()
+        span.end(dict(reply.stamps.ns), PREFILL_STAGES, now_ns(), failed, status=pb.Status.Name(reply.status),
+                 prefill_tokens=reply.prefill_tokens, cached_tokens=reply.cached_tokens)
+    return reply
+
+
+async def _serve(
+    req: pb.SubmitRequest,
+    config: ModelConfig,
+    submit: Callable[[PrefillJob], None],
+    cancel: Callable[[int], bool],
+    span: Span | None,
 ) -> pb.SubmitReply:
     prompt, error = check_prompt(req, config)
     if prompt is None:
@@ -60,6 +85,7 @@ async def serve_submit(
     job = PrefillJob(
         request_id=req.request_id, prompt=prompt, params=params,
         deadline_unix_ms=req.deadline_unix_ms, stamps=dict(req.stamps.ns), done=done, audio=req.audio,
+        span=span,
     )
     submit(job)
     try:

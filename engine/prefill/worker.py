@@ -33,6 +33,7 @@ from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.prefill.submit import serve_submit
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.tracing import Tracing
 from pdunit.engine.transfer.base import Descriptor, KVSender, PoolGeometry
 from pdunit.engine.transfer.factory import make_sender
 
@@ -178,11 +179,15 @@ class PrefillEngine:
 
 
 class PrefillService(pbg.PrefillServicer):
-    def __init__(self, engine: PrefillEngine) -> None:
+    def __init__(self, engine: PrefillEngine, tracing: Tracing | None = None) -> None:
+        self.tracing = tracing or Tracing("prefill", "")
         self.engine = engine
 
     async def Submit(self, request, context):  # noqa: N802 - gRPC names
-        return await serve_submit(request, self.engine.model.config, self.engine.submit, self.engine.cancel)
+        span = self.tracing.start("prefill.request", now_ns(), context.invocation_metadata(),
+                                  request_id=f"{request.request_id:016x}")
+        return await serve_submit(request, self.engine.model.config, self.engine.submit, self.engine.cancel,
+                                  span)
 
     async def Cancel(self, request, context):  # noqa: N802
         return pb.CancelReply(found=self.engine.cancel(request.request_id))

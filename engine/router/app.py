@@ -28,6 +28,7 @@ from pdunit.engine.router.config import RouterConfig
 from pdunit.engine.router.proxy import SPEECH_PATH, Forwarder, ForwardPolicy, RouterMetrics
 from pdunit.engine.router.table import LoadPoller, RoutingTable
 from pdunit.engine.security import security_event
+from pdunit.engine.tracing import Tracing
 
 
 class Discovery(Protocol):
@@ -135,7 +136,8 @@ def create_app(
             max_body_bytes=config.max_body_bytes,
             trusted_proxies=tuple(ipaddress.ip_network(n) for n in config.trusted_proxies),
         )
-        state = RouterState(table, Forwarder(table, stream_client, metrics, policy, log), registry)
+        tracing = Tracing("router", config.otlp_endpoint)
+        state = RouterState(table, Forwarder(table, stream_client, metrics, policy, log, tracing), registry)
         app.state.router = state
         poller = LoadPoller(
             table,
@@ -157,6 +159,7 @@ def create_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             await stream_client.aclose()
             await poll_client.aclose()
+            tracing.shutdown()
 
     app = FastAPI(title="pdunit router", lifespan=lifespan)
 

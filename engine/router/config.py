@@ -14,11 +14,12 @@ from pydantic import Field, field_validator
 
 from pdunit.engine.edge import EdgeLimits
 from pdunit.engine.router.discovery import parse_static_units
+from pdunit.engine.tracing import TracingFields
 
 LB_MAX_BODY_BYTES = 4 << 20  # the LB's --max-body-bytes default: a larger body is refused there
 
 
-class RouterConfig(EdgeLimits):
+class RouterConfig(EdgeLimits, TracingFields):
     """pdunit router: the cluster entry point; picks a unit by session affinity."""
 
     host: str = Field(

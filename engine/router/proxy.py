@@ -30,8 +30,10 @@ from starlette.types import Receive, Scope, Send
 
 from pdunit.engine.edge import request_id_problem
 from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
+from pdunit.engine.observability import now_ns
 from pdunit.engine.router.table import RoutingTable, Unit
 from pdunit.engine.security import security_event
+from pdunit.engine.tracing import TRACE_HEADERS, Span, Tracing
 
 # The header policy: hop-by-hop headers (RFC 9110 7.6.1: those Connection names,
 # Keep-Alive, TE, Trailer, Transfer-Encoding, Upgrade, Proxy-*) and credentials
@@ -240,6 +242,7 @@ class _Request:
     session: str | None
     started: float
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    span: Span | None = None  # the request's trace span (engine/tracing.py), None when off
 
 
 class Forwarder:
@@ -252,12 +255,14 @@ class Forwarder:
         metrics: RouterMetrics,
         policy: ForwardPolicy,
         logger: logging.Logger,
+        tracing: Tracing | None = None,
     ) -> None:
         self.table = table
         self.client = client
         self.metrics = metrics
         self.policy = policy
         self.log = logger
+        self.tracing = tracing or Tracing("router", "")
 
     async def _read_body(self, request: Request) -> bytes | Response:
         """The whole body, or a 413 past --max-body-bytes (nothing is forwarded; the
@@ -294,6 +299,24 @@ class Forwarder:
             session=request.headers.get(self.policy.session_header) or None,
             started=time.perf_counter(),
         )
+        ctx.span = self.tracing.start("router.request", now_ns(), request.headers.items(),
+                                      request_id=ctx.request_id, path=path)
+        try:
+            response = await self._forward(request, path, ctx)
+        except BaseException as exc:
+            self._end_span(ctx, "internal_error", 500, repr(exc))
+            raise
+        if not isinstance(response, RelayResponse):  # a stream ends the span when it ends
+            self._end_span(ctx, "answered", response.status_code)
+        return response
+
+    def _end_span(self, ctx: _Request, outcome: str, status: int, error: str = "") -> None:
+        if ctx.span is not None:
+            ctx.span.end({}, (), now_ns(), error or ("" if status < 500 else outcome), outcome=outcome,
+                         status=status, attempts=len(ctx.attempts))
+            ctx.span = None
+
+    async def _forward(self, request: Request, path: str, ctx: _Request) -> Response:
         try:
             body = await self._read_body(request)
         except ClientDisconnect:
@@ -311,6 +334,8 @@ class Forwarder:
         self.metrics.affinity_keys.labels(source=source).inc()
         peer = request.client.host if request.client is not None else None
         headers = to_unit(request.headers.items(), peer, self.policy, ctx.request_id)
+        if ctx.span is not None:  # the unit's spans are children of this request's
+            headers = [h for h in headers if h[0] not in TRACE_HEADERS] + list(ctx.span.headers().items())
         tried: list[str] = []
         for _ in range(self.policy.max_attempts):
             t0 = time.perf_counter()
@@ -391,6 +416,10 @@ class Forwarder:
             self.metrics.requests.labels(unit=unit.name, outcome=outcome).inc()
             self.table.release(unit)
             self._log_done(unit, ctx, outcome, 200, sent)
+            if ctx.span is not None:
+                ctx.span.end({}, (), now_ns(), "" if outcome == "ok" else outcome, outcome=outcome,
+                             status=200, unit=unit.name, bytes=sent)
+                ctx.span = None
 
         def first_byte() -> None:
             self.metrics.first_byte_seconds.observe(time.perf_counter() - ctx.started)
