@@ -1,17 +1,12 @@
-"""Request bodies at pdunit's HTTP doors (the LB's stream, speech, voice and admin routes;
-the router): read one up to a byte limit, and after refusing it, discard a bounded rest.
+"""Request bodies at pdunit's HTTP doors (the LB's routes, the router): read one up to a
+byte limit; after refusing it, discard a bounded rest before answering.
 
-Owns `read_limited`: a declared Content-Length above the limit is refused before a byte
-is kept, a body without one the moment it passes the limit. Before it raises
-`BodyTooLarge` it reads and drops what the client is still sending (nginx's lingering
-close): a server that answers 413 and closes while the client still sends leaves unread
-bytes in its socket, the kernel answers them with a reset, and a client that writes its
-whole body before reading (httpx, the openai client) gets ECONNRESET instead of its 413.
-
-Never: parse a body or pick an error's shape (callers map `BodyTooLarge` and
-`BadContentLength` to their own), and never linger past LINGER_BYTES, LINGER_S, or
-LINGER_IDLE_S without a byte: a client declaring more than LINGER_BYTES past what was
-read, or one that asked `Expect: 100-continue` (it has sent nothing), is not waited for.
+Owns `read_limited`: a declared Content-Length over the limit is refused before a byte is
+kept, any body the moment it passes. Before `BodyTooLarge` it drops what the client still
+sends (a lingering close): closing on unread bytes resets the connection, and a client
+that writes its whole body first would read ECONNRESET instead of its 413.
+Never: parse a body or shape an error (callers map the exceptions), or linger past
+LINGER_BYTES / LINGER_S / LINGER_IDLE_S or after `Expect: 100-continue`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Distributed traces: one OpenTelemetry trace per request across router -> LB -> P -> D.
 
-Owns the `--otlp-endpoint` flags (`TracingFields`), each process's tracer (`Tracing`:
-an OTLP/gRPC exporter behind a batch processor, flushed at shutdown), W3C trace context
-in and out of HTTP headers and gRPC metadata (`traceparent`, `tracestate`), and the spans
-of a request's part in one process, built after the fact from the stage stamps the
-waterfall already takes (`stage_spans`): a process opens its request span when the
-request arrives (so its id can travel on), and closes it, with one child per stage it
-stamped, when its part ends.
-
+Owns the `--otlp-endpoint` flags, each process's tracer (OTLP/gRPC behind a batch
+processor, flushed at shutdown), W3C trace context in and out of HTTP headers and gRPC
+metadata, and a process's request span: opened when the request arrives (its id travels
+on), closed with one child per stage stamp pair when its part ends (docs/tracing.md).
 Never: costs anything when off (no endpoint: no SDK import, every call returns at once),
-blocks a request on the collector (the batch processor drops what overflows its queue),
-or trusts a trace context for anything but parentage (it is client input).
+blocks a request on the collector (the batch queue drops), or trusts a trace context for
+more than parentage (it is client input).
 """
 
 from __future__ import annotations
