@@ -3,10 +3,12 @@
 Owns one measurement of `MimiStreamDecoder.push_many` as the codec stage makes it, once a
 step for the streams whose chunk is due: Mimi's real shape (transformers' MimiConfig
 defaults, 32 codebooks) or a tiny one, random weights built locally (nothing downloaded),
-streams warmed past the sliding window, per dtype and per path (eager, CUDA graphs): ms
-per call and per stream, and the share of D's step at the same batch (a step-model fit
-from bench/results, or --d-step-ms). Must never be run for a claim without writing its
-results file, and never re-implements the decoder (it times the engine's own).
+streams warmed past the sliding window, per dtype, per path (eager, CUDA graphs) and
+ring attention (the Triton kernel reading the pools in place, or torch's gather + SDPA):
+ms per call and per stream, the share of D's step at the same batch (a step-model fit
+from bench/results, or --d-step-ms), and optionally the top GPU kernels of one call. Must
+never be run for a claim without writing its results file, and never re-implements the
+decoder (it times the engine's own).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 COLUMNS = [
     Column("dtype", "dtype"),
     Column("mode", "path"),
+    Column("attention", "attention"),
     Column("batch", "batch"),
     Column("frames", "frames"),
     Column("bucket", "bucket"),
@@ -59,6 +62,8 @@ class CodecConfig:
     frames: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
     dtypes: list[str] = dataclasses.field(default_factory=lambda: ["fp32"])
     mode: str = "both"
+    attention: str = "auto"  # the decoder's ring attention: auto (triton on CUDA), triton, torch
+    profile_batch: int = 0  # > 0: the top GPU kernels of one eager call at this batch (CUDA only)
     warm_frames: int = -1  # -1: past the sliding window
     warm_chunk: int = 8
     iters: int = 20
@@ -137,7 +142,7 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
     graphs = mode == "graphs"
     most = max(cfg.batches)
     dec = MimiStreamDecoder(codec, slots=most + 1, graphs=graphs, buckets=tuple(cfg.buckets),
-                            graph_frames=cfg.graph_frames)
+                            graph_frames=cfg.graph_frames, attention=cfg.attention)
     ids = [f"s{i}" for i in range(most)]
     for s in ids:
         dec.open(s)
@@ -165,7 +170,7 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
             d_ms, _ = d_step_ms(cfg, batch)
             uses_graph = graphs and dec.graphs.handles(frames)
             rows.append({
-                "dtype": dtype_name, "mode": mode, "batch": batch, "frames": frames,
+                "dtype": dtype_name, "mode": mode, "attention": dec.attention, "batch": batch, "frames": frames,
                 "bucket": dec.graphs.bucket(batch) if uses_graph else None,
                 "ms": ms, "p90_ms": float(np.percentile(times, 90)), "min_ms": min(times),
                 "us_per_stream": ms * 1e3 / batch,
@@ -175,9 +180,12 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
             })
             print({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in rows[-1].items()}, flush=True)
     info = {
-        "warm_frames": warm, "warm_s": round(warm_s, 2),
+        "warm_frames": warm, "warm_s": round(warm_s, 2), "pool_gib": round(dec.pool_bytes / 2**30, 3),
+        "ring": dec.ring, "attention": dec.attention,
         "peak_gib": round(torch.cuda.max_memory_allocated(codec.device) / 2**30, 2) if cuda else None,
     }
+    if cuda and cfg.profile_batch and mode == "eager":
+        info["profile"] = profile_kernels(dec, ids[: cfg.profile_batch], rng)
     if graphs:
         info.update(captures=dec.graphs.captures, capture_s=round(dec.graphs.capture_seconds, 2),
                     replays=dec.graphs.replays)
@@ -186,6 +194,36 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
     if cuda:
         torch.cuda.empty_cache()
     return rows, info
+
+
+def profile_kernels(dec: Any, ids: list[str], rng: np.random.Generator, calls: int = 3,
+                    top: int = 15) -> dict[str, Any]:
+    """The GPU kernels of `calls` eager one-frame calls of the streams `ids` (torch's
+    profiler; a graph replays the same kernels): the top ones by device time a call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    k, size = dec.codec.num_codebooks, dec.codec.codebook_size
+    batch = {s: rng.integers(0, size, size=(k, 1)) for s in ids}
+    graphs, dec.use_graphs = dec.use_graphs, False
+    dec.push_many(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            dec.push_many(batch)
+        torch.cuda.synchronize()
+    dec.use_graphs = graphs
+    events = []
+    for e in prof.key_averages():
+        us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0))
+        if us > 0:
+            events.append((us, e.key, e.count))
+    total = sum(us for us, _, _ in events)
+    events.sort(reverse=True)
+    return {
+        "batch": len(ids), "frames": 1, "device_ms_per_call": round(total / calls / 1e3, 3),
+        "kernels": [{"name": name[:90], "ms_per_call": round(us / calls / 1e3, 3), "calls_per_call": n // calls,
+                     "share": round(us / total, 3)} for us, name, n in events[:top]],
+    }
 
 
 def default_warm_frames(codec: Any) -> int:
@@ -275,6 +313,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=_ints, default=d.frames, help="frames per stream per call, comma-separated")
     p.add_argument("--dtype", type=_dtypes, default=d.dtypes, help="fp32, bf16 or both (comma-separated)")
     p.add_argument("--mode", choices=tuple(MODES), default=d.mode, help="eager, CUDA graphs, or both")
+    p.add_argument("--attention", choices=("auto", "triton", "torch"), default=d.attention,
+                   help="the decoder's ring attention: the Triton kernel reading the pools in place (CUDA), torch's "
+                   "gather + SDPA, or auto (triton on CUDA)")
+    p.add_argument("--profile-batch", type=int, default=d.profile_batch,
+                   help="> 0: the top GPU kernels of an eager one-frame call at this batch (CUDA; in the summary)")
     p.add_argument("--warm-frames", type=int, default=d.warm_frames,
                    help="frames each stream decodes before timing (-1: past the sliding window; 0: fresh streams)")
     p.add_argument("--warm-chunk", type=int, default=d.warm_chunk, help="frames per warming call")
@@ -301,12 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     if a.iters < 1 or a.warmup < 0 or a.warm_chunk < 1 or a.graph_frames < 1 or a.warm_frames < -1:
         problems.append("--iters, --warm-chunk, --graph-frames must be >= 1, --warmup >= 0, --warm-frames >= -1")
+    if a.profile_batch < 0 or a.profile_batch > max(a.batches):
+        problems.append(f"--profile-batch must be within 0..max(--batches) = {max(a.batches)} (got {a.profile_batch})")
     if a.device != "cpu" and not a.device.startswith("cuda"):
         problems.append(f"--device must be cuda, cuda:N or cpu (got {a.device!r})")
     if problems:
         raise SystemExit("pdunit bench codec: " + "; ".join(problems))
     cfg = CodecConfig(
-        shape=a.shape, batches=a.batches, frames=a.frames, dtypes=a.dtype, mode=a.mode,
+        shape=a.shape, batches=a.batches, frames=a.frames, dtypes=a.dtype, mode=a.mode, attention=a.attention,
+        profile_batch=a.profile_batch,
         warm_frames=a.warm_frames, warm_chunk=a.warm_chunk, iters=a.iters, warmup=a.warmup,
         buckets=a.buckets, graph_frames=a.graph_frames, d_step_ms=a.d_step_ms,
         d_step_model=a.d_step_model, d_context=a.d_context, device=a.device, seed=a.seed,

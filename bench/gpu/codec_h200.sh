@@ -1,9 +1,12 @@
 #!/bin/bash
-# Issue 26's codec run on one GPU (nvidia-h200, or an H100: the tag says which), ~3-4 min:
-# the graph == eager GPU tests, then `pdunit bench codec` at Mimi's real shape (random
-# weights, 32 codebooks), batches 1-512, 1 and 2 frames a call, eager and CUDA graphs, once
-# per dtype. Everything lands in $OUT: env.txt, pytest.txt, codec-<date>-<gpu>-<dtype>.json
-# and .md, the logs, summary.txt (one status line a step).
+# Issue 26's codec run on one GPU (nvidia-h200, or an H100: the tag says which), ~3-5 min:
+# the codec's GPU tests (graph == eager, the Triton ring attention == torch's and ==
+# transformers' one-shot decode, the stage's start-up capture), then `pdunit bench codec`
+# at Mimi's real shape (random weights, 32 codebooks), batches 1-512, 1 and 2 frames a
+# call, eager and CUDA graphs: bf16 (with the top kernels of one eager call at 256
+# streams), fp32, and bf16 graphs on torch's gather + SDPA attention at 256 and 512 (the
+# ring kernel's gain). Everything lands in $OUT: env.txt, pytest.txt,
+# codec-<date>-<gpu>-<tag>.json and .md, the logs, summary.txt (one status line a step).
 #   bash bench/gpu/codec_h200.sh        (from the repo root, on the device machine)
 # Carry .out/transfer-whl (tests/gpu/harness/setup.sh) with, beside its usual wheels,
 # transformers 5.24.0 and what it imports at our pins (huggingface-hub, tokenizers,
@@ -15,7 +18,7 @@
 set -uo pipefail
 source tests/gpu/harness/setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/env.txt" 2>&1
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" \
   >> "$OUT/env.txt" 2>&1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
 gpu=${gpu:-gpu}
@@ -26,9 +29,13 @@ step() {  # step NAME SECONDS LOG CMD...: the command under a timeout, its outpu
   echo "$name rc=$code $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   [ "$code" -eq 0 ] || rc=1
 }
-step gpu-tests 150 "$OUT/pytest.txt" python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/gpu/test_codec_graphs.py
-for dt in fp32 bf16; do
-  step "codec-$dt" 180 "$OUT/codec-$dt.log" python3 -m pdunit.bench.codec --shape real --dtype "$dt" --mode both \
-    --batches 1,64,128,256,512 --frames 1,2 --iters 10 --warmup 2 --machine-tag "$gpu-$dt" --out "$OUT"
-done
+step gpu-tests 100 "$OUT/pytest.txt" python3 -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/gpu/test_codec_graphs.py
+bench() {  # bench TAG SECONDS ARGS...: one `pdunit bench codec` at the real shape
+  local tag=$1 secs=$2; shift 2
+  step "codec-$tag" "$secs" "$OUT/codec-$tag.log" python3 -m pdunit.bench.codec --shape real --iters 10 --warmup 2 \
+    --machine-tag "$gpu-$tag" --out "$OUT" "$@"
+}
+bench bf16 110 --dtype bf16 --mode both --batches 1,64,128,256,512 --frames 1,2 --profile-batch 256
+bench fp32 100 --dtype fp32 --mode both --batches 1,64,128,256,512 --frames 1,2
+bench bf16-torchattn 60 --dtype bf16 --mode graphs --attention torch --batches 256,512 --frames 1,2
 exit $rc

@@ -2,11 +2,11 @@
 -> streamed PCM chunks (AudioChunk) riding on the step's StepFrames.
 
 Owns the chunking policy (first chunk after `first_chunk_frames`, then every `chunk_frames`;
-what is pending at a stream's end, `last`), one batched `push_many` per step for every
-due stream, the codec slots of the open audio streams, and the `--codec` flags. It must
-never decode a stream's finishing EOS frame (not audio), never emit a frame twice or out of
-order, never raise into the step loop (a codec error ends that stream's audio with a
-StreamError), and never keep a slot of a stream its engine forgot (`drop`, `retain`).
+`last` at a stream's end), one batched `push_many` per step for every due stream, the codec
+slots (on CUDA a graph decoder sized to --max-batch and captured at start; eager on a CPU),
+and the `--codec` flags. It must never decode a stream's finishing EOS frame (not audio),
+never emit a frame twice or out of order, never raise into the step loop (a codec error
+ends that stream's audio with a StreamError), nor keep a slot its engine forgot.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ class CodecFields(BaseModel):
 def build_codec_stage(cfg: CodecFields, model: TTSModel, model_spec: str, device: str,
                       log: logging.Logger) -> tuple[CodecStage | None, pb.AudioFormat | None]:
     """The codec stage `cfg` asks for (None, None without --codec), checked against the
-    model's codebooks; ValueError naming the flag when it cannot be had."""
+    model's codebooks; ValueError naming the flag when it cannot be had. `cfg` is the
+    engine's config (D's, the monolith's): its `max_batch` sizes the codec's pools and
+    graphs. On CUDA the graphs are captured here, at engine start."""
     if not cfg.codec:
         log.info("codec", extra={"codec": None, "audio": "refused: no --codec"})
         return None, None
@@ -74,11 +76,17 @@ def build_codec_stage(cfg: CodecFields, model: TTSModel, model_spec: str, device
     k, size = model.codec_books
     codec = load_codec(cfg.codec, n_codebooks=k, codebook_size=size, device=device, model_dir=model_spec)
     fmt = audio_format(codec, cfg.codec)
-    stage = CodecStage.for_model(codec, model, cfg.audio_first_chunk_frames, cfg.audio_chunk_frames)
+    max_batch = getattr(cfg, "max_batch", None)  # D's and the monolith's --max-batch
+    stage = CodecStage.for_model(codec, model, cfg.audio_first_chunk_frames, cfg.audio_chunk_frames, max_batch)
+    decoder, graphs = stage.decoder, stage.decoder.graphs
     log.info("codec", extra={"codec": cfg.codec, "sample_rate": fmt.sample_rate,
                              "samples_per_frame": fmt.samples_per_frame, "frame_rate_hz": fmt.frame_rate_hz,
                              "codebooks": k, "codebook_size": size, "first_chunk_frames": stage.first_chunk_frames,
-                             "chunk_frames": stage.chunk_frames})
+                             "chunk_frames": stage.chunk_frames, "slots": decoder.slots,
+                             "pool_bytes": decoder.pool_bytes, "ring": decoder.ring, "attention": decoder.attention,
+                             "graphs": graphs.captures if graphs is not None else None,
+                             "graph_buckets": list(graphs.buckets) if graphs is not None else None,
+                             "capture_s": round(graphs.capture_seconds, 2) if graphs is not None else None})
     return stage, fmt
 
 
@@ -129,9 +137,23 @@ class CodecStage:
         self.on_fail: Callable[[int], object] | None = None
 
     @classmethod
-    def for_model(cls, codec: MimiCodec, model: TTSModel, first_chunk_frames: int = 1,
-                  chunk_frames: int = 2) -> CodecStage:
-        return cls(codec.stream_decoder(), model.codec_codes, first_chunk_frames, chunk_frames)
+    def for_model(cls, codec: MimiCodec, model: TTSModel, first_chunk_frames: int = 1, chunk_frames: int = 2,
+                  max_batch: int | None = None) -> CodecStage:
+        """The stage of an engine serving `model`. On CUDA the decoder replays CUDA graphs
+        captured now (engine start, never in a step) for every batch bucket up to
+        `max_batch` (default 512) and every call of 1..max(chunk sizes) frames, and its pools
+        hold `max_batch` streams plus the graphs' scratch slot, so they never grow (and drop
+        the graphs) in a step. On a CPU it runs eagerly, its pools growing with use."""
+        frames = max(first_chunk_frames, chunk_frames)
+        if codec.device.type != "cuda":
+            return cls(codec.stream_decoder(graph_frames=frames), model.codec_codes, first_chunk_frames, chunk_frames)
+        from pdunit.engine.audio.mimi_graphs import DEFAULT_BUCKETS, capped_buckets
+
+        batch = max_batch or DEFAULT_BUCKETS[-1]
+        decoder = codec.stream_decoder(graphs=True, slots=batch + 1, buckets=capped_buckets(batch),
+                                       graph_frames=frames)
+        decoder.graphs.prepare(frames=tuple(range(1, frames + 1)), max_batch=batch)
+        return cls(decoder, model.codec_codes, first_chunk_frames, chunk_frames)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._streams

@@ -1,7 +1,10 @@
-"""The codec's CUDA-graph push equals the eager push on a GPU (engine/audio/mimi_graphs.py):
-the tiny codec through buckets, padding, mixed ages and slot growth (recapture), and
-Mimi's real shape past its 250-position window. fp32 compared with TF32 off (the two
-paths may pick different cuDNN/cuBLAS algorithms for a padded batch)."""
+"""The codec on a GPU: the CUDA-graph push equals the eager push (engine/audio/mimi_graphs.py)
+for the tiny codec through buckets, padding, mixed ages and slot growth (recapture), and
+for Mimi's real shape past its 250-position window; the Triton ring attention
+(engine/audio/mimi_mask.py) equals the torch one and transformers' one-shot decode at the
+real shape; the codec stage captures its graphs at start, sized to the engine's batch.
+fp32 compared with TF32 off (the paths may pick different cuDNN/cuBLAS algorithms for a
+padded batch)."""
 
 from __future__ import annotations
 
@@ -114,3 +117,54 @@ def test_prepare_captures_up_front_and_pushes_replay_without_capturing():
         peak = max(1.0, max(float(np.abs(want[s]).max()) for s in batch))
         assert max(float(np.abs(got[s] - want[s]).max()) for s in batch) <= 1e-4 * peak
     assert d.graphs.captures == 8 and d.graphs.replays == 3
+
+
+def test_real_mimi_shape_ring_kernel_equals_torch_attention_and_the_one_shot_decode():
+    """One stream of 140 frames (280 positions, past the 250 window): eager calls of 16
+    frames then graph calls of 1 and 2, on the Triton kernel and on the torch attention,
+    each against transformers' `MimiModel.decode` of all the frames."""
+    from pdunit.bench.codec import build_codec
+
+    codec = build_codec("real", torch.float32, "cuda", 0)
+    rng = np.random.default_rng(4)
+    c = rng.integers(0, 2048, size=(32, 140))
+    with torch.inference_mode():
+        reference = codec.model.decode(torch.as_tensor(c, device="cuda")[None]).audio_values[0, 0].float().cpu().numpy()
+    kernel = MimiStreamDecoder(codec, graphs=True, buckets=(1,))
+    plain = MimiStreamDecoder(codec, attention="torch")
+    assert kernel.attention == "triton"
+    cuts = [16] * 7 + [1, 2] * 9 + [1]
+    assert sum(cuts) == 140
+    audio: dict[str, list[np.ndarray]] = {"kernel": [], "torch": []}
+    for name, d in (("kernel", kernel), ("torch", plain)):
+        d.open("a")
+        done = 0
+        for n in cuts:
+            audio[name].append(d.push("a", c[:, done : done + n]))
+            done += n
+    got, want = np.concatenate(audio["kernel"]), np.concatenate(audio["torch"])
+    peak = float(np.abs(reference).max())
+    vs_torch, vs_ref = float(np.abs(got - want).max()), float(np.abs(got - reference).max())
+    print(f"real fp32: max |kernel - torch| {vs_torch:.3g}, |kernel - one-shot| {vs_ref:.3g}, "
+          f"|torch - one-shot| {float(np.abs(want - reference).max()):.3g}, peak {peak:.3g}")
+    assert peak > 0 and kernel.graphs.captures == 2
+    assert vs_torch <= 1e-4 * max(1.0, peak)
+    assert vs_ref <= 1e-3 * max(1.0, peak)
+
+
+def test_the_codec_stage_on_cuda_captures_its_graphs_at_start_sized_to_the_batch():
+    from types import SimpleNamespace
+
+    from pdunit.engine.audio.codec_stage import CodecStage
+
+    codec = lively(tiny_mimi())
+    codec.model.to("cuda")
+    model = SimpleNamespace(codec_codes=lambda frames: np.asarray(frames).T)
+    stage = CodecStage.for_model(codec, model, 1, 2, max_batch=6)  # type: ignore[arg-type]
+    d = stage.decoder
+    assert d.use_graphs and d.attention == "triton" and d.slots == 7
+    assert d.graphs.buckets == (1, 2, 4, 6) and d.graphs.captures == 8  # 4 buckets x 1 and 2 frames
+    for s in range(6):
+        d.open(str(s))
+    d.push_many({str(s): np.zeros((4, 2), dtype=np.int64) for s in range(6)})
+    assert d.graphs.captures == 8 and d.state_version == 0  # replayed, no growth
