@@ -185,7 +185,10 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
         "peak_gib": round(torch.cuda.max_memory_allocated(codec.device) / 2**30, 2) if cuda else None,
     }
     if cuda and cfg.profile_batch and mode == "eager":
-        info["profile"] = profile_kernels(dec, ids[: cfg.profile_batch], rng)
+        try:  # a profiler failure must not cost the timings
+            info["profile"] = profile_kernels(dec, ids[: cfg.profile_batch], rng)
+        except Exception as exc:  # noqa: BLE001
+            info["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     if graphs:
         info.update(captures=dec.graphs.captures, capture_s=round(dec.graphs.capture_seconds, 2),
                     replays=dec.graphs.replays)
