@@ -3,7 +3,7 @@ before an app sees it.
 
 Owns the limits of the uvicorn servers both run (`EdgeLimits`) and the rules both apply
 at the door: which `X-Request-Id` may be echoed, which addresses a server listens on by
-default, and the bearer-token check of admin endpoints.
+default, and the bearer-token check of admin endpoints and voice writes.
 
 Every refusal here is a security event (engine/security.py). This module never routes,
 parses bodies or holds request state; it must never let an app see a request that broke
@@ -135,13 +135,19 @@ def read_token_file(path: str, flag: str) -> bytes | None:
         raise SecretFileError(f"{flag}: {exc}") from None
 
 
+def bearer_of(headers: Mapping[str, str]) -> bytes | None:
+    """The token of `Authorization: Bearer <token>`; None when the header is absent, of
+    another scheme, or carries no token (a caller tells "no credential" from "a wrong one")."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return None
+    return given.strip().encode("latin-1", "replace")
+
+
 def bearer_matches(headers: Mapping[str, str], token: bytes) -> bool:
     """`Authorization: Bearer <token>`, compared in constant time."""
-    raw = headers.get("authorization", "")
-    scheme, _, given = raw.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        return False
-    return same_bytes(given.strip().encode("latin-1", "replace"), token)
+    given = bearer_of(headers)
+    return given is not None and same_bytes(given, token)
 
 
 class _HeadTooLarge(Exception):

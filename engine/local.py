@@ -266,6 +266,8 @@ class LocalUnit:
         write_secret_file(self.unit_secret_file)
         if self.admin_token_file:
             write_secret_file(self.admin_token_file)
+        if self.voices_token_file:
+            write_secret_file(self.voices_token_file)
 
     @property
     def url(self) -> str:
@@ -300,6 +302,18 @@ class LocalUnit:
         return None if is_loopback(self.cfg.admin_host) else str(self.run_dir / "admin.token")
 
     @property
+    def voices_token_file(self) -> str | None:
+        """The bearer token of the voice store's writes (the LB's --voices-token-file),
+        drawn with the unit; what --speak and the speech load upload with. None without a
+        codec (no store)."""
+        return str(self.run_dir / "voices.token") if self.cfg.codec else None
+
+    def voices_auth(self) -> dict[str, str]:
+        """The header a voice upload or delete of this unit's store needs."""
+        path = self.voices_token_file
+        return {"Authorization": f"Bearer {Path(path).read_text().strip()}"} if path else {}
+
+    @property
     def n_decoders(self) -> int:
         return self.cfg.n_decoders
 
@@ -325,7 +339,7 @@ class LocalUnit:
     @property
     def paths(self) -> UnitPaths:
         """The unit's sockets and secret files: the pod's layout in this run dir."""
-        return UnitPaths(str(self.run_dir), self.unit_secret_file, self.admin_token_file)
+        return UnitPaths(str(self.run_dir), self.unit_secret_file, self.admin_token_file, self.voices_token_file)
 
     def layout(self) -> UnitSpec:
         """This unit as engine/unit_layout.py describes a pod's: its paths and ports are
@@ -620,7 +634,7 @@ def run_short_load(unit: LocalUnit) -> dict:
     cfg = LoadConfig(
         url=unit.url, concurrency=[c.load_streams], requests=c.load_requests or 2 * c.load_streams,
         prompt_rows=(lo, hi), frames=(c.load_frames, c.load_frames), mode_label=f"local-{c.mode}",
-        gpus=0, api=c.load_api,
+        gpus=0, api=c.load_api, voices_token_file=unit.voices_token_file or "",
     )
     return run_load(cfg)
 
@@ -649,7 +663,7 @@ def speak(unit: LocalUnit) -> dict[str, Any]:
         if h.get(f"/v1/voices/{DEMO_VOICE}").status_code == 404:
             clip = base64.b64encode(demo_clip(rate)).decode()
             h.post("/v1/voices", json={"name": DEMO_VOICE, "transcript": "This is a demo voice.", "audio": clip,
-                                       "audio_format": "pcm"}).raise_for_status()
+                                       "audio_format": "pcm"}, headers=unit.voices_auth()).raise_for_status()
         body = {"model": c.model, "voice": DEMO_VOICE, "input": c.speak, "response_format": "wav",
                 "max_frames": c.speak_frames}
         path = Path(c.speak_out).resolve()
@@ -777,6 +791,9 @@ def main(argv: list[str]) -> int:
         print("metrics: " + "  ".join(f"{name} {url}" for name, url in unit.metrics_urls().items()), flush=True)
         token = unit.admin_token_file
         print(f"admin: {unit.admin_url}" + (f"  (bearer token in {token})" if token else ""), flush=True)
+        if unit.voices_token_file:
+            print(f"voices: {unit.url}/v1/voices  (uploads and deletes: the bearer token in "
+                  f"{unit.voices_token_file})", flush=True)
         unit.supervise()
         if cfg.load_streams or cfg.speak:
             code = 0

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 RUN_DIR = "/run/pdunit"  # the pod's shared emptyDir: every unix socket of the unit
 SECRETS_DIR = "/var/run/secrets/pdunit"
 # The pod's secret files: P and D read the unit secret, the LB the admin token (each file is
-# named as its key of the unit's Secret, the volume's item path).
+# named as its key of the unit's Secret, the volume's item path) and, with a voice store
+# whose writes are allowed, the voices token (key `voices-token` of the Secret the spec names).
 UNIT_SECRET_FILE = f"{SECRETS_DIR}/unit/unit-secret"
 ADMIN_TOKEN_FILE = f"{SECRETS_DIR}/admin/admin-token"
+VOICES_TOKEN_FILE = f"{SECRETS_DIR}/voices/voices-token"
 LB_PORT = 8000  # streams, /v1/load, the LB's /metrics
 ADMIN_PORT = 8001  # POST /v1/admin/drain, never the stream port
 # The transfer modes that run the nvlink-proxy sidecar (auto probes it).
@@ -75,6 +77,7 @@ class UnitPaths:
     run_dir: str = RUN_DIR
     unit_secret_file: str = UNIT_SECRET_FILE
     admin_token_file: str | None = ADMIN_TOKEN_FILE  # None: the LB takes no token (a loopback admin address)
+    voices_token_file: str | None = None  # the bearer token of voice writes; None: a read-only voice store
 
     def sock(self, name: str) -> str:
         """The unix socket of process `name` (prefill, decode, decode-1, proxy, monolith)."""
@@ -177,10 +180,13 @@ def _codec_flags(spec: UnitSpec) -> list[str]:
 
 def _lb_speech_flags(spec: UnitSpec) -> list[str]:
     """A unit with a codec speaks: the LB tokenizes text for the model D serves, encodes
-    voice clips with D's codec and keeps the voice store (docs/api.md)."""
+    voice clips with D's codec and keeps the voice store, whose writes need the voices
+    token (docs/api.md)."""
     if not spec.codec:
         return []
-    return ["--model", spec.model, "--codec", spec.codec, *_opt("--voices", spec.voices)]
+    token = spec.paths.voices_token_file if spec.voices else None
+    return ["--model", spec.model, "--codec", spec.codec, *_opt("--voices", spec.voices),
+            *_opt("--voices-token-file", token)]
 
 
 def _extra(spec: UnitSpec, role: str) -> list[str]:

@@ -201,7 +201,8 @@ VOICES_MOUNT_PATH = "/var/lib/pdunit/voices"
 # proxyDeviceAccess volumeMounts: the NVIDIA container runtime reads the GPUs a container
 # gets from the mounts under this folder (`all`: every GPU of the node).
 NVIDIA_DEVICES_DIR = "/var/run/nvidia-container-devices"
-OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token", "nvidia-all-gpus")
+OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token", "voices-token",
+                                     "nvidia-all-gpus")
 OPERATOR_MOUNT_PATHS: tuple[str, ...] = (RUN_DIR, "/tmp", "/dev/shm", SECRETS_DIR, VOICES_MOUNT_PATH,
                                          NVIDIA_DEVICES_DIR)
 # Labels the router, the scaler and the chart select unit pods on.
@@ -329,13 +330,34 @@ class PodMetadata(_Api):
         return value
 
 
+_VOICES_READ_ONLY_MESSAGE = ("voices.tokenSecret allows voice writes, voices.readOnly refuses them: "
+                             "remove one")
+
+
 class VoiceStore(_Api):
-    """The voice store's volume, mounted into the LB container at VOICES_MOUNT_PATH."""
+    """The voice store's volume, mounted into the LB at VOICES_MOUNT_PATH, and the Secret its writes need."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.tokenSecret) || !has(self.readOnly) || !self.readOnly",
+        "message": _VOICES_READ_ONLY_MESSAGE, "fieldPath": ".tokenSecret"}]})
 
     volume: str = Field(min_length=1, max_length=63, pattern=_DNS_LABEL,
                         description="A volume of spec.volumes holding the voice store's directory.")
     sub_path: str | None = Field(default=None, max_length=4096, description="Folder inside that volume.")
     read_only: bool | None = Field(default=None, description="Mount read-only (voices are then never added).")
+    token_secret: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="A Secret of the unit's namespace whose key voices-token (at least 16 characters) is the "
+        "bearer token that creating, replacing and deleting a voice needs (the LB's --voices-token-file, "
+        "mounted from it read-only, mode 0440, into the LB only). One Secret for every unit of a set: the same "
+        "token uploads a voice to each. Unset: the LB's voice store is read-only (every write 403); listing "
+        "and reading voices never need a token.")
+
+    @model_validator(mode="after")
+    def _writes_need_a_writable_store(self) -> VoiceStore:
+        if self.token_secret and self.read_only:
+            raise ValueError(_VOICES_READ_ONLY_MESSAGE)
+        return self
 
 
 Qos = Literal["Burstable", "Guaranteed"]

@@ -22,6 +22,8 @@ from pdunit.engine.unit_layout import (
     ADMIN_TOKEN_FILE,
     RUN_DIR,
     UNIT_SECRET_FILE,
+    VOICES_TOKEN_FILE,
+    UnitPaths,
     UnitSpec,
     container_name,
     decode_names,
@@ -57,6 +59,9 @@ PRESTOP_CHECK_INTERVAL_SECONDS = 2
 # item path is the key).
 UNIT_SECRET_KEY = UNIT_SECRET_FILE.rsplit("/", 1)[1]
 ADMIN_TOKEN_KEY = ADMIN_TOKEN_FILE.rsplit("/", 1)[1]
+# The voices token is the user's (spec.voices.tokenSecret: one Secret for a set's units,
+# whose voices a client uploads to each), mounted as the admin token is: key = file name.
+VOICES_TOKEN_KEY = VOICES_TOKEN_FILE.rsplit("/", 1)[1]
 SECRET_FILE_MODE = 0o440
 SECRET_MIN_CHARS = 32  # the values are 32 random bytes, hex: 64 characters
 ADMIN_PORT_NAME = "admin"  # the LB container's port of POST /v1/admin/drain
@@ -173,7 +178,13 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
 
 # The Secret's key each role reads (its volume carries that key only).
 _SECRET_OF_ROLE = {"prefill": UNIT_SECRET_KEY, "decode": UNIT_SECRET_KEY, "lb": ADMIN_TOKEN_KEY}
-_SECRET_FILE = {UNIT_SECRET_KEY: UNIT_SECRET_FILE, ADMIN_TOKEN_KEY: ADMIN_TOKEN_FILE}
+_SECRET_FILE = {UNIT_SECRET_KEY: UNIT_SECRET_FILE, ADMIN_TOKEN_KEY: ADMIN_TOKEN_FILE,
+                VOICES_TOKEN_KEY: VOICES_TOKEN_FILE}
+
+
+def _voices_token_secret(spec: dict[str, Any]) -> str | None:
+    """The Secret holding the voices token, when the unit's voice store takes writes."""
+    return (spec.get("voices") or {}).get("tokenSecret") or None
 
 
 def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
@@ -182,8 +193,10 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
-    key = _SECRET_OF_ROLE.get(role)
-    if key:
+    keys = [_SECRET_OF_ROLE[role]] if role in _SECRET_OF_ROLE else []
+    if role == "lb" and _voices_token_secret(spec):
+        keys.append(VOICES_TOKEN_KEY)
+    for key in keys:
         folder = _SECRET_FILE[key].rsplit("/", 1)[0]
         mounts.append({"name": key, "mountPath": folder, "readOnly": True})
     if role == "proxy" and _proxy_mounts_devices(spec):
@@ -407,6 +420,7 @@ def layout_of(spec: dict[str, Any]) -> UnitSpec:
         metrics_port=int(spec["metricsPort"]),
         codec=spec.get("codec") or "",  # D's and the LB's --codec; with it the LB takes text (--model)
         voices=m.VOICES_MOUNT_PATH if spec.get("voices") else "",  # passed only with a codec
+        paths=UnitPaths(voices_token_file=VOICES_TOKEN_FILE if _voices_token_secret(spec) else None),
         audio_first_chunk_frames=(spec.get("audio") or {}).get("firstChunkFrames"),
         audio_chunk_frames=(spec.get("audio") or {}).get("chunkFrames"),
         extra_args={role: list(args or []) for role, args in (spec.get("extraArgs") or {}).items()},
@@ -547,6 +561,17 @@ def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) ->
                     },
                 }
                 for key in (UNIT_SECRET_KEY, ADMIN_TOKEN_KEY)
+            ),
+            *(
+                {
+                    "name": VOICES_TOKEN_KEY,
+                    "secret": {
+                        "secretName": secret,
+                        "items": [{"key": VOICES_TOKEN_KEY, "path": VOICES_TOKEN_KEY}],
+                        "defaultMode": SECRET_FILE_MODE,
+                    },
+                }
+                for secret in [_voices_token_secret(spec)] if secret
             ),
             *(dict(v) for v in spec.get("volumes") or []),
         ],

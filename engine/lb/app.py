@@ -1,7 +1,8 @@
 """The LB's HTTP routes (docs/api.md): the stream app and the admin app of one unit.
 
 Owns the translation between HTTP and the LoadBalancer: POST /v1/tts/stream, POST
-/v1/audio/speech and /v1/voices (speech.py), /v1/models, /healthz, /readyz, /v1/load,
+/v1/audio/speech and /v1/voices (speech.py: its writes behind the bearer token of
+--voices-token-file, its reads open), /v1/models, /healthz, /readyz, /v1/load,
 /v1/model, /metrics on the stream port; POST /v1/admin/drain only on
 the admin port, behind a bearer token when one is configured. Must never hold state or
 decide anything about a stream: the LoadBalancer (balancer.py) does, so a route is a
@@ -48,6 +49,8 @@ def create_app(lb: LoadBalancer) -> FastAPI:
     async def audio_speech(request: Request) -> Response:
         return await speech.handle_speech(lb, request)
 
+    # Writes need the voices token (a changed voice changes every client's speech with it);
+    # reads stay open to stream clients, who pick their voice by name (speech.py).
     @app.post("/v1/voices")
     async def create_voice(request: Request) -> Response:
         return await speech.create_voice(lb, request)
@@ -61,8 +64,8 @@ def create_app(lb: LoadBalancer) -> FastAPI:
         return await speech.get_voice(lb, name)
 
     @app.delete("/v1/voices/{name}")
-    async def delete_voice(name: str) -> Response:
-        return await speech.delete_voice(lb, name)
+    async def delete_voice(name: str, request: Request) -> Response:
+        return await speech.delete_voice(lb, request, name)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

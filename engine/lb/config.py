@@ -68,6 +68,12 @@ class LBConfig(EdgeLimits):
         description="the voice store's directory (/v1/voices; the voices POST /v1/audio/speech "
         "speaks with); needs --model and --codec",
     )
+    voices_token_file: str = Field(
+        "",
+        description="file holding the bearer token (mode 0600, e.g. a mounted Secret; read once at "
+        "start) that creating, replacing and deleting a voice needs ('Authorization: Bearer <token>'); "
+        "unset: the voice store is read-only (every write 403). Listing and reading voices stay open",
+    )
     max_rows: int = Field(4096, ge=1, description="most prompt rows accepted (413 above)")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request body (413 above)")
     default_max_frames: int = Field(630, ge=1, description="max_frames when a request gives none")
@@ -115,6 +121,8 @@ class LBConfig(EdgeLimits):
             raise ValueError("--codec needs --model (the codec's codebooks are the model's)")
         if self.voices and not self.codec:
             raise ValueError("--voices needs --codec (the store encodes clips with it) and --model")
+        if self.voices_token_file and not self.voices:
+            raise ValueError("--voices-token-file needs --voices (the token guards the store's writes)")
         return self
 
     @field_validator("decode_socket")

@@ -3,10 +3,10 @@
 Owns the process: config, JSON logs, the two HTTP servers and graceful shutdown. The
 stream port (--host/--port) serves the API; the admin port (--admin-host/--admin-port,
 loopback by default, a bearer token from --admin-token-file when it is not) serves only
-the admin routes. Both run behind the edge's limits (engine/edge.py). On SIGTERM or
-SIGINT the LB stops taking streams (503 + Retry-After, /readyz 503), lets the streams in
-flight finish for up to --shutdown-timeout-s, cuts the rest with an error record, then
-exits. Never holds request state of its own.
+the admin routes; both behind the edge's limits (engine/edge.py). On SIGTERM or SIGINT
+the LB stops taking streams (503 + Retry-After, /readyz 503), lets the streams in flight
+finish for up to --shutdown-timeout-s, cuts the rest with an error record, then exits.
+Never holds request state of its own, never logs a token (only whether one is set).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ async def serve(config: LBConfig, token: bytes | None) -> int:
             "admin_host": config.admin_host,
             "admin_port": servers.admin_port,
             "admin_token": bool(token),
+            "voices_token": lb.speech.voices_token is not None,  # whether the store takes writes
             "http": "httptools",
         },
     )

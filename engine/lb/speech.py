@@ -3,9 +3,10 @@
 Owns the speech request's fields, text + a stored voice -> prompt rows (CsmPrompter,
 the voice's turn first: a shared prefix), the stream's submit with `audio` set (through
 the LoadBalancer's own stream path) and the 200 that writes D's AudioChunks in order as
-PCM, WAV or OpenAI's SSE events; and the voice store's routes. Every refusal is OpenAI's
-error shape naming the field. Must never decode audio itself (D's codec does), nor write
-PCM out of order: a gap fails the stream.
+PCM, WAV or OpenAI's SSE events; and the voice store's routes (writes only with the
+bearer token of --voices-token-file: a voice a stranger changed changes every client's
+speech with it; reads open). Every refusal is OpenAI's error shape naming the field.
+Must never decode audio itself (D's codec does), nor write PCM out of order.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import email.parser
 import email.policy
@@ -32,7 +34,7 @@ from starlette.types import Send
 
 from pdunit.engine.audio.errors import FieldError, UnknownVoice, VoiceExists
 from pdunit.engine.audio.pcm import sse_audio_delta, sse_audio_done, wav_header
-from pdunit.engine.edge import request_id_problem
+from pdunit.engine.edge import bearer_of, read_token_file, request_id_problem
 from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
 from pdunit.engine.lb.response import StreamResponse
 from pdunit.engine.lb.streams import (
@@ -53,6 +55,7 @@ from pdunit.engine.lb.validate import (
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.security import same_bytes, security_event
 
 if TYPE_CHECKING:
     from pdunit.engine.audio.csm_prompt import CsmPrompter
@@ -76,10 +79,10 @@ class SpeechError(Exception):
     """A refused speech or voice request, answered in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: bool = False) -> None:
+                 retry_after: bool = False, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
+        self.retry_after, self.headers = retry_after, headers or {}
 
     @classmethod
     def of(cls, exc: FieldError | RequestError) -> SpeechError:
@@ -93,7 +96,7 @@ class SpeechError(Exception):
 
     def response(self, retry_after_s: int = 1, headers: dict[str, str] | None = None) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        out = dict(headers or {})
+        out = {**self.headers, **(headers or {})}
         if self.retry_after:
             out["Retry-After"] = str(retry_after_s)
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
@@ -102,12 +105,13 @@ class SpeechError(Exception):
 
 @dataclass
 class Speech:
-    """What the LB loaded for text and voices (LBConfig --model/--codec/--voices); a
-    missing piece leaves its `*_problem` saying which flag gives it."""
+    """What the LB loaded for text and voices (LBConfig --model/--codec/--voices and
+    --voices-token-file); a missing piece leaves its `*_problem` saying which flag gives it."""
 
     prompter: CsmPrompter | None = None
     codec: MimiCodec | None = None
     store: VoiceStore | None = None
+    voices_token: bytes | None = None  # what a voice write needs; None: the store takes no write
     text_problem: str = "the LB has no --model: give it the CSM spec D serves to take text"
     voices_problem: str = "the LB has no voice store: give it --voices DIR (and --codec, --model)"
 
@@ -140,6 +144,7 @@ class Speech:
             except OSError as exc:
                 raise ValueError(f"--voices {config.voices!r}: {exc}") from None
             out.voices_problem = ""
+            out.voices_token = read_token_file(config.voices_token_file, "--voices-token-file")
             # a voice may hold all the frames the store accepts
             frames = math.ceil(out.store.limits.max_seconds * out.codec.frame_rate)
             prompter.limits = dataclasses.replace(prompter.limits, max_voice_frames=max(frames, 1))
@@ -458,9 +463,43 @@ def _store(lb: LoadBalancer) -> VoiceStore:
     return lb.speech.store
 
 
+VOICE_WRITE_EVENT = "voices_unauthorized"
+
+
+async def authorize_voice_write(lb: LoadBalancer, request: Request) -> None:
+    """A voice write's caller must hold the bearer token of --voices-token-file (compared
+    in constant time); SpeechError 401 without a token, 403 with a wrong one or when the LB
+    has none (its store is read-only), each a security event. Checked before the body is
+    parsed and before the store is looked at, so a refusal tells nothing about the store;
+    the refused body is read and dropped (bounded) so its sender reads the answer."""
+    token, given = lb.speech.voices_token, bearer_of(request.headers)
+    if token is None:
+        reason, error = "no_token_file", SpeechError(
+            403, "this unit's voice store is read-only: its LB has no --voices-token-file (the file holding "
+            "the bearer token that creating, replacing and deleting a voice needs)", "Authorization",
+            "voice_writes_disabled")
+    elif given is None:
+        reason, error = "missing", SpeechError(
+            401, "creating, replacing or deleting a voice needs 'Authorization: Bearer <token>', the token of "
+            "the LB's --voices-token-file", "Authorization", "missing_token",
+            headers={"WWW-Authenticate": "Bearer"})
+    elif not same_bytes(given, token):
+        reason, error = "wrong", SpeechError(
+            403, "the bearer token is not the one of the LB's --voices-token-file", "Authorization",
+            "invalid_token")
+    else:
+        return
+    security_event(VOICE_WRITE_EVENT, reason=reason, method=request.method, path=request.url.path,
+                   client=request.client.host if request.client else "")
+    with contextlib.suppress(BodyTooLarge, BadContentLength, ClientDisconnect):
+        await read_limited(request, 0)  # drops what the client still sends (engine/http_body.py)
+    raise error
+
+
 async def create_voice(lb: LoadBalancer, request: Request) -> Response:
-    """POST /v1/voices: JSON or multipart/form-data (docs/api.md)."""
+    """POST /v1/voices: JSON or multipart/form-data (docs/api.md), with the voices token."""
     try:
+        await authorize_voice_write(lb, request)
         store = _store(lb)
         body = await read_speech_body(request, voice_body_limit(store))
         fields = parse_voice_upload(request.headers.get("content-type", ""), body)
@@ -581,8 +620,10 @@ async def get_voice(lb: LoadBalancer, name: str) -> Response:
     return JSONResponse(voice_object(voice, store.codec.frame_rate))
 
 
-async def delete_voice(lb: LoadBalancer, name: str) -> Response:
+async def delete_voice(lb: LoadBalancer, request: Request, name: str) -> Response:
+    """DELETE /v1/voices/{name}, with the voices token."""
     try:
+        await authorize_voice_write(lb, request)
         store = _store(lb)
         await asyncio.to_thread(store.delete, name)
     except FieldError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import json
 import sys
@@ -25,6 +26,7 @@ import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 from tqdm import tqdm
 
+from pdunit.engine.edge import read_token_file
 from pdunit.engine.loadgen.summary import Column, machine_info, percentile, percentiles
 from pdunit.engine.loadgen.workload import (
     StreamSpec,
@@ -38,6 +40,7 @@ from pdunit.engine.loadgen.workload import (
 )
 from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.playback import AUDIO_FPS, play_audio, stream_timing
+from pdunit.engine.security import SecretFileError
 
 REFUSAL_CODE = "rate_floor"  # the LB's error code of a rate-floor refusal (503 + Retry-After)
 
@@ -94,6 +97,9 @@ class LoadConfig(BaseModel):
         "them) or as synthetic codec codes (no encoding: below the audio vocabulary less CSM's 3 special ids)"
     )
     voice_seconds: float = Field(2.0, ge=1.0, le=30.0, description="--api speech: each voice's clip length")
+    voices_token_file: str = Field(
+        "", description="--api speech: the file holding the bearer token of the LB's --voices-token-file, sent "
+        "with every voice upload and delete (never with a speech request); without it an LB refuses them")
     seed: int = Field(0, description="workload seed")
     mode_label: str = Field(
         "1p1d",
@@ -294,6 +300,11 @@ class SpeechTarget:
     code_range: int  # --voice-source codes: codes drawn in [0, code_range)
     voice_source: str = "pcm"
     voice_seconds: float = 2.0
+    voices_token_file: str = ""  # the path only: a target is copied into the results and to client shards
+
+    def voice_headers(self) -> dict[str, str]:
+        """The headers of a voice upload or delete: the bearer token of voices_token_file."""
+        return _voice_auth(self.voices_token_file)
 
     def voice_body(self, name: str) -> dict[str, Any]:
         """POST /v1/voices's body for voice `name` (replace: a rerun keeps one copy)."""
@@ -310,9 +321,16 @@ class SpeechTarget:
         return doc
 
 
+@functools.cache
+def _voice_auth(path: str) -> dict[str, str]:
+    token = read_token_file(path, "--voices-token-file")
+    return {"Authorization": f"Bearer {token.decode()}"} if token else {}
+
+
 async def speech_target(client: httpx.AsyncClient, url: str, model: dict[str, Any],
                         cfg: LoadConfig) -> SpeechTarget:
-    """--api speech's target, from /v1/model (already read) and GET /v1/models."""
+    """--api speech's target, from /v1/model (already read) and GET /v1/models; its token
+    file is read here, so a bad one stops the run before its first level."""
     audio = model.get("audio")
     if not audio:
         raise RuntimeError(f"{url} serves no audio (GET /v1/model has no `audio`): --api speech needs a unit "
@@ -327,13 +345,22 @@ async def speech_target(client: httpx.AsyncClient, url: str, model: dict[str, An
                         samples_per_frame=int(audio["samples_per_frame"]),
                         frame_rate_hz=float(audio["frame_rate_hz"]), n_books=n_books,
                         code_range=max(1, min(int(v) for v in model["vocab_sizes"][:n_books]) - 3),
-                        voice_source=cfg.voice_source, voice_seconds=cfg.voice_seconds)
+                        voice_source=cfg.voice_source, voice_seconds=cfg.voice_seconds,
+                        voices_token_file=_checked_token_file(cfg.voices_token_file))
+
+
+def _checked_token_file(path: str) -> str:
+    try:
+        _voice_auth(path)
+    except SecretFileError as exc:
+        raise RuntimeError(str(exc)) from None
+    return path
 
 
 async def upload_voice(client: httpx.AsyncClient, url: str, target: SpeechTarget, name: str) -> str | None:
     """POST /v1/voices; None when stored, else the error (status and code)."""
     try:
-        resp = await client.post(f"{url}/v1/voices", json=target.voice_body(name))
+        resp = await client.post(f"{url}/v1/voices", json=target.voice_body(name), headers=target.voice_headers())
     except httpx.HTTPError as exc:
         return f"voice_upload:{type(exc).__name__}"
     if resp.status_code == 201:
@@ -381,7 +408,7 @@ async def speech_once(
     finally:
         if not spec.reused:
             try:
-                await client.delete(f"{url}/v1/voices/{spec.voice}")
+                await client.delete(f"{url}/v1/voices/{spec.voice}", headers=target.voice_headers())
             except httpx.HTTPError:
                 pass  # a leftover cold voice is replaced by a rerun's upload
     if res.frames:

@@ -1,7 +1,7 @@
 """The load driver's `--api speech` against a real local unit (tiny random CSM + tiny random
 Mimi on CPU): voices uploaded, streams of PCM timed at the first audio byte, audio seconds
 equal to frames x samples per frame / rate, no stall at a light load, a reused voice a
-prefix-cache hit in P as the LB reports it."""
+prefix-cache hit in P as the LB reports it; voice uploads and deletes carry the unit's voices token."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalUnit]:
 
 def load(unit: LocalUnit, **fields: object) -> LoadConfig:
     base: dict[str, object] = dict(url=unit.url, api="speech", frames=(FRAMES, FRAMES), progress=False, gpus=0,
-                                   min_rate=0.0, ttfa_p95_ms=60_000.0, concurrency=[2], requests=6)
+                                   min_rate=0.0, ttfa_p95_ms=60_000.0, concurrency=[2], requests=6,
+                                   voices_token_file=unit.voices_token_file)
     return LoadConfig.model_validate(base | fields)
 
 
@@ -88,3 +89,8 @@ def test_a_reused_voice_is_a_prefix_cache_hit(unit: LocalUnit) -> None:
     assert all(s["voice"] == warm_voice(0) and s["reused"] for s in streams)
     assert all(s["cached_rows"] > 0 for s in streams[1:]), [s["cached_rows"] for s in streams]
     assert row["warm_cache_hit_share"] >= 2 / 3 and row["cached_rows_share"] > 0
+
+
+def test_without_the_voices_token_the_driver_stops_at_its_first_upload(unit: LocalUnit) -> None:
+    with pytest.raises(RuntimeError, match="voice_upload:401:missing_token"):
+        run_load(load(unit, voices=1, voices_token_file=""))

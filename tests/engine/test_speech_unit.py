@@ -4,15 +4,14 @@ frames x the codec's samples per frame, the voice a prefix-cache hit the second 
 
 from __future__ import annotations
 
-import base64
 import io
 import wave
 
-import httpx
 import numpy as np
 import openai
 
-from pdunit.engine.local import LocalConfig, LocalUnit, demo_clip
+from pdunit.engine.local import LocalConfig, LocalUnit
+from tests.engine.unit_client import upload_demo_voice
 
 MODEL, CODEC = "random:csm-tiny:0", "random:mimi-tiny:0"
 
@@ -21,12 +20,9 @@ def test_openai_client_gets_a_wav_of_frames_x_samples_per_frame_from_a_local_uni
     cfg = LocalConfig(model=MODEL, codec=CODEC, voices=str(tmp_path / "voices"), pool_tokens=4096,
                       cache_tokens=4096, lb_port=0, guard=False, log_level="warning")
     with LocalUnit(cfg) as unit:
-        audio = httpx.get(f"{unit.url}/v1/model", timeout=10).json()["audio"]
+        assert unit.voices_token_file is not None  # a unit with a codec guards its store's writes
+        audio = upload_demo_voice(unit.url, unit.voices_token_file, seconds=1.5)
         rate, spf = audio["sample_rate"], audio["samples_per_frame"]
-        clip = base64.b64encode(demo_clip(rate, seconds=1.5)).decode()
-        resp = httpx.post(f"{unit.url}/v1/voices", timeout=60, json={
-            "name": "demo", "transcript": "a demo voice", "audio": clip, "audio_format": "pcm"})
-        assert resp.status_code == 201, resp.text
         client = openai.OpenAI(base_url=f"{unit.url}/v1", api_key="unused", max_retries=0, timeout=120)
         cached = []
         for text in ("Hello there.", "Hello again."):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import json
+from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 
 from pdunit.bench.fault_unit import wait_until
 from pdunit.engine.lb.load import LoadDocument, read_load_document
+from pdunit.engine.local import demo_clip
 
 
 def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> list[list[int]]:
@@ -49,3 +53,16 @@ def wait_empty(url: str, timeout: float = 20.0, what: str = "an empty unit") -> 
     """The unit's /v1/load once it reports empty: a stream's last frame reaches the client
     before D, P and the proxy have released it, so one read right after can still see it."""
     return wait_for(lambda: (lambda d: d if d.empty else None)(load(url)), timeout=timeout, what=what)
+
+
+def upload_demo_voice(url: str, token_file: str, name: str = "demo", seconds: float = 1.0) -> dict[str, Any]:
+    """Stores a demo voice (a synthetic clip at the codec's rate) in a speaking unit's store,
+    with the bearer token of its LB's --voices-token-file; returns /v1/model's `audio`
+    (sample_rate, samples_per_frame, ...)."""
+    audio: dict[str, Any] = httpx.get(f"{url}/v1/model", timeout=10).json()["audio"]
+    clip = base64.b64encode(demo_clip(audio["sample_rate"], seconds=seconds)).decode()
+    token = Path(token_file).read_text().strip()
+    resp = httpx.post(f"{url}/v1/voices", timeout=60, headers={"Authorization": f"Bearer {token}"}, json={
+        "name": name, "transcript": "a demo voice", "audio": clip, "audio_format": "pcm"})
+    assert resp.status_code == 201, resp.text
+    return audio

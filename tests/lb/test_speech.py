@@ -22,6 +22,7 @@ import pytest
 from pdunit.engine.audio.tiny_tokenizer import tiny_prompter
 from pdunit.engine.lb.speech import speech_rows
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.security import write_secret_file
 from tests.lb.conftest import RunningLB, wait_until
 from tests.lb.fakes import FakeUnit, pcm_of
 
@@ -54,9 +55,18 @@ def voices_dir(short_dir: str) -> str:
 
 
 @pytest.fixture
-def speech_lb(start_lb: Callable[..., RunningLB], fake_unit: FakeUnit, voices_dir: str) -> RunningLB:
+def speech_lb(start_lb: Callable[..., RunningLB], fake_unit: FakeUnit, voices_dir: str, short_dir: str) -> RunningLB:
     speech_unit(fake_unit)
-    return start_lb(model=MODEL, codec=CODEC, voices=voices_dir)
+    token_file = os.path.join(short_dir, "voices-token")
+    write_secret_file(token_file)
+    return start_lb(model=MODEL, codec=CODEC, voices=voices_dir, voices_token_file=token_file)
+
+
+def owner(lb: RunningLB) -> httpx.Client:
+    """A client of the store's owner: it holds the bearer token of --voices-token-file."""
+    token = lb.lb.speech.voices_token
+    assert token is not None
+    return lb.client(headers={"Authorization": f"Bearer {token.decode()}"})
 
 
 @pytest.fixture
@@ -68,7 +78,7 @@ def client(speech_lb: RunningLB) -> Iterator[openai.OpenAI]:
 def upload(lb: RunningLB, name: str = "anna", seconds: float = 1.5, **extra: Any) -> httpx.Response:
     body = {"name": name, "transcript": "hello there", "audio": base64.b64encode(wav_bytes(seconds)).decode(),
             **extra}
-    with lb.client() as c:
+    with owner(lb) as c:
         return c.post("/v1/voices", json=body)
 
 
@@ -191,7 +201,7 @@ def test_voices_upload_list_get_use_delete(speech_lb, client):
     assert voice["id"] == "anna" and voice["speaker"] == 1 and voice["frames"] == 50 and voice["seconds"] == 2.0
     # multipart, as a form upload with a file part
     files = {"audio": ("b.wav", wav_bytes(1.2), "audio/wav")}
-    with speech_lb.client() as c:
+    with owner(speech_lb) as c:
         resp = c.post("/v1/voices", data={"name": "bert", "transcript": "a clip"}, files=files)
         assert resp.status_code == 201, resp.text
         codes = np.random.default_rng(0).integers(0, 32, (4, 30)).tolist()
@@ -204,7 +214,7 @@ def test_voices_upload_list_get_use_delete(speech_lb, client):
         model=MODEL, voice="carl", input="go", response_format="pcm", extra_body={"max_frames": 3}
     ) as resp:
         assert len(resp.read()) == 2 * 3 * SPF
-    with speech_lb.client() as c:
+    with owner(speech_lb) as c:
         assert c.delete("/v1/voices/carl").json() == {"id": "carl", "object": "voice", "deleted": True}
         resp = c.get("/v1/voices/carl")
         assert resp.status_code == 404 and error_of(resp)["param"] == "voice"
@@ -257,7 +267,7 @@ def test_each_bad_upload_is_a_4xx_naming_the_field_and_leaves_nothing(speech_lb,
         body["codes"] = [[99] * 30] * 4  # outside the codec's 32 ids
     else:
         body["audio"] = audio
-    with speech_lb.client() as c:
+    with owner(speech_lb) as c:
         resp = c.post("/v1/voices", json=body)
     assert resp.status_code == status, resp.text
     assert error_of(resp)["param"] == param

@@ -1,6 +1,7 @@
 """A unit that speaks (spec.codec, spec.audio): the pod's LB and decode commands carry
 --model/--codec/--voices and the chunking flags, the LB and the decode engines get
-read-only copies of the mounts holding the checkpoint and a codec folder, every bad
+read-only copies of the mounts holding the checkpoint and a codec folder, the LB alone
+the voices token of spec.voices.tokenSecret (none: a read-only store), every bad
 value is refused naming its field (models and the CRD's CEL rules), and the codec is
 part of a set's template hash while a unit without one keeps its hash. No server."""
 
@@ -12,8 +13,9 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
+from pdunit.engine.unit_layout import VOICES_TOKEN_FILE
 from pdunit.operator import models as m
-from pdunit.operator.pod import desired_pod, unit_defaults
+from pdunit.operator.pod import SECRET_FILE_MODE, VOICES_TOKEN_KEY, desired_pod, unit_defaults
 from pdunit.operator.rollout import new_unit
 from pdunit.operator.spec_hash import spec_hashes, template_hashes
 from tests.operator.test_reconcile import a_set, a_unit, containers
@@ -186,3 +188,50 @@ def test_a_set_template_carries_the_codec_to_its_units() -> None:
     with pytest.raises(ValidationError) as exc:
         m.set_spec({**s["spec"], "template": {"spec": {**s["spec"]["template"]["spec"], "codec": "mimi"}}})
     assert "spec.template.spec.codec:" in m.validation_message(exc.value)
+
+
+def test_voice_writes_need_the_token_of_the_named_secret_mounted_into_the_lb_only() -> None:
+    pod = desired_pod(speaking_unit(voices={"volume": "voice-store", "tokenSecret": "tts-voices"}))
+    cs = containers(pod)
+    assert flag(cs["lb"]["command"], "--voices-token-file") == VOICES_TOKEN_FILE
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[VOICES_TOKEN_KEY]["secret"] == {
+        "secretName": "tts-voices", "items": [{"key": VOICES_TOKEN_KEY, "path": VOICES_TOKEN_KEY}],
+        "defaultMode": SECRET_FILE_MODE}  # the admin token's mode: the engine refuses a file others read
+    folder = VOICES_TOKEN_FILE.rsplit("/", 1)[0]
+    assert mounts(cs["lb"])[folder] == {"name": VOICES_TOKEN_KEY, "mountPath": folder, "readOnly": True}
+    for name, c in cs.items():
+        if name != "lb":
+            assert all(mt["name"] != VOICES_TOKEN_KEY for mt in c["volumeMounts"]), name
+            assert "--voices-token-file" not in c["command"], name
+    kubernetes_validate.validate(pod, "1.34.0", strict=True)
+
+
+def test_without_a_token_secret_the_voice_store_is_read_only_and_mounts_no_token() -> None:
+    pod = desired_pod(speaking_unit())
+    assert "--voices" in containers(pod)["lb"]["command"]
+    assert "--voices-token-file" not in containers(pod)["lb"]["command"]  # the LB refuses every write
+    assert VOICES_TOKEN_KEY not in {v["name"] for v in pod["spec"]["volumes"]}
+
+
+@pytest.mark.parametrize(("voices", "field", "words"), [
+    ({"volume": "voice-store", "tokenSecret": "tts-voices", "readOnly": True}, "spec.voices",
+     "voices.readOnly refuses them"),
+    ({"volume": "voice-store", "tokenSecret": "Not_A_Name"}, "spec.voices.tokenSecret", "pattern"),
+])
+def test_a_bad_token_secret_is_refused_naming_the_field(voices: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(ValidationError) as exc:
+        desired_pod(speaking_unit(voices=voices))
+    msg = m.validation_message(exc.value)
+    assert f"{field}:" in msg and words in msg, msg
+
+
+def test_the_crd_refuses_a_token_secret_on_a_read_only_store_with_cel() -> None:
+    from pdunit.operator.crdgen import unit_crd
+
+    schema = unit_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    voices = schema["properties"]["voices"]
+    (rule,) = voices["x-kubernetes-validations"]
+    assert rule["fieldPath"] == ".tokenSecret" and "self.readOnly" in rule["rule"]
+    assert "default" not in voices["properties"]["tokenSecret"]  # a unit without one keeps its hash
+    assert VOICES_TOKEN_KEY in m.OPERATOR_VOLUMES  # nobody names a volume of theirs as the token's

@@ -4,11 +4,11 @@ every port the pod declares serves Prometheus metrics; together they serve every
 metric the chart's dashboard and alert rules query (the dashboard's panels on D's steps, P's aborts,
 the KV checks and the transfer mode had nothing to scrape while only the LB's port was
 declared). The LB's admin port takes the drain only with the token of the unit's Secret.
-A unit with spec.codec speaks through the same commands (a voice stored, one WAV)."""
+A unit with spec.codec speaks through the same commands (a voice stored with the token of
+spec.voices.tokenSecret, refused without it, one WAV)."""
 
 from __future__ import annotations
 
-import base64
 import io
 import re
 import sys
@@ -18,14 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
-from pdunit.engine.local import LocalConfig, LocalUnit, demo_clip
+from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port, free_port_block
 from pdunit.engine.security import write_secret_file
-from pdunit.engine.unit_layout import ADMIN_TOKEN_FILE, RUN_DIR, UNIT_SECRET_FILE
+from pdunit.engine.unit_layout import ADMIN_TOKEN_FILE, RUN_DIR, UNIT_SECRET_FILE, VOICES_TOKEN_FILE
 from pdunit.operator.chart_files import metric_names, queries
 from pdunit.operator.models import VOICES_MOUNT_PATH
 from pdunit.operator.pod import desired_pod
-from tests.engine.unit_client import random_prompt, stream
+from tests.engine.unit_client import random_prompt, stream, upload_demo_voice
 
 # Started in the order `pdunit local` uses (the proxy listening before P and D register
 # with it); container name -> LocalUnit child name.
@@ -46,13 +46,20 @@ class PodProcesses(LocalUnit):
     def pod_admin_token_file(self) -> str:
         return str(self.run_dir / "pod-admin.token")
 
+    @property
+    def pod_voices_token_file(self) -> str:
+        """What the kubelet mounts from spec.voices.tokenSecret."""
+        return str(self.run_dir / "pod-voices.token")
+
     def start(self) -> LocalUnit:
         write_secret_file(self.pod_admin_token_file)  # the unit secret is LocalUnit's own
+        write_secret_file(self.pod_voices_token_file)
         return super().start()
 
     def secret_files(self) -> dict[str, str]:
         """The pod's secret file paths -> this unit's files."""
-        return {UNIT_SECRET_FILE: self.unit_secret_file, ADMIN_TOKEN_FILE: self.pod_admin_token_file}
+        return {UNIT_SECRET_FILE: self.unit_secret_file, ADMIN_TOKEN_FILE: self.pod_admin_token_file,
+                VOICES_TOKEN_FILE: self.pod_voices_token_file}
 
     def commands(self) -> list[tuple[str, list[str]]]:
         by_name = {c["name"]: c for c in self.pod["spec"]["initContainers"] + self.pod["spec"]["containers"]}
@@ -139,9 +146,9 @@ def test_every_declared_port_of_a_unit_pod_serves_what_the_dashboard_and_alerts_
 @pytest.mark.timeout(300)
 def test_a_speaking_unit_pod_serves_speech_through_its_own_commands():
     """spec.codec and spec.voices as the operator passes them (--codec to D, --model,
-    --codec and --voices to the LB, spec.audio's chunking to D): a voice uploaded into the
-    pod's voice store, one POST /v1/audio/speech answered with a WAV of frames x the
-    codec's samples per frame."""
+    --codec, --voices and --voices-token-file to the LB, spec.audio's chunking to D): a
+    voice refused without the token, then uploaded with it into the pod's voice store, one
+    POST /v1/audio/speech answered with a WAV of frames x the codec's samples per frame."""
     lb_port = free_port()
     unit = {
         "metadata": {"name": "speaking-unit", "namespace": "t", "uid": "u"},
@@ -149,18 +156,17 @@ def test_a_speaking_unit_pod_serves_speech_through_its_own_commands():
             "image": "pdunit:cpu", "model": "random:csm-tiny:0", "codec": "random:mimi-tiny:0",
             "audio": {"firstChunkFrames": 2, "chunkFrames": 3}, "device": "cpu", "transfer": "host",
             "lbPort": lb_port, "adminPort": free_port(), "metricsPort": 0,
-            "volumes": [{"name": "voice-store", "emptyDir": {}}], "voices": {"volume": "voice-store"},
+            "volumes": [{"name": "voice-store", "emptyDir": {}}],
+            "voices": {"volume": "voice-store", "tokenSecret": "speaking-voices"},
             "extraArgs": {"prefill": ["--cache-tokens", "4096"], "decode": ["--pool-tokens", "4096"]},
         },
     }
     pod = desired_pod(unit)
     with PodProcesses(pod, lb_port) as procs:
-        audio = httpx.get(f"{procs.url}/v1/model", timeout=10).json()["audio"]
+        anonymous = httpx.delete(f"{procs.url}/v1/voices/demo", timeout=10)
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["param"] == "Authorization"
+        audio = upload_demo_voice(procs.url, procs.pod_voices_token_file)
         rate, spf = audio["sample_rate"], audio["samples_per_frame"]
-        clip = base64.b64encode(demo_clip(rate, seconds=1.0)).decode()
-        resp = httpx.post(f"{procs.url}/v1/voices", timeout=60, json={
-            "name": "demo", "transcript": "a demo voice", "audio": clip, "audio_format": "pcm"})
-        assert resp.status_code == 201, resp.text
         assert (procs.run_dir / "voices").is_dir()  # the store is the pod's voice volume
         speech = httpx.post(f"{procs.url}/v1/audio/speech", timeout=120, json={
             "model": "random:csm-tiny:0", "voice": "demo", "input": "Hello there.", "response_format": "wav",

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from pdunit.engine.unit_layout import VOICES_TOKEN_FILE
 from tests.operator.envtest import ControlPlane, Kubelet, wait_for
 from tests.operator.test_integration import get_pod, get_unit, unit
 
@@ -134,7 +135,7 @@ def test_a_speaking_unit_gets_a_pod_whose_lb_reads_the_checkpoint_from_the_engin
                  {"name": "voice-store", "emptyDir": {}}],
         volumeMounts={"prefill": [{"name": "weights", "mountPath": "/models", "readOnly": True}],
                       "decode": [{"name": "weights", "mountPath": "/models", "readOnly": True}]},
-        voices={"volume": "voice-store"},
+        voices={"volume": "voice-store", "tokenSecret": "speaking-voices"},
     ))
     pod = wait_for(lambda: get_pod(api, ns, "speaking"), 30, "pod speaking",
                    describe=lambda: (get_unit(api, ns, "speaking") or {}).get("status"))
@@ -142,6 +143,18 @@ def test_a_speaking_unit_gets_a_pod_whose_lb_reads_the_checkpoint_from_the_engin
     lb = cs["lb"]["command"]
     assert lb[lb.index("--model") + 1] == "/models/csm-1b" and lb[lb.index("--codec") + 1] == "checkpoint"
     assert "--voices" in lb
+    # voice writes need the token of the named Secret, mounted as the admin token is, in the LB only
+    assert lb[lb.index("--voices-token-file") + 1] == VOICES_TOKEN_FILE
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "voices-token"]
+    assert volume["secret"] == {"secretName": "speaking-voices", "defaultMode": 0o440,
+                                "items": [{"key": "voices-token", "path": "voices-token"}]}
+    assert [mt["name"] for c in cs.values() for mt in c["volumeMounts"] if mt["name"] == "voices-token"] == [
+        "voices-token"]
+    refused = control_plane.kubectl("apply", "-n", ns, "-f", "-", check=False, input=unit(
+        "read-only-writes", model="random:csm-tiny:0", codec="random:mimi-tiny:0",
+        volumes=[{"name": "voice-store", "emptyDir": {}}],
+        voices={"volume": "voice-store", "tokenSecret": "speaking-voices", "readOnly": True}))
+    assert refused.returncode != 0 and "spec.voices.tokenSecret:" in refused.stderr, refused.stderr
     assert {"name": "weights", "mountPath": "/models", "readOnly": True} in [
         {k: mt[k] for k in ("name", "mountPath", "readOnly") if k in mt} for mt in cs["lb"]["volumeMounts"]]
     decode = cs["decode"]["command"]
