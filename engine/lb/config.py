@@ -10,9 +10,10 @@ import socket
 from pydantic import Field, field_validator, model_validator
 
 from pdunit.engine.edge import EdgeLimits, is_loopback
+from pdunit.engine.tracing import TracingFields
 
 
-class LBConfig(EdgeLimits):
+class LBConfig(EdgeLimits, TracingFields):
     """pdunit lb: the HTTP streaming API of one unit (docs/api.md)."""
 
     host: str = Field(
