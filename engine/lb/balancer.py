@@ -548,8 +548,8 @@ class LoadBalancer:
             audio=audio,
         )
         remaining = max(0.001, (deadline_ns - now_ns()) / 1e9)
-        metadata = stream.span.metadata() if stream.span is not None else None
-        submit = asyncio.ensure_future(self.unit.prefill.Submit(req, timeout=remaining, metadata=metadata))
+        traced = {"metadata": stream.span.metadata()} if stream.span is not None else {}  # engine/tracing.py
+        submit = asyncio.ensure_future(self.unit.prefill.Submit(req, timeout=remaining, **traced))
         first_event = asyncio.ensure_future(stream.queue.get())
         try:
             # D may fail the transfer (and say so on the frames stream) while P is stopped

@@ -299,11 +299,12 @@ class DecodeLinks(Sequence[DecodeLink]):
 
     def _reserve_on(self, link: DecodeLink, job: PrefillJob, rows: int, deadline: int) -> pb.ReserveReply:
         assert link.stub is not None
+        traced = {"metadata": job.span.metadata()} if job.span is not None else {}  # engine/tracing.py
         for attempt in range(2):
             reply = link.stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
                 deadline_unix_ms=deadline, identity=self.identity(link, deadline), audio=job.audio),
-                timeout=5.0, metadata=job.span.metadata() if job.span is not None else None)
+                timeout=5.0, **traced)
             if reply.status != pb.STALE_INSTANCE or attempt:
                 return reply
             log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id,
