@@ -4,7 +4,8 @@ Owns the run (fault_unit's unit and traffic, fault_scenarios' faults until `--tr
 and `--faults` are reached), its verdict (`evaluate`: errors within their bound, held
 pages back to 0, KV mismatches == corruptions, the frames canary; `judge_stalls`: no
 kind of fault slowed the streams it did not touch, against the run's own baseline) and
-the report and result files. tests/faults/ runs it with bounded counts; standalone:
+the report and result files. tests/faults/ runs it with bounded counts, one prompt bank
+per module and one host unit for several runs (`run_on`); standalone:
 `python -m pdunit.bench.faults --transfers 20000 --faults 500`. Never reports a run with
 a violation as passing: every breach is listed, with its numbers.
 """
@@ -30,7 +31,14 @@ from pdunit.engine.proto import pdunit_pb2 as pb
 log = logging.getLogger("pdunit.bench.faults")
 
 
-def run(cfg: FaultsConfig, run_dir: str | None = None) -> dict[str, Any]:
+# The fields that shape the unit (and the scenario's waits): a run on a started unit
+# must use the unit's values.
+UNIT_FIELDS = ("transfer", "device", "isolate", "model", "pool_tokens", "transfer_deadline_ms",
+               "request_deadline_ms", "chunk_tokens", "chunk_delay_ms")
+
+
+def fault_kinds(cfg: FaultsConfig) -> list[str]:
+    """cfg.kinds as a list, checked against the transport and the device."""
     kinds = [k.strip() for k in cfg.kinds.split(",") if k.strip()]
     unknown = set(kinds) - set(KINDS)
     if unknown:
@@ -42,8 +50,16 @@ def run(cfg: FaultsConfig, run_dir: str | None = None) -> dict[str, Any]:
     if cfg.isolate and cfg.device != "cuda":
         raise ValueError(f"device: --isolate needs --device cuda (each engine sees its own GPU as device 0), "
                          f"got {cfg.device!r}")
+    return kinds
+
+
+def run(cfg: FaultsConfig, run_dir: str | None = None, bank: list[Prompt] | None = None) -> dict[str, Any]:
+    """One run on a unit of its own, started and stopped here. `bank`: prompts whose
+    reference is already computed (tests share one per module; default: cfg's bank)."""
+    kinds = fault_kinds(cfg)
     t_bank = time.monotonic()
-    bank = build_bank(cfg)
+    if bank is None:
+        bank = build_bank(cfg)
     bank_s = time.monotonic() - t_bank
     relay = None
     unit_holder: dict[str, Unit] = {}
@@ -65,6 +81,24 @@ def run(cfg: FaultsConfig, run_dir: str | None = None) -> dict[str, Any]:
             relay.close()
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     report["reference_s"] = round(bank_s, 1)
+    return report
+
+
+def run_on(unit: Unit, cfg: FaultsConfig, bank: list[Prompt]) -> dict[str, Any]:
+    """One run on a unit already started and idle (tests run several on one unit); left
+    idle again. cfg's unit fields must be the unit's; not for --transfer tcp (its stall
+    relay is started with the unit, by `run`)."""
+    kinds = fault_kinds(cfg)
+    differ = [f"{k} {getattr(cfg, k)!r} (the unit's: {getattr(unit.cfg, k)!r})"
+              for k in UNIT_FIELDS if getattr(cfg, k) != getattr(unit.cfg, k)]
+    if differ:
+        raise ValueError(f"run_on: the run's config differs from its unit's in {', '.join(differ)}")
+    if cfg.transfer == "tcp":
+        raise ValueError("run_on: --transfer tcp needs the stall relay that run() starts with its unit")
+    t_start = time.monotonic()
+    report = _drive(cfg, unit, bank, kinds, None)
+    report["wall_s"] = round(time.monotonic() - t_start, 1)
+    report["reference_s"] = 0.0
     return report
 
 
