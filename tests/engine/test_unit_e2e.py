@@ -18,6 +18,7 @@ from pdunit.engine.local import LocalConfig, LocalUnit
 from tests.engine.unit_client import load, random_prompt, stream, wait_empty, wait_for
 
 SMALL = dict(pool_tokens=16384, cache_tokens=16384, lb_port=0, guard=False, log_level="warning")
+FP8_KV = dict(SMALL, kv_cache_dtype="fp8_e4m3")  # every engine's pool fp8
 
 REQUESTS = [
     (random_prompt(120, seed=1), dict(max_frames=24, min_frames=24)),
@@ -38,6 +39,12 @@ def pd_unit():
 @pytest.fixture(scope="module")
 def monolith_unit():
     with LocalUnit(LocalConfig(mode="monolith", **SMALL)) as unit:
+        yield unit
+
+
+@pytest.fixture(scope="module")
+def fp8_monolith_unit():
+    with LocalUnit(LocalConfig(mode="monolith", **FP8_KV)) as unit:
         yield unit
 
 
@@ -213,12 +220,17 @@ def test_pdunit_local_stopped_while_starting_or_loading_leaves_no_process_behind
             proc.kill()
 
 
-@pytest.mark.parametrize("transfer", ["proxy", "tcp"])
-def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, monolith_unit):
-    with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **SMALL)) as unit:
+@pytest.mark.parametrize("transfer, pool", [("proxy", "full"), ("tcp", "full"), ("proxy", "fp8"), ("tcp", "fp8")])
+def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, pool, request):
+    """Each transport carries P's rows to D as they are: full precision, and fp8 rows
+    (--kv-cache-dtype fp8_e4m3 on P, D and the monolith), checksummed, frame for frame
+    the monolith's with the same pool."""
+    mono = request.getfixturevalue("monolith_unit" if pool == "full" else "fp8_monolith_unit")
+    unit_cfg = SMALL if pool == "full" else FP8_KV
+    with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **unit_cfg)) as unit:
         got = [stream(unit.url, p, **params) for p, params in REQUESTS[:2]]
         info = wait_empty(unit.url)
-    want = [stream(monolith_unit.url, p, **params) for p, params in REQUESTS[:2]]
+    want = [stream(mono.url, p, **params) for p, params in REQUESTS[:2]]
     for (frames, last), (mono_frames, _) in zip(got, want, strict=True):
         assert last.get("done"), last
         assert frames == mono_frames
@@ -241,28 +253,21 @@ def test_fp8_prefill_gemms_reach_p_and_the_monolith_and_keep_pd_equal_to_it(pd_u
     assert [f for f, _ in got] != [f for f, _ in bf16]
 
 
-def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit):
+def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit, fp8_monolith_unit):
     """--kv-cache-dtype fp8_e4m3 on every engine: P writes fp8 rows, they cross to D
-    (host, tcp and proxy transports, checksummed), D decodes from them, and the frames equal
-    both monoliths' (their pools fp8 too: prefill-first, and chunked, which reads its
-    earlier chunks back from the pool), and differ from the full-precision pool's."""
-    fp8 = dict(SMALL, kv_cache_dtype="fp8_e4m3")
-    with LocalUnit(LocalConfig(mode="pd", **fp8)) as pd8, \
-            LocalUnit(LocalConfig(mode="monolith", **fp8)) as mono8, \
-            LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **fp8)) as chunk8:
-        got, want, chunked = run_all(pd8.url), run_all(mono8.url), run_all(chunk8.url)
+    (host transport, checksummed; tcp and proxy: the transports test above), D decodes
+    from them, and the frames equal both monoliths' (their pools fp8 too: prefill-first,
+    and chunked, which reads its earlier chunks back from the pool), and differ from the
+    full-precision pool's."""
+    with LocalUnit(LocalConfig(mode="pd", **FP8_KV)) as pd8, \
+            LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **FP8_KV)) as chunk8:
+        got, chunked = run_all(pd8.url), run_all(chunk8.url)
         info = load(pd8.url)
-    others = {}
-    for transfer in ("tcp", "proxy"):
-        with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **fp8)) as unit:
-            others[transfer] = [stream(unit.url, p, **params) for p, params in REQUESTS[:2]]
-            assert load(unit.url).kv_mismatch_total == 0
+    want = run_all(fp8_monolith_unit.url)
     full = run_all(pd_unit.url)
     for (frames, last), (mono_frames, mono_last), (chunk_frames, _) in zip(got, want, chunked, strict=True):
         assert last.get("done") and mono_last.get("done"), (last, mono_last)
         assert frames == mono_frames == chunk_frames
-    for transfer, frames in others.items():
-        assert [f for f, _ in frames] == [f for f, _ in got[:2]], transfer
     assert info.kv_checks_total == len(REQUESTS) and info.kv_mismatch_total == 0
     assert [f for f, _ in got] != [f for f, _ in full]
 
