@@ -74,13 +74,17 @@ def test_ratios_are_none_when_a_variant_has_no_capacity():
 
 
 def test_compare_runs_every_variant_in_one_results_file(tmp_path):
+    """Both variants, one after the other in this process, at one Poisson level with
+    clumps sent by two client processes (the closed-loop levels run in the parallel
+    test's children, and in tests/bench/test_capacity.py)."""
     out = tmp_path / "capacity.json"
-    doc = run_compare(CompareConfig(variants="1p1d,monolith-prefill-first", concurrency="1", duration=2,
-                                    prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
-                                    ramp=0, out=str(out)), command="test")
+    doc = run_compare(CompareConfig(variants="1p1d,monolith-prefill-first", rate="3", burst_share=0.5, burst_size=3,
+                                    duration=3, prompt_rows="50-100", frames="21-42", pool_tokens=8192,
+                                    cache_tokens=8192, ramp=0, client_procs=2, out=str(out)), command="test")
     modes = {r["mode"] for r in doc["rows"]}
     assert modes == {"1p1d", "monolith-prefill-first"}
-    assert {r["gpus"] for r in doc["rows"] if r["mode"] == "1p1d"} == {2}
+    gpus = {r["mode"]: r["gpus"] for r in doc["rows"]}
+    assert gpus == {"1p1d": 2, "monolith-prefill-first": 1}
     saved = json.loads(out.read_text())
     assert set(saved["summary"]["capacity_per_gpu"]) == modes
     assert set(saved["summary"]["capacity_bounds_per_gpu"]) == modes
@@ -88,7 +92,24 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     passed = {m for m in modes if saved["summary"]["capacity_per_gpu"][m] is not None}
     assert saved["summary"]["capacity_lower_bound_only"] == {m: m in passed for m in modes}
     assert all(r["errors"] == 0 for r in saved["rows"])
-    # every level carries its waterfall, and the stages account for the client's time
+    assert doc["summary"]["levels"] == "rate"
+    # 3-s levels of 42-frame streams: 3 lifetimes at 42 frames/s would be 3 s, so not short
+    assert doc["summary"]["levels_too_short"] == {m: False for m in modes} and doc["summary"]["steady_state_s"] == 3.0
+    for row in doc["rows"]:
+        assert row["rate"] == 3.0 and row["concurrency"] is None and row["ok"] > 0, row
+        assert row["client_lag_p99_ms"] is not None  # sent by two client processes, their lags merged
+        # listeners = rate x mean audio seconds of the streams that ran (21-42 frames at 21 frames/s)
+        mean_frames = row["frames_total"] / row["ok"]
+        assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1), row
+        if row["passed"]:
+            assert doc["summary"]["capacity_per_gpu"][row["mode"]] == 3.0 / row["gpus"]
+            assert doc["summary"]["realtime_streams_per_gpu"][row["mode"]] == round(
+                row["realtime_streams"] / row["gpus"], 1)
+        # the slowest streams of the level, slowest first, the first being the row's minimum
+        slow = row["slowest_streams"]
+        assert 0 < len(slow) <= 5 and [s["rate"] for s in slow] == sorted(s["rate"] for s in slow)
+        assert slow[0]["rate"] == round(row["min_rate"], 1) and slow[0]["started_s"] >= 0
+    # every level carries its waterfall (found by arrival rate), and the stages account for the client's time
     for row in saved["rows"]:
         stages = {s["stage"] for s in row["waterfall"]}
         assert {"lb_validated", "lb_last_frame_out"} <= stages, stages
@@ -106,7 +127,7 @@ def test_compare_runs_every_variant_in_one_results_file(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "## Engines per level" in md and "## Capacity per GPU and ratios" in md
     assert "| 1P1D / prefill-first |" in md
-    assert "## Waterfalls" in md and "### 1p1d at concurrency 1" in md
+    assert "## Waterfalls" in md and "### 1p1d at rate 3" in md and "### monolith-prefill-first at rate 3" in md
 
 
 def test_each_variant_can_have_its_own_levels():
@@ -120,33 +141,11 @@ def test_each_variant_can_have_its_own_levels():
         levels_for(CompareConfig(variant_concurrency="1p1d"), "1p1d")
 
 
-def test_poisson_levels_per_variant_and_realtime_streams(tmp_path):
+def test_poisson_levels_per_variant():
     cfg = CompareConfig(rate="2", variant_rate="1p1d=3,4")
     assert levels_for(cfg, "1p1d") == [3.0, 4.0] and levels_for(cfg, "monolith-chunked-2048") == [2.0]
     with pytest.raises(ValueError, match="--variant-rate"):
         levels_for(CompareConfig(variant_rate="1p1d"), "1p1d")
-    out = tmp_path / "capacity.json"
-    doc = run_compare(CompareConfig(variants="1p1d", rate="3", burst_share=0.5, burst_size=3, duration=3,
-                                    prompt_rows="50-100", frames="21-42", pool_tokens=8192, cache_tokens=8192,
-                                    ramp=0, client_procs=2, out=str(out)), command="test")
-    row = doc["rows"][0]
-    assert row["rate"] == 3.0 and row["concurrency"] is None and row["ok"] > 0, row
-    assert row["client_lag_p99_ms"] is not None  # sent by two client processes, their lags merged
-    # listeners = rate x mean audio seconds of the streams that ran (21-42 frames at 21 frames/s)
-    mean_frames = row["frames_total"] / row["ok"]
-    assert row["realtime_streams"] == round(3.0 * mean_frames / 21.0, 1), row
-    assert doc["summary"]["levels"] == "rate"
-    # 3-s levels of 42-frame streams: 3 lifetimes at 42 frames/s would be 3 s, so not short
-    assert doc["summary"]["levels_too_short"] == {"1p1d": False} and doc["summary"]["steady_state_s"] == 3.0
-    if row["passed"]:
-        assert doc["summary"]["capacity_per_gpu"]["1p1d"] == 1.5
-        assert doc["summary"]["realtime_streams_per_gpu"]["1p1d"] == round(row["realtime_streams"] / 2, 1)
-    assert row["waterfall_check"].get("streams", 0) > 0, row["waterfall_check"]  # found by arrival rate
-    assert "### 1p1d at rate 3" in out.with_suffix(".md").read_text()
-    # the slowest streams of the level, slowest first, the first being the row's minimum
-    slow = row["slowest_streams"]
-    assert 0 < len(slow) <= 5 and [s["rate"] for s in slow] == sorted(s["rate"] for s in slow)
-    assert slow[0]["rate"] == round(row["min_rate"], 1) and slow[0]["started_s"] >= 0
 
 
 def test_repeated_levels_run_each_with_its_own_seed_and_all_must_pass(tmp_path, monkeypatch):
