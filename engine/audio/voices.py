@@ -1,10 +1,11 @@
 """The voice store: reference clips encoded to codec codes, kept on a directory for reuse.
 
-Owns the voice files (one safetensors file per voice: its codes, and as metadata its
-transcript, speaker, codec and digest), their validation and their life cycle. A write
-is atomic (temp file, fsync, link or rename): a failed upload leaves nothing behind.
-Uploads are parsed as data only (`wave`, safetensors), never executed or unpickled.
-Must never serve a voice encoded by another codec: such a file is refused at read.
+Owns the voice files (one safetensors file per voice: codes, transcript, speaker, codec,
+digest), their validation and their life cycle. Several LB processes may share the
+directory (a ReadWriteMany volume): a create is exclusive across them (link, else an
+O_EXCL placeholder), a replace is temp + fsync + rename, so no reader sees half a voice,
+and nothing is cached: every read is the directory's state now. Uploads are parsed as
+data only (`wave`, safetensors). Must never serve a voice encoded by another codec.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import re
 import struct
 import tempfile
+import time
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".voice"
 _TEMP_PREFIX = ".tmp-"  # a voice name never starts with "."
+# A temp file (or an empty placeholder, below) older than this was left by a crash: its
+# writer, in any process sharing the directory, finished within milliseconds.
+STALE_SECONDS = 600.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -72,8 +77,14 @@ class VoiceStore:
     def __init__(self, root: Path, codec: Codec, limits: VoiceLimits | None = None) -> None:
         self.root, self.codec, self.limits = root, codec, limits or VoiceLimits()
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(_TEMP_PREFIX + "*"):  # a write cut short by a crash
-            stale.unlink(missing_ok=True)
+        # Writes cut short by a crash. Only old ones: another LB sharing the directory may
+        # be writing its own temp file (or hold a placeholder) right now.
+        cutoff = time.time() - STALE_SECONDS
+        for stale in [*root.glob(_TEMP_PREFIX + "*"), *root.glob("*" + SUFFIX)]:
+            with contextlib.suppress(FileNotFoundError):
+                st = stale.stat()
+                if st.st_mtime < cutoff and (stale.name.startswith(_TEMP_PREFIX) or st.st_size == 0):
+                    stale.unlink(missing_ok=True)
 
     def _codec_id(self) -> dict[str, str]:
         c = self.codec
@@ -113,17 +124,19 @@ class VoiceStore:
         return voice
 
     def get(self, name: str) -> Voice:
-        path = self._path(name, field="voice")
-        if not path.is_file():
-            raise UnknownVoice(name)
-        return self._read(path, name)
+        """The voice as the directory holds it now (another process may have just written,
+        replaced or deleted it). Raises UnknownVoice when there is none."""
+        return self._read(self._path(name, field="voice"), name)
 
     def list(self) -> list[Voice]:
-        """Every readable voice, by name (an unreadable file is logged and skipped)."""
+        """Every readable voice, by name (an unreadable file is logged and skipped, one
+        deleted or still being created meanwhile is left out)."""
         voices = []
         for path in sorted(self.root.glob("*" + SUFFIX)):
             try:
                 voices.append(self._read(path, path.name[: -len(SUFFIX)]))
+            except UnknownVoice:
+                continue
             except FieldError as exc:
                 log.warning("voice store %s: %s", self.root, exc)
         return voices
@@ -202,16 +215,9 @@ class VoiceStore:
                 out.flush()
                 os.fsync(out.fileno())
             if exclusive:
-                try:
-                    os.link(tmp, path)  # fails if the name appeared meanwhile
-                except FileExistsError:
-                    raise VoiceExists(voice.name) from None
-                except OSError:  # a volume without hard links: checked, then renamed
-                    if path.exists():
-                        raise VoiceExists(voice.name) from None
-                    os.replace(tmp, path)
+                _create(tmp, path, voice.name)
             else:
-                os.replace(tmp, path)
+                os.replace(tmp, path)  # atomic: a reader opens the old file or the new one
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -223,12 +229,19 @@ class VoiceStore:
                 os.close(dir_fd)
 
     def _read(self, path: Path, name: str) -> Voice:
-        from safetensors import safe_open
+        from safetensors.numpy import load
 
         try:
-            with safe_open(str(path), framework="np") as f:
-                meta = f.metadata() or {}
-                codes = f.get_tensor("codes").astype(np.int64)
+            with open(path, "rb") as f:  # one open: one inode, whatever a rename does meanwhile
+                data = f.read()
+        except FileNotFoundError:
+            raise UnknownVoice(name) from None
+        if not data:  # another process's create, not complete yet (_create's placeholder)
+            raise UnknownVoice(name)
+        try:
+            (size,) = struct.unpack("<Q", data[:8])
+            meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+            codes = load(data)["codes"].astype(np.int64)
             voice = Voice(name, meta["transcript"], int(meta["speaker"]), codes, meta["digest"])
         except Exception as exc:  # any parse failure of a stored file: data, never code
             raise FieldError(
@@ -240,6 +253,25 @@ class VoiceStore:
                 "voice", f"voice {name!r} was encoded for another codec ({json.dumps(codec)}); upload it again"
             )
         return voice
+
+
+def _create(tmp: str, path: Path, name: str) -> None:
+    """Give the written file `tmp` the name `path` only if no process holds that name:
+    a hard link fails when the name exists (atomic on local disks, NFS, CephFS). A volume
+    without hard links gets an O_EXCL placeholder (empty: readers take it for absent),
+    which the rename then replaces. Raises VoiceExists when another create won."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise VoiceExists(name) from None
+    except OSError:
+        pass  # EPERM / ENOTSUP / EOPNOTSUPP: no hard links on this volume
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        raise VoiceExists(name) from None
+    os.replace(tmp, path)
 
 
 def _digest(codes: np.ndarray, transcript: str, speaker: int) -> str:

@@ -1,8 +1,9 @@
-"""The router's HTTP surface (FastAPI): the proxied stream, its table, health, metrics.
+"""The router's HTTP surface (FastAPI): the proxied stream, voices, table, health, metrics.
 
 Owns the endpoints and the life cycle of the background work (discovery, /v1/load
-polling) and of the HTTP clients. Routing lives in table.py, forwarding in proxy.py;
-this module only wires them. It never serves audio itself, and never shows the table
+polling) and of the HTTP clients. Routing lives in table.py, forwarding in proxy.py
+(streams) and voices.py (/v1/voices); this module only wires them. It never serves audio
+itself, and never shows the table
 (/v1/units: unit URLs, errors, sessions) to a caller without the --admin-token-file
 token, or, with no token configured, to anyone but a loopback peer.
 """
@@ -15,6 +16,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -27,6 +29,7 @@ from pdunit.engine.edge import bearer_matches, is_loopback
 from pdunit.engine.router.config import RouterConfig
 from pdunit.engine.router.proxy import SPEECH_PATH, Forwarder, ForwardPolicy, RouterMetrics
 from pdunit.engine.router.table import LoadPoller, RoutingTable
+from pdunit.engine.router.voices import VOICES_PATH, VoiceForwarder, VoiceMetrics
 from pdunit.engine.security import security_event
 from pdunit.engine.tracing import Tracing
 
@@ -82,9 +85,11 @@ class TableCollector(Collector):
 class RouterState:
     """What the endpoints share; built in the lifespan."""
 
-    def __init__(self, table: RoutingTable, forwarder: Forwarder, registry: CollectorRegistry):
+    def __init__(self, table: RoutingTable, forwarder: Forwarder, voices: VoiceForwarder,
+                 registry: CollectorRegistry):
         self.table = table
         self.forwarder = forwarder
+        self.voices = voices
         self.registry = registry
         self.shutting_down = False
         self.failed = ""  # set when background work crashed: the router is then unhealthy
@@ -102,6 +107,7 @@ def create_app(
     log = logger or logging.getLogger("pdunit.router")
     registry = registry if registry is not None else CollectorRegistry()
     metrics = RouterMetrics(registry)
+    voice_metrics = VoiceMetrics(registry)
     table = RoutingTable(
         load_bound_factor=config.load_bound_factor,
         vnodes=config.vnodes,
@@ -137,7 +143,8 @@ def create_app(
             trusted_proxies=tuple(ipaddress.ip_network(n) for n in config.trusted_proxies),
         )
         tracing = Tracing("router", config.otlp_endpoint)
-        state = RouterState(table, Forwarder(table, stream_client, metrics, policy, log, tracing), registry)
+        forwarder = Forwarder(table, stream_client, metrics, policy, log, tracing)
+        state = RouterState(table, forwarder, VoiceForwarder(forwarder, voice_metrics), registry)
         app.state.router = state
         poller = LoadPoller(
             table,
@@ -174,6 +181,17 @@ def create_app(
     @app.post(SPEECH_PATH)
     async def speech(request: Request) -> Response:
         return await _state(request).forwarder.forward(request, SPEECH_PATH)
+
+    # The set's shared voice store, through any unit (voices.py); the only routes that
+    # pass the client's Authorization header on (the LB checks the voices token).
+    @app.api_route(VOICES_PATH, methods=["GET", "POST"])
+    async def voices(request: Request) -> Response:
+        return await _state(request).voices.forward(request, VOICES_PATH)
+
+    @app.api_route(VOICES_PATH + "/{name}", methods=["GET", "DELETE"])
+    async def voice(name: str, request: Request) -> Response:
+        # quoted again: a name's %2F never becomes a path separator towards the unit
+        return await _state(request).voices.forward(request, f"{VOICES_PATH}/{quote(name, safe='')}")
 
     @app.get("/v1/units", response_model=None)
     async def units(request: Request) -> dict[str, Any] | JSONResponse:

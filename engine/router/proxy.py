@@ -37,7 +37,8 @@ from pdunit.engine.tracing import TRACE_HEADERS, Span, Tracing
 
 # The header policy: hop-by-hop headers (RFC 9110 7.6.1: those Connection names,
 # Keep-Alive, TE, Trailer, Transfer-Encoding, Upgrade, Proxy-*) and credentials
-# (Authorization, Cookie) never cross the router in either direction, nor Set-Cookie or
+# (Authorization, Cookie) never cross the router in either direction (but Authorization
+# towards a unit on the voice routes, voices.py: the voice store's token), nor Set-Cookie or
 # the unit's internal X-Pdunit-* headers towards the client; a client's X-Forwarded-For
 # / Forwarded are kept only from --trusted-proxies. The body is read up to
 # --max-body-bytes and refused (413, connection closed) the moment it passes it.
@@ -161,11 +162,13 @@ def _hop_by_hop(headers: list[tuple[str, str]]) -> set[str]:
 
 
 def to_unit(
-    headers: list[tuple[str, str]], peer: str | None, policy: ForwardPolicy, request_id: str
+    headers: list[tuple[str, str]], peer: str | None, policy: ForwardPolicy, request_id: str,
+    credentials: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str]]:
-    """The request headers a unit gets: no hop-by-hop, no credentials, forwarded headers
-    only from a trusted proxy, and X-Forwarded-For ending with the TCP peer."""
-    drop = _hop_by_hop(headers) | CREDENTIALS | SET_BY_ROUTER
+    """The request headers a unit gets: no hop-by-hop, no credentials (but those named in
+    `credentials`: the voice routes pass Authorization), forwarded headers only from a
+    trusted proxy, and X-Forwarded-For ending with the TCP peer."""
+    drop = _hop_by_hop(headers) | (CREDENTIALS - credentials) | SET_BY_ROUTER
     trusted = policy.trusts(peer)
     if not trusted:
         drop |= FORWARDED
@@ -228,6 +231,16 @@ def error_response(
     )
 
 
+def checked_request_id(request: Request) -> str | Response:
+    """The client's X-Request-Id (the LB's rule), a new one when it gave none, or the 400."""
+    given = request.headers.get("x-request-id")
+    problem = request_id_problem(given) if given is not None else None
+    if problem:
+        security_event("bad_request_id", length=len(given or ""))
+        return error_response(400, "bad_header", problem, field="X-Request-Id")
+    return given or uuid.uuid4().hex
+
+
 def _unit_error_message(body: bytes) -> str:
     try:
         doc = json.loads(body)
@@ -264,7 +277,7 @@ class Forwarder:
         self.log = logger
         self.tracing = tracing or Tracing("router", "")
 
-    async def _read_body(self, request: Request) -> bytes | Response:
+    async def read_body(self, request: Request) -> bytes | Response:
         """The whole body, or a 413 past --max-body-bytes (nothing is forwarded; the
         connection closes after a bounded rest is read, engine/http_body.py)."""
         limit = self.policy.max_body_bytes
@@ -288,14 +301,12 @@ class Forwarder:
     async def forward(self, request: Request, path: str = STREAM_PATH) -> Response:
         """One request to `path` on a unit: /v1/tts/stream, or /v1/audio/speech whose
         body's voice is the affinity key when no session header is given."""
-        given = request.headers.get("x-request-id")
-        problem = request_id_problem(given) if given is not None else None
-        if problem:
-            security_event("bad_request_id", length=len(given or ""))
+        request_id = checked_request_id(request)
+        if isinstance(request_id, Response):
             self.metrics.requests.labels(unit="", outcome="client_error").inc()
-            return error_response(400, "bad_header", problem, field="X-Request-Id")
+            return request_id
         ctx = _Request(
-            request_id=given or uuid.uuid4().hex,
+            request_id=request_id,
             session=request.headers.get(self.policy.session_header) or None,
             started=time.perf_counter(),
         )
@@ -318,7 +329,7 @@ class Forwarder:
 
     async def _forward(self, request: Request, path: str, ctx: _Request) -> Response:
         try:
-            body = await self._read_body(request)
+            body = await self.read_body(request)
         except ClientDisconnect:
             # gone before its body arrived (or cut by --body-timeout-s, already answered)
             self.metrics.requests.labels(unit="", outcome="client_disconnected").inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import time
 import wave
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from pdunit.engine.audio.errors import FieldError, UnknownVoice
 from pdunit.engine.audio.mimi_stream import MimiCodec
 from pdunit.engine.audio.pcm import float_to_pcm16, pcm16_to_float, wav_header
-from pdunit.engine.audio.voices import VoiceLimits, VoiceStore
+from pdunit.engine.audio.voices import STALE_SECONDS, VoiceLimits, VoiceStore
 from tests.audio.tiny import tiny_mimi
 
 RATE = 800  # the tiny codec's sample rate
@@ -140,9 +141,25 @@ def test_a_write_that_fails_midway_leaves_nothing_behind(
 
 
 def test_a_temp_file_left_by_a_crash_is_removed_on_open(store: VoiceStore, codec: MimiCodec) -> None:
-    (store.root / ".tmp-abc123").write_bytes(b"half a voice")
+    old = time.time() - STALE_SECONDS - 1
+    for name, data in ((".tmp-abc123", b"half a voice"), ("placeholder.voice", b"")):
+        (store.root / name).write_bytes(data)
+        os.utime(store.root / name, (old, old))
     VoiceStore(store.root, codec, LIMITS)
     assert files(store) == []
+
+
+def test_an_lb_starting_on_a_shared_directory_leaves_another_lbs_write_in_progress(
+    store: VoiceStore, codec: MimiCodec
+) -> None:
+    """Another LB's temp file and create placeholder are young: a starting LB keeps them."""
+    (store.root / ".tmp-other").write_bytes(b"being written")
+    (store.root / "creating.voice").write_bytes(b"")
+    VoiceStore(store.root, codec, LIMITS)
+    assert files(store) == [".tmp-other", "creating.voice"]
+    with pytest.raises(UnknownVoice):
+        store.get("creating")  # a placeholder is no voice yet
+    assert store.list() == []
 
 
 def test_a_stored_file_is_parsed_as_data_never_unpickled(store: VoiceStore, tmp_path: Path) -> None:
