@@ -202,7 +202,7 @@ VOICES_MOUNT_PATH = "/var/lib/pdunit/voices"
 # gets from the mounts under this folder (`all`: every GPU of the node).
 NVIDIA_DEVICES_DIR = "/var/run/nvidia-container-devices"
 OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token", "voices-token",
-                                     "nvidia-all-gpus")
+                                     "nvidia-all-gpus", "pdunit-voices")
 OPERATOR_MOUNT_PATHS: tuple[str, ...] = (RUN_DIR, "/tmp", "/dev/shm", SECRETS_DIR, VOICES_MOUNT_PATH,
                                          NVIDIA_DEVICES_DIR)
 # Labels the router, the scaler and the chart select unit pods on.
@@ -332,17 +332,29 @@ class PodMetadata(_Api):
 
 _VOICES_READ_ONLY_MESSAGE = ("voices.tokenSecret allows voice writes, voices.readOnly refuses them: "
                              "remove one")
+_VOICES_SOURCE_MESSAGE = "voices needs exactly one of volume (a volume of spec.volumes) and claimName"
+# The pod volume the operator makes of spec.voices.claimName (reserved: OPERATOR_VOLUMES).
+VOICES_CLAIM_VOLUME = "pdunit-voices"
 
 
 class VoiceStore(_Api):
     """The voice store's volume, mounted into the LB at VOICES_MOUNT_PATH, and the Secret its writes need."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "!has(self.tokenSecret) || !has(self.readOnly) || !self.readOnly",
-        "message": _VOICES_READ_ONLY_MESSAGE, "fieldPath": ".tokenSecret"}]})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.tokenSecret) || !has(self.readOnly) || !self.readOnly",
+         "message": _VOICES_READ_ONLY_MESSAGE, "fieldPath": ".tokenSecret"},
+        {"rule": "has(self.volume) != has(self.claimName)", "message": _VOICES_SOURCE_MESSAGE},
+    ]})
 
-    volume: str = Field(min_length=1, max_length=63, pattern=_DNS_LABEL,
-                        description="A volume of spec.volumes holding the voice store's directory.")
+    volume: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=_DNS_LABEL,
+        description="A volume of spec.volumes holding the voice store's directory (or claimName).")
+    claim_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="A PersistentVolumeClaim of the unit's namespace holding the voice store (or volume): the "
+        f"operator adds it as the pod volume {VOICES_CLAIM_VOLUME} and mounts it into the LB. Make it "
+        "ReadWriteMany: every unit of a set mounts the same claim, so a voice stored through any unit (or the "
+        "router) is every unit's at once.")
     sub_path: str | None = Field(default=None, max_length=4096, description="Folder inside that volume.")
     read_only: bool | None = Field(default=None, description="Mount read-only (voices are then never added).")
     token_secret: str | None = Field(
@@ -357,7 +369,38 @@ class VoiceStore(_Api):
     def _writes_need_a_writable_store(self) -> VoiceStore:
         if self.token_secret and self.read_only:
             raise ValueError(_VOICES_READ_ONLY_MESSAGE)
+        if (self.volume is None) == (self.claim_name is None):
+            raise ValueError(_VOICES_SOURCE_MESSAGE)
         return self
+
+
+# spec.tracing.otlpEndpoint: engine/tracing.py's --otlp-endpoint (OTLP/gRPC), host:port or
+# http(s)://host:port (a host name, an IPv4 address or an [IPv6] one).
+OTLP_ENDPOINT_PATTERN = (r"^(https?://)?([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+                         r":[0-9]{1,5}$")
+_OTLP_MESSAGE = "otlpEndpoint must be host:port or http(s)://host:port (an OTLP/gRPC collector)"
+
+
+def _otlp_endpoint(value: str) -> str:
+    if not re.match(OTLP_ENDPOINT_PATTERN, value) or not 0 < int(value.rsplit(":", 1)[1]) <= 65535:
+        raise ValueError(f"{_OTLP_MESSAGE}: got {value[:100]!r}")
+    return value
+
+
+class TracingSettings(_Api):
+    """OpenTelemetry traces of the unit's processes (docs/tracing.md)."""
+
+    otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = Field(
+        max_length=512,
+        description="The OTLP/gRPC collector every process of the unit (lb, prefill, each decode) sends its "
+        "spans to: PDUNIT_OTLP_ENDPOINT in their environment (their --otlp-endpoint). host:port or "
+        "http(s)://host:port.",
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": f"self.matches('{OTLP_ENDPOINT_PATTERN.replace(chr(92), chr(92) * 2)}') && "
+                    "int(self.substring(self.lastIndexOf(':') + 1)) <= 65535 && "
+                    "int(self.substring(self.lastIndexOf(':') + 1)) > 0",
+            "message": _OTLP_MESSAGE}]},
+    )
 
 
 Qos = Literal["Burstable", "Guaranteed"]
@@ -619,6 +662,7 @@ class PDUnitSpec(_Api):
         description="Burstable (unset): every container requests CPU and memory (defaults where "
         "spec.resources gives none). Guaranteed: each container's CPU and memory limits equal its requests.")
     voices: VoiceStore | None = None
+    tracing: TracingSettings | None = None
     # No CRD defaults (kvCacheDtype's reason): a unit without them keeps its hash.
     codec: Annotated[str, StringConstraints(max_length=4096), AfterValidator(_codec_form)] | None = Field(
         default=None,
@@ -681,7 +725,7 @@ class PDUnitSpec(_Api):
                 if mount.name not in names:
                     raise ValueError(f"volumeMounts.{role}[{i}].name {mount.name!r} is not a volume of "
                                      f"spec.volumes {sorted(names)}: add it there")
-        if self.voices and self.voices.volume not in names:
+        if self.voices and self.voices.volume is not None and self.voices.volume not in names:
             raise ValueError(f"voices.volume {self.voices.volume!r} is not a volume of spec.volumes "
                              f"{sorted(names)}: add it there")
         return self

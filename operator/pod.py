@@ -63,6 +63,10 @@ ADMIN_TOKEN_KEY = ADMIN_TOKEN_FILE.rsplit("/", 1)[1]
 # whose voices a client uploads to each), mounted as the admin token is: key = file name.
 VOICES_TOKEN_KEY = VOICES_TOKEN_FILE.rsplit("/", 1)[1]
 SECRET_FILE_MODE = 0o440
+# spec.tracing.otlpEndpoint reaches the processes that handle a request (the sidecars
+# handle none) as the environment form of their --otlp-endpoint.
+OTLP_ENDPOINT_ENV = "PDUNIT_OTLP_ENDPOINT"
+TRACED_ROLES = ("lb", "prefill", "decode")
 SECRET_MIN_CHARS = 32  # the values are 32 random bytes, hex: 64 characters
 ADMIN_PORT_NAME = "admin"  # the LB container's port of POST /v1/admin/drain
 
@@ -164,6 +168,9 @@ def _env(unit_name: str, spec: dict[str, Any], role: str) -> list[dict[str, Any]
         if spec.get("proxyDeviceAccess", "envVar") == "envVar":
             env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
         env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
+    endpoint = (spec.get("tracing") or {}).get("otlpEndpoint")
+    if endpoint and role in TRACED_ROLES:  # engine/tracing.py's --otlp-endpoint
+        env.append({"name": OTLP_ENDPOINT_ENV, "value": endpoint})
     # User env last: it may override ours on purpose (e.g. HOME), never the reverse.
     seen = {e["name"]: i for i, e in enumerate(env)}
     for item in [*(spec.get("env") or []), *((spec.get("roleEnv") or {}).get(role) or [])]:
@@ -203,12 +210,25 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
         mounts.append({"name": NVIDIA_ALL_GPUS_VOLUME, "mountPath": f"{m.NVIDIA_DEVICES_DIR}/all",
                        "readOnly": True})
     voices = spec.get("voices")
-    if voices and role == "lb":
-        mounts.append({"name": voices["volume"], "mountPath": m.VOICES_MOUNT_PATH,
+    if voices and role == "lb":  # claimName: the pod volume _voices_volume adds
+        mounts.append({"name": voices.get("volume") or m.VOICES_CLAIM_VOLUME, "mountPath": m.VOICES_MOUNT_PATH,
                        **{k: voices[k] for k in ("subPath", "readOnly") if k in voices}})
     # The user's mounts after ours (the models refuse names and paths of ours).
     mounts.extend(dict(x) for x in (spec.get("volumeMounts") or {}).get(role) or [])
     return mounts + _carried_mounts(spec, role, mounts)
+
+
+def _voices_volume(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod volume of spec.voices.claimName: the set's shared voice store (one
+    ReadWriteMany claim that every unit's LB mounts). None for spec.voices.volume (the
+    user's own volume of spec.volumes) or no voice store."""
+    claim = (spec.get("voices") or {}).get("claimName")
+    if not claim:
+        return []
+    source: dict[str, Any] = {"claimName": claim}
+    if (spec.get("voices") or {}).get("readOnly"):
+        source["readOnly"] = True
+    return [{"name": m.VOICES_CLAIM_VOLUME, "persistentVolumeClaim": source}]
 
 
 def folders_read(spec: dict[str, Any], role: str) -> list[str]:
@@ -573,6 +593,7 @@ def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) ->
                 }
                 for secret in [_voices_token_secret(spec)] if secret
             ),
+            *_voices_volume(spec),
             *(dict(v) for v in spec.get("volumes") or []),
         ],
     }

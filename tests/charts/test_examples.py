@@ -54,7 +54,12 @@ def test_the_weights_example_mounts_the_model_into_prefill_and_decode_and_voices
     for name in ("prefill", "decode"):
         mounts = {mt["mountPath"]: mt["name"] for mt in cs[name]["volumeMounts"]}
         assert spec["model"].startswith("/models/") and mounts["/models"] == "weights"
-    assert {"name": "voice-store", "mountPath": m.VOICES_MOUNT_PATH} in cs["lb"]["volumeMounts"]
+    # the set's one voices claim in every unit's LB, written with the Secret's token
+    assert {"name": m.VOICES_CLAIM_VOLUME, "mountPath": m.VOICES_MOUNT_PATH} in cs["lb"]["volumeMounts"]
+    assert docs["tts-voices"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert spec["voices"] == {"claimName": "tts-voices", "tokenSecret": "tts-voices-token"}
+    assert "voices-token" in docs["tts-voices-token"]["stringData"]
+    assert "--voices-token-file" in cs["lb"]["command"]
 
 
 def _flag(argv: list[str], name: str) -> str:

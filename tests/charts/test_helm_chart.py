@@ -33,6 +33,8 @@ VARIANTS = {
         "--set",
         "examplePDUnitSet.enabled=false",
     ],
+    "tracing": ["--set", "tracing.otlpEndpoint=otel-collector.observability:4317",
+                "--set", "router.extraEnv[0].name=EXTRA", "--set-string", "router.extraEnv[0].value=1"],
     "cpu-units": [
         "--set",
         "examplePDUnitSet.device=cpu",
@@ -466,6 +468,7 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("examplePDUnitSet.adminPort=0", "/examplePDUnitSet/adminPort"),
         ("networkPolicy.unitNamespaces={Bad_NS}", "/networkPolicy/unitNamespaces/0"),
         ("networkPolicy.prometheus.podSelector=x", "/networkPolicy/prometheus/podSelector"),
+        ("tracing.otlpEndpoint=grpc://collector:4317", "/tracing/otlpEndpoint"),
     ],
 )
 def test_values_schema_rejects_a_bad_value_naming_the_field(setting: str, named: str) -> None:
@@ -542,6 +545,18 @@ def test_the_example_set_carries_a_codec_only_when_set() -> None:
     speaking = one(render(["--set", "examplePDUnitSet.model=random:csm-tiny:0",
                            "--set", "examplePDUnitSet.codec=random:mimi-tiny:0"]), "PDUnitSet")
     assert speaking["spec"]["template"]["spec"]["codec"] == "random:mimi-tiny:0"
+
+
+def test_tracing_sets_the_routers_otlp_endpoint_and_the_example_sets_only_when_given() -> None:
+    default = render([])
+    router = one(default, "Deployment", "rel-pdunit-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "env" not in router and "tracing" not in one(default, "PDUnitSet")["spec"]["template"]["spec"]
+    docs = render(VARIANTS["tracing"])
+    router = one(docs, "Deployment", "rel-pdunit-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["env"] == [{"name": "PDUNIT_OTLP_ENDPOINT", "value": "otel-collector.observability:4317"},
+                             {"name": "EXTRA", "value": "1"}]
+    spec = one(docs, "PDUnitSet")["spec"]["template"]["spec"]
+    assert spec["tracing"] == {"otlpEndpoint": "otel-collector.observability:4317"}
 
 
 @pytest.mark.parametrize("key", ["prefillGemm", "decodeGemm"])

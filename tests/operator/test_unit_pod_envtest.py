@@ -1,7 +1,8 @@
 """The adapted unit pod on a real kube-apiserver (envtest, Kubernetes v1.34): a PDUnit
 with every pod and container override gives a pod the apiserver accepts (its admission
 checks the priority class and the runtime class exist), carrying them; the CRD's CEL
-rules refuse the operator's own names before any pod is made.
+rules refuse the operator's own names before any pod is made; a set's units share one
+voices claim and send traces to the set's OTLP endpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import yaml
 
 from pdunit.engine.unit_layout import VOICES_TOKEN_FILE
 from tests.operator.envtest import ControlPlane, Kubelet, wait_for
-from tests.operator.test_integration import get_pod, get_unit, unit
+from tests.operator.test_integration import get_pod, get_unit, unit, unit_set
 
 
 def _apply(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> None:
@@ -159,3 +160,43 @@ def test_a_speaking_unit_gets_a_pod_whose_lb_reads_the_checkpoint_from_the_engin
         {k: mt[k] for k in ("name", "mountPath", "readOnly") if k in mt} for mt in cs["lb"]["volumeMounts"]]
     decode = cs["decode"]["command"]
     assert decode[decode.index("--audio-chunk-frames") + 1] == "4"
+
+
+def test_a_sets_units_mount_one_voices_claim_and_their_engines_get_the_otlp_endpoint(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    ns = namespace
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=unit_set(
+        "shared", 2, model="random:csm-tiny:0", codec="random:mimi-tiny:0",
+        voices={"claimName": "tts-voices", "tokenSecret": "tts-voices-token"},
+        tracing={"otlpEndpoint": "http://otel-collector.observability:4317"}))
+    pods = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
+        api.items(f"/api/v1/namespaces/{ns}/pods", "pdunit.dev/set=shared")), 60, "the set's two pods")
+    for pod in pods:
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "pdunit-voices"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "tts-voices"}
+        cs = {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
+        assert {"name": "pdunit-voices", "mountPath": "/var/lib/pdunit/voices"} in cs["lb"]["volumeMounts"]
+        traced = {n for n, c in cs.items() if {"name": "PDUNIT_OTLP_ENDPOINT",
+                                                "value": "http://otel-collector.observability:4317"} in c["env"]}
+        assert traced == {"lb", "prefill", "decode"}, traced
+
+
+def test_the_crd_refuses_a_bad_otlp_endpoint_and_a_voice_store_of_two_sources(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    cases = [
+        ({"tracing": {"otlpEndpoint": "collector"}}, "spec.tracing.otlpEndpoint", "otlpEndpoint must be host:port"),
+        ({"tracing": {"otlpEndpoint": "collector:99999"}}, "spec.tracing.otlpEndpoint", "host:port"),
+        ({"tracing": {"otlpEndpoint": "grpc://c:4317"}}, "spec.tracing.otlpEndpoint", "host:port"),
+        ({"volumes": [{"name": "vs", "emptyDir": {}}], "voices": {"volume": "vs", "claimName": "c"}},
+         "spec.voices", "exactly one of volume"),
+        ({"voices": {"subPath": "x"}}, "spec.voices", "exactly one of volume"),
+    ]
+    for i, (spec, field, words) in enumerate(cases):
+        out = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False,
+                                    input=unit(f"bad-spec-{i}", **spec))
+        assert out.returncode != 0 and f"{field}:" in out.stderr and words in out.stderr, (spec, out.stderr)
+    for i, endpoint in enumerate(["collector:4317", "https://otel.example.com:443", "[fd00::1]:4317"]):
+        control_plane.kubectl("apply", "-n", namespace, "-f", "-",
+                              input=unit(f"traced-{i}", tracing={"otlpEndpoint": endpoint}))
