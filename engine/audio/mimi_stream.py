@@ -1,22 +1,26 @@
 """The Mimi codec for CSM: encode a clip to codes, and decode frames to PCM as they come.
 
 Owns each stream's codec state in place, in slot-indexed pools (`MimiStreamDecoder`): a KV
-ring per slot for the decoder transformer, the convolutions' left contexts and pending
-overlaps. A push writes only what it adds and attends over the rings by slot, so the chunks
-equal `MimiModel.decode` of all the frames (CUDA graphs of the same push: mimi_graphs.py).
-It runs transformers' modules and weights; it must never decode overlapping windows and
+ring per slot for the decoder transformer, the convolutions' left contexts (mimi_conv.py).
+A push writes only what it adds and attends over the rings by slot, so the chunks equal
+`MimiModel.decode` of all the frames (CUDA graphs of the same push: mimi_graphs.py). It runs
+transformers' weights (the convolutions' and codebooks' snapshotted as GEMM matrices,
+channels-last from the codebooks to the PCM); it must never decode overlapping windows and
 cross-fade them (the stutter it exists to prevent), nor let a slot's next stream see the
 last one (a slot is reset at `open`). transformers is imported only when a codec is built."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from pdunit.engine.audio.mimi_conv import StreamConv
 from pdunit.engine.audio.mimi_mask import BLOCK_M, ring_attention
 
 if TYPE_CHECKING:
@@ -79,8 +83,9 @@ class MimiStreamDecoder:
     slot's ring of the last `ring` positions (position p at entry p % ring; `ring` is the
     window's `sliding_window - 1` past positions plus the most positions one transformer
     pass adds, so writing a pass never overwrites a position the pass still attends);
-    `conv` [slots, context], every convolution's left context and every transposed
-    convolution's pending tail, flat; `seen` [slots], the positions each stream has made.
+    `conv` [slots, context], every convolution's left context (its last input rows,
+    channels-last; a transposed conv's are its last input frames), flat; `seen` [slots],
+    the positions each stream has made.
 
     `graphs=True`: a call of at most `graph_frames` frames a stream runs as a CUDA graph
     captured per (batch bucket, frames), the batch padded to its bucket with a scratch
@@ -112,7 +117,6 @@ class MimiStreamDecoder:
         if slots < 1 or graph_frames < 1:
             raise ValueError(f"a stream decoder needs slots >= 1 and graph_frames >= 1 (got {slots}, {graph_frames})")
         self._decoder = model.decoder
-        self._quantizer = model.quantizer
         self._dtype = next(model.parameters()).dtype
         self._device = next(model.parameters()).device
         if attention == "auto":
@@ -121,25 +125,17 @@ class MimiStreamDecoder:
             raise ValueError(f"codec attention {attention!r} on {self._device.type}: triton needs CUDA; "
                              "torch runs anywhere")
         self.attention = attention
-        self._convs, self._transposed = self._index_layers()
         self.window = int(cfg.sliding_window)
         upsample = self._decoder.upsample
         per_frame = int(upsample.conv.stride[0]) if upsample is not None else 1  # transformer positions a frame
         self.pass_positions = min(BLOCK_M, per_frame * graph_frames)  # a longer call runs in passes
         self.ring = self.window - 1 + self.pass_positions
-        layout: list[tuple[int, int, int]] = []  # (offset, channels, length) in the conv pool
-        offset = 0
-        for channels, length in (
-            [(c.in_channels, int(c.padding_total)) for c in self._convs]  # left context
-            + [(m.conv.out_channels, m.conv.kernel_size[0] - m.conv.stride[0]) for m in self._transposed]
-        ):
-            layout.append((offset, channels, length))
-            offset += channels * length
-        self._layout = layout
+        self._codebooks = _Codebooks(model.quantizer, self.codec.num_codebooks)
+        self._upsample, self._seanet, width = _plan(self._decoder)
         pool = dict(device=self._device, dtype=self._dtype)
         self._kv = torch.zeros(cfg.num_hidden_layers, 2, slots, self.ring, cfg.num_key_value_heads, cfg.head_dim,
                                **pool)  # type: ignore[arg-type]
-        self._conv = torch.zeros(slots, offset, **pool)  # type: ignore[arg-type]
+        self._conv = torch.zeros(slots, width, **pool)  # type: ignore[arg-type]
         self._seen = torch.zeros(slots, dtype=torch.int64, device=self._device)
         self._slot: dict[str, int] = {}
         self._free = list(range(slots - 1, -1, -1))
@@ -154,28 +150,6 @@ class MimiStreamDecoder:
                 raise ValueError(f"graphs need >= 2 slots (one is the padding's scratch slot; got {slots})")
             self.scratch_slot = self._free.pop()  # padded rows of a bucket read and write it
             self._graphs = MimiGraphs(self, buckets or DEFAULT_BUCKETS, graph_frames)
-
-    def _index_layers(self) -> tuple[list[Any], list[Any]]:
-        from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d
-
-        transposed = [self._decoder.upsample] if self._decoder.upsample is not None else []
-        convs: list[Any] = []
-        for module in self._decoder.decoder_seanet.modules():
-            if isinstance(module, MimiConvTranspose1d):
-                transposed.append(module)
-            elif isinstance(module, MimiConv1d):
-                # the SEANet decoder leaves layer_idx unset (it never streams by itself);
-                # here it is the layer's place in the conv pool
-                module.layer_idx = len(convs)
-                convs.append(module)
-        for module in transposed:
-            conv = module.conv
-            if module.padding_left != 0 or conv.padding[0] or conv.dilation[0] != 1 or conv.output_padding[0]:
-                raise ValueError("codec transposed convolution is not a causal Mimi one")
-        for module in convs:
-            if module.conv.stride[0] != 1:
-                raise ValueError("codec decoder convolution with stride != 1 is not a streamable Mimi one")
-        return convs, transposed
 
     @property
     def open_streams(self) -> int:
@@ -275,70 +249,22 @@ class MimiStreamDecoder:
         """The push of `codes` [B, K, n] (device, int64) for the streams in `slots` [B]
         (device; a repeated slot is only ever the graphs' scratch one): PCM [B, n x
         samples_per_frame]. Tensor ops only, no host sync: a CUDA graph captures it."""
-        from transformers.models.mimi.modeling_mimi import (
-            MimiConv1d,
-            MimiConvTranspose1d,
-            MimiResnetBlock,
-        )
-
         contexts = self._conv.index_select(0, slots)  # the batch's conv state: a few kB a stream
-        x = self._quantizer.decode(codes).to(self._dtype)
-        t = 0
-        if self._decoder.upsample is not None:
-            x, t = self._transpose(0, x, slots, contexts), 1
+        x = self._codebooks(codes).to(self._dtype)  # channels-last from here on: [B, n, hidden]
+        if self._upsample is not None:
+            x = self._upsample(x, contexts)
         x = self._transformer(x, slots)
-        for layer in self._decoder.decoder_seanet.layers:
-            if isinstance(layer, MimiConvTranspose1d):
-                x, t = self._transpose(t, x, slots, contexts), t + 1
-            elif isinstance(layer, MimiConv1d):
-                x = self._conv1d(layer, x, slots, contexts)
-            elif isinstance(layer, MimiResnetBlock):  # its forward, each conv given its context
-                h = x
-                for sub in layer.block:
-                    h = self._conv1d(sub, h, slots, contexts) if isinstance(sub, MimiConv1d) else sub(h)
-                shortcut = layer.shortcut
-                x = (self._conv1d(shortcut, x, slots, contexts) if isinstance(shortcut, MimiConv1d)
-                     else shortcut(x)) + h
-            else:
-                x = layer(x)
-        return x[:, 0, :]  # mono: [B, n x samples_per_frame]
-
-    def _state(self, index: int, contexts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entry `index` of the conv pool: its rows of the batch [B, C, L] (read) and its
-        columns of the pool [slots, C x L] (written by slot)."""
-        offset, channels, length = self._layout[index]
-        cols = slice(offset, offset + channels * length)
-        return contexts[:, cols].view(-1, channels, length), self._conv[:, cols]
-
-    def _conv1d(self, layer: Any, x: torch.Tensor, slots: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
-        """A causal `MimiConv1d` streamed (its forward with a padding cache): the left
-        context, then the new samples; the last samples become the next context."""
-        index = layer.layer_idx
-        if self._layout[index][2] == 0:
-            return layer.conv(x)
-        context, pool = self._state(index, contexts)
-        h = torch.cat([context, x], dim=-1)
-        pool.index_copy_(0, slots, h[..., h.shape[-1] - context.shape[-1] :].reshape(h.shape[0], -1))
-        return layer.conv(h)
-
-    def _transpose(self, index: int, x: torch.Tensor, slots: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
-        """A causal transposed conv streamed: the tail of each output (k - s samples, which
-        the next frames still add to) waits in the pool."""
-        conv = self._transposed[index].conv
-        pending, pool = self._state(len(self._convs) + index, contexts)
-        y = F.conv_transpose1d(x, conv.weight, None, conv.stride, 0, 0, conv.groups, 1)
-        emit = x.shape[-1] * conv.stride[0]
-        y[..., : pending.shape[-1]] += pending
-        pool.index_copy_(0, slots, y[..., emit:].reshape(y.shape[0], -1))
-        out = y[..., :emit]
-        return out if conv.bias is None else out + conv.bias[None, :, None]
+        for step in self._seanet:
+            x = step(x, contexts)
+        self._conv.index_copy_(0, slots, contexts)  # every conv's new context, one write by slot
+        return x[:, :, 0]  # mono: [B, n x samples_per_frame]
 
     def _transformer(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The decoder transformer over the new positions (`x` [B, hidden, q]), in passes of
+        """The decoder transformer over the new positions (`x` [B, q, hidden]), in passes of
         at most `pass_positions`: each pass writes its keys and values into the slots'
         rings, then attends over the rings (the window of each query, by position)."""
         model = self._decoder.decoder_transformer
-        h = x.transpose(1, 2)
+        h = x
         q = h.shape[1]
         seen = self._seen.index_select(0, slots)
         steps = torch.arange(q, device=h.device)
@@ -351,8 +277,7 @@ class MimiStreamDecoder:
                 part = self._layer(i, layer, part, (cos, sin), slots, positions)
             parts.append(part)
         self._seen.index_copy_(0, slots, seen + q)
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return out.transpose(1, 2)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _layer(self, index: int, layer: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -374,3 +299,127 @@ class MimiStreamDecoder:
         out = ring_attention(query, keys, values, slots, positions[:, -1], self.window, attn.scaling, self.attention)
         h = h + layer.self_attn_layer_scale(attn.o_proj(out.reshape(b, m, -1)))
         return h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
+
+
+class _Codebooks:
+    """The split residual quantizer's decode as one gather: every codebook's table (its
+    module's `embed`) stacked, the semantic and the acoustic codebooks' sums, both output
+    projections as one GEMM (the quantizer's own decode is ~70 small kernels a call)."""
+
+    def __init__(self, quantizer: Any, books: int) -> None:
+        split = min(int(quantizer.num_semantic_quantizers), books)
+        tables: list[torch.Tensor] = []
+        projections: list[torch.Tensor] = []
+        self.groups: list[tuple[int, int]] = []
+        for rvq, first, count in ((quantizer.semantic_residual_vector_quantizer, 0, split),
+                                  (quantizer.acoustic_residual_vector_quantizer, split, books - split)):
+            if count == 0:
+                continue
+            tables += [layer.codebook.embed.detach() for layer in rvq.layers[:count]]
+            dim = tables[-1].shape[1]
+            proj = rvq.output_proj  # a 1x1 conv without bias, or none where the sizes match
+            projections.append(torch.eye(dim, dtype=tables[-1].dtype, device=tables[-1].device) if proj is None
+                               else proj.weight.detach()[:, :, 0].T)
+            self.groups.append((first, first + count))
+        size = tables[0].shape[0]
+        self.table = torch.cat(tables)  # [books x size, dim]
+        self.offsets = torch.arange(books, device=self.table.device)[:, None] * size  # [books, 1]
+        self.projection = torch.cat(projections).contiguous()  # [groups x dim, hidden]
+
+    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+        """`codes` [B, K, n] (int64) -> [B, n, hidden]."""
+        e = F.embedding(codes + self.offsets, self.table)  # [B, K, n, dim]
+        sums = [e[:, a:b].sum(1) for a, b in self.groups]
+        x = sums[0] if len(sums) == 1 else torch.cat(sums, dim=-1)
+        return x @ self.projection
+
+
+@dataclass
+class _Conv:
+    """A decoder convolution in the push: its `StreamConv`, its state's columns of the conv
+    pool and the ELU (alpha) the decoder applies to its input first."""
+
+    conv: StreamConv
+    cols: slice
+    elu: float | None = None
+
+    def __call__(self, x: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
+        return self.conv(x, contexts[:, self.cols] if self.conv.state_values else None, self.elu)
+
+
+@dataclass
+class _Residual:
+    """A `MimiResnetBlock` as its forward runs it: the block's convolutions, plus the
+    shortcut (a convolution, or the input itself)."""
+
+    block: list[_Conv]
+    shortcut: _Conv | None
+
+    def __call__(self, x: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
+        h = x
+        for conv in self.block:
+            h = conv(h, contexts)
+        return h.add_(x if self.shortcut is None else self.shortcut(x, contexts))
+
+
+def _plan(decoder: Any) -> tuple[_Conv | None, list[_Conv | _Residual], int]:
+    """The decoder's upsampling and SEANet as streamed steps, each convolution given its
+    columns of the conv pool: (upsample, steps, pool width). Refuses, naming it, a layer
+    the stream decoder cannot run exactly."""
+    from transformers.models.mimi.modeling_mimi import (
+        MimiConv1d,
+        MimiConvTranspose1d,
+        MimiResnetBlock,
+    )
+
+    width = 0
+
+    def step(module: Any, elu: float | None) -> _Conv:
+        nonlocal width
+        if isinstance(module, MimiConvTranspose1d):
+            if module.padding_left != 0:
+                raise ValueError("codec transposed convolution is not a causal Mimi one")
+            conv = StreamConv.transposed(module.conv)
+        else:
+            conv = StreamConv.conv1d(module.conv)
+        cols = slice(width, width + conv.state_values)
+        width += conv.state_values
+        return _Conv(conv, cols, elu)
+
+    def refuse(layer: Any, where: str) -> ValueError:
+        return ValueError(f"codec decoder layer {type(layer).__name__} ({where}) is not one the stream decoder "
+                          "runs: Mimi's are ELUs, each followed by a causal (transposed) convolution, and residual blocks")
+
+    upsample = step(decoder.upsample, None) if decoder.upsample is not None else None
+    steps: list[_Conv | _Residual] = []
+    elu: float | None = None
+    for i, layer in enumerate(decoder.decoder_seanet.layers):
+        if isinstance(layer, nn.ELU) and elu is None:
+            elu = float(layer.alpha)
+        elif isinstance(layer, (MimiConv1d, MimiConvTranspose1d)):
+            steps.append(step(layer, elu))
+            elu = None
+        elif isinstance(layer, MimiResnetBlock) and elu is None:
+            block: list[_Conv] = []
+            inner: float | None = None
+            for sub in layer.block:
+                if isinstance(sub, nn.ELU) and inner is None:
+                    inner = float(sub.alpha)
+                elif isinstance(sub, MimiConv1d):
+                    block.append(step(sub, inner))
+                    inner = None
+                else:
+                    raise refuse(sub, f"in residual block {i}")
+            if inner is not None or not block:
+                raise refuse(layer, f"layer {i}")
+            if isinstance(layer.shortcut, MimiConv1d):
+                steps.append(_Residual(block, step(layer.shortcut, None)))
+            elif isinstance(layer.shortcut, nn.Identity):
+                steps.append(_Residual(block, None))
+            else:
+                raise refuse(layer.shortcut, f"shortcut of layer {i}")
+        else:
+            raise refuse(layer, f"layer {i}")
+    if elu is not None:
+        raise ValueError("codec decoder ends with an ELU and no convolution after it: not a Mimi decoder")
+    return upsample, steps, width
