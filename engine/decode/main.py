@@ -37,6 +37,7 @@ from pdunit.engine.settings import (
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
+from pdunit.engine.step_pad import SyntheticStepFields
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
 from pdunit.engine.transfer.options import unit_secret_option
@@ -45,7 +46,7 @@ from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.paged_attention import configure_decode
 
 
-class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields):
+class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields):
     """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
 
     socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
@@ -172,6 +173,8 @@ async def serve(cfg: DecodeConfig) -> int:
         log.error("cannot start rate-floor admission", extra={"error": str(exc)})
         return 2
     engine.admission = admission
+    engine.step_pad = cfg.step_pad()
+    engine.step_pad.export(log)
     log.info("rate-floor admission", extra={**floor.log_fields(), "margin": cfg.floor_margin,
                                             "step_model": cfg.step_model or None, "on": admission is not None})
     sampler = start_sampler(cfg, log)

@@ -43,6 +43,7 @@ from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.proto.sampling import sampling_from_pb
 from pdunit.engine.security import security_event
 from pdunit.engine.step_loop import StepLoop, publish_step
+from pdunit.engine.step_pad import StepPad
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
 
 log = logging.getLogger("pdunit.decode")
@@ -137,6 +138,7 @@ class DecodeEngine:
         self._committing: dict[int, Stream] = {}
         self._committing_cancelled: set[int] = set()
         self.loop = StepLoop("decode-step", self._step_once, model.device)
+        self.step_pad = StepPad()  # --synthetic-step-ms (tests and benchmarks; engine/step_pad.py): off
         if codec is not None:
             codec.on_fail = self._end_failed_audio
         self._p_channel: grpc.aio.Channel | None = None
@@ -556,6 +558,7 @@ class DecodeEngine:
         t0 = time.perf_counter()
         tokens = sum(s.prompt_tokens + s.frames_out for s in streams)
         logits = self.step_forward(entries) if entries else None
+        self.step_pad.wait(t0, len(streams))  # in the forward's place: before any stream changes
         out = self.batcher.apply(streams, logits, new)
         self._step += 1
         cost = publish_step(self.hub, self._step, out, self.codec)
@@ -594,6 +597,7 @@ class DecodeEngine:
             if out.ended:
                 self._update_draining()
                 self._update_gauges()
+        self.step_pad.wait(t0, len(out.request_ids) if out is not None else 0)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         if self.admission is not None and out is not None and len(out.request_ids):

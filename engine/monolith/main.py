@@ -39,6 +39,7 @@ from pdunit.engine.settings import (
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
+from pdunit.engine.step_pad import SyntheticStepFields
 from pdunit.kernels.paged_attention import configure_decode
 
 # Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines
@@ -46,7 +47,7 @@ from pdunit.kernels.paged_attention import configure_decode
 PREFILL_GRAPH_SEQS = 16
 
 
-class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, CodecFields):
+class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields):
     """Monolith: P and D in one process on one device (prefill-first, chunked or budget)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
@@ -169,6 +170,8 @@ async def serve(cfg: MonolithConfig) -> int:
     except ValueError as exc:
         log.error("cannot start the monolith", extra={"error": str(exc)})
         return 2
+    engine.step_pad = cfg.step_pad()
+    engine.step_pad.export(log)
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
 

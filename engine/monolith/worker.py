@@ -42,6 +42,7 @@ from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.step_loop import StepLoop, publish_step
+from pdunit.engine.step_pad import StepPad
 from pdunit.kernels.kv_dtype import index_copy_kv
 
 log = logging.getLogger("pdunit.monolith")
@@ -157,6 +158,7 @@ class MonolithEngine:
         self._rows_per_step: deque[int] = deque(maxlen=256)
         self._rows_since_decode = 0
         self.loop = StepLoop("monolith", self._step_once, model.device)
+        self.step_pad = StepPad()  # --synthetic-step-ms (tests and benchmarks; engine/step_pad.py): off
         self.codec = codec
         self.audio_format = audio_format
         self._audio: set[int] = set()  # admitted prompts whose stream wants audio, until it runs or fails
@@ -474,10 +476,12 @@ class MonolithEngine:
             logits: torch.Tensor | None = run_forward(self.model, self.storage,
                                  [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan],
                                  self.prefill_graphs)
+            rows = sum(c.end - c.start for _, c in plan)
+            self.step_pad.wait(t0, 0, rows)  # in the forward's place: before any stream changes
             self._complete_prefills(plan, logits)
             seconds = time.perf_counter() - t0
             m.P_PREFILL_SECONDS.observe(seconds)
-            self._observe(0, 0, seconds, sum(c.end - c.start for _, c in plan))
+            self._observe(0, 0, seconds, rows)
             return True
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
@@ -492,6 +496,8 @@ class MonolithEngine:
         else:  # decode only: the same graph path as D, so the comparison is fair
             logits = self.step_forward(entries) if entries else None
         n_dec = len(streams)
+        rows = sum(c.end - c.start for _, c in plan)
+        self.step_pad.wait(t0, n_dec, rows)  # in the forward's place: before any stream changes
         out = self.batcher.apply(streams, logits[:n_dec] if logits is not None else None, new)
         self._forget([s.request_id for s in new])  # running now: the batcher counts them
         self._complete_prefills(plan, logits[n_dec:] if logits is not None else None)
@@ -504,7 +510,7 @@ class MonolithEngine:
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         m.D_STREAMS.set(len(self.batcher))
-        self._observe(n_dec, tokens, seconds, sum(c.end - c.start for _, c in plan), cost)
+        self._observe(n_dec, tokens, seconds, rows, cost)
         return True
 
     def _overlap_step_once(self) -> bool:
@@ -527,12 +533,13 @@ class MonolithEngine:
             cost = publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
+        done = self.overlap.completed
+        rows = done.prompts.rows if done is not None and done.prompts is not None else 0
+        self.step_pad.wait(t0, len(done.streams) if done is not None else 0, rows)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         m.D_STREAMS.set(len(self.batcher))
-        done = self.overlap.completed
         if done is not None:  # one pipeline period: the step time its streams see
-            rows = done.prompts.rows if done.prompts is not None else 0
             self._observe(len(done.streams), self.batcher.context_tokens(), seconds, rows, cost)
         return True
 
