@@ -38,6 +38,7 @@ from pdunit.engine.settings import (
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.step_pad import SyntheticStepFields
+from pdunit.engine.tracing import SpanTable, Tracing, TracingFields
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
 from pdunit.engine.transfer.options import unit_secret_option
@@ -46,7 +47,7 @@ from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.paged_attention import configure_decode
 
 
-class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields):
+class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields, TracingFields):
     """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
 
     socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
@@ -174,6 +175,7 @@ async def serve(cfg: DecodeConfig) -> int:
         return 2
     engine.admission = admission
     engine.step_pad = cfg.step_pad()
+    engine.traces = SpanTable(Tracing("decode", cfg.otlp_endpoint, engine.instance_id))
     engine.step_pad.export(log)
     log.info("rate-floor admission", extra={**floor.log_fields(), "margin": cfg.floor_margin,
                                             "step_model": cfg.step_model or None, "on": admission is not None})
@@ -199,6 +201,7 @@ async def serve(cfg: DecodeConfig) -> int:
         t.cancel()
     engine.loop.stop()
     receiver.close()
+    engine.traces.tracing.shutdown()
     stop_sampler(sampler, log)
     log.info("decode stopped")
     return 0

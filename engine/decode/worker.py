@@ -44,6 +44,7 @@ from pdunit.engine.proto.sampling import sampling_from_pb
 from pdunit.engine.security import security_event
 from pdunit.engine.step_loop import StepLoop, publish_step
 from pdunit.engine.step_pad import StepPad
+from pdunit.engine.tracing import DECODE_STAGES, SpanTable, Tracing
 from pdunit.engine.transfer.base import KVReceiver, PoolGeometry
 
 log = logging.getLogger("pdunit.decode")
@@ -139,6 +140,7 @@ class DecodeEngine:
         self._committing_cancelled: set[int] = set()
         self.loop = StepLoop("decode-step", self._step_once, model.device)
         self.step_pad = StepPad()  # --synthetic-step-ms (tests and benchmarks; engine/step_pad.py): off
+        self.traces = SpanTable(Tracing("decode", ""))  # main sets it from --otlp-endpoint
         if codec is not None:
             codec.on_fail = self._end_failed_audio
         self._p_channel: grpc.aio.Channel | None = None
@@ -180,6 +182,7 @@ class DecodeEngine:
         log.warning("transfer failed: pages held until proof", extra={
             "request_id": request_id, "reason": reason, "detail": message, "p_instance": res.p_instance})
         self.hub.publish_error(request_id, status, message)
+        self.traces.close(request_id, {}, (), f"transfer failed: {reason}")
         self._update_draining()
         self._update_gauges()
 
@@ -549,6 +552,7 @@ class DecodeEngine:
                 self._held_version += 1
         if self.codec is not None:
             self.codec.drop(dropped)
+        self._traces_end(dropped, [])
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
         if not streams and not new:
@@ -562,6 +566,7 @@ class DecodeEngine:
         out = self.batcher.apply(streams, logits, new)
         self._step += 1
         cost = publish_step(self.hub, self._step, out, self.codec)
+        self._traces_end([], out.ended)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         if self.admission is not None and streams:
@@ -572,6 +577,13 @@ class DecodeEngine:
             self._update_draining()
             self._update_gauges()
         return True
+
+    def _traces_end(self, dropped: list[int], ended: list[Stream]) -> None:
+        """Close the trace spans of streams that left the batch (engine/tracing.py)."""
+        for rid in dropped:
+            self.traces.close(rid, {}, (), "cancelled")
+        for s in ended:
+            self.traces.close(s.request_id, s.stamps, DECODE_STAGES, frames=s.frames_out)
 
     def _overlap_step_once(self) -> bool:
         """One iteration of the overlap pipeline (engine/decode/overlap.py): queues step
@@ -584,6 +596,7 @@ class DecodeEngine:
                 self._held_version += 1
         if self.codec is not None:
             self.codec.drop(self.overlap.dropped)
+        self._traces_end(self.overlap.dropped, [])
         if not worked:
             self._sweep_audio()
             self._update_gauges()
@@ -592,6 +605,7 @@ class DecodeEngine:
         if out is not None:
             self._step += 1
             cost = publish_step(self.hub, self._step, out, self.codec)
+            self._traces_end([], out.ended)
             m.D_STEP_BATCH.observe(len(out.request_ids))
             m.D_FRAMES.inc(len(out.request_ids))
             if out.ended:
@@ -743,10 +757,14 @@ class DecodeService(pbg.DecodeServicer):
         return self.engine.hello()
 
     async def Reserve(self, request, context):  # noqa: N802
+        t0 = now_ns()
         refused = await self.engine.refuse_unproven_sender(request.identity.sender_instance)
         if refused is not None:
             return refused
-        return self.engine.reserve(request)
+        reply = self.engine.reserve(request)
+        if reply.status == pb.STATUS_OK and self.engine.traces.tracing.enabled:  # ends with the stream
+            self.engine.traces.open(request.request_id, "decode.stream", t0, context.invocation_metadata())
+        return reply
 
     async def Commit(self, request, context):  # noqa: N802
         self.engine.claim_p_instance(request.identity.sender_instance, "commit")

@@ -20,6 +20,7 @@ from pdunit.engine.model.device import bind_thread, device_executor
 from pdunit.engine.monolith.worker import MonolithEngine
 from pdunit.engine.observability import (
     log_config,
+    now_ns,
     serve_metrics,
     setup_logging,
     shutdown_event,
@@ -40,6 +41,7 @@ from pdunit.engine.settings import (
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.step_pad import SyntheticStepFields
+from pdunit.engine.tracing import Tracing, TracingFields
 from pdunit.kernels.paged_attention import configure_decode
 
 # Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines
@@ -47,7 +49,8 @@ from pdunit.kernels.paged_attention import configure_decode
 PREFILL_GRAPH_SEQS = 16
 
 
-class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields):
+class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields,
+                     TracingFields):
     """Monolith: P and D in one process on one device (prefill-first, chunked or budget)."""
 
     socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
@@ -77,12 +80,16 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, C
 
 
 class MonolithPrefill(pbg.PrefillServicer):
-    def __init__(self, engine: MonolithEngine) -> None:
+    def __init__(self, engine: MonolithEngine, tracing: Tracing | None = None) -> None:
+        self.tracing = tracing or Tracing("monolith", "")
         self.engine = engine
 
     async def Submit(self, request, context):  # noqa: N802 - gRPC names
+        # the monolith traces its prefill (queue, forward); its frames are in the LB's span
+        span = self.tracing.start("prefill.request", now_ns(), context.invocation_metadata(),
+                                  request_id=f"{request.request_id:016x}") if self.tracing.enabled else None
         return await serve_submit(request, self.engine.model.config,
-                                  self.engine.submit, self.engine.cancel)
+                                  self.engine.submit, self.engine.cancel, span)
 
     async def Cancel(self, request, context):  # noqa: N802
         return pb.CancelReply(found=self.engine.cancel(request.request_id))
@@ -175,8 +182,10 @@ async def serve(cfg: MonolithConfig) -> int:
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
 
+    tracing = Tracing("monolith", cfg.otlp_endpoint, engine.instance_id)
+
     def register(server) -> None:
-        pbg.add_PrefillServicer_to_server(MonolithPrefill(engine), server)
+        pbg.add_PrefillServicer_to_server(MonolithPrefill(engine, tracing), server)
         pbg.add_DecodeServicer_to_server(MonolithDecode(engine), server)
 
     server = await start_unix_server(cfg.socket, register, log)
@@ -188,6 +197,7 @@ async def serve(cfg: MonolithConfig) -> int:
     await stop.wait()
     engine.hub.close()
     await server.stop(grace=5)
+    tracing.shutdown()
     engine.loop.stop()
     stop_sampler(sampler, log)
     log.info("monolith stopped")
