@@ -84,6 +84,10 @@ D_HEADROOM = role_metric(Gauge(
 D_RATE_FLOOR_REFUSALS = role_metric(Counter(
     "pdunit_rate_floor_refusals_total", "Streams refused because admitting them would break the rate floor",
     registry=None), _D, _MONO)
+D_RATE_FLOOR_IDLE_ADMITS = role_metric(Counter(
+    "pdunit_rate_floor_idle_admissions_total", "Streams admitted against the projection because the engine held "
+    "none (its step model or shrunk budget refused even one; the stream's steps refit it)",
+    registry=None), _D, _MONO)
 D_STEP_MODEL_MS = role_metric(Gauge(
     "pdunit_step_model_coefficient_ms", "The step-time model's coefficients (ms per unit of each term)",
     ["term"], registry=None), _D, _MONO)

@@ -216,6 +216,7 @@ class Verdict:
     cold: bool = False   # refused by the trust limit (no fit file, no wide enough steps seen), not the projection
     trusted: int = 0     # with `cold`: the streams the model is trusted for
     engine_bound: bool = False  # alone_fits: not even the smallest stream fits (the engine's steps, not the request)
+    idle: bool = False   # admitted against the projection because the engine held nothing (AdmissionControl.judge)
 
     def reason(self) -> str:
         if self.cold:
@@ -378,6 +379,13 @@ class AdmissionControl:
             v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
         else:
             v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows)
+            if not v.admit and not streams:
+                # Liveness: an engine that holds nothing takes no steps, so a model (or a
+                # budget shrunk by its error) that refuses one stream would never see the
+                # step that corrects it and would refuse forever. One stream alone is what
+                # this engine can do at best; its steps refit the model.
+                v = replace(v, admit=True, idle=True)
+                m.D_RATE_FLOOR_IDLE_ADMITS.inc()
         if v.admit:
             with self._lock:
                 self._recent.append((prompt_tokens, max_frames, audio))
@@ -399,6 +407,8 @@ class AdmissionControl:
         self.headroom_computations += 1
         streams = [held_stream(h) for h in held]
         room = self.admission.headroom(streams, self.typical())
+        if not streams:
+            room = max(room, 1)  # an engine holding nothing admits one stream (judge: liveness)
         return max(0, min(room, self.trusted_streams() - len(streams)))
 
     def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0,

@@ -198,7 +198,23 @@ def test_alone_is_judged_against_the_nominal_budget_not_the_shrunk_one() -> None
         model.observe(1, 0, 30.0)  # 2x under-predicted: the budget shrinks to 10 ms
     assert adm.budget_ms() == pytest.approx(10.0)
     assert adm.alone_fits(HeldStream(1, 10)).admit          # 15 ms alone: servable (a retry, not a 4xx)
-    assert not adm.judge([], HeldStream(1, 10)).admit       # but not admitted now
+    assert not adm.judge([], HeldStream(1, 10)).admit       # the projection alone would not admit it now
+
+
+def test_an_engine_holding_nothing_admits_one_stream_whatever_its_model_says() -> None:
+    """Liveness: an idle engine takes no steps, so a budget shrunk below one stream's step
+    (a burst of slow steps) would refuse every retry forever. Empty, it admits one stream
+    (its steps refit the model); holding one, the projection decides again."""
+    model = StepModel(StepCoefficients(base_ms=0.0, per_stream_ms=15.0, per_token_ms=0.0), refit_every=10_000)
+    ctl = AdmissionControl(RateFloorAdmission(model, floor_fps=50.0, margin=0.0), HeldStream(1, 10))
+    for _ in range(64):
+        model.observe(1, 0, 30.0)  # the budget shrinks to 10 ms: one 15-ms stream is over it
+    v = ctl.judge([], 1, 10)
+    assert v.admit and v.idle and v.worst_ms > v.budget_ms
+    assert ctl.headroom([]) == 1  # what /v1/load and the router see for an idle engine
+    held = ctl.judge([(1, 10)], 1, 10)
+    assert not held.admit and not held.idle
+    assert ctl.headroom([(1, 10)]) == 0
 
 
 def test_a_stream_between_take_incoming_and_running_still_counts_as_held() -> None:

@@ -192,13 +192,16 @@ def test_without_a_fit_file_it_holds_only_what_its_widest_step_vouches_for() -> 
 def test_a_stream_refused_only_by_the_shrunk_budget_is_a_retry_not_a_4xx(engine) -> None:
     """The model under-predicted lately (observed 3x its prediction): the budget shrinks
     to a third, and even one stream does not fit it; that is RATE_FLOOR (try again), not
-    INVALID, which says the stream can never be served."""
+    INVALID, which says the stream can never be served. (The first stream of an idle
+    engine is admitted whatever the budget: test_admission's liveness rule.)"""
     e, steps = engine
     for _ in range(32):
         steps.observe(1, 100, 3 * steps.predict(1, 100))
     replies: dict[int, pb.SubmitReply] = {}
-    e.submit(job(1, replies, frames=2000))  # 80 + 0.04 x 2064 = 163 ms at its end: within 214, not 71
-    assert replies[1].status == pb.RATE_FLOOR, replies[1]
+    e.submit(job(1, replies, frames=2000))  # idle: admitted against the projection
+    assert replies == {}
+    e.submit(job(2, replies, frames=2000))  # 80 + 0.04 x 2064 = 163 ms at its end: within 214, not 71
+    assert replies[2].status == pb.RATE_FLOOR, replies[2]
 
 
 def test_the_projection_carries_the_prompt_rows_each_step_has_computed_lately(engine) -> None:
