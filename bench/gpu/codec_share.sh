@@ -20,7 +20,8 @@ code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"; tail -8 "$OUT/pytest.tx
 rm -f "$OUT/pytest.txt"
 timeout 100 python3 -m pdunit.bench.step --batches 256 --contexts 1024 --overlap on --iters 10 --warmup 2 \
   --compare= --machine-tag "$gpu-d256-$tag" --out "$OUT" > "$OUT/step.log" 2>&1
-echo "step rc=$?" >> "$OUT/report.txt"
+code=$?; echo "step rc=$code" >> "$OUT/report.txt"
+[ "$code" -eq 0 ] || tail -20 "$OUT/step.log" >> "$OUT/report.txt"
 d_ms=$(python3 - "$OUT" <<'PY'
 import glob, json, sys
 doc = json.load(open(sorted(glob.glob(f"{sys.argv[1]}/step-*.json"))[-1]))
