@@ -1,15 +1,12 @@
-"""The synthetic step cost of tests and benchmarks (`--synthetic-step-ms`): every step of
-D or the monolith that decodes or prefills is padded, by sleeping, to
-base + per_stream x decoding streams + per_row x prompt rows (ms), so that a step's time
-is a known function of its batch, and the model's own CPU time (small, and moving 2-3x
-with a shared machine's load) is a minor part of it. A step already longer than its
-pad is left as it is.
+"""The synthetic step cost of tests and benchmarks (`--synthetic-step-ms`): each step of
+D or the monolith that decodes or prefills sleeps until it lasts base + per_stream x
+streams + per_row x prompt rows (ms), so a step's time is a known function of its batch
+and the model's own CPU time (moving 2-3x with a shared machine's load) a minor part.
 
-Owns the flag, the pad and its gauge. Must never be on in a pod: off by default, and
-when on the engine logs it at start (besides the resolved config) and exports
-`pdunit_synthetic_step_ms{term}`, so a figure measured with it is never taken for the
-model's. It sleeps on the step-loop thread only, releasing the GIL, so the engine's
-gRPC handlers run meanwhile as they do during a forward.
+Owns the flag, the pad and its gauge. Must never be on in a pod unseen: off by default,
+logged at start and exported (`pdunit_synthetic_step_ms{term}`) when on, so a figure
+measured with it is never taken for the model's. It sleeps on the step-loop thread only
+(the GIL released: gRPC handlers run meanwhile); a longer step is left as it is.
 """
 
 from __future__ import annotations
