@@ -16,12 +16,20 @@ torch.set_num_threads(1)
 SHARED_SESSION_FIXTURES = ("control_plane",)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    loadgroup = bool(getattr(config.option, "loadgroup", False))  # set on xdist's workers
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         shared = [name for name in SHARED_SESSION_FIXTURES if name in fixtures]
         group = shared[0] if shared else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+        if loadgroup and "@" not in item.nodeid:
+            # xdist's loadgroup scheduler groups by an "@group" suffix of the node id,
+            # which pytest-xdist 3.8 writes to `_nodeid` while pytest 9.2 reads `_id`
+            # (pytest-xdist issue 1386): without this, nothing was grouped.
+            attr = "_id" if hasattr(item, "_id") else "_nodeid"
+            setattr(item, attr, f"{item.nodeid}@{group}")
 
 
 @pytest.fixture
