@@ -2,13 +2,12 @@
 
 Owns the small per-layer steps the torch reference spreads over many launches (a decode
 step of the 4B shape would launch thousands of kernels): `rms_norm`, `add_rms_norm`,
-`qk_norm_rope_store` (q/k norm and RoPE, K and V stored at `write_slots`, a negative slot
-storing nothing) and `silu_mul`; the norms and `silu_mul` can write e4m3 rows for an fp8
-prefill (`quant=True`). Each rounds to the model dtype where engine/model/transformer.py's
-reference does, float32 in between, so the two differ only by summation order. Must never
-allocate pool slots or read anything but its arguments. Each kernel's contract:
-docs/performance.md, "Kernel notes".
-"""
+`qk_norm_rope_store` (q/k norm where the model has it, RoPE, K and V stored at
+`write_slots`, a negative slot storing nothing) and `silu_mul`; the norms and `silu_mul`
+can write e4m3 rows for an fp8 prefill (`quant=True`). Each rounds to the model dtype where
+engine/model/transformer.py's reference does, float32 in between, so the two differ only
+by summation order. Must never allocate pool slots or read anything but its arguments.
+Each kernel's contract: docs/performance.md, "Kernel notes"."""
 
 from __future__ import annotations
 
@@ -86,11 +85,12 @@ if triton is not None:
         stride_cos,
         eps,
         N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEADS_BLOCK: tl.constexpr, FP8: tl.constexpr,
+        HEADS_BLOCK: tl.constexpr, FP8: tl.constexpr, QK_NORM: tl.constexpr,
     ):
         # One program per (row, block of HEADS_BLOCK heads) over the q heads then the k
         # heads (a k head also moves its v head): a [heads, D/2] tile per program, where
-        # one tiny program per (row, head) ran at a third of HBM speed.
+        # one tiny program per (row, head) ran at a third of HBM speed. QK_NORM off (a
+        # Llama-style model): RoPE and the store only, QW and KW never read.
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
         HALF: tl.constexpr = HEAD_DIM // 2
@@ -103,14 +103,17 @@ if triton is not None:
         src = QKV + t * stride_t + j[:, None] * HEAD_DIM + offs[None, :]  # q heads, then k heads
         x1 = tl.load(src, mask=live[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
-        w1 = tl.where(is_q[:, None], tl.load(QW + offs).to(tl.float32)[None, :],
-                      tl.load(KW + offs).to(tl.float32)[None, :])
-        w2 = tl.where(is_q[:, None], tl.load(QW + HALF + offs).to(tl.float32)[None, :],
-                      tl.load(KW + HALF + offs).to(tl.float32)[None, :])
         dt = Qout.dtype.element_ty
-        n1 = (x1 * rstd[:, None] * w1).to(dt).to(tl.float32)
-        n2 = (x2 * rstd[:, None] * w2).to(dt).to(tl.float32)
+        if QK_NORM:
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
+            w1 = tl.where(is_q[:, None], tl.load(QW + offs).to(tl.float32)[None, :],
+                          tl.load(KW + offs).to(tl.float32)[None, :])
+            w2 = tl.where(is_q[:, None], tl.load(QW + HALF + offs).to(tl.float32)[None, :],
+                          tl.load(KW + HALF + offs).to(tl.float32)[None, :])
+            n1 = (x1 * rstd[:, None] * w1).to(dt).to(tl.float32)
+            n2 = (x2 * rstd[:, None] * w2).to(dt).to(tl.float32)
+        else:  # the projection's model-dtype values, as the reference ropes them
+            n1, n2 = x1, x2
         o1 = (n1 * cos - n2 * sin).to(dt)
         o2 = (n2 * cos + n1 * sin).to(dt)
         q_mask = (is_q & live)[:, None]
@@ -206,8 +209,8 @@ def add_rms_norm(
 
 def qk_norm_rope_store(
     qkv: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -221,8 +224,13 @@ def qk_norm_rope_store(
     """qkv [T, (Hq + 2 Hkv) * D] (the fused projection) -> roped q [T, Hq, D]; writes the
     normed, roped K and the raw V of row t into kv_layer[0/1][write_slots[t]] unless
     write_slots[t] < 0, converted by `kv_dtype.to_kv` (kv_layer: qkv's dtype or fp8 e4m3).
-    cos/sin [max_positions, D/2] float32; positions, write_slots int64."""
-    _on_device(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, write_slots, kv_layer)
+    cos/sin [max_positions, D/2] float32; positions, write_slots int64. Both norm weights
+    None: a model without q/k norm, RoPE and the store only (K roped, not normed)."""
+    qk_norm = q_norm_weight is not None
+    _need(qk_norm == (k_norm_weight is not None), "qk_norm_rope_store: give both q/k norm weights or neither")
+    qw = q_norm_weight if q_norm_weight is not None else qkv  # never read without q/k norm
+    kw = k_norm_weight if k_norm_weight is not None else qkv
+    _on_device(qkv, qw, kw, cos, sin, positions, write_slots, kv_layer)
     t = qkv.shape[0]
     _need(
         qkv.dim() == 2 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim and qkv.stride(1) == 1,
@@ -243,13 +251,13 @@ def qk_norm_rope_store(
     k, v = kv_layer[0], kv_layer[1]
     heads_block = 8
     _qk_norm_rope_store_kernel[(t, triton.cdiv(n_heads + n_kv_heads, heads_block))](
-        qkv, q_norm_weight, k_norm_weight, cos, sin, positions, write_slots, q, k, v,
+        qkv, qw, kw, cos, sin, positions, write_slots, q, k, v,
         qkv.stride(0), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0),
         eps,
         N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, HEADS_BLOCK=heads_block,
-        FP8=kv_layer.dtype == FP8_KV, num_warps=4,
+        FP8=kv_layer.dtype == FP8_KV, QK_NORM=qk_norm, num_warps=4,
     )
     return q
 

@@ -67,8 +67,8 @@ class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticS
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool | None = Field(None, description="replay captured CUDA graphs for decode steps (one per "
                                      "batch bucket); default on where the model takes the GPU path (CUDA, bf16 or "
-                                     "fp16, a model form the kernels run), else off; asking for them elsewhere (a "
-                                     "csm model, CPU) is an error")
+                                     "fp16, any family), else off; asking for them elsewhere (CPU, float32/64) is an "
+                                     "error")
     overlap: bool | None = Field(None, description="overlap scheduling: queue decode step n+1 before step n's "
                                  "frames reach the host (same frames); default: on when the model takes the GPU "
                                  "path, off on CPU (--overlap turns it on there too)")

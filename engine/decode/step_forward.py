@@ -29,7 +29,7 @@ GRAPH_STEPS = role_metric(Counter("pdunit_decode_graph_steps_total", "Decode-ste
 
 def resolve_decode_graphs(flag: bool | None, model: TTSModel) -> bool:
     """`--cuda-graphs` of D and the monolith: default (None) on where the model takes its
-    GPU path, silently off elsewhere (CPU, a model form without graphs); asked for
+    GPU path (any family), silently off elsewhere (CPU, float32/64); asked for
     (True) where they cannot be captured, a ValueError naming the flag and the reason
     (engine/model/cuda_graphs.py `decode_graphs_refusal`), as `--prefill-graphs` is."""
     if flag is None:

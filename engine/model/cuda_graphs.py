@@ -39,12 +39,8 @@ class _Graph:
 
 def decode_graphs_refusal(model: TTSModel) -> str | None:
     """Why decode CUDA graphs cannot be captured for `model` (naming `--cuda-graphs`, the
-    engines' flag), None when they can: its form (the kernels the graphs record) first,
-    then its device and dtype."""
-    if not model.kernel_form:
-        return ("decode CUDA graphs (--cuda-graphs) capture the Triton kernels, which this model's form (no q/k "
-                "norm, a family row embedding or a frame generator, e.g. csm's depth decoder) does not run: drop "
-                "--cuda-graphs (or pass --no-cuda-graphs), its decode steps run the torch reference path")
+    engines' flag), None when they can: its device and dtype (every family's backbone
+    takes the GPU path; a frame generator runs after the replay, outside the graph)."""
     if not model.gpu_path:
         return ("decode CUDA graphs (--cuda-graphs) need the model's GPU path: a CUDA model in bfloat16 or float16 "
                 f"with attention_backend 'triton' (got device {model.device}, dtype {model.dtype}, backend "
@@ -136,7 +132,8 @@ class DecodeGraphRunner:
         return None
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n_seqs, C, V_max] float32 (a fresh tensor) of `batch`, replaying a
+        """`model.forward`'s output (a fresh tensor: logits [n_seqs, C, V_max] float32, or
+        a frame generator's hidden states [n_seqs, hidden]) of `batch`, replaying a
         graph when every sequence has one new token and it fits a bucket and
         max_context, else `model.forward`. Batch tensors may live on the CPU."""
         n = len(batch.query_lens)

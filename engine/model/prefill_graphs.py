@@ -45,12 +45,6 @@ class PrefillGraphRunner:
     ) -> None:
         from pdunit.kernels.paged_attention import HALF_DTYPES, INTERPRET
 
-        if not model.kernel_form:
-            raise ValueError(
-                "prefill graphs (--prefill-graphs) capture the Triton kernels, which this model's form "
-                "(no q/k norm, a family row embedding or a frame generator) does not run: drop "
-                "--prefill-graphs, it runs the torch reference path"
-            )
         if model.dtype not in HALF_DTYPES or not (model.device.type == "cuda" or (INTERPRET and not capture)):
             raise ValueError(
                 "PrefillGraphRunner needs the model's GPU path: a CUDA model in bfloat16 or float16 "
@@ -128,7 +122,8 @@ class PrefillGraphRunner:
         return next((b for b in self.sizes if b >= rows and self._fp8[b] == fp8), None)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n_seqs, C, V_max] float32 (a fresh tensor) of `batch`: a replay when a
+        """`model.forward`'s output (a fresh tensor: logits [n_seqs, C, V_max] float32, or
+        a frame generator's hidden states [n_seqs, hidden]) of `batch`: a replay when a
         bucket covers it, else `model.forward`. Batch tensors live on the CPU."""
         size = self.bucket_for(batch)
         if size is None:

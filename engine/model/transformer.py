@@ -377,10 +377,11 @@ class FrameGenerator(nn.Module, ABC):
 # RoPE scaling. A model family (engine/model/family.py) may also give `TTSModel` its row
 # embedding (`row_embedding`) and attach a `FrameGenerator`. A forward returns the head's
 # logits `[n, C, V]`, or, for a model with a frame generator, the final-norm hidden states
-# `[n, hidden]` that the generator reads (`frames` takes either). A model without q/k
-# norm, with its own row embedding or with a frame generator runs the torch reference
-# path on every device (the Triton kernels fuse q/k norm and the summed embedding; the
-# graphs capture the head).
+# `[n, hidden]` that the generator reads (`frames` takes either). Both paths (and the CUDA
+# graphs) serve every form: the fused kernel skips q/k norm where the model has none, the
+# family's row embedding runs as device ops (no host sync: capture-safe), and the GPU
+# path returns what the reference path returns. The frame generator runs after the
+# forward (`frames`, `frames_device`), outside the graphs.
 #
 # KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
 # "fp8_e4m3")`); both paths store through kernels/kv_dtype.py's saturating cast and
@@ -492,8 +493,7 @@ class TTSModel(nn.Module):
         x = self._reference_layers(batch, kv)
         last = torch.tensor(np.cumsum(batch.query_lens) - 1, dtype=torch.int64, device=x.device)
         assert int(last[-1]) == t - 1
-        h = self.norm(x[last])
-        return h if self.frame_generator is not None else self._logits(h)
+        return self._output(self.norm(x[last]))
 
     def frames(self, out: torch.Tensor, params: list[SamplingParams], frame_index: list[int]) -> np.ndarray:
         """A forward's output rows -> int32 frame rows [n, C] on the host: row i sampled
@@ -556,7 +556,8 @@ class TTSModel(nn.Module):
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T, C] -> [T, hidden]: the family's row embedding, or the sum of the
-        row's C embeddings."""
+        row's C embeddings. Both paths and the CUDA graphs run it, so a family's must be
+        device ops with shapes known on the host (no host sync, no data-dependent shape)."""
         if self.row_embedding is not None:
             return self.row_embedding(self.embed, tokens, self.codebook_offsets)
         return self.embed(tokens + self.codebook_offsets).sum(dim=1)
@@ -671,19 +672,9 @@ class TTSModel(nn.Module):
     @property
     def gpu_path(self) -> bool:
         """True when `forward` runs the Triton kernels: a CUDA model in bf16 or fp16 with
-        attention_backend "triton". Otherwise the torch reference runs (CPU always)."""
-        return (
-            self.device.type == "cuda"
-            and self.dtype in _HALF_DTYPES
-            and self.attention_backend == "triton"
-            and self.kernel_form
-        )
-
-    @property
-    def kernel_form(self) -> bool:
-        """True when the model has the form the Triton kernels and CUDA graphs implement:
-        q/k norm, the summed row embedding and every frame column from the head."""
-        return self.config.qk_norm and self.row_embedding is None and self.frame_generator is None
+        attention_backend "triton", of any family. Otherwise the torch reference runs (CPU
+        always)."""
+        return self.device.type == "cuda" and self.dtype in _HALF_DTYPES and self.attention_backend == "triton"
 
     def sm_count(self) -> int:
         if not self._sm_count:
@@ -745,7 +736,7 @@ class TTSModel(nn.Module):
             return out
 
         h = self._gpu_layers(tokens, positions, write_slots, kv, attend, self._fp8_forward(batch))
-        return self._logits(h[last])
+        return self._output(h[last])
 
     def prefill_step(
         self,
@@ -767,15 +758,17 @@ class TTSModel(nn.Module):
         writes no K/V: padding rows); the attention plan of kernels/prefill_attention.py
         (table, ctx_len, q_len, q_start; a sequence with q_len 0 is padding);
         last [S] int64, the row whose logits each sequence returns; `max_q_len` sizes
-        the attention grid; `fp8` picks the GEMM precision. Returns [S, C, V_max]
-        float32. Rows that belong to no sequence are computed and never read."""
+        the attention grid; `fp8` picks the GEMM precision. Returns what `forward`
+        returns for S sequences: logits [S, C, V_max] float32, or with a frame generator
+        the final-norm hidden states [S, hidden]. Rows that belong to no sequence are
+        computed and never read."""
         from pdunit.kernels.prefill_attention import paged_prefill_attention
 
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(q)
             return paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
 
-        return self._logits(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
+        return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
 
     def decode_step(
         self,
@@ -790,15 +783,16 @@ class TTSModel(nn.Module):
         """The GPU decode step on device tensors only (no host sync, no host copies: safe
         to capture in a CUDA graph): one new token per sequence, tokens [B, C] int64,
         positions and write_slots [B] int64 (a negative slot writes no K/V: padding),
-        table int32 [B, W] and lengths int32 [B] (the new token included). Returns the
-        logits [B, C, V_max] float32."""
+        table int32 [B, W] and lengths int32 [B] (the new token included). Returns what
+        `forward` returns: the logits [B, C, V_max] float32, or with a frame generator the
+        final-norm hidden states [B, hidden] (its frames are made after the step)."""
         from pdunit.kernels.paged_attention import paged_decode_attention
 
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             return paged_decode_attention(q, kv_layer, table, lengths, n_splits)
 
         fp8 = self.decode_gemm == "fp8"
-        return self._logits(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8))
+        return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8))
 
     def _gpu_layers(
         self,
@@ -810,7 +804,8 @@ class TTSModel(nn.Module):
         fp8: bool = False,
     ) -> torch.Tensor:
         """Every layer, then the final norm, for every row: [T, hidden]. Each residual
-        add is fused with the norm that follows it."""
+        add is fused with the norm that follows it; q/k norm only where the model has it.
+        The row embedding (`embed_rows`, a family's included) is device ops only."""
         from pdunit.kernels.fused_ops import add_rms_norm, qk_norm_rope_store, rms_norm, silu_mul
 
         c = self.config
@@ -824,9 +819,10 @@ class TTSModel(nn.Module):
         n = len(layers)
         for i, layer in enumerate(layers):
             a, g = layer.attn, gemms[i]
-            assert a.q_norm is not None and a.k_norm is not None  # gpu_path needs q/k norm
+            qw = a.q_norm.weight if a.q_norm is not None else None
+            kw = a.k_norm.weight if a.k_norm is not None else None
             q = qk_norm_rope_store(
-                _gemm(h, g.qkv, dt), a.q_norm.weight, a.k_norm.weight, eps,
+                _gemm(h, g.qkv, dt), qw, kw, eps,
                 self.rope_cos, self.rope_sin, positions, write_slots, kv[i],
                 c.n_heads, c.n_kv_heads, c.head_dim,
             )
@@ -846,6 +842,11 @@ class TTSModel(nn.Module):
         """The head's logits of final-norm states [n, hidden] (from `hidden_states`):
         [n, head columns, V_max] float32, as `forward` returns them."""
         return self._logits(h)
+
+    def _output(self, h: torch.Tensor) -> torch.Tensor:
+        """A forward's output of final-norm last-row states h [n, hidden], on either
+        path: the head's logits, or h itself for the frame generator."""
+        return h if self.frame_generator is not None else self._logits(h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[n, hidden] last-row states -> logits [n, C, V_max] float32; columns with a

@@ -66,7 +66,7 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, C
     max_batch: int = Field(512, gt=0, description="streams per decode step (the largest decode graph bucket)")
     cuda_graphs: bool | None = Field(None, description="replay captured CUDA graphs for decode-only steps, as D's "
                                      "--cuda-graphs: default on where the model takes the GPU path, else off; asking "
-                                     "for them elsewhere (a csm model, CPU) is an error")
+                                     "for them elsewhere (CPU, float32/64) is an error")
     overlap: bool | None = Field(None, description="overlap scheduling, as D's: queue step n+1 (decode-only, mixed "
                                  "or prefill-only) before step n's frames reach the host (same frames); default: "
                                  "on when the model takes the GPU path, off on CPU (--overlap turns it on there too)")

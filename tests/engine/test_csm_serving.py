@@ -31,7 +31,7 @@ from pdunit.engine.lb.load import LoadDocument
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
-from pdunit.engine.prefill.runner import PrefillChunk, run_forward, run_prefill
+from pdunit.engine.prefill.runner import PrefillChunk, run_prefill
 from tests.engine.test_csm_family import AUDIO_TOKEN, K, oracle_embeds, rows, saved, tiny_csm
 
 # text only, text then audio frames, audio frames only (Sesame's rows: K codes + text id)
@@ -84,8 +84,9 @@ class D:
         self.pool = PagePool(512, 4)
         self.storage = model.new_kv_storage(2048, device=model.device)
         self.batcher = DecodeBatcher(model, self.pool, self.storage, max_batch=8)
-        forward = StepForward(model, self.storage, use_graphs=True, max_batch=8)
-        self.overlap = OverlapScheduler(model, self.batcher, forward) if overlap else None
+        # D's step forward: decode graphs where the model takes the GPU path, else eager
+        self.forward = StepForward(model, self.storage, use_graphs=True, max_batch=8)
+        self.overlap = OverlapScheduler(model, self.batcher, self.forward) if overlap else None
 
     def run(self, prompts: list[np.ndarray], params: list[SamplingParams]) -> tuple[list[np.ndarray], list[int]]:
         """Every prompt's frame rows [n, K+1] and its last finish code; all prompts join at once."""
@@ -118,7 +119,7 @@ class D:
         streams, entries = b.decode_entries()
         if not streams and not new:
             return None
-        return b.apply(streams, run_forward(self.model, self.storage, entries) if entries else None, new)
+        return b.apply(streams, self.forward(entries) if entries else None, new)
 
 
 def csm(directory: Path) -> TTSModel:
@@ -167,8 +168,9 @@ def test_seeded_sampling_repeats_and_follows_the_seed(checkpoint: tuple[Path, An
 
 @pytest.mark.gpu
 def test_csm_on_cuda_makes_the_cpus_frames_plain_and_overlapped() -> None:
-    """The reference path on CUDA (csm has no kernel form): float64 frames equal the
-    CPU's, greedy and seeded; in bf16 the overlap scheduler's frames equal the plain loop's."""
+    """On CUDA in float64 (the reference path) the frames equal the CPU's, greedy and
+    seeded; in bf16 (the Triton backbone, D's decode graphs, the depth decoder after each
+    replay) the overlap scheduler's frames equal the plain loop's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     prompts = [np.concatenate([np.full((n, 4), 31), np.arange(n)[:, None] % 60], axis=1) for n in (9, 23)]
@@ -177,8 +179,9 @@ def test_csm_on_cuda_makes_the_cpus_frames_plain_and_overlapped() -> None:
     for overlap in (False, True):
         gpu, _ = D(load_model("random:csm-tiny:0", device="cuda"), overlap).run(prompts, params)
         assert all(np.array_equal(a, b) for a, b in zip(cpu, gpu, strict=True)), f"overlap={overlap}"
-    plain, over = (D(load_model("random:csm-tiny:0", device="cuda", dtype="bfloat16"), o).run(prompts, params)[0]
-                   for o in (False, True))
+    units = [D(load_model("random:csm-tiny:0", device="cuda", dtype="bfloat16"), o) for o in (False, True)]
+    assert all(u.model.gpu_path and u.forward.graphs is not None for u in units)
+    plain, over = (u.run(prompts, params)[0] for u in units)
     assert all(np.array_equal(a, b) for a, b in zip(plain, over, strict=True))
 
 
@@ -194,12 +197,18 @@ def test_random_csm_tiny_builds_in_process_and_streams_audio_frame_rows() -> Non
     assert len({tuple(f) for f in frames[0].tolist()}) > 1
 
 
-def test_prefill_graphs_refuse_a_model_outside_the_kernels_form_naming_the_flag() -> None:
+def test_csm_takes_the_graphs_on_the_gpu_path_and_is_refused_them_only_off_it() -> None:
+    """csm shares the backbone's GPU path and graphs (tests/kernels/test_csm_gpu_path.py);
+    on the CPU (float64) `--cuda-graphs` and the prefill graphs are refused for the device,
+    naming the flag, as for any family."""
+    from pdunit.engine.decode.step_forward import resolve_decode_graphs
     from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 
     model = load_model("random:csm-tiny:0")
-    assert not model.kernel_form and not model.gpu_path
-    with pytest.raises(ValueError, match=r"--prefill-graphs.*frame generator.*drop --prefill-graphs"):
+    assert not model.gpu_path and not resolve_decode_graphs(None, model)
+    with pytest.raises(ValueError, match=r"--cuda-graphs.*need the model's GPU path"):
+        resolve_decode_graphs(True, model)
+    with pytest.raises(ValueError, match="PrefillGraphRunner needs the model's GPU path"):
         PrefillGraphRunner(model, model.new_kv_storage(64), capture=False)
 
 

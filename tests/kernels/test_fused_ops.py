@@ -22,7 +22,8 @@ CHECK = textwrap.dedent(
     from pdunit.kernels.fused_ops import qk_norm_rope_store
 
 
-    def check(hq, hkv, d, dtype, device):
+    def check(hq, hkv, d, dtype, device, qk_norm=True):
+        # qk_norm False: a model without q/k norm (csm's Llama backbone), RoPE + store only
         torch.manual_seed(hq * 100 + hkv)
         t, slots = 7, 32
         qkv = torch.randn(t, (hq + 2 * hkv) * d, device=device).to(dtype)
@@ -35,7 +36,10 @@ CHECK = textwrap.dedent(
         ang = torch.arange(64).double()[:, None] * (1e4 ** (-torch.arange(0, d, 2).double() / d))
         cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
         kv = torch.full((2, slots, hkv, d), 7.0, device=device).to(dtype)
-        q = qk_norm_rope_store(qkv, qn.weight, kn.weight, 1e-6, cos, sin, pos, write, kv, hq, hkv, d)
+        qw, kw = (qn.weight, kn.weight) if qk_norm else (None, None)
+        q = qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, pos, write, kv, hq, hkv, d)
+        if not qk_norm:
+            qn = kn = lambda x: x
 
         xq, xk, xv = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
         c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
@@ -49,7 +53,7 @@ CHECK = textwrap.dedent(
         tol = dict(rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(q.float(), want_q.float(), **tol)
         torch.testing.assert_close(kv.float(), want_kv.float(), **tol)  # padding rows wrote nothing
-        print("ok", hq, hkv, d, dtype)
+        print("ok", hq, hkv, d, dtype, qk_norm)
     """
 )
 
@@ -129,6 +133,20 @@ def test_qk_norm_rope_store_matches_the_reference_under_tritons_cpu_interpreter(
     assert out.count("ok") == 4, out
 
 
+def test_rope_store_without_qk_norm_matches_the_reference_under_tritons_cpu_interpreter(tmp_path: Path) -> None:
+    """A model without q/k norm (csm): the same kernel with its norm compiled out ropes
+    the raw projections (no norm applied, the weights never read) and stores as before."""
+    script = CHECK + textwrap.dedent(
+        """
+        torch.set_num_threads(1)
+        for hq, hkv, dtype in [(4, 2, torch.float16), (5, 1, torch.bfloat16), (3, 3, torch.float16)]:
+            check(hq, hkv, 16, dtype, "cpu", qk_norm=False)
+        """
+    )
+    out = run_interpreted(script, tmp_path)
+    assert out.count("ok") == 3 and out.count("False") == 3, out
+
+
 @gpu
 def test_qk_norm_rope_store_matches_the_reference_on_gpu() -> None:
     scope: dict = {}
@@ -136,6 +154,7 @@ def test_qk_norm_rope_store_matches_the_reference_on_gpu() -> None:
     for hq, hkv in [(32, 8), (5, 1), (16, 8)]:
         for dtype in (torch.bfloat16, torch.float16):
             scope["check"](hq, hkv, 128, dtype, "cuda")
+            scope["check"](hq, hkv, 64, dtype, "cuda", qk_norm=False)
 
 
 def test_input_checks_format_their_message_only_when_they_fail():
