@@ -169,3 +169,13 @@ def test_input_checks_format_their_message_only_when_they_fail():
         _on_device(torch.zeros(2), torch.zeros(2))
     with pytest.raises(ValueError, match="fused op input on cpu"):
         rms_norm(torch.zeros(2, 4), torch.ones(4), 1e-6)
+
+
+def test_qk_norm_rope_store_takes_both_norm_weights_or_neither():
+    import pytest
+
+    from pdunit.kernels.fused_ops import qk_norm_rope_store
+
+    z = torch.zeros(1, 48)
+    with pytest.raises(ValueError, match="give both q/k norm weights or neither"):
+        qk_norm_rope_store(z, torch.ones(16), None, 1e-6, z, z, z, z, z, 1, 1, 16)
