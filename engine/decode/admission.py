@@ -292,11 +292,21 @@ class RateFloorAdmission:
             return self.nominal_budget_ms()
         return self.nominal_budget_ms() / max(1.0, self.model.under_prediction(self.error_quantile))
 
-    def judge(self, held: Iterable[HeldStream], new: HeldStream, prefill_rows: float = 0.0) -> Verdict:
+    def coefficients(self, stall_ms_per_stream: float = 0.0) -> StepCoefficients:
+        """The model's terms, each stream charged `stall_ms_per_stream` more: the steps
+        that are not its own but that it waits for (the prefill-first monolith's prefill
+        steps, per decoding stream)."""
+        coef = self.model.coefficients
+        if stall_ms_per_stream <= 0:
+            return coef
+        return replace(coef, per_stream_ms=coef.per_stream_ms + stall_ms_per_stream)
+
+    def judge(self, held: Iterable[HeldStream], new: HeldStream, prefill_rows: float = 0.0,
+              stall_ms_per_stream: float = 0.0) -> Verdict:
         """`prefill_rows`: prompt rows every step is expected to carry (a monolith's
-        mixed steps, or its prefill steps between decode steps, as a mean per step)."""
+        mixed steps, as a mean per step); `stall_ms_per_stream`: see `coefficients`."""
         streams = list(held) + [new]
-        worst, at = worst_step(self.model.coefficients, streams, prefill_rows)
+        worst, at = worst_step(self.coefficients(stall_ms_per_stream), streams, prefill_rows)
         budget = self.budget_ms()
         return Verdict(worst <= budget, worst, budget, at)
 
@@ -313,11 +323,12 @@ class RateFloorAdmission:
         smallest, _ = worst_step(self.model.coefficients, [HeldStream(1, 1, new.audio)])
         return Verdict(False, worst, budget, at, engine_bound=smallest > budget)
 
-    def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096) -> int:
+    def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096,
+                 stall_ms_per_stream: float = 0.0) -> int:
         """How many more streams like `typical` would be admitted now (binary search)."""
         held = list(held)
         budget = self.budget_ms()
-        coef = self.model.coefficients
+        coef = self.coefficients(stall_ms_per_stream)
 
         def fits(k: int) -> bool:
             return worst_step(coef, held + [typical] * k)[0] <= budget
@@ -357,6 +368,11 @@ class AdmissionControl:
         # `export_for`'s last answer and the key it was computed for
         self._exported: tuple[Hashable, int] | None = None
         self.headroom_computations = 0
+        # ms per decoding stream of the steps its streams wait for that are not theirs,
+        # recently (the prefill-first monolith's prefill steps: `observe_stall`); every
+        # projected stream is charged it
+        self._stalls: deque[tuple[float, int]] = deque(maxlen=256)  # (stall ms, streams) per decode step
+        self.stall_ms_per_stream = 0.0
 
     @property
     def model(self) -> StepModel:
@@ -378,7 +394,8 @@ class AdmissionControl:
         if len(streams) >= trusted:  # beyond what the model has seen: not judged by it at all
             v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
         else:
-            v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows)
+            v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows,
+                                     self.stall_ms_per_stream)
             if not v.admit and not streams:
                 # Liveness: an engine that holds nothing takes no steps, so a model (or a
                 # budget shrunk by its error) that refuses one stream would never see the
@@ -406,7 +423,7 @@ class AdmissionControl:
     def headroom(self, held: Iterable[tuple[int, ...]]) -> int:
         self.headroom_computations += 1
         streams = [held_stream(h) for h in held]
-        room = self.admission.headroom(streams, self.typical())
+        room = self.admission.headroom(streams, self.typical(), stall_ms_per_stream=self.stall_ms_per_stream)
         if not streams:
             room = max(room, 1)  # an engine holding nothing admits one stream (judge: liveness)
         return max(0, min(room, self.trusted_streams() - len(streams)))
@@ -422,6 +439,19 @@ class AdmissionControl:
             codec_ms = codec.seconds * 1000
             self.model.observe_codec(codec.audio_streams, codec_ms)
         self.model.observe(streams, context_tokens, max(0.0, ms - codec_ms), prefill_rows)
+
+    def observe_stall(self, stall_ms: float, streams: int) -> None:
+        """One decode step of `streams` streams that waited `stall_ms` since the previous
+        one for steps not theirs (the prefill-first monolith's prefill-only steps): over
+        the last 256 decode steps, their waits over their streams become
+        `stall_ms_per_stream`."""
+        if streams <= 0:
+            return
+        with self._lock:
+            self._stalls.append((max(0.0, stall_ms), streams))
+            # the waits over the stream-steps that saw them: a decode step of few streams
+            # (a ramp's start) weighs as little as it decodes
+            self.stall_ms_per_stream = sum(s for s, _ in self._stalls) / sum(n for _, n in self._stalls)
 
     def export_for(self, key: Hashable, held: Callable[[], Iterable[tuple[int, ...]]]) -> int:
         """`export` at most once per `key`: the engine's step and the version of its held
@@ -445,6 +475,7 @@ class AdmissionControl:
         c = self.model.coefficients
         for term in TERMS:
             m.D_STEP_MODEL_MS.labels(term=term).set(getattr(c, term))
+        m.D_STEP_MODEL_MS.labels(term="stall_per_stream_ms").set(self.stall_ms_per_stream)
         m.D_STEP_MODEL_ERROR.set(self.model.under_prediction())
         return headroom
 

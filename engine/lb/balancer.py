@@ -568,9 +568,7 @@ class LoadBalancer:
                     504, "deadline_exceeded",
                     f"P did not answer within the request deadline ({self.config.request_deadline_ms} ms)",
                 )
-            reply = self._submit_reply(submit)
-            stream.stamps["lb_submit_returned"] = now_ns()
-            stream.stamps.update(reply.stamps.ns)
+            reply = self._submit_reply(submit, stream)
             stream.prefill_tokens, stream.cached_tokens = reply.prefill_tokens, reply.cached_tokens
             if not first_event.done():
                 await asyncio.wait({first_event}, timeout=max(0.001, (deadline_ns - now_ns()) / 1e9))
@@ -593,8 +591,9 @@ class LoadBalancer:
         status, retry = FAILURE_HTTP.get(event.code, (502, False))
         return StreamStartError(status, event.code, event.message, retry)
 
-    def _submit_reply(self, submit: asyncio.Future) -> pb.SubmitReply:
-        """P's answer, or the StreamStartError that says why there is none."""
+    def _submit_reply(self, submit: asyncio.Future, stream: Stream) -> pb.SubmitReply:
+        """P's answer, or the StreamStartError that says why there is none. An answer's
+        stamps (a refusal's too) join the stream's."""
         try:
             reply = submit.result()
         except grpc.aio.AioRpcError as exc:
@@ -616,6 +615,8 @@ class LoadBalancer:
             raise StreamStartError(
                 502, "prefill_error", f"P's Submit failed: {code.name}: {exc.details()}"
             ) from None
+        stream.stamps["lb_submit_returned"] = now_ns()
+        stream.stamps.update(reply.stamps.ns)
         if reply.status != pb.STATUS_OK:
             status, retry = SUBMIT_STATUS_HTTP.get(reply.status, (502, False))
             name = (
@@ -633,7 +634,10 @@ class LoadBalancer:
         if self.table.close(stream.request_id) is None:
             return  # already finished
         assert self.unit is not None
-        if outcome not in NORMAL_END:
+        # a unit that answered RATE_FLOOR holds nothing for the stream (docs/admission.md):
+        # no Cancel for it, two RPCs fewer per refusal to an engine that is full
+        refused = outcome == "rate_floor" and "lb_submit_returned" in stream.stamps
+        if outcome not in NORMAL_END and not refused:
             self.unit.cancel(
                 stream.request_id, self.config.cancel_timeout_ms / 1000, decode=stream.decode
             )
@@ -654,12 +658,24 @@ class LoadBalancer:
             ttft = (stamps["lb_first_frame_out"] - stamps["lb_received"]) / 1e9
             self.metrics.ttft_seconds.observe(ttft)
             extra["ttft_ms"] = round(ttft * 1000, 3)
+        if outcome == "rate_floor":
+            self._observe_refusal(stream, extra)
         if outcome in NORMAL_END:
             self.metrics.observe_stages(stamps)
             self._observe_playback(stream, extra)
             log.info("stream ended", extra=extra)
         else:
             log.warning("stream failed", extra=extra)
+
+    def _observe_refusal(self, stream: Stream, extra: dict[str, Any]) -> None:
+        """A rate-floor refusal: how long it took (`pdunit_lb_refusal_seconds`) and, in its
+        log line, the gap to each stage stamp (LB, P / the monolith, D) on its way."""
+        stamps = stream.stamps
+        now = now_ns()
+        self.metrics.refusal_seconds.observe(max(0, now - stamps["lb_received"]) / 1e9)
+        ordered = sorted([*stamps.items(), ("lb_answered", now)], key=lambda kv: kv[1])
+        extra["stages_ms"] = {name: round((at - before) / 1e6, 3)
+                              for (_, before), (name, at) in zip(ordered, ordered[1:], strict=False)}
 
     def _observe_playback(self, stream: Stream, extra: dict[str, Any]) -> None:
         if not stream.frame_out_ns or "lb_received" not in stream.stamps:

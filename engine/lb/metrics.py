@@ -72,6 +72,13 @@ class LBMetrics:
             buckets=STAGE_BUCKETS,
             registry=registry,
         )
+        self.refusal_seconds = Histogram(
+            "pdunit_lb_refusal_seconds",
+            "LB receive -> a rate-floor refusal answered (503 rate_floor + Retry-After); each "
+            "one's stage gaps are in its 'stream failed' log line (stages_ms)",
+            buckets=STAGE_BUCKETS,
+            registry=registry,
+        )
         self.ttft_seconds = Histogram(
             "pdunit_lb_ttft_seconds",
             "LB receive -> first frame written to the client",

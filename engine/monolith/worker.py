@@ -157,6 +157,9 @@ class MonolithEngine:
         # step carries, as the decoding streams see it.
         self._rows_per_step: deque[int] = deque(maxlen=256)
         self._rows_since_decode = 0
+        # prefill-first: ms of prefill-only steps since the previous decode step while
+        # streams were decoding (they waited for them): admission's stall charge
+        self._stall_ms = 0.0
         self.loop = StepLoop("monolith", self._step_once, model.device)
         self.step_pad = StepPad()  # --synthetic-step-ms (tests and benchmarks; engine/step_pad.py): off
         self.codec = codec
@@ -226,11 +229,16 @@ class MonolithEngine:
         return verdict.admit
 
     def prefill_rows_per_step(self) -> float:
-        """The prompt rows admission charges every projected step: the recent mean per
-        decode step; under `budget`, one minimum chunk (the policy shrinks a step's prompt
-        rows to what the floor leaves, so only the chunk that always runs is load)."""
+        """The prompt rows admission charges every projected step: under `chunked`, the
+        recent mean per decode step; under `budget`, one minimum chunk (the policy shrinks a
+        step's prompt rows to what the floor leaves, so only the chunk that always runs is
+        load); under `prefill-first` none: its prompts run in steps of their own, whose
+        whole time (base and rows) the decoding streams wait for, charged per stream as
+        measured (AdmissionControl.observe_stall)."""
         if self.row_budget is not None:
             return float(self.row_budget.block_rows)
+        if self.policy == "prefill-first":
+            return 0.0
         steps = list(self._rows_per_step)
         return sum(steps) / len(steps) if steps else 0.0
 
@@ -563,9 +571,14 @@ class MonolithEngine:
             self.row_budget.observe(rows)
         if self.admission is not None:
             self._rows_since_decode += rows
+            if not streams and len(self.batcher):  # a prefill-only step its decoding streams wait for
+                self._stall_ms += seconds * 1000
             if streams:
                 self._rows_per_step.append(self._rows_since_decode)
                 self._rows_since_decode = 0
+                if self.policy == "prefill-first":
+                    self.admission.observe_stall(self._stall_ms, streams)
+                self._stall_ms = 0.0
             self.admission.observe(streams, context_tokens, seconds * 1000, rows, codec=codec)
 
     # ------------------------------------------------------------------ info

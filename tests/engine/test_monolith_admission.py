@@ -30,6 +30,7 @@ from pdunit.engine.decode.admission import (
     StepCoefficients,
     StepModel,
 )
+from pdunit.engine.decode.batcher import Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.local import LocalConfig, LocalUnit
@@ -204,9 +205,12 @@ def test_a_stream_refused_only_by_the_shrunk_budget_is_a_retry_not_a_4xx(engine)
     assert replies[2].status == pb.RATE_FLOOR, replies[2]
 
 
-def test_the_projection_carries_the_prompt_rows_each_step_has_computed_lately(engine) -> None:
-    """Prompt rows cost 0.5 ms each: with 100 rows per decode step lately (50 ms more per
-    step), two streams no longer fit where without them they did."""
+def test_the_projection_carries_the_prompt_load_each_step_has_seen_lately(engine) -> None:
+    """Chunked: prompt rows cost 0.5 ms each, and with 100 rows per decode step lately (50
+    ms more per step) two streams no longer fit where without them they did.
+    Prefill-first: its prompts run in steps of their own that the decoding streams wait
+    for, 25 ms per decoding stream per decode step lately (the prefill steps' whole time,
+    base and rows): the same two streams no longer fit."""
     e, steps = engine
     steps.coefficients = StepCoefficients(0.0, 80.0, 0.04, per_row_ms=0.5)
     replies: dict[int, pb.SubmitReply] = {}
@@ -214,9 +218,32 @@ def test_the_projection_carries_the_prompt_rows_each_step_has_computed_lately(en
     e.submit(job(2, replies))
     assert replies == {}
     assert e.cancel(2)
-    e._rows_per_step.extend([100] * 8)
+    if e.policy == "chunked":
+        e._rows_per_step.extend([100] * 8)
+    else:
+        assert e.prefill_rows_per_step() == 0.0  # the rows are in the stall
+        for _ in range(8):
+            e.admission.observe_stall(50.0, 2)
+        assert e.admission.stall_ms_per_stream == 25.0
     e.submit(job(3, replies))
     assert replies[3].status == pb.RATE_FLOOR, replies[3]
+
+
+def test_prefill_first_measures_the_prefill_steps_its_decoding_streams_wait_for(engine) -> None:
+    """A prefill step while nothing decodes stalls nobody; two prefill-only steps (30 and
+    20 ms) while streams decode, then a decode step of 2 streams: 50 ms waited over the 3
+    stream-steps of the two decode steps."""
+    e, _ = engine
+    if e.policy != "prefill-first":
+        pytest.skip("chunked steps carry their prompt rows: no stall")
+    e._observe(0, 0, 0.5, rows=64)  # nothing decoding: nobody waits
+    e._observe(1, 65, 0.08, rows=0)
+    assert e.admission.stall_ms_per_stream == 0.0
+    e.batcher.admit(Stream(7, ROWS, SamplingParams(max_frames=FRAMES), np.zeros(11, np.int32)))  # decoding
+    e._observe(0, 0, 0.030, rows=64)
+    e._observe(0, 0, 0.020, rows=64)
+    e._observe(2, 130, 0.08, rows=0)
+    assert e.admission.stall_ms_per_stream == pytest.approx(50 / 3)  # 50 ms over 1 + 2 stream-steps
 
 
 def post(url: str, prompt: list[list[int]], frames: int) -> tuple[int, str | None, dict]:

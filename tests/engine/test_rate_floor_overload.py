@@ -1,34 +1,14 @@
 """The overload of issue 24, on CPU with the tiny model: many closed-loop streams on one
-unit. Without admission every stream is admitted and all of them fall under the
-floor; with rate-floor admission the unit refuses instead (503 + Retry-After,
-`rate_floor`), every admitted stream keeps the floor without a stall, nothing stays
-held, and the frames/s of the streams that met the floor (goodput) is higher than
-without admission.
-
-The steps cost what the test says: the monolith pads each step to a synthetic cost
-(`--synthetic-step-ms`, engine/step_pad.py: BASE + PER_STREAM x streams + PER_ROW x
-prompt rows ms), several times the tiny model's own CPU time at the batches admission
-keeps (6-10 ms a decode step at 1-16 streams on the shared 2-core machine, moving 2-3x,
-at worst 6x, as other work takes the cores; a prefill step of a few prompts as much as
-the pad's base). A step's time is then a function of its batch whatever the machine's
-load, the admission's step model learns it online from the engine's own steps (no fit
-file; decode and prefill terms), and what this test judges is admission, not the
-machine's weather. The unit is the monolith, prefill-first (the `pdunit local`
-default): its prefill steps stall the decoding streams, which the projection charges
-only by their rows (not a prefill step's base), so the margin keeps a fifth of the
-budget free (--floor-margin 0.2).
-
-The floor is measured, not assumed: the rate two streams reach and the overload's p50
-rate without admission, and the floor between them (their geometric mean). Playback is
-judged at half the floor (the floor is twice the codec's frame rate). The admission
-unit warms up on a few staggered streams first, so that it judges by a step model
-fitted from its own steps of several batch sizes; its cold-start limit is raised to the
-overload (--cold-streams), so that the projection alone decides who is admitted: an
-admission that admits too many fails here, not only one that is off. The best fixed
-concurrency (the most streams whose step keeps the floor, on the line through the two
-measured rates) is run too and its goodput printed beside admission's, not judged:
-admission keeps its margin free and charges a prompt's rows to every step, a fixed
-concurrency at the edge does neither (issue 24 asks for parity; not met).
+unit, the monolith (prefill-first) with every step padded to a synthetic cost
+(`--synthetic-step-ms`, engine/step_pad.py), so a step's time is a known function of its
+batch whatever the machine's load. Admission learns it online (no fit file); its margin
+is 0 (the model's measured error is the only slack). The floor is measured (between the
+rates 2 and 16 streams reach), then the best fixed concurrency that keeps it is found
+(from the line through those rates, then one up or down), and the same overload with
+admission: every admitted stream at or above the floor, no stall, each refusal a 503
+`rate_floor` with Retry-After answered in < 50 ms at p99 (the LB's
+`pdunit_lb_refusal_seconds`), nothing held, and goodput >= GOODPUT_TOLERANCE x the best
+fixed concurrency's. Levels are staggered and several stream lives long: steady state.
 """
 
 from __future__ import annotations
@@ -38,6 +18,7 @@ import math
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from pdunit.bench.capacity import run_capacity
@@ -49,19 +30,24 @@ from pdunit.engine.settings import parse_config
 from pdunit.engine.step_pad import SYNTHETIC_STEP_MS, StepPad, parse_step_pad
 from tests.engine.unit_client import load, wait_empty, wait_for
 
-OVERLOAD = 16  # closed-loop streams: three times and more what admission keeps at the floor below
+OVERLOAD = 16  # closed-loop streams: about three times what admission keeps at the floor below
 FEW = 2  # streams a floor must be sustainable for
 WARM = 4  # staggered streams the admission unit fits its step model on
-FRAMES = 30  # short streams: a stream lives about one level
-LEVEL_S = 3.0
+FRAMES = 20  # short streams: a level holds several lives of each
+LEVEL_S = 5.0
+RAMP_S = 2.0  # the workers start spread over about one stream's life: refills interleave as in steady state
 STEP_PAD = "60,7.5,0.375"  # ms: 60 + 7.5 x streams + 0.375 x prompt rows (75 ms at 2 streams, 180 at 16)
+# Admitted goodput over the best fixed concurrency's: both are one short level on a
+# shared machine, and the fixed one is the luckiest of the levels tried near the edge.
+GOODPUT_TOLERANCE = 0.9
+REFUSAL_P99_S = 0.050  # the issue's bound on a refusal's answer (LB receive -> 503)
 UNIT = dict(mode="monolith", model="random:tiny:0",
-            extra_monolith_args=["--synthetic-step-ms", STEP_PAD, "--floor-margin", "0.2", "--cold-streams",
+            extra_monolith_args=["--synthetic-step-ms", STEP_PAD, "--floor-margin", "0", "--cold-streams",
                                  str(OVERLOAD)],
             pool_tokens=32768, cache_tokens=16384, lb_port=0, guard=False, log_level="warning")
 
 
-def level(url: str, concurrency: int, floor: float, duration: float = LEVEL_S, ramp: float = 0.0) -> dict[str, Any]:
+def level(url: str, concurrency: int, floor: float, duration: float = LEVEL_S, ramp: float = RAMP_S) -> dict[str, Any]:
     """One closed-loop level judged against `floor`: its capacity row."""
     doc = run_capacity(dict(url=url, concurrency=[concurrency], duration=duration, prompt_rows=(40, 80),
                             frames=(FRAMES, FRAMES), voices=4, progress=False, min_rate=floor, fps=floor / 2,
@@ -75,6 +61,17 @@ def level(url: str, concurrency: int, floor: float, duration: float = LEVEL_S, r
     return row
 
 
+def goodput(row: dict[str, Any], floor: float) -> float:
+    """Frames/s of the streams that kept `floor` without a stall, over the level's served
+    time: from its start to the last frame of any stream (the capacity row's own figure
+    runs until every client is done, a refused one's Retry-After sleep included)."""
+    served = [s for s in row["streams"] if s["error"] is None and s["last_frame_s"] is not None]
+    if not served:
+        return 0.0
+    good = sum(s["frames"] for s in served if s["rate"] is not None and s["rate"] >= floor and not s["stalls"])
+    return good / max(s["started_s"] + s["last_frame_s"] for s in served)
+
+
 def met_floor(row: dict[str, Any]) -> bool:
     """Every served stream at or above the floor, no stall, no error."""
     return bool(row["ok"] and row["errors"] == 0 and row["stutter_share"] == 0 and row["min_rate"] is not None
@@ -86,11 +83,43 @@ def empty(url: str) -> LoadDocument:
     return load(url)
 
 
-def best_fixed_concurrency(few: float, over: float, floor: float) -> int:
+def line_estimate(few: float, over: float, floor: float) -> int:
     """The most streams whose step keeps `floor`, on the line through the two measured
     step times (1 / rate at FEW and at OVERLOAD streams)."""
     per_stream = (1 / over - 1 / few) / (OVERLOAD - FEW)
     return max(FEW, FEW + math.floor((1 / floor - 1 / few) / per_stream))
+
+
+def best_fixed_concurrency(url: str, estimate: int, floor: float) -> dict[str, Any] | None:
+    """The level of the most streams that keeps the floor, searched from `estimate`: one
+    up while it passes, down while it fails (three levels at most); None if none passed."""
+    row = level(url, estimate, floor)
+    if met_floor(row):
+        above = level(url, estimate + 1, floor)
+        return above if met_floor(above) else row
+    for c in range(estimate - 1, max(FEW, estimate - 3), -1):
+        row = level(url, c, floor)
+        if met_floor(row):
+            return row
+    return None
+
+
+def refusal_seconds(url: str) -> list[tuple[float, float]]:
+    """The LB's `pdunit_lb_refusal_seconds` histogram, summed over `by`: (le, count) pairs."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdunit_lb_refusal_seconds_bucket{"):
+            le = float(line.split('le="')[1].split('"')[0])
+            buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sorted(buckets.items())
+
+
+def share_within(buckets: list[tuple[float, float]], seconds: float) -> float:
+    """The share of refusals answered within `seconds` (a bucket's bound)."""
+    total = buckets[-1][1] if buckets else 0.0
+    within = max((n for le, n in buckets if le <= seconds), default=0.0)
+    return within / total if total else 1.0
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +130,10 @@ def without_admission():
         over = level(unit.url, OVERLOAD, 1.0)
         floor = round(math.sqrt(few["min_rate"] * over["p50_rate"]), 1)
         # the overload's goodput judged at that floor: its frames/s of streams at or above it
-        over["goodput_at_floor"] = sum(s["frames"] for s in over["streams"] if s["rate"] is not None
-                                       and s["rate"] >= floor and not s["stalls"]) / over["elapsed_s"]
+        over["goodput_at_floor"] = goodput(over, floor)
         print(f"floor {floor:.1f} frames/s: {FEW} streams reach {few['min_rate']:.1f}, "
               f"{OVERLOAD} streams {over['p50_rate']:.1f} at p50", flush=True)
-        fixed = level(unit.url, best_fixed_concurrency(few["p50_rate"], over["p50_rate"], floor), floor)
+        fixed = best_fixed_concurrency(unit.url, line_estimate(few["p50_rate"], over["p50_rate"], floor), floor)
         empty(unit.url)
     return floor, over, fixed
 
@@ -116,12 +144,13 @@ def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(w
     # without admission: all admitted, none refused, and the overload breaks the floor
     assert over["refused"] == 0 and over["errors"] == 0, over
     assert over["min_rate"] < floor, (over, floor)
+    assert fixed is not None, f"no fixed concurrency kept the floor of {floor} frames/s"
     # refused clients come back after 3 s, not 1: fewer refusals to answer on two cores
     with LocalUnit(LocalConfig(rate_floor=floor, extra_lb_args=["--retry-after-s", "3"], **UNIT)) as unit:
         # the step model fits the engine's own steps (64 of them, of two batch sizes at least):
         # then the projection, not the cold-start limit, bounds the headroom of an empty unit
         for _ in range(3):
-            level(unit.url, WARM, floor, ramp=1.0)
+            level(unit.url, WARM, floor, duration=3.0, ramp=1.0)
             if empty(unit.url).headroom_streams < OVERLOAD:
                 break
         doc = empty(unit.url)
@@ -134,18 +163,23 @@ def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(w
         assert row["stutter_share"] == 0 and row["min_rate"] >= floor, row
         # the rest refused: each a 503 rate_floor (the reason) with a Retry-After
         assert row["refused"] > 0 and row["refused_without_retry_after"] == 0, row
-        # how fast refusals came back (a benchmark's figure, not judged here: see bench compare)
-        print(f"refusals answered in {row['refusal_p99_ms']:.0f} ms at p99", flush=True)
+        # answered fast: the LB's receive -> 503 (the client's figure adds its own loop's lag)
+        refusals = refusal_seconds(unit.url)
+        within = share_within(refusals, REFUSAL_P99_S)
+        print(f"refusals: {within:.1%} answered by the unit within {REFUSAL_P99_S * 1000:.0f} ms "
+              f"({refusals}); the client's p99 {row['refusal_p99_ms']:.0f} ms", flush=True)
+        assert within >= 0.99, (refusals, row["refusal_p99_ms"])
         # nothing held once the streams ended, and the unit admits again (its headroom
         # comes back: read from the LB's probes, one may still carry a full unit's 0)
         doc = empty(unit.url)
         assert doc.held_pages == 0, doc
         wait_for(lambda: load(unit.url).headroom_streams > 0, timeout=10, what="headroom back above 0")
-    # goodput: refusing beats letting everyone in, at the same overload
-    assert row["goodput_fps"] > over_goodput, (row["goodput_fps"], over_goodput)
-    # against the best fixed concurrency: reported, not judged (see the module docstring)
-    print(f"goodput {row['goodput_fps']:.0f} frames/s with admission, {fixed['goodput_fps']:.0f} at the best "
-          f"fixed concurrency {fixed['concurrency']} (floor kept: {met_floor(fixed)})", flush=True)
+    admitted, best = goodput(row, floor), goodput(fixed, floor)
+    print(f"goodput {admitted:.1f} frames/s with admission, {best:.1f} at the best fixed concurrency "
+          f"{fixed['concurrency']} ({admitted / best:.2f}x); {over_goodput:.1f} without admission", flush=True)
+    # refusing beats letting everyone in, and loses nothing against the best fixed concurrency
+    assert admitted > over_goodput, (admitted, over_goodput)
+    assert admitted >= GOODPUT_TOLERANCE * best, (admitted, best, row, fixed)
 
 
 def test_synthetic_step_pad_sleeps_a_step_to_its_cost_and_never_shortens_one() -> None:
