@@ -2,10 +2,11 @@
 
 Owns the static device buffers each graph reads (tokens, positions, write slots, the
 slot table and lengths), the pinned host staging that fills them, the capture, and the
-replay. Must never allocate or free pool slots, sample, or change the model; the pool
-tensor and the model's weights must stay where they were at capture (a graph holds their
-addresses): build a new runner after reallocating either, or after changing the model's
-`decode_gemm` (a replay refuses then).
+replay; a capture-safe frame generator's graphs (engine/model/frame_graphs.py) for the
+same buckets are captured with them, attached as `model.frame_graphs`. Must never
+allocate or free pool slots or sample (frames come after the replay); the pool tensor
+and the weights must stay where they were at capture (a graph holds their addresses):
+build a new runner after reallocating either, or after changing `decode_gemm`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class _Graph:
 def decode_graphs_refusal(model: TTSModel) -> str | None:
     """Why decode CUDA graphs cannot be captured for `model` (naming `--cuda-graphs`, the
     engines' flag), None when they can: its device and dtype (every family's backbone
-    takes the GPU path; a frame generator runs after the replay, outside the graph)."""
+    takes the GPU path; a frame generator runs after the replay, in its own graph when
+    it has a capture-safe form)."""
     if not model.gpu_path:
         return ("decode CUDA graphs (--cuda-graphs) need the model's GPU path: a CUDA model in bfloat16 or float16 "
                 f"with attention_backend 'triton' (got device {model.device}, dtype {model.dtype}, backend "
@@ -64,7 +66,9 @@ class DecodeGraphRunner:
         kv: torch.Tensor,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_context: int | None = None,
+        frame_graphs: bool = True,
     ) -> None:
+        from pdunit.engine.model.frame_graphs import FrameGraphRunner, frame_graphs_supported
         from pdunit.kernels.paged_attention import choose_splits
 
         refusal = decode_graphs_refusal(model)
@@ -114,6 +118,10 @@ class DecodeGraphRunner:
                     g.logits = model.decode_step(*args)
                 self._graphs[size] = g
         torch.cuda.synchronize(dev)
+        # The frame generator's steps after each replay (csm's depth decoder and its
+        # sampling: K-1 dependent steps), as a second graph per bucket; `frame_graphs`
+        # False leaves them eager.
+        model.frame_graphs = FrameGraphRunner(model, sizes) if frame_graphs and frame_graphs_supported(model) else None
 
     def replay_staged(self, size: int) -> None:
         """Replays bucket `size` on the inputs the last step staged (benchmarks time the

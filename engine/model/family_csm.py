@@ -23,7 +23,12 @@ from torch import nn
 from pdunit.engine.model.checkpoint import WeightMap
 from pdunit.engine.model.config import ModelConfig, torch_dtype
 from pdunit.engine.model.family import ModelFamily, ParsedConfig
-from pdunit.engine.model.sampling import SamplingBatch, SamplingParams, sample_frames_device
+from pdunit.engine.model.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    sample_frames_device,
+    sample_frames_static,
+)
 from pdunit.engine.model.transformer import (
     MLP,
     ForwardBatch,
@@ -104,6 +109,20 @@ class CsmRowEmbedding(nn.Module):
         return torch.where((tokens[:, k] == self.audio_token_id)[:, None], audio, text)
 
 
+@dataclass
+class _StaticKV:
+    """One layer's K and V of a frame's positions in preallocated buffers [B, K, n_kv,
+    head_dim] (`DepthDecoder.static_work`): positions start.. are written there and
+    attention reads positions 0..; the shapes depend on the codebook only."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+
+
+_Cache = list[torch.Tensor] | _StaticKV
+
+
 class _DepthAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -114,16 +133,23 @@ class _DepthAttention(nn.Module):
         self.v_proj = Linear(cfg.hidden, kv_dim, dtype, device)
         self.o_proj = Linear(q_dim, cfg.hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: _Cache) -> torch.Tensor:
         """x [B, n, hidden]: the frame's next n positions; `cache` holds this layer's K and
-        V of the positions before them ([] at position 0) and is extended in place."""
+        V of the positions before them ([] at position 0) and is extended in place, or is
+        a `_StaticKV` whose buffers take them at their positions (capture-safe)."""
         b, n, _ = x.shape
         q = _rope(self.q_proj(x).view(b, n, self.n_heads, self.head_dim), cos, sin)
         k = _rope(self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
-        if cache:
-            k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
-        cache[:] = [k, v]
+        if isinstance(cache, _StaticKV):
+            end = cache.start + n
+            cache.k[:, cache.start : end].copy_(k)
+            cache.v[:, cache.start : end].copy_(v)
+            k, v = cache.k[:, :end], cache.v[:, :end]
+        else:
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
+            cache[:] = [k, v]
         # causal among the new positions; every earlier position is visible (one new
         # position after the first call: no mask)
         o = F.scaled_dot_product_attention(
@@ -140,7 +166,7 @@ class _DepthLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: _Cache) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -152,6 +178,7 @@ class DepthDecoder(FrameGenerator):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    capture_safe = True  # frames_static: engine/model/frame_graphs.py captures it
 
     def __init__(self, d: DepthConfig, audio_token_id: int, dtype: torch.dtype, device: torch.device,
                  codec_codebook_size: int = 0, frame_rate_hz: float | None = None) -> None:
@@ -167,6 +194,7 @@ class DepthDecoder(FrameGenerator):
         )
         self.project = Linear(d.backbone_hidden, c.hidden, dtype, device)
         self.layers = nn.ModuleList(_DepthLayer(c, dtype, device) for _ in range(c.n_layers))
+        self._kv_shape = (c.n_kv_heads, c.head_dim)
         self.norm = RMSNorm(c.hidden, c.rms_eps, dtype, device)
         # one [hidden, vocab] head per codebook 1..K-1
         self.heads = nn.Parameter(torch.empty(d.n_codebooks - 1, c.hidden, d.vocab_size, dtype=dtype, device=device))
@@ -187,7 +215,7 @@ class DepthDecoder(FrameGenerator):
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes + offsets)], dim=1)
         return self._extend(x, 0, [[] for _ in self.layers])
 
-    def _extend(self, x: torch.Tensor, start: int, caches: list[list[torch.Tensor]]) -> torch.Tensor:
+    def _extend(self, x: torch.Tensor, start: int, caches: list[_Cache]) -> torch.Tensor:
         """The frame's positions start.. (x [B, n, backbone_hidden] inputs) over the K/V
         of those before (`caches`, extended) -> logits [B, n', V] float32 of the codebooks
         they predict (position p predicts codebook p; position 0 predicts none)."""
@@ -209,7 +237,7 @@ class DepthDecoder(FrameGenerator):
         lives in `caches` for this call only."""
         eos = self.eos_id
         codes = sample_frames_device(model.logits(hidden), _column(sb, 0), eos).to(torch.int64)
-        caches: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        caches: list[_Cache] = [[] for _ in self.layers]
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes)], dim=1)
         for j in range(1, self.n_codebooks):
             nxt = sample_frames_device(self._extend(x, 0 if j == 1 else j, caches)[:, -1:], _column(sb, j), eos)
@@ -217,6 +245,35 @@ class DepthDecoder(FrameGenerator):
             x = self.embed(codes[:, -1:] + j * self.vocab_size)  # position j + 1: codebook j's embedding
         text = torch.full_like(codes[:, :1], self.audio_token_id)
         return torch.cat([codes, text], dim=1).to(torch.int32)
+
+    def static_work(self, size: int, device: torch.device) -> torch.Tensor:
+        """The depth decoder's K/V of one frame for up to `size` rows, preallocated:
+        [layers, 2, size, K, n_kv_heads, head_dim] in the weights' dtype (a frame's K
+        positions: the backbone state, then codebooks 0..K-2)."""
+        shape = (len(self.layers), 2, size, self.n_codebooks, *self._kv_shape)
+        return torch.zeros(shape, dtype=self.embed.weight.dtype, device=device)
+
+    @torch.no_grad()
+    def frames_static(self, model: TTSModel, hidden: torch.Tensor, rows: torch.Tensor, work: torch.Tensor,
+                      top_k_cap: int | None = None) -> torch.Tensor:
+        """`frames_device` in a form a CUDA graph records: the same frames for hidden [B,
+        backbone_hidden] and `rows` (`SamplingBatch.packed` on the device), sampled by
+        `sample_frames_static`; the depth decoder's K/V in `work` (`static_work` of >= B
+        rows, its contents never read before written). No host sync, every shape fixed
+        by B and the codebook: rows do not touch each other, so padding rows (any
+        hidden, zero `rows`) leave the real rows' frames as they are."""
+        b, eos = hidden.shape[0], self.eos_id
+        code = sample_frames_static(model.logits(hidden), rows, eos, 0, top_k_cap)
+        codes = [code]
+        x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(code.to(torch.int64))], dim=1)
+        for j in range(1, self.n_codebooks):
+            start = 0 if j == 1 else j
+            caches: list[_Cache] = [_StaticKV(work[i, 0, :b], work[i, 1, :b], start) for i in range(len(self.layers))]
+            code = sample_frames_static(self._extend(x, start, caches)[:, -1:], rows, eos, j, top_k_cap)
+            codes.append(code)
+            x = self.embed(code.to(torch.int64) + j * self.vocab_size)  # position j + 1: codebook j's embedding
+        codes.append(torch.full_like(code, self.audio_token_id))
+        return torch.cat(codes, dim=1)
 
     def ends_stream(self, frame: np.ndarray) -> bool:
         """CSM's EOS frame: codebooks 0..K-2 all `codebook_eos_token_id` (transformers'

@@ -1,9 +1,10 @@
 """Turning logits into frames: greedy, or seeded sampling that is the same in every mode.
 
 Owns the sampling rules of a request (`SamplingParams`: temperature, top-k, seed, EOS
-suppression, frame bounds) and two entry points with the same rules and the same
-draws: `sample_frames` (to numpy on the host: P, the monolith, D without overlap) and
-`sample_frames_device` (on the logits' device, no host sync: D's overlap scheduler).
+suppression, frame bounds) and three entry points with the same rules and draws:
+`sample_frames` (to numpy: P, the monolith, D without overlap), `sample_frames_device`
+(on the device, no host sync: D's overlap scheduler) and `sample_frames_static` (one
+static shape whatever the params: inside a frame generator's CUDA graphs).
 Must never depend on which other requests share the batch, the batch order or the
 device: PD and the monolith must produce identical frames for identical inputs. Its
 wire form is engine/proto/sampling.py's (this package imports no protocol).
@@ -161,6 +162,20 @@ class SamplingBatch:
     uniforms: torch.Tensor | None = None        # float64 [m, C]
     suppress_index: torch.Tensor | None = None  # int64 [s]
     group_index: list[torch.Tensor] = field(default_factory=list)  # per top_k group: int64 local rows
+    # every row's sampling in one float64 array [n, ROW_UNIFORMS + C] on the host (the
+    # static form `sample_frames_static` reads, once on the device): temperature (0:
+    # greedy), top_k, EOS suppressed (1/0), then the row's C uniforms (0 for greedy rows)
+    packed: np.ndarray | None = None
+
+    @property
+    def max_top_k(self) -> int:
+        """The largest top_k of a sampled row (0: no sampled row filters)."""
+        return max((k for k, _ in self.top_k_groups), default=0)
+
+
+# `SamplingBatch.packed`'s columns
+ROW_TEMPERATURE, ROW_TOP_K, ROW_SUPPRESS, ROW_UNIFORMS = 0, 1, 2, 3
+_TOP_K_MAX = 1 << 52  # exact in float64; any k >= the vocabulary filters nothing
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -195,14 +210,20 @@ def sampling_batch(
     sampled = [i for i in range(n) if params[i].temperature != 0.0]
     suppress = [i for i in range(n) if frame_index[i] < params[i].min_frames]
     sb = SamplingBatch(n, sampled, suppress)
+    packed = np.zeros((n, ROW_UNIFORMS + n_columns), dtype=np.float64)
+    sb.packed = packed
     if suppress:
+        packed[suppress, ROW_SUPPRESS] = 1.0
         sb.suppress_index = to_device(np.array(suppress, dtype=np.int64), device)
     if sampled:
         sb.sampled_index = to_device(np.array(sampled, dtype=np.int64), device)
-        sb.temperature = to_device(np.array([params[i].temperature for i in sampled], dtype=np.float64), device)
-        sb.uniforms = to_device(
-            draw_uniforms([params[i].seed for i in sampled], [frame_index[i] for i in sampled], n_columns), device)
+        temps = np.array([params[i].temperature for i in sampled], dtype=np.float64)
+        u = draw_uniforms([params[i].seed for i in sampled], [frame_index[i] for i in sampled], n_columns)
+        sb.temperature, sb.uniforms = to_device(temps, device), to_device(u, device)
         ks = [params[i].top_k for i in sampled]
+        packed[sampled, ROW_TEMPERATURE] = temps
+        packed[sampled, ROW_TOP_K] = [min(k, _TOP_K_MAX) for k in ks]
+        packed[sampled, ROW_UNIFORMS:] = u
         for k in sorted(set(ks)):
             if k > 0:
                 local = [r for r, kr in enumerate(ks) if kr == k]
@@ -245,6 +266,40 @@ def sample_frames_device(logits: torch.Tensor, sb: SamplingBatch, eos_id: int) -
     last = vocab - 1 - torch.argmax(torch.flip(weights > 0, dims=[-1]).to(torch.uint8), dim=-1)
     out.index_copy_(0, sb.sampled_index, torch.minimum(idx, last).to(torch.int32))
     return out
+
+
+def sample_frames_static(
+    logits: torch.Tensor, rows: torch.Tensor, eos_id: int, first_column: int = 0, top_k_cap: int | None = None
+) -> torch.Tensor:
+    """`sample_frames_device` in one static shape (capture-safe: no host sync, no shape or
+    branch that depends on the params): logits [n, c, V] are frame columns
+    first_column.. of rows `rows` (float64 [n, ROW_UNIFORMS + C], `SamplingBatch.packed`
+    on the device) -> int32 [n, c], the same frames. Every row runs both forms, greedy
+    rows take the argmax; EOS is suppressed in frame column 0 only. The top-k threshold
+    is the k-th of `torch.topk(top_k_cap)` (None: the whole vocabulary), the value
+    `sample_frames_device` takes: every filtering row's k must be <= top_k_cap."""
+    n, c, vocab = logits.shape
+    logits = logits.float()
+    if first_column == 0:
+        logits = logits.clone()
+        logits[:, 0, eos_id].masked_fill_(rows[:, ROW_SUPPRESS] > 0, float("-inf"))
+    greedy = logits.argmax(dim=-1).to(torch.int32)
+    temperature = rows[:, ROW_TEMPERATURE]
+    sampled = temperature > 0
+    scaled = logits.to(torch.float64) / temperature.masked_fill(~sampled, 1.0)[:, None, None]
+    if top_k_cap != 0:
+        cap = vocab if top_k_cap is None else min(top_k_cap, vocab)
+        k = rows[:, ROW_TOP_K].to(torch.int64)
+        kth = torch.topk(scaled, cap, dim=-1).values.gather(-1, (k.clamp(1, cap) - 1)[:, None, None].expand(n, c, 1))
+        filters = sampled & (k > 0) & (k < vocab)
+        kth = kth.masked_fill(~filters[:, None, None], float("-inf"))  # below -inf: nothing
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    weights = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+    cdf = torch.cumsum(weights, dim=-1)
+    target = rows[:, ROW_UNIFORMS + first_column : ROW_UNIFORMS + first_column + c, None] * cdf[..., -1:]
+    idx = (cdf <= target).sum(dim=-1)
+    last = vocab - 1 - torch.argmax(torch.flip(weights > 0, dims=[-1]).to(torch.uint8), dim=-1)
+    return torch.where(sampled[:, None], torch.minimum(idx, last).to(torch.int32), greedy)
 
 
 def is_eos(frame: np.ndarray, eos_id: int) -> bool:

@@ -35,6 +35,7 @@ from pdunit.engine.settings import GemmPrecision
 from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_kv
 
 if TYPE_CHECKING:
+    from pdunit.engine.model.frame_graphs import FrameGraphRunner
     from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
 
 GEMM_PRECISIONS: tuple[str, ...] = get_args(GemmPrecision)  # set_prefill_gemm, set_decode_gemm
@@ -366,6 +367,22 @@ class FrameGenerator(nn.Module, ABC):
         """Frames per second of audio, when the family's config names it (None: it does not)."""
         return None
 
+    # The capture-safe form (engine/model/frame_graphs.py records it per batch bucket,
+    # after the backbone's decode graph); a generator without one (`capture_safe`
+    # False) runs eagerly.
+    capture_safe = False
+
+    def static_work(self, size: int, device: torch.device) -> torch.Tensor:
+        """Preallocated buffers for `frames_static` of up to `size` rows."""
+        raise NotImplementedError(f"{type(self).__name__} has no capture-safe form")
+
+    def frames_static(self, model: TTSModel, hidden: torch.Tensor, rows: torch.Tensor, work: torch.Tensor,
+                      top_k_cap: int | None = None) -> torch.Tensor:
+        """`frames_device`'s frames with no host sync and shapes fixed by hidden's rows:
+        `rows` is `SamplingBatch.packed` on the device (engine/model/sampling.py
+        `sample_frames_static`, whose `top_k_cap` bounds the rows' top_k)."""
+        raise NotImplementedError(f"{type(self).__name__} has no capture-safe form")
+
 
 # Architecture (ARCHITECTURE.md 4, Qwen3-like): input embedding = sum of the row's
 # `n_codebooks` embeddings; per layer RMSNorm -> GQA attention with per-head q/k RMSNorm
@@ -381,7 +398,8 @@ class FrameGenerator(nn.Module, ABC):
 # graphs) serve every form: the fused kernel skips q/k norm where the model has none, the
 # family's row embedding runs as device ops (no host sync: capture-safe), and the GPU
 # path returns what the reference path returns. The frame generator runs after the
-# forward (`frames`, `frames_device`), outside the graphs.
+# forward (`frames`, `frames_device`): eagerly, or, where D's decode graphs were
+# captured and it has a capture-safe form, as a second graph (`frame_graphs`).
 #
 # KV precision: the pool holds the model dtype, or fp8 e4m3 (`new_kv_storage(...,
 # "fp8_e4m3")`); both paths store through kernels/kv_dtype.py's saturating cast and
@@ -392,12 +410,15 @@ class TTSModel(nn.Module):
     `row_embedding` (a family's): a module called as `row_embedding(embed, tokens,
     offsets)` -> [T, hidden] in place of the sum of the row's embeddings.
     `frame_generator` (a family's, attached after construction): what turns a hidden
-    state into a frame (None: the head gives every column)."""
+    state into a frame (None: the head gives every column). `frame_graphs`: its graphs
+    (engine/model/frame_graphs.py; D's decode graphs attach them), replayed by
+    `frames`/`frames_device` for a batch they cover."""
 
     codebook_offsets: torch.Tensor
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     frame_generator: FrameGenerator | None
+    frame_graphs: FrameGraphRunner | None
 
     def __init__(
         self,
@@ -410,6 +431,7 @@ class TTSModel(nn.Module):
         self.config = config
         self.row_embedding = row_embedding
         self.frame_generator = None
+        self.frame_graphs = None
         self.dtype = torch_dtype(dtype or config.dtype)
         dev = torch.device(device)
         c = config
@@ -503,13 +525,17 @@ class TTSModel(nn.Module):
         if self.frame_generator is None:
             return sample_frames(out, params, frame_index, self.config.eos_id)
         sb = sampling_batch(params, frame_index, self.config.n_codebooks, out.device)
-        return self.frame_generator.frames_device(self, out, sb).cpu().numpy()
+        return self.frames_device(out, sb).cpu().numpy()
 
     def frames_device(self, out: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """`frames` on the output's device with no host sync (D's overlap scheduler):
-        int32 [n, C], the same frames."""
+        int32 [n, C], the same frames; a replay of `frame_graphs` when they cover it."""
         if self.frame_generator is None:
             return sample_frames_device(out, sb, self.config.eos_id)
+        if self.frame_graphs is not None:
+            frames = self.frame_graphs.run(out, sb)
+            if frames is not None:
+                return frames
         return self.frame_generator.frames_device(self, out, sb)
 
     def ends_stream(self, frame: np.ndarray) -> bool:

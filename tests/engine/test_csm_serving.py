@@ -77,10 +77,16 @@ def eos_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]
 
 
 class D:
-    """One D in process: a pool, the model, the plain step loop or the overlap one."""
+    """One D in process: a pool, the model, the plain step loop or the overlap one;
+    `frame_graphs`: the depth decoder through FrameGraphRunner's staged buffers
+    (capture=False on the CPU: what its CUDA graphs replay)."""
 
-    def __init__(self, model: TTSModel, overlap: bool) -> None:
+    def __init__(self, model: TTSModel, overlap: bool, frame_graphs: bool = False) -> None:
         self.model = model
+        if frame_graphs:
+            from pdunit.engine.model.frame_graphs import FrameGraphRunner
+
+            model.frame_graphs = FrameGraphRunner(model, buckets=(1, 2, 4, 8), capture=False)
         self.pool = PagePool(512, 4)
         self.storage = model.new_kv_storage(2048, device=model.device)
         self.batcher = DecodeBatcher(model, self.pool, self.storage, max_batch=8)
@@ -126,10 +132,15 @@ def csm(directory: Path) -> TTSModel:
     return load_model(str(directory), dtype="float64")
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_p_and_d_make_the_greedy_frames_of_transformers_generate(checkpoint: tuple[Path, Any], overlap: bool) -> None:
+@pytest.mark.parametrize("overlap,graphs", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "overlap", "overlap-frame-graphs"])
+def test_p_and_d_make_the_greedy_frames_of_transformers_generate(
+        checkpoint: tuple[Path, Any], overlap: bool, graphs: bool) -> None:
     directory, oracle = checkpoint
-    frames, codes = D(csm(directory), overlap).run(PROMPTS, [SamplingParams(max_frames=GREEDY_FRAMES)] * 3)
+    d = D(csm(directory), overlap, graphs)
+    frames, codes = d.run(PROMPTS, [SamplingParams(max_frames=GREEDY_FRAMES)] * 3)
+    if graphs:
+        assert d.model.frame_graphs is not None and d.model.frame_graphs.stats["eager"] == 0
     for got, prompt, code in zip(frames, PROMPTS, codes, strict=True):
         want = generate(oracle, prompt, GREEDY_FRAMES)
         assert want.shape == (GREEDY_FRAMES, K)  # no EOS frame within these frames
@@ -139,14 +150,15 @@ def test_p_and_d_make_the_greedy_frames_of_transformers_generate(checkpoint: tup
     assert len({f[:, :K].tobytes() for f in frames}) == 3  # not degenerate
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("overlap,graphs", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "overlap", "plain-frame-graphs"])
 def test_a_stream_ends_at_csms_eos_frame_as_transformers_generate_does(
-        eos_checkpoint: tuple[Path, Any], overlap: bool) -> None:
+        eos_checkpoint: tuple[Path, Any], overlap: bool, graphs: bool) -> None:
     directory, oracle = eos_checkpoint
     want = generate(oracle, EOS_PROMPT, 16)
     assert 1 < len(want) < 16 and (want[-1, : K - 1] == 0).all()  # transformers stopped at its EOS frame
     params = [SamplingParams(max_frames=16), SamplingParams(max_frames=16, min_frames=8)]
-    frames, codes = D(csm(directory), overlap).run([EOS_PROMPT, EOS_PROMPT], params)
+    frames, codes = D(csm(directory), overlap, graphs).run([EOS_PROMPT, EOS_PROMPT], params)
     assert np.array_equal(frames[0][:, :K], want) and codes[0] == FINISHED_EOS
     # min_frames suppresses codebook 0's EOS id: no EOS frame before frame 8
     assert len(frames[1]) >= 9 and not (frames[1][:8, : K - 1] == 0).all(axis=1).any()
@@ -159,8 +171,9 @@ def test_seeded_sampling_repeats_and_follows_the_seed(checkpoint: tuple[Path, An
     first, _ = D(model, False).run(PROMPTS[:2], sampled)
     again, _ = D(model, True).run(PROMPTS[:2], sampled)  # overlapped: the device sampler, same draws
     other, _ = D(model, False).run(PROMPTS[:2], [dataclasses.replace(p, seed=8) for p in sampled])
-    for a, b, c in zip(first, again, other, strict=True):
-        assert np.array_equal(a, b)
+    staged, _ = D(csm(checkpoint[0]), True, frame_graphs=True).run(PROMPTS[:2], sampled)  # the static sampler
+    for a, b, c, s in zip(first, again, other, staged, strict=True):
+        assert np.array_equal(a, b) and np.array_equal(a, s)
         assert not np.array_equal(a, c)
     greedy, _ = D(model, False).run(PROMPTS[:2], [SamplingParams(max_frames=10)] * 2)
     assert not np.array_equal(first[0], greedy[0])  # sampling really samples
@@ -169,8 +182,8 @@ def test_seeded_sampling_repeats_and_follows_the_seed(checkpoint: tuple[Path, An
 @pytest.mark.gpu
 def test_csm_on_cuda_makes_the_cpus_frames_plain_and_overlapped() -> None:
     """On CUDA in float64 (the reference path) the frames equal the CPU's, greedy and
-    seeded; in bf16 (the Triton backbone, D's decode graphs, the depth decoder after each
-    replay) the overlap scheduler's frames equal the plain loop's."""
+    seeded; in bf16 (the Triton backbone, D's decode graphs, the depth decoder's graphs
+    after each replay) the overlap scheduler's frames equal the plain loop's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     prompts = [np.concatenate([np.full((n, 4), 31), np.arange(n)[:, None] % 60], axis=1) for n in (9, 23)]
@@ -180,9 +193,13 @@ def test_csm_on_cuda_makes_the_cpus_frames_plain_and_overlapped() -> None:
         gpu, _ = D(load_model("random:csm-tiny:0", device="cuda"), overlap).run(prompts, params)
         assert all(np.array_equal(a, b) for a, b in zip(cpu, gpu, strict=True)), f"overlap={overlap}"
     units = [D(load_model("random:csm-tiny:0", device="cuda", dtype="bfloat16"), o) for o in (False, True)]
-    assert all(u.model.gpu_path and u.forward.graphs is not None for u in units)
+    assert all(u.model.gpu_path and u.forward.graphs is not None and u.model.frame_graphs is not None
+               for u in units)
     plain, over = (u.run(prompts, params)[0] for u in units)
     assert all(np.array_equal(a, b) for a, b in zip(plain, over, strict=True))
+    for u in units:  # every step's frames (P's first frames included) came from a replay
+        assert u.model.frame_graphs is not None
+        assert u.model.frame_graphs.stats["eager"] == 0 and u.model.frame_graphs.stats["replays"] > 10
 
 
 def test_random_csm_tiny_builds_in_process_and_streams_audio_frame_rows() -> None:

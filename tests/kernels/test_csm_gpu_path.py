@@ -2,7 +2,8 @@
 row embedding and the depth decoder after the Triton backbone give the reference path's
 hidden states, codebook-0 logits, KV and frames (Triton's CPU interpreter, fp16), as do
 the padded decode step a CUDA graph records and the prefill graphs' staged step; on CUDA
-(gpu marker), D's decode-graph replay gives the eager step's frames (bf16)."""
+(gpu marker), D's decode-graph replay and then the depth decoder's graph (every codebook
+and its sampling) give the eager step's frames (bf16)."""
 
 from __future__ import annotations
 
@@ -286,3 +287,82 @@ def test_csm_prefill_graphs_replay_their_staged_step_bf16() -> None:
     assert graphs.stats == {"replays": 1, "eager": 0} and got.shape == (2, m.config.hidden)
     assert s["rel"](got, want) < 1e-3 and s["rel"](kv, kv_eager) < 1e-3
     assert np.array_equal(s["frames"](m, got, 0), s["frames"](m, want, 0))
+
+
+@gpu
+@pytest.mark.parametrize("shape,layers", SHAPES)
+def test_csm_frame_graph_replay_makes_the_eager_steps_frames_bf16(shape: str, layers: int | None) -> None:
+    """D's decode step of a csm model as two replays: the backbone's graph, then the depth
+    decoder's (every codebook's step and its sampling, engine/model/frame_graphs.py),
+    reached through `frames_device`. Its frames equal the capture-safe step run eagerly
+    on the replay's own padded inputs (same shapes and kernels: bit for bit), for each
+    top-k cap (none; <= 64; any) with greedy, seeded temperature and top-k rows and EOS
+    suppression; and mostly today's eager `frames_device` (bf16 GEMMs of 5 rows, not 8)."""
+    from pdunit.engine.model.cuda_graphs import DecodeGraphRunner
+    from pdunit.engine.model.frame_graphs import TOP_K_CAPS, FrameGraphRunner
+    from pdunit.engine.model.sampling import SamplingParams, sampling_batch
+
+    s = scope()
+    m = csm_gpu_model(shape, layers)
+    fg = m.frame_generator
+    assert fg is not None and fg.capture_safe
+    rng = np.random.default_rng(3)
+    kv = m.new_kv_storage(8192, device="cuda")
+    kv.normal_()
+    runner = DecodeGraphRunner(m, kv, buckets=(4, 8), max_context=1024)
+    frames = m.frame_graphs
+    assert isinstance(frames, FrameGraphRunner)
+    assert sorted(frames._graphs, key=str) == sorted(((b, c) for b in (4, 8) for c in TOP_K_CAPS), key=str)
+    perm = rng.permutation(8192)
+    ctx = [perm[i * 400 : i * 400 + 300 + 7 * i] for i in range(5)]
+    hidden = runner.run(ForwardBatch.from_sequences([rows_of(m, s)(1, rng) for _ in ctx], ctx))
+    assert hidden.shape == (5, m.config.hidden)
+    greedy, suppressed = SamplingParams(), SamplingParams(temperature=1.0, seed=9, min_frames=50)
+    sets = {  # the cap each set replays
+        0: [greedy, suppressed, SamplingParams(temperature=0.7, seed=4), greedy, SamplingParams(min_frames=50)],
+        64: [greedy, SamplingParams(temperature=0.9, top_k=8, seed=5), suppressed,
+             SamplingParams(temperature=1.2, top_k=64, seed=6, min_frames=50), SamplingParams(top_k=3)],
+        None: [SamplingParams(temperature=0.9, top_k=100, seed=7), greedy, suppressed,
+               SamplingParams(temperature=0.8, top_k=8, seed=8), SamplingParams(temperature=1.1, top_k=10**6, seed=2)],
+    }
+    agree = total = 0
+    work = fg.static_work(8, m.device)
+    for cap, params in sets.items():
+        for index in (0, 60):
+            sb = sampling_batch(params, [index] * 5, m.config.n_codebooks, m.device)
+            assert FrameGraphRunner.cap_for(sb) == cap
+            replays = frames.stats["replays"]
+            got = m.frames_device(hidden, sb)
+            assert frames.stats["replays"] == replays + 1 and got.shape == (5, m.config.n_codebooks)
+            with torch.inference_mode():  # the replay's staged inputs, bucket 8, run eagerly
+                want = fg.frames_static(m, frames._hidden[:8], frames._rows[:8], work, cap)
+            assert torch.equal(got, want[:5]), (cap, index)
+            eager = fg.frames_device(m, hidden, sb)
+            agree, total = agree + int((eager == got).sum()), total + got.numel()
+    assert agree / total > 0.8, (agree, total)
+    assert frames.stats["eager"] == 0
+
+
+@gpu
+def test_the_static_sampler_gives_the_device_samplers_frames_on_cuda() -> None:
+    """`sample_frames_static` (what the frame graphs record) == `sample_frames_device` on
+    CUDA, float32 logits [64, 4, 2051] (csm-1b's vocabulary): greedy and seeded rows, top-k
+    from 1 to past the vocabulary, EOS suppressed in half of them; the full-sort cap."""
+    from pdunit.engine.model.sampling import (
+        SamplingParams,
+        sample_frames_device,
+        sample_frames_static,
+        sampling_batch,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 4, 2051, device="cuda", generator=g) * 3
+    params = [SamplingParams(temperature=0.5 + (i % 5) * 0.2, top_k=[0, 1, 8, 50, 2050, 2051, 5000][i % 7],
+                             seed=i, min_frames=[0, 50][i % 2]) if i % 3 else SamplingParams(min_frames=[0, 50][i % 2])
+              for i in range(64)]
+    for index in (0, 60):
+        sb = sampling_batch(params, [index] * 64, 4, logits.device)
+        want = sample_frames_device(logits, sb, 0)
+        assert sb.packed is not None
+        rows = torch.from_numpy(sb.packed).cuda()
+        assert torch.equal(sample_frames_static(logits, rows, 0, 0, None), want)

@@ -1,0 +1,117 @@
+"""CUDA graphs for a frame generator (csm's depth decoder): one captured `frames_static`
+per batch bucket and top-k cap, replayed right after the backbone's decode graph.
+
+Owns the static inputs (hidden states, the packed sampling rows), the generator's
+preallocated work buffers, the capture and the replay. Must never change the model or
+its weights (a graph holds their addresses), and runs on one thread, as the decode
+graphs do. `capture=False` runs `frames_static` eagerly on the same padded buffers:
+what a graph replays, checkable on the CPU and against the captured graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from pdunit.engine.model.sampling import ROW_UNIFORMS, SamplingBatch, to_device
+from pdunit.engine.model.transformer import TTSModel
+
+# Each bucket is captured once per cap: 0 (no sampled row filters: greedy and plain
+# temperature), a top-k of at most 64 (`torch.topk(64)`), any top-k (a full sort).
+TOP_K_CAPS: tuple[int | None, ...] = (0, 64, None)
+
+
+def frame_graphs_supported(model: TTSModel) -> bool:
+    """True when the model's frame generator has a capture-safe form."""
+    return model.frame_generator is not None and model.frame_generator.capture_safe
+
+
+# A batch of n rows runs in the smallest bucket >= n: rows n.. are padding (hidden and
+# sampling rows zero: greedy, nothing suppressed), their frames dropped. The cap is the
+# smallest captured one >= the batch's largest top_k. More rows than the largest bucket,
+# or an output on another device, run eagerly (`run` returns None), counted in
+# `stats["eager"]`.
+class FrameGraphRunner:
+    """`run(hidden, sb) -> frames` with the frames of `frame_generator.frames_device`."""
+
+    def __init__(self, model: TTSModel, buckets: Sequence[int], capture: bool = True) -> None:
+        fg = model.frame_generator
+        if fg is None or not frame_graphs_supported(model):
+            raise ValueError("the model's frame generator has no capture-safe form (frames_static)")
+        sizes = sorted({int(b) for b in buckets})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
+        if capture and model.device.type != "cuda":
+            raise ValueError(f"frame graphs need a CUDA model (got device {model.device})")
+        self.model, self.sizes = model, sizes
+        self.stats = {"replays": 0, "eager": 0}
+        dev, big = model.device, sizes[-1]
+        self._work = fg.static_work(big, dev)
+        # Shared by every bucket and cap: bucket b reads rows [:b] (one replay at a time).
+        self._hidden = torch.zeros((big, model.config.hidden), dtype=model.dtype, device=dev)
+        self._rows = torch.zeros((big, ROW_UNIFORMS + model.config.n_codebooks), dtype=torch.float64, device=dev)
+        self._graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
+        self._out: dict[tuple[int, int | None], torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _step(self, size: int, cap: int | None) -> Callable[[], torch.Tensor]:
+        fg = self.model.frame_generator
+        assert fg is not None
+        return lambda: fg.frames_static(self.model, self._hidden[:size], self._rows[:size], self._work, cap)
+
+    def _capture(self) -> None:
+        dev = self.model.device
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: the others reuse its memory
+                for cap in TOP_K_CAPS:
+                    step = self._step(size, cap)
+                    side = torch.cuda.Stream(dev)
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(side):
+                        step()  # cuBLAS handles, SDPA's kernels
+                    torch.cuda.current_stream(dev).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._out[(size, cap)] = step()
+                    self._graphs[(size, cap)] = graph
+        torch.cuda.synchronize(dev)
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest captured batch size >= n, or None when n is too large."""
+        return next((b for b in self.sizes if b >= n), None)
+
+    @staticmethod
+    def cap_for(sb: SamplingBatch) -> int | None:
+        """The smallest cap of TOP_K_CAPS that covers every sampled row's top_k."""
+        k = sb.max_top_k
+        return next((c for c in TOP_K_CAPS if c is None or c >= k), None)
+
+    def run(self, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor | None:
+        """Frames int32 [n, C] (a fresh tensor) of hidden [n, hidden] sampled per `sb`,
+        or None when no bucket covers them (counted; the caller runs them eagerly). No
+        host sync: `sb.packed` goes to the device by one async copy."""
+        n = hidden.shape[0]
+        size = self.bucket_for(n)
+        if size is None or n == 0 or hidden.device != self.model.device or sb.packed is None:
+            self.stats["eager"] += 1
+            return None
+        if sb.n_rows != n:
+            raise ValueError(f"{n} hidden rows but a sampling batch of {sb.n_rows}")
+        cap = self.cap_for(sb)
+        rows = to_device(np.ascontiguousarray(sb.packed), hidden.device)
+        with torch.inference_mode():
+            self._hidden[:n].copy_(hidden)
+            self._hidden[n:size].zero_()
+            self._rows[:n].copy_(rows)
+            self._rows[n:size].zero_()
+            if (size, cap) in self._graphs:
+                self._graphs[(size, cap)].replay()
+                out = self._out[(size, cap)]
+            else:  # capture=False: what the graph would replay
+                out = self._step(size, cap)()
+            self.stats["replays"] += 1
+            return out[:n].clone()
