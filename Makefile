@@ -15,7 +15,7 @@ LINT_DIRS := $(PKG_DIRS) tests
 # The package's files as the install links them (modules, stubs, package data).
 PKG_FILES := $(VENV)/.package-files
 
-.PHONY: install lock run test test-flaky test-gpu test-slow bench fmt lint proto crds chart-files envtest helm clean
+.PHONY: install lock run test test-flaky test-gpu test-slow test-images images bench fmt lint proto crds chart-files envtest helm clean
 
 install: $(STAMP)
 
@@ -71,6 +71,21 @@ test-gpu: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The operator and unit images built from images/ and run (tests/images/test_images.py:
+# `pdunit --help` in each, no torch in the operator image), with buildah on a local Debian
+# base; installs buildah and debootstrap with apt when missing. Not in `make test`: the unit
+# image is torch + CUDA wheels, minutes and ~10 GB. Timings: $(PDUNIT_CACHE)/images/last-run.json.
+test-images: install
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null || \
+	  { apt-get update -q && apt-get install -y -q buildah debootstrap; }
+	PDUNIT_IMAGES_REQUIRED=1 $(BIN)/python -m pytest -q -n 0 -s -m images tests/images
+
+# Release images for IMAGE_PLATFORMS (default linux/amd64,linux/arm64) as manifest lists
+# pdunit/{unit,operator}:IMAGE_TAG, from the real bases (tools/images/build.sh; PUSH=1 and
+# IMAGE_REGISTRY push them). Another arch than the host's needs qemu-user-static + binfmt.
+images:
+	bash tools/images/build.sh
 
 bench: install
 	$(BIN)/pdunit bench edges

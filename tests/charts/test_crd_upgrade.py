@@ -96,7 +96,8 @@ def test_helm_upgrade_of_the_crd_chart_changes_the_clusters_crd(
     # The pdunit chart installs on top (its crds/ step skips the existing CRDs) and does
     # not take them over: the CRD release still owns them.
     _helm(cp, "install", "rel", str(CHART), "--namespace", "tts", "--create-namespace",
-          "--set", "examplePDUnitSet.device=cpu", "--set", "examplePDUnitSet.transfer=host")
+          "--set", "examplePDUnitSet.enabled=true", "--set", "examplePDUnitSet.device=cpu",
+          "--set", "examplePDUnitSet.transfer=host")
     assert api.get("/apis/pdunit.dev/v1alpha1/namespaces/tts/pdunitsets/tts") is not None
     owner = (api.get(UNITS_CRD) or {})["metadata"]["annotations"]["meta.helm.sh/release-name"]
     assert owner == "crds"

@@ -20,6 +20,9 @@ from pdunit.operator.proto import externalscaler_pb2 as pb
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pdunit"
 NAMESPACE = "tts"
+# The example PDUnitSet is off by default (no published unit image); render() turns it on,
+# so the tests see every object. A variant's own --set after it wins.
+EXAMPLE_SET = ["--set", "examplePDUnitSet.enabled=true"]
 
 # Every combination of toggles that changes which objects exist.
 VARIANTS = {
@@ -100,10 +103,19 @@ def render(extra: list[str]) -> list[dict[str, Any]]:
         "--include-crds",
         "--kube-version",
         kube_version(),
+        *EXAMPLE_SET,
         *extra,
     )
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def test_the_example_set_is_off_by_default() -> None:
+    """Its unit image is not published: an example set on by default would sit in
+    ImagePullBackOff (tests/images builds the image; docs/images.md pushes it)."""
+    out = run_helm("template", "rel", str(CHART), "--namespace", NAMESPACE, "--kube-version", kube_version())
+    assert out.returncode == 0, out.stderr
+    assert not by_kind([d for d in yaml.safe_load_all(out.stdout) if d], "PDUnitSet")
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -508,6 +520,7 @@ def test_cpu_units_need_a_host_or_tcp_transfer() -> None:
         str(CHART),
         "--kube-version",
         kube_version(),
+        *EXAMPLE_SET,
         "--set",
         "examplePDUnitSet.device=cpu",
     )

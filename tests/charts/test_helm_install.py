@@ -55,6 +55,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane
                 "--kubeconfig",
                 str(cp.kubeconfig),
                 "--set",
+                "examplePDUnitSet.enabled=true",
+                "--set",
                 "examplePDUnitSet.device=cpu",
                 "--set",
                 "examplePDUnitSet.transfer=host",
