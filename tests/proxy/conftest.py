@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,26 @@ def start_proxy(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
             raise RuntimeError(f"proxy did not start: {(tmp / 'proxy.log').read_text()[-2000:]}")
         time.sleep(0.05)
     return proc, sock
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ('T': stopped by a signal; '' once gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def sigstop(pid: int, limit_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once the kernel shows it stopped: a test that then expects
+    the process to answer nothing must not race the stop (seen once on a loaded CI
+    machine: a write meant to meet a stopped proxy completed in milliseconds)."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + limit_s
+    while process_state(pid) not in ("T", "t"):
+        if time.monotonic() > end:
+            raise AssertionError(f"process {pid} not stopped {limit_s} s after SIGSTOP: state {process_state(pid)!r}")
+        time.sleep(0.005)
 
 
 def stop(proc: subprocess.Popen) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from pdunit.engine.transfer.base import PoolGeometry, TransferError
 from pdunit.engine.transfer.proxy import ProxyReceiver, ProxySender
-from tests.proxy.conftest import start_proxy, stop
+from tests.proxy.conftest import process_state, sigstop, start_proxy, stop
 
 GEO = PoolGeometry(n_layers=2, n_kv_heads=2, head_dim=4, dtype=torch.float16, n_slots=512, page_size=1)
 SRC = torch.randn(GEO.shape(), generator=torch.Generator().manual_seed(5)).to(GEO.dtype)
@@ -123,10 +123,12 @@ def test_a_staging_segment_a_stalled_proxy_did_not_release_is_not_released_twice
     d, p, state, _ = unit
     _write(d, p, 1, np.arange(8), np.arange(8), _deadline())  # a staging segment of 64 rows
     caps = {rid: d.grant(rid, np.arange(100), _deadline()) for rid in (2, 3)}
-    os.kill(state["proc"].pid, signal.SIGSTOP)
+    sigstop(state["proc"].pid)
     try:
         with pytest.raises(TransferError):
             _write(d, p, 2, np.arange(100), np.arange(100), _deadline(1500), capability=caps[2])
+            pytest.fail(f"a write completed while the proxy was meant to be stopped; its state now "
+                        f"{process_state(state['proc'].pid)!r} (T: stopped)")
     finally:
         os.kill(state["proc"].pid, signal.SIGCONT)
     _write(d, p, 3, np.arange(100, 200), np.arange(100), _deadline(), capability=caps[3])
@@ -169,7 +171,7 @@ def test_p_survives_a_proxy_stopped_and_killed_mid_transfer_repeatedly(unit):
     try:
         for _ in range(4):
             time.sleep(0.5)
-            os.kill(state["proc"].pid, signal.SIGSTOP)
+            sigstop(state["proc"].pid)
             time.sleep(1.2)
             os.kill(state["proc"].pid, signal.SIGCONT)
         time.sleep(0.5)
