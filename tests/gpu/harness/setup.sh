@@ -1,7 +1,8 @@
 # Sourced at the start of every device-machine script (nvidia-h200*, root): installs the
 # carried wheels the image lacks into /tmp/site and makes `pdunit` importable from this
 # checkout without putting the repo root on sys.path (operator/ would shadow the stdlib).
-#   .out/transfer-whl: pydantic, grpcio, protobuf   .out/cap-whl: fastapi, starlette, uvicorn, h11, httptools
+#   .out/transfer-whl: pydantic, grpcio, protobuf, ... (tests/gpu/harness/wheels.sh downloads them)
+#   .out/cap-whl: fastapi, starlette, uvicorn, h11, httptools
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 _wheels=(.out/transfer-whl/*.whl)
