@@ -1,13 +1,12 @@
-"""`pdunit bench step`: decode step time vs batch and context against the HBM roofline
-(BENCHMARKS.md section 3), without and with D's overlap scheduling.
+"""`pdunit bench step`: decode step time vs batch and context against its roofline
+(BENCHMARKS.md section 3), without and with D's overlap scheduling, for any family.
 
-Owns one measurement of D's decode step as D runs it: a model of the given shape with
-random weights, D's own paged pool fragmented by churn, D's `DecodeBatcher` and
-`StepForward` (CUDA graphs as `pdunit decode` captures them), `batch` synthetic streams
-per (batch, context) point, each point with and without overlap; per row step, host,
-wait and device times, the roofline and attention GB/s (the columns: docs/performance.md,
-"What each benchmark measures"). Must never be run for a claim without writing its
-results file (bench/report.py), and never re-implements the engine's step.
+Owns one measurement of D's whole decode step as D runs it (backbone, and a family's
+frame generation: csm's depth decoder and sampling, graphs where D captures them) over
+D's own paged pool fragmented by churn, `DecodeBatcher` and `StepForward`; per row step,
+host, wait and device times (backbone and frames apart), the roofline from the family's
+bytes and FLOPs (`step_work`; the columns: docs/performance.md). Must never be run for
+a claim without writing its results file, and never re-implements the engine's step.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms
 from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
-from pdunit.engine.model.config import get_config
+from pdunit.engine.model.config import CONFIGS, get_config
+from pdunit.engine.model.registry import random_shape, random_shape_names
 from pdunit.engine.model.transformer import GEMM_PRECISIONS, ForwardBatch, TTSModel
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
 from pdunit.kernels.decode_settings import render
@@ -46,12 +47,19 @@ COLUMNS = [
     Column("frames", "frames"),
     Column("graph_steps", "graph steps"),
     Column("eager_steps", "eager steps"),
+    Column("frame_graph_steps", "frame graph steps"),
+    Column("frame_eager_steps", "frame eager steps"),
     Column("step_ms", "step ms", "{:.3f}"),
     Column("host_ms", "host ms", "{:.3f}"),
     Column("wait_ms", "wait ms", "{:.3f}"),
     Column("gpu_ms", "gpu ms", "{:.3f}"),
+    Column("backbone_gpu_ms", "backbone gpu ms", "{:.3f}"),
+    Column("frames_gpu_ms", "frames gpu ms", "{:.3f}"),
     Column("event_gpu_ms", "event gpu ms", "{:.3f}"),
     Column("roofline_ms", "roofline ms", "{:.3f}"),
+    Column("bound", "bound"),
+    Column("backbone_roofline_ms", "backbone roofline ms", "{:.3f}"),
+    Column("frames_roofline_ms", "frames roofline ms", "{:.3f}"),
     Column("fraction_of_roofline", "of roofline", "{:.1%}"),
     Column("gpu_fraction_of_roofline", "gpu of roofline", "{:.1%}"),
     Column("gpu_busy", "gpu busy", "{:.1%}"),
@@ -82,6 +90,8 @@ class StepConfig:
     warmup: int = 3
     seed: int = 0
     copy_gib: float = 4.0
+    hbm_gbps: float = 0.0  # > 0: the roofline's bandwidth as given, not measured
+    matrix_tflops: float = 0.0  # > 0: the roofline's matrix rate as given, not measured
     reserve_gib: float = 14.0  # left free for activations, graph pools, scratch
     compare: list[str] = dataclasses.field(default_factory=lambda: ["64x2048"])
     tune: bool = False
@@ -118,42 +128,181 @@ def _kernel_ms(fn, reps: int = 20, rounds: int = 5) -> float:  # noqa: ANN001 - 
     return statistics.median(times)
 
 
-def measure_copy_gbps(gib: float, iters: int = 10) -> float:
-    """HBM bandwidth of a large device-to-device copy, counting bytes read + written."""
+CPU_COPY_GIB = 1 / 16  # the bandwidth copy on the CPU (tests): 64 MiB, not --copy-gib
+
+
+def measure_copy_gbps(gib: float, iters: int = 10, device: str | torch.device = "cuda") -> float:
+    """Memory bandwidth of a large copy on `device`, counting bytes read + written (CUDA
+    events on a GPU, the host clock on the CPU)."""
+    dev = torch.device(device)
     n = int(gib * 2**30) // 2
-    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    src = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
     dst = torch.empty_like(src)
-    ms = statistics.median(event_times_ms(lambda: dst.copy_(src), iters, 3))
+    ms = statistics.median(_times_ms(lambda: dst.copy_(src), iters, dev))
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
-def random_model(name: str, seed: int, device: str | torch.device = "cuda") -> TTSModel:
-    """The config's shape with weights drawn on `device` (the loader's scales: uniform
-    with std 1/sqrt(fan_in), norms 1): seconds instead of a CPU init of 4B parameters."""
-    cfg = get_config(name)
+def measure_matrix_tflops(dtype: torch.dtype, device: str | torch.device = "cuda", iters: int = 10) -> float:
+    """Dense matrix-multiply rate in `dtype` on `device`: a square GEMM (8192 on a GPU,
+    256 on the CPU), 2 n^3 FLOPs a call, the median call."""
     dev = torch.device(device)
-    m = TTSModel(cfg, device=dev)
+    n = 8192 if dev.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)
+    out = torch.empty(n, n, dtype=dtype, device=dev)
+    ms = statistics.median(_times_ms(lambda: torch.mm(a, b, out=out), iters, dev))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _times_ms(fn, iters: int, dev: torch.device) -> list[float]:  # noqa: ANN001 - a thunk
+    if dev.type == "cuda":
+        return event_times_ms(fn, iters, 3)
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"pdunit bench step: {message}")
+
+
+def load_bench_model(spec: str, seed: int, device: str | torch.device = "cuda") -> TTSModel:
+    """`--model`: a shape name (a pdunit config or a family's random shape: `tiny`,
+    `csm-tiny`, `csm-1b-shape`, ...) with weights drawn from `seed`, `random:<shape>:<seed>`
+    (its own seed), or a checkpoint directory (its weights, engine/model/loader.py).
+    Random weights are drawn on `device` at the loader's scales: seconds instead of a
+    CPU init of billions of parameters."""
+    from pdunit.engine.model.loader import _init_std, load_model
+
+    dev = torch.device(device)
+    name = spec
+    if spec.startswith("random:"):
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise _fail(f"--model {spec!r}: expected random:<shape>:<seed> with a non-negative integer seed")
+        name, seed = parts[1], int(parts[2])
+    shape = random_shape(name)
+    if shape is not None:
+        family, parsed = shape
+        m = family.build(parsed, dev)
+    elif name in CONFIGS:
+        m = TTSModel(get_config(name), device=dev)
+    elif name == spec and Path(spec).is_dir():
+        try:
+            return load_model(spec, device=str(dev))
+        except ValueError as exc:
+            raise _fail(f"--model: {exc}") from None
+    else:
+        raise _fail(f"--model {spec!r} is none of a shape ({', '.join([*CONFIGS, *random_shape_names()])}), "
+                    "random:<shape>:<seed> or a checkpoint directory")
     g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         for pname, p in m.named_parameters():
-            if pname.endswith("norm.weight"):
+            std = _init_std(pname, tuple(p.shape), m.config)
+            if std is None:
                 p.fill_(1.0)
-                continue
-            std = 1.0 / math.sqrt(cfg.n_codebooks if pname == "embed.weight" else p.shape[1])
-            bound = std * math.sqrt(3.0)
-            p.uniform_(-bound, bound, generator=g)
+            else:
+                bound = std * math.sqrt(3.0)
+                p.uniform_(-bound, bound, generator=g)
     m.requires_grad_(False)
     return m.eval()
 
 
-def weight_bytes(m: TTSModel) -> int:
-    """Bytes of weights one decode step reads: every matrix but the embedding table,
-    of which only the batch's rows are read (added per point); with fp8 decode GEMMs
-    their e4m3 weights and scales in place of the model-dtype ones."""
-    total = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "embed.weight")
+def _nbytes(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _matrix_elems(params: Sequence[torch.Tensor]) -> int:
+    """Weights of the matrices among `params` (norms are vectors: no FLOPs counted)."""
+    return sum(p.numel() for p in params if p.dim() >= 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """What one decode step of `batch` streams reads from memory and computes, backbone
+    and frame generation apart (`step_work`). Activations (hidden states, logits) and
+    K/V writes are not counted: a roofline, a floor on the step's time."""
+
+    backbone_weight_bytes: int  # every backbone matrix and norm, read once
+    embed_bytes: int  # the batch's embedding rows (of the whole table only those are read)
+    kv_bytes: float  # the backbone's K/V of every stream at the mean context
+    backbone_flops: float  # 2 x rows x matrix weights + attention's 4 x heads x head_dim x context
+    frame_weight_bytes: int = 0  # the head and the depth heads once, the depth decoder (K-1) times
+    frame_other_bytes: int = 0  # the depth decoder's embedding rows and its K/V within the frame
+    frames_flops: float = 0.0
+    depth_passes: int = 0  # K-1: the depth decoder's dependent passes a frame
+
+    @property
+    def backbone_bytes(self) -> float:
+        return self.backbone_weight_bytes + self.embed_bytes + self.kv_bytes
+
+    @property
+    def frames_bytes(self) -> int:
+        return self.frame_weight_bytes + self.frame_other_bytes
+
+    def roofline_ms(self, gbps: float, tflops: float, part: str = "step") -> float:
+        """max(bytes / bandwidth, FLOPs / matrix rate) of the whole step, or of one
+        `part` ("backbone", "frames")."""
+        nbytes = {"step": self.backbone_bytes + self.frames_bytes, "backbone": self.backbone_bytes,
+                  "frames": self.frames_bytes}[part]
+        flops = {"step": self.backbone_flops + self.frames_flops, "backbone": self.backbone_flops,
+                 "frames": self.frames_flops}[part]
+        return max(nbytes / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
+
+    def bound(self, gbps: float, tflops: float) -> str:
+        """Which term of the whole step's roofline binds: "hbm" or "matrix"."""
+        nbytes, flops = self.backbone_bytes + self.frames_bytes, self.backbone_flops + self.frames_flops
+        return "hbm" if nbytes / (gbps * 1e9) >= flops / (tflops * 1e12) else "matrix"
+
+
+def step_work(m: TTSModel, batch: int, mean_context: float, kv_token: int) -> StepWork:
+    """`StepWork` of one decode step from the model's own parameters: the backbone's
+    weights once (the head too where it gives every column; with fp8 decode GEMMs their
+    e4m3 bytes), its embedding rows and K/V; with a frame generator (csm's depth decoder)
+    the head once (codebook 0), then K-1 dependent passes of the depth decoder, each
+    reading its projection, layers and norm (K positions in all: the first pass takes
+    the backbone state and codebook 0), the codebook heads once (pass j reads head j),
+    K embedding rows a stream and the frame's own K/V (pass j reads j + 1 positions)."""
+    c = m.config
+    fg: Any = m.frame_generator  # csm's DepthDecoder, read by its attributes
+    named = dict(m.named_parameters())
+    backbone = [p for n, p in named.items()
+                if not n.startswith("frame_generator.") and n != "embed.weight" and not (fg and n == "head.weight")]
+    w_bytes = _nbytes(backbone)
     if m.decode_gemm == "fp8":
-        total += m.gemm_weight_bytes(True) - m.gemm_weight_bytes(False)
-    return total
+        w_bytes += m.gemm_weight_bytes(True) - m.gemm_weight_bytes(False)
+    work = StepWork(
+        backbone_weight_bytes=w_bytes,
+        embed_bytes=batch * c.n_codebooks * c.hidden * m.embed.weight.element_size(),
+        kv_bytes=batch * mean_context * kv_token,
+        backbone_flops=2.0 * batch * _matrix_elems(backbone)
+        + 4.0 * batch * mean_context * c.n_heads * c.head_dim * c.n_layers,
+    )
+    if fg is None:
+        return work
+    layers = getattr(fg, "layers", None)
+    if not all(hasattr(fg, a) for a in ("n_codebooks", "embed", "heads")) or layers is None:
+        raise _fail(f"no byte or FLOP count for frame generator {type(fg).__name__} (step_work knows csm's)")
+    k = int(fg.n_codebooks)
+    passes = k - 1
+    depth = [p for n, p in fg.named_parameters() if not n.startswith(("embed.", "heads"))]
+    heads = [m.head.weight, fg.heads]
+    attn = layers[0].attn
+    n_layers, elt = len(layers), fg.embed.weight.element_size()
+    positions_read = passes * (k + 2) // 2  # sum over passes j = 1..K-1 of j + 1
+    pairs = positions_read + 1  # pass 1's two positions attend 1 and 2
+    return dataclasses.replace(
+        work,
+        frame_weight_bytes=_nbytes(heads) + passes * _nbytes(depth),
+        frame_other_bytes=batch * k * fg.embed.weight.shape[1] * elt
+        + batch * n_layers * 2 * attn.n_kv_heads * attn.head_dim * elt * positions_read,
+        frames_flops=2.0 * batch * (_matrix_elems(heads) + k * _matrix_elems(depth))
+        + 4.0 * batch * n_layers * attn.n_heads * attn.head_dim * pairs,
+        depth_passes=passes,
+    )
 
 
 def paged_contexts(
@@ -378,6 +527,7 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
     # No sync here: with overlap a step is in flight, as in every steady-state
     # iteration; the window's `iters` iterations then wait for exactly `iters` steps.
     before = _engine_counters()
+    frame_stats_before = _frame_graph_stats(e.model)
     steps, frames, host, walls, launched = 0, 0, [], [], []
     profiler = _profiler(e.cuda) if cfg.profile else contextlib.nullcontext()
     t_start = time.perf_counter()
@@ -396,6 +546,7 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
                 frames += len(out.request_ids)
     window = time.perf_counter() - t_start
     after = _engine_counters()
+    frame_stats_after = _frame_graph_stats(e.model)
     top = _profile_top(prof, max(1, cfg.iters)) if cfg.profile else None
     graph_steps = int(after["graph"] - before["graph"])
     eager_steps = int(after["eager"] - before["eager"])
@@ -408,6 +559,13 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
         "step_p50_ms": statistics.median(walls) * 1e3,
         "step_max_ms": max(walls) * 1e3,
     }
+    if e.model.frame_generator is not None:
+        # how the frames were made: frame graph replays (engine/model/frame_graphs.py), or
+        # eagerly (no runner, as on the CPU: every step's; a batch no bucket covers)
+        replays = frame_stats_after["replays"] - frame_stats_before["replays"]
+        row["frame_graph_steps"] = replays
+        row["frame_eager_steps"] = (frame_stats_after["eager"] - frame_stats_before["eager"]
+                                    if e.model.frame_graphs is not None else steps)
     if top is not None:
         row["profile"] = top
     if sched is None:
@@ -430,7 +588,21 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
         if runner is not None and size is not None:
             # the staged inputs are the last timed step's: replaying them back to back
             # rewrites the same K/V rows of streams about to be cancelled
-            row["gpu_ms"] = statistics.median(event_times_ms(lambda: runner.replay_staged(size), cfg.iters, 1))
+            row["gpu_ms"] = row["backbone_gpu_ms"] = statistics.median(
+                event_times_ms(lambda: runner.replay_staged(size), cfg.iters, 1))
+            frame_graphs = e.model.frame_graphs
+            if frame_graphs is not None and frame_graphs.bucket_for(batch) == size:
+                # the frame graph on the last step's staged hidden states and sampling rows,
+                # alone, then the whole step: both graphs back to back
+                cap = _frame_cap(cfg)
+
+                def whole_step() -> None:
+                    runner.replay_staged(size)
+                    frame_graphs.replay_staged(size, cap)
+
+                row["frames_gpu_ms"] = statistics.median(
+                    event_times_ms(lambda: frame_graphs.replay_staged(size, cap), cfg.iters, 1))
+                row["gpu_ms"] = statistics.median(event_times_ms(whole_step, cfg.iters, 1))
             row["gpu_busy"] = row["gpu_ms"] / row["step_ms"]
             extra["runner"] = runner
     if sched is None and e.cuda and f"{batch}x{context}" in cfg.compare:
@@ -438,6 +610,19 @@ def measure_row(e: EngineUnderTest, batch: int, context: int, overlap: bool, cfg
         extra["compare_entries"] = entries
     extra["ids"], extra["sched"] = ids, sched
     return row, extra
+
+
+def _frame_graph_stats(m: TTSModel) -> dict[str, int]:
+    return dict(m.frame_graphs.stats) if m.frame_graphs is not None else {"replays": 0, "eager": 0}
+
+
+def _frame_cap(cfg: StepConfig) -> int | None:
+    """The frame graphs' top-k cap the rows' sampling takes (FrameGraphRunner.cap_for):
+    every stream samples alike."""
+    from pdunit.engine.model.frame_graphs import TOP_K_CAPS
+
+    k = cfg.top_k if cfg.temperature != 0 else 0
+    return next(c for c in TOP_K_CAPS if c is None or c >= k)
 
 
 def run_step(config: StepConfig) -> dict[str, Any]:
@@ -451,12 +636,14 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     if config.tune and not cuda:
         raise SystemExit("pdunit bench step: --tune times GPU kernels; drop it with --device cpu")
     rng = np.random.default_rng(config.seed)
-    gbps = None
+    gbps = config.hbm_gbps or measure_copy_gbps(config.copy_gib if cuda else CPU_COPY_GIB, device=dev)
+    m = load_bench_model(config.model, config.seed, dev)
+    tflops = config.matrix_tflops or measure_matrix_tflops(m.dtype, dev)
     if cuda:
-        gbps = measure_copy_gbps(config.copy_gib)
-        torch.cuda.empty_cache()  # the copy's buffers: back to the device before sizing the pool
-        print(f"HBM copy bandwidth: {gbps:.0f} GB/s (read + write)", flush=True)
-    m = random_model(config.model, config.seed, dev)
+        torch.cuda.empty_cache()  # the measurements' buffers: back to the device before sizing the pool
+    print(f"memory bandwidth: {gbps:.0f} GB/s (read + write{', given' if config.hbm_gbps else ''}); "
+          f"matrix rate in {m.dtype}: {tflops:.3g} TFLOP/s{' (given)' if config.matrix_tflops else ''}",
+          flush=True)
     try:
         m.set_decode_gemm(config.decode_gemm)
     except ValueError as exc:
@@ -464,7 +651,8 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     c = m.config
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, m.dtype)
     kv_token = c.kv_bytes_per_token(kv_dtype)
-    w_bytes = weight_bytes(m)
+    idle = step_work(m, 0, 0, kv_token)  # the weights alone
+    w_bytes = idle.backbone_weight_bytes
     page = config.page_size
     frames_cap = config.warmup + config.iters + FRAME_MARGIN
     too_long = [ctx for ctx in config.contexts if ctx - 1 + frames_cap > c.max_positions]
@@ -491,7 +679,9 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     for layer in storage:  # random K/V (never zeros: zeros run faster than data)
         layer.copy_(to_kv(torch.randn(layer.shape, dtype=m.dtype, device=dev), kv_dtype))
     print(f"pool: {n_pages} pages of {page} in {kv_dtype}, {n_pages * page * kv_token / 2**30:.2f} GiB; "
-          f"weights {w_bytes / 2**30:.2f} GiB", flush=True)
+          f"weights {w_bytes / 2**30:.2f} GiB a step"
+          + (f" + frame generation {idle.frame_weight_bytes / 2**30:.2f} GiB "
+             f"({idle.depth_passes} depth passes)" if m.frame_generator is not None else ""), flush=True)
     if cuda:
         from pdunit.kernels import paged_attention as pa
 
@@ -512,15 +702,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
                 print(row, flush=True)
                 continue
             row, extra = measure_row(e, b, ctx, overlap, config, rng)
-            if gbps is not None:
-                embed_bytes = b * c.n_codebooks * c.hidden * m.embed.weight.element_size()
-                kv_bytes = b * row["mean_context"] * kv_token
-                roof = (w_bytes + embed_bytes + kv_bytes) / (gbps * 1e9) * 1e3
-                row["roofline_ms"] = roof
-                row["kv_gb"] = kv_bytes / 1e9
-                row["fraction_of_roofline"] = roof / row["step_ms"]
-                if row.get("gpu_ms"):
-                    row["gpu_fraction_of_roofline"] = roof / row["gpu_ms"]
+            row.update(roofline_columns(step_work(m, b, row["mean_context"], kv_token), gbps, tflops, row))
             if "runner" in extra:
                 row["attn_gbps"] = _attention_gbps(m, storage, extra["runner"], b)
             if "compare_entries" in extra:
@@ -531,11 +713,21 @@ def run_step(config: StepConfig) -> dict[str, Any]:
             if cuda and row["eager_steps"]:
                 print(f"WARNING: {row['eager_steps']} of {row['steps']} steps at {b}x{ctx} "
                       f"overlap={overlap} ran eagerly, not as graph replays", flush=True)
+            if cuda and row.get("frame_eager_steps"):
+                print(f"WARNING: the frames of {row['frame_eager_steps']} of {row['steps']} steps at {b}x{ctx} "
+                      f"overlap={overlap} ran eagerly, not as frame graph replays", flush=True)
     summary = _summary(rows, config)
     summary.update(
         device=str(dev),
         hbm_copy_gbps=gbps,
+        hbm_gbps_given=bool(config.hbm_gbps),
+        matrix_tflops=tflops,
+        matrix_tflops_given=bool(config.matrix_tflops),
         weight_gib=w_bytes / 2**30,
+        frame_generator=type(m.frame_generator).__name__ if m.frame_generator is not None else None,
+        frame_weight_read_gib=idle.frame_weight_bytes / 2**30,
+        depth_passes=idle.depth_passes,
+        frame_graph_buckets=m.frame_graphs.sizes if m.frame_graphs is not None else None,
         kv_bytes_per_token=kv_token,
         pool_slots=n_pages * page,
         capture_s=e.capture_s,
@@ -559,6 +751,30 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         summary=summary,
     )
     return res.document()
+
+
+def roofline_columns(work: StepWork, gbps: float, tflops: float, row: dict[str, Any]) -> dict[str, Any]:
+    """A measured row's roofline columns: the whole step's and each part's roofline, the
+    binding term, the bytes and FLOPs behind them, and the fractions of step_ms / gpu_ms
+    (and of the parts' device times) they are."""
+    roof = work.roofline_ms(gbps, tflops)
+    out: dict[str, Any] = {
+        "roofline_ms": roof, "bound": work.bound(gbps, tflops),
+        "backbone_roofline_ms": work.roofline_ms(gbps, tflops, "backbone"),
+        "read_gb": (work.backbone_bytes + work.frames_bytes) / 1e9, "kv_gb": work.kv_bytes / 1e9,
+        "tflop": (work.backbone_flops + work.frames_flops) / 1e12,
+        "fraction_of_roofline": roof / row["step_ms"],
+    }
+    if work.depth_passes:
+        out["frames_roofline_ms"] = work.roofline_ms(gbps, tflops, "frames")
+        out["frames_read_gb"] = work.frames_bytes / 1e9
+        out["frames_tflop"] = work.frames_flops / 1e12
+    if row.get("gpu_ms"):
+        out["gpu_fraction_of_roofline"] = roof / row["gpu_ms"]
+    for part in ("backbone", "frames"):
+        if row.get(f"{part}_gpu_ms") and f"{part}_roofline_ms" in out:
+            out[f"{part}_gpu_fraction_of_roofline"] = out[f"{part}_roofline_ms"] / row[f"{part}_gpu_ms"]
+    return out
 
 
 def _summary(rows: list[dict[str, Any]], config: StepConfig) -> dict[str, Any]:
@@ -616,11 +832,15 @@ def _attention_gbps(m: TTSModel, kv: torch.Tensor, runner: Any, b: int) -> float
 def _compare(m: TTSModel, e: EngineUnderTest, entries: list[Any]) -> dict[str, Any]:
     """At one point: the graph step, the eager GPU path and the torch reference path (the
     pre-kernel code) on the same batch; their step times and how far their logits are
-    from the graph's."""
+    from the graph's (a frame generator's model: the head's, of the hidden states; the
+    times are the backbone's forward alone)."""
     from pdunit.engine.batching import make_batch
 
+    def to_logits(out: torch.Tensor) -> torch.Tensor:
+        return m.logits(out) if m.frame_generator is not None else out
+
     batch: ForwardBatch = make_batch(entries)
-    graph_logits = e.forward(entries)
+    graph_logits = to_logits(e.forward(entries))
     out: dict[str, Any] = {}
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
@@ -628,7 +848,7 @@ def _compare(m: TTSModel, e: EngineUnderTest, entries: list[Any]) -> dict[str, A
         for i in range(n + 1):
             s0 = time.perf_counter()
             with torch.inference_mode():
-                logits = m.forward(batch, e.storage)
+                logits = to_logits(m.forward(batch, e.storage))
             logits.argmax(-1).cpu()
             if i:  # the first run compiles / warms up
                 times.append((time.perf_counter() - s0) * 1e3)
@@ -670,6 +890,9 @@ def _check_config(cfg: StepConfig) -> None:
         problems.append(f"--contexts must be >= 2 tokens (a prompt of >= 1 plus the step's; got {cfg.contexts})")
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
         problems.append(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {cfg.kv_cache_dtype!r})")
+    if cfg.hbm_gbps < 0 or cfg.matrix_tflops < 0:
+        problems.append(f"--hbm-gbps and --matrix-tflops must be >= 0 (0: measure; got {cfg.hbm_gbps}, "
+                        f"{cfg.matrix_tflops})")
     if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
         problems.append(f"--device must be cuda, cuda:N or cpu (got {cfg.device!r})")
     if problems:
@@ -689,7 +912,9 @@ def _ints(text: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     d = StepConfig()
     p = argparse.ArgumentParser(prog="pdunit bench step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=d.model, help="model config name (random weights)")
+    p.add_argument("--model", default=d.model,
+                   help="a shape name (any family's: tiny, qwen3-4b-shape, csm-tiny, csm-1b-shape, dualar-4b-shape; "
+                        "random weights from --seed), random:<shape>:<seed>, or a checkpoint directory")
     p.add_argument("--batches", type=_ints, default=d.batches, help="comma-separated batch sizes")
     p.add_argument("--contexts", type=_ints, default=d.contexts, help="comma-separated context lengths")
     p.add_argument("--page-size", type=int, default=d.page_size,
@@ -700,7 +925,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=d.iters, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed iterations after admission")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--copy-gib", type=float, default=d.copy_gib, help="size of the bandwidth copy")
+    p.add_argument("--copy-gib", type=float, default=d.copy_gib, help="size of the bandwidth copy (GPU)")
+    p.add_argument("--hbm-gbps", type=float, default=d.hbm_gbps,
+                   help="the roofline's memory bandwidth in GB/s instead of the measured copy's (0: measure)")
+    p.add_argument("--matrix-tflops", type=float, default=d.matrix_tflops,
+                   help="the roofline's matrix rate in TFLOP/s instead of a measured GEMM's (0: measure)")
     p.add_argument("--reserve-gib", type=float, default=d.reserve_gib, help="GPU memory kept out of the KV pool")
     p.add_argument("--compare", default=",".join(d.compare),
                    help="points (BxCTX) where eager and the torch reference are timed too (CUDA); '' for none")
@@ -734,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         model=a.model, batches=a.batches, contexts=a.contexts, page_size=a.page_size,
         kv_cache_dtype=a.kv_cache_dtype,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
+        hbm_gbps=a.hbm_gbps, matrix_tflops=a.matrix_tflops,
         compare=[x for x in a.compare.split(",") if x], tune=a.tune, decode_kernel=a.decode_kernel,
         decode_gemm=a.decode_gemm,
         overlap=a.overlap,
@@ -744,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = run_step(cfg)
     tag = cfg.machine_tag or report.machine_slug(doc["machine"]).lower()
     path = Path(cfg.out) / f"step-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
-    title = "Decode step vs the HBM roofline, without and with overlap"
+    title = "Decode step vs its roofline (HBM bytes, matrix FLOPs), without and with overlap"
     report.Results.from_document(doc).write(path, COLUMNS, title=title)
     print(text_table(doc["rows"], COLUMNS))
     for row in doc["rows"]:

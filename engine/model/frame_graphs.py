@@ -80,6 +80,12 @@ class FrameGraphRunner:
                     self._graphs[(size, cap)] = graph
         torch.cuda.synchronize(dev)
 
+    def replay_staged(self, size: int, top_k_cap: int | None) -> None:
+        """Replays bucket `size`, cap `top_k_cap`, on the inputs the last `run` staged
+        (benchmarks time the frame generation alone this way; it writes only the
+        runner's own buffers)."""
+        self._graphs[(size, top_k_cap)].replay()
+
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None when n is too large."""
         return next((b for b in self.sizes if b >= n), None)

@@ -198,3 +198,169 @@ def test_gpu_run_takes_the_engines_decode_kernel_flag() -> None:
     assert doc["summary"]["decode_kernel"] == "head_major=1,kv_as_a=1"
     assert doc["summary"]["decode_kernel_config"]["head_major"] == 1
     assert doc["rows"][0]["graph_steps"] == 2
+
+
+# ------------------------------------------------------------------ any family: csm
+
+
+def _llama_weights(c, with_final_norm: bool = True) -> tuple[int, int]:  # noqa: ANN001 - a ModelConfig
+    """(matrix weights, norm weights) of a Llama-shaped stack, by hand from its config."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    per_layer = c.hidden * q + 2 * c.hidden * kv + q * c.hidden + 3 * c.hidden * c.ffn_hidden
+    norms = c.n_layers * 2 * c.hidden + (c.hidden if with_final_norm else 0)
+    assert not c.qk_norm  # csm-tiny's stacks have no q/k norm
+    return c.n_layers * per_layer, norms
+
+
+def _csm_tiny_work(batch: int, mean_context: float) -> dict[str, float]:
+    """One csm-tiny decode step's bytes and FLOPs computed from its config alone (float64:
+    8 bytes a value): the backbone once; the head once; the depth decoder's projection,
+    layers and norm once per depth pass, K-1 passes over K positions; its heads once."""
+    from pdunit.engine.model.registry import random_shape
+
+    shape = random_shape("csm-tiny")
+    assert shape is not None
+    b, d = shape[1].model, shape[1].extras.depth
+    dc, k, v, e = d.backbone, d.n_codebooks, d.vocab_size, 8
+    mats, norms = _llama_weights(b)
+    d_mats, d_norms = _llama_weights(dc)
+    d_mats += d.backbone_hidden * dc.hidden  # the projection from the backbone's width
+    head, depth_heads = b.hidden * b.head_vocab_sizes[0], (k - 1) * dc.hidden * v
+    kv_token = b.n_layers * 2 * b.n_kv_heads * b.head_dim * e
+    positions = sum(j + 1 for j in range(1, k))  # pass j attends the frame's first j + 1 positions
+    return {
+        "backbone_bytes": e * (mats + norms) + batch * b.n_codebooks * b.hidden * e + batch * mean_context * kv_token,
+        "backbone_flops": 2 * batch * mats + 4 * batch * mean_context * b.n_heads * b.head_dim * b.n_layers,
+        "frames_bytes": e * (head + depth_heads + (k - 1) * (d_mats + d_norms))
+        + batch * k * d.backbone_hidden * e + batch * dc.n_layers * 2 * dc.n_kv_heads * dc.head_dim * e * positions,
+        "frames_flops": 2 * batch * (head + depth_heads + k * d_mats)
+        + 4 * batch * dc.n_layers * dc.n_heads * dc.head_dim * (positions + 1),
+        "depth_weight_bytes": e * (d_mats + d_norms), "passes": k - 1,
+    }
+
+
+def test_step_work_counts_the_depth_decoders_k_minus_1_passes_as_the_config_says() -> None:
+    m = step.load_bench_model("random:csm-tiny:0", 0, "cpu")
+    kv_token = m.config.kv_bytes_per_token(m.dtype)
+    for batch, ctx in ((1, 8.5), (3, 35.5)):
+        work = step.step_work(m, batch, ctx, kv_token)
+        hand = _csm_tiny_work(batch, ctx)
+        assert work.depth_passes == hand["passes"] == 3
+        assert work.backbone_bytes == pytest.approx(hand["backbone_bytes"], rel=1e-12)
+        assert work.backbone_flops == pytest.approx(hand["backbone_flops"], rel=1e-12)
+        assert work.frames_bytes == pytest.approx(hand["frames_bytes"], rel=1e-12)
+        assert work.frames_flops == pytest.approx(hand["frames_flops"], rel=1e-12)
+    # the weights as stored: the depth decoder counted K-1 = 3 times, not once
+    params = dict(m.named_parameters())
+    stored = sum(p.numel() * p.element_size() for n, p in params.items() if n.startswith("frame_generator."))
+    stored += params["head.weight"].numel() * 8
+    embed = params["frame_generator.embed.weight"]
+    once = stored - embed.numel() * 8
+    assert work.frame_weight_bytes == once + 2 * hand["depth_weight_bytes"]
+    # the backbone's: every parameter but the embedding table and the frame generation's
+    backbone = sum(p.numel() * 8 for n, p in params.items()
+                   if n != "embed.weight" and n != "head.weight" and not n.startswith("frame_generator."))
+    assert work.backbone_weight_bytes == backbone
+
+
+def test_step_work_of_a_model_without_frame_generator_is_its_weights_embedding_rows_and_kv() -> None:
+    m = step.load_bench_model("tiny", 0, "cpu")
+    c = m.config
+    work = step.step_work(m, 4, 100.0, 1000)
+    every = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "embed.weight")
+    assert work.backbone_bytes == every + 4 * c.n_codebooks * c.hidden * 8 + 4 * 100.0 * 1000
+    assert (work.frames_bytes, work.frames_flops, work.depth_passes) == (0, 0.0, 0)
+    gbps, tflops = 2.0, 1e-3
+    assert work.roofline_ms(gbps, tflops) == pytest.approx(
+        max(work.backbone_bytes / 2e9, work.backbone_flops / 1e9) * 1e3)
+
+
+CSM_BATCHES, CSM_CONTEXTS = [1, 3], [6, 9]
+
+
+def test_cpu_run_of_csm_times_the_whole_step_and_its_roofline_from_the_config(tmp_path: Path) -> None:
+    """`--model random:csm-tiny:0` on the CPU: D's step with the depth decoder's frames
+    (eager: no graphs on the CPU), each row's roofline from the given bandwidth and
+    matrix rate equal to the hand computation's, and the admission fit written."""
+    gbps, tflops = 0.5, 2e-4
+    argv = ["--device", "cpu", "--model", "random:csm-tiny:0", "--page-size", "4",
+            "--batches", ",".join(map(str, CSM_BATCHES)), "--contexts", ",".join(map(str, CSM_CONTEXTS)),
+            "--iters", "2", "--warmup", "1", "--hbm-gbps", str(gbps), "--matrix-tflops", str(tflops),
+            "--machine-tag", "csm", "--out", str(tmp_path)]
+    assert step.main(argv) == 0
+    (path,) = tmp_path.glob("step-*-csm.json")
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    assert [(r["batch"], r["context"], r["overlap"]) for r in rows] == [
+        (b, c, o) for c in CSM_CONTEXTS for b in CSM_BATCHES for o in (False, True)]
+    binds = set()
+    for r in rows:
+        where = f"{r['batch']}x{r['context']} overlap={r['overlap']}"
+        assert r["steps"] == 2 and r["frames"] == 2 * r["batch"], where
+        assert (r["frame_graph_steps"], r["frame_eager_steps"]) == (0, 2), where
+        hand = _csm_tiny_work(r["batch"], r["mean_context"])
+        nbytes = hand["backbone_bytes"] + hand["frames_bytes"]
+        flops = hand["backbone_flops"] + hand["frames_flops"]
+        roof = max(nbytes / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
+        assert r["roofline_ms"] == pytest.approx(roof, rel=1e-9), where
+        assert r["bound"] == ("hbm" if nbytes / (gbps * 1e9) >= flops / (tflops * 1e12) else "matrix"), where
+        binds.add(r["bound"])
+        assert r["frames_roofline_ms"] == pytest.approx(
+            max(hand["frames_bytes"] / (gbps * 1e9), hand["frames_flops"] / (tflops * 1e12)) * 1e3, rel=1e-9)
+        assert r["backbone_roofline_ms"] == pytest.approx(
+            max(hand["backbone_bytes"] / (gbps * 1e9), hand["backbone_flops"] / (tflops * 1e12)) * 1e3, rel=1e-9)
+        assert r["fraction_of_roofline"] == pytest.approx(r["roofline_ms"] / r["step_ms"]), where
+    assert binds == {"hbm", "matrix"}, "the given rates put the small batch on bytes, the larger on FLOPs"
+    s = doc["summary"]
+    assert (s["hbm_copy_gbps"], s["matrix_tflops"], s["hbm_gbps_given"]) == (gbps, tflops, True)
+    assert (s["frame_generator"], s["depth_passes"], s["frame_graph_buckets"]) == ("DepthDecoder", 3, None)
+    header = next(line for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("| batch"))
+    for col in ("frame graph steps", "frames gpu ms", "backbone roofline ms", "frames roofline ms", "bound"):
+        assert f"| {col} |" in header, col
+    (fit,) = tmp_path.glob("step-*-csm.fit.json")
+    assert StepCoefficients.from_json(fit.read_text(), str(fit)) == step.step_model(rows)
+
+
+def test_cpu_run_measures_the_bandwidth_and_matrix_rate_it_judges_by() -> None:
+    doc = step.run_step(step.StepConfig(model="csm-tiny", device="cpu", page_size=4, batches=[2], contexts=[9],
+                                        iters=2, warmup=0, overlap="on"))
+    s, (r,) = doc["summary"], doc["rows"]
+    assert s["hbm_copy_gbps"] > 0 and s["matrix_tflops"] > 0 and not s["hbm_gbps_given"]
+    assert r["roofline_ms"] >= r["backbone_roofline_ms"] > 0 and r["frames_roofline_ms"] > 0
+
+
+def test_model_spec_forms_and_refusals(tmp_path: Path) -> None:
+    from pdunit.engine.model.loader import load_model, save_model
+
+    a, b = step.load_bench_model("random:csm-tiny:3", 0, "cpu"), step.load_bench_model("csm-tiny", 3, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert a.frame_generator is not None
+    save_model(load_model("random:tiny:0"), str(tmp_path / "ckpt"))
+    doc = step.run_step(step.StepConfig(model=str(tmp_path / "ckpt"), device="cpu", page_size=4, batches=[1],
+                                        contexts=[9], iters=1, warmup=0, overlap="on"))
+    assert doc["rows"][0]["frames"] == 1
+    for bad, match in (("random:csm-tiny", "random:<shape>:<seed>"), ("nope", "none of a shape.*csm-1b-shape"),
+                       (str(tmp_path), "--model: .* is neither .* nor a directory holding config.json")):
+        with pytest.raises(SystemExit, match=match):
+            step.load_bench_model(bad, 0, "cpu")
+    with pytest.raises(SystemExit, match="--hbm-gbps and --matrix-tflops must be >= 0"):
+        step.run_step(step.StepConfig(model="tiny", device="cpu", hbm_gbps=-1))
+
+
+@pytest.mark.gpu
+def test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart() -> None:
+    """csm-1b-shape at two small points: every step's backbone and frames are graph
+    replays, and the whole step's device time and its two parts are measured."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    doc = step.run_step(step.StepConfig(model="random:csm-1b-shape:0", batches=[1, 8], contexts=[64], iters=4,
+                                        warmup=1, copy_gib=0.5, compare=["8x64"], overlap="both"))
+    for r in doc["rows"]:
+        where = f"{r['batch']}x64 overlap={r['overlap']}"
+        assert (r["graph_steps"], r["eager_steps"], r["frame_graph_steps"], r["frame_eager_steps"]) == (4, 0, 4, 0), where
+        assert r["frames"] == 4 * r["batch"], where
+        assert 0 < r["backbone_gpu_ms"] < r["gpu_ms"] and 0 < r["frames_gpu_ms"] < r["gpu_ms"], where
+        assert r["roofline_ms"] > r["frames_roofline_ms"] > 0, where
+    s = doc["summary"]
+    assert s["depth_passes"] == 31 and s["frame_graph_buckets"] == [1, 2, 4, 8] and s["matrix_tflops"] > 10
+    assert s["compare"]["8x64"]["graph_vs_eager_greedy_agree"] > 0.9

@@ -1,0 +1,34 @@
+#!/bin/bash
+# Issue 23's step benchmark of the real-model shapes on ONE card, ~4-6 min: first the csm
+# GPU tests (the Triton path == the reference, decode and frame graph replays == eager, D
+# on CUDA, and the bench's own csm GPU test), then `pdunit bench step` for
+# random:csm-1b-shape:0 and random:dualar-4b-shape:0: D's whole step (backbone graph +
+# frame graph: codebook 0, the K-1 depth passes, sampling) at 64/128/256/512 streams x
+# 1024/2048 tokens with overlap, its device time split (backbone, frames) and its roofline
+# (max of bytes / measured bandwidth, FLOPs / measured GEMM rate). Points whose KV does not
+# fit the card are written as skipped rows, named (dualar-4b: 144 KiB a token).
+#   bash bench/gpu/csm_step.sh [TAG]  (repo root, on the device machine; carry .out/transfer-whl,
+#   tests/gpu/harness/wheels.sh). $OUT: report.txt (env, a status line a step, the tests' tail),
+#   step-<date>-<gpu>-<shape>-<TAG>.json/.md/.fit.json, and the log of a failed step.
+set -uo pipefail
+source tests/gpu/harness/setup.sh
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
+tag=${1:-i23}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/report.txt" 2>&1
+rc=0
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
+  tests/engine/test_csm_serving.py "tests/bench/test_step.py::test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart" \
+  > "$OUT/pytest.txt" 2>&1
+code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"; tail -8 "$OUT/pytest.txt" >> "$OUT/report.txt"
+[ "$code" -eq 0 ] || { tail -80 "$OUT/pytest.txt" >> "$OUT/report.txt"; rc=1; }
+rm -f "$OUT/pytest.txt"
+for shape in csm-1b-shape dualar-4b-shape; do
+  timeout 170 python3 -m pdunit.bench.step --model "random:$shape:0" --batches 64,128,256,512 \
+    --contexts 1024,2048 --overlap on --iters 10 --warmup 2 --compare= \
+    --machine-tag "$gpu-$shape-$tag" --out "$OUT" > "$OUT/step-$shape.log" 2>&1
+  code=$?; echo "step $shape rc=$code" >> "$OUT/report.txt"
+  grep -E "^memory bandwidth|^pool:|^step forward ready|WARNING" "$OUT/step-$shape.log" >> "$OUT/report.txt"
+  if [ "$code" -eq 0 ]; then rm -f "$OUT/step-$shape.log"; else tail -40 "$OUT/step-$shape.log" >> "$OUT/report.txt"; rc=1; fi
+done
+exit $rc
