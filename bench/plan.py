@@ -82,6 +82,9 @@ class PlanConfig(BaseModel):
     max_batch_rows: int = Field(_ENGINE["max_batch_rows"], gt=0,
                                 description="P's and the prefill-first monolith's rows per forward")
     max_batch_prompts: int = Field(_ENGINE["max_batch_prompts"], gt=0, description="P's prompts per forward")
+    reserve_concurrency: int = Field(_ENGINE["reserve_concurrency"], gt=0,
+                                     description="P's RESERVEs sent at once (its --reserve-concurrency; 1: one "
+                                     "at a time, P before issue 31)")
     pool_tokens: int = Field(400000, gt=0, description="each D's KV pool, and the monolith's, in tokens (the "
                              "device harness's --pool-tokens): a request holds prompt rows + frames")
     admit_ms: float = Field(5.0, ge=0, description="client send -> engine admission (the waterfalls' p50 sum)")
@@ -304,11 +307,13 @@ def refuse_beyond_pool(requests: Sequence[Request], pool_tokens: int, held_from:
 def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanConfig) -> None:
     """P, then each D: frame times into every request's `times`.
 
-    P as engine/prefill/worker.py runs it: the reserve stage takes requests in arrival
-    order, one at a time (`reserve_s` each), into the batch the next forward takes, and
-    blocks while that batch is full (`max_batch_rows`, `max_batch_prompts`); the
-    forward stage takes the whole batch when its forward in flight ends, or, idle,
-    starts as soon as one request is reserved."""
+    P as engine/prefill/pipeline.py runs it: the reserve stage takes the next request in
+    arrival order once it fits the batch the next forward takes (`max_batch_rows`,
+    `max_batch_prompts`), with the requests queued behind it by then (up to
+    `reserve_concurrency`), reserves them at once (`reserve_s`) and adds them together,
+    those that do not fit waiting reserved for the next take; the forward stage takes
+    the whole batch when its forward in flight ends, or, idle, starts as soon as a group
+    is reserved."""
     assert costs.step is not None, "load_costs fits D's step for every planned 1pNd variant"
     step = costs.step
     cache = PrefixCacheModel(cfg.block_tokens)
@@ -318,32 +323,45 @@ def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanC
     j = 0  # the next request for the reserve stage
     reserve_free = 0.0  # when the reserve stage can start its next RESERVE
     batch: list[Request] = []  # reserved, for the next forward
+    ahead: list[Request] = []  # reserved with a group, waiting for room in the batch
 
     def fits(r: Request) -> bool:
         rows = sum(x.rows for x in batch)
         return not batch or (len(batch) < cfg.max_batch_prompts and rows + r.rows <= cfg.max_batch_rows)
 
-    def reserve_next() -> float:
+    def group_start() -> float:
+        return max(reserve_free, jobs[j].stamps["p_admitted"])
+
+    def reserve_group() -> float:
         nonlocal j, reserve_free
-        r = jobs[j]
-        reserve_free = r.stamps["p_reserved"] = max(reserve_free, r.stamps["p_admitted"]) + costs.reserve_s
-        batch.append(r)
-        j += 1
+        begin = group_start()
+        k = 1
+        while k < cfg.reserve_concurrency and j + k < len(jobs) and jobs[j + k].stamps["p_admitted"] <= begin:
+            k += 1
+        reserve_free = begin + costs.reserve_s
+        for r in jobs[j:j + k]:
+            r.stamps["p_reserved"] = reserve_free
+            if not ahead and fits(r):
+                batch.append(r)
+            else:
+                ahead.append(r)
+        j += k
         return reserve_free
 
     commits: list[tuple[float, Request]] = []
     free_at = 0.0  # when the forward in flight ends
-    while j < len(jobs) or batch:
-        # reservations that complete while the forward in flight runs, while there is room
-        while (j < len(jobs) and fits(jobs[j])
-               and max(reserve_free, jobs[j].stamps["p_admitted"]) + costs.reserve_s <= free_at):
-            reserve_next()
-        blocked = j < len(jobs) and not fits(jobs[j])
+    while j < len(jobs) or batch or ahead:
+        # groups reserved while the forward in flight runs, while the next one has room
+        while j < len(jobs) and not ahead and fits(jobs[j]) and group_start() + costs.reserve_s <= free_at:
+            reserve_group()
+        blocked = j < len(jobs) and (bool(ahead) or not fits(jobs[j]))
         if batch:
             start = free_at
-        else:  # P idle: its forward starts with the first request reserved
-            start = reserve_next()
+        else:  # P idle: its forward starts with the first group reserved
+            start = reserve_group()
         taken, batch[:] = list(batch), []
+        while ahead and fits(ahead[0]):  # reserved, waiting for room: into the next batch
+            batch.append(ahead.pop(0))
         if blocked:  # the reserve stage waited for this take to make room
             reserve_free = max(reserve_free, start)
         seqs = [(r.rows - c, c) for r in taken for c in [cache.cached(r, start)]]

@@ -106,6 +106,22 @@ class OpenBatch(Generic[T]):
             self._rows += rows
             self._cv.notify_all()
 
+    def add_fitting(self, items: list[tuple[T, int]]) -> int:
+        """Adds (item, rows) pairs in order while each fits, in one step (a consumer
+        waking on the first sees them all: a group reserved together goes into one
+        forward); returns how many were added."""
+        with self._cv:
+            n = 0
+            for item, rows in items:
+                if not self._fits(rows):
+                    break
+                self._items.append(item)
+                self._rows += rows
+                n += 1
+            if n:
+                self._cv.notify_all()
+            return n
+
     def __len__(self) -> int:
         with self._cv:
             return len(self._items)

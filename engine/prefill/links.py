@@ -43,6 +43,17 @@ P_FALLBACKS = m.role_metric(Counter("pdunit_prefill_decode_fallbacks_total",
 AttachSender = Callable[[list[Descriptor], PoolGeometry], KVSender]
 
 
+@dataclass
+class Reservation:
+    """A RESERVE's outcome: the D that answered last (None: none answered), its reply,
+    and on a grant the sender and stub of the D instance that granted it."""
+
+    link: DecodeLink | None
+    reply: pb.ReserveReply
+    sender: KVSender | None = None
+    stub: pbg.DecodeStub | None = None
+
+
 class PeerMismatch(RuntimeError):
     """P and D disagree on the model or pool geometry: no transfer can be correct."""
 
@@ -60,9 +71,9 @@ class PeerSpec:
 @dataclass
 class DecodeLink:
     """One D that P feeds: its channel, P's sender into its pool, its instance id, and its
-    load as last reported (Info probe, Reserve replies). Only the reserve thread (and
-    `connect` before it starts) replaces `stub`, `sender` and `instance`; a request keeps
-    the sender and stub it was reserved with."""
+    load as last reported (Info probe, Reserve replies). Only the reserve stage's
+    RESERVEs (one handshake at a time) and `connect` before it starts replace `sender`
+    and `instance`; a request keeps the sender and stub it was reserved with."""
 
     index: int
     socket: str
@@ -107,6 +118,7 @@ class DecodeLinks(Sequence[DecodeLink]):
         self.deadlines: dict[int, int] = {}      # request id -> transfer deadline sent in RESERVE
         self._peer: PeerSpec | None = None
         self._lock = threading.Lock()
+        self._handshake = threading.Lock()  # a handshake again (a D restarted), and reading a link's peer
         self._probe_stop = threading.Event()
         self._probe_thread: threading.Thread | None = None
 
@@ -256,10 +268,12 @@ class DecodeLinks(Sequence[DecodeLink]):
         return deadline
 
     # ------------------------------------------------------------------ RESERVE
-    def reserve(self, job: PrefillJob) -> tuple[DecodeLink | None, pb.ReserveReply]:
+    def reserve(self, job: PrefillJob) -> Reservation:
         """RESERVE on the best D; on NO_CAPACITY, DRAINING, RATE_FLOOR or an unreachable D, the next
         one (nothing was written yet, so the request may still change D). Returns the D
-        that answered last and its reply; the D is None when none answered."""
+        that answered last, its reply, and the sender and stub of the D instance that
+        answered; the D is None when none answered. Safe from several threads at once (P's
+        reserve stage sends a group's RESERVEs together)."""
         rows = len(job.prompt)
         deadline = self._transfer_deadline(job)
         with self._lock:
@@ -267,7 +281,7 @@ class DecodeLinks(Sequence[DecodeLink]):
         failure: pb.ReserveReply | None = None
         for link in self.ordered():
             try:
-                reply = self._reserve_on(link, job, rows, deadline)
+                reply, sender, stub = self._reserve_on(link, job, rows, deadline)
             except grpc.RpcError as exc:
                 link.responsive = False
                 failure = pb.ReserveReply(status=pb.TRANSFER_FAILED, message=f"decode unreachable: {exc.code()}")
@@ -284,9 +298,9 @@ class DecodeLinks(Sequence[DecodeLink]):
                     self.routes[job.request_id] = link
                     link.routed.add(job.request_id)
                 P_ROUTED.labels(decode=link.name).inc()
-                return link, reply
+                return Reservation(link, reply, sender, stub)
             if reply.status not in (pb.NO_CAPACITY, pb.DRAINING, pb.RATE_FLOOR):
-                return link, reply
+                return Reservation(link, reply)
             if reply.status == pb.NO_CAPACITY:
                 link.free_pages = 0
             elif reply.status == pb.DRAINING:
@@ -295,19 +309,29 @@ class DecodeLinks(Sequence[DecodeLink]):
             if len(self._links) > 1:
                 P_FALLBACKS.labels(decode=link.name, reason=pb.Status.Name(reply.status).lower()).inc()
         assert failure is not None
-        return None, failure
+        return Reservation(None, failure)
 
-    def _reserve_on(self, link: DecodeLink, job: PrefillJob, rows: int, deadline: int) -> pb.ReserveReply:
-        assert link.stub is not None
+    def _reserve_on(self, link: DecodeLink, job: PrefillJob, rows: int,
+                    deadline: int) -> tuple[pb.ReserveReply, KVSender | None, pbg.DecodeStub | None]:
+        """The RESERVE on one D, with the sender and stub of the instance it named: D grants
+        only a RESERVE naming its own instance, so a grant is that instance's even when
+        another thread's handshake replaced the link's sender meanwhile (one handshake at
+        a time, and none for a restart another thread already handshook)."""
         traced = {"metadata": job.span.metadata()} if job.span is not None else {}  # engine/tracing.py
         for attempt in range(2):
-            reply = link.stub.Reserve(pb.ReserveRequest(
+            with self._handshake:
+                stub, sender, instance = link.stub, link.sender, link.instance
+            assert stub is not None
+            identity = pb.Identity(sender_instance=self.instance_id, receiver_instance=instance,
+                                   budget_ms=max(0, deadline - int(time.time() * 1000)))
+            reply = stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
-                deadline_unix_ms=deadline, identity=self.identity(link, deadline), audio=job.audio),
-                timeout=5.0, **traced)
+                deadline_unix_ms=deadline, identity=identity, audio=job.audio), timeout=5.0, **traced)
             if reply.status != pb.STALE_INSTANCE or attempt:
-                return reply
+                return reply, sender, stub
             log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id,
                                                                       "decode": link.name})
-            self._connect_link(link)
-        return reply
+            with self._handshake:
+                if link.instance == instance:
+                    self._connect_link(link)
+        return reply, sender, stub

@@ -84,11 +84,16 @@ class PrefillPipeline:
         transfer_workers: int = 4,
         graphs: PrefillGraphRunner | None = None,
         forward: Callable[..., list[np.ndarray | None]] | None = None,
+        reserve_concurrency: int = 1,
     ) -> None:
         """`forward`: run_prefill's stand-in (`pdunit bench pipeline` times the pipeline
-        around a forward of a modelled duration); the real one when None."""
+        around a forward of a modelled duration); the real one when None.
+        `reserve_concurrency`: queued requests whose RESERVEs go out at once."""
         if transfer_workers < 1:
             raise ValueError(f"transfer_workers must be >= 1 (got {transfer_workers})")
+        if reserve_concurrency < 1:
+            raise ValueError(f"reserve_concurrency must be >= 1 (got {reserve_concurrency})")
+        self.reserve_concurrency = reserve_concurrency
         self.model = model
         self.device = device
         self.storage = storage
@@ -115,6 +120,7 @@ class PrefillPipeline:
         self._cuda = str(device).startswith("cuda")
         self._worker_state = threading.local()  # each transfer worker's CUDA stream
         self._committer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-commit")
+        self._reserver = ThreadPoolExecutor(max_workers=reserve_concurrency, thread_name_prefix="prefill-reserve")
         self._gap_from = 0  # ns: the last forward's end when the next batch was waiting for it, else 0
 
     # ------------------------------------------------------------------ start, stop
@@ -133,6 +139,7 @@ class PrefillPipeline:
         for live in left:
             self._abandon(live, "prefill is shutting down")
         self._committer.shutdown(wait=True)
+        self._reserver.shutdown(wait=True)
 
     # ------------------------------------------------------------------ the requests in it
     def request_ids(self) -> list[int]:
@@ -187,12 +194,16 @@ class PrefillPipeline:
 
     # ------------------------------------------------------------------ stage 1: reserve
     def _reserve_once(self) -> bool:
-        """The next request from the queue, its prefix lease and its RESERVE on a D, added
-        to the batch the next forward takes; this runs while the current forward does."""
+        """The next requests from the queue (up to `reserve_concurrency`: a clump's are
+        there together), their prefix leases and their RESERVEs on a D, sent at once, added
+        to the batch the next forward takes together; this runs while the current forward
+        does. The first waits for room before its RESERVE; the others of its group may
+        wait for room reserved (at most `reserve_concurrency` - 1 requests ahead)."""
         job = self.scheduler.take(timeout=0.05)
-        m.P_QUEUE.set(len(self.scheduler))
         if job is None:
+            m.P_QUEUE.set(len(self.scheduler))
             return False
+        jobs = [job]
         with self._lock:
             self.active[job.request_id] = job
         rows = len(job.prompt)
@@ -200,29 +211,52 @@ class PrefillPipeline:
             if self._stopping.is_set():
                 self.finish(job, pb.CANCELLED, "prefill is shutting down")
                 return True
+        while len(jobs) < self.reserve_concurrency and (more := self.scheduler.take(timeout=0)) is not None:
+            with self._lock:
+                self.active[more.request_id] = more
+            jobs.append(more)
+        m.P_QUEUE.set(len(self.scheduler))
         t0 = time.perf_counter()
+        leased = [(j, lease) for j in jobs if (lease := self._lease(j)) is not None]
+        if len(leased) > 1:
+            replies = list(self._reserver.map(lambda jl: self.links.reserve(jl[0]), leased))
+        else:
+            replies = [self.links.reserve(j) for j, _ in leased]
+        reserved: list[tuple[_Live, int]] = []
+        for (j, lease), r in zip(leased, replies, strict=True):
+            if r.link is None or r.reply.status != pb.STATUS_OK:
+                self.cache.release(lease)
+                self.finish(j, r.reply.status, r.reply.message)
+                continue
+            assert r.sender is not None and r.stub is not None
+            j.stamps["p_reserved"] = now_ns()
+            reserved.append((_Live(j, lease, r.link, r.sender, r.stub, unpack(r.reply.dst_slots, "i8"),
+                                   r.reply.capability), len(j.prompt)))
+        for _ in reserved:
+            m.P_STAGE_SECONDS.labels(stage="reserve").observe(time.perf_counter() - t0)
+        while reserved:
+            reserved = reserved[self._open.add_fitting(reserved):]
+            if reserved and not self._open.wait_for_room(reserved[0][1], 0.05, self._stopping) \
+                    and self._stopping.is_set():
+                for live, _ in reserved:
+                    self._abandon(live, "prefill is shutting down")
+                break
+        return True
+
+    def _lease(self, job: PrefillJob) -> PrefixLease | None:
+        """The job's prefix lease, or None (and the job ended) when it was cancelled, its
+        deadline passed, or P's cache is full."""
         if job.cancelled:
             self.finish(job, *self._cancel_reason(job.request_id))
-            return True
+            return None
         if job.deadline_unix_ms and int(time.time() * 1000) > job.deadline_unix_ms:
             self.finish(job, pb.DEADLINE_EXCEEDED, "deadline passed while queued in prefill")
-            return True
+            return None
         try:
-            lease = self.cache.acquire(job.prompt)
+            return self.cache.acquire(job.prompt)
         except NoCapacity as exc:
             self.finish(job, pb.NO_CAPACITY, f"prefill cache full: {exc}")
-            return True
-        link, reply = self.links.reserve(job)
-        if link is None or reply.status != pb.STATUS_OK:
-            self.cache.release(lease)
-            self.finish(job, reply.status, reply.message)
-            return True
-        assert link.sender is not None and link.stub is not None
-        job.stamps["p_reserved"] = now_ns()
-        self._open.add(_Live(job, lease, link, link.sender, link.stub, unpack(reply.dst_slots, "i8"),
-                             reply.capability), rows)
-        m.P_STAGE_SECONDS.labels(stage="reserve").observe(time.perf_counter() - t0)
-        return True
+            return None
 
     # ------------------------------------------------------------------ stage 2: forward
     def _forward_once(self) -> bool:

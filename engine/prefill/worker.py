@@ -62,8 +62,10 @@ class PrefillEngine:
         transfer_workers: int = 4,
         graphs: PrefillGraphRunner | None = None,
         forward: Callable[..., list[np.ndarray | None]] | None = None,
+        reserve_concurrency: int = 1,
     ) -> None:
-        """`forward`: run_prefill's stand-in (PrefillPipeline's `forward`)."""
+        """`forward`: run_prefill's stand-in (PrefillPipeline's `forward`);
+        `reserve_concurrency`: PrefillPipeline's (queued requests reserved at once)."""
         self.instance_id = uuid.uuid4().hex
         self.model = model
         self.model_spec = model_spec
@@ -80,7 +82,7 @@ class PrefillEngine:
         self.links = DecodeLinks(decode_socket, self.instance_id, self.attach_sender, transfer_deadline_ms,
                                  decode_probe_interval_s)
         self.pipeline = PrefillPipeline(model, device, storage, cache, scheduler, self.links, kv_check_sample,
-                                        transfer_workers, graphs, forward)
+                                        transfer_workers, graphs, forward, reserve_concurrency)
 
     def connect(self, timeout_s: float = 120.0) -> None:
         """Handshakes with every D (links.DecodeLinks.connect): P serves only after."""

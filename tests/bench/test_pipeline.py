@@ -11,10 +11,14 @@ from tests.bench.test_plan import write_inputs
 
 def test_the_engine_and_the_model_answer_the_same_requests(tmp_path):
     argv = write_inputs(tmp_path) + ["--rate", "6", "--duration", "2", "--reserve-ms", "1",
-                                     "--out", str(tmp_path / "pipe.json")]
+                                     "--reserve-concurrency", "1,8", "--out", str(tmp_path / "pipe.json")]
     assert pipeline.main(argv) == 0
-    rows = json.loads((tmp_path / "pipe.json").read_text())["rows"]
-    assert [r["side"] for r in rows] == ["engine", "model"]
+    every = json.loads((tmp_path / "pipe.json").read_text())["rows"]
+    assert [(r["reserve_concurrency"], r["side"]) for r in every] == [(1, "engine"), (1, "model"),
+                                                                       (8, "engine"), (8, "model")]
+    for side in every:  # the TTFA the model's D gives each side's prefill ends
+        assert side["ttfa_p95_ms"] >= side["ttfa_p50_ms"] > 0 and side["ttft_p95_ms"] > 0
+    rows = every[:2]
     engine, model = rows
     assert engine["answered"] == model["answered"] > 0  # every request through P's stages
     assert engine["forwards"] >= 1 and engine["prompts_per_forward"] >= 1

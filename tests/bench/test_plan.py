@@ -281,3 +281,18 @@ def test_each_decode_cost_is_needed_only_by_the_variants_that_run_it(tmp_path):
     mono_only, _ = plan.load_costs(plan.PlanConfig(step=args[1], prefill=args[3], variants="monolith-chunked",
                                                    chunks="512"))
     assert mono_only.step is None and mono_only.mono_step is not None
+
+
+def test_reserves_sent_together_put_a_clump_into_ps_first_forward(tmp_path):
+    """Issue 31: with --reserve-concurrency 1 (P before it) a clump at an idle P starts
+    with its first request alone; with 8 its first forward holds all eight, and the
+    last of the clump leaves P no later."""
+    ends = {}
+    for k in (1, 8):
+        cfg = config(tmp_path, reserve_concurrency=k)
+        clump = [request(i, arrival=1.0, rows=1000, frames=12) for i in range(8)]
+        plan.simulate_pd(clump, costs(), 1, cfg)
+        starts = sorted({r.stamps["prefill_start"] for r in clump})
+        assert len(starts) == (1 if k == 8 else len(starts)) and (k == 8 or len(starts) > 1)
+        ends[k] = max(r.stamps["prefill_end"] for r in clump)
+    assert ends[8] <= ends[1]

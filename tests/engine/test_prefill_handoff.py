@@ -58,3 +58,11 @@ def test_bounds_must_be_positive(bad):
         Handoff(bad)
     with pytest.raises(ValueError):
         OpenBatch(bad, 10)
+
+
+def test_add_fitting_adds_a_group_in_order_while_it_fits_and_returns_how_many():
+    b: OpenBatch[str] = OpenBatch(max_items=3, max_rows=100)
+    assert b.add_fitting([("a", 40), ("b", 40), ("c", 40), ("d", 10)]) == 2  # c would make 120 rows: d waits too
+    assert b.add_fitting([("c", 40)]) == 0
+    assert b.take(0) == ["a", "b"]
+    assert b.add_fitting([("c", 400)]) == 1  # alone, an oversized item fits

@@ -236,3 +236,80 @@ def test_a_request_whose_deadline_passes_before_its_forward_gets_no_forward_and_
     assert replies[1].status == pb.DEADLINE_EXCEEDED and "before the write" in replies[1].message
     assert d.seen("write") == [] and gates.calls == 1  # no second forward, no write
     assert e.cache.stats()["pinned_blocks"] == 0
+
+
+class SlowD(FakeD):
+    """RESERVE takes 0.1 s; counts how many were in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = self.peak = 0
+
+    def Reserve(self, req, timeout):  # noqa: N802
+        with self.lock:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        time.sleep(0.1)
+        with self.lock:
+            self.in_flight -= 1
+        return super().Reserve(req, timeout)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_clump_queued_at_an_idle_p_goes_into_its_first_forward_with_concurrent_reserves(monkeypatch, concurrency):
+    """Issue 31: a clump's RESERVEs go out together and its first forward holds the clump
+    (before, one request at a time: the first forward held the first request alone)."""
+    gates = Gates(monkeypatch)
+    model = load_model("random:tiny:0", device="cpu")
+    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
+                             PrefixCache(4096, 16), PrefillScheduler(16, 4096), "d0.sock", "host", {},
+                             reserve_concurrency=concurrency)
+    d = SlowD()
+    link = e.links[0]
+    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
+    link.pool_pages = link.free_pages = 1000
+    replies: dict[int, pb.SubmitReply] = {}
+    for rid in (1, 2, 3, 4):
+        submit(e, rid, replies)
+    e.start()
+    try:
+        for g in gates.opened:
+            g.set()
+        wait_for(lambda: len(replies) == 4, what="every reply")
+        assert all(r.status == pb.STATUS_OK for r in replies.values())
+        assert d.seen("commit") and sorted(d.seen("commit")) == [1, 2, 3, 4]
+        if concurrency == 4:
+            assert d.peak == 4 and gates.batch_sizes == [4]
+        else:
+            assert d.peak == 1 and gates.batch_sizes[0] == 1
+    finally:
+        e.stop()
+
+
+def test_a_group_larger_than_the_batch_waits_reserved_for_the_next_forward(monkeypatch):
+    gates = Gates(monkeypatch)
+    model = load_model("random:tiny:0", device="cpu")
+    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
+                             PrefixCache(4096, 16), PrefillScheduler(2, 4096), "d0.sock", "host", {},
+                             reserve_concurrency=4)
+    d = FakeD()
+    link = e.links[0]
+    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
+    link.pool_pages = link.free_pages = 1000
+    replies: dict[int, pb.SubmitReply] = {}
+    for rid in (1, 2, 3, 4):
+        submit(e, rid, replies)
+    e.start()
+    try:
+        assert gates.entered[0].wait(10)
+        # 3 and 4 were reserved with the group and wait for room: no RESERVE left to make
+        wait_for(lambda: sorted(d.seen("reserve")) == [1, 2, 3, 4], what="the group reserved")
+        gates.opened[0].set()
+        assert gates.entered[1].wait(10)
+        gates.opened[1].set()
+        wait_for(lambda: len(replies) == 4, what="every reply")
+        assert gates.batch_sizes == [2, 2] and all(r.status == pb.STATUS_OK for r in replies.values())
+    finally:
+        for g in gates.opened:
+            g.set()
+        e.stop()
