@@ -480,6 +480,7 @@ class MonolithEngine:
     def _run_step(self) -> bool:
         t0 = time.perf_counter()
         if self.policy == "prefill-first" and self._unplanned():
+            decoding = len(self.batcher)  # the streams this prefill-only step makes wait
             plan = self._plan_chunks(max(self.max_batch_rows, 1))
             logits: torch.Tensor | None = run_forward(self.model, self.storage,
                                  [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan],
@@ -489,7 +490,7 @@ class MonolithEngine:
             self._complete_prefills(plan, logits)
             seconds = time.perf_counter() - t0
             m.P_PREFILL_SECONDS.observe(seconds)
-            self._observe(0, 0, seconds, rows)
+            self._observe(0, 0, seconds, rows, waiting=decoding)
             return True
         new = self.batcher.take_incoming()
         streams, entries = self.batcher.decode_entries()
@@ -564,14 +565,16 @@ class MonolithEngine:
             self.loop.work.set()
 
     def _observe(self, streams: int, context_tokens: int, seconds: float, rows: int,
-                 codec: StepCost | None = None) -> None:
+                 codec: StepCost | None = None, waiting: int = 0) -> None:
         """One step into the step model: its decoding streams, their context, the prompt
-        rows it computed (a mixed or prefill-only step's per-row cost) and its codec cost."""
+        rows it computed (a mixed or prefill-only step's per-row cost) and its codec cost;
+        `waiting`: the streams that were decoding when a prefill-only step began (its
+        own prompts' streams never count: their first frame waits, not their rate)."""
         if self.row_budget is not None:
             self.row_budget.observe(rows)
         if self.admission is not None:
             self._rows_since_decode += rows
-            if not streams and len(self.batcher):  # a prefill-only step its decoding streams wait for
+            if not streams and waiting:  # a prefill-only step its decoding streams wait for
                 self._stall_ms += seconds * 1000
             if streams:
                 self._rows_per_step.append(self._rows_since_decode)

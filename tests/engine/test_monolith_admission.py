@@ -30,7 +30,6 @@ from pdunit.engine.decode.admission import (
     StepCoefficients,
     StepModel,
 )
-from pdunit.engine.decode.batcher import Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.local import LocalConfig, LocalUnit
@@ -230,20 +229,23 @@ def test_the_projection_carries_the_prompt_load_each_step_has_seen_lately(engine
 
 
 def test_prefill_first_measures_the_prefill_steps_its_decoding_streams_wait_for(engine) -> None:
-    """A prefill step while nothing decodes stalls nobody; two prefill-only steps (30 and
-    20 ms) while streams decode, then a decode step of 2 streams: 50 ms waited over the 3
-    stream-steps of the two decode steps."""
+    """A prefill step while nothing decodes stalls nobody, nor one whose only stream is its
+    own prompt's; two prefill-only steps (30 and 20 ms) begun while a stream decodes, then
+    a decode step of 2 streams: 50 ms waited over the 4 stream-steps of the three decode
+    steps since the stall window began (1 + 1 + 2)."""
     e, _ = engine
     if e.policy != "prefill-first":
         pytest.skip("chunked steps carry their prompt rows: no stall")
     e._observe(0, 0, 0.5, rows=64)  # nothing decoding: nobody waits
     e._observe(1, 65, 0.08, rows=0)
     assert e.admission.stall_ms_per_stream == 0.0
-    e.batcher.admit(Stream(7, ROWS, SamplingParams(max_frames=FRAMES), np.zeros(11, np.int32)))  # decoding
-    e._observe(0, 0, 0.030, rows=64)
-    e._observe(0, 0, 0.020, rows=64)
+    e._observe(0, 0, 0.5, rows=64, waiting=0)  # its own prompt's stream waits for its first frame, not its rate
+    e._observe(1, 65, 0.08, rows=0)
+    assert e.admission.stall_ms_per_stream == 0.0
+    e._observe(0, 0, 0.030, rows=64, waiting=1)  # one stream decoding when each began
+    e._observe(0, 0, 0.020, rows=64, waiting=1)
     e._observe(2, 130, 0.08, rows=0)
-    assert e.admission.stall_ms_per_stream == pytest.approx(50 / 3)  # 50 ms over 1 + 2 stream-steps
+    assert e.admission.stall_ms_per_stream == pytest.approx(50 / 4)  # 50 ms over 1 + 1 + 2 stream-steps
 
 
 def post(url: str, prompt: list[list[int]], frames: int) -> tuple[int, str | None, dict]:
