@@ -53,10 +53,10 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields):
     transfer: str = Field("auto", description="transport to use among those D offers (auto = D's best)")
     cache_tokens: int = Field(65536, gt=0, description="token rows of P's own KV storage (prefix cache)")
     max_batch_prompts: int = Field(16, gt=0, description="prompts per prefill forward")
-    reserve_concurrency: int = Field(8, gt=0, description="queued requests whose RESERVEs P sends at once, added "
+    reserve_concurrency: int = Field(1, gt=0, description="queued requests whose RESERVEs P sends at once, added "
                                      "to the next forward together (a clump's first forward holds the "
-                                     "clump, not the one request reserved before it started; 1: one at a "
-                                     "time, as before issue 31)")
+                                     "clump, not the one request reserved before it started); 1, one at a "
+                                     "time, until a GPU A/B measures more (docs/performance.md)")
     kv_check_sample: int = Field(1, gt=0, description="checksum every k-th token (1 = every row)")
     max_held_aborts: int = Field(3, gt=0, description="held aborts at which P exits on purpose")
     held_abort_grace_ms: int = Field(1000, ge=0, description="an abort counts as held after this long")
