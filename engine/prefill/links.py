@@ -255,8 +255,8 @@ class DecodeLinks(Sequence[DecodeLink]):
             if link is not None:
                 link.routed.discard(request_id)
 
-    def identity(self, link: DecodeLink, deadline_ms: int) -> pb.Identity:
-        return pb.Identity(sender_instance=self.instance_id, receiver_instance=link.instance,
+    def identity(self, receiver_instance: str, deadline_ms: int) -> pb.Identity:
+        return pb.Identity(sender_instance=self.instance_id, receiver_instance=receiver_instance,
                            budget_ms=max(0, deadline_ms - int(time.time() * 1000)))
 
     def _transfer_deadline(self, job: PrefillJob) -> int:
@@ -322,11 +322,9 @@ class DecodeLinks(Sequence[DecodeLink]):
             with self._handshake:
                 stub, sender, instance = link.stub, link.sender, link.instance
             assert stub is not None
-            identity = pb.Identity(sender_instance=self.instance_id, receiver_instance=instance,
-                                   budget_ms=max(0, deadline - int(time.time() * 1000)))
             reply = stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, n_tokens=rows, total_tokens=rows + job.params.max_frames,
-                deadline_unix_ms=deadline, identity=identity, audio=job.audio), timeout=5.0, **traced)
+                deadline_unix_ms=deadline, identity=self.identity(instance, deadline), audio=job.audio), timeout=5.0, **traced)
             if reply.status != pb.STALE_INSTANCE or attempt:
                 return reply, sender, stub
             log.warning("decode restarted: handshaking again", extra={"request_id": job.request_id,

@@ -376,7 +376,7 @@ class PrefillPipeline:
             reply = stub.Commit(pb.CommitRequest(
                 request_id=rid, first_frame=pack(frame, "i4"), checksum=checksum,
                 checksum_sample=self.kv_check_sample, sampling=sampling_to_pb(job.params),
-                prompt_tokens=len(job.prompt), identity=self.links.identity(link, job.deadline_unix_ms),
+                prompt_tokens=len(job.prompt), identity=self.links.identity(link.instance, job.deadline_unix_ms),
                 stamps=pb.Stamps(ns=job.stamps), audio=job.audio), timeout=5.0)
         except grpc.RpcError as exc:
             self.finish(job, pb.TRANSFER_FAILED, f"commit failed: {exc.code()}")
