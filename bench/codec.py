@@ -1,7 +1,7 @@
 """`pdunit bench codec`: the codec stage's cost per call vs batch (issue 26's Benchmarks).
 
-Owns one measurement of `MimiStreamDecoder.push_many` as the codec stage makes it, once a
-step for the streams whose chunk is due: Mimi's real shape (transformers' MimiConfig
+Owns one measurement of `MimiStreamDecoder.decode` (codes [B, K, n] in, 16-bit PCM out) as
+the codec stage makes it once a step for the due streams: Mimi's real shape (MimiConfig's
 defaults, 32 codebooks) or a tiny one, random weights built locally (nothing downloaded),
 streams warmed past the sliding window, per dtype, per path (eager, CUDA graphs) and
 ring attention (the Triton kernel reading the pools in place, or torch's gather + SDPA):
@@ -144,8 +144,7 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
     dec = MimiStreamDecoder(codec, slots=most + 1, graphs=graphs, buckets=tuple(cfg.buckets),
                             graph_frames=cfg.graph_frames, attention=cfg.attention)
     ids = [f"s{i}" for i in range(most)]
-    for s in ids:
-        dec.open(s)
+    slots = np.array([dec.open(s) for s in ids])
     rng = np.random.default_rng(cfg.seed)
     k, size = codec.num_codebooks, codec.codebook_size
     if cuda:
@@ -164,8 +163,8 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
     for batch in cfg.batches:
         for frames in cfg.frames:
             codes = rng.integers(0, size, size=(batch, k, frames))
-            calls = {ids[i]: codes[i] for i in range(batch)}
-            times = _time_ms(lambda push=dec.push_many, calls=calls: push(calls), cfg.iters, cfg.warmup, cuda)
+            times = _time_ms(lambda c=codes, s=slots[:batch], d=dec: d.decode(s, c, pcm16=True), cfg.iters,
+                             cfg.warmup, cuda)
             ms = statistics.median(times)
             d_ms, _ = d_step_ms(cfg, batch)
             uses_graph = graphs and dec.graphs.handles(frames)

@@ -2,9 +2,9 @@
 -> streamed PCM chunks (AudioChunk) riding on the step's StepFrames.
 
 Owns the chunking policy (first chunk after `first_chunk_frames`, then every `chunk_frames`;
-`last` at a stream's end), one batched `push_many` per step for every due stream, the codec
-slots (on CUDA a graph decoder sized to --max-batch and captured at start; eager on a CPU),
-and the `--codec` flags. It must never decode a stream's finishing EOS frame (not audio),
+`last` at a stream's end), the pending codes in arrays by codec slot, one batched `decode`
+per step and chunk size (codes [B, K, n] and slots, no per-stream array work), the codec
+slots (on CUDA a graph decoder sized to --max-batch and captured at start), the `--codec` flags. It must never decode a stream's finishing EOS frame (not audio),
 never emit a frame twice or out of order, never raise into the step loop (a codec error
 ends that stream's audio with a StreamError), nor keep a slot its engine forgot.
 """
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -23,7 +23,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel, Field
 
 from pdunit.engine import metrics as m
-from pdunit.engine.audio.pcm import float_to_pcm16
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 if TYPE_CHECKING:
@@ -108,13 +107,6 @@ class StepCost:
     audio_streams: int = 0
 
 
-@dataclass
-class _Audio:
-    key: str                  # the decoder's stream id
-    sent: int = 0             # frames already in chunks
-    pending: list[np.ndarray] = field(default_factory=list)  # frame rows not yet decoded
-
-
 class CodecStage:
     """The audio streams of one engine. `open` when a stream that asked for audio starts
     decoding; `step(out)` with every published step (from any thread: one lock) returns
@@ -130,7 +122,14 @@ class CodecStage:
         self.codes = codes  # frame rows [n, C] -> codec codes [K, n] (TTSModel.codec_codes)
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
-        self._streams: dict[int, _Audio] = {}
+        self._streams: dict[int, int] = {}  # request id -> its codec slot
+        # by codec slot: its stream, frames sent, frames pending and their codes [K, frames]
+        slots, books = decoder.slots, decoder.codec.num_codebooks
+        self._rid = np.zeros(slots, dtype=np.uint64)
+        self._sent = np.zeros(slots, dtype=np.int64)
+        self._count = np.zeros(slots, dtype=np.int64)
+        self._pending = np.zeros((slots, books, max(first_chunk_frames, chunk_frames)), dtype=np.int64)
+        self._index: tuple[np.ndarray, np.ndarray] | None = None  # (request ids sorted, their slots)
         self._lock = threading.Lock()
         # called with a stream whose codec decode failed (its StreamError is out): the
         # engine ends the stream (never a lock the caller of `step` holds)
@@ -162,13 +161,21 @@ class CodecStage:
         return len(self._streams)
 
     def open(self, request_id: int) -> None:
+        rid = int(request_id)
         with self._lock:
-            if request_id in self._streams:
+            if rid in self._streams:
                 return
-            key = str(request_id)
+            key = str(rid)
             self.decoder.close(key)  # a slot left by an earlier stream of this id (never expected)
-            self.decoder.open(key)
-            self._streams[request_id] = _Audio(key)
+            slot = self.decoder.open(key)
+            if slot >= len(self._rid):  # the decoder's pools grew (a CPU codec): so do the arrays
+                grow = self.decoder.slots - len(self._rid)
+                self._rid, self._sent, self._count, self._pending = (
+                    np.concatenate([a, np.zeros((grow, *a.shape[1:]), a.dtype)])
+                    for a in (self._rid, self._sent, self._count, self._pending))
+            self._rid[slot], self._sent[slot], self._count[slot] = rid, 0, 0
+            self._streams[rid] = slot
+            self._index = None
             CODEC_STREAMS.set(len(self._streams))
 
     def drop(self, request_ids: Iterable[int]) -> None:
@@ -188,9 +195,9 @@ class CodecStage:
         return gone
 
     def _close(self, rid: int) -> None:
-        audio = self._streams.pop(rid, None)
-        if audio is not None:
-            self.decoder.close(audio.key)
+        if self._streams.pop(rid, None) is not None:
+            self.decoder.close(str(rid))
+            self._index = None
             CODEC_STREAMS.set(len(self._streams))
 
     def step(self, out: Frames) -> tuple[list[pb.AudioChunk], list[pb.StreamError]]:
@@ -207,69 +214,102 @@ class CodecStage:
             return [], [], StepCost()
         t0 = time.perf_counter()
         with self._lock:
-            audio_rows = 0
-            due: dict[int, bool] = {}  # request id -> last
-            for rid, frame, code in zip(out.request_ids.tolist(), out.frames, out.finished.tolist(), strict=True):
-                audio = self._streams.get(rid)
-                if audio is None:
-                    continue
-                audio_rows += 1
-                if code != _EOS:
-                    audio.pending.append(np.array(frame, copy=True))
-                need = self.first_chunk_frames if audio.sent == 0 else self.chunk_frames
-                if code != _RUNNING or len(audio.pending) >= need:
-                    due[rid] = code != _RUNNING
-            chunks, errors = self._decode(due)
+            chunks, errors, audio_rows = self._step(out)
         return chunks, errors, StepCost(time.perf_counter() - t0, audio_rows)
 
-    def _decode(self, due: dict[int, bool]) -> tuple[list[pb.AudioChunk], list[pb.StreamError]]:
-        batch: dict[str, np.ndarray] = {}
+    def _step(self, out: Frames) -> tuple[list[pb.AudioChunk], list[pb.StreamError], int]:
+        """The step's audio rows found by one sorted search, their codes made by one
+        `codes` call, checked and buffered by slot in array ops; the due streams decoded
+        by one `decode` per distinct pending count."""
+        if self._index is None:
+            rids = np.fromiter(self._streams, dtype=np.uint64, count=len(self._streams))
+            order = np.argsort(rids)
+            self._index = rids[order], np.fromiter(self._streams.values(), np.int64, len(rids))[order]
+        keys, key_slots = self._index
+        ids = np.asarray(out.request_ids, dtype=np.uint64)
+        at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+        rows = np.flatnonzero(keys[at] == ids)
+        if not rows.size:
+            return [], [], 0
+        slots, finished = key_slots[at[rows]], np.asarray(out.finished)[rows]
         errors: list[pb.StreamError] = []
-        for rid in list(due):
-            audio = self._streams[rid]
-            if not audio.pending:
-                continue
-            try:
-                codes = self._checked(self.codes(np.stack(audio.pending)), audio.sent)
-            except ValueError as exc:
-                errors.append(self._fail(rid, str(exc)))
-                del due[rid]
-                continue
-            batch[audio.key] = codes
-        pcm: dict[str, np.ndarray] = {}
-        if batch:
+        failed: list[int] = []  # slots
+        audio = finished != _EOS  # a finishing EOS frame is not audio
+        if audio.any():
+            failed += self._buffer(slots[audio], np.asarray(out.frames)[rows[audio]], errors)
+        if failed:
+            keep = ~np.isin(slots, failed)
+            slots, finished = slots[keep], finished[keep]
+        count, last = self._count[slots], finished != _RUNNING
+        due = last | (count >= np.where(self._sent[slots] == 0, self.first_chunk_frames, self.chunk_frames))
+        chunks, decode_errors = self._decode(slots[due], count[due], last[due])
+        return chunks, errors + decode_errors, int(rows.size)
+
+    def _buffer(self, slots: np.ndarray, frames: np.ndarray, errors: list[pb.StreamError]) -> list[int]:
+        """The frame rows' codes into the slots' pending codes; a stream whose codes are
+        outside the codec's range (a model whose codebook vocabulary is wider than the
+        codec's, e.g. CSM's 2051 ids vs Mimi's 2048, can sample an id no audio has) fails,
+        its error naming the frame and codebook. Returns the failed streams' slots."""
+        size = self.decoder.codec.codebook_size
+        books, frames_at = self._pending.shape[1], self._count[slots]
+        codes = np.asarray(self.codes(frames))  # [K, m]
+        if codes.shape != (books, len(slots)):
+            failed = slots.tolist()
+            for slot in failed:
+                errors.append(self._fail(int(self._rid[slot]), f"codec: the model's frames give codes of shape "
+                                         f"{codes.shape}, the codec takes {books} codebooks a frame"))
+            return failed
+        self._pending[slots, :, frames_at] = codes.T
+        self._count[slots] += 1
+        bad = ((codes < 0) | (codes >= size)).any(axis=0)
+        if not bad.any():
+            return []
+        failed = slots[bad].tolist()
+        for j in np.flatnonzero(bad).tolist():
+            slot, book = int(slots[j]), int(np.flatnonzero((codes[:, j] < 0) | (codes[:, j] >= size))[0])
+            frame = int(self._sent[slot] + frames_at[j])
+            errors.append(self._fail(int(self._rid[slot]), f"codec: frame {frame} codebook {book} has id "
+                                     f"{int(codes[book, j])}, outside the codec's [0, {size}): the stream's audio "
+                                     "ends here"))
+        return failed
+
+    def _decode(self, slots: np.ndarray, count: np.ndarray,
+                last: np.ndarray) -> tuple[list[pb.AudioChunk], list[pb.StreamError]]:
+        """The due streams (`slots`, their pending `count`, whether `last`): one `decode`
+        per distinct count, its PCM made 16-bit by the decoder, a chunk a stream (an
+        empty `last` one when nothing was pending)."""
+        pcm: list[bytes] = [b""] * len(slots)
+        ok = np.ones(len(slots), dtype=bool)
+        errors: list[pb.StreamError] = []
+        sizes = np.unique(count[count > 0])
+        if sizes.size:
             t0 = time.perf_counter()
-            try:
-                pcm = self.decoder.push_many(batch)
-            except Exception as exc:  # the codec failed for the batch: those streams' audio ends
-                for rid in [r for r in due if self._streams[r].key in batch]:
-                    errors.append(self._fail(rid, f"codec decode failed: {exc}"))
-                    del due[rid]
+            for n in sizes.tolist():
+                group = np.flatnonzero(count == n)
+                try:  # int16 rows, little-endian as 16-bit PCM is on the wire
+                    pcm16 = self.decoder.decode(slots[group], self._pending[slots[group], :, :n], pcm16=True)
+                    samples = pcm16.numpy().astype("<i2", copy=False)
+                except Exception as exc:  # the codec failed for the batch: those streams' audio ends
+                    ok[group] = False
+                    for slot in slots[group].tolist():
+                        errors.append(self._fail(int(self._rid[slot]), f"codec decode failed: {exc}"))
+                    continue
+                for i, row in zip(group.tolist(), samples, strict=True):
+                    pcm[i] = row.tobytes()
             CODEC_STEP_SECONDS.observe(time.perf_counter() - t0)
-            CODEC_FRAMES.inc(sum(c.shape[1] for c in batch.values()))
-        chunks = []
-        for rid, last in due.items():
-            audio = self._streams[rid]
-            n = len(audio.pending)
-            data = float_to_pcm16(pcm[audio.key]) if n else b""
-            chunks.append(pb.AudioChunk(request_id=rid, pcm=data, first_frame=audio.sent, frames=n, last=last))
-            audio.sent += n
-            audio.pending.clear()
-            if last:
+            CODEC_FRAMES.inc(int(count.sum()))
+        if not ok.all():
+            pcm = [data for data, kept in zip(pcm, ok.tolist(), strict=True) if kept]
+            slots, count, last = slots[ok], count[ok], last[ok]
+        rids, sent = self._rid[slots].tolist(), self._sent[slots].tolist()
+        chunks = [pb.AudioChunk(request_id=rid, pcm=data, first_frame=first, frames=n, last=end)
+                  for rid, data, first, n, end in zip(rids, pcm, sent, count.tolist(), last.tolist(), strict=True)]
+        self._sent[slots] += count
+        self._count[slots] = 0
+        for rid, end in zip(rids, last.tolist(), strict=True):
+            if end:
                 self._close(rid)
         return chunks, errors
-
-    def _checked(self, codes: np.ndarray, first: int) -> np.ndarray:
-        """Codes in the codec's range, else ValueError naming the frame and codebook (a
-        model whose codebook vocabulary is wider than the codec's, e.g. CSM's 2051 ids vs
-        Mimi's 2048, can sample an id no audio has)."""
-        size = self.decoder.codec.codebook_size
-        bad = (codes < 0) | (codes >= size)
-        if bad.any():
-            book, frame = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"codec: frame {first + frame} codebook {book} has id {int(codes[book, frame])}, "
-                             f"outside the codec's [0, {size}): the stream's audio ends here")
-        return codes
 
     def _fail(self, rid: int, message: str) -> pb.StreamError:
         self._close(rid)

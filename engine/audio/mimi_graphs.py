@@ -80,33 +80,35 @@ class MimiGraphs:
                         made += 1
         return made
 
-    def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """PCM [B, n x samples_per_frame] of `codes` [B, K, n] (int64, host) for the
-        streams in `slots`, as the eager push returns it (a tensor the caller owns)."""
+    def run(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """PCM [B, n x samples_per_frame] on the device of `codes` [B, K, n] (int64, checked;
+        host or device) for the streams in `slots` [B] (int64): each piece of at most the
+        largest bucket copied into its bucket's static inputs on the device (the padded
+        rows the scratch slot's), then replayed. A one-piece call's PCM is a view of the
+        graph's static output: copy it out before the next replay (`decode` does)."""
         dec = self.decoder
         if self._version != dec.state_version:
             self._entries.clear()
             self._pool = None
             self._version = dec.state_version
-        n, out = codes.shape[-1], []
+        slots = slots.to(dec._device, non_blocking=True)
+        codes = codes.to(dec._device, non_blocking=True)
+        batch, n, out = codes.shape[0], codes.shape[-1], []
         largest = self.buckets[-1]
-        for start in range(0, len(slots), largest):
-            part = slots[start : start + largest]
-            bucket = self.bucket(len(part))
-            entry = self._entry(bucket, n)
-            host_slots = torch.full((bucket,), dec.scratch_slot, dtype=torch.int64)
-            host_slots[: len(part)] = torch.tensor(part, dtype=torch.int64)
-            host_codes = torch.zeros(entry.codes.shape, dtype=torch.int64)
-            host_codes[: len(part)] = codes[start : start + len(part)]
-            entry.slots.copy_(host_slots)
-            entry.codes.copy_(host_codes)
+        for start in range(0, batch, largest):
+            m = min(largest, batch - start)
+            entry = self._entry(self.bucket(m), n)
+            entry.slots[:m].copy_(slots[start : start + m])
+            entry.slots[m:].fill_(dec.scratch_slot)
+            entry.codes[:m].copy_(codes[start : start + m])
+            entry.codes[m:].zero_()
             if entry.graph is not None:
                 entry.graph.replay()
             else:
                 entry.out = dec.push_slots(entry.slots, entry.codes)
             self.replays += 1
             assert entry.out is not None
-            out.append(entry.out[: len(part)].clone())
+            out.append(entry.out[:m] if batch <= largest else entry.out[:m].clone())
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _entry(self, bucket: int, frames: int) -> _Entry:

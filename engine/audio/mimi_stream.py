@@ -74,8 +74,9 @@ class MimiCodec:
 class MimiStreamDecoder:
     """Decodes many streams' frames with each stream's own codec state, batched per call.
 
-    `push_many({id: codes [K, n]})` decodes the new frames of several streams in one batch
-    per distinct `n` and returns each stream's PCM chunk (float32, n x samples_per_frame).
+    `decode(slots, codes [B, K, n])` decodes the new frames of the streams in `slots` (the
+    slot `open` gave each) in one batch: PCM [B, n x samples_per_frame], float32 on the
+    host (the codec stage's call); `push_many({id: codes [K, n]})` is its per-stream form.
     A stream holds a slot of the pools from `open` to `close` (the slot is reset when the
     next stream opens it); the pools grow by doubling from `slots`.
 
@@ -138,6 +139,8 @@ class MimiStreamDecoder:
         self._conv = torch.zeros(slots, width, **pool)  # type: ignore[arg-type]
         self._seen = torch.zeros(slots, dtype=torch.int64, device=self._device)
         self._slot: dict[str, int] = {}
+        self._ids: list[str | None] = [None] * slots  # slot -> its open stream (errors name it)
+        self._open = torch.zeros(slots, dtype=torch.bool)  # host: which slots hold an open stream
         self._free = list(range(slots - 1, -1, -1))
         self.state_version = 0  # bumped when the pools are replaced (growth)
         self._graphs: Any = None
@@ -167,7 +170,8 @@ class MimiStreamDecoder:
     def __contains__(self, stream_id: object) -> bool:
         return stream_id in self._slot
 
-    def open(self, stream_id: str) -> None:
+    def open(self, stream_id: str) -> int:
+        """A slot for the stream (its row in `decode`'s `slots`), reset."""
         if stream_id in self._slot:
             raise ValueError(f"stream {stream_id!r} is already open")
         if not self._free:
@@ -175,6 +179,8 @@ class MimiStreamDecoder:
             self._kv = torch.cat([self._kv, torch.zeros_like(self._kv)], dim=2)
             self._conv = torch.cat([self._conv, torch.zeros_like(self._conv)])
             self._seen = torch.cat([self._seen, torch.zeros_like(self._seen)])
+            self._ids += [None] * n
+            self._open = torch.cat([self._open, torch.zeros_like(self._open)])
             self._free = list(range(2 * n - 1, n - 1, -1))
             self.state_version += 1  # captured graphs read the old pools
         slot = self._free.pop()
@@ -182,11 +188,16 @@ class MimiStreamDecoder:
         self._conv[slot].zero_()
         self._seen[slot] = 0
         self._slot[stream_id] = slot
+        self._ids[slot] = stream_id
+        self._open[slot] = True
+        return slot
 
     def close(self, stream_id: str) -> None:
         """Free the stream's slot (idempotent: a stream closed twice is not an error)."""
         slot = self._slot.pop(stream_id, None)
         if slot is not None:
+            self._ids[slot] = None
+            self._open[slot] = False
             self._free.append(slot)
 
     def push(self, stream_id: str, codes: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -197,53 +208,88 @@ class MimiStreamDecoder:
         """The decoder's `MimiGraphs` (None without `graphs=True`): its buckets and counters."""
         return self._graphs
 
+    def decode(self, slots: np.ndarray | torch.Tensor, codes: np.ndarray | torch.Tensor,
+               pcm16: bool = False) -> torch.Tensor:
+        """The batched push: `codes` [B, K, n] (integers, host or device) for the open
+        streams in `slots` [B] (host ints, `open`'s), checked once for the batch (shape,
+        open and distinct slots, ids in the codec's range: the error names the first
+        offending stream), decoded in one launch sequence (the graph's replay where
+        `graphs` handles n) -> PCM [B, n x samples_per_frame] on the host, copied out once
+        (pinned and async on CUDA, then one sync), a row a stream: float32, or with `pcm16`
+        int16 made on the device (`to_pcm16`: half the bytes out, no host pass)."""
+        s, c = self._validated(slots, codes)
+        return self._decode(s, c, pcm16)
+
     def push_many(self, frames: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
-        """Every stream's codes are checked (shape, range) before anything is decoded."""
+        """`decode`'s per-stream form ({id: codes [K, n]} -> {id: PCM}; tests, benchmarks,
+        `push`): one `decode` per distinct n, every batch checked before any is decoded."""
         k = self.codec.num_codebooks
-        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        groups: dict[int, tuple[list[str], list[int], list[torch.Tensor]]] = {}
         for stream_id, codes in frames.items():
-            if stream_id not in self._slot:
+            slot = self._slot.get(stream_id)
+            if slot is None:
                 raise KeyError(f"stream {stream_id!r} is not open")
             c = torch.as_tensor(codes)
             if c.ndim != 2 or c.shape[0] != k or c.shape[1] < 1:
                 raise ValueError(
                     f"stream {stream_id!r}: codes of shape {tuple(c.shape)}, expected ({k}, frames >= 1)"
                 )
-            groups.setdefault(c.shape[1], []).append((stream_id, c))
-        stacked = {}
-        for n, group in groups.items():  # one range check per group (per stream, 10s of us each)
-            batch = torch.stack([c for _, c in group]).to(torch.int64)
-            if bool(((batch < 0) | (batch >= self.codec.codebook_size)).any()):
-                for stream_id, c in group:
-                    self._check(stream_id, c)
-            stacked[n] = batch
+            ids, slots, cs = groups.setdefault(c.shape[1], ([], [], []))
+            ids.append(stream_id)
+            slots.append(slot)
+            cs.append(c)
+        checked = [(ids, self._validated(slots, torch.stack(cs))) for ids, slots, cs in groups.values()]
         out: dict[str, np.ndarray] = {}
-        with torch.inference_mode():
-            for n, group in groups.items():
-                slots = [self._slot[s] for s, _ in group]
-                if self._graphs is not None and self.use_graphs and self._graphs.handles(n):
-                    pcm = self._graphs.decode(slots, stacked[n])
-                else:
-                    pcm = self.push_slots(torch.tensor(slots, device=self._device), stacked[n].to(self._device))
-                for (stream_id, _), chunk in zip(group, pcm.float().cpu().numpy(), strict=True):
-                    out[stream_id] = chunk
+        for ids, (s, c) in checked:
+            out.update(zip(ids, self._decode(s, c, False).numpy(), strict=True))
         return out
 
-    def _check(self, stream_id: str, codes: np.ndarray | torch.Tensor) -> torch.Tensor:
-        c = torch.as_tensor(codes).to(torch.int64)
+    def _validated(self, slots: np.ndarray | torch.Tensor | list[int],
+                   codes: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode`'s checks, vectorised over the batch: (slots int64 host, codes int64)."""
         k, size = self.codec.num_codebooks, self.codec.codebook_size
-        if c.ndim != 2 or c.shape[0] != k or c.shape[1] < 1:
-            raise ValueError(
-                f"stream {stream_id!r}: codes of shape {tuple(c.shape)}, expected ({k}, frames >= 1)"
-            )
-        bad = (c < 0) | (c >= size)
+        s = torch.as_tensor(slots, device="cpu")
+        c = torch.as_tensor(codes)
+        if (s.ndim != 1 or c.ndim != 3 or c.shape[0] != s.shape[0] or c.shape[1] != k or c.shape[2] < 1
+                or s.is_floating_point() or c.is_floating_point()):
+            raise ValueError(f"codes {c.dtype} of shape {tuple(c.shape)} for slots of shape {tuple(s.shape)}: "
+                             f"expected integer codes (streams, {k}, frames >= 1), one slot a stream")
+        s = s.to(torch.int64)
+        if s.numel():
+            if int(s.min()) < 0 or int(s.max()) >= self.slots or not bool(self._open[s].all()):
+                i = next(i for i, v in enumerate(s.tolist()) if not 0 <= v < self.slots or not self._open[v])
+                raise KeyError(f"slot {int(s[i])} (row {i}) holds no open stream")
+            if torch.unique(s).numel() != s.numel():
+                raise ValueError(f"a slot appears twice in one call (slots {s.tolist()})")
+        c = c.to(torch.int64)
+        bad = ((c < 0) | (c >= size)).flatten(1).any(1)  # [B]; on the device: one sync
         if bool(bad.any()):
-            book, frame = (int(i) for i in bad.nonzero()[0])
+            i = int(bad.nonzero()[0, 0])
+            row = c[i].cpu()
+            book, frame = (int(j) for j in ((row < 0) | (row >= size)).nonzero()[0])
             raise ValueError(
-                f"stream {stream_id!r} frame {frame} codebook {book} has id {int(c[book, frame])}, "
+                f"stream {self._ids[int(s[i])]!r} frame {frame} codebook {book} has id {int(row[book, frame])}, "
                 f"outside [0, {size})"
             )
-        return c
+        return s, c
+
+    def _decode(self, slots: torch.Tensor, codes: torch.Tensor, pcm16: bool) -> torch.Tensor:
+        """`decode` of checked inputs."""
+        with torch.inference_mode():
+            if self._graphs is not None and self.use_graphs and self._graphs.handles(codes.shape[2]):
+                pcm = self._graphs.run(slots, codes)
+            else:
+                pcm = self.push_slots(slots.to(self._device, non_blocking=True),
+                                      codes.to(self._device, non_blocking=True))
+            pcm = to_pcm16(pcm) if pcm16 else pcm.float()
+            if pcm.device.type == "cpu":
+                return pcm
+            host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            return host
 
     def push_slots(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """The push of `codes` [B, K, n] (device, int64) for the streams in `slots` [B]
@@ -299,6 +345,13 @@ class MimiStreamDecoder:
         out = ring_attention(query, keys, values, slots, positions[:, -1], self.window, attn.scaling, self.attention)
         h = h + layer.self_attn_layer_scale(attn.o_proj(out.reshape(b, m, -1)))
         return h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def to_pcm16(pcm: torch.Tensor) -> torch.Tensor:
+    """pcm.py's `float_to_pcm16` samples as int16, on the PCM's device, bit for bit the
+    same: NaN is silence, out-of-range values clip, x 32767 rounded half to even."""
+    x = torch.nan_to_num(pcm.float(), nan=0.0, posinf=1.0, neginf=-1.0)
+    return x.clamp_(-1.0, 1.0).mul_(32767.0).round_().to(torch.int16)
 
 
 class _Codebooks:

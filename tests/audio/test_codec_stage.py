@@ -150,8 +150,14 @@ def test_interleaved_streams_decode_in_one_batch_each_equal_to_its_one_shot(code
             rows.append((12, c[i], RUN))
         per_step.append(rows)
     calls = []
-    push_many = stage.decoder.push_many
-    stage.decoder.push_many = lambda batch: calls.append(sorted(batch)) or push_many(batch)  # type: ignore[method-assign]
+    decode = stage.decoder.decode
+    ids = stage.decoder._ids  # slot -> stream
+
+    def spy(slots, codes, **kw):
+        calls.append(sorted(str(ids[s]) for s in slots))
+        return decode(slots, codes, **kw)
+
+    stage.decoder.decode = spy  # type: ignore[method-assign]
     chunks: dict[int, list[pb.AudioChunk]] = {10: [], 11: [], 12: []}
     for i, rows in enumerate(per_step):
         if i == 2:

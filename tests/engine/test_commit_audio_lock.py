@@ -24,15 +24,15 @@ def test_the_first_chunk_is_decoded_outside_the_engine_lock(model, codec) -> Non
     d, hub = decode_engine(model, codec)
     assert d.codec is not None
     seen: list[tuple[bool, bool, int]] = []
-    push_many = d.codec.decoder.push_many
+    decode = d.codec.decoder.decode
 
-    def spy(batch):
+    def spy(slots, codes, **kw):
         if not seen:  # COMMIT's: the engine lock is free, the stream held but not in the batch yet
             seen.append((d._lock.locked(), 1 in d.batcher.request_ids(), len(d._lifetimes())))
             assert d.info().in_flight == 0  # Info answers meanwhile
-        return push_many(batch)
+        return decode(slots, codes, **kw)
 
-    d.codec.decoder.push_many = spy  # type: ignore[method-assign]
+    d.codec.decoder.decode = spy  # type: ignore[method-assign]
     assert commit(d, 1, audio_rows(1, 1)[0], audio=True, max_frames=6, min_frames=6).status == pb.STATUS_OK
     assert seen == [(False, False, 1)]
     (msg,) = hub.messages  # the first frame with its chunk, at COMMIT
@@ -48,13 +48,13 @@ def test_a_cancel_while_the_first_chunk_is_decoded_ends_the_stream(model, codec)
     d, hub = decode_engine(model, codec)
     assert d.codec is not None
     free_before = d.pool.free_pages
-    push_many = d.codec.decoder.push_many
+    decode = d.codec.decoder.decode
 
-    def cancel_meanwhile(batch):
+    def cancel_meanwhile(slots, codes, **kw):
         assert d.cancel(2)  # found: committing
-        return push_many(batch)
+        return decode(slots, codes, **kw)
 
-    d.codec.decoder.push_many = cancel_meanwhile  # type: ignore[method-assign]
+    d.codec.decoder.decode = cancel_meanwhile  # type: ignore[method-assign]
     assert commit(d, 2, audio_rows(2, 1)[0], audio=True, max_frames=6, min_frames=6).status == pb.STATUS_OK
     assert 2 not in d.batcher.request_ids() and not d._committing and not d._committing_cancelled
     assert 2 not in d.codec and d.codec.decoder.open_streams == 0
