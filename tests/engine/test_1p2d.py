@@ -223,7 +223,8 @@ def job(rid: int) -> PrefillJob:
 def test_reserve_moves_to_the_next_decoder_when_the_first_refuses(refusal):
     first, second = FakeDecodeStub(refusal), FakeDecodeStub()
     engine = two_decoder_engine(first, second)
-    link, reply = engine.links.reserve(job(7))
+    r = engine.links.reserve(job(7))
+    link, reply = r.link, r.reply
     assert reply.status == pb.STATUS_OK and link is engine.links[1]
     assert len(first.reserves) == len(second.reserves) == 1
     assert engine.links.routes[7] is engine.links[1]
@@ -234,16 +235,18 @@ def test_reserve_moves_to_the_next_decoder_when_the_first_refuses(refusal):
 def test_reserve_moves_on_when_a_decoder_does_not_answer_and_prefers_the_one_that_does():
     first, second = FakeDecodeStub(error=Unreachable()), FakeDecodeStub()
     engine = two_decoder_engine(first, second)
-    link, reply = engine.links.reserve(job(1))
+    r = engine.links.reserve(job(1))
+    link, reply = r.link, r.reply
     assert link is engine.links[1] and reply.status == pb.STATUS_OK
     assert not engine.links[0].responsive
-    link, _ = engine.links.reserve(job(2))
+    link = engine.links.reserve(job(2)).link
     assert link is engine.links[1] and len(first.reserves) == 1  # not asked again
 
 
 def test_reserve_reports_the_refusal_when_no_decoder_has_room():
     engine = two_decoder_engine(FakeDecodeStub(pb.NO_CAPACITY), FakeDecodeStub(pb.NO_CAPACITY))
-    link, reply = engine.links.reserve(job(3))
+    r = engine.links.reserve(job(3))
+    link, reply = r.link, r.reply
     assert link is None and reply.status == pb.NO_CAPACITY
     assert 3 not in engine.links.routes
 
@@ -251,20 +254,21 @@ def test_reserve_reports_the_refusal_when_no_decoder_has_room():
 def test_reserve_does_not_fall_back_on_errors_that_are_not_about_capacity():
     first, second = FakeDecodeStub(pb.INVALID), FakeDecodeStub()
     engine = two_decoder_engine(first, second)
-    link, reply = engine.links.reserve(job(4))
+    r = engine.links.reserve(job(4))
+    link, reply = r.link, r.reply
     assert link is engine.links[0] and reply.status == pb.INVALID and second.reserves == []
 
 
 def test_reserve_prefers_most_free_pages_then_takes_turns():
     engine = two_decoder_engine(FakeDecodeStub(), FakeDecodeStub())
     engine.links[0].free_pages = 100
-    assert engine.links.reserve(job(1))[0] is engine.links[1]
+    assert engine.links.reserve(job(1)).link is engine.links[1]
     engine.links[0].free_pages = engine.links[1].free_pages = 500
     engine.links[0].streams = engine.links[1].streams = 0
     engine.links.routes.clear()
     for link in engine.links:
         link.routed.clear()
-    chosen = [engine.links.reserve(job(10 + i))[0].index for i in range(4)]
+    chosen = [engine.links.reserve(job(10 + i)).link.index for i in range(4)]
     assert sorted(chosen) == [0, 0, 1, 1]
 
 
@@ -277,7 +281,7 @@ def test_abort_from_a_decoder_the_request_left_does_not_cancel_it_there():
     engine = two_decoder_engine(FakeDecodeStub(error=Unreachable()), FakeDecodeStub())
     live = job(9)
     engine.pipeline.active[9] = live
-    link, _ = engine.links.reserve(live)  # decode-0 timed out: the request moved to decode-1
+    link = engine.links.reserve(live).link  # decode-0 timed out: the request moved to decode-1
     assert link is engine.links[1]
     reply = abort(engine, 9, "d0-instance")  # decode-0 expired its reservation later
     assert reply.ack and not live.cancelled
