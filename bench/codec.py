@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import functools
 import gc
 import math
 import shlex
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from pdunit.bench import report
-from pdunit.bench.cuda_timing import event_times_ms
+from pdunit.bench.cuda_timing import times_ms
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 
 COLUMNS = [
@@ -120,17 +121,6 @@ def d_step_ms(cfg: CodecConfig, batch: int) -> tuple[float | None, str]:
     return model.ms(batch, batch * cfg.d_context), f"{path.name} at {cfg.d_context} tokens a stream"
 
 
-def _time_ms(fn: Any, iters: int, warmup: int, cuda: bool) -> list[float]:
-    if cuda:
-        return event_times_ms(fn, iters, warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -163,8 +153,8 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
     for batch in cfg.batches:
         for frames in cfg.frames:
             codes = rng.integers(0, size, size=(batch, k, frames))
-            times = _time_ms(lambda c=codes, s=slots[:batch], d=dec: d.decode(s, c, pcm16=True), cfg.iters,
-                             cfg.warmup, cuda)
+            call = functools.partial(dec.decode, slots[:batch], codes, pcm16=True)
+            times = times_ms(call, cfg.iters, cfg.warmup, cuda)
             ms = statistics.median(times)
             d_ms, _ = d_step_ms(cfg, batch)
             uses_graph = graphs and dec.graphs.handles(frames)

@@ -1,9 +1,10 @@
 """CUDA-event timing of a GPU call: each call's span on the device stream, host launch
-gaps included (what the GPU is kept from doing), after `warmup` untimed calls.
-Only for CUDA; the benches that use it refuse to run without a GPU."""
+gaps included (what the GPU is kept from doing), after `warmup` untimed calls;
+`times_ms` falls back to wall time for a CPU run of a bench (its CPU reference path)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,4 +22,18 @@ def event_times_ms(fn: Callable[[], Any], iters: int, warmup: int) -> list[float
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    return times
+
+
+def times_ms(fn: Callable[[], Any], iters: int, warmup: int, cuda: bool) -> list[float]:
+    """CUDA events on a GPU (`event_times_ms`), else each call's wall time."""
+    if cuda:
+        return event_times_ms(fn, iters, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return times

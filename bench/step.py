@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pdunit.bench import report
-from pdunit.bench.cuda_timing import event_times_ms
+from pdunit.bench.cuda_timing import event_times_ms, times_ms
 from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import CONFIGS, get_config
@@ -138,7 +138,7 @@ def measure_copy_gbps(gib: float, iters: int = 10, device: str | torch.device = 
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
     dst = torch.empty_like(src)
-    ms = statistics.median(_times_ms(lambda: dst.copy_(src), iters, dev))
+    ms = statistics.median(times_ms(lambda: dst.copy_(src), iters, 3, dev.type == "cuda"))
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
@@ -149,20 +149,8 @@ def measure_matrix_tflops(dtype: torch.dtype, device: str | torch.device = "cuda
     n = 8192 if dev.type == "cuda" else 256
     a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)
     out = torch.empty(n, n, dtype=dtype, device=dev)
-    ms = statistics.median(_times_ms(lambda: torch.mm(a, b, out=out), iters, dev))
+    ms = statistics.median(times_ms(lambda: torch.mm(a, b, out=out), iters, 3, dev.type == "cuda"))
     return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def _times_ms(fn, iters: int, dev: torch.device) -> list[float]:  # noqa: ANN001 - a thunk
-    if dev.type == "cuda":
-        return event_times_ms(fn, iters, 3)
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def _fail(message: str) -> SystemExit:
