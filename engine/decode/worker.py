@@ -40,6 +40,7 @@ from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
+from pdunit.engine.proto.row_rule import hello_rules
 from pdunit.engine.proto.sampling import sampling_from_pb
 from pdunit.engine.security import security_event
 from pdunit.engine.step_loop import StepLoop, publish_step
@@ -739,6 +740,7 @@ class DecodeEngine:
             vocab_sizes=pack(np.array(self.model.config.vocab_sizes, dtype=np.int64), "i8"),
             eos_id=self.model.config.eos_id,
             model=self.model_spec,
+            **hello_rules(self.model.row_rule, self.model.depth_sampling),
         )
         if self.audio_format is not None:
             reply.audio_format.CopyFrom(self.audio_format)

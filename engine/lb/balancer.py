@@ -56,6 +56,7 @@ from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import view
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
+from pdunit.engine.proto.row_rule import row_rule_from_hello
 from pdunit.engine.security import security_event
 from pdunit.engine.tracing import LB_STAGES, Tracing
 from pdunit.engine.unit_layout import decode_names
@@ -283,9 +284,11 @@ class LoadBalancer:
     def _same_model(self, first: pb.HelloReply, other: pb.HelloReply, index: int) -> None:
         """Every D of a unit must serve the first D's model: the LB validates against one."""
         mine = (first.model, first.n_codebooks, first.vocab_sizes, first.eos_id,
-                first.audio_format.SerializeToString(deterministic=True))
+                first.audio_format.SerializeToString(deterministic=True),
+                first.row_rule.SerializeToString(deterministic=True), first.depth_decoder_sampling)
         theirs = (other.model, other.n_codebooks, other.vocab_sizes, other.eos_id,
-                  other.audio_format.SerializeToString(deterministic=True))
+                  other.audio_format.SerializeToString(deterministic=True),
+                  other.row_rule.SerializeToString(deterministic=True), other.depth_decoder_sampling)
         if mine != theirs:
             raise ValueError(
                 f"{self.decode_names[index]} serves model {other.model!r} ({other.n_codebooks} "
@@ -327,6 +330,13 @@ class LoadBalancer:
             vocab = from_d
         else:
             raise ValueError("D's Hello carries no vocab sizes: set --vocab-sizes")
+        try:
+            row_rule = row_rule_from_hello(reply)
+        except ValueError as exc:
+            raise ValueError(f"D's Hello carries a bad row rule: {exc}") from None
+        if row_rule is not None and row_rule.width != ncb:
+            raise ValueError(f"D's Hello carries a row rule for rows of {row_rule.width} ids, "
+                             f"its model's rows have {ncb}: D is misconfigured")
         return Limits(
             n_codebooks=ncb,
             vocab_sizes=vocab,
@@ -334,6 +344,8 @@ class LoadBalancer:
             max_body_bytes=cfg.max_body_bytes,
             max_frames_limit=cfg.max_frames_limit,
             default_max_frames=cfg.default_max_frames,
+            row_rule=row_rule,
+            depth_sampling=reply.depth_decoder_sampling,
         )
 
     # ------------------------------------------------------------ state

@@ -3,7 +3,8 @@
 Owns turning raw request bytes (JSON rows, or a binary int32/int64 body with a row-width
 header) plus headers into a `PackedRequest` (an int64 [rows, cols] array, its
 little-endian bytes for `SubmitRequest.prompt`, and the `pb.Sampling` it carries), or a
-`RequestError` whose HTTP status and message name the row, column or field and the limit.
+`RequestError` whose HTTP status and message name the row, column or field and the limit
+(the model family's row rule, from D's Hello, included: engine/model/request_rules.py).
 Every `json.loads` first bounds the nesting (`MAX_JSON_DEPTH`): CPython's parser recurses
 once per level, and a RecursionError would be a 500. A bad prompt never reaches P.
 Never: talk to P or D, keep state between requests, log request bodies.
@@ -19,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from pdunit.engine.model.request_rules import RowRule
 from pdunit.engine.packing import pack, view
 from pdunit.engine.proto import pdunit_pb2 as pb
 
 JSON_CONTENT_TYPE = "application/json"
 BINARY_CONTENT_TYPE = "application/octet-stream"
-SAMPLING_FIELDS = ("max_frames", "min_frames", "temperature", "top_k", "seed")
+DEPTH_FIELDS = ("depth_decoder_temperature", "depth_decoder_top_k")
+SAMPLING_FIELDS = ("max_frames", "min_frames", "temperature", "top_k", "seed", *DEPTH_FIELDS)
 JSON_FIELDS = ("prompt", *SAMPLING_FIELDS)
 SAMPLING_HEADERS = {
     "max_frames": "x-pdunit-max-frames",
@@ -32,6 +35,8 @@ SAMPLING_HEADERS = {
     "temperature": "x-pdunit-temperature",
     "top_k": "x-pdunit-top-k",
     "seed": "x-pdunit-seed",
+    "depth_decoder_temperature": "x-pdunit-depth-decoder-temperature",
+    "depth_decoder_top_k": "x-pdunit-depth-decoder-top-k",
 }
 MAX_TEMPERATURE = 100.0
 MAX_JSON_DEPTH = 32  # a request nests 3 levels ({"prompt": [[...]]}); more is an attack
@@ -76,6 +81,8 @@ class Limits:
     max_body_bytes: int = 4 << 20
     max_frames_limit: int = 4096
     default_max_frames: int = 630
+    row_rule: RowRule | None = None  # the family's (D's Hello): what each row must hold
+    depth_sampling: bool = False  # the model has a depth decoder: depth_decoder_* accepted
     _vocab32: np.ndarray = field(init=False, repr=False, compare=False)
     _vocab64: np.ndarray = field(init=False, repr=False, compare=False)
     _max_digits: int = field(init=False, repr=False, compare=False)
@@ -210,6 +217,7 @@ def parse_binary(body: bytes, headers: Mapping[str, str], limits: Limits) -> Pac
         bad = ids.view("<u8") >= limits._vocab64
     if bad.any():
         raise _out_of_range(ids, bad, limits)
+    _check_row_rule(ids, limits)
     if itemsize == 8:
         # The body already is the packed little-endian int64 prompt: no copy.
         return PackedRequest(ids, body, sampling, "binary")
@@ -243,7 +251,7 @@ def _sampling_from_headers(headers: Mapping[str, str], limits: Limits) -> pb.Sam
             continue
         pretty = "-".join(part.capitalize() for part in header.split("-"))
         values[name] = (
-            _header_float(raw, pretty) if name == "temperature" else _header_int(raw, pretty)
+            _header_float(raw, pretty) if name.endswith("temperature") else _header_int(raw, pretty)
         )
     return make_sampling(values, limits, header_names=True)
 
@@ -286,39 +294,61 @@ def make_sampling(
             f"{name('min_frames')} is {min_frames}, expected 0..max_frames ({max_frames})",
             field=name("min_frames"),
         )
-    temperature = values.get("temperature", 0.0)
-    if type(temperature) not in (int, float):
-        raise RequestError(
-            400,
-            "invalid_type",
-            f"{name('temperature')} is {temperature!r}, expected a number",
-            field=name("temperature"),
-        )
-    temperature = float(temperature)
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
-        raise RequestError(
-            422,
-            "out_of_range",
-            f"{name('temperature')} is {temperature}, expected 0..{MAX_TEMPERATURE} (0 = greedy)",
-            field=name("temperature"),
-        )
-    top_k = get_int("top_k", 0)
+    def get_temperature(f: str) -> float:
+        temperature = values.get(f, 0.0)
+        if type(temperature) not in (int, float):
+            raise RequestError(
+                400, "invalid_type", f"{name(f)} is {temperature!r}, expected a number", field=name(f)
+            )
+        temperature = float(temperature)
+        if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+            raise RequestError(
+                422,
+                "out_of_range",
+                f"{name(f)} is {temperature}, expected 0..{MAX_TEMPERATURE} (0 = greedy)",
+                field=name(f),
+            )
+        return temperature
+
     max_vocab = max(limits.vocab_sizes)
-    if not 0 <= top_k <= max_vocab:
-        raise RequestError(
-            422,
-            "out_of_range",
-            f"{name('top_k')} is {top_k}, expected 0..{max_vocab} (0 = full vocabulary)",
-            field=name("top_k"),
-        )
+
+    def get_top_k(f: str) -> int:
+        top_k = get_int(f, 0)
+        if not 0 <= top_k <= max_vocab:
+            raise RequestError(
+                422,
+                "out_of_range",
+                f"{name(f)} is {top_k}, expected 0..{max_vocab} (0 = full vocabulary)",
+                field=name(f),
+            )
+        return top_k
+
+    temperature = get_temperature("temperature")
+    top_k = get_top_k("top_k")
     seed = get_int("seed", 0)
     if not 0 <= seed <= UINT64_MAX:
         raise RequestError(
             422, "out_of_range", f"{name('seed')} is {seed}, expected 0..2^64-1", field=name("seed")
         )
-    return pb.Sampling(
+    out = pb.Sampling(
         max_frames=max_frames, min_frames=min_frames, temperature=temperature, top_k=top_k, seed=seed
     )
+    for f in DEPTH_FIELDS:
+        if f not in values:
+            continue
+        if not limits.depth_sampling:
+            raise RequestError(
+                422,
+                "unsupported_field",
+                f"{name(f)} is for a model whose depth decoder samples codebooks 1.. (csm); this "
+                f"unit's model has none: it samples every codebook with temperature and top_k",
+                field=name(f),
+            )
+        if f == "depth_decoder_temperature":
+            out.depth_decoder_temperature = get_temperature(f)
+        else:
+            out.depth_decoder_top_k = get_top_k(f)
+    return out
 
 
 # ------------------------------------------------------------------ JSON
@@ -398,6 +428,7 @@ def _parse_json_fast(body: bytes, limits: Limits) -> PackedRequest | None:
     bad = ids.view(np.uint64) >= limits._vocab64
     if bad.any():
         raise _out_of_range(ids, bad, limits)
+    _check_row_rule(ids, limits)
     return PackedRequest(ids, pack(ids, "i8"), sampling, "json")
 
 
@@ -569,6 +600,7 @@ def _parse_json_exact(body: bytes, limits: Limits) -> PackedRequest:
                 raise _id_out_of_range(r, c, v, limits)
     sampling = make_sampling(obj, limits)
     ids = np.array(prompt, dtype=np.int64)
+    _check_row_rule(ids, limits)
     return PackedRequest(ids, pack(ids, "i8"), sampling, "json")
 
 
@@ -600,3 +632,21 @@ def _out_of_range(ids: np.ndarray, bad: np.ndarray, limits: Limits) -> RequestEr
     flat = int(np.argmax(bad.reshape(-1)))
     r, c = divmod(flat, ids.shape[1])
     return _id_out_of_range(r, c, int(ids[r, c]), limits)
+
+
+def _check_row_rule(ids: np.ndarray, limits: Limits) -> None:
+    """The family's row rule (csm: text rows and audio-frame rows): a 422 naming the
+    first bad row and column and what the rule expects there."""
+    if limits.row_rule is None:
+        return
+    error = limits.row_rule.check(ids)
+    if error is not None:
+        raise RequestError(
+            422,
+            "invalid_row",
+            error.message(),
+            field="prompt",
+            row=error.row,
+            column=error.column,
+            expected=error.expected,
+        )

@@ -19,6 +19,7 @@ import torch
 
 from pdunit.engine.model.checkpoint import WeightMap
 from pdunit.engine.model.config import ModelConfig
+from pdunit.engine.model.request_rules import RowRule
 from pdunit.engine.model.transformer import TTSModel
 
 
@@ -47,6 +48,11 @@ class ModelFamily(ABC):
     @abstractmethod
     def weight_map(self, parsed: ParsedConfig, checkpoint_names: set[str]) -> WeightMap:
         """Engine tensor name -> the checkpoint tensors it is made of (dim-0 concatenated)."""
+
+    def row_rule(self, parsed: ParsedConfig) -> RowRule | None:
+        """What a prompt row must hold beyond its columns' id ranges (None: nothing);
+        `build` sets it on the model (`TTSModel.row_rule`), whose Hello carries it to the LB."""
+        return None
 
     def ignored(self, checkpoint_name: str) -> bool:
         """True for a checkpoint tensor the family deliberately does not load."""

@@ -23,6 +23,7 @@ from torch import nn
 from pdunit.engine.model.checkpoint import WeightMap
 from pdunit.engine.model.config import ModelConfig, torch_dtype
 from pdunit.engine.model.family import ModelFamily, ParsedConfig
+from pdunit.engine.model.request_rules import RowRule
 from pdunit.engine.model.sampling import (
     SamplingBatch,
     SamplingParams,
@@ -179,6 +180,7 @@ class DepthDecoder(FrameGenerator):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     capture_safe = True  # frames_static: engine/model/frame_graphs.py captures it
+    depth_sampling = True  # codebooks 1.. may take the request's depth_decoder_* params
 
     def __init__(self, d: DepthConfig, audio_token_id: int, dtype: torch.dtype, device: torch.device,
                  codec_codebook_size: int = 0, frame_rate_hz: float | None = None) -> None:
@@ -232,7 +234,8 @@ class DepthDecoder(FrameGenerator):
     @torch.no_grad()
     def frames_device(self, model: TTSModel, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """Codebook j sampled from its logits with column j's uniform (greedy: argmax per
-        codebook, as transformers' greedy generate); EOS suppression (min_frames) applies
+        codebook, as transformers' greedy generate), codebooks 1.. with the request's
+        depth_decoder_* params where it sets them; EOS suppression (min_frames) applies
         to codebook 0, the backbone's. The depth decoder's K/V of the frame's positions
         lives in `caches` for this call only."""
         eos = self.eos_id
@@ -269,7 +272,7 @@ class DepthDecoder(FrameGenerator):
         for j in range(1, self.n_codebooks):
             start = 0 if j == 1 else j
             caches: list[_Cache] = [_StaticKV(work[i, 0, :b], work[i, 1, :b], start) for i in range(len(self.layers))]
-            code = sample_frames_static(self._extend(x, start, caches)[:, -1:], rows, eos, j, top_k_cap)
+            code = sample_frames_static(self._extend(x, start, caches)[:, -1:], rows, eos, j, top_k_cap, depth=True)
             codes.append(code)
             x = self.embed(code.to(torch.int64) + j * self.vocab_size)  # position j + 1: codebook j's embedding
         codes.append(torch.full_like(code, self.audio_token_id))
@@ -295,7 +298,10 @@ class DepthDecoder(FrameGenerator):
 
 
 def _column(sb: SamplingBatch, j: int) -> SamplingBatch:
-    """The sampling of one codebook: column j's uniforms; EOS suppressed for codebook 0 only."""
+    """The sampling of one codebook: column j's uniforms; EOS suppressed for codebook 0
+    only; codebooks 1.. with the depth decoder's params (`SamplingBatch.depth`)."""
+    if j > 0:
+        sb = sb.for_depth_decoder()
     return dataclasses.replace(
         sb,
         uniforms=sb.uniforms[:, j : j + 1] if sb.uniforms is not None else None,
@@ -404,7 +410,22 @@ class CsmFamily(ModelFamily):
         )
         model.frame_generator = DepthDecoder(extras.depth, extras.audio_token_id, model.dtype, torch.device(device),
                                              extras.codec_codebook_size, extras.codec_frame_rate_hz)
+        model.row_rule = self.row_rule(parsed)
         return model
+
+    def row_rule(self, parsed: ParsedConfig) -> RowRule:
+        """CSM's rows as `CsmRowEmbedding` reads them: text column `audio_token_id` -> an
+        audio frame of codec codes; else a text row, its codebook columns empty (0, as
+        Sesame writes them, or `codebook_pad_token_id`); `audio_eos_token_id` only as
+        transformers embeds it, an audio-frame row of `codebook_eos_token_id`s."""
+        extras: CsmExtras = parsed.extras
+        k = extras.n_audio
+        eos_row = extras.audio_eos_token_id if extras.audio_eos_token_id is not None else -1
+        return RowRule(
+            marker_column=k, marker_id=extras.audio_token_id, frame_columns=k,
+            code_limit=extras.codec_codebook_size, empty_ids=tuple(sorted({0, extras.codebook_pad_token_id})),
+            frame_end_id=eos_row, frame_end_code=parsed.model.eos_id,
+        )
 
     def weight_map(self, parsed: ParsedConfig, checkpoint_names: set[str]) -> WeightMap:
         extras: CsmExtras = parsed.extras

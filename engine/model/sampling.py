@@ -1,7 +1,7 @@
 """Turning logits into frames: greedy, or seeded sampling that is the same in every mode.
 
 Owns the sampling rules of a request (`SamplingParams`: temperature, top-k, seed, EOS
-suppression, frame bounds) and three entry points with the same rules and draws:
+suppression, frame bounds, a depth decoder's own temperature/top-k) and three entry points with the same rules and draws:
 `sample_frames` (to numpy: P, the monolith, D without overlap), `sample_frames_device`
 (on the device, no host sync: D's overlap scheduler) and `sample_frames_static` (one
 static shape whatever the params: inside a frame generator's CUDA graphs).
@@ -25,13 +25,18 @@ class SamplingParams:
     """One request's sampling. A stream's frames count from 0 (the first, computed by
     prefill); EOS (column 0 == eos_id) is suppressed while the frame index is below
     `min_frames`; `max_frames` bounds the frames (the first included): the worker stops
-    the stream after frame `max_frames - 1`, the sampler never forces EOS."""
+    the stream after frame `max_frames - 1`, the sampler never forces EOS.
+    `depth_decoder_temperature` / `depth_decoder_top_k` (None: the main ones) sample
+    codebooks 1.. of a depth decoder (csm; transformers' `depth_decoder_*` generate
+    arguments); codebook 0 keeps `temperature` / `top_k`."""
 
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
     max_frames: int = 210
     min_frames: int = 0
+    depth_decoder_temperature: float | None = None
+    depth_decoder_top_k: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -47,8 +52,26 @@ class SamplingParams:
             problems.append(
                 f"min_frames must be in [0, max_frames={self.max_frames}] (got {self.min_frames})"
             )
+        dt, dk = self.depth_decoder_temperature, self.depth_decoder_top_k
+        if dt is not None and not dt >= 0.0:
+            problems.append(f"depth_decoder_temperature must be >= 0 (got {dt})")
+        if dk is not None and dk < 0:
+            problems.append(f"depth_decoder_top_k must be >= 0, 0 = whole vocabulary (got {dk})")
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
+
+    @property
+    def has_depth(self) -> bool:
+        """True iff a depth-decoder field is set."""
+        return self.depth_decoder_temperature is not None or self.depth_decoder_top_k is not None
+
+    def for_depth_decoder(self) -> SamplingParams:
+        """The params of codebooks 1..: the depth fields where set, else the main ones."""
+        return SamplingParams(
+            temperature=self.temperature if self.depth_decoder_temperature is None else self.depth_decoder_temperature,
+            top_k=self.top_k if self.depth_decoder_top_k is None else self.depth_decoder_top_k,
+            seed=self.seed, max_frames=self.max_frames, min_frames=self.min_frames,
+        )
 
 
 def _splitmix64(x: int) -> int:
@@ -164,17 +187,26 @@ class SamplingBatch:
     group_index: list[torch.Tensor] = field(default_factory=list)  # per top_k group: int64 local rows
     # every row's sampling in one float64 array [n, ROW_UNIFORMS + C] on the host (the
     # static form `sample_frames_static` reads, once on the device): temperature (0:
-    # greedy), top_k, EOS suppressed (1/0), then the row's C uniforms (0 for greedy rows)
+    # greedy), top_k, EOS suppressed (1/0), the depth decoder's temperature and top_k
+    # (the main ones where the request sets none), then the row's C uniforms (0 for a
+    # row greedy in both)
     packed: np.ndarray | None = None
+    # codebooks 1.. of a depth decoder, where a row sets depth_decoder_* (None: this batch)
+    depth: SamplingBatch | None = None
 
     @property
     def max_top_k(self) -> int:
-        """The largest top_k of a sampled row (0: no sampled row filters)."""
-        return max((k for k, _ in self.top_k_groups), default=0)
+        """The largest top_k of a sampled row, the depth decoder's included (0: none filters)."""
+        main = max((k for k, _ in self.top_k_groups), default=0)
+        return max(main, self.depth.max_top_k) if self.depth is not None else main
+
+    def for_depth_decoder(self) -> SamplingBatch:
+        """The batch of codebooks 1.. (`depth`, else this one)."""
+        return self.depth if self.depth is not None else self
 
 
 # `SamplingBatch.packed`'s columns
-ROW_TEMPERATURE, ROW_TOP_K, ROW_SUPPRESS, ROW_UNIFORMS = 0, 1, 2, 3
+ROW_TEMPERATURE, ROW_TOP_K, ROW_SUPPRESS, ROW_DEPTH_TEMPERATURE, ROW_DEPTH_TOP_K, ROW_UNIFORMS = 0, 1, 2, 3, 4, 5
 _TOP_K_MAX = 1 << 52  # exact in float64; any k >= the vocabulary filters nothing
 
 
@@ -212,6 +244,12 @@ def sampling_batch(
     sb = SamplingBatch(n, sampled, suppress)
     packed = np.zeros((n, ROW_UNIFORMS + n_columns), dtype=np.float64)
     sb.packed = packed
+    if any(p.has_depth for p in params):
+        sb.depth = sampling_batch([p.for_depth_decoder() for p in params], frame_index, n_columns, device)
+        assert sb.depth.packed is not None
+        # the depth rows' temperature, top_k and uniforms (rows greedy here may draw there)
+        packed[:, ROW_DEPTH_TEMPERATURE:ROW_UNIFORMS] = sb.depth.packed[:, ROW_TEMPERATURE:ROW_SUPPRESS]
+        packed[:, ROW_UNIFORMS:] = sb.depth.packed[:, ROW_UNIFORMS:]
     if suppress:
         packed[suppress, ROW_SUPPRESS] = 1.0
         sb.suppress_index = to_device(np.array(suppress, dtype=np.int64), device)
@@ -229,6 +267,8 @@ def sampling_batch(
                 local = [r for r, kr in enumerate(ks) if kr == k]
                 sb.top_k_groups.append((k, local))
                 sb.group_index.append(to_device(np.array(local, dtype=np.int64), device))
+    if sb.depth is None:
+        packed[:, ROW_DEPTH_TEMPERATURE:ROW_UNIFORMS] = packed[:, ROW_TEMPERATURE:ROW_SUPPRESS]
     return sb
 
 
@@ -269,7 +309,8 @@ def sample_frames_device(logits: torch.Tensor, sb: SamplingBatch, eos_id: int) -
 
 
 def sample_frames_static(
-    logits: torch.Tensor, rows: torch.Tensor, eos_id: int, first_column: int = 0, top_k_cap: int | None = None
+    logits: torch.Tensor, rows: torch.Tensor, eos_id: int, first_column: int = 0, top_k_cap: int | None = None,
+    depth: bool = False,
 ) -> torch.Tensor:
     """`sample_frames_device` in one static shape (capture-safe: no host sync, no shape or
     branch that depends on the params): logits [n, c, V] are frame columns
@@ -277,19 +318,20 @@ def sample_frames_static(
     on the device) -> int32 [n, c], the same frames. Every row runs both forms, greedy
     rows take the argmax; EOS is suppressed in frame column 0 only. The top-k threshold
     is the k-th of `torch.topk(top_k_cap)` (None: the whole vocabulary), the value
-    `sample_frames_device` takes: every filtering row's k must be <= top_k_cap."""
+    `sample_frames_device` takes: every filtering row's k must be <= top_k_cap. `depth`:
+    the rows' depth-decoder temperature and top_k (codebooks 1.. of a depth decoder)."""
     n, c, vocab = logits.shape
     logits = logits.float()
     if first_column == 0:
         logits = logits.clone()
         logits[:, 0, eos_id].masked_fill_(rows[:, ROW_SUPPRESS] > 0, float("-inf"))
     greedy = logits.argmax(dim=-1).to(torch.int32)
-    temperature = rows[:, ROW_TEMPERATURE]
+    temperature = rows[:, ROW_DEPTH_TEMPERATURE if depth else ROW_TEMPERATURE]
     sampled = temperature > 0
     scaled = logits.to(torch.float64) / temperature.masked_fill(~sampled, 1.0)[:, None, None]
     if top_k_cap != 0:
         cap = vocab if top_k_cap is None else min(top_k_cap, vocab)
-        k = rows[:, ROW_TOP_K].to(torch.int64)
+        k = rows[:, ROW_DEPTH_TOP_K if depth else ROW_TOP_K].to(torch.int64)
         kth = torch.topk(scaled, cap, dim=-1).values.gather(-1, (k.clamp(1, cap) - 1)[:, None, None].expand(n, c, 1))
         filters = sampled & (k > 0) & (k < vocab)
         kth = kth.masked_fill(~filters[:, None, None], float("-inf"))  # below -inf: nothing

@@ -36,6 +36,7 @@ from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_
 
 if TYPE_CHECKING:
     from pdunit.engine.model.frame_graphs import FrameGraphRunner
+    from pdunit.engine.model.request_rules import RowRule
     from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
 
 GEMM_PRECISIONS: tuple[str, ...] = get_args(GemmPrecision)  # set_prefill_gemm, set_decode_gemm
@@ -367,6 +368,10 @@ class FrameGenerator(nn.Module, ABC):
         """Frames per second of audio, when the family's config names it (None: it does not)."""
         return None
 
+    # True where codebooks 1.. come from a depth decoder that takes a request's
+    # `depth_decoder_temperature` / `depth_decoder_top_k` (engine/model/sampling.py).
+    depth_sampling = False
+
     # The capture-safe form (engine/model/frame_graphs.py records it per batch bucket,
     # after the backbone's decode graph); a generator without one (`capture_safe`
     # False) runs eagerly.
@@ -419,6 +424,7 @@ class TTSModel(nn.Module):
     rope_sin: torch.Tensor
     frame_generator: FrameGenerator | None
     frame_graphs: FrameGraphRunner | None
+    row_rule: RowRule | None  # the family's (engine/model/request_rules.py); None: no rule
 
     def __init__(
         self,
@@ -432,6 +438,7 @@ class TTSModel(nn.Module):
         self.row_embedding = row_embedding
         self.frame_generator = None
         self.frame_graphs = None
+        self.row_rule = None
         self.dtype = torch_dtype(dtype or config.dtype)
         dev = torch.device(device)
         c = config
@@ -498,9 +505,7 @@ class TTSModel(nn.Module):
     #   launches per layer. `decode_step` is its capture-safe decode-only form, which
     #   engine/model/cuda_graphs.py records per batch size; `prefill_step` its capture-safe
     #   prefill-only form (every prefill-only batch runs it), which
-    #   engine/model/prefill_graphs.py records per row bucket; `mixed_step` its capture-safe
-    #   form of decode rows plus prompt chunks, which engine/model/mixed_graphs.py records
-    #   per (decode rows, prompt rows) bucket pair.
+    #   engine/model/prefill_graphs.py records per row bucket.
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Writes the new tokens' K/V into kv[:, 0/1, write_slots] and returns the output of
@@ -539,6 +544,11 @@ class TTSModel(nn.Module):
             if frames is not None:
                 return frames
         return self.frame_generator.frames_device(self, out, sb)
+
+    @property
+    def depth_sampling(self) -> bool:
+        """True iff requests may set `depth_decoder_temperature` / `_top_k` (a depth decoder)."""
+        return self.frame_generator is not None and self.frame_generator.depth_sampling
 
     def ends_stream(self, frame: np.ndarray) -> bool:
         """True iff this frame row is the model's end of stream: column 0 is `eos_id`, or
@@ -795,44 +805,6 @@ class TTSModel(nn.Module):
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(q)
             return paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
-
-        return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
-
-    def mixed_step(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        write_slots: torch.Tensor,
-        dec_table: torch.Tensor,
-        dec_lengths: torch.Tensor,
-        n_splits: int,
-        table: torch.Tensor,
-        ctx_len: torch.Tensor,
-        q_len: torch.Tensor,
-        q_start: torch.Tensor,
-        last: torch.Tensor,
-        kv: torch.Tensor,
-        max_q_len: int,
-        fp8: bool,
-    ) -> torch.Tensor:
-        """The GPU forward of a mixed step on device tensors only (no host sync: safe to
-        capture, engine/model/mixed_graphs.py records it per bucket pair). Rows [0, B),
-        B = dec_table's rows, are decode rows (one per sequence, attended by the paged
-        decode kernel over dec_table/dec_lengths, `n_splits` splits, as `decode_step`);
-        the rows after them belong to the prompt chunks of the prefill plan (table,
-        ctx_len, q_len, q_start, q_start >= B; q_len 0: padding), as `prefill_step`. A
-        negative write slot stores no K/V (padding rows). last [B + S]: the rows whose
-        output is returned; `max_q_len` sizes the prefill grid; `fp8` the GEMMs."""
-        from pdunit.kernels.paged_attention import paged_decode_attention
-        from pdunit.kernels.prefill_attention import paged_prefill_attention
-
-        b = dec_table.shape[0]
-
-        def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(q)
-            paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
-            paged_decode_attention(q[:b], kv_layer, dec_table, dec_lengths, n_splits, out=out[:b])
-            return out
 
         return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
 

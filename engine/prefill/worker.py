@@ -188,8 +188,9 @@ class PrefillService(pbg.PrefillServicer):
     async def Submit(self, request, context):  # noqa: N802 - gRPC names
         span = self.tracing.start("prefill.request", now_ns(), context.invocation_metadata(),
                                   request_id=f"{request.request_id:016x}") if self.tracing.enabled else None
-        return await serve_submit(request, self.engine.model.config, self.engine.submit, self.engine.cancel,
-                                  span)
+        model = self.engine.model
+        return await serve_submit(request, model.config, self.engine.submit, self.engine.cancel,
+                                  span, model.row_rule, model.depth_sampling)
 
     async def Cancel(self, request, context):  # noqa: N802
         return pb.CancelReply(found=self.engine.cancel(request.request_id))

@@ -39,18 +39,22 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "seed", "max_frames", "min_frames")
+    __slots__ = ("temperature", "top_k", "seed", "max_frames", "min_frames", "depth_decoder_temperature", "depth_decoder_top_k")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_DECODER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_DECODER_TOP_K_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     seed: int
     max_frames: int
     min_frames: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ...) -> None: ...
+    depth_decoder_temperature: float
+    depth_decoder_top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., depth_decoder_temperature: _Optional[float] = ..., depth_decoder_top_k: _Optional[int] = ...) -> None: ...
 
 class Stamps(_message.Message):
     __slots__ = ("ns",)
@@ -181,7 +185,7 @@ class HelloRequest(_message.Message):
     def __init__(self, sender_instance: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model", "audio_format")
+    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model", "audio_format", "row_rule", "depth_decoder_sampling")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +194,8 @@ class HelloReply(_message.Message):
     EOS_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ROW_RULE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_DECODER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     geometry: PoolGeometry
     transports: _containers.RepeatedCompositeFieldContainer[TransportDescriptor]
@@ -198,7 +204,27 @@ class HelloReply(_message.Message):
     eos_id: int
     model: str
     audio_format: AudioFormat
-    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, _Mapping]] = ...) -> None: ...
+    row_rule: RowRule
+    depth_decoder_sampling: bool
+    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, _Mapping]] = ..., row_rule: _Optional[_Union[RowRule, _Mapping]] = ..., depth_decoder_sampling: _Optional[bool] = ...) -> None: ...
+
+class RowRule(_message.Message):
+    __slots__ = ("marker_column", "marker_id", "frame_columns", "code_limit", "empty_ids", "frame_end_id", "frame_end_code")
+    MARKER_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    MARKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAME_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    CODE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_IDS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_END_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAME_END_CODE_FIELD_NUMBER: _ClassVar[int]
+    marker_column: int
+    marker_id: int
+    frame_columns: int
+    code_limit: int
+    empty_ids: _containers.RepeatedScalarFieldContainer[int]
+    frame_end_id: int
+    frame_end_code: int
+    def __init__(self, marker_column: _Optional[int] = ..., marker_id: _Optional[int] = ..., frame_columns: _Optional[int] = ..., code_limit: _Optional[int] = ..., empty_ids: _Optional[_Iterable[int]] = ..., frame_end_id: _Optional[int] = ..., frame_end_code: _Optional[int] = ...) -> None: ...
 
 class AudioFormat(_message.Message):
     __slots__ = ("sample_rate", "samples_per_frame", "frame_rate_hz", "codec")

@@ -24,6 +24,7 @@ from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 K, V, TEXT_V, AUDIO_TOKEN = 4, 19, 50, 48
+CODEC_IDS = 16  # the codec's codebook_size: an audio frame's codes (the row rule) lie below it
 
 
 def tiny_csm(rope: dict[str, Any] | None = None) -> Any:
@@ -41,7 +42,7 @@ def tiny_csm(rope: dict[str, Any] | None = None) -> Any:
     )
     codec = MimiConfig(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=16, codebook_dim=8, codebook_size=16, num_filters=4,
+        intermediate_size=16, codebook_dim=8, codebook_size=CODEC_IDS, num_filters=4,
         num_residual_layers=1, upsampling_ratios=[2, 2], num_quantizers=K,
         num_semantic_quantizers=1, head_dim=8, sliding_window=4, upsample_groups=16,
     )
@@ -79,7 +80,7 @@ def rows(seed: int, n_text: int, n_audio: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     text = np.full((n_text, K + 1), V - 1)
     text[:, K] = rng.integers(0, 46, n_text)
-    audio = np.concatenate([rng.integers(0, V, (n_audio, K)), np.full((n_audio, 1), AUDIO_TOKEN)], 1)
+    audio = np.concatenate([rng.integers(0, CODEC_IDS, (n_audio, K)), np.full((n_audio, 1), AUDIO_TOKEN)], 1)
     return np.concatenate([text, audio]).astype(np.int64)
 
 

@@ -269,8 +269,9 @@ def csm_units(checkpoint: tuple[Path, Any]) -> Any:
     mixed = LocalConfig(mode="monolith", model=model, policy="chunked", chunk_tokens=6,
                         extra_monolith_args=["--overlap"], **SMALL)
     with LocalUnit(LocalConfig(mode="pd", model=model, **SMALL)) as pd, \
-            LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)) as mono, LocalUnit(mixed) as chunked:
-        yield pd, mono, chunked
+            LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)) as mono, LocalUnit(mixed) as chunked, \
+            LocalUnit(LocalConfig(mode="1p2d", model=model, **SMALL)) as two_d:
+        yield pd, mono, chunked, two_d
 
 
 def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate(
@@ -285,13 +286,21 @@ def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate
     assert info.kv_checks_total >= len(PROMPTS) and info.kv_mismatch_total == 0
 
 
-def test_seeded_sampling_gives_the_same_frames_in_pd_and_the_monoliths(csm_units: Any) -> None:
+@pytest.mark.parametrize("depth", [{}, dict(depth_decoder_temperature=0.6, depth_decoder_top_k=3),
+                                   dict(depth_decoder_temperature=0.0)], ids=["main", "depth", "greedy-depth"])
+def test_seeded_sampling_gives_the_same_frames_in_pd_1p2d_and_the_monoliths(csm_units: Any, depth: Any) -> None:
+    """The same seeded frames in PD, the monoliths and 1P2D (its two D's), with and
+    without the depth decoder's own params; those change codebooks 1.. only."""
     params = dict(max_frames=12, temperature=0.9, top_k=6, seed=21)
-    pd, *monoliths = (run_prompts(u.url, PROMPTS, **params) for u in csm_units)
-    for mono in monoliths:
-        for (a, la), (b, lb) in zip(pd, mono, strict=True):
+    pd, *others = (run_prompts(u.url, PROMPTS * 2 if u is csm_units[3] else PROMPTS, **params, **depth)
+                   for u in csm_units)
+    for other in others:
+        for (a, la), (b, lb) in zip(pd * 2, other, strict=False):
             assert la.get("done") and lb.get("done"), (la, lb)
             assert a.shape == (12, K + 1) and np.array_equal(a, b)
+    if depth:
+        main = run_prompts(csm_units[0].url, PROMPTS[:1], **params)[0][0]
+        assert np.array_equal(main[0, 0], pd[0][0][0, 0]) and not np.array_equal(main[:, 1:K], pd[0][0][:, 1:K])
 
 
 def test_a_reused_voice_hits_the_prefix_cache_and_keeps_transformers_frames(

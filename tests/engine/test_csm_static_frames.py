@@ -1,6 +1,6 @@
 """The capture-safe frame step (issue 23): `sample_frames_static` gives
-`sample_frames_device`'s frames (greedy, seeded temperature and top-k, EOS suppression)
-in one static shape; csm's `DepthDecoder.frames_static` (its K/V in preallocated
+`sample_frames_device`'s frames (greedy, seeded temperature and top-k, EOS suppression,
+the depth decoder's own params) in one static shape; csm's `DepthDecoder.frames_static` (its K/V in preallocated
 buffers) gives `frames_device`'s frames for a padded batch, the padding rows touching
 nothing; `FrameGraphRunner(capture=False)` stages what its graphs replay, through
 `TTSModel.frames`. On the CPU; tests/kernels/test_csm_gpu_path.py replays the graphs."""
@@ -37,6 +37,16 @@ PARAMS = [
     SamplingParams(temperature=1.1, top_k=32, seed=12),
     SamplingParams(temperature=0.8, top_k=1000, seed=13),
     SamplingParams(temperature=1.2, top_k=6, seed=21, min_frames=50),
+]
+# the depth decoder's own params (codebooks 1..): sampled under a greedy codebook 0; greedy
+# under a sampled one; its own top-k only; its top-k past the 64 cap; both with EOS suppressed
+DEPTH_PARAMS = [
+    SamplingParams(depth_decoder_temperature=0.9, seed=4),
+    SamplingParams(temperature=1.0, seed=6, depth_decoder_temperature=0.0),
+    SamplingParams(temperature=0.8, top_k=3, seed=8, depth_decoder_top_k=20),
+    SamplingParams(temperature=0.9, seed=10, depth_decoder_temperature=1.2, depth_decoder_top_k=100),
+    SamplingParams(temperature=1.1, top_k=6, seed=21, min_frames=50, depth_decoder_temperature=0.5,
+                   depth_decoder_top_k=2),
 ]
 
 
@@ -79,12 +89,41 @@ def test_the_static_sampler_gives_the_device_samplers_frames() -> None:
 
 def test_the_packed_rows_hold_each_rows_sampling() -> None:
     sb = sampling_batch(PARAMS, [0] * len(PARAMS), 3, CPU)
-    assert sb.packed is not None and sb.packed.shape == (len(PARAMS), 6)
+    assert sb.packed is not None and sb.packed.shape == (len(PARAMS), 8) and sb.depth is None
     assert sb.packed[:, 0].tolist() == [p.temperature for p in PARAMS]
     assert sb.packed[:, 1].tolist() == [p.top_k for p in PARAMS]
     assert sb.packed[:, 2].tolist() == [float(p.min_frames > 0) for p in PARAMS]
-    assert (sb.packed[:2, 3:] == 0).all() and (sb.packed[2:, 3:] > 0).all()
+    assert (sb.packed[:, 3:5] == sb.packed[:, 0:2]).all()  # no depth params: the main ones
+    assert (sb.packed[:2, 5:] == 0).all() and (sb.packed[2:, 5:] > 0).all()
     assert sb.max_top_k == 1000 and sampling_batch(PARAMS[:3], [0] * 3, 3, CPU).max_top_k == 0
+    mixed = PARAMS[:1] + DEPTH_PARAMS
+    sb = sampling_batch(mixed, [0] * len(mixed), 3, CPU)
+    assert sb.packed is not None and sb.depth is not None
+    assert sb.packed[:, 3].tolist() == [0.0, 0.9, 0.0, 0.8, 1.2, 0.5]
+    assert sb.packed[:, 4].tolist() == [0, 0, 0, 20, 100, 2]
+    assert (sb.packed[0, 5:] == 0).all() and (sb.packed[1:, 5:] > 0).all()  # row 1 draws in the depth decoder
+    assert sb.max_top_k == 100 and FrameGraphRunner.cap_for(sb) is None
+
+
+def test_the_static_sampler_takes_the_depth_decoders_params_for_its_columns() -> None:
+    """`depth=True` reads the rows' depth-decoder temperature and top-k: columns 1.. equal
+    `sample_frames_device`'s with the depth batch (`SamplingBatch.depth`), for every cap
+    covering them; `depth=False` keeps the main ones."""
+    rng = np.random.default_rng(4)
+    params = PARAMS + DEPTH_PARAMS
+    n, c, v = len(params), 3, 32
+    logits = torch.from_numpy(rng.normal(size=(n, c, v)).astype(np.float32))
+    for index in (0, 60):
+        sb = sampling_batch(params, [index] * n, c, CPU)
+        assert sb.depth is not None
+        main, depth = sample_frames_device(logits, sb, EOS), sample_frames_device(logits, sb.depth, EOS)
+        assert not torch.equal(main[:, 1:], depth[:, 1:])
+        rows = packed(params, index, c)
+        for j in range(1, c):
+            for cap in (None, 100, 1000):
+                got = sample_frames_static(logits[:, j : j + 1], rows, EOS, j, cap, depth=True)
+                assert torch.equal(got, depth[:, j : j + 1]), (index, j, cap)
+            assert torch.equal(sample_frames_static(logits[:, j : j + 1], rows, EOS, j), main[:, j : j + 1])
 
 
 def eos_prone(m: TTSModel, n: int, rng: np.random.Generator) -> torch.Tensor:
@@ -119,6 +158,17 @@ def test_depth_decoder_frames_static_gives_frames_device_for_a_padded_batch() ->
             assert got.dtype == torch.int32 and got.shape == (n + 3, c)
             assert torch.equal(got[:n], want), (index, cap)
             assert (got[n:, -1] == fg.audio_token_id).all()
+    # the depth decoder's own params (codebooks 1..), beside rows without them
+    mixed = PARAMS[:4] + DEPTH_PARAMS
+    hidden = eos_prone(m, len(mixed), rng)
+    padded = torch.cat([hidden, torch.from_numpy(rng.normal(size=(3, m.config.hidden)) * 5)])
+    for index in (0, 60):
+        sb = sampling_batch(mixed, [index] * len(mixed), c, CPU)
+        want = fg.frames_device(m, hidden, sb)
+        for cap in (None, 100):
+            work.normal_()
+            got = fg.frames_static(m, padded, packed(mixed, index, c, pad=3), work, cap)
+            assert torch.equal(got[: len(mixed)], want), (index, cap)
     # min_frames=50 suppresses EOS at frame 0 only (rows 1 and 8); greedy picks it where
     # nothing suppresses it
     assert [eos_at[0][i] for i in (0, 1, 8)] == [True, False, False] and eos_at[60][0] and eos_at[60][1]
@@ -132,8 +182,8 @@ def test_the_frame_graph_runner_stages_what_its_graphs_replay() -> None:
     m = load_model("random:csm-tiny:0")
     rng = np.random.default_rng(2)
     runner = FrameGraphRunner(m, buckets=(2, 4, 16), capture=False)
-    params = PARAMS * 2
-    for n in (1, 3, 9, 16, 18):
+    params = (PARAMS + DEPTH_PARAMS) * 2
+    for n in (1, 3, 9, 14, 16, 28):
         hidden = eos_prone(m, n, rng)
         ps, index = params[:n], [0, 60] * n
         m.frame_graphs = None
@@ -172,3 +222,24 @@ def test_seeded_frames_do_not_depend_on_the_cap_or_the_bucket() -> None:
         for cap in TOP_K_CAPS[1:]:
             frames.add(tuple(fg.frames_static(m, padded, rows, fg.static_work(size, CPU), cap)[0].tolist()))
     assert len(frames) == 1
+
+
+def test_depth_decoder_params_sample_codebooks_1_on_and_leave_codebook_0() -> None:
+    """Codebook 0 keeps the main params whatever the depth decoder's; a greedy depth
+    decoder (depth_decoder_temperature 0, transformers' depth_decoder_do_sample=False)
+    under a sampled codebook 0 takes the argmax of its teacher-forced logits, codebook
+    by codebook; a sampled one under a greedy codebook 0 samples (seeded: it repeats)."""
+    m = load_model("random:csm-tiny:0")
+    fg = m.frame_generator
+    assert fg is not None and m.depth_sampling and not load_model("random:tiny:0").depth_sampling
+    k = fg.n_codebooks
+    hidden = torch.from_numpy(np.random.default_rng(5).normal(size=(6, m.config.hidden)))
+    main = [SamplingParams(temperature=1.0, seed=s) for s in range(3)] + [SamplingParams()] * 3
+    depth = [dataclasses.replace(p, depth_decoder_temperature=0.0) for p in main[:3]]
+    depth += [SamplingParams(seed=s, depth_decoder_temperature=1.0, depth_decoder_top_k=8) for s in range(3)]
+    plain, mixed = (m.frames(hidden, ps, [3] * 6) for ps in (main, depth))
+    assert np.array_equal(plain[:, 0], mixed[:, 0])
+    logits = fg.logits(hidden[:3], torch.from_numpy(mixed[:3, : k - 1].astype(np.int64)))
+    assert np.array_equal(logits.argmax(dim=-1).numpy(), mixed[:3, 1:k])  # greedy depth decoder
+    assert not np.array_equal(plain[3:, 1:k], mixed[3:, 1:k])  # the greedy rows' depth decoder samples
+    assert np.array_equal(mixed, m.frames(hidden, depth, [3] * 6))

@@ -93,6 +93,8 @@ class FakeDecode(pbg.DecodeServicer):
     audio_format: pb.AudioFormat | None = None  # a D with a codec: AudioChunks for audio streams
     audio_chunks: tuple[int, int] = (1, 2)  # first chunk after 1 frame, then every 2
     last_chunk_later: bool = False  # the last chunk one step after the finishing frame
+    row_rule: pb.RowRule | None = None  # Hello's row rule (a csm-like model's)
+    depth_sampling: bool = False  # Hello's depth_decoder_sampling
     _stepper: asyncio.Task[None] | None = None
 
     async def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloReply:
@@ -104,6 +106,8 @@ class FakeDecode(pbg.DecodeServicer):
             eos_id=1023,
             model=self.model,
             audio_format=self.audio_format,
+            row_rule=self.row_rule,
+            depth_decoder_sampling=self.depth_sampling,
         )
 
     async def Frames(self, request: pb.FramesRequest, context: Any) -> Any:
