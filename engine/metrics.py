@@ -132,6 +132,11 @@ P_PREFILL_FORWARDS = role_metric(Counter(
     "pdunit_prefill_forwards_total",
     "Forwards with prompt rows, by how they ran: graph (a captured prefill CUDA graph replayed, "
     "--prefill-graphs) or eager", ["path"], registry=None), _P, _MONO)
+MONO_MIXED_STEPS = role_metric(Counter(
+    "pdunit_monolith_mixed_steps_total",
+    "The monolith's mixed steps (decode rows and prompt rows in one forward), by how they ran: graph (a "
+    "captured mixed-step CUDA graph replayed, --mixed-graphs) or eager (the flag off, or no bucket pair "
+    "holds the step)", ["path"], registry=None), _MONO)
 P_PREFILL_TOKENS = role_metric(Counter("pdunit_prefill_tokens_total", "Prompt rows, by how they were served",
                                        ["source"], registry=None), _P, _MONO)
 # A state set per D link (exactly one state is 1): the mode P writes that D's KV with,

@@ -25,6 +25,7 @@ from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry
 from pdunit.engine.decode.batcher import RUNNING, DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.step_forward import StepForward
+from pdunit.engine.model.mixed_graphs import MixedGraphRunner
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.sampling import SamplingParams, sampling_batch, to_device
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
@@ -127,6 +128,7 @@ class OverlapScheduler:
     step_forward: StepForward
     prompts: PromptSource | None = None   # the monolith's prompt rows (None: D, decode rows only)
     prefill_graphs: PrefillGraphRunner | None = None  # the monolith's prompt-only steps replay these when they fit
+    mixed_graphs: MixedGraphRunner | None = None  # the monolith's mixed steps replay these when they fit
     completed: _Step | None = None        # the step the last iteration read back (None: none)
     dropped: list[int] = field(default_factory=list)  # the streams the last iteration dropped (cancelled)
     _inflight: _Step | None = None
@@ -310,12 +312,21 @@ class OverlapScheduler:
         """One forward over the decode rows (`tokens` on the device) and then the prompt
         chunks (host tokens); logits [streams + chunks, C, V] on the device. A step of
         prompt rows only goes through the prefill graphs when given (its tokens are all
-        on the host); otherwise it runs eagerly, its host arrays sent without a sync."""
+        on the host), a mixed step through the mixed-step graphs when given and a bucket
+        pair holds it; otherwise it runs eagerly, its host arrays sent without a sync."""
         entries = prompts.entries
         if not len(positions) and self.prefill_graphs is not None:
             if started is not None:
                 started.record()
             return run_forward(self.model, self.batcher.storage, entries, self.prefill_graphs)
+        if len(positions) and self.mixed_graphs is not None:
+            out = self.mixed_graphs.run(tokens, positions, write_slots, context, entries, started)
+            m.MONO_MIXED_STEPS.labels(path="eager" if out is None else "graph").inc()
+            if out is not None:
+                m.P_PREFILL_FORWARDS.labels(path="graph").inc()
+                return out
+        elif len(positions):
+            m.MONO_MIXED_STEPS.labels(path="eager").inc()
         m.P_PREFILL_FORWARDS.labels(path="eager").inc()
         dev = self.device
         prompt_tokens = to_device(np.concatenate([e.tokens for e in entries]).astype(np.int64), dev)

@@ -505,7 +505,9 @@ class TTSModel(nn.Module):
     #   launches per layer. `decode_step` is its capture-safe decode-only form, which
     #   engine/model/cuda_graphs.py records per batch size; `prefill_step` its capture-safe
     #   prefill-only form (every prefill-only batch runs it), which
-    #   engine/model/prefill_graphs.py records per row bucket.
+    #   engine/model/prefill_graphs.py records per row bucket; `mixed_step` its capture-safe
+    #   form of decode rows plus prompt chunks, which engine/model/mixed_graphs.py records
+    #   per (decode rows, prompt rows) bucket pair.
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Writes the new tokens' K/V into kv[:, 0/1, write_slots] and returns the output of
@@ -805,6 +807,44 @@ class TTSModel(nn.Module):
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(q)
             return paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
+
+        return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
+
+    def mixed_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        dec_table: torch.Tensor,
+        dec_lengths: torch.Tensor,
+        n_splits: int,
+        table: torch.Tensor,
+        ctx_len: torch.Tensor,
+        q_len: torch.Tensor,
+        q_start: torch.Tensor,
+        last: torch.Tensor,
+        kv: torch.Tensor,
+        max_q_len: int,
+        fp8: bool,
+    ) -> torch.Tensor:
+        """The GPU forward of a mixed step on device tensors only (no host sync: safe to
+        capture, engine/model/mixed_graphs.py records it per bucket pair). Rows [0, B),
+        B = dec_table's rows, are decode rows (one per sequence, attended by the paged
+        decode kernel over dec_table/dec_lengths, `n_splits` splits, as `decode_step`);
+        the rows after them belong to the prompt chunks of the prefill plan (table,
+        ctx_len, q_len, q_start, q_start >= B; q_len 0: padding), as `prefill_step`. A
+        negative write slot stores no K/V (padding rows). last [B + S]: the rows whose
+        output is returned; `max_q_len` sizes the prefill grid; `fp8` the GEMMs."""
+        from pdunit.kernels.paged_attention import paged_decode_attention
+        from pdunit.kernels.prefill_attention import paged_prefill_attention
+
+        b = dec_table.shape[0]
+
+        def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
+            paged_decode_attention(q[:b], kv_layer, dec_table, dec_lengths, n_splits, out=out[:b])
+            return out
 
         return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
 

@@ -4,8 +4,11 @@ Prefill and the Decode gRPC services on one socket, so an LB points both at it."
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import time
 
+import torch
 from pydantic import Field
 
 from pdunit.engine.audio.codec_stage import CodecFields, build_codec_stage
@@ -17,6 +20,12 @@ from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
+from pdunit.engine.model.mixed_graphs import (
+    DEFAULT_STREAM_BUCKETS,
+    MixedGraphRunner,
+    mixed_graphs_refusal,
+)
+from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.monolith.worker import MonolithEngine
 from pdunit.engine.observability import (
     log_config,
@@ -70,6 +79,19 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, C
     overlap: bool | None = Field(None, description="overlap scheduling, as D's: queue step n+1 (decode-only, mixed "
                                  "or prefill-only) before step n's frames reach the host (same frames); default: "
                                  "on when the model takes the GPU path, off on CPU (--overlap turns it on there too)")
+    mixed_graphs: bool = Field(False, description="replay a captured CUDA graph for mixed steps (decode rows and "
+                               "prompt rows in one forward: chunked and budget), one per (--mixed-graph-streams, "
+                               "--mixed-graph-rows) bucket pair, its rows padded to the pair; steps outside the pairs "
+                               "run eagerly (pdunit_monolith_mixed_steps_total{path}). Needs the GPU path (CUDA, "
+                               "bf16/fp16): asking for them elsewhere is an error")
+    mixed_graph_streams: list[int] = Field(default_factory=list, description="decode-row buckets of the mixed-step "
+                                           "graphs (comma list; empty, the default: 8,16,32,64,128,256,512 below "
+                                           "--max-batch, and --max-batch)")
+    mixed_graph_rows: list[int] = Field(default_factory=list, description="prompt-row buckets of the mixed-step "
+                                        "graphs (comma list; empty, the default: 1, 2, 4 ... 32 blocks of "
+                                        "--prefix-block-tokens rows, the budget policy's chunks, below "
+                                        "--max-batch-rows)")
+    mixed_graph_chunks: int = Field(4, gt=0, description="prompt chunks a mixed-step graph holds (more: eager)")
     decode_kernel: DecodeKernel = decode_kernel_field()
     decode_gemm: GemmPrecision = decode_gemm_field()
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
@@ -127,6 +149,34 @@ class MonolithDecode(pbg.DecodeServicer):
         return self.engine.info()
 
 
+def mixed_graph_buckets(cfg: MonolithConfig) -> tuple[list[int], list[int]]:
+    """(decode-row buckets, prompt-row buckets) of `--mixed-graphs`, defaults applied."""
+    streams = cfg.mixed_graph_streams or sorted({b for b in DEFAULT_STREAM_BUCKETS if b < cfg.max_batch}
+                                                | {cfg.max_batch})
+    blocks = [cfg.prefix_block_tokens << i for i in range(6)]
+    rows = cfg.mixed_graph_rows or ([b for b in blocks if b <= cfg.max_batch_rows] or [cfg.max_batch_rows])
+    return sorted(set(streams)), sorted(set(rows))
+
+
+def capture_mixed_graphs(cfg: MonolithConfig, model: TTSModel, storage: torch.Tensor,
+                         log: logging.Logger) -> MixedGraphRunner | None:
+    """The runner of `--mixed-graphs` (None: off); ValueError naming the flag where the
+    model cannot take them."""
+    if not cfg.mixed_graphs:
+        return None
+    refusal = mixed_graphs_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
+    t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(storage.device)
+    streams, rows = mixed_graph_buckets(cfg)
+    runner = MixedGraphRunner(model, storage, streams, rows, cfg.mixed_graph_chunks)
+    log.info("mixed graphs captured", extra={
+        "stream_buckets": streams, "row_buckets": rows, "max_chunks": cfg.mixed_graph_chunks,
+        "pairs": len(runner.pairs), "seconds": round(time.perf_counter() - t0, 2),
+        "reserved_mib": round((torch.cuda.memory_reserved(storage.device) - reserved) / 2**20)})
+    return runner
+
+
 async def serve(cfg: MonolithConfig) -> int:
     log = setup_logging("monolith", cfg.log_level)
     log_config(log, cfg)
@@ -165,6 +215,11 @@ async def serve(cfg: MonolithConfig) -> int:
         return 2
     log.info("rate-floor admission", extra={**floor.log_fields(), "margin": cfg.floor_margin,
                                             "step_model": cfg.step_model or None, "on": admission is not None})
+    try:
+        mixed = capture_mixed_graphs(cfg, model, storage, log)
+    except ValueError as exc:
+        log.error("cannot start the model", extra={"error": str(exc)})
+        return 2
     cache = PrefixCache(cfg.cache_tokens, cfg.prefix_block_tokens) if cfg.cache_tokens else None
     overlap = model.gpu_path if cfg.overlap is None else cfg.overlap
     try:
@@ -172,7 +227,7 @@ async def serve(cfg: MonolithConfig) -> int:
             model, cfg.model, pool, storage, FrameHub(asyncio.get_running_loop()),
             cfg.policy, cfg.chunk_tokens, cfg.max_batch, cfg.max_batch_rows, decode_graphs, graphs, cache,
             admission, overlap=overlap, min_chunk_rows=cfg.prefix_block_tokens, codec=codec,
-            audio_format=audio_format,
+            audio_format=audio_format, mixed_graphs=mixed,
         )
     except ValueError as exc:
         log.error("cannot start the monolith", extra={"error": str(exc)})
@@ -193,7 +248,8 @@ async def serve(cfg: MonolithConfig) -> int:
     engine_ready(log)
     log.info("monolith ready", extra={"instance_id": engine.instance_id, "policy": cfg.policy,
                                       "overlap": engine.overlap is not None,
-                                      "decode_graphs": engine.step_forward.graphs is not None})
+                                      "decode_graphs": engine.step_forward.graphs is not None,
+                                      "mixed_graphs": mixed is not None})
     await stop.wait()
     engine.hub.close()
     await server.stop(grace=5)

@@ -24,7 +24,7 @@ import torch
 
 from pdunit.engine import metrics as m
 from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage, StepCost
-from pdunit.engine.batching import prefill_entry
+from pdunit.engine.batching import SeqEntry, prefill_entry
 from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, Stream
 from pdunit.engine.decode.hub import FrameHub
@@ -32,6 +32,7 @@ from pdunit.engine.decode.overlap import OverlapScheduler, PromptRows
 from pdunit.engine.decode.step_forward import StepForward
 from pdunit.engine.kv.pool import NoCapacity, PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease, block_hashes
+from pdunit.engine.model.mixed_graphs import MixedGraphRunner
 from pdunit.engine.model.prefill_graphs import PrefillGraphRunner
 from pdunit.engine.model.sampling import to_device
 from pdunit.engine.model.transformer import TTSModel
@@ -100,13 +101,15 @@ class MonolithEngine:
         min_chunk_rows: int = 16,
         codec: CodecStage | None = None,
         audio_format: pb.AudioFormat | None = None,
+        mixed_graphs: MixedGraphRunner | None = None,
     ) -> None:
         """`cache`: slot numbers count from `pool.n_slots`, the first storage slot after
         the pool's (the storage holds both). `admission`: rate-floor admission (None =
         off). `overlap`: D's overlap pipeline. `min_chunk_rows`: the budget policy's
         smallest chunk (one prefix-cache block). `codec` (--codec; None: audio requests
         are refused) decodes the frames of streams that ask for audio; `audio_format` is
-        what Hello announces of it."""
+        what Hello announces of it. `mixed_graphs` (--mixed-graphs): mixed steps a bucket
+        pair holds replay a captured mixed step (engine/model/mixed_graphs.py)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         if policy == "budget" and admission is None:
@@ -116,6 +119,7 @@ class MonolithEngine:
         self.instance_id = uuid.uuid4().hex
         self.model = model
         self.prefill_graphs = prefill_graphs  # --prefill-graphs: prompt forwards that fit replay a graph
+        self.mixed_graphs = mixed_graphs  # --mixed-graphs: mixed steps that fit replay a graph
         self.model_spec = model_spec
         self.pool = pool
         self.storage = storage
@@ -133,7 +137,8 @@ class MonolithEngine:
         self.batcher = DecodeBatcher(model, pool, storage, max_batch)
         self.step_forward = StepForward(model, storage, cuda_graphs, max_batch)
         self.overlap = (OverlapScheduler(model, self.batcher, self.step_forward, prompts=self,
-                                         prefill_graphs=prefill_graphs) if overlap else None)
+                                         prefill_graphs=prefill_graphs, mixed_graphs=mixed_graphs)
+                        if overlap else None)
         self.row_budget = (RowBudget(admission, min_chunk_rows, max(max_batch_rows, 1))
                            if policy == "budget" and admission is not None else None)
         self._lock = threading.Lock()
@@ -500,9 +505,8 @@ class MonolithEngine:
         if not streams and not new and not plan:
             self._sweep_audio()
             return False
-        if plan:  # a mixed batch: a prefill graph when it fits one (few streams, a small chunk), else eager
-            entries += [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan]
-            logits = run_forward(self.model, self.storage, entries, self.prefill_graphs)
+        if plan:  # a mixed batch: a mixed-step graph, else a prefill graph when it fits one, else eager
+            logits = self._mixed_forward(entries, [prefill_entry(c.prompt, c.slots, c.start, c.end) for _, c in plan])
         else:  # decode only: the same graph path as D, so the comparison is fair
             logits = self.step_forward(entries) if entries else None
         n_dec = len(streams)
@@ -522,6 +526,24 @@ class MonolithEngine:
         m.D_STREAMS.set(len(self.batcher))
         self._observe(n_dec, tokens, seconds, rows, cost)
         return True
+
+    def _mixed_forward(self, decode: list[SeqEntry], chunks: list[SeqEntry]) -> torch.Tensor:
+        """The plain loop's forward of decode rows (`decode`, one row each) and prompt
+        chunks: a replay of the mixed-step graphs when a bucket pair holds it, else
+        `run_forward` (a prefill graph when one fits: few streams, a small chunk)."""
+        if decode:
+            out = None
+            if self.mixed_graphs is not None:
+                out = self.mixed_graphs.run(
+                    np.concatenate([e.tokens for e in decode]).astype(np.int64),
+                    np.concatenate([e.positions for e in decode]).astype(np.int64),
+                    np.concatenate([e.write_slots for e in decode]).astype(np.int64),
+                    [e.context_slots for e in decode], chunks)
+            m.MONO_MIXED_STEPS.labels(path="eager" if out is None else "graph").inc()
+            if out is not None:
+                m.P_PREFILL_FORWARDS.labels(path="graph").inc()
+                return out
+        return run_forward(self.model, self.storage, decode + chunks, self.prefill_graphs)
 
     def _overlap_step_once(self) -> bool:
         """One iteration of the overlap pipeline: queues step n+1 (compose_step), then
