@@ -2,9 +2,9 @@
 
 Reads every module of the distribution with `ast` (nothing is imported), resolves each
 import to the pdunit module it names, and checks two rules: an import between two
-top-level packages goes down `LAYERS`, never up or sideways; and the imports that run
-(module level or inside a function) form no cycle. Imports under `if TYPE_CHECKING:`
-run never, so they count for the layers but not for cycles.
+top-level packages goes down `LAYERS`, never up or sideways; and no imports form a
+cycle, those under `if TYPE_CHECKING:` included: a type-only cycle is the same coupling
+(a Protocol in the importing module breaks it, as engine/lb/load.py's LoadSource does).
 """
 
 from __future__ import annotations
@@ -120,12 +120,12 @@ def backward_edges(edges: list[Edge]) -> list[str]:
 
 
 def import_cycles(edges: list[Edge]) -> list[list[str]]:
-    """The strongly connected groups of more than one module among the imports that run
-    (Tarjan's algorithm, iterative), each sorted, with the lines that close them."""
+    """The strongly connected groups of more than one module among all the imports,
+    type-only ones included (Tarjan's algorithm, iterative), each sorted, with the lines
+    that close them (a type-only one marked)."""
     graph: dict[str, set[str]] = defaultdict(set)
     for e in edges:
-        if e.runs:
-            graph[e.importer].add(e.imported)
+        graph[e.importer].add(e.imported)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -163,8 +163,9 @@ def import_cycles(edges: list[Edge]) -> list[list[str]]:
                         break
                 if len(group) > 1:
                     members = set(group)
-                    groups.append(sorted(f"{e.importer}:{e.line} -> {e.imported}" for e in edges
-                                         if e.runs and e.importer in members and e.imported in members))
+                    groups.append(sorted(
+                        f"{e.importer}:{e.line} -> {e.imported}{'' if e.runs else ' (TYPE_CHECKING)'}"
+                        for e in edges if e.importer in members and e.imported in members))
     return groups
 
 
@@ -197,7 +198,7 @@ def test_the_checks_catch_a_cycle_and_a_backward_edge():
         Edge("pdunit.engine.transfer.auto", "pdunit.engine.transfer.factory", 82),
         Edge("pdunit.engine.transfer.factory", "pdunit.engine.transfer.auto", 88),
         Edge("pdunit.engine.a", "pdunit.engine.b", 1),
-        Edge("pdunit.engine.b", "pdunit.engine.a", 2, runs=False),  # type-only: no cycle
+        Edge("pdunit.engine.b", "pdunit.engine.c", 2),  # a -> b -> c, no way back: no cycle
         Edge("pdunit.kernels.cuda_rows", "pdunit.engine.transfer.cudadrv", 37),
         Edge("pdunit.engine.local", "pdunit.bench.capacity", 40),
         Edge("pdunit.sidecars.x", "pdunit.operator.y", 3),
@@ -210,6 +211,21 @@ def test_the_checks_catch_a_cycle_and_a_backward_edge():
     bad = backward_edges(edges)
     assert [b.split(" ")[0] for b in bad] == [
         "pdunit.kernels.cuda_rows:37", "pdunit.engine.local:40", "pdunit.sidecars.x:3"]
+
+
+def test_a_cycle_through_a_type_only_import_is_a_cycle():
+    edges = [
+        Edge("pdunit.engine.lb.balancer", "pdunit.engine.lb.load", 32),
+        Edge("pdunit.engine.lb.load", "pdunit.engine.lb.balancer", 20, runs=False),
+        Edge("pdunit.engine.lb.load", "pdunit.engine.lb.unit", 21, runs=False),  # out of the loop
+    ]
+    assert import_cycles(edges) == [[
+        "pdunit.engine.lb.balancer:32 -> pdunit.engine.lb.load",
+        "pdunit.engine.lb.load:20 -> pdunit.engine.lb.balancer (TYPE_CHECKING)",
+    ]]
+    # both ends type-only: still one
+    both = [Edge(e.importer, e.imported, e.line, runs=False) for e in edges]
+    assert len(import_cycles(both)) == 1
 
 
 def test_imports_resolve_relative_and_type_only_forms(tmp_path):

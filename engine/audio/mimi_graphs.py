@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from pdunit.engine.audio.mimi_stream import MimiStreamDecoder
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy buffers, cuBLAS handles, Triton compiles)
@@ -29,6 +26,25 @@ def capped_buckets(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -
     if max_batch < 1:
         raise ValueError(f"max batch must be >= 1 (got {max_batch})")
     return tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
+
+
+class _Codebooks(Protocol):
+    @property
+    def num_codebooks(self) -> int: ...
+
+
+class SlotDecoder(Protocol):
+    """What `MimiGraphs` reads of its decoder (mimi_stream.py's MimiStreamDecoder, which
+    imports this module: so this one names none of it, not even for types)."""
+
+    _device: torch.device
+    state_version: int
+    scratch_slot: int
+
+    @property
+    def codec(self) -> _Codebooks: ...
+
+    def push_slots(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -44,7 +60,7 @@ class MimiGraphs:
     batch over the largest bucket runs in pieces of it; the decoder's state tensors being
     replaced (slot growth) drops every graph (recaptured at next use)."""
 
-    def __init__(self, decoder: MimiStreamDecoder, buckets: tuple[int, ...], max_frames: int) -> None:
+    def __init__(self, decoder: SlotDecoder, buckets: tuple[int, ...], max_frames: int) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"graph buckets must be >= 1 (got {buckets})")
         if max_frames < 1:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 if TYPE_CHECKING:
-    from pdunit.engine.lb.balancer import LoadBalancer
-    from pdunit.engine.lb.unit import InfoSnapshot
+    from pdunit.engine.lb.streams import StreamTable
+    from pdunit.engine.lb.unit import InfoSnapshot, UnitClient
 
 Count = Annotated[int, Field(ge=0)]
 # Streams a unit would still admit at its rate floor; -1: admission off (no limit but the pool).
@@ -119,8 +119,28 @@ def _describe(exc: ValidationError) -> str:
     return "not a load document: " + "; ".join(problems[:3]) + more
 
 
+class LoadSource(Protocol):
+    """What `build_load_document` reads of the LB (balancer.py's LoadBalancer), so that
+    this module needs nothing of balancer.py, not even for its types."""
+
+    @property
+    def unit(self) -> UnitClient | None: ...
+    @property
+    def table(self) -> StreamTable: ...
+    @property
+    def decode_names(self) -> list[str]: ...
+    @property
+    def unit_name(self) -> str: ...
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def shutting_down(self) -> bool: ...
+
+
 def build_load_document(
-    lb: LoadBalancer, snap: InfoSnapshot, ready: bool, reason: str
+    lb: LoadSource, snap: InfoSnapshot, ready: bool, reason: str
 ) -> LoadDocument:
     """The document of one probe round; `empty` only when every part answered and holds nothing.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from starlette.responses import Response
@@ -23,7 +23,7 @@ from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack
 
 if TYPE_CHECKING:
-    from pdunit.engine.lb.balancer import LoadBalancer
+    from pdunit.engine.lb.metrics import LBMetrics
 
 NDJSON = "application/x-ndjson"
 BINARY_FRAMES = "application/x-pdunit-frames"
@@ -37,12 +37,22 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
+class StreamEnd(Protocol):
+    """What a response reads of the LB (balancer.py's LoadBalancer): its metrics and
+    `finish`; this module needs nothing of balancer.py, not even for its types."""
+
+    @property
+    def metrics(self) -> LBMetrics: ...
+
+    def finish(self, stream: Stream, outcome: str, status: int) -> None: ...
+
+
 class StreamResponse(Response):
     """A 200 whose chunked body a subclass's `_write` sends while the stream runs; a client
     that goes away cancels the write. Always ends the stream in the LB (`outcome`: what
     `_write` reached; "disconnected" unless it says otherwise)."""
 
-    lb: LoadBalancer
+    lb: StreamEnd
     stream: Stream
     outcome: str
 
@@ -69,7 +79,7 @@ class FrameStreamResponse(StreamResponse):
 
     def __init__(
         self,
-        lb: LoadBalancer,
+        lb: StreamEnd,
         stream: Stream,
         first: list[StreamEvent],
         binary: bool,

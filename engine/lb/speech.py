@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from fastapi import Request
@@ -36,7 +36,7 @@ from pdunit.engine.audio.errors import FieldError, UnknownVoice, VoiceExists
 from pdunit.engine.audio.pcm import sse_audio_delta, sse_audio_done, wav_header
 from pdunit.engine.edge import bearer_of, read_token_file, request_id_problem
 from pdunit.engine.http_body import BadContentLength, BodyTooLarge, read_limited
-from pdunit.engine.lb.response import StreamResponse
+from pdunit.engine.lb.response import StreamEnd, StreamResponse
 from pdunit.engine.lb.streams import (
     Audio,
     ClientGone,
@@ -47,6 +47,7 @@ from pdunit.engine.lb.streams import (
     StreamStartError,
 )
 from pdunit.engine.lb.validate import (
+    Limits,
     PackedRequest,
     RequestError,
     check_json_depth,
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     from pdunit.engine.audio.csm_prompt import CsmPrompter
     from pdunit.engine.audio.mimi_stream import MimiCodec
     from pdunit.engine.audio.voices import Voice, VoiceStore
-    from pdunit.engine.lb.balancer import LoadBalancer
     from pdunit.engine.lb.config import LBConfig
 
 log = logging.getLogger("pdunit.lb.speech")
@@ -149,6 +149,33 @@ class Speech:
             frames = math.ceil(out.store.limits.max_seconds * out.codec.frame_rate)
             prompter.limits = dataclasses.replace(prompter.limits, max_voice_frames=max(frames, 1))
         return out
+
+
+class SpeechHost(StreamEnd, Protocol):
+    """What the speech and voice routes read of the LB (balancer.py's LoadBalancer, which
+    imports this module: so this one names none of balancer.py, not even for types)."""
+
+    @property
+    def config(self) -> LBConfig: ...
+    @property
+    def limits(self) -> Limits | None: ...
+    @property
+    def speech(self) -> Speech: ...
+    @property
+    def speech_lock(self) -> asyncio.Lock: ...
+    @property
+    def hellos(self) -> list[pb.HelloReply | None]: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def shutting_down(self) -> bool: ...
+
+    def readiness(self) -> tuple[bool, str]: ...
+
+    async def open_stream(
+        self, request: Request, packed: PackedRequest, stamps: dict[str, int], client_rid: str,
+        audio: bool = False,
+    ) -> tuple[Stream, list[StreamEvent]]: ...
 
 
 def load_prompter(model: str, max_rows: int) -> CsmPrompter | None:
@@ -255,7 +282,7 @@ def parse_speech(body: bytes) -> SpeechRequest:
     return SpeechRequest(model, text, voice, fmt, stream_format, values)
 
 
-async def handle_speech(lb: LoadBalancer, request: Request) -> Response:
+async def handle_speech(lb: SpeechHost, request: Request) -> Response:
     received = now_ns()
     client_rid = request.headers.get("x-request-id", "")
     echo = {"X-Request-Id": client_rid} if client_rid else {}
@@ -305,7 +332,7 @@ async def handle_speech(lb: LoadBalancer, request: Request) -> Response:
     return SpeechStreamResponse(lb, stream, first, req, fmt, headers)
 
 
-def speech_format(lb: LoadBalancer) -> pb.AudioFormat:
+def speech_format(lb: SpeechHost) -> pb.AudioFormat:
     """D's AudioFormat, or the SpeechError that says why this unit cannot speak now."""
     ready, reason = lb.readiness()
     if not ready:
@@ -344,7 +371,7 @@ async def read_speech_body(request: Request, limit: int) -> bytes:
 class SpeechStreamResponse(StreamResponse):
     """200 + the stream's PCM as D's chunks come (raw, WAV or SSE); always ends the stream."""
 
-    def __init__(self, lb: LoadBalancer, stream: Stream, first: list[StreamEvent], req: SpeechRequest,
+    def __init__(self, lb: SpeechHost, stream: Stream, first: list[StreamEvent], req: SpeechRequest,
                  fmt: pb.AudioFormat, headers: dict[str, str]) -> None:
         self.status_code = 200  # not Response.__init__: it would set Content-Length: 0
         self.sse = req.stream_format == "sse"
@@ -457,7 +484,7 @@ def voice_object(voice: Voice, frame_rate: float) -> dict[str, Any]:
             "digest": voice.digest}
 
 
-def _store(lb: LoadBalancer) -> VoiceStore:
+def _store(lb: SpeechHost) -> VoiceStore:
     if lb.speech.store is None:
         raise SpeechError(503, lb.speech.voices_problem, None, "no_voice_store")
     return lb.speech.store
@@ -466,7 +493,7 @@ def _store(lb: LoadBalancer) -> VoiceStore:
 VOICE_WRITE_EVENT = "voices_unauthorized"
 
 
-async def authorize_voice_write(lb: LoadBalancer, request: Request) -> None:
+async def authorize_voice_write(lb: SpeechHost, request: Request) -> None:
     """A voice write's caller must hold the bearer token of --voices-token-file (compared
     in constant time); SpeechError 401 without a token, 403 with a wrong one or when the LB
     has none (its store is read-only), each a security event. Checked before the body is
@@ -496,7 +523,7 @@ async def authorize_voice_write(lb: LoadBalancer, request: Request) -> None:
     raise error
 
 
-async def create_voice(lb: LoadBalancer, request: Request) -> Response:
+async def create_voice(lb: SpeechHost, request: Request) -> Response:
     """POST /v1/voices: JSON or multipart/form-data (docs/api.md), with the voices token."""
     try:
         await authorize_voice_write(lb, request)
@@ -600,7 +627,7 @@ def _multipart(content_type: str, body: bytes) -> dict[str, Any]:
     return out
 
 
-async def list_voices(lb: LoadBalancer) -> Response:
+async def list_voices(lb: SpeechHost) -> Response:
     try:
         store = _store(lb)
     except SpeechError as exc:
@@ -609,7 +636,7 @@ async def list_voices(lb: LoadBalancer) -> Response:
     return JSONResponse({"object": "list", "data": [voice_object(v, store.codec.frame_rate) for v in voices]})
 
 
-async def get_voice(lb: LoadBalancer, name: str) -> Response:
+async def get_voice(lb: SpeechHost, name: str) -> Response:
     try:
         store = _store(lb)
         voice = await asyncio.to_thread(store.get, name)
@@ -620,7 +647,7 @@ async def get_voice(lb: LoadBalancer, name: str) -> Response:
     return JSONResponse(voice_object(voice, store.codec.frame_rate))
 
 
-async def delete_voice(lb: LoadBalancer, request: Request, name: str) -> Response:
+async def delete_voice(lb: SpeechHost, request: Request, name: str) -> Response:
     """DELETE /v1/voices/{name}, with the voices token."""
     try:
         await authorize_voice_write(lb, request)

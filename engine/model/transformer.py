@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast, get_args
+from typing import TYPE_CHECKING, Protocol, cast, get_args
 
 import numpy as np
 import torch
@@ -35,11 +35,24 @@ from pdunit.engine.settings import GemmPrecision
 from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_kv
 
 if TYPE_CHECKING:
-    from pdunit.engine.model.frame_graphs import FrameGraphRunner
     from pdunit.engine.model.request_rules import RowRule
     from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
 
 GEMM_PRECISIONS: tuple[str, ...] = get_args(GemmPrecision)  # set_prefill_gemm, set_decode_gemm
+
+
+class FrameGraphs(Protocol):
+    """What `frames_device` (and bench step) reads of `TTSModel.frame_graphs`, frame_graphs.py's
+    FrameGraphRunner: it imports this module, so this one names none of it, not even for types."""
+
+    @property
+    def sizes(self) -> list[int]: ...
+    @property
+    def stats(self) -> dict[str, int]: ...
+
+    def run(self, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor | None: ...
+    def bucket_for(self, n: int) -> int | None: ...
+    def replay_staged(self, size: int, top_k_cap: int | None) -> None: ...
 
 
 @dataclass
@@ -423,7 +436,7 @@ class TTSModel(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     frame_generator: FrameGenerator | None
-    frame_graphs: FrameGraphRunner | None
+    frame_graphs: FrameGraphs | None
     row_rule: RowRule | None  # the family's (engine/model/request_rules.py); None: no rule
 
     def __init__(
