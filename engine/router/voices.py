@@ -4,7 +4,8 @@ The units of a set share one voice store (docs/operator.md), so any unit answers
 the least loaded routable one (a unit that refuses streams with 429 still serves voices),
 another only when the connection to it failed (nothing reached it: a create is never sent
 twice). Unlike the stream routes, the client's Authorization header reaches the unit: the
-LB checks the voice store's token itself. Must never pass it on any other route.
+LB checks the voice store's token itself. Must never pass it on any other route. Traced
+as the stream routes are: a `router.request` span whose W3C context the unit gets.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from pdunit.engine.observability import now_ns
 from pdunit.engine.router.proxy import (
     Forwarder,
     checked_request_id,
@@ -22,6 +24,7 @@ from pdunit.engine.router.proxy import (
     to_unit,
 )
 from pdunit.engine.router.table import RoutingTable, Unit
+from pdunit.engine.tracing import TRACE_HEADERS, Span
 
 VOICES_PATH = "/v1/voices"
 # The only credential the voice routes pass to a unit (the LB's --voices-token-file token).
@@ -56,14 +59,35 @@ class VoiceForwarder:
         self.streams, self.metrics = streams, metrics  # the stream forwarder's table, client, policy
 
     async def forward(self, request: Request, path: str) -> Response:
-        answer = await self._forward(request, path)
+        request_id = checked_request_id(request)
+        if isinstance(request_id, Response):
+            answer = request_id
+        else:
+            answer = await self._traced(request, path, request_id)
         self.metrics.requests.labels(method=request.method, status=str(answer.status_code)).inc()
         return answer
 
-    async def _forward(self, request: Request, path: str) -> Response:
-        request_id = checked_request_id(request)
-        if isinstance(request_id, Response):
-            return request_id
+    async def _traced(self, request: Request, path: str, request_id: str) -> Response:
+        """`_forward` inside the request's span (engine/tracing.py; None when off), ended
+        when the answer is whole (a voice answer is never streamed)."""
+        span = self.streams.tracing.start("router.request", now_ns(), request.headers.items(),
+                                          request_id=request_id, path=path, method=request.method)
+        tried: list[str] = []
+        try:
+            answer = await self._forward(request, path, request_id, span, tried)
+        except BaseException as exc:
+            if span is not None:
+                span.end({}, (), now_ns(), repr(exc), outcome="internal_error", status=500, attempts=len(tried))
+            raise
+        if span is not None:
+            status = answer.status_code
+            span.end({}, (), now_ns(), "" if status < 500 else f"answered {status}", outcome="answered",
+                     status=status, unit=tried[-1] if tried else "", attempts=len(tried))
+        return answer
+
+    async def _forward(
+        self, request: Request, path: str, request_id: str, span: Span | None, tried: list[str]
+    ) -> Response:
         fwd = self.streams
         try:
             body = await fwd.read_body(request)
@@ -74,9 +98,10 @@ class VoiceForwarder:
             return body
         peer = request.client.host if request.client is not None else None
         headers = to_unit(request.headers.items(), peer, fwd.policy, request_id, VOICE_CREDENTIALS)
+        if span is not None:  # the unit's spans (if it traces these routes) are children of this one
+            headers = [h for h in headers if h[0] not in TRACE_HEADERS] + list(span.headers().items())
         if request.url.query:
             path += "?" + request.url.query
-        tried: list[str] = []
         failures: list[dict[str, str]] = []
         for _ in range(fwd.policy.max_attempts):
             unit = voice_unit(fwd.table, frozenset(tried))

@@ -2,8 +2,9 @@
 path reaches a unit unchanged with the client's Authorization (and only on these routes:
 the stream routes still strip it), the unit's answer (errors included) comes back as it
 is, a unit that cannot be reached is replaced by another, and the body limit is the
-stream routes'. Last, two real LBs sharing one voices directory behind the router: a
-voice uploaded through the router speaks on either unit."""
+stream routes'. Each is traced as the stream routes are (engine/tracing.py), against
+test_tracing_unit.py's fake collector. Last, two real LBs sharing one voices directory
+behind the router: a voice uploaded through the router speaks on either unit."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +26,7 @@ from starlette.routing import Route
 
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.security import write_secret_file
+from tests.engine.test_tracing_unit import Collector, collector  # noqa: F401 (the fixture)
 from tests.lb.conftest import RunningLB, fake_unit, loop_thread, start_lb  # noqa: F401 (fixtures)
 from tests.lb.fakes import FakeDecode, FakePrefill, LoopThread
 from tests.lb.fakes import FakeUnit as FakeLBUnit
@@ -163,6 +166,42 @@ async def test_a_voice_body_over_the_routers_limit_is_413_and_reaches_no_unit() 
     assert resp.json()["error"]["field"] == "body"
     assert bad_id.status_code == 400 and bad_id.json()["error"]["field"] == "X-Request-Id"
     assert unit.got == []
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+async def test_each_voice_route_is_a_router_span_whose_context_the_unit_gets(
+    collector: tuple[Collector, str]  # noqa: F811 (the imported fixture)
+) -> None:
+    sink, endpoint = collector
+    unit = VoiceUnit("a", {})
+    client_ctx = {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}
+    calls = [("POST", "/v1/voices", 201), ("GET", "/v1/voices", 200), ("GET", "/v1/voices/anna", 200),
+             ("DELETE", "/v1/voices/anna", 200), ("GET", "/v1/voices/anna", 404)]
+    async with run_units(unit) as served, run_router({n: s.url for n, s in served.items()},
+                                                     otlp_endpoint=endpoint) as router:
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as c:
+            for i, (method, path, status) in enumerate(calls):
+                resp = await c.request(method, path, json={"name": "anna"} if method == "POST" else None,
+                                       headers={**AUTH, **client_ctx, "X-Request-Id": f"voice-{i}"})
+                assert resp.status_code == status, (method, path, resp.text)
+    deadline = time.monotonic() + 10  # the router's shutdown flushed its spans; the collector may lag
+    while time.monotonic() < deadline and len(sink.of_trace(TRACE)) < len(calls):
+        await asyncio.sleep(0.05)
+    spans = {s["attrs"]["pdunit.request_id"]: s for s in sink.of_trace(TRACE)}
+    assert sorted(spans) == [f"voice-{i}" for i in range(len(calls))]
+    for i, (method, path, status) in enumerate(calls):
+        span = spans[f"voice-{i}"]
+        assert span["name"] == "router.request" and span["service"] == "pdunit-router"
+        assert span["parent"] == CLIENT_SPAN and span["start"] <= span["end"]
+        assert span["attrs"]["pdunit.method"] == method and span["attrs"]["pdunit.path"] == path
+        assert span["attrs"]["pdunit.status"] == status and span["attrs"]["pdunit.unit"] == "a"
+        # the unit got the router span's context in place of the client's
+        got = unit.got[i][2]
+        assert got["x-request-id"] == f"voice-{i}"
+        assert got["traceparent"].split("-")[1:3] == [TRACE, span["id"]], got["traceparent"]
 
 
 # ------------------------------------------------------------ two real LBs, one store
