@@ -42,6 +42,7 @@ from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import MonolithPolicy, TransferMode, parse_config
 from pdunit.engine.unit_layout import (
+    LB_PORT,
     UNIX_SOCKET_PATH_MAX,
     UnitPaths,
     UnitSpec,
@@ -79,7 +80,7 @@ class LocalConfig(BaseModel):
     pool_tokens: int = Field(65536, gt=0, description="D's KV pool rows")
     cache_tokens: int = Field(65536, gt=0, description="prefix-cache rows of P, and of the monolith (its "
                               "--cache-tokens; 0 there turns its cache off: pass it in extra_monolith_args)")
-    lb_port: int = Field(8000, ge=0, description="LB port (0 = a free one)")
+    lb_port: int = Field(LB_PORT, ge=0, description="LB port (0 = a free one)")
     admin_host: str = Field("127.0.0.1", description="the LB's admin address (POST /v1/admin/drain); other than "
                             "loopback, the unit's run dir gets an admin token file the LB requires")
     admin_port: int = Field(0, ge=0, le=65535, description="the LB's admin port (0 = a free one)")

@@ -91,6 +91,12 @@ class UnitPaths:
         return longest if len(longest.encode()) > UNIX_SOCKET_PATH_MAX else None
 
 
+def pod_socket(name: str) -> str:
+    """The pod's unix socket of process `name`: the default of every process's socket
+    flags (theirs and their peers'), so that a process started bare finds the others."""
+    return UnitPaths().sock(name)
+
+
 @dataclass(frozen=True)
 class UnitSpec:
     """What the commands of one unit depend on. A field at its default (None, "", "auto",

@@ -26,7 +26,14 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from pdunit.engine.settings import GemmPrecision, TransferMode, canonical_decode_kernel
-from pdunit.engine.unit_layout import METRICS_OFFSETS, RUN_DIR, SECRETS_DIR, metrics_block
+from pdunit.engine.unit_layout import (
+    ADMIN_PORT,
+    LB_PORT,
+    METRICS_OFFSETS,
+    RUN_DIR,
+    SECRETS_DIR,
+    metrics_block,
+)
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 
 GROUP = "pdunit.dev"
@@ -583,9 +590,9 @@ class PDUnitSpec(_Api):
         "fp8; fp8 made 1P1D's D pass 44 req/s where bf16 failed it in the same run (docs/performance.md); "
         "changes the numerics of every frame. Unset: bf16.",
     )
-    lb_port: int = Field(default=8000, ge=1, le=65535, description="LB HTTP port (streams, /v1/load, /metrics).")
+    lb_port: int = Field(default=LB_PORT, ge=1, le=65535, description="LB HTTP port (streams, /v1/load, /metrics).")
     admin_port: int = Field(
-        default=8001, ge=1, le=65535, validate_default=True,  # the default must clear lbPort too
+        default=ADMIN_PORT, ge=1, le=65535, validate_default=True,  # the default must clear lbPort too
         description="LB admin port (POST /v1/admin/drain): a named container port `admin`, served on the pod IP "
         "with the bearer token of the unit's Secret (<unit>-unit-secret, key admin-token); the chart's "
         "NetworkPolicy admits only the operator to it.",

@@ -20,6 +20,7 @@ from typing import Any
 
 from pdunit.engine.unit_layout import (
     ADMIN_TOKEN_FILE,
+    LB_PORT,
     RUN_DIR,
     UNIT_SECRET_FILE,
     VOICES_TOKEN_FILE,
@@ -633,7 +634,7 @@ def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) ->
 
 def lb_port(unit_spec: dict[str, Any], pod: dict[str, Any] | None, allow_override: bool) -> int:
     """The LB port to reach: spec.lbPort, or the test-only pod annotation when allowed."""
-    port = int(unit_spec.get("lbPort", 8000))
+    port = int(unit_spec.get("lbPort", LB_PORT))
     if allow_override and pod:
         raw = (metadata_of(pod).get("annotations") or {}).get(m.ANNOTATION_LB_PORT_OVERRIDE)
         if raw and raw.isdigit() and 0 < int(raw) < 65536:

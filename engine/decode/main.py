@@ -42,6 +42,7 @@ from pdunit.engine.tracing import SpanTable, Tracing, TracingFields
 from pdunit.engine.transfer.base import PoolGeometry
 from pdunit.engine.transfer.factory import make_receiver
 from pdunit.engine.transfer.options import unit_secret_option
+from pdunit.engine.unit_layout import pod_socket
 from pdunit.kernels.kv_dtype import kv_storage_dtype
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
 from pdunit.kernels.paged_attention import configure_decode
@@ -50,8 +51,8 @@ from pdunit.kernels.paged_attention import configure_decode
 class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticStepFields, TracingFields):
     """Decode engine (D): owns the paged KV pool, continuous batching, one message per step."""
 
-    socket: str = Field("/run/pdunit/decode.sock", description="unix socket D serves on")
-    prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's socket (ABORT, instance probe)")
+    socket: str = Field(pod_socket("decode"), description="unix socket D serves on")
+    prefill_socket: str = Field(pod_socket("prefill"), description="P's socket (ABORT, instance probe)")
     model: str = Field("random:tiny:0", description="random:<config>:<seed> or a model directory")
     device: str = Field("cpu", description="torch device of the pool and the model")
     dtype: str | None = Field(None, description="compute/KV dtype; default: the model config's")
@@ -78,7 +79,7 @@ class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticS
     tcp_host: str = Field("127.0.0.1", description="tcp transport: listen address; P in the same pod needs "
                           "loopback only, the pod IP only when tcp crosses hosts")
     tcp_port: int = Field(0, ge=0, description="tcp transport: listen port (0 = any free)")
-    proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
+    proxy_socket: str = Field(pod_socket("proxy"), description="nvlink-proxy socket (proxy mode)")
     unit_secret_file: str = Field("", validate_default=True, description="the unit's shared secret (a mode-0600 "
                                   "file): authenticates P to D's tcp KV listener; required with --transfer tcp, "
                                   "and without it --transfer auto offers no tcp")

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pdunit.engine.edge import EdgeLimits, is_loopback
 from pdunit.engine.tracing import TracingFields
+from pdunit.engine.unit_layout import ADMIN_PORT, LB_PORT, pod_socket
 
 
 class LBConfig(EdgeLimits, TracingFields):
@@ -21,23 +22,23 @@ class LBConfig(EdgeLimits, TracingFields):
         description="listen address of the stream port; empty = the pod's IP and 127.0.0.1 in "
         "a unit's pod ($PDUNIT_POD_IP), 0.0.0.0 in another pod, else 127.0.0.1",
     )
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    port: int = Field(LB_PORT, ge=0, le=65535, description="HTTP port (0 = any free port)")
     admin_host: str = Field(
         "127.0.0.1",
         description="listen address of the admin port (POST /v1/admin/drain); an address other "
         "than loopback needs --admin-token-file",
     )
     admin_port: int = Field(
-        8001, ge=0, le=65535, description="admin HTTP port, never the stream port (0 = any free port)"
+        ADMIN_PORT, ge=0, le=65535, description="admin HTTP port, never the stream port (0 = any free port)"
     )
     admin_token_file: str = Field(
         "",
         description="file holding the admin bearer token (mode 0600, e.g. a mounted Secret); "
         "when set, every admin call needs 'Authorization: Bearer <token>'",
     )
-    prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's gRPC unix socket")
+    prefill_socket: str = Field(pod_socket("prefill"), description="P's gRPC unix socket")
     decode_socket: str = Field(
-        "/run/pdunit/decode.sock",
+        pod_socket("decode"),
         description="D's gRPC unix socket, or a comma list of them for a unit with several D's "
         "(1P2D: one frames subscription per D); monolith: the same socket as --prefill-socket",
     )

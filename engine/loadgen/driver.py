@@ -41,6 +41,7 @@ from pdunit.engine.loadgen.workload import (
 from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.playback import AUDIO_FPS, play_audio, stream_timing
 from pdunit.engine.security import SecretFileError
+from pdunit.engine.unit_layout import LB_PORT
 
 REFUSAL_CODE = "rate_floor"  # the LB's error code of a rate-floor refusal (503 + Retry-After)
 
@@ -48,7 +49,7 @@ REFUSAL_CODE = "rate_floor"  # the LB's error code of a rate-floor refusal (503 
 class LoadConfig(BaseModel):
     """One load against an LB (or router) URL: its levels, workload and pass criteria."""
 
-    url: str = Field("http://127.0.0.1:8000", description="LB (or router) base URL")
+    url: str = Field(f"http://127.0.0.1:{LB_PORT}", description="LB (or router) base URL")
     concurrency: list[int] = Field(
         [4, 8, 16], description="closed-loop levels, comma list (ignored with --rate)"
     )

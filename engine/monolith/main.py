@@ -51,6 +51,7 @@ from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop
 from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.step_pad import SyntheticStepFields
 from pdunit.engine.tracing import Tracing, TracingFields
+from pdunit.engine.unit_layout import pod_socket
 from pdunit.kernels.paged_attention import configure_decode
 
 # Prompts per captured prefill graph: P's default --max-batch-prompts, so both baselines
@@ -62,7 +63,7 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, C
                      TracingFields):
     """Monolith: P and D in one process on one device (prefill-first, chunked or budget)."""
 
-    socket: str = Field("/run/pdunit/monolith.sock", description="unix socket (both services)")
+    socket: str = Field(pod_socket("monolith"), description="unix socket (both services)")
     policy: MonolithPolicy = Field("prefill-first", description="scheduling policy: prefill-first (prompts "
                                    "before decode steps) | chunked (--chunk-tokens rows per step) | budget (a "
                                    "step's prompt rows are what fits in the rate floor's step budget beside the "

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdunit.engine.router.table import DiscoveredUnit, RoutingTable
+from pdunit.engine.unit_layout import LB_PORT
 
 GROUP = "pdunit.dev"
 VERSION = "v1alpha1"
@@ -41,7 +42,7 @@ def parse_static_units(items: list[str]) -> list[DiscoveredUnit]:
         except ValueError as exc:
             raise ValueError(f"unit {name!r} has URL {url!r} with a bad port: {exc}") from None
         if port is None:
-            raise ValueError(f"unit {name!r} has URL {url!r} without a port; add :8000")
+            raise ValueError(f"unit {name!r} has URL {url!r} without a port; add :{LB_PORT} (the LB's)")
         if parts.path or parts.query:
             raise ValueError(f"unit {name!r} has URL {url!r} with a path; give only host:port")
         if name in seen:

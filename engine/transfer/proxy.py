@@ -39,11 +39,12 @@ from pdunit.engine.transfer.base import (
     WriteGate,
 )
 from pdunit.engine.transfer.host import HostReceiver
+from pdunit.engine.unit_layout import pod_socket
 
 log = logging.getLogger("pdunit.transfer.proxy")
 
 SESSION_KEY = "x-pdunit-session"
-DEFAULT_SOCKET = "/run/pdunit/proxy.sock"
+DEFAULT_SOCKET = pod_socket("proxy")
 PROBE_SLOTS = 16
 KEEPER_INTERVAL_S = 1.0  # how often a SessionKeeper asks the proxy whether it restarted
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -18,12 +18,13 @@ from pydantic import BaseModel, Field
 
 from pdunit.engine.observability import log_config, serve_metrics, setup_logging
 from pdunit.engine.settings import parse_config
+from pdunit.engine.unit_layout import pod_socket
 
 
 class ProxyConfig(BaseModel):
     """nvlink-proxy sidecar: KV copy service for one unit (gRPC over a unix socket)."""
 
-    socket: str = Field("/run/pdunit/proxy.sock", description="gRPC unix socket path")
+    socket: str = Field(pod_socket("proxy"), description="gRPC unix socket path")
     auth_socket: str = Field("", description="auth socket path (default: <socket>.auth)")
     allow_uids: list[int] = Field(default_factory=list,
                                   description="uids admitted (SO_PEERCRED); empty = the proxy's own uid")

@@ -23,7 +23,7 @@ from pdunit.engine.observability import log_config, setup_logging, shutdown_even
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import parse_config, parse_decode_sockets
-from pdunit.engine.unit_layout import decode_names
+from pdunit.engine.unit_layout import decode_names, pod_socket
 from pdunit.sidecars.quiesce_guard.policy import (
     Action,
     DecodeObservation,
@@ -41,8 +41,8 @@ D_HELD = Gauge("pdunit_guard_decode_held_fraction", "A D's held pages / pool pag
 class GuardConfig(BaseModel):
     """quiesce-guard: watches held ACKs in P and held pages in D and enforces their limits."""
 
-    prefill_socket: str = Field("/run/pdunit/prefill.sock", description="P's socket")
-    decode_socket: str = Field("/run/pdunit/decode.sock", description="D's socket, or a comma list: every D of "
+    prefill_socket: str = Field(pod_socket("prefill"), description="P's socket")
+    decode_socket: str = Field(pod_socket("decode"), description="D's socket, or a comma list: every D of "
                                "the unit (1PnD), in the unit's order (decode-0, decode-1, ...)")
     interval_ms: int = Field(250, gt=0, description="poll period")
     max_held_aborts: int = Field(3, gt=0, description="P's unanswered aborts at which P must exit")
