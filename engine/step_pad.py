@@ -3,10 +3,11 @@ D or the monolith that decodes or prefills sleeps until it lasts base + per_stre
 streams + per_row x prompt rows (ms), so a step's time is a known function of its batch
 and the model's own CPU time (moving 2-3x with a shared machine's load) a minor part.
 
-Owns the flag, the pad and its gauge. Must never be on in a pod unseen: off by default,
-logged at start and exported (`pdunit_synthetic_step_ms{term}`) when on, so a figure
-measured with it is never taken for the model's. It sleeps on the step-loop thread only
-(the GIL released: gRPC handlers run meanwhile); a longer step is left as it is.
+Owns the flags (P's `--synthetic-forward-ms` pads its forwards alike), the pad and its
+gauge. Never on in a pod unseen: off by default, logged at start and exported
+(`pdunit_synthetic_step_ms{term}`) when on, so a figure measured with it is never taken
+for the model's. It sleeps on the step-loop (P: forward) thread only, the GIL released:
+gRPC handlers run meanwhile; a longer step is left as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pdunit.engine import metrics as m
 SYNTHETIC_STEP_MS = m.role_metric(Gauge(
     "pdunit_synthetic_step_ms", "The synthetic step cost each step is padded to (--synthetic-step-ms; tests and "
     "benchmarks only), ms per unit of each term: all 0 = off, the steps are the model's own",
-    ["term"], registry=None), "decode", "monolith")
+    ["term"], registry=None), "decode", "monolith", "prefill")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,24 @@ class StepPad:
         if self.on:
             log.warning("synthetic step cost on: every step is padded (tests and benchmarks only)",
                         extra={"synthetic_step_ms": asdict(self)})
+
+
+class SyntheticForwardFields(BaseModel):
+    """P's synthetic forward cost (a prefill forward padded as a step is, per prompt and row)."""
+
+    synthetic_forward_ms: str = Field("", description="tests and benchmarks only, never in a pod: "
+                                      "BASE,PER_PROMPT[,PER_ROW] pads every prefill forward, by sleeping, to BASE "
+                                      "+ PER_PROMPT x prompts + PER_ROW x computed rows ms (exported as "
+                                      "pdunit_synthetic_step_ms, per_stream_ms = per prompt); empty = off")
+
+    @field_validator("synthetic_forward_ms")
+    @classmethod
+    def _ms_terms(cls, v: str) -> str:
+        parse_step_pad(v)
+        return v
+
+    def forward_pad(self) -> StepPad:
+        return parse_step_pad(self.synthetic_forward_ms)
 
 
 class SyntheticStepFields(BaseModel):

@@ -38,11 +38,12 @@ from pdunit.engine.settings import (
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
 from pdunit.engine.step_loop import engine_ready, engine_setup
+from pdunit.engine.step_pad import SyntheticForwardFields
 from pdunit.engine.tracing import Tracing, TracingFields
 from pdunit.engine.transfer.options import unit_secret_option
 
 
-class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields):
+class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields, SyntheticForwardFields):
     """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
 
     socket: str = Field("/run/pdunit/prefill.sock", description="unix socket P serves on")
@@ -131,6 +132,8 @@ async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine]
         graphs=graphs,
         reserve_concurrency=cfg.reserve_concurrency,
     )
+    engine.pipeline.forward_pad = cfg.forward_pad()
+    engine.pipeline.forward_pad.export(log)
     sampler = start_sampler(cfg, log)
     stop = shutdown_event(log)
     loop = asyncio.get_running_loop()

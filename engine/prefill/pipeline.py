@@ -40,9 +40,12 @@ from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.proto.sampling import sampling_to_pb
 from pdunit.engine.step_loop import StepLoop
+from pdunit.engine.step_pad import StepPad
 from pdunit.engine.transfer.base import KVSender, TransferError
 
 log = logging.getLogger("pdunit.prefill")
+
+_ROOM_POLL_S = 0.005  # reserve stage: how often the queue is looked at while granted requests wait for room
 
 
 @dataclass
@@ -121,6 +124,7 @@ class PrefillPipeline:
         self._worker_state = threading.local()  # each transfer worker's CUDA stream
         self._committer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefill-commit")
         self._reserver = ThreadPoolExecutor(max_workers=reserve_concurrency, thread_name_prefix="prefill-reserve")
+        self.forward_pad = StepPad()  # --synthetic-forward-ms (tests and benchmarks; engine/step_pad.py): off
         self._gap_from = 0  # ns: the last forward's end when the next batch was waiting for it, else 0
 
     # ------------------------------------------------------------------ start, stop
@@ -195,29 +199,50 @@ class PrefillPipeline:
     # ------------------------------------------------------------------ stage 1: reserve
     def _reserve_once(self) -> bool:
         """The next requests from the queue (up to `reserve_concurrency`: a clump's are
-        there together), their prefix leases and their RESERVEs on a D, sent at once, added
-        to the batch the next forward takes together; this runs while the current forward
-        does. The first waits for room before its RESERVE; the others of its group may
-        wait for room reserved (at most `reserve_concurrency` - 1 requests ahead)."""
+        there together), their prefix leases and their RESERVEs on a D, sent at once, then
+        added to the batch the next forward takes together; this runs while the current
+        forward does. D's verdict comes first: a refusal (RATE_FLOOR, NO_CAPACITY) is
+        answered at once, never after a wait for room in the open batch (issue 24). The
+        granted wait for room reserved; meanwhile newcomers are reserved too while fewer
+        than `reserve_concurrency` wait, so a refusal waits behind a forward only when
+        that many granted requests do (with 1, behind the one)."""
         job = self.scheduler.take(timeout=0.05)
         if job is None:
             m.P_QUEUE.set(len(self.scheduler))
             return False
-        jobs = [job]
-        with self._lock:
-            self.active[job.request_id] = job
-        rows = len(job.prompt)
-        while not self._open.wait_for_room(rows, 0.05, self._stopping):
-            if self._stopping.is_set():
-                self.finish(job, pb.CANCELLED, "prefill is shutting down")
-                return True
-        while len(jobs) < self.reserve_concurrency and (more := self.scheduler.take(timeout=0)) is not None:
-            with self._lock:
-                self.active[more.request_id] = more
+        waiting = self._reserve_group(self._take_more([job], self.reserve_concurrency))
+        while waiting:
+            waiting = waiting[self._open.add_fitting(waiting):]
+            if not waiting:
+                break
+            if len(waiting) < self.reserve_concurrency and (more := self.scheduler.take(timeout=0)) is not None:
+                waiting += self._reserve_group(self._take_more([more], self.reserve_concurrency - len(waiting)))
+                continue
+            # with room for newcomers, look at the queue again soon (it wakes no one here)
+            poll = _ROOM_POLL_S if len(waiting) < self.reserve_concurrency else 0.05
+            if not self._open.wait_for_room(waiting[0][1], poll, self._stopping) and self._stopping.is_set():
+                for live, _ in waiting:
+                    self._abandon(live, "prefill is shutting down")
+                break
+        return True
+
+    def _take_more(self, jobs: list[PrefillJob], most: int) -> list[PrefillJob]:
+        """`jobs` and the queued ones after them, `most` in all, marked active."""
+        while len(jobs) < most and (more := self.scheduler.take(timeout=0)) is not None:
             jobs.append(more)
+        with self._lock:
+            for j in jobs:
+                self.active[j.request_id] = j
         m.P_QUEUE.set(len(self.scheduler))
+        return jobs
+
+    def _reserve_group(self, jobs: list[PrefillJob]) -> list[tuple[_Live, int]]:
+        """Leases and RESERVEs `jobs` at once; the granted, in order, with their rows (the
+        others ended here: a refusal's stamps say where its time went, docs/admission.md)."""
+        taken = now_ns()
         t0 = time.perf_counter()
         leased = [(j, lease) for j in jobs if (lease := self._lease(j)) is not None]
+        sent = now_ns()
         if len(leased) > 1:
             replies = list(self._reserver.map(lambda jl: self.links.reserve(jl[0]), leased))
         else:
@@ -225,6 +250,7 @@ class PrefillPipeline:
         reserved: list[tuple[_Live, int]] = []
         for (j, lease), r in zip(leased, replies, strict=True):
             if r.link is None or r.reply.status != pb.STATUS_OK:
+                j.stamps.update(p_taken=taken, p_reserve_sent=sent, p_reserve_answered=now_ns())
                 self.cache.release(lease)
                 self.finish(j, r.reply.status, r.reply.message)
                 continue
@@ -234,14 +260,7 @@ class PrefillPipeline:
                                    r.reply.capability), len(j.prompt)))
         for _ in reserved:
             m.P_STAGE_SECONDS.labels(stage="reserve").observe(time.perf_counter() - t0)
-        while reserved:
-            reserved = reserved[self._open.add_fitting(reserved):]
-            if reserved and not self._open.wait_for_room(reserved[0][1], 0.05, self._stopping) \
-                    and self._stopping.is_set():
-                for live, _ in reserved:
-                    self._abandon(live, "prefill is shutting down")
-                break
-        return True
+        return reserved
 
     def _lease(self, job: PrefillJob) -> PrefixLease | None:
         """The job's prefix lease, or None (and the job ended) when it was cancelled, its
@@ -284,7 +303,9 @@ class PrefillPipeline:
             self._gap_from = 0
         for x in live:
             x.job.stamps["prefill_start"] = t0
+        padded_from = time.perf_counter()
         frames = self._forward(self.model, self.storage, chunks, self.graphs)
+        self.forward_pad.wait(padded_from, len(chunks), sum(c.end - c.start for c in chunks))
         # The rows are on the default stream; the transfer stage's stream waits for this.
         written = None
         if self.storage.is_cuda:

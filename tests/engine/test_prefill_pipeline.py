@@ -191,13 +191,13 @@ def test_requests_reserved_during_a_forward_all_go_into_the_next_one(engine):
     assert gates.entered[0].wait(10)
     for rid in (2, 3, 4, 5):
         submit(e, rid, replies)
-    # the next batch holds 3 prompts: requests 2-4 are reserved, 5 waits for room
-    wait_for(lambda: d.seen("reserve") == [1, 2, 3, 4], what="requests 2-4 reserved during forward 0")
+    # the next batch holds 3 prompts: requests 2-4 go into it, 5 is reserved too (D's
+    # verdict before the wait for room: issue 24) and waits for room reserved
+    wait_for(lambda: d.seen("reserve") == [1, 2, 3, 4, 5], what="requests 2-5 reserved during forward 0")
     time.sleep(0.1)
-    assert d.seen("reserve") == [1, 2, 3, 4]
+    assert d.seen("reserve") == [1, 2, 3, 4, 5]
     gates.opened[0].set()
     assert gates.entered[1].wait(10)
-    wait_for(lambda: d.seen("reserve") == [1, 2, 3, 4, 5], what="request 5 reserved once forward 1 took 2-4")
     gates.opened[1].set()
     gates.opened[2].set()
     wait_for(lambda: len(replies) == 5, what="every reply")
@@ -309,6 +309,61 @@ def test_a_group_larger_than_the_batch_waits_reserved_for_the_next_forward(monke
         gates.opened[1].set()
         wait_for(lambda: len(replies) == 4, what="every reply")
         assert gates.batch_sizes == [2, 2] and all(r.status == pb.STATUS_OK for r in replies.values())
+    finally:
+        for g in gates.opened:
+            g.set()
+        e.stop()
+
+
+class RefusingD(FakeD):
+    """Refuses the request ids in `refuse` with RATE_FLOOR (D's admission), grants the rest."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def Reserve(self, req, timeout):  # noqa: N802
+        if req.request_id in self.refuse:
+            self._record("reserve", req.request_id)
+            return pb.ReserveReply(status=pb.RATE_FLOOR, message="rate_floor: the floor would break")
+        return super().Reserve(req, timeout)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_a_refusal_queued_behind_requests_waiting_for_room_is_answered_during_the_forward(monkeypatch, concurrency):
+    """Issue 24: D's verdict comes before P's wait for room in the open batch. With
+    --reserve-concurrency 3, a refusal queued behind a granted request that waits for
+    room is answered while the forward runs; with 1, it waits behind that one request."""
+    gates = Gates(monkeypatch)
+    model = load_model("random:tiny:0", device="cpu")
+    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
+                             PrefixCache(4096, 16), PrefillScheduler(1, 4096), "d0.sock", "host", {},
+                             reserve_concurrency=concurrency)
+    d = RefusingD({4})
+    link = e.links[0]
+    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
+    link.pool_pages = link.free_pages = 1000
+    replies: dict[int, pb.SubmitReply] = {}
+    e.start()
+    try:
+        submit(e, 1, replies)
+        assert gates.entered[0].wait(10)  # forward 0 holds 1; 2 fills the next batch, 3 waits for room
+        for rid in (2, 3, 4):
+            submit(e, rid, replies)
+        wait_for(lambda: 3 in d.seen("reserve"), what="request 3 reserved before its wait for room")
+        if concurrency > 1:
+            wait_for(lambda: 4 in replies, what="request 4's refusal during forward 0")
+            assert replies[4].status == pb.RATE_FLOOR and {"p_taken", "p_reserve_sent",
+                                                           "p_reserve_answered"} <= set(replies[4].stamps.ns)
+        else:
+            time.sleep(0.2)
+            assert 4 not in replies and d.seen("reserve") == [1, 2, 3]  # behind 3, as documented
+        for g in gates.opened:
+            g.set()
+        wait_for(lambda: len(replies) == 4, what="every reply")
+        assert replies[4].status == pb.RATE_FLOOR and d.seen("reserve") == [1, 2, 3, 4]
+        assert all(replies[r].status == pb.STATUS_OK for r in (1, 2, 3)) and gates.batch_sizes == [1, 1, 1]
+        assert 4 not in d.seen("cancel") and e.cache.stats()["pinned_blocks"] == 0  # a refusal holds nothing
     finally:
         for g in gates.opened:
             g.set()
