@@ -215,7 +215,8 @@ class PrefillPipeline:
             waiting = waiting[self._open.add_fitting(waiting):]
             if not waiting:
                 break
-            if len(waiting) < self.reserve_concurrency and (more := self.scheduler.take(timeout=0)) is not None:
+            if len(waiting) < self.reserve_concurrency and not self._stopping.is_set() \
+                    and (more := self.scheduler.take(timeout=0)) is not None:
                 waiting += self._reserve_group(self._take_more([more], self.reserve_concurrency - len(waiting)))
                 continue
             # with room for newcomers, look at the queue again soon (it wakes no one here)
