@@ -41,13 +41,14 @@ from pdunit.engine.step_loop import engine_ready, engine_setup
 from pdunit.engine.step_pad import SyntheticForwardFields
 from pdunit.engine.tracing import Tracing, TracingFields
 from pdunit.engine.transfer.options import unit_secret_option
+from pdunit.engine.unit_layout import pod_socket
 
 
 class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields, SyntheticForwardFields):
     """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
 
-    socket: str = Field("/run/pdunit/prefill.sock", description="unix socket P serves on")
-    decode_socket: str = Field("/run/pdunit/decode.sock", description="D's socket, or a comma list of D "
+    socket: str = Field(pod_socket("prefill"), description="unix socket P serves on")
+    decode_socket: str = Field(pod_socket("decode"), description="D's socket, or a comma list of D "
                                "sockets (one P feeding several D's: 1P2D)")
     decode_probe_interval_ms: int = Field(500, gt=0, description="with several D's: how often P asks each D "
                                           "for Info (free pages, streams) to choose the D of a request")
@@ -65,7 +66,7 @@ class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields, Synt
                                       "forward included; D enforces it too (0 = the request deadline)")
     transfer_workers: int = Field(4, gt=0, description="threads writing KV to D, one request each: a stalled "
                                   "write holds up only its own request")
-    proxy_socket: str = Field("/run/pdunit/proxy.sock", description="nvlink-proxy socket (proxy mode)")
+    proxy_socket: str = Field(pod_socket("proxy"), description="nvlink-proxy socket (proxy mode)")
     tcp_connections: int = Field(4, gt=0, description="tcp transport: parallel connections")
     unit_secret_file: str = Field("", validate_default=True, description="the unit's shared secret (a mode-0600 "
                                   "file): authenticates P to D's tcp KV listener; required with --transfer tcp, "
