@@ -37,7 +37,13 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pdunit.engine.audio.pcm import wav_header
 from pdunit.engine.edge import is_loopback
 from pdunit.engine.lb.load import LoadDocument, LoadDocumentError, read_load_document
-from pdunit.engine.observability import PARENT_ENV, LogLevel, log_config, setup_logging
+from pdunit.engine.observability import (
+    PARENT_ENV,
+    LogLevel,
+    log_config,
+    set_on_signals,
+    setup_logging,
+)
 from pdunit.engine.ports import free_port
 from pdunit.engine.security import write_secret_file
 from pdunit.engine.settings import MonolithPolicy, TransferMode, parse_config
@@ -766,17 +772,13 @@ def main(argv: list[str]) -> int:
     print(f"pdunit local: starting a {cfg.mode} unit; every process logs to {unit.logs_dir}/<name>.log"
           + (" (this one's warnings also here)" if to_file else ""), file=sys.stderr, flush=True)
 
-    # Ctrl-C / SIGTERM: stop the children, then exit 0. The handler only sets an event
-    # that every wait below watches. Raising KeyboardInterrupt from it (Python's way) lost
-    # the signal when it landed in the GC callback that times collections (the exception
-    # is reported there and dropped, and the unit kept serving), or inside Popen.poll()
-    # between its lock's acquire and release (every later wait on that child then times
-    # out).
-    def on_signal(signum, frame):
-        unit.interrupted.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Ctrl-C / SIGTERM: stop the children, then exit 0. The signals set an event that
+    # every wait below watches (through a pipe: set_on_signals). Raising KeyboardInterrupt
+    # from a handler (Python's way) lost the signal when it landed in the GC callback that
+    # times collections (the exception is reported there and dropped, and the unit kept
+    # serving), or inside Popen.poll() between its lock's acquire and release (every later
+    # wait on that child then times out).
+    set_on_signals(unit.interrupted)
     try:
         try:
             unit.start()

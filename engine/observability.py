@@ -4,8 +4,8 @@ Owns the log formats (`JsonFormatter`, `TextFormatter`, `setup_logging`), the me
 conventions (prometheus_client's default registry, `pdunit_` names with units in the
 name, `serve_metrics` for processes without an HTTP server), GC pause timing
 (`pdunit_gc_pause_seconds`, `settle_gc_for_serving`), and shutdown (`shutdown_event()`
-set on SIGTERM/SIGINT so every server drains the same way; `die_with_parent()` ties a
-child of `pdunit local` to it). This module owns no business logic.
+set on SIGTERM/SIGINT so every server drains the same way, `set_on_signals` for threaded
+processes; `die_with_parent()` ties a child of `pdunit local` to it). No business logic.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,6 +207,33 @@ def shutdown_event(logger: logging.Logger | None = None) -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _set, sig.name)
     return event
+
+
+def set_on_signals(event: threading.Event, logger: logging.Logger | None = None) -> None:
+    """SIGTERM and SIGINT set `event` (a process without an event loop; call from the main
+    thread). The handler only writes a byte to a pipe; a daemon thread reads it and sets
+    the event. Setting it in the handler itself can deadlock: the handler runs in the main
+    thread, possibly while that thread holds the event's (non-reentrant) lock inside
+    `event.wait()`; a proxy then ignored SIGTERM for good (seen once in CI)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+
+    def _handler(signum: int, _frame: Any) -> None:
+        try:
+            os.write(w, bytes([signum]))
+        except BlockingIOError:  # the pipe is full of earlier signals: one is enough
+            pass
+
+    def _reader() -> None:
+        while True:
+            signum = os.read(r, 1)[0]
+            if logger is not None and not event.is_set():
+                logger.info("shutdown requested", extra={"signal": signal.Signals(signum).name})
+            event.set()
+
+    threading.Thread(target=_reader, name="signals", daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _handler)
 
 
 def now_ns() -> int:

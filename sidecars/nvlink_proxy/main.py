@@ -10,13 +10,12 @@ Must never hold copy logic (server.py, backend_*.py).
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pdunit.engine.observability import log_config, serve_metrics, setup_logging
+from pdunit.engine.observability import log_config, serve_metrics, set_on_signals, setup_logging
 from pdunit.engine.settings import parse_config
 from pdunit.engine.unit_layout import pod_socket
 
@@ -98,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     auth = AuthListener(config.auth_socket or config.socket + ".auth", service)
     lane = CopyLane(config.socket + ".copy", service)
     stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: Any) -> None:
-        log.info("shutdown requested", extra={"signal": signal.Signals(signum).name})
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    set_on_signals(stop, log)
     serve_metrics(config.metrics_port)
     server.start()
     lane.start()
