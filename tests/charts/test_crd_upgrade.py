@@ -75,6 +75,10 @@ def test_helm_upgrade_of_the_crd_chart_changes_the_clusters_crd(
     plane: tuple[ControlPlane, Api], tmp_path: Path
 ) -> None:
     cp, api = plane
+    # from a cluster without the CRDs: the module's other test leaves them owned by its
+    # own release (seen in a random-order run), which this install could not adopt
+    cp.kubectl("delete", "crd", "pdunits.pdunit.dev", "pdunitsets.pdunit.dev", "--ignore-not-found")
+    wait_for(lambda: api.get(UNITS_CRD) is None, 60, "the CRDs to be deleted")
     chart = tmp_path / "pdunit-crds"
     shutil.copytree(CRD_CHART, chart)
     _helm(cp, "install", "crds", str(chart))

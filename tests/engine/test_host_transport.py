@@ -113,8 +113,13 @@ def test_segment_survives_the_sender_process_exit(cross_process: dict[str, Any])
     assert cross_process["exitcode"] == 0
     assert os.path.exists(r.path)
     again = HostSender(r.descriptors()[0], GEOMETRY)  # a restarted P attaches again
-    again.write(2, p_pool(8), np.array([0]), np.array([95]), far_deadline(), capability=NO_CAPABILITY)
-    assert torch.equal(bits(r.storage[:, :, 95]), bits(p_pool(8)[:, :, 0]))
+    kept = r.storage[:, :, 95].clone()
+    try:
+        again.write(2, p_pool(8), np.array([0]), np.array([95]), far_deadline(), capability=NO_CAPABILITY)
+        assert torch.equal(bits(r.storage[:, :, 95]), bits(p_pool(8)[:, :, 0]))
+    finally:
+        # the pool is the module's: the bit-exact test compares every row, in any order
+        r.storage[:, :, 95] = kept
 
 
 def test_receiver_pool_starts_zeroed_and_close_unlinks_it() -> None:
