@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated, Any
 
 from prometheus_client import Gauge
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
 
 from pdunit.engine import metrics as m
 
@@ -60,19 +61,27 @@ class StepPad:
                         extra={"synthetic_step_ms": asdict(self)})
 
 
+def _checked(text: str) -> str:
+    parse_step_pad(text)
+    return text
+
+
+# A pad flag's value: the text, checked by parse_step_pad (kept as given, so a config's
+# flags rebuild it); each Fields class below turns it into a StepPad.
+_PadText = Annotated[str, AfterValidator(_checked)]
+
+
+def _pad_field(what: str) -> Any:
+    """A pad flag, off by default; `what` says which terms pad what."""
+    return Field("", description=f"tests and benchmarks only, never in a pod: {what}; empty = off")
+
+
 class SyntheticForwardFields(BaseModel):
     """P's synthetic forward cost (a prefill forward padded as a step is, per prompt and row)."""
 
-    synthetic_forward_ms: str = Field("", description="tests and benchmarks only, never in a pod: "
-                                      "BASE,PER_PROMPT[,PER_ROW] pads every prefill forward, by sleeping, to BASE "
-                                      "+ PER_PROMPT x prompts + PER_ROW x computed rows ms (exported as "
-                                      "pdunit_synthetic_step_ms, per_stream_ms = per prompt); empty = off")
-
-    @field_validator("synthetic_forward_ms")
-    @classmethod
-    def _ms_terms(cls, v: str) -> str:
-        parse_step_pad(v)
-        return v
+    synthetic_forward_ms: _PadText = _pad_field(
+        "BASE,PER_PROMPT[,PER_ROW] pads every prefill forward, by sleeping, to BASE + PER_PROMPT x prompts + "
+        "PER_ROW x computed rows ms (exported as pdunit_synthetic_step_ms, per_stream_ms = per prompt)")
 
     def forward_pad(self) -> StepPad:
         return parse_step_pad(self.synthetic_forward_ms)
@@ -81,16 +90,10 @@ class SyntheticForwardFields(BaseModel):
 class SyntheticStepFields(BaseModel):
     """The synthetic step cost flag of every engine that decodes (D, the monolith)."""
 
-    synthetic_step_ms: str = Field("", description="tests and benchmarks only, never in a pod: "
-                                   "BASE,PER_STREAM[,PER_ROW] pads every step, by sleeping, to BASE + PER_STREAM x "
-                                   "decoding streams + PER_ROW x prompt rows ms, so step times are a known function "
-                                   "of the batch (exported as pdunit_synthetic_step_ms); empty = off")
-
-    @field_validator("synthetic_step_ms")
-    @classmethod
-    def _ms_terms(cls, v: str) -> str:
-        parse_step_pad(v)
-        return v
+    synthetic_step_ms: _PadText = _pad_field(
+        "BASE,PER_STREAM[,PER_ROW] pads every step, by sleeping, to BASE + PER_STREAM x decoding streams + "
+        "PER_ROW x prompt rows ms, so step times are a known function of the batch (exported as "
+        "pdunit_synthetic_step_ms)")
 
     def step_pad(self) -> StepPad:
         return parse_step_pad(self.synthetic_step_ms)
