@@ -94,17 +94,25 @@ class Gates:
         monkeypatch.setattr(pipeline, "run_prefill", gated)
 
 
-@pytest.fixture(params=[1])
-def engine(monkeypatch, request):
+def gated_engine(monkeypatch, d: FakeD, max_batch_prompts: int,
+                 reserve_concurrency: int = 1) -> tuple[worker.PrefillEngine, Gates]:
+    """A P (not started) on the tiny CPU model whose forwards wait at gates, linked to
+    `d` through a FakeSender, with batches of at most `max_batch_prompts` prompts."""
     gates = Gates(monkeypatch)
     model = load_model("random:tiny:0", device="cpu")
-    storage = model.new_kv_storage(4096, device="cpu")
-    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", storage, PrefixCache(4096, 16),
-                             PrefillScheduler(request.param, 4096), "d0.sock", "host", {})
-    d = FakeD()
+    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
+                             PrefixCache(4096, 16), PrefillScheduler(max_batch_prompts, 4096), "d0.sock", "host", {},
+                             reserve_concurrency=reserve_concurrency)
     link = e.links[0]
     link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
     link.pool_pages = link.free_pages = 1000
+    return e, gates
+
+
+@pytest.fixture(params=[1])
+def engine(monkeypatch, request):
+    d = FakeD()
+    e, gates = gated_engine(monkeypatch, d, request.param)
     e.start()
     yield e, d, gates
     for g in gates.opened:
@@ -259,15 +267,8 @@ class SlowD(FakeD):
 def test_a_clump_queued_at_an_idle_p_goes_into_its_first_forward_with_concurrent_reserves(monkeypatch, concurrency):
     """Issue 31: a clump's RESERVEs go out together and its first forward holds the clump
     (before, one request at a time: the first forward held the first request alone)."""
-    gates = Gates(monkeypatch)
-    model = load_model("random:tiny:0", device="cpu")
-    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
-                             PrefixCache(4096, 16), PrefillScheduler(16, 4096), "d0.sock", "host", {},
-                             reserve_concurrency=concurrency)
     d = SlowD()
-    link = e.links[0]
-    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
-    link.pool_pages = link.free_pages = 1000
+    e, gates = gated_engine(monkeypatch, d, 16, reserve_concurrency=concurrency)
     replies: dict[int, pb.SubmitReply] = {}
     for rid in (1, 2, 3, 4):
         submit(e, rid, replies)
@@ -287,15 +288,8 @@ def test_a_clump_queued_at_an_idle_p_goes_into_its_first_forward_with_concurrent
 
 
 def test_a_group_larger_than_the_batch_waits_reserved_for_the_next_forward(monkeypatch):
-    gates = Gates(monkeypatch)
-    model = load_model("random:tiny:0", device="cpu")
-    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
-                             PrefixCache(4096, 16), PrefillScheduler(2, 4096), "d0.sock", "host", {},
-                             reserve_concurrency=4)
     d = FakeD()
-    link = e.links[0]
-    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
-    link.pool_pages = link.free_pages = 1000
+    e, gates = gated_engine(monkeypatch, d, 2, reserve_concurrency=4)
     replies: dict[int, pb.SubmitReply] = {}
     for rid in (1, 2, 3, 4):
         submit(e, rid, replies)
@@ -334,15 +328,8 @@ def test_a_refusal_queued_behind_requests_waiting_for_room_is_answered_during_th
     """Issue 24: D's verdict comes before P's wait for room in the open batch. With
     --reserve-concurrency 3, a refusal queued behind a granted request that waits for
     room is answered while the forward runs; with 1, it waits behind that one request."""
-    gates = Gates(monkeypatch)
-    model = load_model("random:tiny:0", device="cpu")
-    e = worker.PrefillEngine(model, "random:tiny:0", "cpu", model.new_kv_storage(4096, device="cpu"),
-                             PrefixCache(4096, 16), PrefillScheduler(1, 4096), "d0.sock", "host", {},
-                             reserve_concurrency=concurrency)
     d = RefusingD({4})
-    link = e.links[0]
-    link.stub, link.sender, link.instance = d, FakeSender(d), "d0-instance"  # type: ignore[assignment]
-    link.pool_pages = link.free_pages = 1000
+    e, gates = gated_engine(monkeypatch, d, 1, reserve_concurrency=concurrency)
     replies: dict[int, pb.SubmitReply] = {}
     e.start()
     try:
