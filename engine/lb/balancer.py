@@ -17,6 +17,7 @@ import contextlib
 import logging
 import secrets
 import time
+from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -417,6 +418,7 @@ class LoadBalancer:
     def model_document(self) -> dict[str, Any] | None:
         if self.limits is None:
             return None
+        rule = self.limits.row_rule  # the family's, from D's Hello: its fields as RowRule has them
         return {
             "n_codebooks": self.limits.n_codebooks,
             "vocab_sizes": list(self.limits.vocab_sizes),
@@ -429,6 +431,8 @@ class LoadBalancer:
             "max_frames_limit": self.limits.max_frames_limit,
             "default_max_frames": self.limits.default_max_frames,
             "audio": self._audio_document(),
+            "row_rule": None if rule is None else {"width": rule.width, **asdict(rule),
+                                                   "description": rule.describe()},
         }
 
     def _audio_document(self) -> dict[str, Any] | None:

@@ -355,6 +355,7 @@ def test_not_ready_without_decode_then_ready_once_it_answers(
             "max_frames_limit": 4096,
             "default_max_frames": 630,
             "audio": None,  # D has no codec: frames only
+            "row_rule": None,  # the pdunit family has none
         }
     # An empty sender: D must never mistake the LB for its P (a new P id frees held pages).
     assert fake_unit.decode.hellos and set(fake_unit.decode.hellos) == {""}

@@ -3,7 +3,8 @@ Hello carries csm-tiny's rule (rows of 4 codebooks + a text column) makes the LB
 over raw HTTP, a text row with a stray codebook id, an audio-frame row with a code past
 the codec's, a text row holding audio_eos_token_id and a row of the wrong width, each
 422 naming row and column and what was expected, P never asked; valid prompts pass, and
-`depth_decoder_*` fields pass only where the Hello says the model has a depth decoder."""
+`depth_decoder_*` fields pass only where the Hello says the model has a depth decoder.
+GET /v1/model shows the rule (null for a model without one)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,23 @@ def test_depth_decoder_fields_are_refused_by_name_without_a_depth_decoder(start_
     out = rawhttp.post_whole(lb.url, "/v1/tts/stream", np.ones((1, 11), "<i4").tobytes(), headers)
     assert out.status == 422 and error(out)["field"] == "X-Pdunit-Depth-Decoder-Temperature"
     assert not fake_unit.prefill.submits
+
+
+def test_the_model_document_shows_the_row_rule_of_the_model_d_serves(csm_lb):
+    with csm_lb.client() as c:
+        rule = c.get("/v1/model").json()["row_rule"]
+    assert rule == {"width": 5, "marker_column": 4, "marker_id": 62, "frame_columns": 4, "code_limit": 30,
+                    "empty_ids": [0, 31], "frame_end_id": 61, "frame_end_code": 0,
+                    "description": "column 4 = 62: an audio-frame row, columns 0..3 codes in [0, 30); else a text "
+                                   "row, columns 0..3 0 or 31; a text token 61 is written as the audio-frame row "
+                                   "of 0s instead"}
+    # a client rebuilds the LB's rule from it
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in rule.items() if k not in ("width", "description")}
+    assert RowRule(**fields) == RULE
+
+
+def test_the_model_document_of_a_model_without_a_row_rule_shows_null(start_lb):
+    lb = start_lb()  # the fake's pdunit-like model (the pdunit family has no row rule)
+    with lb.client() as c:
+        doc = c.get("/v1/model").json()
+    assert "row_rule" in doc and doc["row_rule"] is None
