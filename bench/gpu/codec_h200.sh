@@ -18,11 +18,9 @@
 # the image's transformers 5.17 has another Mimi module layout and no latent_stride.
 set -uo pipefail
 source tests/gpu/harness/setup.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/env.txt" 2>&1
+gpu_env > "$OUT/env.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" \
   >> "$OUT/env.txt" 2>&1
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
-gpu=${gpu:-gpu}
 rc=0
 step() {  # step NAME SECONDS LOG CMD...: the command under a timeout, its output also in LOG
   local name=$1 secs=$2 log=$3 t0=$SECONDS code; shift 3

@@ -9,10 +9,8 @@
 #   codec-*.json/.md; TAG (default share) goes in the file names.
 set -uo pipefail
 source tests/gpu/harness/setup.sh
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
-gpu=${gpu:-gpu}
 tag=${1:-share}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/report.txt" 2>&1
+gpu_env > "$OUT/report.txt"
 rc=0
 timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_codec_graphs.py > "$OUT/pytest.txt" 2>&1
 code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"; tail -8 "$OUT/pytest.txt" >> "$OUT/report.txt"

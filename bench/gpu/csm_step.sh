@@ -12,10 +12,8 @@
 #   step-<date>-<gpu>-<shape>-<TAG>.json/.md/.fit.json, and the log of a failed step.
 set -uo pipefail
 source tests/gpu/harness/setup.sh
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
-gpu=${gpu:-gpu}
 tag=${1:-i23}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/report.txt" 2>&1
+gpu_env > "$OUT/report.txt"
 rc=0
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
   tests/engine/test_csm_serving.py "tests/bench/test_step.py::test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart" \

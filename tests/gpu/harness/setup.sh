@@ -12,3 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/pdpkg/pdunit && cp pkg/*.py pkg/py.typed /tmp/pdpkg/pdunit/
 for _d in engine kernels sidecars bench operator; do ln -sfn "$PWD/$_d" "/tmp/pdpkg/pdunit/$_d"; done
 export PYTHONPATH=/tmp/site:/tmp/pdpkg
+# The card's short name for result files (h100, h200; gpu where none is named) and its env line.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
+gpu_env() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; }
