@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from pdunit.engine.model.config import get_config
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS
 from pdunit.engine.playback import stream_timing
 from pdunit.engine.prefill.main import PrefillConfig
+from pdunit.engine.prefill.pipeline import _ROOM_POLL_S
+from pdunit.engine.prefill.scheduler import joins_batch
 from pdunit.engine.settings import parse_config
 
 BENCH = "plan"
@@ -245,6 +248,7 @@ class Request:
     times: list[float] = field(default_factory=list)  # frame arrival times at the client
     stamps: dict[str, float] = field(default_factory=dict)  # the engines' stage stamps (s), as they name them
     refused: bool = False     # its pool could not hold it (the engines' no_capacity)
+    answered: float | None = None  # a refusal's answer at the client, where the model times it
 
     @property
     def rows(self) -> int:
@@ -304,110 +308,201 @@ def refuse_beyond_pool(requests: Sequence[Request], pool_tokens: int, held_from:
 
 
 # ---------------------------------------------------------------------------- 1PnD
-def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanConfig) -> None:
-    """P, then each D: frame times into every request's `times`.
+class DecodeLane:
+    """One D: its pool (`pool_tokens`; a request holds its prompt rows + frames from its
+    RESERVE to its last frame) and its loop over committed requests, P's first frame at
+    commit, run only as far as `run_until` asks: a RESERVE at t sees the streams that
+    ended by t, and commits after t are not known yet."""
 
-    P as engine/prefill/pipeline.py runs it: the reserve stage takes the next request in
-    arrival order once it fits the batch the next forward takes (`max_batch_rows`,
-    `max_batch_prompts`), with the requests queued behind it by then (up to
-    `reserve_concurrency`), reserves them at once (`reserve_s`) and adds them together,
-    those that do not fit waiting reserved for the next take; the forward stage takes
-    the whole batch when its forward in flight ends, or, idle, starts as soon as a group
-    is reserved."""
-    assert costs.step is not None, "load_costs fits D's step for every planned 1pNd variant"
-    step = costs.step
-    cache = PrefixCacheModel(cfg.block_tokens)
-    jobs = sorted(requests, key=lambda r: r.arrival)
-    for r in jobs:
-        r.stamps["p_admitted"] = r.arrival + costs.admit_s
-    j = 0  # the next request for the reserve stage
-    reserve_free = 0.0  # when the reserve stage can start its next RESERVE
-    batch: list[Request] = []  # reserved, for the next forward
-    ahead: list[Request] = []  # reserved with a group, waiting for room in the batch
+    def __init__(self, index: int, step: StepCost, costs: Costs, overlap: bool, pool_tokens: int = 0) -> None:
+        self.index, self.step, self.costs, self.overlap = index, step, costs, overlap
+        self.pool_tokens = pool_tokens
+        self.pending: deque[tuple[float, Request]] = deque()  # (commit time, request), not in a step yet
+        self.active: list[list[Any]] = []  # [request, frames done, context tokens]
+        self.t = 0.0  # the end of the last step run
+        self.prepared_at = 0.0  # when the next step's batch is fixed (overlap: the last step's start)
+        self.held: dict[int, int] = {}  # request index -> tokens, reserved here until its last frame
+        self.reserved_total = 0
 
-    def fits(r: Request) -> bool:
-        rows = sum(x.rows for x in batch)
-        return not batch or (len(batch) < cfg.max_batch_prompts and rows + r.rows <= cfg.max_batch_rows)
+    def order_key(self) -> tuple[int, int, int, int]:
+        """P's ranking of its D's (links.DecodeLink.order_key), best first: most free
+        tokens, fewest streams, fewest grants so far."""
+        return (sum(self.held.values()), len(self.held), self.reserved_total, self.index)
 
-    def group_start() -> float:
-        return max(reserve_free, jobs[j].stamps["p_admitted"])
+    def reserve(self, r: Request) -> bool:
+        """D's RESERVE: granted when the pool holds the request now (else no_capacity)."""
+        need = r.rows + r.spec.frames
+        if sum(self.held.values()) + need > self.pool_tokens:
+            return False
+        self.held[r.index] = need
+        self.reserved_total += 1
+        return True
 
-    def reserve_group() -> float:
-        nonlocal j, reserve_free
-        begin = group_start()
-        k = 1
-        while k < cfg.reserve_concurrency and j + k < len(jobs) and jobs[j + k].stamps["p_admitted"] <= begin:
-            k += 1
-        reserve_free = begin + costs.reserve_s
-        for r in jobs[j:j + k]:
-            r.stamps["p_reserved"] = reserve_free
-            if not ahead and fits(r):
-                batch.append(r)
+    def commit(self, at: float, r: Request) -> None:
+        """P's COMMIT at `at`, never before one already given (P's forwards end in order)."""
+        self.pending.append((at, r))
+
+    def run_until(self, until: float) -> None:
+        """Every step that ends by `until`."""
+        while self.pending or self.active:
+            if not self.active:  # idle: the next step starts with the next commit
+                if self.pending[0][0] > until:
+                    return
+                self.t = self.prepared_at = max(self.t, self.pending[0][0])
+            while self.pending and self.pending[0][0] <= (self.prepared_at if self.overlap else self.t):
+                at, r = self.pending.popleft()
+                _stream_frames(r, at, self.costs)  # P's frame
+                if r.spec.frames > 1:
+                    self.active.append([r, 1, r.rows + 1])
+                else:
+                    self.held.pop(r.index, None)
+            if not self.active:
+                continue
+            end = self.t + self.step.ms(len(self.active), sum(a[2] for a in self.active)) / 1e3
+            if end > until:
+                return
+            self.prepared_at, self.t = self.t, end
+            for a in self.active:
+                _stream_frames(a[0], end, self.costs)
+                a[1] += 1
+                a[2] += 1
+                if a[1] == a[0].spec.frames:
+                    self.held.pop(a[0].index, None)
+            self.active = [a for a in self.active if a[1] < a[0].spec.frames]
+
+
+class PrefillModel:
+    """P as engine/prefill/pipeline.py runs it, in the model's time.
+
+    The reserve stage takes the next request once it is in P's queue, with those queued
+    behind it by then (`reserve_concurrency` in all), and RESERVEs them at once
+    (`reserve_s`): D's verdict comes before any wait for room, so a refusal is answered
+    then. The granted go into the batch the next forward takes while they fit
+    (`max_batch_rows`, `max_batch_prompts`); the rest wait for room reserved, and while
+    fewer than `reserve_concurrency` wait, newcomers are reserved too (the queue looked
+    at every `_ROOM_POLL_S`). The forward stage takes the whole batch when the forward
+    in flight ends, or, idle, as soon as a request goes in."""
+
+    def __init__(self, requests: list[Request], costs: Costs, cfg: PlanConfig, lanes: list[DecodeLane]) -> None:
+        self.costs, self.cfg, self.lanes = costs, cfg, lanes
+        self.queue = deque(sorted(requests, key=lambda r: r.arrival))  # P's queue, each from its p_admitted
+        for r in self.queue:
+            r.stamps["p_admitted"] = r.arrival + costs.admit_s
+        self.cache = PrefixCacheModel(cfg.block_tokens)
+        self.open: list[Request] = []  # reserved, for the next forward
+        self.busy_until: float | None = None  # the forward in flight's end; None: P idle
+        self.route: dict[int, DecodeLane] = {}
+
+    def run(self) -> None:
+        t = 0.0
+        while self.queue:
+            t = self.reserve_once(max(t, self.queue[0].stamps["p_admitted"]))
+        self.forwards_until(float("inf"))
+        for lane in self.lanes:
+            lane.run_until(float("inf"))
+
+    # the reserve stage (pipeline._reserve_once); `t` is its clock
+    def reserve_once(self, t: float) -> float:
+        k = self.cfg.reserve_concurrency
+        waiting, t = self.reserve_group(self.take(t, k), t)
+        while waiting:
+            waiting = waiting[self.add_fitting(waiting, t):]
+            if not waiting:
+                break
+            if len(waiting) < k and self.queue and self.queue[0].stamps["p_admitted"] <= t:
+                more, t = self.reserve_group(self.take(t, k - len(waiting)), t)
+                waiting += more
+                continue
+            assert self.busy_until is not None, "a batch with no room is taken by the forward in flight's end"
+            if len(waiting) < k and self.queue:  # room, or the first poll to find the next request queued
+                polls = max(1, math.ceil((self.queue[0].stamps["p_admitted"] - t) / _ROOM_POLL_S - 1e-9))
+                t = min(self.busy_until, t + polls * _ROOM_POLL_S)
             else:
-                ahead.append(r)
-        j += k
-        return reserve_free
+                t = self.busy_until
+        return t
 
-    commits: list[tuple[float, Request]] = []
-    free_at = 0.0  # when the forward in flight ends
-    while j < len(jobs) or batch or ahead:
-        # groups reserved while the forward in flight runs, while the next one has room
-        while j < len(jobs) and not ahead and fits(jobs[j]) and group_start() + costs.reserve_s <= free_at:
-            reserve_group()
-        blocked = j < len(jobs) and (bool(ahead) or not fits(jobs[j]))
-        if batch:
-            start = free_at
-        else:  # P idle: its forward starts with the first group reserved
-            start = reserve_group()
-        taken, batch[:] = list(batch), []
-        while ahead and fits(ahead[0]):  # reserved, waiting for room: into the next batch
-            batch.append(ahead.pop(0))
-        if blocked:  # the reserve stage waited for this take to make room
-            reserve_free = max(reserve_free, start)
-        seqs = [(r.rows - c, c) for r in taken for c in [cache.cached(r, start)]]
-        end = start + costs.forward_ms(seqs) / 1e3
+    def take(self, t: float, most: int) -> list[Request]:
+        """The next queued requests at `t`, up to `most` (the first is queued by then)."""
+        jobs = [self.queue.popleft()]
+        while len(jobs) < most and self.queue and self.queue[0].stamps["p_admitted"] <= t:
+            jobs.append(self.queue.popleft())
+        return jobs
+
+    def reserve_group(self, jobs: list[Request], t: float) -> tuple[list[Request], float]:
+        """The RESERVEs of `jobs`, sent at `t` together: the granted, in order, and when D
+        answered. A refused request (no D's pool holds it) ends there."""
+        answered = t + self.costs.reserve_s
+        self.forwards_until(answered)
+        for d in self.lanes:
+            d.run_until(answered)
+        granted = []
+        for r in jobs:
+            lane = next((d for d in sorted(self.lanes, key=DecodeLane.order_key) if d.reserve(r)), None)
+            if lane is None:
+                r.refused, r.answered = True, answered + self.costs.deliver_s
+                r.stamps.update(p_taken=t, p_reserve_sent=t, p_reserve_answered=answered)
+                continue
+            r.stamps["p_reserved"] = answered
+            self.route[r.index] = lane
+            granted.append(r)
+        return granted, answered
+
+    def add_fitting(self, waiting: list[Request], t: float) -> int:
+        """How many of `waiting`, in order, join the open batch at `t` (handoff.OpenBatch.
+        add_fitting); an idle P's forward takes them at once, and the rest of the group
+        then waits in the emptied batch for the next forward."""
+        self.forwards_until(t)
+        n = self._fill(waiting)
+        if n and self.busy_until is None:
+            self.start_forward(t)
+            n += self._fill(waiting[n:])
+        return n
+
+    def _fill(self, items: list[Request]) -> int:
+        n = 0
+        for r in items:
+            if not joins_batch(len(self.open), sum(x.rows for x in self.open), r.rows,
+                               self.cfg.max_batch_prompts, self.cfg.max_batch_rows):
+                break
+            self.open.append(r)
+            n += 1
+        return n
+
+    # the forward stage (pipeline._forward_once)
+    def forwards_until(self, t: float) -> None:
+        """Each forward that ends by `t` takes the open batch then, or P goes idle."""
+        while self.busy_until is not None and self.busy_until <= t:
+            if self.open:
+                self.start_forward(self.busy_until)
+            else:
+                self.busy_until = None
+
+    def start_forward(self, at: float) -> None:
+        taken, self.open = self.open, []
+        seqs = [(r.rows - c, c) for r in taken for c in [self.cache.cached(r, at)]]
+        end = at + self.costs.forward_ms(seqs) / 1e3
         for r in taken:
-            cache.publish(r, end)
-            r.stamps.update(prefill_start=start, prefill_end=end, d_committed=end + costs.handoff_s)
-            commits.append((end + costs.handoff_s, r))
-        free_at = end
-    # each request to the D with the fewest streams at its commit
-    lanes: list[list[tuple[float, Request]]] = [[] for _ in range(n_decode)]
-    load: list[list[float]] = [[] for _ in range(n_decode)]  # end estimates of each D's streams
-    for at, r in sorted(commits, key=lambda x: x[0]):
-        counts = [sum(1 for e in ends if e > at) for ends in load]
-        i = int(np.argmin(counts))
-        lanes[i].append((at, r))
-        # a stream lasts about frames x a step at this D's load (enough to balance)
-        load[i].append(at + r.spec.frames * step.ms(counts[i] + 1, (counts[i] + 1) * r.rows) / 1e3)
-    for lane in lanes:
-        simulate_decode(lane, step, costs, overlap=True)
-        refuse_beyond_pool([r for _, r in lane], cfg.pool_tokens, "p_reserved", costs)
+            self.cache.publish(r, end)
+            r.stamps.update(prefill_start=at, prefill_end=end, d_committed=end + self.costs.handoff_s)
+            self.route[r.index].commit(end + self.costs.handoff_s, r)
+        self.busy_until = end
+
+
+def simulate_pd(requests: list[Request], costs: Costs, n_decode: int, cfg: PlanConfig) -> None:
+    """P (PrefillModel), then each D (DecodeLane, overlap), in one timeline: frame times
+    into every request's `times`; a request no D's pool holds at its RESERVE is refused
+    there (`refused`, `answered`) and costs P and D nothing more."""
+    assert costs.step is not None, "load_costs fits D's step for every planned 1pNd variant"
+    lanes = [DecodeLane(i, costs.step, costs, True, cfg.pool_tokens) for i in range(n_decode)]
+    PrefillModel(requests, costs, cfg, lanes).run()
 
 
 def simulate_decode(commits: list[tuple[float, Request]], step: StepCost, costs: Costs, overlap: bool) -> None:
-    """D's loop over committed requests (time, request), P's first frame at commit."""
-    pending = deque(sorted(commits, key=lambda x: x[0]))
-    active: list[list[Any]] = []  # [request, frames done, context tokens]
-    t = 0.0
-    prepared_at = 0.0  # when this step's batch was fixed (overlap: the previous step's start)
-    while pending or active:
-        if not active and pending and pending[0][0] > t:
-            t = prepared_at = pending[0][0]
-        while pending and pending[0][0] <= (prepared_at if overlap else t):
-            at, r = pending.popleft()
-            _stream_frames(r, at, costs)  # P's frame
-            if r.spec.frames > 1:
-                active.append([r, 1, r.rows + 1])
-        if not active:
-            continue
-        dur = step.ms(len(active), sum(a[2] for a in active)) / 1e3
-        prepared_at, t = t, t + dur
-        for a in active:
-            _stream_frames(a[0], t, costs)
-            a[1] += 1
-            a[2] += 1
-        active = [a for a in active if a[1] < a[0].spec.frames]
+    """One D's loop over committed requests (time, request), its pool not counted."""
+    lane = DecodeLane(0, step, costs, overlap)
+    for at, r in sorted(commits, key=lambda x: x[0]):
+        lane.commit(at, r)
+    lane.run_until(float("inf"))
 
 
 # ---------------------------------------------------------------------------- monoliths
@@ -541,6 +636,7 @@ def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str
                            frames_requested=r.spec.frames, started_s=r.arrival, send_unix_ns=0, status=200)
         if r.refused:
             res.status, res.error = 429, "http_429:no_capacity"
+            res.answered_s = None if r.answered is None else r.answered - r.arrival
             results.append(res)
             continue
         arrivals = np.sort(np.asarray(r.times)) - r.arrival
@@ -559,16 +655,19 @@ def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str
 
 def stage_percentiles(requests: list[Request], start_frames: int) -> dict[str, dict[str, float | None]]:
     """p50/p99 ms of each stage of the model, after the one before it, named by the
-    engines' stamps (BENCHMARKS.md section 5's waterfall). The model folds the LB's
-    stages into `p_admitted`, RESERVE's into `p_reserved`, and the write, checksum and
-    COMMIT into `d_committed`; a monolith has no reserve and no commit."""
-    pd = bool(requests) and "p_reserved" in requests[0].stamps
+    engines' stamps (BENCHMARKS.md section 5's waterfall), over the requests that got
+    frames. The model folds the LB's stages into `p_admitted`, RESERVE's into
+    `p_reserved`, and the write, checksum and COMMIT into `d_committed`; a monolith has
+    no reserve and no commit. 1PnD adds `refusal_in` (a refusal at the client) over the
+    requests refused at RESERVE."""
+    served = [r for r in requests if r.times]
+    pd = any("p_reserved" in r.stamps for r in served) or any(r.answered is not None for r in requests)
     chain = (["p_admitted", "p_reserved", "prefill_start", "prefill_end", "d_committed"] if pd
              else ["p_admitted", "prefill_start", "prefill_end"])
     pairs = [("p_admitted", "client_send"), *zip(chain[1:], chain[:-1], strict=True),
              ("first_frame_in", "client_send"), ("start_frames_in", "client_send")]
     stamps = []
-    for r in requests:
+    for r in served:
         times = sorted(r.times)
         stamps.append(dict(r.stamps, client_send=r.arrival, first_frame_in=times[0],
                            start_frames_in=times[min(start_frames, len(times)) - 1]))
@@ -577,6 +676,10 @@ def stage_percentiles(requests: list[Request], start_frames: int) -> dict[str, d
         values = [(st[stage] - st[after]) * 1e3 for st in stamps]
         out[f"{stage} after {after}"] = {k: None if v is None else round(v, 3)
                                          for k, v in percentiles(values, (50, 99)).items()}
+    if pd:
+        refusals = [(r.answered - r.arrival) * 1e3 for r in requests if r.answered is not None]
+        out["refusal_in after client_send"] = {k: None if v is None else round(v, 3)
+                                               for k, v in percentiles(refusals, (50, 99)).items()}
     return out
 
 

@@ -296,3 +296,65 @@ def test_reserves_sent_together_put_a_clump_into_ps_first_forward(tmp_path):
         assert len(starts) == (1 if k == 8 else len(starts)) and (k == 8 or len(starts) > 1)
         ends[k] = max(r.stamps["prefill_end"] for r in clump)
     assert ends[8] <= ends[1]
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_a_refusal_at_a_busy_p_is_answered_after_its_reserve_not_after_a_forward(tmp_path, concurrency):
+    """Issue 24, P's order: D's verdict before the wait for room. P forwards one prompt
+    in 200 ms; A is in the forward, B1 fills the next batch, B2 waits for room reserved,
+    and C, which no pool holds, arrives during A's forward. With --reserve-concurrency 2
+    C is reserved while B2 waits (at the next look at the queue) and refused at once;
+    with 1 it waits behind B2, until A's forward ends. C costs P no forward."""
+    cfg = config(tmp_path, pool_tokens=2500, max_batch_prompts=1, reserve_concurrency=concurrency)
+    c = costs(eager=plan.PrefillCost(base_ms=200.0, per_row_ms=0.0, per_pair_ms=0.0))
+    a, b1, b2 = (request(i, at, rows=100, frames=100) for i, at in ((0, 0.0), (1, 0.05), (2, 0.06)))
+    late = request(3, 0.1, rows=1000, frames=1000)  # 600 held + 2000 > 2500: no_capacity
+    plan.simulate_pd([a, b1, b2, late], c, 1, cfg)
+    a_end = a.stamps["prefill_end"]
+    # the granted: B2 reserved before the wait for room, into the forward after B1's
+    assert b2.stamps["p_reserved"] == pytest.approx(0.06 + c.admit_s + c.reserve_s) and b2.stamps["p_reserved"] < a_end
+    assert b1.stamps["prefill_start"] == pytest.approx(a_end)
+    assert b2.stamps["prefill_start"] == pytest.approx(b1.stamps["prefill_end"])
+    # the refusal: answered its RESERVE's round trip after P took it, never behind a forward
+    assert late.refused and not late.times and "prefill_start" not in late.stamps
+    taken = late.stamps["p_taken"]
+    if concurrency == 2:  # the first look at the queue after it arrived, 5 ms apart
+        assert late.stamps["p_admitted"] <= taken <= late.stamps["p_admitted"] + plan._ROOM_POLL_S + 1e-9
+        assert taken < a_end
+    else:
+        assert taken == pytest.approx(a_end)  # behind B2, which waited for A's forward to end
+    assert late.stamps["p_reserve_answered"] == pytest.approx(taken + c.reserve_s)
+    assert late.answered == pytest.approx(late.stamps["p_reserve_answered"] + c.deliver_s)
+    assert len({r.stamps["prefill_start"] for r in (a, b1, b2)}) == 3  # three forwards, none for C
+    stages = plan.stage_percentiles([a, b1, b2, late], start_frames=3)
+    assert stages["refusal_in after client_send"]["p50"] == pytest.approx((late.answered - 0.1) * 1e3)
+    cap = plan.capacity_config(cfg, plan.Variant("x", 2, decoders=1), [1.0]).model_copy(update={"warmup": 0.0})
+    assert plan.judge([a, b1, b2, late], cap, 1.0)["error_kinds"] == {"http_429:no_capacity": 1}
+
+
+def test_p_reserves_on_the_d_with_the_most_free_pool_and_refuses_only_when_none_holds_it(tmp_path):
+    """links.reserve at RESERVE: the D's best first (most free pool, then fewest streams),
+    the next one on no_capacity. D0 holds one long stream (2400 of 2500 tokens), D1 two
+    short ones: the next two go to D1 though it has more streams; a request neither
+    holds is refused at its RESERVE and costs P no forward."""
+    cfg = config(tmp_path, pool_tokens=2500)
+    long = request(0, 0.0, rows=1000, frames=1400)
+    short = [request(i, 0.01 * i, rows=100, frames=100) for i in (1, 2)]
+    mid = request(3, 0.1, rows=500, frames=500)
+    big = request(4, 0.15, rows=1000, frames=1000)  # D0 100 free, D1 1100
+    plan.simulate_pd([long, *short, mid, big], costs(), 2, cfg)
+    assert [r.refused for r in (long, *short, mid, big)] == [False, False, False, False, True]
+    assert all(len(r.times) == r.spec.frames for r in (long, *short, mid))
+    assert "prefill_start" not in big.stamps and big.answered is not None
+
+
+@pytest.mark.timeout(20)
+def test_d_idle_after_its_last_stream_takes_a_commit_that_came_during_that_step():
+    """A commit during the step that ends D's last stream starts the next step at that
+    step's end (the loop once waited for it forever)."""
+    c = costs()
+    first, second = request(0, 0.0, rows=100, frames=2), request(1, 0.0, rows=100, frames=2)
+    step = STEP.ms(1, 101) / 1e3
+    plan.simulate_decode([(1.0, first), (1.0 + step / 2, second)], STEP, c, overlap=True)
+    assert first.times == pytest.approx([1.0 + c.deliver_s, 1.0 + step + c.deliver_s])
+    assert second.times == pytest.approx([1.0 + step / 2 + c.deliver_s, 1.0 + 2 * step + c.deliver_s])
