@@ -34,6 +34,7 @@ from pdunit.engine.loadgen.workload import (
     WorkloadConfig,
     arrival_times,
     parse_range,
+    row_rule_of,
     voice_clip,
     voice_codes,
     warm_voice,
@@ -952,6 +953,7 @@ async def run_load_async(
                 voice_reuse=cfg.voice_reuse,
                 seed=cfg.seed,
                 speech=speech is not None,
+                row_rule=row_rule_of(model),
             )
         )
         levels: list[tuple[int | None, float | None]] = [(c, None) for c in levels_c] + [

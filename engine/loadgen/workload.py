@@ -1,7 +1,8 @@
 """The synthetic TTS workload of BENCHMARKS.md section 1: prompts, voices, lengths, arrivals.
 
 Frames (`/v1/tts/stream`): a voice's reference rows (fixed per voice: P's prefix cache)
-then text rows, `prompt_rows` in all, ids uniform per column (GET /v1/model). Speech
+then text rows, `prompt_rows` in all, ids uniform per column (GET /v1/model), or under
+the model's `row_rule` only rows the rule allows (the LB refuses any other). Speech
 (`/v1/audio/speech`): a sentence (SPEECH_TEXTS, or made from its words) and a stored
 voice's name; `voice_clip` / `voice_codes` make a voice's upload, fixed per name. Either
 way a `voice_reuse` share uses one of `voices` warm voices, the rest a voice never seen
@@ -12,12 +13,16 @@ way a `voice_reuse` share uses one of `voices` warm voices, the rest a voice nev
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
+from pdunit.engine.model.request_rules import RowRule
 from pdunit.engine.packing import pack
+
+TRANSCRIPT_SHARE = 0.2  # under a row rule: a voice's reference is its transcript, then its clip
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class WorkloadConfig:
     reference_share: float = 0.75  # reference rows = this share of prompt_rows' low end
     seed: int = 0
     speech: bool = False  # text + a voice's name (/v1/audio/speech) instead of rows
+    row_rule: RowRule | None = None  # the model's (GET /v1/model): rows it allows; None: any ids
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_rows
@@ -46,6 +52,15 @@ class WorkloadConfig:
             raise ValueError(
                 f"{len(self.vocab_sizes)} vocab sizes for {self.n_codebooks} codebooks"
             )
+        rule = self.row_rule
+        if rule is not None:
+            if rule.width != self.n_codebooks:
+                raise ValueError(f"the row rule reads rows of {rule.width} ids, the model has "
+                                 f"{self.n_codebooks} codebooks")
+            tokens = self.vocab_sizes[rule.marker_column]
+            if len(_tokens_excluded(rule, tokens)) >= tokens:
+                raise ValueError(f"the row rule leaves column {rule.marker_column} no text token "
+                                 f"below its vocab size {tokens}")
 
     @property
     def reference_rows(self) -> int:
@@ -103,15 +118,56 @@ class Workload:
         self._references: dict[int, np.ndarray] = {}
         self._count = 0
 
-    def _ids(self, rng: np.random.Generator, rows: int) -> np.ndarray:
-        return (rng.random((rows, self.config.n_codebooks)) * self._vocab).astype(np.int32)
+    def _ids(self, rng: np.random.Generator, rows: int, vocab: np.ndarray | None = None) -> np.ndarray:
+        vocab = self._vocab if vocab is None else vocab
+        return (rng.random((rows, self.config.n_codebooks)) * vocab).astype(np.int32)
+
+    def _text(self, rng: np.random.Generator, rows: int) -> np.ndarray:
+        """Text rows: uniform ids, or under a rule its text rows (`_text_rows`)."""
+        if self.config.row_rule is None:
+            return self._ids(rng, rows)
+        return self._text_rows(rng, rows, self.config.row_rule)
+
+    def _text_rows(self, rng: np.random.Generator, rows: int, rule: RowRule) -> np.ndarray:
+        """The rule's text rows: its first empty id in the frame columns, a token other than
+        the frame marker and the frame-end id in the marker column, the rest uniform."""
+        m = rule.marker_column
+        excluded = _tokens_excluded(rule, int(self._vocab[m]))
+        vocab = self._vocab.copy()
+        vocab[m] -= len(excluded)
+        out = self._ids(rng, rows, vocab)
+        out[:, : rule.frame_columns] = rule.empty_ids[0]
+        for token in excluded:  # ascending: each lifts the draws at or past it by one
+            out[:, m] += out[:, m] >= token
+        return out
+
+    def _frame_rows(self, rng: np.random.Generator, rows: int, rule: RowRule) -> np.ndarray:
+        """The rule's audio-frame rows: codes below its code limit, the marker in its column."""
+        vocab = self._vocab.copy()
+        vocab[: rule.frame_columns] = np.minimum(vocab[: rule.frame_columns], rule.code_limit)
+        out = self._ids(rng, rows, vocab)
+        out[:, rule.marker_column] = rule.marker_id
+        return out
+
+    def _voice_rows(self, rng: np.random.Generator, rows: int) -> np.ndarray:
+        """A voice's reference: uniform ids, or under a rule its transcript's text rows
+        (TRANSCRIPT_SHARE of them, at least one) then its clip's audio-frame rows, the last
+        the audio's end frame when the rule has one (as CSM's prompts are laid out)."""
+        rule = self.config.row_rule
+        if rule is None:
+            return self._ids(rng, rows)
+        n_text = min(rows, max(1, round(rows * TRANSCRIPT_SHARE)))
+        out = np.concatenate([self._text_rows(rng, n_text, rule), self._frame_rows(rng, rows - n_text, rule)])
+        if rows > n_text and rule.frame_end_id >= 0:
+            out[-1, : rule.frame_columns] = rule.frame_end_code
+        return out
 
     def _reference(self, voice: int) -> np.ndarray:
         ref = self._references.get(voice)
         if ref is None:
             # Its own stream per voice: a voice's reference never depends on draw order.
             rng = np.random.default_rng([self.config.seed, 1, voice])
-            ref = self._ids(rng, self.config.reference_rows)
+            ref = self._voice_rows(rng, self.config.reference_rows)
             self._references[voice] = ref
         return ref
 
@@ -133,8 +189,8 @@ class Workload:
             v = int(rng.integers(0, cfg.voices))
             voice, reference = f"voice-{v}", self._reference(v)
         else:
-            voice, reference = f"cold-{cfg.seed}-{index}", self._ids(rng, cfg.reference_rows)
-        text = self._ids(rng, max(0, total - reference.shape[0]))
+            voice, reference = f"cold-{cfg.seed}-{index}", self._voice_rows(rng, cfg.reference_rows)
+        text = self._text(rng, max(0, total - reference.shape[0]))
         prompt = np.concatenate([reference, text]) if text.size else reference.copy()
         return StreamSpec(
             index=index, voice=voice, reused=reused, prompt=prompt, frames=frames, seed=seed
@@ -143,6 +199,23 @@ class Workload:
     def __iter__(self) -> Iterator[StreamSpec]:
         while True:
             yield self.next()
+
+
+def row_rule_of(model: Mapping[str, Any]) -> RowRule | None:
+    """GET /v1/model's `row_rule` as the RowRule the LB checks rows with (None: it has none)."""
+    doc = model.get("row_rule")
+    if doc is None:
+        return None
+    missing = [f.name for f in fields(RowRule) if f.name not in doc]
+    if missing:
+        raise ValueError(f"GET /v1/model's row_rule lacks {', '.join(missing)}")
+    values = {f.name: doc[f.name] for f in fields(RowRule)}
+    return RowRule(**(values | {"empty_ids": tuple(values["empty_ids"])}))
+
+
+def _tokens_excluded(rule: RowRule, vocab: int) -> list[int]:
+    """The ids below `vocab` a text row's token may not be, ascending."""
+    return sorted({t for t in (rule.marker_id, rule.frame_end_id) if 0 <= t < vocab})
 
 
 # ------------------------------------------------------------------ speech

@@ -1,6 +1,11 @@
-"""The synthetic workload: seeded, voices reused at the asked share, bodies the LB accepts."""
+"""The synthetic workload: seeded, voices reused at the asked share, bodies the LB accepts
+(under a model's row rule too: csm's text and audio-frame rows)."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -12,8 +17,10 @@ from pdunit.engine.loadgen.workload import (
     arrival_times,
     parse_list,
     parse_range,
+    row_rule_of,
     shares,
 )
+from pdunit.engine.model.request_rules import RowRule
 
 VOCAB = (1024,) * 10 + (50,)
 
@@ -115,3 +122,61 @@ def test_range_and_list_arguments_name_the_flag_when_wrong():
     assert parse_list("4,8, 16", "--concurrency") == [4, 8, 16]
     with pytest.raises(ValueError, match="--concurrency"):
         parse_list("4,x", "--concurrency")
+
+
+# Rows of the issue-23 rules: csm-tiny's and CSM-1B's (CsmFamily.row_rule of random:csm-tiny
+# and random:csm-1b-shape), and one with a column the rule leaves free and no frame-end id.
+CSM_TINY = (RowRule(marker_column=4, marker_id=62, frame_columns=4, code_limit=32, empty_ids=(0, 31),
+                    frame_end_id=61, frame_end_code=0), (32,) * 4 + (64,))
+CSM_1B = (RowRule(marker_column=32, marker_id=128002, frame_columns=32, code_limit=2048, empty_ids=(0, 2050),
+                  frame_end_id=128003, frame_end_code=0), (2051,) * 32 + (128256,))
+FREE_COLUMN = (RowRule(marker_column=4, marker_id=3, frame_columns=3, code_limit=20, empty_ids=(7,)), (24,) * 5)
+
+
+def rule_config(rule: RowRule, vocab: tuple[int, ...], **kw) -> WorkloadConfig:
+    return config(n_codebooks=len(vocab), vocab_sizes=vocab, row_rule=rule, **kw)
+
+
+@pytest.mark.parametrize("rule,vocab", [CSM_TINY, CSM_1B, FREE_COLUMN], ids=["csm-tiny", "csm-1b", "free-column"])
+@pytest.mark.parametrize("prompt_rows", [(2, 4), (20, 60)])
+def test_under_a_row_rule_every_prompt_passes_the_lbs_check(rule, vocab, prompt_rows):
+    """Every prompt passes the rule's check and the LB's parser with the rule, laid out as
+    CSM's: the voice's transcript (text rows), its clip (audio-frame rows, the last its
+    end frame where the rule has one), then the text to speak (text rows)."""
+    cfg = rule_config(rule, vocab, prompt_rows=prompt_rows)
+    w = Workload(cfg)
+    limits = Limits(len(vocab), vocab, row_rule=rule)
+    for _ in range(60):
+        s = w.next()
+        assert rule.check(s.prompt) is None, (s.index, rule.check(s.prompt))
+        for fmt in ("json", "binary"):
+            body, headers = s.body(fmt)
+            lower = {k.lower(): v for k, v in headers.items()}
+            assert parse_request(lower["content-type"], lower, body, limits).prompt.tolist() == s.prompt.tolist()
+        frame = s.prompt[:, rule.marker_column] == rule.marker_id
+        ref = cfg.reference_rows
+        frames = np.flatnonzero(frame).tolist()
+        assert frames and frames == list(range(ref - len(frames), ref)) and frames[0] >= 1
+        assert (s.prompt[~frame, : rule.frame_columns] == rule.empty_ids[0]).all()
+        assert (s.prompt[ref - 1, : rule.frame_columns] == rule.frame_end_code).all() == (rule.frame_end_id >= 0)
+
+
+def test_a_model_documents_row_rule_is_the_rule_the_lb_checks_with():
+    rule, _ = CSM_TINY
+    doc = {"n_codebooks": 5, "row_rule": {"width": rule.width, **asdict(rule), "description": rule.describe()}}
+    assert row_rule_of(json.loads(json.dumps(doc))) == rule  # as GET /v1/model sends it
+    assert row_rule_of({"n_codebooks": 11, "row_rule": None}) is None
+    with pytest.raises(ValueError, match="the row rule reads rows of 5 ids, the model has 11 codebooks"):
+        config(row_rule=rule)
+
+
+def test_without_a_row_rule_the_rows_are_the_same_as_before_it():
+    """The rows of seed 3 as the workload drew them before row rules (issue 23): the
+    null-rule draws are unchanged, so earlier runs' seeds still mean the same prompts."""
+    w = Workload(config())
+    h = hashlib.sha256()
+    for _ in range(20):
+        s = w.next()
+        h.update(s.prompt.tobytes())
+        h.update(f"{s.voice}/{s.frames}/{s.seed}/{s.reused}".encode())
+    assert h.hexdigest() == "3cadfb40474d449912d248bb12cb44debf7670b5d82f7428da9314484fd1064d"
