@@ -11,11 +11,15 @@ graph would replay, checkable without a GPU (Triton's interpreter).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdunit.engine.model.transformer import TTSModel
+
+if TYPE_CHECKING:
+    from pdunit.kernels.prefill_attention import PrefillPlan
 
 # Decode rows and prompt rows per bucket (`--mixed-graph-streams`, `--mixed-graph-rows`):
 # prompt rows in the budget policy's blocks (16-row prefix-cache blocks, 1 to 32 of them).
@@ -111,10 +115,11 @@ class MixedGraphRunner:
         big, c, n_last = self._layout
         ints, i32, s, t = self._ints, self._i32, self.max_seqs, b + p
         big_b = self.streams[-1]
+        plan: PrefillPlan = {"table": self._table, "ctx_len": i32[big_b : big_b + s],
+                             "q_len": i32[big_b + s : big_b + 2 * s], "q_start": i32[big_b + 2 * s :], "max_q_len": p}
         return (ints[: t * c].view(t, c), ints[big * c : big * c + t], ints[big * c + big : big * c + big + t],
-                self._dec_table[:b], i32[:b], self._splits[b],
-                self._table, i32[big_b : big_b + s], i32[big_b + s : big_b + 2 * s], i32[big_b + 2 * s :],
-                ints[big * c + 2 * big : big * c + 2 * big + b + s], self.kv, p, self._fp8_of(t, p))
+                self._dec_table[:b], i32[:b], self._splits[b], plan,
+                ints[big * c + 2 * big : big * c + 2 * big + b + s], self.kv, self._fp8_of(t, p))
 
     def _capture(self) -> None:
         dev = self.model.device

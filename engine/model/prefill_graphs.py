@@ -13,12 +13,16 @@ tests against the captured graphs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdunit.engine.model.transformer import ForwardBatch, TTSModel
 from pdunit.engine.settings import PREFILL_GRAPH_ROWS as DEFAULT_ROW_BUCKETS
+
+if TYPE_CHECKING:
+    from pdunit.kernels.prefill_attention import PrefillPlan
 
 
 # The buffers: tokens, positions and write slots of the largest bucket's rows; the slot
@@ -88,8 +92,10 @@ class PrefillGraphRunner:
             self._capture()
 
     def _args(self, size: int) -> tuple:
-        return (self._tokens[:size], self._positions[:size], self._write_slots[:size], self._table,
-                self._ctx_len, self._q_len, self._q_start, self._last, self.kv, size, self._fp8[size])
+        plan: PrefillPlan = {"table": self._table, "ctx_len": self._ctx_len, "q_len": self._q_len,
+                             "q_start": self._q_start, "max_q_len": size}
+        return (self._tokens[:size], self._positions[:size], self._write_slots[:size], plan, self._last, self.kv,
+                self._fp8[size])
 
     def _capture(self) -> None:
         dev = self.model.device

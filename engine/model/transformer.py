@@ -37,6 +37,7 @@ from pdunit.kernels.kv_dtype import FP8_KV, index_copy_kv, kv_storage_dtype, to_
 if TYPE_CHECKING:
     from pdunit.engine.model.request_rules import RowRule
     from pdunit.kernels.fp8_gemm import Fp8Rows, Fp8Weight
+    from pdunit.kernels.prefill_attention import PrefillPlan
 
 GEMM_PRECISIONS: tuple[str, ...] = get_args(GemmPrecision)  # set_prefill_gemm, set_decode_gemm
 
@@ -278,6 +279,14 @@ def _paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: _AttentionPl
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
         out[start : start + n] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
+    """The GPU path's prompt rows: the paged prefill kernel over `plan` into a new [T, Hq, D]."""
+    from pdunit.kernels.prefill_attention import paged_prefill_attention
+
+    return paged_prefill_attention(q, kv_layer, plan["table"], plan["ctx_len"], plan["q_len"], plan["q_start"],
+                                   plan["max_q_len"], torch.empty_like(q))
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -753,7 +762,7 @@ class TTSModel(nn.Module):
             choose_splits,
             paged_decode_attention,
         )
-        from pdunit.kernels.prefill_attention import paged_prefill_attention, prefill_plan
+        from pdunit.kernels.prefill_attention import prefill_plan
 
         dev = self.device
         tokens = batch.tokens.to(dev, non_blocking=True)
@@ -774,16 +783,11 @@ class TTSModel(nn.Module):
         pf = prefill_plan([qlens[i] for i in pre], [ctx[i] for i in pre], starts[pre].tolist(), dev, non_blocking=True)
         last = torch.from_numpy(np.cumsum(qlens) - 1).to(dev, non_blocking=True)
         if not dec:
-            return self.prefill_step(tokens, positions, write_slots, pf["table"], pf["ctx_len"], pf["q_len"],
-                                     pf["q_start"], last, kv, int(pf["max_q_len"]), self._fp8_forward(batch))
+            return self.prefill_step(tokens, positions, write_slots, pf, last, kv, self._fp8_forward(batch))
         dec_rows = torch.from_numpy(starts[dec]).to(dev, non_blocking=True)
 
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(q)
-            paged_prefill_attention(
-                q, kv_layer, pf["table"], pf["ctx_len"], pf["q_len"], pf["q_start"],
-                pf["max_q_len"], out,
-            )
+            out = _prefill_attention(q, kv_layer, pf)
             o = paged_decode_attention(q[dec_rows], kv_layer, table, lengths, splits)
             out.index_copy_(0, dec_rows, o)
             return out
@@ -796,30 +800,24 @@ class TTSModel(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         write_slots: torch.Tensor,
-        table: torch.Tensor,
-        ctx_len: torch.Tensor,
-        q_len: torch.Tensor,
-        q_start: torch.Tensor,
+        plan: PrefillPlan,
         last: torch.Tensor,
         kv: torch.Tensor,
-        max_q_len: int,
         fp8: bool,
     ) -> torch.Tensor:
         """The GPU forward of prefill sequences (no decode rows) on device tensors only:
         no host sync, no host copy, so engine/model/prefill_graphs.py can capture it per
         row bucket. tokens [T, C], positions and write_slots [T] int64 (a negative slot
-        writes no K/V: padding rows); the attention plan of kernels/prefill_attention.py
-        (table, ctx_len, q_len, q_start; a sequence with q_len 0 is padding);
-        last [S] int64, the row whose logits each sequence returns; `max_q_len` sizes
-        the attention grid; `fp8` picks the GEMM precision. Returns what `forward`
+        writes no K/V: padding rows); `plan` the attention plan of
+        kernels/prefill_attention.py (a sequence with q_len 0 is padding; its max_q_len
+        sizes the attention grid); last [S] int64, the row whose logits each sequence
+        returns; `fp8` picks the GEMM precision. Returns what `forward`
         returns for S sequences: logits [S, C, V_max] float32, or with a frame generator
         the final-norm hidden states [S, hidden]. Rows that belong to no sequence are
         computed and never read."""
-        from pdunit.kernels.prefill_attention import paged_prefill_attention
 
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(q)
-            return paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
+            return _prefill_attention(q, kv_layer, plan)
 
         return self._output(self._gpu_layers(tokens, positions, write_slots, kv, attend, fp8)[last])
 
@@ -831,31 +829,24 @@ class TTSModel(nn.Module):
         dec_table: torch.Tensor,
         dec_lengths: torch.Tensor,
         n_splits: int,
-        table: torch.Tensor,
-        ctx_len: torch.Tensor,
-        q_len: torch.Tensor,
-        q_start: torch.Tensor,
+        plan: PrefillPlan,
         last: torch.Tensor,
         kv: torch.Tensor,
-        max_q_len: int,
         fp8: bool,
     ) -> torch.Tensor:
         """The GPU forward of a mixed step on device tensors only (no host sync: safe to
         capture, engine/model/mixed_graphs.py records it per bucket pair). Rows [0, B),
         B = dec_table's rows, are decode rows (one per sequence, attended by the paged
         decode kernel over dec_table/dec_lengths, `n_splits` splits, as `decode_step`);
-        the rows after them belong to the prompt chunks of the prefill plan (table,
-        ctx_len, q_len, q_start, q_start >= B; q_len 0: padding), as `prefill_step`. A
-        negative write slot stores no K/V (padding rows). last [B + S]: the rows whose
-        output is returned; `max_q_len` sizes the prefill grid; `fp8` the GEMMs."""
+        the rows after them belong to the prompt chunks of `plan` (q_start >= B; q_len 0:
+        padding), as `prefill_step`. A negative write slot stores no K/V (padding rows).
+        last [B + S]: the rows whose output is returned; `fp8` the GEMMs."""
         from pdunit.kernels.paged_attention import paged_decode_attention
-        from pdunit.kernels.prefill_attention import paged_prefill_attention
 
         b = dec_table.shape[0]
 
         def attend(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(q)
-            paged_prefill_attention(q, kv_layer, table, ctx_len, q_len, q_start, max_q_len, out)
+            out = _prefill_attention(q, kv_layer, plan)
             paged_decode_attention(q[:b], kv_layer, dec_table, dec_lengths, n_splits, out=out[:b])
             return out
 
