@@ -292,21 +292,22 @@ class RateFloorAdmission:
             return self.nominal_budget_ms()
         return self.nominal_budget_ms() / max(1.0, self.model.under_prediction(self.error_quantile))
 
-    def coefficients(self, stall_ms_per_stream: float = 0.0) -> StepCoefficients:
-        """The model's terms, each stream charged `stall_ms_per_stream` more: the steps
-        that are not its own but that it waits for (the prefill-first monolith's prefill
-        steps, per decoding stream)."""
+    def coefficients(self, charge_ms_per_stream: float = 0.0) -> StepCoefficients:
+        """The model's terms, each stream charged `charge_ms_per_stream` more: the work
+        not its own that it waits for, per decoding stream (a monolith's prompts:
+        AdmissionControl.charge_ms_per_stream)."""
         coef = self.model.coefficients
-        if stall_ms_per_stream <= 0:
+        if charge_ms_per_stream <= 0:
             return coef
-        return replace(coef, per_stream_ms=coef.per_stream_ms + stall_ms_per_stream)
+        return replace(coef, per_stream_ms=coef.per_stream_ms + charge_ms_per_stream)
 
     def judge(self, held: Iterable[HeldStream], new: HeldStream, prefill_rows: float = 0.0,
-              stall_ms_per_stream: float = 0.0) -> Verdict:
-        """`prefill_rows`: prompt rows every step is expected to carry (a monolith's
-        mixed steps, as a mean per step); `stall_ms_per_stream`: see `coefficients`."""
+              charge_ms_per_stream: float = 0.0) -> Verdict:
+        """`prefill_rows`: prompt rows every step is expected to carry whatever its
+        streams (the budget monolith's minimum chunk); `charge_ms_per_stream`: see
+        `coefficients`."""
         streams = list(held) + [new]
-        worst, at = worst_step(self.coefficients(stall_ms_per_stream), streams, prefill_rows)
+        worst, at = worst_step(self.coefficients(charge_ms_per_stream), streams, prefill_rows)
         budget = self.budget_ms()
         return Verdict(worst <= budget, worst, budget, at)
 
@@ -324,11 +325,11 @@ class RateFloorAdmission:
         return Verdict(False, worst, budget, at, engine_bound=smallest > budget)
 
     def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096,
-                 stall_ms_per_stream: float = 0.0) -> int:
+                 charge_ms_per_stream: float = 0.0) -> int:
         """How many more streams like `typical` would be admitted now (binary search)."""
         held = list(held)
         budget = self.budget_ms()
-        coef = self.coefficients(stall_ms_per_stream)
+        coef = self.coefficients(charge_ms_per_stream)
 
         def fits(k: int) -> bool:
             return worst_step(coef, held + [typical] * k)[0] <= budget
@@ -368,11 +369,14 @@ class AdmissionControl:
         # `export_for`'s last answer and the key it was computed for
         self._exported: tuple[Hashable, int] | None = None
         self.headroom_computations = 0
-        # ms per decoding stream of the steps its streams wait for that are not theirs,
-        # recently (the prefill-first monolith's prefill steps: `observe_stall`); every
-        # projected stream is charged it
+        # The work of prompts its streams wait for, per decoding stream per step recently
+        # (`charge_ms_per_stream`): the prefill-first monolith's prefill-only steps, in ms
+        # (`observe_stall`), and the chunked monolith's prompt rows in its mixed steps
+        # (`observe_rows`), priced at the model's per-row term when judged
         self._stalls: deque[tuple[float, int]] = deque(maxlen=256)  # (stall ms, streams) per decode step
         self.stall_ms_per_stream = 0.0
+        self._row_loads: deque[tuple[int, int]] = deque(maxlen=256)  # (prompt rows, streams) per decode step
+        self.rows_per_stream = 0.0
 
     @property
     def model(self) -> StepModel:
@@ -395,7 +399,7 @@ class AdmissionControl:
             v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
         else:
             v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows,
-                                     self.stall_ms_per_stream)
+                                     self.charge_ms_per_stream())
             if not v.admit and not streams:
                 # Liveness: an engine that holds nothing takes no steps, so a model (or a
                 # budget shrunk by its error) that refuses one stream would never see the
@@ -423,7 +427,7 @@ class AdmissionControl:
     def headroom(self, held: Iterable[tuple[int, ...]]) -> int:
         self.headroom_computations += 1
         streams = [held_stream(h) for h in held]
-        room = self.admission.headroom(streams, self.typical(), stall_ms_per_stream=self.stall_ms_per_stream)
+        room = self.admission.headroom(streams, self.typical(), charge_ms_per_stream=self.charge_ms_per_stream())
         if not streams:
             room = max(room, 1)  # an engine holding nothing admits one stream (judge: liveness)
         return max(0, min(room, self.trusted_streams() - len(streams)))
@@ -453,6 +457,23 @@ class AdmissionControl:
             # (a ramp's start) weighs as little as it decodes
             self.stall_ms_per_stream = sum(s for s, _ in self._stalls) / sum(n for _, n in self._stalls)
 
+    def observe_rows(self, rows: int, streams: int) -> None:
+        """One decode step of `streams` streams that carried `rows` prompt rows (the
+        chunked monolith's mixed steps): over the last 256 decode steps, their rows over
+        their stream-steps become `rows_per_stream`."""
+        if streams <= 0:
+            return
+        with self._lock:
+            self._row_loads.append((max(0, rows), streams))
+            self.rows_per_stream = sum(r for r, _ in self._row_loads) / sum(n for _, n in self._row_loads)
+
+    def charge_ms_per_stream(self) -> float:
+        """What every projected stream is charged per step beyond the model's per-stream
+        term: the prompts of a closed loop at capacity, each held stream bringing its
+        refill's (the stall of `observe_stall`, and the rows of `observe_rows` at the
+        model's per-row term)."""
+        return self.stall_ms_per_stream + self.model.coefficients.per_row_ms * self.rows_per_stream
+
     def export_for(self, key: Hashable, held: Callable[[], Iterable[tuple[int, ...]]]) -> int:
         """`export` at most once per `key`: the engine's step and the version of its held
         set (it changes whenever the held streams, the step model or the typical stream
@@ -476,6 +497,7 @@ class AdmissionControl:
         for term in TERMS:
             m.D_STEP_MODEL_MS.labels(term=term).set(getattr(c, term))
         m.D_STEP_MODEL_MS.labels(term="stall_per_stream_ms").set(self.stall_ms_per_stream)
+        m.D_STEP_MODEL_MS.labels(term="prompt_rows_per_stream_ms").set(c.per_row_ms * self.rows_per_stream)
         m.D_STEP_MODEL_ERROR.set(self.model.under_prediction())
         return headroom
 

@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,15 +153,6 @@ class MonolithEngine:
         # bumped by every loop iteration that worked and every change of `_admitted`
         # (under `_admitted_lock`): the key of the cached headroom (`headroom`)
         self._held_version = 0
-        # The most streams one observed step decoded. A step model fitted from the
-        # engine's own steps (no --step-model) is trusted up to twice that: a fit of
-        # small batches says little of large ones, and a burst judged by it at once
-        # would all be admitted before one step of them ran.
-        # Prompt rows computed per decode step (mixed steps' rows, or the prefill steps'
-        # since the previous decode step), recent ones: the prefill load every projected
-        # step carries, as the decoding streams see it.
-        self._rows_per_step: deque[int] = deque(maxlen=256)
-        self._rows_since_decode = 0
         # prefill-first: ms of prefill-only steps since the previous decode step while
         # streams were decoding (they waited for them): admission's stall charge
         self._stall_ms = 0.0
@@ -235,18 +225,17 @@ class MonolithEngine:
         return verdict.admit
 
     def prefill_rows_per_step(self) -> float:
-        """The prompt rows admission charges every projected step: under `chunked`, the
-        recent mean per decode step; under `budget`, one minimum chunk (the policy shrinks a
-        step's prompt rows to what the floor leaves, so only the chunk that always runs is
-        load); under `prefill-first` none: its prompts run in steps of their own, whose
-        whole time (base and rows) the decoding streams wait for, charged per stream as
-        measured (AdmissionControl.observe_stall)."""
+        """The prompt rows admission charges every projected step whatever its streams:
+        under `budget`, one minimum chunk (the policy shrinks a step's prompt rows to what
+        the floor leaves, so only the chunk that always runs is load). The other policies'
+        prompts are charged per projected stream as measured, each held stream bringing
+        its refill's (a closed loop at capacity): `prefill-first`'s prefill-only steps,
+        whose whole time (base and rows) the decoding streams wait for
+        (AdmissionControl.observe_stall), `chunked`'s rows in the steps its decoding
+        streams are in (AdmissionControl.observe_rows)."""
         if self.row_budget is not None:
             return float(self.row_budget.block_rows)
-        if self.policy == "prefill-first":
-            return 0.0
-        steps = list(self._rows_per_step)
-        return sum(steps) / len(steps) if steps else 0.0
+        return 0.0
 
     def _lifetimes(self) -> list[tuple[int, ...]]:
         """(context, frames to come, audio) of every stream the monolith holds: decoding
@@ -596,14 +585,13 @@ class MonolithEngine:
         if self.row_budget is not None:
             self.row_budget.observe(rows)
         if self.admission is not None:
-            self._rows_since_decode += rows
             if not streams and waiting:  # a prefill-only step its decoding streams wait for
                 self._stall_ms += seconds * 1000
             if streams:
-                self._rows_per_step.append(self._rows_since_decode)
-                self._rows_since_decode = 0
                 if self.policy == "prefill-first":
                     self.admission.observe_stall(self._stall_ms, streams)
+                elif self.policy == "chunked":  # the rows beside them (a step without streams stalls no one)
+                    self.admission.observe_rows(rows, streams)
                 self._stall_ms = 0.0
             self.admission.observe(streams, context_tokens, seconds * 1000, rows, codec=codec)
 

@@ -205,11 +205,11 @@ def test_a_stream_refused_only_by_the_shrunk_budget_is_a_retry_not_a_4xx(engine)
 
 
 def test_the_projection_carries_the_prompt_load_each_step_has_seen_lately(engine) -> None:
-    """Chunked: prompt rows cost 0.5 ms each, and with 100 rows per decode step lately (50
-    ms more per step) two streams no longer fit where without them they did.
-    Prefill-first: its prompts run in steps of their own that the decoding streams wait
-    for, 25 ms per decoding stream per decode step lately (the prefill steps' whole time,
-    base and rows): the same two streams no longer fit."""
+    """Chunked: prompt rows cost 0.5 ms each, and with 50 rows per decoding stream per
+    step lately (25 ms more per stream and step) two streams no longer fit where without
+    them they did. Prefill-first: its prompts run in steps of their own that the decoding
+    streams wait for, 25 ms per decoding stream per decode step lately (the prefill steps'
+    whole time, base and rows): the same two streams no longer fit."""
     e, steps = engine
     steps.coefficients = StepCoefficients(0.0, 80.0, 0.04, per_row_ms=0.5)
     replies: dict[int, pb.SubmitReply] = {}
@@ -218,7 +218,9 @@ def test_the_projection_carries_the_prompt_load_each_step_has_seen_lately(engine
     assert replies == {}
     assert e.cancel(2)
     if e.policy == "chunked":
-        e._rows_per_step.extend([100] * 8)
+        for _ in range(8):
+            e._observe(2, 130, 0.08, rows=100)
+        assert e.admission.charge_ms_per_stream() == 25.0
     else:
         assert e.prefill_rows_per_step() == 0.0  # the rows are in the stall
         for _ in range(8):
@@ -246,6 +248,32 @@ def test_prefill_first_measures_the_prefill_steps_its_decoding_streams_wait_for(
     e._observe(0, 0, 0.020, rows=64, waiting=1)
     e._observe(2, 130, 0.08, rows=0)
     assert e.admission.stall_ms_per_stream == pytest.approx(50 / 4)  # 50 ms over 1 + 1 + 2 stream-steps
+
+
+def test_chunked_charges_each_projected_stream_the_prompt_rows_one_stream_brings() -> None:
+    """Chunked: every stream of a closed loop brings its refill's prompt rows into the
+    steps the others decode in, so the rows a step carries grow with its streams. Lately
+    one decoding stream per step beside 50 prompt rows (0.5 ms each): admitting a second
+    stream is judged with 2 x 50 rows a step (2 x (80 + 25) + 8.2 = 218.2 ms, over 214.3),
+    not with the 50 of the steps seen (193 ms). Rows in a step with no decoding stream
+    stall no one and are not counted (a lone stream's own prompt)."""
+    loop = asyncio.new_event_loop()
+    e, steps = make_engine("chunked", loop)
+    assert e.admission is not None
+    steps.coefficients = StepCoefficients(0.0, 80.0, 0.04, per_row_ms=0.5)
+    e._observe(0, 0, 0.5, rows=64)  # nothing decoding
+    assert e.admission.charge_ms_per_stream() == 0.0
+    for _ in range(8):
+        e._observe(1, 65, 0.08, rows=50)
+    assert e.admission.rows_per_stream == 50.0 and e.admission.charge_ms_per_stream() == 25.0
+    assert e.prefill_rows_per_step() == 0.0  # nothing charged per step whatever its streams
+    replies: dict[int, pb.SubmitReply] = {}
+    e.submit(job(1, replies))  # alone: 80 + 25 + 0.04 x 103 = 109 ms
+    assert replies == {} and e.info().headroom_streams == 0
+    e.submit(job(2, replies))
+    assert replies[2].status == pb.RATE_FLOOR, replies[2]
+    assert "218.2 ms" in replies[2].message, replies[2].message
+    loop.close()
 
 
 def post(url: str, prompt: list[list[int]], frames: int) -> tuple[int, str | None, dict]:
