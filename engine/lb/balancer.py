@@ -65,6 +65,7 @@ from pdunit.engine.unit_layout import decode_names
 log = logging.getLogger("pdunit.lb")
 
 NORMAL_END = ("eos", "length")
+UNREADY_PROBE_S = 0.2  # the probe period while the unit is not ready (else --probe-interval-s)
 
 # P's Submit status -> (HTTP status, add Retry-After). Everything else is 502.
 SUBMIT_STATUS_HTTP: dict[int, tuple[int, bool]] = {
@@ -246,7 +247,10 @@ class LoadBalancer:
                     )
                     await self._try_hello(timeout=interval, index=i)
             self._refresh_gauges()
-            await asyncio.sleep(interval)
+            # Sooner while P, D or the proxy keep the unit from being ready (it starts, one
+            # restarted): ready within UNREADY_PROBE_S of their answer, not an interval later.
+            waiting = not (self.readiness()[0] or self.draining or self.shutting_down)
+            await asyncio.sleep(min(interval, UNREADY_PROBE_S) if waiting else interval)
 
     async def _try_hello(self, timeout: float, index: int = 0) -> None:
         assert self.unit is not None

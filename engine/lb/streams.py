@@ -250,14 +250,16 @@ class FrameSubscription:
         channel: grpc.aio.Channel,
         subscriber: str,
         metrics: LBMetrics,
-        backoff_s: tuple[float, float] = (0.05, 2.0),
+        backoff_s: tuple[float, float] = (0.05, 0.5),
         assume_live_s: float = 0.3,
         index: int = 0,
         name: str = "D",
         on_change: Callable[[], None] | None = None,
     ) -> None:
         """`index`/`name`: which D of the unit (1P2D); `on_change` replaces setting the
-        subscription_up gauge from this one subscription (with several, the LB sets it)."""
+        subscription_up gauge from this one subscription (with several, the LB sets it).
+        `backoff_s`: first and longest pause between tries; a D that starts or restarts is
+        subscribed to within the longest of serving (a try on a unix socket is cheap)."""
         self._table = table
         self._channel = channel
         self._assume_live_s = assume_live_s

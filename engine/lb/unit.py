@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdunit.engine.grpc_server import RECONNECT_OPTIONS
 from pdunit.engine.lb.metrics import LBMetrics
 from pdunit.engine.packing import view
 from pdunit.engine.proto import pdunit_pb2 as pb
@@ -88,6 +89,7 @@ class UnitClient:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            *RECONNECT_OPTIONS,
         ]
         self._metrics = metrics
         self.late_grace_s = late_grace_s
