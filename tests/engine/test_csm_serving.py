@@ -268,10 +268,23 @@ def csm_units(checkpoint: tuple[Path, Any]) -> Any:
     # the third: a monolith whose steps mix prompt chunks (6 rows) with decode rows, overlapped
     mixed = LocalConfig(mode="monolith", model=model, policy="chunked", chunk_tokens=6,
                         extra_monolith_args=["--overlap"], **SMALL)
-    with LocalUnit(LocalConfig(mode="pd", model=model, **SMALL)) as pd, \
-            LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)) as mono, LocalUnit(mixed) as chunked, \
-            LocalUnit(LocalConfig(mode="1p2d", model=model, **SMALL)) as two_d:
-        yield pd, mono, chunked, two_d
+    units = (LocalUnit(LocalConfig(mode="pd", model=model, **SMALL)),
+             LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)), LocalUnit(mixed),
+             LocalUnit(LocalConfig(mode="1p2d", model=model, **SMALL)))
+
+    # The four units start at once: their eleven processes import and load side by side,
+    # and one unit's wait for its LB overlaps the others' (one after another, each start
+    # was waited for alone). They stop at once too.
+    try:
+        for unit in units:
+            unit.start()
+        for unit in units:
+            unit.wait_ready()
+            unit.supervise()
+        yield units
+    finally:
+        with ThreadPoolExecutor(len(units)) as pool:
+            list(pool.map(LocalUnit.stop, units))
 
 
 def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate(
