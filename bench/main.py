@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "compare": ("pdunit.bench.compare", "PD vs monolith variants side by side in one run (section 1)"),
     "transfer": ("pdunit.bench.transfer", "KV transfer backends, contiguous vs fragmented (section 2)"),
     "step": ("pdunit.bench.step", "decode step time vs the memory roofline (section 3)"),
+    "mixed": ("pdunit.bench.mixed", "the monolith's mixed step (decode rows + prompt chunks), eager vs graph replay"),
     "codec": ("pdunit.bench.codec", "the codec's (Mimi stream decode) cost per call vs batch, eager vs CUDA graphs"),
     "prefill": ("pdunit.bench.prefill", "P's forward throughput vs the compute peak"),
     "attention": ("pdunit.bench.attention", "the prefill attention kernel's launch shapes vs torch SDPA"),

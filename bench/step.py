@@ -31,7 +31,7 @@ from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms, times_ms
 from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
-from pdunit.engine.model.config import CONFIGS, get_config
+from pdunit.engine.model.config import CONFIGS
 from pdunit.engine.model.registry import random_shape, random_shape_names
 from pdunit.engine.model.transformer import GEMM_PRECISIONS, ForwardBatch, TTSModel
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
@@ -153,39 +153,37 @@ def measure_matrix_tflops(dtype: torch.dtype, device: str | torch.device = "cuda
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def _fail(message: str) -> SystemExit:
-    return SystemExit(f"pdunit bench step: {message}")
+def _fail(message: str, prog: str = "pdunit bench step") -> SystemExit:
+    return SystemExit(f"{prog}: {message}")
 
 
-def load_bench_model(spec: str, seed: int, device: str | torch.device = "cuda") -> TTSModel:
+def load_bench_model(spec: str, seed: int, device: str | torch.device = "cuda", dtype: str | None = None,
+                     prog: str = "pdunit bench step") -> TTSModel:
     """`--model`: a shape name (a pdunit config or a family's random shape: `tiny`,
     `csm-tiny`, `csm-1b-shape`, ...) with weights drawn from `seed`, `random:<shape>:<seed>`
     (its own seed), or a checkpoint directory (its weights, engine/model/loader.py).
     Random weights are drawn on `device` at the loader's scales: seconds instead of a
-    CPU init of billions of parameters."""
-    from pdunit.engine.model.loader import _init_std, load_model
+    CPU init of billions of parameters. `dtype` overrides the config's compute/KV dtype;
+    errors start with `prog` (the bench's command)."""
+    from pdunit.engine.model.loader import _init_std, _random_model, load_model
 
     dev = torch.device(device)
     name = spec
     if spec.startswith("random:"):
         parts = spec.split(":")
         if len(parts) != 3 or not parts[2].isdigit():
-            raise _fail(f"--model {spec!r}: expected random:<shape>:<seed> with a non-negative integer seed")
+            raise _fail(f"--model {spec!r}: expected random:<shape>:<seed> with a non-negative integer seed", prog)
         name, seed = parts[1], int(parts[2])
-    shape = random_shape(name)
-    if shape is not None:
-        family, parsed = shape
-        m = family.build(parsed, dev)
-    elif name in CONFIGS:
-        m = TTSModel(get_config(name), device=dev)
+    if random_shape(name) is not None or name in CONFIGS:
+        m = _random_model(name, str(dev), dtype)
     elif name == spec and Path(spec).is_dir():
         try:
-            return load_model(spec, device=str(dev))
+            return load_model(spec, device=str(dev), dtype=dtype)
         except ValueError as exc:
-            raise _fail(f"--model: {exc}") from None
+            raise _fail(f"--model: {exc}", prog) from None
     else:
         raise _fail(f"--model {spec!r} is none of a shape ({', '.join([*CONFIGS, *random_shape_names()])}), "
-                    "random:<shape>:<seed> or a checkpoint directory")
+                    "random:<shape>:<seed> or a checkpoint directory", prog)
     g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         for pname, p in m.named_parameters():
@@ -291,6 +289,16 @@ def step_work(m: TTSModel, batch: int, mean_context: float, kv_token: int) -> St
         + 4.0 * batch * n_layers * attn.n_heads * attn.head_dim * pairs,
         depth_passes=passes,
     )
+
+
+def random_kv_storage(m: TTSModel, n_slots: int, device: torch.device, kv_cache_dtype: str) -> torch.Tensor:
+    """A KV pool of `n_slots` slots as the engines allocate it, filled with random K/V
+    (never zeros: zeros run faster than data)."""
+    storage = m.new_kv_storage(n_slots, device=device, kv_cache_dtype=kv_cache_dtype)
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, m.dtype)
+    for layer in storage:
+        layer.copy_(to_kv(torch.randn(layer.shape, dtype=m.dtype, device=device), kv_dtype))
+    return storage
 
 
 def paged_contexts(
@@ -663,9 +671,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         if n_pages < 1:
             raise SystemExit(f"pdunit bench step: {free / 2**30:.1f} GiB free leaves no room for a KV pool "
                              f"after --reserve-gib {config.reserve_gib}")
-    storage = m.new_kv_storage(n_pages * page, device=dev, kv_cache_dtype=config.kv_cache_dtype)
-    for layer in storage:  # random K/V (never zeros: zeros run faster than data)
-        layer.copy_(to_kv(torch.randn(layer.shape, dtype=m.dtype, device=dev), kv_dtype))
+    storage = random_kv_storage(m, n_pages * page, dev, config.kv_cache_dtype)
     print(f"pool: {n_pages} pages of {page} in {kv_dtype}, {n_pages * page * kv_token / 2**30:.2f} GiB; "
           f"weights {w_bytes / 2**30:.2f} GiB a step"
           + (f" + frame generation {idle.frame_weight_bytes / 2**30:.2f} GiB "
@@ -887,7 +893,7 @@ def _check_config(cfg: StepConfig) -> None:
         raise SystemExit("pdunit bench step: " + "; ".join(problems))
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -897,14 +903,21 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def results_path(bench: str, out: str, machine_tag: str | None, machine: dict[str, Any]) -> Path:
+    """`<out>/<bench>-<date>-<tag>.json`; the tag is `--machine-tag`, else the machine's
+    slug (`1xh100`)."""
+    tag = machine_tag or report.machine_slug(machine).lower()
+    return Path(out) / f"{bench}-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
+
+
 def _parser() -> argparse.ArgumentParser:
     d = StepConfig()
     p = argparse.ArgumentParser(prog="pdunit bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model,
                    help="a shape name (any family's: tiny, qwen3-4b-shape, csm-tiny, csm-1b-shape, dualar-4b-shape; "
                         "random weights from --seed), random:<shape>:<seed>, or a checkpoint directory")
-    p.add_argument("--batches", type=_ints, default=d.batches, help="comma-separated batch sizes")
-    p.add_argument("--contexts", type=_ints, default=d.contexts, help="comma-separated context lengths")
+    p.add_argument("--batches", type=int_list, default=d.batches, help="comma-separated batch sizes")
+    p.add_argument("--contexts", type=int_list, default=d.contexts, help="comma-separated context lengths")
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help="slots per page of the pool (D's own --page-size defaults to 1; the step results of "
                         "record use this default, 16)")
@@ -960,8 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         command="pdunit bench step " + " ".join(shlex.quote(x) for x in argv),
     )
     doc = run_step(cfg)
-    tag = cfg.machine_tag or report.machine_slug(doc["machine"]).lower()
-    path = Path(cfg.out) / f"step-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
+    path = results_path("step", cfg.out, cfg.machine_tag, doc["machine"])
     title = "Decode step vs its roofline (HBM bytes, matrix FLOPs), without and with overlap"
     report.Results.from_document(doc).write(path, COLUMNS, title=title)
     print(text_table(doc["rows"], COLUMNS))
