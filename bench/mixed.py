@@ -254,9 +254,9 @@ def measure_point(m: TTSModel, storage: torch.Tensor, step: MixedStep, g: Graphs
     """One point's times and checks (the row's columns but its coordinates)."""
     entries = step.decode + step.chunks
     row: dict[str, Any] = {"eager_ms": _median_ms(lambda: run_forward(m, storage, entries), cfg, cuda)}
-    dec = make_batch(step.decode)
-    if g.decode is not None:
-        row["decode_ms"], row["decode_path"] = _timed_path(lambda: g.decode.run(dec), g.decode.stats, cfg, cuda)
+    if g.decode is not None:  # as the monolith's decode-only step (StepForward) calls its graphs
+        row["decode_ms"], row["decode_path"] = _timed_path(lambda: g.decode.run(make_batch(step.decode)),
+                                                           g.decode.stats, cfg, cuda)
     else:
         row["decode_ms"], row["decode_path"] = _timed_path(lambda: run_forward(m, storage, step.decode), None, cfg,
                                                            cuda)
