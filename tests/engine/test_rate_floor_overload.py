@@ -33,6 +33,7 @@ from tests.engine.unit_client import load, wait_empty, wait_for
 OVERLOAD = 16  # closed-loop streams: about three times what admission keeps at the floor below
 FEW = 2  # streams a floor must be sustainable for
 WARM = 4  # staggered streams the admission unit fits its step model on
+WARM_S = 5.0  # one warm level's duration (4.5 s was the shortest that fitted on an idle 2-core machine)
 FRAMES = 20  # short streams: a level holds several lives of each
 LEVEL_S = 5.0
 RAMP_S = 2.0  # the workers start spread over about one stream's life: refills interleave as in steady state
@@ -148,9 +149,11 @@ def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(w
     # refused clients come back after 3 s, not 1: fewer refusals to answer on two cores
     with LocalUnit(LocalConfig(rate_floor=floor, extra_lb_args=["--retry-after-s", "3"], **UNIT)) as unit:
         # the step model fits the engine's own steps (64 of them, of two batch sizes at least):
-        # then the projection, not the cold-start limit, bounds the headroom of an empty unit
+        # then the projection, not the cold-start limit, bounds the headroom of an empty unit.
+        # One warm level of WARM_S holds them; one of 3 s did not, so a
+        # second level (its ramp and drain again) always ran.
         for _ in range(3):
-            level(unit.url, WARM, floor, duration=3.0, ramp=1.0)
+            level(unit.url, WARM, floor, duration=WARM_S, ramp=1.0)
             if empty(unit.url).headroom_streams < OVERLOAD:
                 break
         doc = empty(unit.url)
