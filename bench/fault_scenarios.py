@@ -40,6 +40,9 @@ from pdunit.bench.fault_unit import (
 )
 from pdunit.engine.proto import pdunit_pb2 as pb
 
+# D's count of the transfers it failed, every reason (engine/metrics.py)
+TRANSFERS_FAILED = "pdunit_decode_transfer_failed_total"
+
 # ---------------------------------------------------------------------------- replays
 
 
@@ -290,6 +293,38 @@ class Scenario:
                 return True
         return False
 
+    def _granted(self) -> set[str]:
+        """The requests D has granted pages for whose transfer has not committed."""
+        return {rid for rid, req in self.unit.ownership()["requests"].items() if req["state"] in ("reserved", "filled")}
+
+    def _stall_past_deadline(self, rec: FaultRecord, metrics0: dict[str, float], at_most_s: float) -> None:
+        """Returns once the stall just begun (P, its relay or the proxy stopped) has
+        outlasted the transfer deadline: none of the transfers D had granted at the
+        start is still open, and D failed at least one since the start (at D's deadline,
+        or P's: P gives up and says so). When none fails (P was between writes, or they
+        all committed), after `at_most_s`, the fixed window these stalls had. Timed by D
+        itself: a late expiry on a loaded machine lengthens the stall instead of ending
+        it before D acted. `metrics0`: D's, scraped before the stall."""
+        t0 = time.monotonic()
+        granted = self._granted()
+        failed0 = metric(metrics0, TRANSFERS_FAILED)
+        scraped = 0.0
+
+        def past_deadline() -> bool:
+            nonlocal scraped
+            if granted & self._granted():
+                return False
+            now = time.monotonic()
+            if now - scraped < 0.2:  # a scrape costs D tens of ms: not at every look
+                return False
+            scraped = now
+            rec.detail["transfers_failed"] = metric(self.unit.d_metrics(), TRANSFERS_FAILED) - failed0
+            return rec.detail["transfers_failed"] > 0 or now - t0 >= at_most_s
+
+        self.unit.wait(past_deadline, self.cfg.transfer_deadline_ms / 1000 + self.cfg.recover_timeout_s,
+                       f"D failing the transfers stalled by {rec.kind} at their deadline")
+        rec.detail["stalled_s"] = round(time.monotonic() - t0, 3)
+
     def _replay_while_held(self, rec: FaultRecord, window_s: float) -> None:
         deadline = time.monotonic() + window_s
         while time.monotonic() < deadline:
@@ -322,18 +357,30 @@ class Scenario:
 
     def p_stop(self) -> FaultRecord:
         rec = FaultRecord("p_stop", time.monotonic())
-        before = proofs(self.unit.d_metrics())
+        metrics0 = self.unit.d_metrics()
+        before = proofs(metrics0)
         rec.detail["mid_transfer"] = self._wait_in_flight()
         self.unit.signal("prefill", signal.SIGSTOP)
         try:
-            time.sleep(self.cfg.transfer_deadline_ms / 1000 + 0.3)
+            self._stall_past_deadline(rec, metrics0, self.cfg.transfer_deadline_ms / 1000 + 0.3)
             rec.detail["held_while_stopped"] = self.unit.d_info().held_pages
             replay_into_held(self.unit, self.replayer, self.stats)
-            time.sleep(0.3)
+            if rec.detail["held_while_stopped"] and self.cfg.transfer != "tcp":
+                self._unanswered_abort(rec)
         finally:
             self.unit.signal("prefill", signal.SIGCONT)
         self._recovered(rec, before, "abort_ack" if rec.detail["held_while_stopped"] else None)
         return rec
+
+    def _unanswered_abort(self, rec: FaultRecord) -> None:
+        """While P is stopped and D holds pages: until D has sent an ABORT P cannot
+        answer (it re-sends them; the ACK that frees the pages answers one of them)."""
+        sent0 = metric(self.unit.d_metrics(), "pdunit_decode_aborts_sent_total")
+        try:
+            self.unit.wait(lambda: metric(self.unit.d_metrics(), "pdunit_decode_aborts_sent_total") > sent0,
+                           self.cfg.recover_timeout_s, "an ABORT from D to the stopped P", interval=0.1)
+        except FaultCheckFailed as exc:
+            self.violations.append(f"{rec.kind}: D holds pages and sent no ABORT: {exc}")
 
     def proxy_stop(self) -> FaultRecord:
         """SIGSTOP of the nvlink-proxy mid-transfer, past the deadline: D holds the
@@ -341,11 +388,12 @@ class Scenario:
         proxy runs again and finishes or drops it (the frames canary checks that no late
         copy landed in a live request's pages)."""
         rec = FaultRecord("proxy_stop", time.monotonic())
-        before = proofs(self.unit.d_metrics())
+        metrics0 = self.unit.d_metrics()
+        before = proofs(metrics0)
         rec.detail["mid_transfer"] = self._wait_in_flight()
         self.unit.signal("proxy", signal.SIGSTOP)
         try:
-            time.sleep(self.cfg.transfer_deadline_ms / 1000 + 0.3)
+            self._stall_past_deadline(rec, metrics0, self.cfg.transfer_deadline_ms / 1000 + 0.3)
             rec.detail["held_while_stopped"] = self.unit.d_info().held_pages
             rec.detail["released_while_stopped"] = {
                 k: v - before.get(k, 0) for k, v in proofs(self.unit.d_metrics()).items() if v - before.get(k, 0)}
@@ -373,11 +421,13 @@ class Scenario:
 
     def p_kill(self) -> FaultRecord:
         rec = FaultRecord("p_kill", time.monotonic())
-        before = proofs(self.unit.d_metrics())
+        metrics0 = self.unit.d_metrics()
+        before = proofs(metrics0)
         rec.detail["mid_transfer"] = self._wait_in_flight()
         old = self.unit.d_info().peer_instance_id
         self.unit.signal("prefill", signal.SIGKILL)
-        time.sleep(self.cfg.transfer_deadline_ms / 1000 + 0.2)  # reservations of the dead P expire: held
+        # reservations of the dead P expire: held
+        self._stall_past_deadline(rec, metrics0, self.cfg.transfer_deadline_ms / 1000 + 0.2)
         rec.detail["held_while_dead"] = self.unit.d_info().held_pages
         replay_into_held(self.unit, self.replayer, self.stats)
         self.unit.restart_p()
@@ -433,12 +483,14 @@ class Scenario:
     def tcp_stall(self) -> FaultRecord:
         assert self.relay is not None, "tcp_stall needs --transfer tcp and the relay"
         rec = FaultRecord("tcp_stall", time.monotonic())
-        before = proofs(self.unit.d_metrics())
-        dropped0 = metric(self.unit.d_metrics(), "pdunit_tcp_chunks_total")
+        metrics0 = self.unit.d_metrics()
+        before = proofs(metrics0)
+        dropped0 = metric(metrics0, "pdunit_tcp_chunks_total")
         self._wait_in_flight()
         self.relay.flowing.clear()
         try:
-            time.sleep(self.cfg.transfer_deadline_ms / 1000 + 0.5)
+            # the stalled chunks stay in the relay until D aborted their requests
+            self._stall_past_deadline(rec, metrics0, self.cfg.transfer_deadline_ms / 1000 + 0.5)
         finally:
             self.relay.flowing.set()
         self._recovered(rec, before, "receiver_state")
