@@ -237,9 +237,10 @@ class Traffic:
                 if out.status in (429, 503) or out.status == 0:
                     time.sleep(0.25)  # Retry-After semantics, shortened: the unit is recovering
 
-    def completed(self) -> int:
+    def completed(self, since: float = 0.0) -> int:
+        """Streams completed; with `since` (monotonic), only those sent after it."""
         with self._lock:
-            return sum(1 for o in self.outcomes if o.ok)
+            return sum(1 for o in self.outcomes if o.ok and o.t0 >= since)
 
 
 # ---------------------------------------------------------------------------- the unit

@@ -113,7 +113,10 @@ def _drive(cfg: FaultsConfig, unit: Unit, bank: list[Prompt], kinds: list[str],
     t0 = time.monotonic()
     plan = schedule(kinds, cfg.restart_every, rng)
     try:
-        time.sleep(1.0)  # warm traffic before the first fault
+        # Every fault starts under live traffic: the first once each client could have
+        # completed a stream, each next once a stream sent after the last one completed
+        # (the unit serves new requests again); a loaded machine waits longer, not less.
+        unit.wait(lambda: traffic.completed() >= cfg.clients, cfg.recover_timeout_s, "traffic warm")
         while time.monotonic() - t0 < cfg.max_seconds:
             if traffic.completed() >= cfg.transfers and len(scenario.faults) >= cfg.faults:
                 break
@@ -124,7 +127,8 @@ def _drive(cfg: FaultsConfig, unit: Unit, bank: list[Prompt], kinds: list[str],
                 scenario.replay_late_chunks(rec)
             scenario.faults.append(rec)
             log.info("fault done", extra={"kind": kind, **rec.detail})
-            time.sleep(0.2)
+            unit.wait(lambda t_end=rec.t_end: traffic.completed(since=t_end), cfg.recover_timeout_s,
+                      f"a stream sent after {kind} completed")
     finally:
         traffic.stop()
     # Quiesce: nothing held, nothing in flight, every page free.
