@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 
 from pdunit.engine.model.checkpoint import WeightMap
 from pdunit.engine.model.config import ModelConfig, torch_dtype
+from pdunit.engine.model.depth_fused import FusedDepthPass
 from pdunit.engine.model.family import ModelFamily, ParsedConfig
 from pdunit.engine.model.request_rules import RowRule
 from pdunit.engine.model.sampling import (
@@ -40,8 +41,10 @@ from pdunit.engine.model.transformer import (
     _rope,
     rope_tables,
 )
+from pdunit.engine.settings import DepthKernels
 
 DEPTH_MODEL_TYPE = "csm_depth_decoder_model"
+DEPTH_KERNELS: tuple[str, ...] = get_args(DepthKernels)  # set_depth_kernels
 
 # Fields both configs share that the engine reads ...
 _SHAPE_FIELDS = {
@@ -179,6 +182,9 @@ class DepthDecoder(FrameGenerator):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    # --depth-kernels fused (engine/model/depth_fused.py set_depth_kernels): every pass of
+    # frames_static and frames_device on the GPU path's kernels; None: the torch modules
+    fused: FusedDepthPass | None = None
     capture_safe = True  # frames_static: engine/model/frame_graphs.py captures it
     depth_sampling = True  # codebooks 1.. may take the request's depth_decoder_* params
 
@@ -186,6 +192,7 @@ class DepthDecoder(FrameGenerator):
                  codec_codebook_size: int = 0, frame_rate_hz: float | None = None) -> None:
         super().__init__()
         c = d.backbone
+        self.cfg = c
         self._frame_rate_hz = frame_rate_hz
         self.n_codebooks, self.vocab_size = d.n_codebooks, d.vocab_size
         self.codec_codebook_size = codec_codebook_size or d.vocab_size
@@ -237,13 +244,19 @@ class DepthDecoder(FrameGenerator):
         codebook, as transformers' greedy generate), codebooks 1.. with the request's
         depth_decoder_* params where it sets them; EOS suppression (min_frames) applies
         to codebook 0, the backbone's. The depth decoder's K/V of the frame's positions
-        lives in `caches` for this call only."""
+        lives in `caches` (--depth-kernels fused: in a work buffer as frames_static's) for
+        this call only."""
         eos = self.eos_id
         codes = sample_frames_device(model.logits(hidden), _column(sb, 0), eos).to(torch.int64)
         caches: list[_Cache] = [[] for _ in self.layers]
+        fused = self.fused  # its K/V is never read before written: empty (of 0 rows for the torch form)
+        rows = hidden.shape[0] if fused is not None else 0
+        work = torch.empty(self._work_shape(rows), dtype=self.embed.weight.dtype, device=hidden.device)
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes)], dim=1)
         for j in range(1, self.n_codebooks):
-            nxt = sample_frames_device(self._extend(x, 0 if j == 1 else j, caches)[:, -1:], _column(sb, j), eos)
+            start = 0 if j == 1 else j
+            logits = self._extend(x, start, caches) if fused is None else fused.extend(x, start, work)
+            nxt = sample_frames_device(logits[:, -1:], _column(sb, j), eos)
             codes = torch.cat([codes, nxt.to(torch.int64)], dim=1)
             x = self.embed(codes[:, -1:] + j * self.vocab_size)  # position j + 1: codebook j's embedding
         text = torch.full_like(codes[:, :1], self.audio_token_id)
@@ -253,8 +266,12 @@ class DepthDecoder(FrameGenerator):
         """The depth decoder's K/V of one frame for up to `size` rows, preallocated:
         [layers, 2, size, K, n_kv_heads, head_dim] in the weights' dtype (a frame's K
         positions: the backbone state, then codebooks 0..K-2)."""
-        shape = (len(self.layers), 2, size, self.n_codebooks, *self._kv_shape)
-        return torch.zeros(shape, dtype=self.embed.weight.dtype, device=device)
+        if self.fused is not None:  # its index tensors too, before a capture reads them
+            self.fused.reserve(size, device)
+        return torch.zeros(self._work_shape(size), dtype=self.embed.weight.dtype, device=device)
+
+    def _work_shape(self, size: int) -> tuple[int, ...]:
+        return (len(self.layers), 2, size, self.n_codebooks, *self._kv_shape)
 
     @torch.no_grad()
     def frames_static(self, model: TTSModel, hidden: torch.Tensor, rows: torch.Tensor, work: torch.Tensor,
@@ -271,8 +288,13 @@ class DepthDecoder(FrameGenerator):
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(code.to(torch.int64))], dim=1)
         for j in range(1, self.n_codebooks):
             start = 0 if j == 1 else j
-            caches: list[_Cache] = [_StaticKV(work[i, 0, :b], work[i, 1, :b], start) for i in range(len(self.layers))]
-            code = sample_frames_static(self._extend(x, start, caches)[:, -1:], rows, eos, j, top_k_cap, depth=True)
+            if self.fused is not None:
+                logits = self.fused.extend(x, start, work)
+            else:
+                caches: list[_Cache] = [_StaticKV(work[i, 0, :b], work[i, 1, :b], start)
+                                        for i in range(len(self.layers))]
+                logits = self._extend(x, start, caches)
+            code = sample_frames_static(logits[:, -1:], rows, eos, j, top_k_cap, depth=True)
             codes.append(code)
             x = self.embed(code.to(torch.int64) + j * self.vocab_size)  # position j + 1: codebook j's embedding
         codes.append(torch.full_like(code, self.audio_token_id))
@@ -343,6 +365,47 @@ def greedy_frames(model: TTSModel, prompts: list[np.ndarray], max_frames: int) -
         if not live:
             break
     return [np.stack(f) for f in out]
+
+
+def depth_kernels_refusal(model: TTSModel) -> str | None:
+    """Why `--depth-kernels fused` cannot run on `model` (naming the flag), or None: it
+    runs the GPU path's Triton kernels (on CUDA, or on the CPU under Triton's interpreter)."""
+    from pdunit.kernels.paged_attention import INTERPRET
+
+    fg = model.frame_generator
+    if not isinstance(fg, DepthDecoder):
+        return ("--depth-kernels fused runs a depth decoder's passes (the csm family) and this model has none: "
+                "drop --depth-kernels fused")
+    if model.dtype not in (torch.bfloat16, torch.float16) or (model.device.type != "cuda" and not INTERPRET):
+        return ("--depth-kernels fused runs the GPU path's Triton kernels: a CUDA model in bfloat16 or float16 "
+                f"(got device {model.device}, dtype {model.dtype}): drop --depth-kernels fused")
+    hd = fg.cfg.head_dim
+    if hd < 16 or hd & (hd - 1):
+        return f"--depth-kernels fused: the depth decoder's head_dim {hd} is not a power of two >= 16: drop the flag"
+    return None
+
+
+def set_depth_kernels(model: TTSModel, mode: str) -> None:
+    """"torch" (the default) or "fused" (engine/model/depth_fused.py) for every pass of
+    `model`'s depth decoder, eager and captured. Set it before frame graphs are captured:
+    they record the kernels live at capture. ValueError, naming the flag and the reason,
+    where "fused" cannot run; "torch" is a no-op on any model until "fused" was set."""
+    if mode not in DEPTH_KERNELS:
+        raise ValueError(f"--depth-kernels {mode!r}: expected one of {', '.join(DEPTH_KERNELS)}")
+    fg = model.frame_generator
+    if mode == "torch":
+        if isinstance(fg, DepthDecoder) and fg.fused is not None:
+            raise ValueError("--depth-kernels torch after fused: load the model again")
+        return
+    refusal = depth_kernels_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if model.frame_graphs is not None:
+        raise ValueError("--depth-kernels fused after the frame graphs were captured: set it before the decode "
+                         "graphs are built (they record the depth decoder's kernels)")
+    assert isinstance(fg, DepthDecoder)
+    if fg.fused is None:
+        fg.fused = FusedDepthPass(fg)
 
 
 class CsmFamily(ModelFamily):
