@@ -32,6 +32,7 @@ from pdunit.bench.cuda_timing import event_times_ms, times_ms
 from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import CONFIGS
+from pdunit.engine.model.family_csm import DEPTH_KERNELS, set_depth_kernels
 from pdunit.engine.model.registry import random_shape, random_shape_names
 from pdunit.engine.model.transformer import GEMM_PRECISIONS, ForwardBatch, TTSModel
 from pdunit.kernels.decode_settings import parse as parse_decode_kernel
@@ -97,6 +98,7 @@ class StepConfig:
     tune: bool = False
     decode_kernel: str = ""  # the engines' --decode-kernel: settings the rows (and --tune's start) run with
     decode_gemm: str = "bf16"  # the engines' --decode-gemm
+    depth_kernels: str = "torch"  # D's and the monolith's --depth-kernels (a depth decoder's passes)
     overlap: str = "both"
     device: str = "cuda"
     temperature: float = 0.0
@@ -644,6 +646,10 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         m.set_decode_gemm(config.decode_gemm)
     except ValueError as exc:
         raise SystemExit(f"pdunit bench step: --decode-gemm: {exc}") from None
+    try:  # before any frame graph records the depth decoder's kernels
+        set_depth_kernels(m, config.depth_kernels)
+    except ValueError as exc:
+        raise SystemExit(f"pdunit bench step: {exc}") from None
     c = m.config
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, m.dtype)
     kv_token = c.kv_bytes_per_token(kv_dtype)
@@ -939,6 +945,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode kernel settings KEY=VALUE,... over the defaults, as the engines' --decode-kernel")
     p.add_argument("--decode-gemm", choices=list(GEMM_PRECISIONS), default=d.decode_gemm,
                    help="GEMM precision of the decode steps, as the engines' --decode-gemm")
+    p.add_argument("--depth-kernels", choices=list(DEPTH_KERNELS), default=d.depth_kernels,
+                   help="kernels of a depth decoder's passes (csm), as the engines' --depth-kernels")
     p.add_argument("--overlap", choices=list(MODES), default=d.overlap,
                    help="both: each point without and with D's overlap scheduler, side by side (default); "
                         "on / off: one of them")
@@ -966,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
         hbm_gbps=a.hbm_gbps, matrix_tflops=a.matrix_tflops,
         compare=[x for x in a.compare.split(",") if x], tune=a.tune, decode_kernel=a.decode_kernel,
-        decode_gemm=a.decode_gemm,
+        decode_gemm=a.decode_gemm, depth_kernels=a.depth_kernels,
         overlap=a.overlap,
         device=a.device, temperature=a.temperature, top_k=a.top_k, profile=a.profile, out=a.out,
         machine_tag=a.machine_tag,

@@ -1,8 +1,9 @@
 #!/bin/bash
-# Issue 23's step benchmark of the real-model shapes on ONE card, ~4-6 min: first the csm
-# GPU tests (the Triton path == the reference, decode and frame graph replays == eager, D
-# on CUDA, and the bench's own csm GPU test), then `pdunit bench step` for
-# random:csm-1b-shape:0 and random:dualar-4b-shape:0: D's whole step (backbone graph +
+# Issue 23's step benchmark of the real-model shapes on ONE card, ~5-8 min: first the csm
+# GPU tests (the Triton path == the reference, decode and frame graph replays == eager, the
+# fused depth decoder == the torch one, D on CUDA, and the bench's own csm GPU test), then
+# `pdunit bench step` for random:csm-1b-shape:0 (twice: --depth-kernels torch, then fused,
+# tagged TAG-fused) and random:dualar-4b-shape:0: D's whole step (backbone graph +
 # frame graph: codebook 0, the K-1 depth passes, sampling) at 64/128/256/512 streams x
 # 1024/2048 tokens with overlap, its device time split (backbone, frames) and its roofline
 # (max of bytes / measured bandwidth, FLOPs / measured GEMM rate). Points whose KV does not
@@ -15,18 +16,21 @@ source tests/gpu/harness/setup.sh
 tag=${1:-i23}
 gpu_env > "$OUT/report.txt"
 rc=0
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
+  tests/kernels/test_csm_depth_fused.py \
   tests/engine/test_csm_serving.py "tests/bench/test_step.py::test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart" \
   > "$OUT/pytest.txt" 2>&1
 code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"; tail -8 "$OUT/pytest.txt" >> "$OUT/report.txt"
 [ "$code" -eq 0 ] || { tail -80 "$OUT/pytest.txt" >> "$OUT/report.txt"; rc=1; }
 rm -f "$OUT/pytest.txt"
-for shape in csm-1b-shape dualar-4b-shape; do
+for run in csm-1b-shape:torch csm-1b-shape:fused dualar-4b-shape:torch; do
+  shape=${run%%:*} kernels=${run##*:}
+  name=$shape-$tag; [ "$kernels" = torch ] || name=$shape-$tag-$kernels
   timeout 170 python3 -m pdunit.bench.step --model "random:$shape:0" --batches 64,128,256,512 \
-    --contexts 1024,2048 --overlap on --iters 10 --warmup 2 --compare= \
-    --machine-tag "$gpu-$shape-$tag" --out "$OUT" > "$OUT/step-$shape.log" 2>&1
-  code=$?; echo "step $shape rc=$code" >> "$OUT/report.txt"
-  grep -E "^memory bandwidth|^pool:|^step forward ready|WARNING" "$OUT/step-$shape.log" >> "$OUT/report.txt"
-  if [ "$code" -eq 0 ]; then rm -f "$OUT/step-$shape.log"; else tail -40 "$OUT/step-$shape.log" >> "$OUT/report.txt"; rc=1; fi
+    --contexts 1024,2048 --overlap on --iters 10 --warmup 2 --compare= --depth-kernels "$kernels" \
+    --machine-tag "$gpu-$name" --out "$OUT" > "$OUT/step-$name.log" 2>&1
+  code=$?; echo "step $shape depth-kernels $kernels rc=$code" >> "$OUT/report.txt"
+  grep -E "^memory bandwidth|^pool:|^step forward ready|WARNING" "$OUT/step-$name.log" >> "$OUT/report.txt"
+  if [ "$code" -eq 0 ]; then rm -f "$OUT/step-$name.log"; else tail -40 "$OUT/step-$name.log" >> "$OUT/report.txt"; rc=1; fi
 done
 exit $rc

@@ -18,6 +18,7 @@ from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.config import dtype_name
 from pdunit.engine.model.device import bind_thread, device_executor
+from pdunit.engine.model.family_csm import set_depth_kernels
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.observability import (
     log_config,
@@ -29,9 +30,11 @@ from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.security import check_unit_secret_file, read_secret_file
 from pdunit.engine.settings import (
     DecodeKernel,
+    DepthKernels,
     GemmPrecision,
     decode_gemm_field,
     decode_kernel_field,
+    depth_kernels_field,
     kv_cache_dtype_field,
     parse_config,
 )
@@ -59,6 +62,7 @@ class DecodeConfig(StackSamplingFields, AdmissionFields, CodecFields, SyntheticS
     kv_cache_dtype: KvCacheDtype = kv_cache_dtype_field()
     decode_kernel: DecodeKernel = decode_kernel_field()
     decode_gemm: GemmPrecision = decode_gemm_field()
+    depth_kernels: DepthKernels = depth_kernels_field()
     transfer: str = Field("host", description="transport D offers: host|proxy|ipc|posix-fd|fabric|tcp|auto")
     pool_tokens: int = Field(65536, ge=0, description="token rows in the KV pool; 0 sizes the pool to the "
                              "device: its free memory once the model is loaded, less --pool-reserve-gib (CUDA only)")
@@ -133,6 +137,7 @@ async def serve(cfg: DecodeConfig) -> int:
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     try:
         model.set_decode_gemm(cfg.decode_gemm)  # before the decode graphs record the GEMMs
+        set_depth_kernels(model, cfg.depth_kernels)  # and before the frame graphs record these
         decode_graphs = resolve_decode_graphs(cfg.cuda_graphs, model)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})

@@ -20,6 +20,7 @@ from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache
 from pdunit.engine.metrics import register_role
 from pdunit.engine.model.device import bind_thread, device_executor
+from pdunit.engine.model.family_csm import set_depth_kernels
 from pdunit.engine.model.mixed_graphs import (
     DEFAULT_STREAM_BUCKETS,
     MixedGraphRunner,
@@ -40,11 +41,13 @@ from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.settings import (
     DecodeKernel,
+    DepthKernels,
     GemmPrecision,
     MonolithPolicy,
     PrefillModelFields,
     decode_gemm_field,
     decode_kernel_field,
+    depth_kernels_field,
     parse_config,
 )
 from pdunit.engine.stack_sampler import StackSamplingFields, start_sampler, stop_sampler
@@ -95,6 +98,7 @@ class MonolithConfig(PrefillModelFields, StackSamplingFields, AdmissionFields, C
     mixed_graph_chunks: int = Field(4, gt=0, description="prompt chunks a mixed-step graph holds (more: eager)")
     decode_kernel: DecodeKernel = decode_kernel_field()
     decode_gemm: GemmPrecision = decode_gemm_field()
+    depth_kernels: DepthKernels = depth_kernels_field()
     metrics_port: int = Field(0, ge=0, description="Prometheus port (0 = off)")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads")
     gil_switch_ms: float = Field(0.5, gt=0, le=100, description="Python's GIL switch interval: the longest a gRPC "
@@ -195,6 +199,7 @@ async def serve(cfg: MonolithConfig) -> int:
     model, storage, graphs = started
     try:
         model.set_decode_gemm(cfg.decode_gemm)  # before the decode graphs record the GEMMs
+        set_depth_kernels(model, cfg.depth_kernels)  # and before the frame graphs record these
         decode_graphs = resolve_decode_graphs(cfg.cuda_graphs, model)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
