@@ -225,12 +225,22 @@ def test_pd_over_the_proxy_and_tcp_transports_matches_the_monolith(transfer, poo
     """Each transport carries P's rows to D as they are: full precision, and fp8 rows
     (--kv-cache-dtype fp8_e4m3 on P, D and the monolith), checksummed, frame for frame
     the monolith's with the same pool."""
-    mono = request.getfixturevalue("monolith_unit" if pool == "full" else "fp8_monolith_unit")
-    unit_cfg = SMALL if pool == "full" else FP8_KV
-    with LocalUnit(LocalConfig(mode="pd", transfer=transfer, **unit_cfg)) as unit:
+    unit = LocalUnit(LocalConfig(mode="pd", transfer=transfer, **(SMALL if pool == "full" else FP8_KV)))
+    try:
+        # Spawned from this thread (a child dies with the thread that spawned it:
+        # PR_SET_PDEATHSIG); P, D and the LB boot while the monolith (started at its first
+        # use in the module) starts and answers: two units' starts, not one after the other
+        unit.start()
+        with ThreadPoolExecutor(1) as waiter:
+            ready = waiter.submit(unit.wait_ready)
+            mono = request.getfixturevalue("monolith_unit" if pool == "full" else "fp8_monolith_unit")
+            want = [stream(mono.url, p, **params) for p, params in REQUESTS[:2]]
+            ready.result()
+        unit.supervise()
         got = [stream(unit.url, p, **params) for p, params in REQUESTS[:2]]
         info = wait_empty(unit.url)
-    want = [stream(mono.url, p, **params) for p, params in REQUESTS[:2]]
+    finally:
+        unit.stop()
     for (frames, last), (mono_frames, _) in zip(got, want, strict=True):
         assert last.get("done"), last
         assert frames == mono_frames
