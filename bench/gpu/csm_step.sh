@@ -9,14 +9,15 @@
 # (max of bytes / measured bandwidth, FLOPs / measured GEMM rate). Points whose KV does not
 # fit the card are written as skipped rows, named (dualar-4b: 144 KiB a token).
 #   bash bench/gpu/csm_step.sh [TAG]  (repo root, on the device machine; carry .out/transfer-whl,
-#   tests/gpu/harness/wheels.sh). $OUT: report.txt (env, a status line a step, the tests' tail),
-#   step-<date>-<gpu>-<shape>-<TAG>.json/.md/.fit.json, and the log of a failed step.
+#   tests/gpu/harness/wheels.sh; worst case ~8.5 min, under the tool's 10). $OUT: report.txt (env, a
+#   status line a step, the tests' tail) and steps.tgz (step-<date>-<gpu>-<shape>-<TAG>.json/.md/
+#   .fit.json and the log of a failed step: the tool brings back at most 8 files).
 set -uo pipefail
 source tests/gpu/harness/setup.sh
 tag=${1:-i23}
 gpu_env > "$OUT/report.txt"
 rc=0
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
   tests/kernels/test_csm_depth_fused.py \
   tests/engine/test_csm_serving.py "tests/bench/test_step.py::test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart" \
   > "$OUT/pytest.txt" 2>&1
@@ -26,11 +27,13 @@ rm -f "$OUT/pytest.txt"
 for run in csm-1b-shape:torch csm-1b-shape:fused dualar-4b-shape:torch; do
   shape=${run%%:*} kernels=${run##*:}
   name=$shape-$tag; [ "$kernels" = torch ] || name=$shape-$tag-$kernels
-  timeout 170 python3 -m pdunit.bench.step --model "random:$shape:0" --batches 64,128,256,512 \
+  timeout 120 python3 -m pdunit.bench.step --model "random:$shape:0" --batches 64,128,256,512 \
     --contexts 1024,2048 --overlap on --iters 10 --warmup 2 --compare= --depth-kernels "$kernels" \
     --machine-tag "$gpu-$name" --out "$OUT" > "$OUT/step-$name.log" 2>&1
   code=$?; echo "step $shape depth-kernels $kernels rc=$code" >> "$OUT/report.txt"
   grep -E "^memory bandwidth|^pool:|^step forward ready|WARNING" "$OUT/step-$name.log" >> "$OUT/report.txt"
   if [ "$code" -eq 0 ]; then rm -f "$OUT/step-$name.log"; else tail -40 "$OUT/step-$name.log" >> "$OUT/report.txt"; rc=1; fi
 done
+# the device tool brings back at most 8 files: the step results travel as one archive
+(cd "$OUT" && tar czf steps.tgz step-* && rm -f step-*)
 exit $rc
