@@ -98,7 +98,7 @@ class StepConfig:
     tune: bool = False
     decode_kernel: str = ""  # the engines' --decode-kernel: settings the rows (and --tune's start) run with
     decode_gemm: str = "bf16"  # the engines' --decode-gemm
-    depth_kernels: str = "torch"  # D's and the monolith's --depth-kernels (a depth decoder's passes)
+    depth_kernels: str = "auto"  # D's and the monolith's --depth-kernels (a depth decoder's passes)
     overlap: str = "both"
     device: str = "cuda"
     temperature: float = 0.0
@@ -647,7 +647,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     except ValueError as exc:
         raise SystemExit(f"pdunit bench step: --decode-gemm: {exc}") from None
     try:  # before any frame graph records the depth decoder's kernels
-        set_depth_kernels(m, config.depth_kernels)
+        depth_kernels = set_depth_kernels(m, config.depth_kernels)
     except ValueError as exc:
         raise SystemExit(f"pdunit bench step: {exc}") from None
     c = m.config
@@ -727,6 +727,7 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         frame_generator=type(m.frame_generator).__name__ if m.frame_generator is not None else None,
         frame_weight_read_gib=idle.frame_weight_bytes / 2**30,
         depth_passes=idle.depth_passes,
+        depth_kernels=depth_kernels,  # what --depth-kernels resolved to
         frame_graph_buckets=m.frame_graphs.sizes if m.frame_graphs is not None else None,
         kv_bytes_per_token=kv_token,
         pool_slots=n_pages * page,

@@ -231,15 +231,17 @@ def decode_gemm_field() -> Any:
                  "step 1.5-3% faster at 224-256 streams, slower below (docs/performance.md)")
 
 
-DepthKernels = Literal["torch", "fused"]  # --depth-kernels
+DepthKernels = Literal["auto", "torch", "fused"]  # --depth-kernels
 
 
 def depth_kernels_field() -> Any:
     """`--depth-kernels`, one definition for D and the monolith."""
-    return Field("torch", description="kernels of the csm depth decoder's passes (its frame graphs included): torch "
-                 "(its torch modules, ~35 launches a layer) or fused (the backbone GPU path's Triton kernels and "
-                 "fused q|k|v and gate|up GEMMs; CUDA, bf16/fp16, a model with a depth decoder, else refused). "
-                 "Off by default until measured on a GPU")
+    return Field("auto", description="kernels of the csm depth decoder's passes (its frame graphs included): torch "
+                 "(its torch modules, ~35 launches a layer), fused (the backbone GPU path's Triton kernels and "
+                 "fused q|k|v and gate|up GEMMs; CUDA, bf16/fp16, a model with a depth decoder, else refused) or "
+                 "auto (fused where the model has a depth decoder on CUDA in bf16/fp16, else torch; the choice is "
+                 "logged at start as `depth kernels`). fused halves csm-1b-shape's step on an H100 "
+                 "(docs/performance.md)")
 
 
 # Row buckets of the prefill CUDA graphs (engine/model/prefill_graphs.py): below ~1000

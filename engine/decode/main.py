@@ -137,7 +137,8 @@ async def serve(cfg: DecodeConfig) -> int:
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     try:
         model.set_decode_gemm(cfg.decode_gemm)  # before the decode graphs record the GEMMs
-        set_depth_kernels(model, cfg.depth_kernels)  # and before the frame graphs record these
+        depth = set_depth_kernels(model, cfg.depth_kernels)  # and before the frame graphs record these
+        log.info("depth kernels", extra={"requested": cfg.depth_kernels, "kernels": depth})
         decode_graphs = resolve_decode_graphs(cfg.cuda_graphs, model)
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})

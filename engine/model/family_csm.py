@@ -385,18 +385,22 @@ def depth_kernels_refusal(model: TTSModel) -> str | None:
     return None
 
 
-def set_depth_kernels(model: TTSModel, mode: str) -> None:
-    """"torch" (the default) or "fused" (engine/model/depth_fused.py) for every pass of
-    `model`'s depth decoder, eager and captured. Set it before frame graphs are captured:
-    they record the kernels live at capture. ValueError, naming the flag and the reason,
-    where "fused" cannot run; "torch" is a no-op on any model until "fused" was set."""
+def set_depth_kernels(model: TTSModel, mode: str) -> str:
+    """"torch", "fused" (engine/model/depth_fused.py) or "auto" for every pass of `model`'s
+    depth decoder, eager and captured; returns the kernels it set ("auto": fused where
+    the model has a depth decoder on CUDA that fused can run, else torch). Set it before
+    frame graphs are captured: they record the kernels live at capture. ValueError, naming
+    the flag and the reason, where an explicit "fused" cannot run; "torch" is a no-op on
+    any model until "fused" was set."""
     if mode not in DEPTH_KERNELS:
         raise ValueError(f"--depth-kernels {mode!r}: expected one of {', '.join(DEPTH_KERNELS)}")
     fg = model.frame_generator
+    if mode == "auto":  # the interpreter's CPU path is for tests: auto never picks it
+        mode = "fused" if model.device.type == "cuda" and depth_kernels_refusal(model) is None else "torch"
     if mode == "torch":
         if isinstance(fg, DepthDecoder) and fg.fused is not None:
             raise ValueError("--depth-kernels torch after fused: load the model again")
-        return
+        return mode
     refusal = depth_kernels_refusal(model)
     if refusal is not None:
         raise ValueError(refusal)
@@ -406,6 +410,7 @@ def set_depth_kernels(model: TTSModel, mode: str) -> None:
     assert isinstance(fg, DepthDecoder)
     if fg.fused is None:
         fg.fused = FusedDepthPass(fg)
+    return mode
 
 
 class CsmFamily(ModelFamily):

@@ -156,7 +156,7 @@ def test_depth_kernels_fused_is_refused_off_the_gpu_path_naming_the_flag(spec: s
     with pytest.raises(ValueError, match="--depth-kernels fused"):
         set_depth_kernels(m, "fused")
     set_depth_kernels(m, "torch")  # always taken
-    with pytest.raises(ValueError, match="expected one of torch, fused"):
+    with pytest.raises(ValueError, match="expected one of auto, torch, fused"):
         set_depth_kernels(m, "triton")
 
 
