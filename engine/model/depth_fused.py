@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from pdunit.engine.model.config import ModelConfig
-from pdunit.engine.model.transformer import MLP, Linear, RMSNorm, _fuse_rows, _gemm
+from pdunit.engine.model.transformer import (
+    MLP,
+    Linear,
+    RMSNorm,
+    _fuse_rows,
+    _gemm,
+    _LayerGemms,
+    gpu_layer_stack,
+)
 
 
 class _Attention(Protocol):
@@ -58,8 +66,9 @@ class FusedDepthPass:
         self.dd = dd
         self.layers = cast(list[_Layer], list(dd.layers))
         with torch.no_grad():  # the Linear weights become row views of these (no copy kept)
-            self.qkv = [_fuse_rows([la.attn.q_proj, la.attn.k_proj, la.attn.v_proj]) for la in self.layers]
-            self.gate_up = [_fuse_rows([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
+            self.gemms = [_LayerGemms(_fuse_rows([la.attn.q_proj, la.attn.k_proj, la.attn.v_proj]),
+                                      la.attn.o_proj.weight, _fuse_rows([la.mlp.gate_proj, la.mlp.up_proj]),
+                                      la.mlp.down_proj.weight) for la in self.layers]
         # (start, n, device) -> (positions, write slots, table, lengths) for `_rows[key]`
         # frame rows; a pass of B rows reads their first B*n entries. A grown set replaces
         # the old one in `_index` and the old one stays in `_retired`: a graph may read it.
@@ -97,32 +106,20 @@ class FusedDepthPass:
         """The frame's positions start.. (x [B, n, backbone_hidden]) -> logits [B, n', V]
         float32 of the codebooks they predict, as `DepthDecoder._extend`; their K/V is
         written into work[:, :, :B] at their positions, the earlier positions' read there."""
-        from pdunit.kernels.fused_ops import add_rms_norm, qk_norm_rope_store, rms_norm, silu_mul
+        from pdunit.kernels.fused_ops import rms_norm
         from pdunit.kernels.paged_attention import paged_decode_attention
 
         dd = self.dd
         b, n = x.shape[:2]
-        t = b * n
         positions, slots, table, lengths = self._pass_index(b, start, n, x.device)
-        c = dd.cfg
-        eps, dt = c.rms_eps, x.dtype
+        c, dt = dd.cfg, x.dtype
         h_kv = (work.shape[2] * work.shape[3], c.n_kv_heads, c.head_dim)
-        xs = _gemm(x.reshape(t, -1), dd.project.weight, dt)
-        layers = self.layers
-        h = rms_norm(xs, layers[0].attn_norm.weight, eps)
-        for i, layer in enumerate(layers):
-            assert isinstance(h, torch.Tensor)
-            pool = work[i].view(2, *h_kv)
-            q = qk_norm_rope_store(_gemm(h, self.qkv[i], dt), None, None, eps, dd.rope_cos, dd.rope_sin,
-                                   positions, slots, pool, c.n_heads, c.n_kv_heads, c.head_dim)
-            o = paged_decode_attention(q, pool, table, lengths, 1).view(t, c.n_heads * c.head_dim)
-            xs, h = add_rms_norm(xs, _gemm(o, layer.attn.o_proj.weight, dt), layer.mlp_norm.weight, eps)
-            assert isinstance(h, torch.Tensor)
-            act = silu_mul(_gemm(h, self.gate_up[i], dt))
-            assert isinstance(act, torch.Tensor)
-            following = layers[i + 1].attn_norm.weight if i + 1 < len(layers) else dd.norm.weight
-            xs, h = add_rms_norm(xs, _gemm(act, layer.mlp.down_proj.weight, dt), following, eps)
+        xs = _gemm(x.reshape(b * n, -1), dd.project.weight, dt)
+        h = rms_norm(xs, self.layers[0].attn_norm.weight, c.rms_eps)
         assert isinstance(h, torch.Tensor)
+        h = gpu_layer_stack(xs, h, self.layers, self.gemms, dd.norm.weight, c, dt, dd.rope_cos, dd.rope_sin,
+                            positions, slots, lambda i: work[i].view(2, *h_kv),
+                            lambda q, pool: paged_decode_attention(q, pool, table, lengths, 1))
         first = 1 if start == 0 else 0
         out = h.view(b, n, -1)[:, first:]
         return torch.einsum("bph,phv->bpv", out, dd.heads[start + first - 1 : start + n - 1]).float()

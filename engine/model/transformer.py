@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast, get_args
+from typing import TYPE_CHECKING, Any, Protocol, cast, get_args
 
 import numpy as np
 import torch
@@ -306,6 +306,47 @@ class _LayerGemms:
     o: torch.Tensor | Fp8Weight
     gate_up: torch.Tensor | Fp8Weight
     down: torch.Tensor | Fp8Weight
+
+
+def gpu_layer_stack(
+    x: torch.Tensor,
+    h: torch.Tensor | Fp8Rows,
+    layers: Sequence[Any],
+    gemms: Sequence[_LayerGemms],
+    final_norm: torch.Tensor,
+    c: ModelConfig,
+    dt: torch.dtype,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    positions: torch.Tensor,
+    write_slots: torch.Tensor,
+    kv_of: Callable[[int], torch.Tensor],
+    attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    fp8: bool = False,
+) -> torch.Tensor:
+    """The GPU path's layers (the backbone's and csm's depth decoder's, one loop) over
+    residual x [T, hidden] and its first norm h, then `final_norm`: the final states [T,
+    hidden]. Layer i's K/V pool is kv_of(i); each residual add is fused with the norm that
+    follows it; q/k norm only where a layer's attention has it."""
+    from pdunit.kernels.fused_ops import add_rms_norm, qk_norm_rope_store, silu_mul
+
+    t, eps, n = x.shape[0], c.rms_eps, len(layers)
+    for i, layer in enumerate(layers):
+        a, g = layer.attn, gemms[i]
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        kv = kv_of(i)
+        q = qk_norm_rope_store(
+            _gemm(h, g.qkv, dt), qn.weight if qn is not None else None, kn.weight if kn is not None else None, eps,
+            rope_cos, rope_sin, positions, write_slots, kv, c.n_heads, c.n_kv_heads, c.head_dim,
+        )
+        o = attend(q, kv).view(t, c.n_heads * c.head_dim)
+        x, h = add_rms_norm(x, _gemm(o, g.o, dt), layer.mlp_norm.weight, eps, fp8)
+        m = _gemm(silu_mul(_gemm(h, g.gate_up, dt), fp8), g.down, dt)
+        following = layers[i + 1].attn_norm.weight if i + 1 < n else final_norm
+        # the final norm feeds the head (bf16), the others the next layer's GEMM
+        x, h = add_rms_norm(x, m, following, eps, fp8 and i + 1 < n)
+    assert isinstance(h, torch.Tensor)  # the final norm's output is never quantised
+    return h
 
 
 def _gemm(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -888,34 +929,15 @@ class TTSModel(nn.Module):
         """Every layer, then the final norm, for every row: [T, hidden]. Each residual
         add is fused with the norm that follows it; q/k norm only where the model has it.
         The row embedding (`embed_rows`, a family's included) is device ops only."""
-        from pdunit.kernels.fused_ops import add_rms_norm, qk_norm_rope_store, rms_norm, silu_mul
+        from pdunit.kernels.fused_ops import rms_norm
 
-        c = self.config
         gemms = self._layer_gemms(fp8)
-        t = tokens.shape[0]
-        eps, dt = c.rms_eps, self.dtype
         x = self.embed_rows(tokens)
         layers = self._decoder_layers()
         # fp8: every GEMM input but the attention output comes quantised from its producer
-        h = rms_norm(x, layers[0].attn_norm.weight, eps, fp8)
-        n = len(layers)
-        for i, layer in enumerate(layers):
-            a, g = layer.attn, gemms[i]
-            qw = a.q_norm.weight if a.q_norm is not None else None
-            kw = a.k_norm.weight if a.k_norm is not None else None
-            q = qk_norm_rope_store(
-                _gemm(h, g.qkv, dt), qw, kw, eps,
-                self.rope_cos, self.rope_sin, positions, write_slots, kv[i],
-                c.n_heads, c.n_kv_heads, c.head_dim,
-            )
-            o = attend(q, kv[i]).view(t, c.n_heads * c.head_dim)
-            x, h = add_rms_norm(x, _gemm(o, g.o, dt), layer.mlp_norm.weight, eps, fp8)
-            m = _gemm(silu_mul(_gemm(h, g.gate_up, dt), fp8), g.down, dt)
-            following = layers[i + 1].attn_norm.weight if i + 1 < n else self.norm.weight
-            # the final norm feeds the head (bf16), the others the next layer's GEMM
-            x, h = add_rms_norm(x, m, following, eps, fp8 and i + 1 < n)
-        assert isinstance(h, torch.Tensor)
-        return h
+        h = rms_norm(x, layers[0].attn_norm.weight, self.config.rms_eps, fp8)
+        return gpu_layer_stack(x, h, layers, gemms, self.norm.weight, self.config, self.dtype, self.rope_cos,
+                               self.rope_sin, positions, write_slots, lambda i: kv[i], attend, fp8)
 
     def _decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]

@@ -100,7 +100,7 @@ INTERPRETED = COMMON + textwrap.dedent(
         assert fused is not None
         # the fused weights are the separate ones' storage: same values, the torch form reads them
         assert all(torch.equal(a, b) for a, b in zip(before, fg.parameters()))
-        assert fg.layers[0].attn.k_proj.weight.data_ptr() == fused.qkv[0][fg.cfg.n_heads * fg.cfg.head_dim:].data_ptr()
+        assert fg.layers[0].attn.k_proj.weight.data_ptr() == fused.gemms[0].qkv[fg.cfg.n_heads * fg.cfg.head_dim:].data_ptr()
         gen = torch.Generator().manual_seed(0)
         # 3 rows in a work buffer of 8 (slots b*K + p of the first 3 rows)
         passes, w_ref, w_fused = teacher_forced(m, fused, 3, 8, gen)
