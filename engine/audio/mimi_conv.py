@@ -5,8 +5,10 @@ Owns `StreamConv`: a causal stride-1 conv (`MimiConv1d`'s) or a causal transpose
 context read from and written back to the caller's state row by row. A transposed conv of
 stride s and kernel K is run as the causal conv of ceil(K / s) taps over its input frames
 making s output frames a row, so its pending overlap is its last input frames. Weights are
-snapshotted at construction. Tensor ops only, no host sync (CUDA graphs capture them); it
-must never run a cuDNN convolution or a layout conversion (the cost it exists to remove).
+snapshotted at construction. Two forms of one call: torch ops (the reference; any device)
+or, `fused`, one Triton launch (kernels/codec_fused.py; the caller picks it by device). Tensor
+ops only, no host sync (CUDA graphs capture them); it must never run a cuDNN convolution or
+a layout conversion (the cost it exists to remove).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdunit.kernels import codec_fused
 
 
 def _dense(weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -39,7 +43,8 @@ class StreamConv:
     `state_values` = context rows x in channels: what a stream keeps between calls (the
     last `(taps - 1) x dilation` input rows). The GEMM is the unfolded input times the
     weights, or, where the output is narrow, the input times every tap's weights at once
-    followed by a shifted sum of the taps (less traffic; `shift_add`)."""
+    followed by a shifted sum of the taps (less traffic; `shift_add`). The fused kernel
+    always takes the unfolded form's weights (`rows`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1, frames: int = 1) -> None:
         out, cin, taps = weight.shape
@@ -53,12 +58,13 @@ class StreamConv:
         shift_cost = cin + 3 * taps * out  # the taps' products written and read back, summed
         self.shift_add = taps > 1 and shift_cost < unfold_cost
         w = weight.detach()
+        self.rows = w.permute(2, 1, 0).reshape(taps * cin, out).contiguous()  # [taps x in, out]: row block i is tap i
+        self.row_bias = None if bias is None else bias.detach().clone()
         if self.shift_add:  # [in, taps x out]: column block i is tap i
             self.weight = w.permute(1, 2, 0).reshape(cin, taps * out).contiguous()
             self.bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros((taps - 1) * out)])
-        else:  # [taps x in, out]: row block i is tap i
-            self.weight = w.permute(2, 1, 0).reshape(taps * cin, out).contiguous()
-            self.bias = None if bias is None else bias.detach().clone()
+        else:
+            self.weight, self.bias = self.rows, self.row_bias
 
     @classmethod
     def conv1d(cls, conv: nn.Conv1d) -> StreamConv:
@@ -86,26 +92,40 @@ class StreamConv:
         bias = None if conv.bias is None else conv.bias.repeat(s)
         return cls(weight, bias, frames=s)
 
-    def __call__(self, x: torch.Tensor, state: torch.Tensor | None, elu: float | None = None) -> torch.Tensor:
-        """`x` [B, T, in] -> [B, T x frames, out]. `state` [B, state_values] (a view: read as
-        the context, overwritten with the next one; None when `state_values` is 0); `elu`:
-        the ELU's alpha applied to `x` first (written straight into the conv's input)."""
+    def __call__(self, x: torch.Tensor, state: torch.Tensor | None, next_state: torch.Tensor | None,
+                 elu: float | None = None, residual: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+        """`x` [B, T, in] -> [B, T x frames, out]. `state` [B, state_values] (a view) read as
+        the context, the next one written to `next_state` (the torch form may be given
+        `state` itself; the fused one needs another buffer; both None when `state_values`
+        is 0); `elu`: the ELU's alpha applied to `x` first (the context holds its output);
+        `residual` [B, T x frames, out]: added to the output; `fused`: the Triton kernel."""
+        b, t, _ = x.shape
+        if fused:
+            y = codec_fused.stream_conv(
+                x, self.rows, self.row_bias, self.taps, self.dilation, state, next_state, elu,
+                None if residual is None else residual.view(b, t, self.frames * self.out_channels))
+        else:
+            y = self._torch(x, state, next_state, elu)
+            if residual is not None:
+                y = y.view(b, t * self.frames, self.out_channels).add_(residual)
+        return y.view(b, t * self.frames, self.out_channels)
+
+    def _torch(self, x: torch.Tensor, state: torch.Tensor | None, next_state: torch.Tensor | None,
+               elu: float | None) -> torch.Tensor:
         b, t, cin = x.shape
         p = self.context
         if p == 0:
             h = x if elu is None else F.elu(x, elu)
             a = h.reshape(b * t, cin)
-            y = torch.mm(a, self.weight) if self.bias is None else torch.addmm(self.bias, a, self.weight)
-            return y.view(b, t * self.frames, self.out_channels)
-        assert state is not None
+            return torch.mm(a, self.weight) if self.bias is None else torch.addmm(self.bias, a, self.weight)
+        assert state is not None and next_state is not None
         h = x.new_empty(b, p + t, cin)  # the context rows, then the new ones: what the conv reads
-        past = state.view(b, p, cin)
-        h[:, :p].copy_(past)
+        h[:, :p].copy_(state.view(b, p, cin))
         if elu is None:
             h[:, p:].copy_(x)
         else:
             torch.ops.aten.elu.out(x, elu, 1, 1, out=h[:, p:])
-        past.copy_(h[:, t:])
+        next_state.view(b, p, cin).copy_(h[:, t:])
         if self.shift_add:
             rows = h.view(b * (p + t), cin)
             z = torch.mm(rows, self.weight) if self.bias is None else torch.addmm(self.bias, rows, self.weight)
@@ -114,8 +134,7 @@ class StreamConv:
             y = torch.add(z[:, :t, 0], z[:, d : d + t, 1])
             for i in range(2, self.taps):
                 y.add_(z[:, i * d : i * d + t, i])
-        else:
-            a = h.as_strided((b, t, self.taps, cin), (h.stride(0), cin, self.dilation * cin, 1)).reshape(
-                b * t, self.taps * cin)
-            y = torch.mm(a, self.weight) if self.bias is None else torch.addmm(self.bias, a, self.weight)
-        return y.view(b, t * self.frames, self.out_channels)
+            return y
+        a = h.as_strided((b, t, self.taps, cin), (h.stride(0), cin, self.dilation * cin, 1)).reshape(
+            b * t, self.taps * cin)
+        return torch.mm(a, self.weight) if self.bias is None else torch.addmm(self.bias, a, self.weight)

@@ -22,6 +22,7 @@ from torch import nn
 
 from pdunit.engine.audio.mimi_conv import StreamConv
 from pdunit.engine.audio.mimi_mask import BLOCK_M, ring_attention
+from pdunit.kernels import codec_fused
 
 if TYPE_CHECKING:
     from transformers import MimiModel
@@ -63,12 +64,14 @@ class MimiCodec:
         return codes[0].to(torch.int64).cpu().numpy()
 
     def stream_decoder(self, graphs: bool = False, slots: int = 8, buckets: tuple[int, ...] | None = None,
-                       graph_frames: int = 4) -> MimiStreamDecoder:
+                       graph_frames: int = 4, kernels: str = "auto") -> MimiStreamDecoder:
         """`graphs`: replay CUDA graphs of the push (meant for a codec on CUDA; on a CPU
         the same path runs uncaptured); `slots`: the streams it holds before its pools
         grow (growth drops the captured graphs); `buckets`, `graph_frames`: the graphs'
-        batch sizes and the most frames a captured call takes."""
-        return MimiStreamDecoder(self, slots=slots, graphs=graphs, buckets=buckets, graph_frames=graph_frames)
+        batch sizes and the most frames a captured call takes; `kernels`: the push's
+        kernels (`MimiStreamDecoder`'s)."""
+        return MimiStreamDecoder(self, slots=slots, graphs=graphs, buckets=buckets, graph_frames=graph_frames,
+                                 kernels=kernels)
 
 
 class MimiStreamDecoder:
@@ -92,10 +95,16 @@ class MimiStreamDecoder:
     captured per (batch bucket, frames), the batch padded to its bucket with a scratch
     slot (engine/audio/mimi_graphs.py); `use_graphs` turns it off and on per call (the
     benchmark's eager rows). `attention`: "triton" (CUDA: the kernel reads the rings in
-    place), "torch" (gathers the batch's rings; any device) or "auto" (triton on CUDA)."""
+    place), "torch" (gathers the batch's rings; any device) or "auto" (triton on CUDA).
+    `kernels`: "fused" (CUDA, or Triton's interpreter: each convolution one Triton launch
+    with its ELU, bias, residual and context update, the transformer's q|k|v one GEMM, RoPE
+    and the ring store one launch, the layer scales folded into o_proj and fc2, whose GEMMs
+    add the residual in place, int16 PCM one launch: kernels/codec_fused.py), "torch" (the
+    reference: transformers' modules and torch ops; any device) or "auto" (fused on CUDA)."""
 
     def __init__(self, codec: MimiCodec, slots: int = 8, graphs: bool = False,
-                 buckets: tuple[int, ...] | None = None, graph_frames: int = 4, attention: str = "auto") -> None:
+                 buckets: tuple[int, ...] | None = None, graph_frames: int = 4, attention: str = "auto",
+                 kernels: str = "auto") -> None:
         self.codec = codec
         model = codec.model
         cfg = model.config
@@ -126,6 +135,12 @@ class MimiStreamDecoder:
             raise ValueError(f"codec attention {attention!r} on {self._device.type}: triton needs CUDA; "
                              "torch runs anywhere")
         self.attention = attention
+        if kernels == "auto":
+            kernels = "fused" if self._device.type == "cuda" else "torch"
+        if kernels not in ("fused", "torch") or (kernels == "fused" and not codec_fused.available(self._device)):
+            raise ValueError(f"codec kernels {kernels!r} on {self._device.type}: fused needs CUDA (or Triton's "
+                             "interpreter, TRITON_INTERPRET=1); torch runs anywhere")
+        self.kernels = kernels
         self.window = int(cfg.sliding_window)
         upsample = self._decoder.upsample
         per_frame = int(upsample.conv.stride[0]) if upsample is not None else 1  # transformer positions a frame
@@ -133,6 +148,8 @@ class MimiStreamDecoder:
         self.ring = self.window - 1 + self.pass_positions
         self._codebooks = _Codebooks(model.quantizer, self.codec.num_codebooks)
         self._upsample, self._seanet, width = _plan(self._decoder)
+        self._fused_layers = [_FusedLayer(layer) for layer in self._decoder.decoder_transformer.layers] \
+            if kernels == "fused" else []
         pool = dict(device=self._device, dtype=self._dtype)
         self._kv = torch.zeros(cfg.num_hidden_layers, 2, slots, self.ring, cfg.num_key_value_heads, cfg.head_dim,
                                **pool)  # type: ignore[arg-type]
@@ -281,7 +298,10 @@ class MimiStreamDecoder:
             else:
                 pcm = self.push_slots(slots.to(self._device, non_blocking=True),
                                       codes.to(self._device, non_blocking=True))
-            pcm = to_pcm16(pcm) if pcm16 else pcm.float()
+            if pcm16:
+                pcm = codec_fused.pcm16(pcm) if self.kernels == "fused" else to_pcm16(pcm)
+            else:
+                pcm = pcm.float()
             if pcm.device.type == "cpu":
                 return pcm
             host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
@@ -295,14 +315,17 @@ class MimiStreamDecoder:
         """The push of `codes` [B, K, n] (device, int64) for the streams in `slots` [B]
         (device; a repeated slot is only ever the graphs' scratch one): PCM [B, n x
         samples_per_frame]. Tensor ops only, no host sync: a CUDA graph captures it."""
+        fused = self.kernels == "fused"
         contexts = self._conv.index_select(0, slots)  # the batch's conv state: a few kB a stream
+        # the fused convolutions write the next contexts apart (their programs read the old ones)
+        updated = torch.empty_like(contexts) if fused else contexts
         x = self._codebooks(codes).to(self._dtype)  # channels-last from here on: [B, n, hidden]
         if self._upsample is not None:
-            x = self._upsample(x, contexts)
-        x = self._transformer(x, slots)
+            x = self._upsample(x, contexts, updated, fused)
+        x = self._transformer_fused(x, slots) if fused else self._transformer(x, slots)
         for step in self._seanet:
-            x = step(x, contexts)
-        self._conv.index_copy_(0, slots, contexts)  # every conv's new context, one write by slot
+            x = step(x, contexts, updated, fused)
+        self._conv.index_copy_(0, slots, updated)  # every conv's new context, one write by slot
         return x[:, :, 0]  # mono: [B, n x samples_per_frame]
 
     def _transformer(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -322,6 +345,44 @@ class MimiStreamDecoder:
             for i, layer in enumerate(model.layers):
                 part = self._layer(i, layer, part, (cos, sin), slots, positions)
             parts.append(part)
+        self._seen.index_copy_(0, slots, seen + q)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _transformer_fused(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`_transformer` on the fused path: the residual stream `x` [B, q, hidden] is
+        updated in place (a pass of every position: no copy), RoPE's tables made once a
+        pass for all layers (rows of the pass, in the model dtype as transformers rounds
+        them), every layer's K and V stored at entry slot x ring + position % ring of its
+        pool seen flat."""
+        from pdunit.kernels.fused_ops import qk_norm_rope_store
+
+        cfg = self.codec.model.config
+        heads, kv_heads, dim = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(cfg.head_dim)
+        rotary = self._decoder.decoder_transformer.rotary_emb
+        b, q, hidden = x.shape
+        seen = self._seen.index_select(0, slots)
+        steps = torch.arange(q, device=x.device)
+        pools = self._kv.view(self._kv.shape[0], 2, -1, kv_heads, dim)  # [layers, 2, slots x ring, Hkv, D]
+        parts = []
+        for start in range(0, q, self.pass_positions):
+            part = x[:, start : start + self.pass_positions]
+            m = part.shape[1]
+            h = part.reshape(b * m, hidden)  # a view of x when one pass takes every position
+            positions = seen[:, None] + steps[None, start : start + m]  # [B, m]
+            cos, sin = (c.reshape(b * m, dim)[:, : dim // 2].float().contiguous() for c in rotary(part, positions))
+            rows = torch.arange(b * m, device=x.device)  # row r's tables are row r's
+            entries = (slots[:, None] * self.ring + positions % self.ring).reshape(-1)
+            last = positions[:, -1].contiguous()
+            for i, layer in enumerate(self._fused_layers):
+                y = F.layer_norm(h, (hidden,), *layer.norm1)
+                query = qk_norm_rope_store(torch.mm(y, layer.qkv), None, None, 0.0, cos, sin, rows, entries, pools[i],
+                                           heads, kv_heads, dim)
+                out = ring_attention(query.view(b, m, heads, dim).transpose(1, 2), self._kv[i, 0], self._kv[i, 1],
+                                     slots, last, self.window, layer.scaling, self.attention)
+                h.addmm_(out.reshape(b * m, heads * dim), layer.o)  # + scale x o_proj(out), the scale folded
+                y = F.layer_norm(h, (hidden,), *layer.norm2)
+                h.addmm_(layer.act(torch.mm(y, layer.fc1)), layer.fc2)
+            parts.append(h.view(b, m, hidden))
         self._seen.index_copy_(0, slots, seen + q)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
@@ -387,6 +448,34 @@ class _Codebooks:
         return x @ self.projection
 
 
+class _FusedLayer:
+    """A `MimiTransformerLayer`'s weights as the fused path runs them, snapshotted: q|k|v
+    one matrix, every matrix [in, out] (`rows @ W`), the layer scales folded into o_proj's
+    and fc2's columns (scale x (a @ W) = a @ (W x scale)), the norms' (weight, bias, eps)."""
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.fc1, mlp.fc2)
+        if any(lin.bias is not None for lin in linears):
+            raise ValueError("codec kernels 'fused': the decoder transformer's projections have biases "
+                             "(attention_bias=True), which the fused path does not add; use kernels='torch'")
+        with torch.no_grad():
+            self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).T.contiguous()
+            self.o = (attn.o_proj.weight * layer.self_attn_layer_scale.scale[:, None]).T.contiguous()
+            self.fc1 = mlp.fc1.weight.detach().T.contiguous()
+            self.fc2 = (mlp.fc2.weight * layer.mlp_layer_scale.scale[:, None]).T.contiguous()
+        self.act = mlp.activation_fn
+        self.scaling = float(attn.scaling)
+        self.norm1 = _norm(layer.input_layernorm)
+        self.norm2 = _norm(layer.post_attention_layernorm)
+
+
+def _norm(norm: nn.LayerNorm) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    w = None if norm.weight is None else norm.weight.detach()
+    b = None if norm.bias is None else norm.bias.detach()
+    return w, b, float(norm.eps)
+
+
 @dataclass
 class _Conv:
     """A decoder convolution in the push: its `StreamConv`, its state's columns of the conv
@@ -396,8 +485,11 @@ class _Conv:
     cols: slice
     elu: float | None = None
 
-    def __call__(self, x: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
-        return self.conv(x, contexts[:, self.cols] if self.conv.state_values else None, self.elu)
+    def __call__(self, x: torch.Tensor, contexts: torch.Tensor, updated: torch.Tensor, fused: bool,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.conv.state_values:
+            return self.conv(x, None, None, self.elu, residual, fused)
+        return self.conv(x, contexts[:, self.cols], updated[:, self.cols], self.elu, residual, fused)
 
 
 @dataclass
@@ -408,11 +500,12 @@ class _Residual:
     block: list[_Conv]
     shortcut: _Conv | None
 
-    def __call__(self, x: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, contexts: torch.Tensor, updated: torch.Tensor, fused: bool) -> torch.Tensor:
+        skip = x if self.shortcut is None else self.shortcut(x, contexts, updated, fused)
         h = x
-        for conv in self.block:
-            h = conv(h, contexts)
-        return h.add_(x if self.shortcut is None else self.shortcut(x, contexts))
+        for conv in self.block[:-1]:
+            h = conv(h, contexts, updated, fused)
+        return self.block[-1](h, contexts, updated, fused, residual=skip)  # the add in its epilogue
 
 
 def _plan(decoder: Any) -> tuple[_Conv | None, list[_Conv | _Residual], int]:

@@ -38,7 +38,8 @@ class Pool:
     def push(self, slots: list[int], xs: list[torch.Tensor], elu: float | None) -> torch.Tensor:
         index = torch.tensor(slots)
         state = self.rows.index_select(0, index)
-        y = self.conv(torch.stack(xs), state if self.conv.state_values else None, elu)
+        held = state if self.conv.state_values else None
+        y = self.conv(torch.stack(xs), held, held, elu)
         self.rows.index_copy_(0, index, state)
         return y
 

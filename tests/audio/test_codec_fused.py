@@ -1,0 +1,174 @@
+"""The stream decoder's fused GPU path (kernels/codec_fused.py, `kernels="fused"` of
+engine/audio/mimi_stream.py) equals its torch reference: every convolution form with its
+ELU, bias, residual and context update, the int16 PCM bit for bit, and whole decoders
+(fp32 and fp16) through passes, graphs' static path, streams of every age and a reused
+slot, against the torch path and transformers' one-shot decode. The kernels run under
+Triton's CPU interpreter (its own process: TRITON_INTERPRET is read at import), whose
+bf16 dot is wrong: bf16 is for tests/gpu/test_codec_graphs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pdunit.engine.audio.mimi_stream import MimiStreamDecoder, _FusedLayer
+from pdunit.kernels import codec_fused
+from tests.audio.test_mimi_graphs import lively
+from tests.audio.tiny import tiny_mimi
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import torch
+    from pdunit.engine.audio.mimi_conv import StreamConv
+    from pdunit.engine.audio.mimi_stream import MimiStreamDecoder, to_pcm16
+    from pdunit.kernels import codec_fused
+    from tests.audio.test_mimi_conv import MODULES, stream_conv
+    from tests.audio.test_mimi_graphs import lively
+    from tests.audio.test_mimi_stream import one_shot
+    from tests.audio.tiny import tiny_mimi
+
+    out = {"convs": {}}
+    torch.manual_seed(0)
+    for name, make in sorted(MODULES.items()):
+        conv = stream_conv(make().eval())
+        worst = [0.0, 0.0, 0.0]  # output, next context, context written by the kernel
+        for t in (1, 2, 5):  # 1 and 2: fewer new rows than the k7 conv's context of 6
+            for elu in (None, 0.8):
+                for residual in (False, True):
+                    x = torch.randn(3, t, conv.in_channels)
+                    state = torch.randn(3, conv.state_values)
+                    kept = state.clone()
+                    want_next, got_next = state.clone(), torch.full_like(state, 7.0)
+                    res = torch.randn(3, t * conv.frames, conv.out_channels) if residual else None
+                    held = conv.state_values > 0
+                    want = conv(x, state if held else None, want_next if held else None, elu, res)
+                    got = conv(x, state if held else None, got_next if held else None, elu, res, fused=True)
+                    worst[0] = max(worst[0], float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
+                    if held:
+                        worst[1] = max(worst[1], float((got_next - want_next).abs().max()))
+                        worst[2] = max(worst[2], float((state - kept).abs().max()))
+        out["convs"][name] = worst
+
+    x = torch.randn(4, 300) * 1.5
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x[1] = (torch.arange(300) - 150.5) / 32767  # near the half-way points
+    out["pcm16"] = [torch.equal(to_pcm16(x), codec_fused.pcm16(x)),
+                    torch.equal(to_pcm16(x[:, ::3]), codec_fused.pcm16(x[:, ::3])),
+                    torch.equal(to_pcm16(x.half()), codec_fused.pcm16(x.half()))]
+
+    def decoders(dtype, graphs):
+        codec = lively(tiny_mimi())
+        codec.model.to(dtype)
+        args = dict(slots=4, graph_frames=2, graphs=graphs, buckets=(2, 4))
+        ref = MimiStreamDecoder(codec, kernels="torch", **args)
+        ker = MimiStreamDecoder(codec, kernels="fused", **args)
+        rng = np.random.default_rng(0)
+        streams = {s: rng.integers(0, 32, size=(4, 30)) for s in ("a", "b", "c", "late")}
+        done = dict.fromkeys(streams, 0)
+        audio = {s: [] for s in streams}
+        worst = peak = 0.0
+        plan = [{"a": 3}, {"a": 2, "b": 1}, {"a": 1, "b": 2}, {"a": 5, "b": 5}, {"b": 2, "c": 2},
+                {"a": 1, "b": 1, "c": 1}, "close a", {"b": 2, "late": 1, "c": 3}, {"late": 2, "b": 1, "c": 2}]
+        for d in (ref, ker):
+            d.open("a")
+        for step in plan:
+            if step == "close a":
+                for d in (ref, ker):
+                    d.close("a")
+                continue
+            for s in step:
+                for d in (ref, ker):
+                    if s not in d:
+                        d.open(s)
+            batch = {s: streams[s][:, done[s] : done[s] + n] for s, n in step.items()}
+            got, want = ker.push_many(batch), ref.push_many(batch)
+            for s, n in step.items():
+                worst = max(worst, float(np.abs(got[s] - want[s]).max()))
+                peak = max(peak, float(np.abs(want[s]).max()))
+                audio[s].append(got[s])
+                done[s] += n
+        reference = one_shot(codec, torch.as_tensor(streams["b"][:, : done["b"]]))
+        vs_one_shot = float(np.abs(np.concatenate(audio["b"]) - reference.astype(np.float32)).max())
+        return {"worst": worst, "peak": peak, "vs_one_shot": vs_one_shot,
+                "replays": ker.graphs.replays if graphs else 0}
+
+    out["fp32"] = decoders(torch.float32, False)
+    out["fp32-graphs"] = decoders(torch.float32, True)
+    out["fp16"] = decoders(torch.float16, False)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_every_convolution_form_fused_equals_its_torch_form_and_writes_the_same_next_context(
+        interpreted: dict) -> None:
+    """k7, narrow (shift-add), dilated, k1, one output, grouped, transposed (with and
+    without context, bias, a kernel not a multiple of its stride); 1, 2 and 5 new rows,
+    with and without ELU and a residual; the context read is left as it was."""
+    from tests.audio.test_mimi_conv import MODULES
+
+    assert set(interpreted["convs"]) == set(MODULES)
+    for name, (out, context, untouched) in interpreted["convs"].items():
+        assert out <= 1e-5 and context <= 1e-6 and untouched == 0.0, name
+
+
+def test_int16_pcm_fused_is_bit_for_bit_the_torch_conversion(interpreted: dict) -> None:
+    assert interpreted["pcm16"] == [True, True, True]
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp32-graphs", "fp16"])
+def test_a_fused_decoder_equals_the_torch_decoder_and_the_one_shot_decode(interpreted: dict, case: str) -> None:
+    """Calls of 1-5 frames (5 and 3 run the transformer in several passes), streams of
+    every age past the 6-position window, a closed stream's slot reused."""
+    got = interpreted[case]
+    bound = 1e-5 if case.startswith("fp32") else 3e-3
+    assert got["peak"] > 0.1 and got["worst"] <= bound * got["peak"], got
+    assert got["vs_one_shot"] <= (1e-3 if case.startswith("fp32") else bound) * max(1.0, got["peak"]), got
+    assert (got["replays"] > 0) == (case == "fp32-graphs")
+
+
+def test_the_kernels_are_chosen_by_device_and_fused_is_refused_where_triton_cannot_run(monkeypatch) -> None:
+    codec = tiny_mimi()
+    assert MimiStreamDecoder(codec).kernels == "torch"  # auto on a CPU
+    monkeypatch.setattr(codec_fused, "INTERPRET", False)
+    with pytest.raises(ValueError, match="fused needs CUDA"):
+        MimiStreamDecoder(codec, kernels="fused")
+    with pytest.raises(ValueError, match="codec kernels 'cuda'"):
+        MimiStreamDecoder(codec, kernels="cuda")
+
+
+def test_the_fused_layer_folds_the_layer_scales_and_refuses_biases(monkeypatch) -> None:
+    codec = lively(tiny_mimi())
+    layer = codec.model.decoder.decoder_transformer.layers[0]
+    fused = _FusedLayer(layer)
+    attn, hidden = layer.self_attn, codec.model.config.hidden_size
+    y, h = torch.randn(5, hidden), torch.randn(5, hidden)
+    with torch.no_grad():
+        qkv = torch.cat([attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)], dim=-1)
+        assert torch.allclose(y @ fused.qkv, qkv, atol=1e-6)
+        assert torch.allclose(h.clone().addmm_(y, fused.o), h + layer.self_attn_layer_scale(attn.o_proj(y)), atol=1e-6)
+        g = torch.randn(5, codec.model.config.intermediate_size)
+        assert torch.allclose(h.clone().addmm_(g, fused.fc2), h + layer.mlp_layer_scale(layer.mlp.fc2(g)), atol=1e-6)
+    attn.q_proj.bias = nn.Parameter(torch.zeros(attn.q_proj.out_features))
+    monkeypatch.setattr(codec_fused, "INTERPRET", True)  # construction launches nothing
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        MimiStreamDecoder(codec, kernels="fused")
