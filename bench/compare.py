@@ -449,14 +449,21 @@ def ratios_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _error_cell(level: dict[str, Any]) -> str:
+    """An overload level's errors and their kinds ("652 (http_429:no_capacity 652)")."""
+    kinds = level.get("error_kinds") or {}
+    detail = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    return f"{level.get('errors') or 0}" + (f" ({detail})" if detail else "")
+
+
 def overload_markdown(overload: dict[str, Any] | None) -> str:
     """The overload level of each variant: goodput (frames/s of the streams that met the
     floor), refused share, and a labelled copy's goodput over its variant's."""
     if not overload:
         return ""
     out = ["", "## Overload level (--overload-rate)", "",
-           "| variant | goodput fps | refused | stutter | min fps | TTFA p95 ms | refusal p99 ms | pass |",
-           "|---|---:|---:|---:|---:|---:|---:|---|"]
+           "| variant | goodput fps | refused | stutter | min fps | TTFA p95 ms | refusal p99 ms | errors | pass |",
+           "|---|---:|---:|---:|---:|---:|---:|---|---|"]
 
     def cell(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -464,7 +471,8 @@ def overload_markdown(overload: dict[str, Any] | None) -> str:
     for name, lv in overload["levels"].items():
         out.append(f"| {name} | {cell(lv['goodput_fps'], '.0f')} | {cell(lv['refused_share'], '.1%')} | "
                    f"{cell(lv['stutter_share'], '.1%')} | {cell(lv['min_rate'], '.1f')} | "
-                   f"{cell(lv['ttfa_p95_ms'], '.0f')} | {cell(lv['refusal_p99_ms'], '.0f')} | {lv['passed']} |")
+                   f"{cell(lv['ttfa_p95_ms'], '.0f')} | {cell(lv['refusal_p99_ms'], '.0f')} | "
+                   f"{_error_cell(lv)} | {lv['passed']} |")
     for name, a in overload.get("against_base", {}).items():
         out.append(f"\n{name} / {name.partition('+')[0]}: goodput x{cell(a['goodput_over_base'], 'g')}, refused "
                    f"{cell(a['refused_share'], '.1%')} vs {cell(a['base_refused_share'], '.1%')}")
@@ -729,7 +737,7 @@ def run_levels(cfg: CompareConfig, name: str, gpus: int, url: str, ports: dict[s
 
 
 OVERLOAD_FIELDS = ("goodput_fps", "refused_share", "stutter_share", "min_rate", "ttfa_p95_ms", "refusal_p99_ms",
-                   "errors", "passed")
+                   "errors", "error_kinds", "passed")
 
 
 def overload_summary(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -598,7 +598,7 @@ def test_an_overload_level_runs_after_the_sweep_and_reports_goodput_against_the_
                "passed": not cfg.rate or on, "goodput_fps": 900.0 if on else 300.0,
                "refused_share": 0.4 if on and cfg.rate else 0.0, "stutter_share": 0.0 if on else 0.8,
                "min_rate": 45.0 if on else 20.0, "ttfa_p95_ms": 300.0, "refusal_p99_ms": 8.0 if on else None,
-               "errors": 0}
+               "errors": 0 if on else 7, "error_kinds": {} if on else {"http_429:no_capacity": 7}}
         return {"rows": [row], "streams": [], "config": {}}
 
     monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
@@ -621,3 +621,6 @@ def test_an_overload_level_runs_after_the_sweep_and_reports_goodput_against_the_
     assert again["against_base"] == overload["against_base"]
     md = Path(out["files"][1]).read_text()
     assert "## Overload level" in md and "1p1d+floor / 1p1d: goodput x3, refused 40.0% vs 0.0%" in md
+    # the errors' kinds are kept: a pool's 429s are not the rate floor's 503s
+    assert overload["levels"]["1p1d"]["error_kinds"] == {"http_429:no_capacity": 7}
+    assert "| 7 (http_429:no_capacity 7) | False |" in md and "| 0 | True |" in md
