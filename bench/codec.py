@@ -3,10 +3,11 @@
 Owns one measurement of `MimiStreamDecoder.decode` (codes [B, K, n] in, 16-bit PCM out) as
 the codec stage makes it once a step for the due streams: Mimi's real shape (MimiConfig's
 defaults, 32 codebooks) or a tiny one, random weights built locally (nothing downloaded),
-streams warmed past the sliding window, per dtype, per path (eager, CUDA graphs) and
-ring attention (the Triton kernel reading the pools in place, or torch's gather + SDPA):
-ms per call and per stream, the share of D's step at the same batch (a step-model fit
-from bench/results, or --d-step-ms), and optionally the top GPU kernels of one call. Must
+streams warmed past the sliding window, per dtype, per path (eager, CUDA graphs), per
+kernels (fused Triton or the torch reference) and ring attention (the Triton kernel or
+torch's gather + SDPA): ms per call and per stream, a graph's replay alone, the share of
+D's step at the same batch (a step-model fit from bench/results, or --d-step-ms), and
+optionally the GPU kernels of one call (how many, the top ones). Must
 never be run for a claim without writing its results file, and never re-implements the
 decoder (it times the engine's own).
 """
@@ -36,12 +37,14 @@ from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 COLUMNS = [
     Column("dtype", "dtype"),
     Column("mode", "path"),
+    Column("kernels", "kernels"),
     Column("attention", "attention"),
     Column("batch", "batch"),
     Column("frames", "frames"),
     Column("bucket", "bucket"),
     Column("ms", "ms/call", "{:.3f}"),
     Column("p90_ms", "p90 ms", "{:.3f}"),
+    Column("replay_ms", "replay ms", "{:.3f}"),
     Column("us_per_stream", "us/stream", "{:.1f}"),
     Column("audio_ms", "audio ms", "{:.0f}"),
     Column("d_step_ms", "D step ms", "{:.2f}"),
@@ -64,6 +67,7 @@ class CodecConfig:
     dtypes: list[str] = dataclasses.field(default_factory=lambda: ["fp32"])
     mode: str = "both"
     attention: str = "auto"  # the decoder's ring attention: auto (triton on CUDA), triton, torch
+    kernels: list[str] = dataclasses.field(default_factory=lambda: ["auto"])  # the push's: auto, fused, torch
     profile_batch: int = 0  # > 0: the top GPU kernels of one eager call at this batch (CUDA only)
     warm_frames: int = -1  # -1: past the sliding window
     warm_chunk: int = 8
@@ -123,16 +127,18 @@ def d_step_ms(cfg: CodecConfig, batch: int) -> tuple[float | None, str]:
 
 
 
-def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One decoder (graphs or not) with max(batches) streams, warmed, then each (batch,
-    frames) point timed on the first `batch` streams."""
+def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str,
+            kernels: str = "auto") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One decoder (graphs or not, on `kernels`) with max(batches) streams, warmed, then
+    each (batch, frames) point timed on the first `batch` streams; with graphs on CUDA,
+    the graph's replay alone too (the call less its copies in and out)."""
     from pdunit.engine.audio.mimi_stream import MimiStreamDecoder
 
     cuda = codec.device.type == "cuda"
     graphs = mode == "graphs"
     most = max(cfg.batches)
     dec = MimiStreamDecoder(codec, slots=most + 1, graphs=graphs, buckets=tuple(cfg.buckets),
-                            graph_frames=cfg.graph_frames, attention=cfg.attention)
+                            graph_frames=cfg.graph_frames, attention=cfg.attention, kernels=kernels)
     ids = [f"s{i}" for i in range(most)]
     slots = np.array([dec.open(s) for s in ids])
     rng = np.random.default_rng(cfg.seed)
@@ -158,10 +164,12 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
             ms = statistics.median(times)
             d_ms, _ = d_step_ms(cfg, batch)
             uses_graph = graphs and dec.graphs.handles(frames)
+            graph = dec.graphs.captured(dec.graphs.bucket(batch), frames) if uses_graph else None
+            replay = statistics.median(times_ms(graph.replay, cfg.iters, 1, cuda)) if graph is not None else None
             rows.append({
-                "dtype": dtype_name, "mode": mode, "attention": dec.attention, "batch": batch, "frames": frames,
-                "bucket": dec.graphs.bucket(batch) if uses_graph else None,
-                "ms": ms, "p90_ms": float(np.percentile(times, 90)), "min_ms": min(times),
+                "dtype": dtype_name, "mode": mode, "kernels": dec.kernels, "attention": dec.attention,
+                "batch": batch, "frames": frames, "bucket": dec.graphs.bucket(batch) if uses_graph else None,
+                "ms": ms, "p90_ms": float(np.percentile(times, 90)), "min_ms": min(times), "replay_ms": replay,
                 "us_per_stream": ms * 1e3 / batch,
                 "audio_ms": frames * 1e3 / codec.frame_rate,
                 "d_step_ms": d_ms, "of_d_step": ms / d_ms if d_ms else None,
@@ -170,7 +178,7 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
             print({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in rows[-1].items()}, flush=True)
     info = {
         "warm_frames": warm, "warm_s": round(warm_s, 2), "pool_gib": round(dec.pool_bytes / 2**30, 3),
-        "ring": dec.ring, "attention": dec.attention,
+        "ring": dec.ring, "attention": dec.attention, "kernels": dec.kernels,
         "peak_gib": round(torch.cuda.max_memory_allocated(codec.device) / 2**30, 2) if cuda else None,
     }
     if cuda and cfg.profile_batch and mode == "eager":
@@ -191,7 +199,8 @@ def measure(codec: Any, cfg: CodecConfig, dtype_name: str, mode: str) -> tuple[l
 def profile_kernels(dec: Any, ids: list[str], rng: np.random.Generator, calls: int = 3,
                     top: int = 15) -> dict[str, Any]:
     """The GPU kernels of `calls` eager one-frame calls of the streams `ids` (torch's
-    profiler; a graph replays the same kernels): the top ones by device time a call."""
+    profiler; a graph replays the same kernels): how many a call (copies included), the
+    top ones by device time a call."""
     from torch.profiler import ProfilerActivity, profile
 
     k, size = dec.codec.num_codebooks, dec.codec.codebook_size
@@ -213,6 +222,7 @@ def profile_kernels(dec: Any, ids: list[str], rng: np.random.Generator, calls: i
     events.sort(reverse=True)
     return {
         "batch": len(ids), "frames": 1, "device_ms_per_call": round(total / calls / 1e3, 3),
+        "kernels_per_call": round(sum(n for _, _, n in events) / calls, 1),
         "kernels": [{"name": name[:90], "ms_per_call": round(us / calls / 1e3, 3), "calls_per_call": n // calls,
                      "share": round(us / total, 3)} for us, name, n in events[:top]],
     }
@@ -232,18 +242,21 @@ def run_codec(cfg: CodecConfig) -> dict[str, Any]:
         raise SystemExit("pdunit bench codec: --device cuda but no CUDA device (use --device cpu --shape tiny)")
     rows: list[dict[str, Any]] = []
     runs: dict[str, Any] = {}
+    # auto named as what it runs, each kernels once (the results' config says what ran)
+    cfg.kernels = list(dict.fromkeys(("fused" if cuda else "torch") if k == "auto" else k for k in cfg.kernels))
     codec = None
     for dtype_name in cfg.dtypes:
         codec = build_codec(cfg.shape, DTYPES[dtype_name], cfg.device, cfg.seed)
-        for mode in MODES[cfg.mode]:
-            got, info = measure(codec, cfg, dtype_name, mode)
-            rows += got
-            runs[f"{dtype_name}/{mode}"] = info
+        for kernels in cfg.kernels:
+            for mode in MODES[cfg.mode]:
+                got, info = measure(codec, cfg, dtype_name, mode, kernels)
+                rows += got
+                runs[_key(cfg, dtype_name, info["kernels"], mode)] = info
         del codec
         gc.collect()
-    eager = {(r["dtype"], r["batch"], r["frames"]): r["ms"] for r in rows if r["mode"] == "eager"}
+    eager = {(r["dtype"], r["kernels"], r["batch"], r["frames"]): r["ms"] for r in rows if r["mode"] == "eager"}
     for r in rows:
-        base = eager.get((r["dtype"], r["batch"], r["frames"]))
+        base = eager.get((r["dtype"], r["kernels"], r["batch"], r["frames"]))
         r["speedup"] = base / r["ms"] if base and r["mode"] != "eager" else None
     return report.Results(
         bench="codec",
@@ -255,12 +268,19 @@ def run_codec(cfg: CodecConfig) -> dict[str, Any]:
     ).document()
 
 
+def _key(cfg: CodecConfig, dtype: str, kernels: str, mode: str) -> str:
+    """A run's name in the summary: dtype/path, with the kernels between when several
+    were asked for (dtype/kernels/path)."""
+    return f"{dtype}/{kernels}/{mode}" if len(cfg.kernels) > 1 else f"{dtype}/{mode}"
+
+
 def _summary(rows: list[dict[str, Any]], runs: dict[str, Any], cfg: CodecConfig) -> dict[str, Any]:
-    """Per (dtype, path, frames): a line ms = base + per_stream x batch over the batches,
-    and the share of D's step at 256 streams against the target."""
+    """Per (dtype, kernels, path, frames): a line ms = base + per_stream x batch over the
+    batches, and the share of D's step at 256 streams against the target."""
     fits: dict[str, Any] = {}
-    for key in sorted({(r["dtype"], r["mode"], r["frames"]) for r in rows}):
-        pts = sorted((r["batch"], r["ms"], r["of_d_step"]) for r in rows if (r["dtype"], r["mode"], r["frames"]) == key)
+    for dtype, kernels, mode, frames in sorted({(r["dtype"], r["kernels"], r["mode"], r["frames"]) for r in rows}):
+        pts = sorted((r["batch"], r["ms"], r["of_d_step"]) for r in rows
+                     if (r["dtype"], r["kernels"], r["mode"], r["frames"]) == (dtype, kernels, mode, frames))
         entry: dict[str, Any] = {}
         if len(pts) >= 2:
             slope, base = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
@@ -269,7 +289,7 @@ def _summary(rows: list[dict[str, Any]], runs: dict[str, Any], cfg: CodecConfig)
         if at.get(256) is not None:
             entry["of_d_step_at_256"] = round(at[256], 4)
             entry["meets_target"] = at[256] <= TARGET
-        fits["/".join(map(str, key)) + "f"] = entry
+        fits[f"{_key(cfg, dtype, kernels, mode)}/{frames}f"] = entry
     return {
         "d_step": d_step_ms(cfg, 256)[1],
         "target": f"codec <= {TARGET:.0%} of D's step at 256 streams",
@@ -285,6 +305,13 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _kernels(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or any(v not in ("auto", "fused", "torch") for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct auto, fused or torch (comma-separated), got {text!r}")
     return values
 
 
@@ -308,6 +335,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("auto", "triton", "torch"), default=d.attention,
                    help="the decoder's ring attention: the Triton kernel reading the pools in place (CUDA), torch's "
                    "gather + SDPA, or auto (triton on CUDA)")
+    p.add_argument("--kernels", type=_kernels, default=d.kernels,
+                   help="the push's kernels, comma-separated, each timed: fused (Triton, CUDA), torch (the "
+                   "reference ops), auto (fused on CUDA); e.g. fused,torch for a side-by-side in one run")
     p.add_argument("--profile-batch", type=int, default=d.profile_batch,
                    help="> 0: the top GPU kernels of an eager one-frame call at this batch (CUDA; in the summary)")
     p.add_argument("--warm-frames", type=int, default=d.warm_frames,
@@ -344,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pdunit bench codec: " + "; ".join(problems))
     cfg = CodecConfig(
         shape=a.shape, batches=a.batches, frames=a.frames, dtypes=a.dtype, mode=a.mode, attention=a.attention,
+        kernels=a.kernels,
         profile_batch=a.profile_batch,
         warm_frames=a.warm_frames, warm_chunk=a.warm_chunk, iters=a.iters, warmup=a.warmup,
         buckets=a.buckets, graph_frames=a.graph_frames, d_step_ms=a.d_step_ms,

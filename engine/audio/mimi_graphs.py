@@ -96,6 +96,12 @@ class MimiGraphs:
                         made += 1
         return made
 
+    def captured(self, bucket: int, frames: int) -> Any:
+        """The CUDA graph of (bucket, frames) if captured, else None (a benchmark times
+        its replay alone: a call's time less the copies in and out around it)."""
+        entry = self._entries.get((bucket, frames))
+        return None if entry is None else entry.graph
+
     def run(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """PCM [B, n x samples_per_frame] on the device of `codes` [B, K, n] (int64, checked;
         host or device) for the streams in `slots` [B] (int64): each piece of at most the

@@ -47,3 +47,20 @@ def test_bad_options_are_refused():
         bench_main(["codec", "--dtype", "fp16"])
     with pytest.raises(SystemExit, match="--iters"):
         bench_main(["codec", "--iters", "0", "--device", "cpu"])
+
+
+def test_kernels_side_by_side_name_each_run_and_auto_is_what_it_runs(tmp_path):
+    """`--kernels auto,torch` on a CPU: auto is torch there, so one set of runs, named
+    plainly; rows say their kernels and have no replay time (no graph on a CPU)."""
+    out = tmp_path / "codec.json"
+    assert bench_main(["codec", "--shape", "tiny", "--device", "cpu", "--batches", "2", "--frames", "1",
+                       "--kernels", "auto,torch", "--iters", "1", "--warmup", "0", "--d-step-ms", "10",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["kernels"] == ["torch"]
+    assert [(r["mode"], r["kernels"], r["replay_ms"]) for r in doc["rows"]] == [
+        ("eager", "torch", None), ("graphs", "torch", None)]
+    assert set(doc["summary"]["runs"]) == {"fp32/eager", "fp32/graphs"}
+    assert doc["summary"]["runs"]["fp32/eager"]["kernels"] == "torch"
+    with pytest.raises(SystemExit):
+        bench_main(["codec", "--kernels", "fused,triton"])
