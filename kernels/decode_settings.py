@@ -3,11 +3,11 @@ take, and `--decode-kernel`'s KEY=VALUE text form.
 
 Torch-free (engine configs check `--decode-kernel` where torch is never imported: the
 operator, `bench compare`'s flag check); kernels/paged_attention.py reads the live
-settings (its DECODE_CONFIG) at every launch. The settings: `block_n`, `num_warps`,
-`num_stages` (tile and pipeline), `head_major`, `programs_per_sm` (grid order and split),
-`kv_as_a` (K/V as the dots' first operand), `fp8_dots` (Q K^T on fp8 tensor cores). What
-each does and the measurements behind each default: docs/performance.md, "Kernel notes".
-Must never launch anything: it only checks and renders values.
+settings (its DECODE_CONFIG) at every launch: tile and pipeline, grid order and split,
+operand order, fp8 dots, and for fp8 pools the widening from words, the query rows per
+dot and the lazy softmax. What each does and the measurements behind each default:
+docs/performance.md, "Kernel notes". Must never launch anything: it only checks and
+renders values.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 DECODE_DEFAULT: dict[str, int] = {
     "block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": 0, "programs_per_sm": 4, "kv_as_a": -1,
-    "fp8_dots": 1,
+    "fp8_dots": 1, "kv_words": 0, "block_g": 16, "lazy_softmax": 0,
 }
 
 # Values the kernel is built for (powers of two where Triton's tiles need them); the GPU
@@ -29,6 +29,9 @@ ALLOWED: dict[str, tuple[int, ...]] = {
     "programs_per_sm": tuple(range(1, 17)),
     "kv_as_a": (-1, 0, 1),
     "fp8_dots": (0, 1),
+    "kv_words": (0, 1),
+    "block_g": (8, 16),
+    "lazy_softmax": (0, 1),
 }
 
 

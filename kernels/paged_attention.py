@@ -12,6 +12,7 @@ decide which tokens a sequence sees. How and why: docs/performance.md, "Kernel n
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -59,6 +60,12 @@ DECODE_CANDIDATES: list[dict[str, int]] = [
     _candidate(kv_as_a=0, fp8_dots=0),
     _candidate(kv_as_a=1, fp8_dots=0),
     _candidate(block_n=128, kv_as_a=0, fp8_dots=0),
+    _candidate(kv_words=1),
+    _candidate(kv_words=1, block_g=8),
+    _candidate(kv_words=1, block_g=8, lazy_softmax=1),
+    _candidate(kv_words=1, block_g=8, lazy_softmax=1, num_stages=2),
+    _candidate(kv_words=1, block_g=8, lazy_softmax=1, block_n=128),
+    _candidate(kv_words=1, block_g=8, lazy_softmax=1, fp8_dots=0),
 ]
 
 
@@ -187,12 +194,60 @@ def reference_decode_attention(
 if triton is not None:
 
     @triton.jit
-    def _load_k_tile(row_table, K, offs, end, offs_d, head_offset, stride_ks):
+    def _e4m3_half_bits(w, shift):
+        """The e4m3 byte at bit `shift` of each int32 word, widened to fp16, as the low 16
+        bits of an int32 (the portable form of one half of cvt.rn.f16x2.e4m3x2)."""
+        byte = ((w >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        return byte.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+    @triton.jit
+    def _load_fp8_rows_wide(base, slots, n_mask, head_offset, stride_s, ROWS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, CVT_ASM: tl.constexpr):
+        """Rows [ROWS, HEAD_DIM] of an e4m3 pool loaded as 32-bit words of four values and
+        widened to fp16 in registers, two values an instruction (cvt.rn.f16x2.e4m3x2; the
+        portable shifts where CVT_ASM is off: Triton's interpreter, GPUs before sm_89).
+        Loaded byte-wise, a tile that feeds a dot is widened byte by byte from shared memory."""
+        words = base.to(tl.pointer_type(tl.int32), bitcast=True)
+        offs_w = tl.arange(0, HEAD_DIM // 4)
+        w = tl.load(words + (slots[:, None] * stride_s + head_offset) // 4 + offs_w[None, :], mask=n_mask[:, None],
+                    other=0)
+        if CVT_ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b16 l, h;
+                mov.b32 {l, h}, $2;
+                cvt.rn.f16x2.e4m3x2 $0, l;
+                cvt.rn.f16x2.e4m3x2 $1, h;
+                }""",
+                constraints="=r,=r,r",
+                args=[w],
+                dtype=(tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo = _e4m3_half_bits(w, 0) | (_e4m3_half_bits(w, 8) << 16)
+            hi = _e4m3_half_bits(w, 16) | (_e4m3_half_bits(w, 24) << 16)
+        # lo holds values 4j, 4j+1 of word j and hi 4j+2, 4j+3, as fp16 pairs: pair p = 2j + s
+        # is values 2p, 2p+1; its halves interleaved give the row in order.
+        pairs = tl.join(lo, hi).reshape([ROWS, HEAD_DIM // 2])
+        even = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+        odd = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        return tl.join(even, odd).reshape([ROWS, HEAD_DIM])
+
+    @triton.jit
+    def _load_k_tile(row_table, K, offs, end, offs_d, head_offset, stride_ks, WORDS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CVT_ASM: tl.constexpr):
         """One tile of a sequence's K rows through its slot table: the slots (int64, for
-        the V load that follows), the rows' mask, and the K tile [len(offs), HEAD_DIM]."""
+        the V load that follows), the rows' mask, and the K tile [BLOCK_N, HEAD_DIM] (with
+        WORDS, an e4m3 tile already widened to fp16: _load_fp8_rows_wide)."""
         n_mask = offs < end
         slots = tl.load(row_table + offs, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_ks + head_offset + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        if WORDS:
+            k = _load_fp8_rows_wide(K, slots, n_mask, head_offset, stride_ks, BLOCK_N, HEAD_DIM, CVT_ASM)
+        else:
+            k = tl.load(K + slots[:, None] * stride_ks + head_offset + offs_d[None, :], mask=n_mask[:, None],
+                        other=0.0)
         return slots, n_mask, k
 
     @triton.jit
@@ -207,6 +262,7 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, N_KV: tl.constexpr, DIRECT: tl.constexpr,
         HEAD_MAJOR: tl.constexpr, WIDE: tl.constexpr, KV_AS_A: tl.constexpr, FP8_DOTS: tl.constexpr,
+        K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, LAZY: tl.constexpr, CVT_ASM: tl.constexpr,
     ):
         if HEAD_MAJOR:
             hkv = tl.program_id(0)
@@ -235,52 +291,88 @@ if triton is not None:
             s_scale = q_scale * scale_log2e  # [BLOCK_G]: undoes the row scale in the scores
         else:
             q = q.to(WIDE)
-            s_scale = scale_log2e  # unused: the widened dots below scale by it directly, as before fp8 dots
+            # read by the lazy softmax only: the widened dots below scale by it directly, as before fp8 dots
+            s_scale = tl.zeros([BLOCK_G], dtype=tl.float32) + scale_log2e
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         row_table = Table + b.to(tl.int64) * stride_tb
+        # K_WORDS, V_WORDS: the tile comes as fp16 from _load_fp8_rows_wide (K: when it is widened).
+        # LAZY: the scores stay unscaled until the exponent (one fused multiply-add; the
+        # scale is > 0, so the max commutes with it) and P's sums stay per element, summed
+        # once after the loop (no cross-warp reduction a tile).
         if KV_AS_A:  # transposed: K and V^T are the dots' first operands (DECODE_CONFIG)
             q_t = tl.trans(q)  # [HEAD_DIM, BLOCK_G]
             acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)
+            l_t = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
-                slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
-                if FP8_DOTS:
-                    s_t = tl.dot(k, q_t) * s_scale[None, :]  # [BLOCK_N, BLOCK_G] fp32
+                slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks,
+                                                K_WORDS, BLOCK_N, HEAD_DIM, CVT_ASM)
+                if LAZY:
+                    s_t = tl.dot(k, q_t) if FP8_DOTS else tl.dot(k.to(WIDE), q_t)  # [BLOCK_N, BLOCK_G] unscaled
+                    s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s_t, 0) * s_scale)
+                    alpha = tl.exp2(m_i - m_new)
+                    p_t = tl.exp2(s_t * s_scale[None, :] - m_new[None, :])
+                    l_t = l_t * alpha[None, :] + p_t
                 else:
-                    s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e
-                s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s_t, 0))
-                alpha = tl.exp2(m_i - m_new)
-                p_t = tl.exp2(s_t - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p_t, 0)
-                v_t = tl.load(  # [HEAD_DIM, BLOCK_N]: V's rows as columns
-                    V + slots[None, :] * stride_vs + hkv * stride_vh + offs_d[:, None],
-                    mask=n_mask[None, :],
-                    other=0.0,
-                )
-                acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
+                    if FP8_DOTS:
+                        s_t = tl.dot(k, q_t) * s_scale[None, :]  # [BLOCK_N, BLOCK_G] fp32
+                    else:
+                        s_t = tl.dot(k.to(WIDE), q_t) * scale_log2e
+                    s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+                    alpha = tl.exp2(m_i - m_new)
+                    p_t = tl.exp2(s_t - m_new[None, :])
+                    l_i = l_i * alpha + tl.sum(p_t, 0)
+                if V_WORDS:
+                    v = _load_fp8_rows_wide(V, slots, n_mask, hkv * stride_vh, stride_vs, BLOCK_N, HEAD_DIM, CVT_ASM)
+                    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(WIDE))
+                else:
+                    v_t = tl.load(  # [HEAD_DIM, BLOCK_N]: V's rows as columns
+                        V + slots[None, :] * stride_vs + hkv * stride_vh + offs_d[:, None],
+                        mask=n_mask[None, :],
+                        other=0.0,
+                    )
+                    acc_t = acc_t * alpha[None, :] + tl.dot(v_t.to(WIDE), p_t.to(WIDE))
                 m_i = m_new
             acc = tl.trans(acc_t)
+            if LAZY:
+                l_i = tl.sum(l_t, 0)
         else:
             acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            l_p = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
-                slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks)
-                if FP8_DOTS:
-                    qk = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [BLOCK_G, BLOCK_N] fp32
+                slots, n_mask, k = _load_k_tile(row_table, K, n0 + offs_n, end, offs_d, hkv * stride_kh, stride_ks,
+                                                K_WORDS, BLOCK_N, HEAD_DIM, CVT_ASM)
+                if LAZY:
+                    qk = tl.dot(q, tl.trans(k)) if FP8_DOTS else tl.dot(q, tl.trans(k.to(WIDE)))  # unscaled
+                    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(qk * s_scale[:, None] - m_new[:, None])
+                    l_p = l_p * alpha[:, None] + p
                 else:
-                    qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e
-                qk = tl.where(n_mask[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V + slots[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                )
+                    if FP8_DOTS:
+                        qk = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [BLOCK_G, BLOCK_N] fp32
+                    else:
+                        qk = tl.dot(q, tl.trans(k.to(WIDE))) * scale_log2e
+                    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(qk, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(qk - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                if V_WORDS:
+                    v = _load_fp8_rows_wide(V, slots, n_mask, hkv * stride_vh, stride_vs, BLOCK_N, HEAD_DIM, CVT_ASM)
+                else:
+                    v = tl.load(
+                        V + slots[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None],
+                        other=0.0,
+                    )
                 acc = acc * alpha[:, None] + tl.dot(p.to(WIDE), v.to(WIDE))
                 m_i = m_new
+            if LAZY:
+                l_i = tl.sum(l_p, 1)
         # An empty split (short context) leaves l_i == 0 and m_i == -inf: its lse is -inf
         # and the merge gives it zero weight.
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -321,6 +413,12 @@ if triton is not None:
         )
         out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+@functools.cache
+def _has_e4m3x2_cvt(device: torch.device) -> bool:
+    """Whether `device` runs cvt.rn.f16x2.e4m3x2 (sm_89 and later; never interpreted)."""
+    return device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _check(q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -390,6 +488,8 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     head_major = bool(DECODE_CONFIG["head_major"])
     kv_as_a = DECODE_CONFIG["kv_as_a"]
+    fp8 = kv_layer.dtype == FP8_KV
+    words = fp8 and DECODE_CONFIG["kv_words"] == 1
     grid = (hkv, b, n_splits) if head_major else (b, hkv, n_splits)
     _decode_split_kernel[grid](
         q, k, v, table, lengths, out, part_o, part_lse,
@@ -399,11 +499,13 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         n_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        GROUP=group, BLOCK_G=max(DECODE_CONFIG["block_g"] if fp8 else 16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_CONFIG["block_n"], HEAD_DIM=d, N_KV=hkv, DIRECT=n_splits == 1,
         HEAD_MAJOR=head_major, WIDE=compute_dtype(q.dtype, kv_layer.dtype),
-        KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and kv_layer.dtype == FP8_KV),
-        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if kv_layer.dtype == FP8_KV else 0,
+        KV_AS_A=kv_as_a == 1 or (kv_as_a == -1 and fp8),
+        FP8_DOTS=DECODE_CONFIG["fp8_dots"] if fp8 else 0,
+        K_WORDS=words and not DECODE_CONFIG["fp8_dots"], V_WORDS=words, LAZY=fp8 and DECODE_CONFIG["lazy_softmax"] == 1 and scale > 0,
+        CVT_ASM=words and _has_e4m3x2_cvt(q.device),
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     if n_splits > 1:

@@ -14,6 +14,7 @@ from pdunit.kernels import paged_attention as pa
 
 def test_parse_gives_the_changed_settings_as_ints():
     assert ds.parse("kv_as_a=1, fp8_dots=1") == {"kv_as_a": 1, "fp8_dots": 1}
+    assert ds.parse("kv_words=1,block_g=8,lazy_softmax=1") == {"kv_words": 1, "block_g": 8, "lazy_softmax": 1}
     assert ds.parse("") == {}
     assert ds.parse(" , ") == {}
 
@@ -26,6 +27,9 @@ def test_parse_gives_the_changed_settings_as_ints():
     ("=3", "'=3' is not KEY=VALUE"),
     ("num_warps=four", "num_warps='four' is not an integer"),
     ("kv_as_a=1,kv_as_a=0", "'kv_as_a' is given twice"),
+    ("block_g=4", "block_g=4 is not one of [8, 16]"),
+    ("kv_words=2", "kv_words=2 is not one of [0, 1]"),
+    ("lazy_softmax=-1", "lazy_softmax=-1 is not one of [0, 1]"),
 ])
 def test_parse_names_what_is_wrong(text, says):
     with pytest.raises(ValueError, match="--decode-kernel") as err:

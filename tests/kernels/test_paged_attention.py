@@ -111,11 +111,13 @@ INTERPRETED_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
     torch.set_num_threads(1)
+    from pdunit.kernels.decode_settings import checked
     from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
     from pdunit.kernels.paged_attention import (
         DECODE_CONFIG, build_slot_table, paged_decode_attention, reference_decode_attention)
     DECODE_CONFIG["kv_as_a"] = KV_AS_A
     DECODE_CONFIG["fp8_dots"] = 0  # exact widening, whatever the default (the fp8 dots: the candidates test)
+    DECODE_CONFIG.update(checked(SETTINGS))
     rng = np.random.default_rng(7)
     torch.manual_seed(7)
     worst = 0.0
@@ -130,6 +132,10 @@ INTERPRETED_CHECK = textwrap.dedent(
         ref = reference_decode_attention(q.double(), kv, table, lens)
         assert torch.isfinite(out).all(), "unwritten output rows"
         worst = max(worst, float((out.double() - ref).norm() / ref.norm()))
+    # a negative scale (the lazy softmax applies the scale in the exponent: it needs one > 0)
+    out = paged_decode_attention(q, kv, table, lens, 2, scale=-0.2)
+    ref = reference_decode_attention(q.double(), kv, table, lens, scale=-0.2)
+    worst = max(worst, float((out.double() - ref).norm() / ref.norm()))
     print("worst", worst)
     assert worst < 2e-3, worst
     """
@@ -145,8 +151,68 @@ def test_decode_kernel_matches_the_reference_under_tritons_cpu_interpreter(
     interpreter's bf16 dot is wrong), the reference on the same pool (fp8: widened),
     in both operand orders (DECODE_CONFIG's kv_as_a). Runs from tmp_path: the repo
     root would shadow the stdlib `operator` module with the operator/ folder."""
-    script = f"KV_CACHE_DTYPE = {kv_cache_dtype!r}\nKV_AS_A = {kv_as_a}\n" + INTERPRETED_CHECK
+    script = f"KV_CACHE_DTYPE = {kv_cache_dtype!r}\nKV_AS_A = {kv_as_a}\nSETTINGS = {{}}\n" + INTERPRETED_CHECK
     run_interpreted(inspect.getsource(paging_module) + script, tmp_path)
+
+
+# The fp8 pools' settings (kernels/decode_settings.py), each alone and all together.
+FP8_SETTINGS = [{"kv_words": 1}, {"block_g": 8}, {"lazy_softmax": 1}, {"kv_words": 1, "block_g": 8, "lazy_softmax": 1}]
+
+
+def _settings_id(settings: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in settings.items())
+
+
+@pytest.mark.parametrize("kv_as_a", [0, 1])
+@pytest.mark.parametrize("settings", FP8_SETTINGS, ids=_settings_id)
+def test_each_fp8_pool_setting_matches_the_reference_under_tritons_cpu_interpreter(
+    tmp_path: Path, settings, kv_as_a
+) -> None:
+    """K and V widened from 32-bit words (the portable widening: the interpreter runs no
+    PTX), 8 query rows per dot, the lazy softmax: each against the reference on an fp8
+    pool, exact widening (fp8_dots 0), both operand orders, 1..3 splits, a negative scale."""
+    script = f"KV_CACHE_DTYPE = 'fp8_e4m3'\nKV_AS_A = {kv_as_a}\nSETTINGS = {settings!r}\n" + INTERPRETED_CHECK
+    run_interpreted(inspect.getsource(paging_module) + script, tmp_path)
+
+
+FP8_SETTINGS_AGAINST_THE_DEFAULT = textwrap.dedent(
+    """
+    import numpy as np, torch
+    torch.set_num_threads(1)
+    from pdunit.kernels.decode_settings import DECODE_DEFAULT, checked
+    from pdunit.kernels.kv_dtype import FP8_KV, to_kv
+    from pdunit.kernels.paged_attention import DECODE_CONFIG, build_slot_table, paged_decode_attention
+    rng = np.random.default_rng(3)
+    torch.manual_seed(3)
+    ctx = paged_slots([1, 70, 33, 129], 4, 1024, rng)
+    table, lens = build_slot_table(ctx)
+    q = torch.randn(4, 8, 32).half()
+    kv16 = torch.randn(2, 1024, 2, 32).half()
+
+
+    def launch(kv, kv_as_a, fp8_dots, settings):
+        DECODE_CONFIG.clear()
+        DECODE_CONFIG.update({**DECODE_DEFAULT, "kv_as_a": kv_as_a, "fp8_dots": fp8_dots, **checked(settings)})
+        return paged_decode_attention(q, kv, table, lens, 2)
+
+
+    for kv_as_a in (0, 1):
+        # a model-dtype pool ignores them: the same kernel, the same bits
+        assert torch.equal(launch(kv16, kv_as_a, 1, SETTINGS), launch(kv16, kv_as_a, 1, {}))
+        # with the fp8 dots (the interpreter's e4m3 dots are its own: compared with themselves)
+        base = launch(to_kv(kv16, FP8_KV), kv_as_a, 1, {}).double()
+        got = launch(to_kv(kv16, FP8_KV), kv_as_a, 1, SETTINGS).double()
+        err = float((got - base).norm() / base.norm())
+        print(kv_as_a, "against the default", err)
+        assert err < 1e-3, err
+    """
+)
+
+
+def test_the_fp8_pool_settings_keep_the_fp8_dots_results_and_leave_model_dtype_pools_alone(tmp_path: Path) -> None:
+    script = f"SETTINGS = {FP8_SETTINGS[-1]!r}\n" + FP8_SETTINGS_AGAINST_THE_DEFAULT
+    out = run_interpreted(inspect.getsource(paging_module) + script, tmp_path)
+    assert "against the default" in out, out
 
 
 # A pool rounded to e4m3 against the model-dtype pool it came from, on the same queries.
@@ -248,6 +314,41 @@ def test_fp8_pool_decode_stays_within_e4m3_rounding_of_the_model_dtype_pool_on_g
     pa.DECODE_CONFIG["fp8_dots"] = 0
     try:
         scope["check_fp8_pool"](dtype, "cuda", hq, hkv, d, page, splits)
+    finally:
+        pa.DECODE_CONFIG.clear()
+        pa.DECODE_CONFIG.update(saved)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_as_a", [0, 1])
+@pytest.mark.parametrize("fp8_dots", [0, 1])
+@pytest.mark.parametrize("settings", FP8_SETTINGS + [{"kv_words": 1, "block_g": 8, "lazy_softmax": 1, "block_n": 128}],
+                         ids=_settings_id)
+def test_each_fp8_pool_setting_computes_what_the_default_kernel_computes_on_gpu(settings, fp8_dots, kv_as_a,
+                                                                                dtype) -> None:
+    """On the GPU the words are widened by cvt.rn.f16x2.e4m3x2 (sm_89+): a value misplaced
+    in a tile would be off by O(1); the same widened values and dots leave the outputs
+    within a rounding of the output dtype (the lazy softmax rounds its exponent once)."""
+    from pdunit.kernels import paged_attention as pa
+
+    saved = dict(pa.DECODE_CONFIG)
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(11)
+    ctx = paged_slots([1, 2, 63, 64, 65, 700, 2049, 17], 16, 8192, rng)
+    table, lens = (t.to(dev) for t in build_slot_table(ctx))
+    kv = to_kv(torch.randn(2, 8192, 8, 128, device=dev), FP8_KV)
+    q = torch.randn(len(ctx), 32, 128, device=dev).to(dtype)
+    try:
+        for splits in (1, 3):
+            pa.configure_decode(f"kv_as_a={kv_as_a},fp8_dots={fp8_dots}")
+            base = pa.paged_decode_attention(q, kv, table, lens, splits)
+            pa.DECODE_CONFIG.update(settings)
+            got = pa.paged_decode_attention(q, kv, table, lens, splits)
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(got, base, rtol=2 * eps, atol=2**-10)
+            ref = reference_decode_attention((quantised_query(q) if fp8_dots else q).double(), kv, table, lens)
+            assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
     finally:
         pa.DECODE_CONFIG.clear()
         pa.DECODE_CONFIG.update(saved)
