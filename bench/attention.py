@@ -1,12 +1,13 @@
-"""`pdunit bench attention`: the fused prefill attention kernel's launch shapes, side by side.
+"""`pdunit bench attention`: the attention kernels' variants side by side, with torch's.
 
-Owns one measurement: `kernels/prefill_attention.paged_prefill_attention` alone over a
-batch like P's (K/V at fragmented pool slots), once per `PrefillTile` in `--tiles`, and
-torch's SDPA on the same shapes with contiguous K/V as a yardstick; per point the device
-time, TFLOP/s and the error against a float64 reference (columns: docs/performance.md,
-"What each benchmark measures"), so the default tile is picked from a measurement.
-GPU only: on a CPU the kernel runs only under Triton's interpreter (the tests do that).
-It launches the kernel as P does and never changes it.
+Owns two measurements, each kernel alone on K/V at fragmented pool slots: P's prefill
+kernel once per `PrefillTile` in `--tiles` (`--points`), and D's decode kernel once per
+`--decode-kernel` text in `--decode-kernels` (`--decode-points`); torch's SDPA and varlen
+kernels on the same shapes as yardsticks. Per point: device time, TFLOP/s or K/V GB/s,
+and the error against a float64 reference (docs/performance.md, "What each benchmark
+measures"), so defaults are picked from a measurement. GPU only (the kernels' tests run
+them under Triton's interpreter). It launches the kernels as the engines do and leaves
+their settings as it found them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ from pdunit.engine.model.config import CONFIGS
 from pdunit.engine.settings import parse_config
 from pdunit.kernels.kv_dtype import kv_storage_dtype, to_kv
 from pdunit.kernels.kv_dtype_names import KvCacheDtype
+from pdunit.kernels.paged_attention import (
+    DECODE_CONFIG,
+    build_slot_table,
+    choose_splits,
+    configure_decode,
+    paged_decode_attention,
+    reference_decode_attention,
+)
 from pdunit.kernels.prefill_attention import (
     DEFAULT_TILE,
     PrefillPlan,
@@ -42,15 +51,27 @@ COLUMNS = [
     Column("kernel", "kernel", "{}"),
     Column("ms", "ms", "{:.3f}"),
     Column("tflops", "TFLOP/s", "{:.1f}"),
+    Column("gbps", "K/V GB/s", "{:.0f}"),
+    Column("of_copy", "of copy", "{:.1%}"),
     Column("err", "rel err", "{:.1e}"),
 ]
+DECODE_CHECK_STREAMS = 8  # streams of a decode point checked against the float64 reference
+# The decode kernel's variants timed by default: the current settings and each fp8 knob
+# (kernels/decode_settings.py) alone and together.
+DECODE_VARIANTS = ("default;kv_words=1;block_g=8;lazy_softmax=1;kv_words=1,block_g=8;"
+                   "kv_words=1,block_g=8,lazy_softmax=1;kv_words=1,block_g=8,lazy_softmax=1,num_stages=2;"
+                   "kv_words=1,block_g=8,lazy_softmax=1,block_n=128")
 
 
 class AttentionBenchConfig(BaseModel):
     model: str = Field("qwen3-4b-shape", description="model config whose heads and head_dim are used")
     dtype: str = Field("bfloat16", description="bfloat16 | float16")
     points: str = Field("4x1500,1x6000,16x512,2x512+1500",
-                        description="PROMPTSxROWS[+PREFIX] batches, comma list")
+                        description="prefill: PROMPTSxROWS[+PREFIX] batches, comma list ('' = none)")
+    decode_points: str = Field("", description="decode: STREAMSxCONTEXT points, comma list ('' = none): one new "
+                               "token a stream against CONTEXT pool slots, one layer")
+    decode_kernels: str = Field(DECODE_VARIANTS, description="decode kernel variants, ';' list of --decode-kernel "
+                                "texts ('default' = kernels/decode_settings.py's defaults)")
     tiles: str = Field("64x64w4s2,128x64w4s2,128x64w8s2,128x64w8s3,128x32w4s3,128x128w8s2,256x64w8s2",
                        description="PrefillTile shapes BLOCK_MxBLOCK_NwWARPSsSTAGES, comma list")
     page_size: int = Field(1, ge=1, description="KV page size of the fragmented pool")
@@ -251,6 +272,151 @@ def library_rows(cfg: AttentionBenchConfig, name: str, flops: float, q: torch.Te
     return rows
 
 
+def parse_decode_points(text: str) -> list[tuple[int, int]]:
+    points = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, sep, b = part.lower().partition("x")
+        try:
+            streams, context = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"--decode-points: {part!r} is not STREAMSxCONTEXT") from None
+        if not sep or streams < 1 or context < 1:
+            raise ValueError(f"--decode-points: {part!r} needs >= 1 stream and a context >= 1")
+        points.append((streams, context))
+    return points
+
+
+def parse_decode_variants(text: str) -> list[str]:
+    """The `;` list of --decode-kernel texts, each checked ('default' is the empty text);
+    the default settings are always among them, first."""
+    from pdunit.kernels.decode_settings import DECODE_DEFAULT, parse, render
+
+    seen = [""]
+    for part in (p.strip() for p in text.split(";")):
+        norm = "" if part in ("", "default") else render({**DECODE_DEFAULT, **parse(part, "--decode-kernels")})
+        if norm not in seen:
+            seen.append(norm)
+    return seen
+
+
+def kernel_ms(fn: Any, reps: int, rounds: int = 5) -> float:
+    """Device time of one call of a short kernel: `reps` launches back to back between two
+    events (launch cost hidden behind the queue), the median over `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return statistics.median(times)
+
+
+def run_decode_point(cfg: AttentionBenchConfig, point: tuple[int, int], variants: list[str], copy_gbps: float,
+                     rng: np.random.Generator) -> list[dict[str, Any]]:
+    """One decode point: every variant of the split kernel (as D launches it: its split
+    heuristic, its merge), then torch's SDPA on K/V gathered and widened in the call (what
+    an engine could do with torch alone) and on contiguous K/V in q's dtype (a library
+    kernel's floor at the model dtype's bytes)."""
+    streams, context = point
+    mc = CONFIGS[cfg.model]
+    hq, hkv, d = mc.n_heads, mc.n_kv_heads, mc.head_dim
+    dtype = getattr(torch, cfg.dtype)
+    dev = torch.device("cuda")
+    kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
+    ctx = pool_case(streams, context, 0, cfg.page_size, rng)
+    n_slots = max(int(c.max()) for c in ctx) + 1
+    table, lengths = (t.to(dev) for t in build_slot_table(ctx))
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    q = torch.randn(streams, hq, d, device=dev, generator=g).to(dtype)
+    kv = to_kv(torch.randn(2, n_slots, hkv, d, device=dev, generator=g, dtype=dtype), kv_dtype)
+    kv_bytes = streams * context * 2 * hkv * d * kv.element_size()
+    n_chk = min(DECODE_CHECK_STREAMS, streams)
+    want = reference_decode_attention(q[:n_chk].double(), kv, table[:n_chk], lengths[:n_chk])
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+    reps = max(3, min(50, int(2e4 / max(1.0, kv_bytes / 1e6))))  # ~20 GB of K/V a round, 3..50 launches
+    name = f"{streams}x{context}"
+    out = torch.empty_like(q)
+    saved = dict(DECODE_CONFIG)
+    rows: list[dict[str, Any]] = []
+
+    def row(label: str, ms: float | None, err: float | None, **extra: Any) -> dict[str, Any]:
+        gbps = kv_bytes / (ms * 1e-3) / 1e9 if ms else None
+        r = {"point": name, "kernel": label, "tile": None, "ms": round(ms, 4) if ms else None, "tflops": None,
+             "gbps": gbps, "of_copy": gbps / copy_gbps if gbps else None, "err": err, **extra}
+        print(f"{name} {label}: " + (f"{ms:.4f} ms, {gbps:.0f} GB/s, err {err:.1e}" if ms else "failed"), flush=True)
+        return r
+
+    try:
+        for text in variants:
+            configure_decode(text)
+            splits = choose_splits(streams, hkv, sm_count, context)
+
+            def launch(s: int = splits) -> None:
+                paged_decode_attention(q, kv, table, lengths, s, out=out)
+
+            label = "decode " + (text or "default")
+            try:
+                out.fill_(float("nan"))
+                launch()
+                err = float((out[:n_chk].double() - want).norm() / want.norm())
+                ms = kernel_ms(launch, reps)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is a data point
+                rows.append({**row(label, None, None), "kernel": f"{label}: {str(exc).splitlines()[0][:120]}"})
+                continue
+            rows.append(row(label, ms, err, decode_kernel=text, splits=splits))
+    finally:
+        DECODE_CONFIG.clear()
+        DECODE_CONFIG.update(saved)
+    idx = table[:, :context].long()
+    qs = q[:, :, None, :]
+
+    def gathered() -> torch.Tensor:  # [B, Hkv, L, D] in q's dtype (an fp8 pool widened exactly)
+        k = kv[0][idx].to(dtype).transpose(1, 2)
+        v = kv[1][idx].to(dtype).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True)[:, :, 0]
+
+    err = float((gathered()[:n_chk].double() - want).norm() / want.norm())
+    rows.append(row("torch sdpa, K/V gathered and widened in the call", kernel_ms(gathered, reps), err))
+    k_c = kv[0][idx].to(dtype).transpose(1, 2).contiguous()
+    v_c = kv[1][idx].to(dtype).transpose(1, 2).contiguous()
+
+    def contiguous() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(qs, k_c, v_c, enable_gqa=True)
+
+    ms = kernel_ms(contiguous, reps)
+    err = float((contiguous()[:n_chk, :, 0].double() - want).norm() / want.norm())
+    rows.append(row(f"torch sdpa, contiguous K/V in {cfg.dtype} (reads {2 // kv.element_size()}x the bytes)", ms,
+                    err))
+    return rows
+
+
+def summarize_decode(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per decode variant, the geometric mean over points of the default's time over its
+    own (> 1: faster than the default); the best variant is the highest among those that
+    ran every point within 5e-2 of the reference (fp8 dots quantise the query)."""
+    ok = [r for r in rows if r.get("decode_kernel") is not None and r["ms"] and r["err"] is not None
+          and r["err"] < 5e-2]
+    points = sorted({r["point"] for r in rows if r.get("decode_kernel") is not None})
+    base = {r["point"]: r["ms"] for r in ok if r["decode_kernel"] == ""}
+    speed: dict[str, list[float]] = {}
+    for r in ok:
+        if r["point"] in base:
+            speed.setdefault(r["decode_kernel"], []).append(base[r["point"]] / r["ms"])
+    score = {k or "default": round(float(np.exp(np.mean(np.log(v)))), 3) for k, v in speed.items()
+             if len(v) == len(points)}
+    of_copy: dict[str, dict[str, float]] = {(r["decode_kernel"] or "default"): {} for r in ok}
+    for r in ok:
+        of_copy[r["decode_kernel"] or "default"][r["point"]] = round(r["of_copy"], 3)
+    return {"decode_speedup_over_default": score,
+            "decode_best": max(score, key=score.__getitem__) if score else None,
+            "decode_of_copy": of_copy}
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per tile, the geometric mean over points of its speed relative to the point's best
     tile; the best tile is the one closest to 1 (no tile with an error above 1e-2 counts)."""
@@ -278,16 +444,30 @@ def run_attention_bench(cfg: AttentionBenchConfig, command: str) -> dict[str, An
     tiles = [PrefillTile.parse(t) for t in cfg.tiles.split(",") if t.strip()]
     if DEFAULT_TILE not in tiles:
         tiles.append(DEFAULT_TILE)
+    prefill = parse_points(cfg.points) if cfg.points.strip() else []
+    decode = parse_decode_points(cfg.decode_points)
+    if not prefill and not decode:
+        raise SystemExit("pdunit bench attention: --points and --decode-points are both empty")
+    variants = parse_decode_variants(cfg.decode_kernels)
     rng = np.random.default_rng(cfg.seed)
-    rows = [r for point in parse_points(cfg.points) for r in run_point(cfg, point, tiles, rng)]
-    return report.Results(BENCH, machine_info(), command, cfg.model_dump(), rows, summarize(rows)).document()
+    rows = [r for point in prefill for r in run_point(cfg, point, tiles, rng)]
+    summary = summarize(rows)
+    if decode:
+        from pdunit.bench.step import measure_copy_gbps
+
+        copy_gbps = measure_copy_gbps(2.0)
+        print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+        decode_rows = [r for point in decode for r in run_decode_point(cfg, point, variants, copy_gbps, rng)]
+        rows += decode_rows
+        summary.update(summarize_decode(decode_rows), hbm_copy_gbps=copy_gbps)
+    return report.Results(BENCH, machine_info(), command, cfg.model_dump(), rows, summary).document()
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(AttentionBenchConfig, argv, "pdunit bench attention")
     doc = run_attention_bench(cfg, report.command_line(argv, prog="pdunit bench attention"))
     print(text_table(doc["rows"], COLUMNS))
-    report.print_and_write(doc, cfg.out, COLUMNS, "Prefill attention kernel: launch shapes side by side")
+    report.print_and_write(doc, cfg.out, COLUMNS, "Attention kernels: variants side by side")
     return 0
 
 
