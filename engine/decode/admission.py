@@ -196,6 +196,30 @@ class StepModel:
         return float(np.quantile(ratios, quantile))
 
 
+class WindowRatio:
+    """The last `size` (amount, streams) pairs of decode steps and the ratio of their
+    sums, kept as running sums: the new pair added, the evicted one subtracted, O(1) a
+    step. Amounts are integers (the caller's unit: rows, ns), so the sums stay exact
+    however long the run. Not thread-safe: the caller holds its lock."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self.pairs: deque[tuple[int, int]] = deque(maxlen=size)
+        self.amount = 0
+        self.streams = 0
+
+    def add(self, amount: int, streams: int) -> float:
+        """Appends one step's pair (`streams` > 0); returns the window's amount per stream."""
+        if len(self.pairs) == self.size:
+            old_amount, old_streams = self.pairs[0]
+            self.amount -= old_amount
+            self.streams -= old_streams
+        self.pairs.append((amount, streams))
+        self.amount += amount
+        self.streams += streams
+        return self.amount / self.streams
+
+
 @dataclass(frozen=True)
 class HeldStream:
     """A stream the engine holds: `context` tokens now (prompt + frames so far, or the
@@ -373,9 +397,9 @@ class AdmissionControl:
         # (`charge_ms_per_stream`): the prefill-first monolith's prefill-only steps, in ms
         # (`observe_stall`), and the chunked monolith's prompt rows in its mixed steps
         # (`observe_rows`), priced at the model's per-row term when judged
-        self._stalls: deque[tuple[float, int]] = deque(maxlen=256)  # (stall ms, streams) per decode step
+        self._stalls = WindowRatio(256)  # (stall ns, streams) per decode step
         self.stall_ms_per_stream = 0.0
-        self._row_loads: deque[tuple[int, int]] = deque(maxlen=256)  # (prompt rows, streams) per decode step
+        self._row_loads = WindowRatio(256)  # (prompt rows, streams) per decode step
         self.rows_per_stream = 0.0
 
     @property
@@ -452,10 +476,9 @@ class AdmissionControl:
         if streams <= 0:
             return
         with self._lock:
-            self._stalls.append((max(0.0, stall_ms), streams))
             # the waits over the stream-steps that saw them: a decode step of few streams
             # (a ramp's start) weighs as little as it decodes
-            self.stall_ms_per_stream = sum(s for s, _ in self._stalls) / sum(n for _, n in self._stalls)
+            self.stall_ms_per_stream = self._stalls.add(round(max(0.0, stall_ms) * 1e6), streams) / 1e6
 
     def observe_rows(self, rows: int, streams: int) -> None:
         """One decode step of `streams` streams that carried `rows` prompt rows (the
@@ -464,8 +487,7 @@ class AdmissionControl:
         if streams <= 0:
             return
         with self._lock:
-            self._row_loads.append((max(0, rows), streams))
-            self.rows_per_stream = sum(r for r, _ in self._row_loads) / sum(n for _, n in self._row_loads)
+            self.rows_per_stream = self._row_loads.add(max(0, rows), streams)
 
     def charge_ms_per_stream(self) -> float:
         """What every projected stream is charged per step beyond the model's per-stream

@@ -233,3 +233,28 @@ def test_a_stream_between_take_incoming_and_running_still_counts_as_held() -> No
     b.running[s.request_id] = s
     b.joined()
     assert b.lifetimes() == [(101, 49)]  # once, not twice
+
+
+def test_the_stall_and_row_windows_keep_running_sums_equal_to_their_pairs_resummed() -> None:
+    """observe_stall / observe_rows keep running sums over their last 256 decode steps (the
+    evicted step subtracted): after each of 700 steps the sums equal the window's pairs
+    re-summed, and each per-stream figure is the last 256 steps' amounts over their streams;
+    once the window holds only steps without a stall, the stall reads 0 exactly."""
+    ctl = AdmissionControl(RateFloorAdmission(StepModel(StepCoefficients(10.0, 1.0, 0.0)), 42.0), HeldStream(1, 10))
+    rng = np.random.default_rng(7)
+    steps: list[tuple[float, int, int]] = []
+    for i in range(700):
+        stall, rows, streams = float(rng.uniform(0, 90)), int(rng.integers(0, 200)), int(rng.integers(1, 9))
+        steps.append((stall, rows, streams))
+        ctl.observe_stall(stall, streams)
+        ctl.observe_rows(rows, streams)
+        last = steps[-256:]
+        for window in (ctl._stalls, ctl._row_loads):
+            assert len(window.pairs) == len(last), i
+            assert window.amount == sum(a for a, _ in window.pairs), i
+            assert window.streams == sum(n for _, _, n in last) == sum(n for _, n in window.pairs), i
+        assert ctl.stall_ms_per_stream == pytest.approx(sum(s for s, _, _ in last) / sum(n for _, _, n in last))
+        assert ctl.rows_per_stream == sum(r for _, r, _ in last) / sum(n for _, _, n in last)
+    for _ in range(256):
+        ctl.observe_stall(0.0, 1)
+    assert ctl.stall_ms_per_stream == 0.0
