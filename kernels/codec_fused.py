@@ -69,7 +69,7 @@ def stream_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert past is not None and nxt is not None
     _conv_kernel()[grid](
         x, past, nxt, weight, bias if bias is not None else weight, res, y,
-        b * t, t, cin, n, context, dilation, taps, b * context, tiles_n,
+        b * t, t, cin, n, context, max(context, 1), dilation, taps, b * context, tiles_n,
         x.stride(0), x.stride(1), past.stride(0), nxt.stride(0), res.stride(0), res.stride(1),
         y.stride(0), y.stride(1), 1.0 if elu is None else float(elu),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, ELU=elu is not None, HAS_BIAS=bias is not None,
@@ -100,7 +100,7 @@ def _conv_kernel() -> Any:
     @triton.jit
     def stream_conv_kernel(
         X, PAST, NEXT, W, BIAS, RES, Y,  # noqa: N803
-        rows, t_len, cin, n_out, context, dilation, taps, state_rows, tiles_n,
+        rows, t_len, cin, n_out, context, context_rows, dilation, taps, state_rows, tiles_n,
         stride_xb, stride_xt, stride_pb, stride_nb, stride_rb, stride_rt, stride_yb, stride_yt, alpha,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: N803
         ELU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,  # noqa: N803
@@ -112,11 +112,12 @@ def _conv_kernel() -> Any:
         if pid_n == tiles_n:
             # the next context: row j of stream b is row t_len + j of [context; elu(x)]
             live = r < state_rows
-            b = r // tl.maximum(context, 1)
-            j = r % tl.maximum(context, 1)
+            b = r // context_rows
+            j = r % context_rows
             src = t_len + j
             old = src < context
-            for k0 in range(0, cin, BLOCK_K):
+            span = tl.where(pid_m * BLOCK_M < state_rows, cin, 0)  # most of this column has no context row
+            for k0 in range(0, span, BLOCK_K):
                 k = k0 + ks
                 kin = (k < cin)[None, :]
                 pv = tl.load(PAST + (b * stride_pb + src * cin)[:, None] + k[None, :],
