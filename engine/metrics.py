@@ -95,6 +95,12 @@ D_STEP_MODEL_ERROR = role_metric(Gauge(
     "pdunit_step_model_under_prediction",
     "p90 of observed / predicted step time over recent steps (> 1: the model under-predicts; the budget shrinks)",
     registry=None), _D, _MONO)
+D_RATE_FLOOR_FEEDBACK = role_metric(Gauge(
+    "pdunit_rate_floor_feedback_factor", "Share of the floor's step budget admission judges with after the feedback "
+    "from the rates streams delivered (1: none taken; engine/decode/rate_feedback.py)", registry=None), _D, _MONO)
+D_RATE_FLOOR_DELIVERED = role_metric(Gauge(
+    "pdunit_rate_floor_delivered_quantile", "The --floor-feedback-quantile of recent streams' delivered rate over the "
+    "floor, as last judged (0 until enough streams)", registry=None), _D, _MONO)
 D_FRAMES = role_metric(Counter("pdunit_decode_frames_total", "Frames emitted", registry=None), _D, _MONO)
 D_GPU_BUSY_SECONDS = role_metric(Counter(
     "pdunit_decode_gpu_busy_seconds_total",

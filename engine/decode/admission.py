@@ -24,6 +24,8 @@ from prometheus_client import Gauge
 from pydantic import BaseModel, Field, field_validator
 
 from pdunit.engine import metrics as m
+from pdunit.engine.decode.rate_feedback import DeliveringStream, RateFeedback
+from pdunit.engine.observability import now_ns
 
 if TYPE_CHECKING:
     from pdunit.engine.audio.codec_stage import StepCost
@@ -287,13 +289,14 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
 # stream ends, so its maximum over the horizon is at now or just before a stream ends:
 # those points are checked. The budget is 1 / floor less `margin`, shrunk by the model's
 # recent under-prediction (budget / p90 of observed/predicted when above 1), so one bad
-# fit cannot stutter everyone.
+# fit cannot stutter everyone, and by the feedback from the rates streams delivered
+# (`feedback`, engine/decode/rate_feedback.py: what no step prediction sees).
 class RateFloorAdmission:
     """Admits a stream only while the projected step stays within the floor's budget
     for every stream held (the comment above)."""
 
     def __init__(self, model: StepModel, floor_fps: float, margin: float = 0.10,
-                 error_quantile: float = 0.9) -> None:
+                 error_quantile: float = 0.9, feedback: RateFeedback | None = None) -> None:
         if floor_fps <= 0:
             raise ValueError(f"rate floor must be > 0 frames/s (got {floor_fps})")
         if not 0 <= margin < 1:
@@ -304,17 +307,19 @@ class RateFloorAdmission:
         self.floor_fps = floor_fps
         self.margin = margin
         self.error_quantile = error_quantile  # which quantile of observed / predicted shrinks the budget
+        self.feedback = feedback  # None: the delivered rates do not move the budget
 
     def nominal_budget_ms(self) -> float:
         """1 / floor less the margin: a stream over it alone can never be served."""
         return 1000.0 / self.floor_fps * (1.0 - self.margin)
 
     def budget_ms(self) -> float:
-        """The nominal budget, shrunk when the model has been under-predicting (a fixed
-        model is trusted as it is)."""
+        """The nominal budget, shrunk when the model has been under-predicting and by the
+        delivered rates' feedback factor (a fixed model is trusted as it is)."""
         if self.model.fixed:
             return self.nominal_budget_ms()
-        return self.nominal_budget_ms() / max(1.0, self.model.under_prediction(self.error_quantile))
+        factor = self.feedback.factor if self.feedback is not None else 1.0
+        return self.nominal_budget_ms() * factor / max(1.0, self.model.under_prediction(self.error_quantile))
 
     def coefficients(self, charge_ms_per_stream: float = 0.0) -> StepCoefficients:
         """The model's terms, each stream charged `charge_ms_per_stream` more: the work
@@ -489,6 +494,14 @@ class AdmissionControl:
         with self._lock:
             self.rows_per_stream = self._row_loads.add(max(0, rows), streams)
 
+    def observe_delivery(self, ended: Iterable[DeliveringStream],
+                         running: Callable[[], Iterable[DeliveringStream]]) -> None:
+        """After a published step: the streams it ended and (`running()`, asked now and
+        then) the running ones, whose delivered rates feed the budget's feedback factor."""
+        feedback = self.admission.feedback
+        if feedback is not None:
+            feedback.observe(ended, running, now_ns())
+
     def charge_ms_per_stream(self) -> float:
         """What every projected stream is charged per step beyond the model's per-stream
         term: the prompts of a closed loop at capacity, each held stream bringing its
@@ -521,6 +534,10 @@ class AdmissionControl:
         m.D_STEP_MODEL_MS.labels(term="stall_per_stream_ms").set(self.stall_ms_per_stream)
         m.D_STEP_MODEL_MS.labels(term="prompt_rows_per_stream_ms").set(c.per_row_ms * self.rows_per_stream)
         m.D_STEP_MODEL_ERROR.set(self.model.under_prediction())
+        feedback = self.admission.feedback
+        m.D_RATE_FLOOR_FEEDBACK.set(feedback.factor if feedback is not None else 1.0)
+        quantile = feedback.last_quantile if feedback is not None else None
+        m.D_RATE_FLOOR_DELIVERED.set(quantile if quantile is not None else 0.0)
         return headroom
 
 
@@ -554,6 +571,13 @@ class AdmissionFields(BaseModel):
     floor_error_quantile: float = Field(0.9, gt=0, le=1, description="the quantile of recent observed / predicted "
                                         "step times that shrinks the budget when above 1 (0.5: the model's typical "
                                         "error, for steps that jitter, e.g. on a shared CPU; 0.9: its bad tail)")
+    floor_feedback_quantile: float = Field(0.05, ge=0, lt=1, description="the quantile of recent streams' "
+                                           "delivered rate / floor that shrinks the budget when under 1 + "
+                                           "--floor-feedback-margin and relaxes it slowly when well above "
+                                           "(engine/decode/rate_feedback.py); 0 = off; off with "
+                                           "--no-step-model-refit")
+    floor_feedback_margin: float = Field(0.02, ge=0, lt=1, description="how far above the floor that quantile "
+                                         "of delivered rates must stay")
     headroom_stream: str = Field("1500:420", description="PROMPT_ROWS:FRAMES of the stream headroom counts in "
                                  "until the engine has seen its own (then the median of the recent ones)")
 
@@ -619,6 +643,9 @@ def build_admission(cfg: AdmissionFields, on_gpu: bool, floor: FloorSetting | No
     seed = load_step_model(cfg.step_model) if cfg.step_model else StepCoefficients(0.0, 0.0, 0.0)
     rows, _, frames = cfg.headroom_stream.partition(":")
     model = StepModel(seed, fixed=not cfg.step_model_refit)
-    return AdmissionControl(RateFloorAdmission(model, floor_fps, cfg.floor_margin, cfg.floor_error_quantile),
+    feedback = (RateFeedback(floor_fps, cfg.floor_feedback_quantile, cfg.floor_feedback_margin)
+                if cfg.floor_feedback_quantile > 0 and cfg.step_model_refit else None)
+    return AdmissionControl(RateFloorAdmission(model, floor_fps, cfg.floor_margin, cfg.floor_error_quantile,
+                                               feedback),
                             HeldStream(int(rows), int(frames)), seeded=bool(cfg.step_model),
                             cold_streams=cfg.cold_streams)

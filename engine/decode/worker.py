@@ -568,6 +568,7 @@ class DecodeEngine:
         self._step += 1
         cost = publish_step(self.hub, self._step, out, self.codec)
         self._traces_end([], out.ended)
+        self._observe_delivery(out)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         if self.admission is not None and streams:
@@ -585,6 +586,12 @@ class DecodeEngine:
             self.traces.close(rid, {}, (), "cancelled")
         for s in ended:
             self.traces.close(s.request_id, s.stamps, DECODE_STAGES, frames=s.frames_out)
+
+    def _observe_delivery(self, out: StepOutput) -> None:
+        """A published step's ended streams, and now and then the running ones: the rates
+        they delivered feed admission's budget (engine/decode/rate_feedback.py)."""
+        if self.admission is not None:
+            self.admission.observe_delivery(out.ended, self.batcher.running.values)
 
     def _overlap_step_once(self) -> bool:
         """One iteration of the overlap pipeline (engine/decode/overlap.py): queues step
@@ -607,6 +614,7 @@ class DecodeEngine:
             self._step += 1
             cost = publish_step(self.hub, self._step, out, self.codec)
             self._traces_end([], out.ended)
+            self._observe_delivery(out)
             m.D_STEP_BATCH.observe(len(out.request_ids))
             m.D_FRAMES.inc(len(out.request_ids))
             if out.ended:

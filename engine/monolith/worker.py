@@ -25,7 +25,7 @@ from pdunit.engine import metrics as m
 from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage, StepCost
 from pdunit.engine.batching import SeqEntry, prefill_entry
 from pdunit.engine.decode.admission import AdmissionControl
-from pdunit.engine.decode.batcher import DecodeBatcher, Stream
+from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler, PromptRows
 from pdunit.engine.decode.step_forward import StepForward
@@ -510,6 +510,7 @@ class MonolithEngine:
             cost = publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
+            self._observe_delivery(out)
         seconds = time.perf_counter() - t0
         m.D_STEP_SECONDS.observe(seconds)
         m.D_STREAMS.set(len(self.batcher))
@@ -554,6 +555,7 @@ class MonolithEngine:
             cost = publish_step(self.hub, self._step, out, self.codec)
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
+            self._observe_delivery(out)
         done = self.overlap.completed
         rows = done.prompts.rows if done is not None and done.prompts is not None else 0
         self.step_pad.wait(t0, len(done.streams) if done is not None else 0, rows)
@@ -575,6 +577,12 @@ class MonolithEngine:
         """The codec failed on a stream (its StreamError is out): it ends as a cancelled one."""
         if self.batcher.cancel(request_id):
             self.loop.work.set()
+
+    def _observe_delivery(self, out: StepOutput) -> None:
+        """A published step's ended streams, and now and then the running ones: the rates
+        they delivered feed admission's budget (engine/decode/rate_feedback.py)."""
+        if self.admission is not None:
+            self.admission.observe_delivery(out.ended, self.batcher.running.values)
 
     def _observe(self, streams: int, context_tokens: int, seconds: float, rows: int,
                  codec: StepCost | None = None, waiting: int = 0) -> None:
