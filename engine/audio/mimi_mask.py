@@ -4,7 +4,8 @@ which ring entries a query sees, and the attention over them.
 Position p lives at entry p % ring, so every entry's absolute position follows from the
 newest one (`last`): a slot reset to nothing written sees nothing of its last stream.
 `ring_attention` reads the pool by slot: on CUDA a Triton kernel in place (one program per
-stream and head, online softmax over the ring), else torch (gather + SDPA). Both must stay
+stream and head, a stream's heads launched together, online softmax over the ring), else
+torch (gather + SDPA). Both must stay
 tensor ops only, with no host sync: a CUDA graph captures them. Triton is imported only
 when the kernel is first used, so `import pdunit.engine` stays light.
 """
@@ -64,7 +65,7 @@ def _triton_ring_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
         raise ValueError("ring attention: the KV pool's head dimension must be contiguous")
     out = torch.empty(b, q, h, d, device=query.device, dtype=query.dtype)
     ring, kv_heads = keys.shape[1], keys.shape[2]
-    _ring_kernel()[(b, h)](
+    _ring_kernel()[(h, b)](  # a stream's heads side by side: their rings' rows are one span of the pool
         query, keys, values, out, slots.contiguous(), last.contiguous(),
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
@@ -90,8 +91,8 @@ def _ring_kernel() -> Any:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
         IEEE: tl.constexpr,  # noqa: N803
     ):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        h = tl.program_id(0)
+        b = tl.program_id(1)
         slot = tl.load(SLOTS + b)
         last = tl.load(LAST + b)
         rows = tl.arange(0, BLOCK_M)
