@@ -15,7 +15,7 @@ source tests/gpu/harness/setup.sh
 tag=${1:-share}
 gpu_env > "$OUT/report.txt"
 rc=0
-timeout 110 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_codec_graphs.py > "$OUT/pytest.txt" 2>&1
+timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_codec_graphs.py > "$OUT/pytest.txt" 2>&1
 code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"
 grep -E "^(real|tiny|GPU kernels)" "$OUT/pytest.txt" >> "$OUT/report.txt"; tail -4 "$OUT/pytest.txt" >> "$OUT/report.txt"
 [ "$code" -eq 0 ] || { tail -60 "$OUT/pytest.txt" >> "$OUT/report.txt"; rc=1; }
