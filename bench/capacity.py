@@ -115,6 +115,8 @@ async def run_capacity_async(
 ) -> dict[str, Any]:
     cfg = _as_config(config)
     load = await run_load_async(cfg, keep_streams, window)
+    # the rate and floor the rows were judged at (the unit's unless given: driver.resolve_rates)
+    cfg = cfg.model_copy(update={k: load["config"][k] for k in ("fps", "min_rate")})
     rows = load["rows"]
     results_doc = report.Results(
         bench=BENCH,

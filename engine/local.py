@@ -120,8 +120,8 @@ class LocalConfig(BaseModel):
                                            "pod-isolation harness wraps prefill, decode and proxy on a GPU host)")
     ready_timeout_s: float = Field(120.0, gt=0, description="how long to wait for /readyz")
     rate_floor: float | None = Field(None, ge=0, description="rate-floor admission of D (or the monolith), its "
-                                     "--rate-floor in frames/s: 0 = off; default: the engine's (42 on the GPU "
-                                     "path, off on CPU)")
+                                     "--rate-floor in frames/s: 0 = off; default: the engine's (2 x the model's "
+                                     "frame rate on the GPU path, off on CPU)")
     step_model: str = Field("", description="the step-time fit file D (or the monolith) seeds its admission with "
                             "(its --step-model)")
     restart: bool = Field(True, description="restart a child that exits, after a backoff of 0.5 s doubling to "

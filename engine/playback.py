@@ -5,7 +5,9 @@ sent); the player starts once `start_frames` are in (TTFA) and plays `fps` a sec
 Audio (`play_audio`): each chunk's arrival and its seconds of PCM (samples / rate); the
 player starts once `start_s` seconds are in. Either way a stall is each time the buffer
 runs empty before the stream ended (the player waits, then plays on); a stream that
-stalls once "stutters". Also the rate and the worst 1-second window. Pure; no I/O.
+stalls once "stutters". Also the rate and the worst 1-second window, and the frames'
+real-time rate a unit plays at (`real_time_fps`). Pure; no I/O. Never assumes a frame
+rate: every caller passes the model's, so a 12.5-Hz codec is not judged at 21.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-AUDIO_FPS = 21.0  # frames per second of audio
+# Frames a second of real-time audio when neither the codec nor the model's config names
+# a rate: the `pdunit` family's 21 Hz.
+DEFAULT_FPS = 21.0
+# The rate floor is this many times real time (BENCHMARKS.md's capacity rule): the
+# margin that absorbs a burst.
+FLOOR_X_REAL_TIME = 2.0
 # Arrival times come from one clock; a frame on time to within a microsecond is on time.
 _EPS = 1e-6
 
@@ -30,7 +37,13 @@ class Playback:
         return self.stalls > 0
 
 
-def play(arrivals: np.ndarray, start_frames: int = 9, fps: float = AUDIO_FPS) -> Playback:
+def real_time_fps(codec_hz: float | None, model_hz: float | None) -> float:
+    """The frames' real-time rate: the loaded codec's frame rate, else the one the model's
+    config names (CSM's codec_config), else DEFAULT_FPS."""
+    return float(codec_hz or model_hz or DEFAULT_FPS)
+
+
+def play(arrivals: np.ndarray, start_frames: int, fps: float) -> Playback:
     """Replay a stream through the player.
 
     Frame k starts playing at T_k = max(T_{k-1} + 1/fps, arrival_k), T_0 = start. So
@@ -111,9 +124,7 @@ class StreamTiming:
     playback: Playback
 
 
-def stream_timing(
-    arrivals: np.ndarray, start_frames: int = 9, fps: float = AUDIO_FPS
-) -> StreamTiming:
+def stream_timing(arrivals: np.ndarray, start_frames: int, fps: float) -> StreamTiming:
     arr = np.asarray(arrivals, dtype=np.float64)
     pb = play(arr, start_frames, fps)
     return StreamTiming(

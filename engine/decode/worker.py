@@ -38,6 +38,7 @@ from pdunit.engine.kv.pool import NoCapacity, PagePool, PageState, Proof
 from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack, unpack
+from pdunit.engine.playback import real_time_fps
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.proto.row_rule import hello_rules
@@ -749,6 +750,8 @@ class DecodeEngine:
             eos_id=self.model.config.eos_id,
             model=self.model_spec,
             **hello_rules(self.model.row_rule, self.model.depth_sampling),
+            frame_rate_hz=real_time_fps(self.audio_format.frame_rate_hz if self.audio_format else None,
+                                        self.model.frame_rate_hz),
         )
         if self.audio_format is not None:
             reply.audio_format.CopyFrom(self.audio_format)

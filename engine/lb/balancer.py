@@ -55,7 +55,7 @@ from pdunit.engine.lb.validate import (
 from pdunit.engine.loop_lag import watch_loop_lag
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import view
-from pdunit.engine.playback import stream_timing
+from pdunit.engine.playback import DEFAULT_FPS, FLOOR_X_REAL_TIME, stream_timing
 from pdunit.engine.proto import pdunit_pb2 as pb
 from pdunit.engine.proto.row_rule import row_rule_from_hello
 from pdunit.engine.security import security_event
@@ -124,6 +124,7 @@ class LoadBalancer:
         self.instance_id = secrets.token_hex(16)
         self.ids = RequestIds()
         self.limits: Limits | None = None
+        self.frame_rate_hz: float | None = None  # D's real-time frame rate (Hello): streams play at it
         self.decode_names = decode_names(len(config.decode_sockets()))
         self.hellos: list[pb.HelloReply | None] = [None] * len(self.decode_names)
         self.hello_error = "D's Hello not answered yet"
@@ -270,6 +271,8 @@ class LoadBalancer:
                 if other is not None:
                     self._same_model(first, other, i)
             self.limits = limits
+            self.frame_rate_hz = hello_frame_rate(first)
+            self.metrics.frame_rate_hz.set(self.frame_rate_hz)
             self.config_error = ""
         except ValueError as exc:
             self.config_error = str(exc)
@@ -283,6 +286,7 @@ class LoadBalancer:
                 "n_codebooks": limits.n_codebooks,
                 "vocab_sizes": list(limits.vocab_sizes),
                 "model": reply.model,
+                "frame_rate_hz": self.frame_rate_hz,
             },
         )
 
@@ -290,15 +294,18 @@ class LoadBalancer:
         """Every D of a unit must serve the first D's model: the LB validates against one."""
         mine = (first.model, first.n_codebooks, first.vocab_sizes, first.eos_id,
                 first.audio_format.SerializeToString(deterministic=True),
-                first.row_rule.SerializeToString(deterministic=True), first.depth_decoder_sampling)
+                first.row_rule.SerializeToString(deterministic=True), first.depth_decoder_sampling,
+                hello_frame_rate(first))
         theirs = (other.model, other.n_codebooks, other.vocab_sizes, other.eos_id,
                   other.audio_format.SerializeToString(deterministic=True),
-                  other.row_rule.SerializeToString(deterministic=True), other.depth_decoder_sampling)
+                  other.row_rule.SerializeToString(deterministic=True), other.depth_decoder_sampling,
+                  hello_frame_rate(other))
         if mine != theirs:
             raise ValueError(
                 f"{self.decode_names[index]} serves model {other.model!r} ({other.n_codebooks} "
-                f"codebooks, eos {other.eos_id}) but {self.decode_names[0]} serves {first.model!r} "
-                f"({first.n_codebooks} codebooks, eos {first.eos_id}): every D of a unit must run "
+                f"codebooks, eos {other.eos_id}, {hello_frame_rate(other):g} frames/s) but "
+                f"{self.decode_names[0]} serves {first.model!r} ({first.n_codebooks} codebooks, eos "
+                f"{first.eos_id}, {hello_frame_rate(first):g} frames/s): every D of a unit must run "
                 f"the same model and codec"
             )
 
@@ -435,6 +442,10 @@ class LoadBalancer:
             "max_frames_limit": self.limits.max_frames_limit,
             "default_max_frames": self.limits.default_max_frames,
             "audio": self._audio_document(),
+            # frames a second of real-time audio, and the rate floor 2x it that a stream
+            # must keep (the load generator's default --fps and --min-rate)
+            "frame_rate_hz": self.frame_rate_hz,
+            "rate_floor_fps": None if self.frame_rate_hz is None else FLOOR_X_REAL_TIME * self.frame_rate_hz,
             "row_rule": None if rule is None else {"width": rule.width, **asdict(rule),
                                                    "description": rule.describe()},
         }
@@ -698,13 +709,14 @@ class LoadBalancer:
                               for (_, before), (name, at) in zip(ordered, ordered[1:], strict=False)}
 
     def _observe_playback(self, stream: Stream, extra: dict[str, Any]) -> None:
-        if not stream.frame_out_ns or "lb_received" not in stream.stamps:
+        """What the stream's listener heard, played at D's real-time frame rate."""
+        if not stream.frame_out_ns or "lb_received" not in stream.stamps or self.frame_rate_hz is None:
             return
         arrivals = np.repeat(
             (np.asarray(stream.frame_out_ns, dtype=np.int64) - stream.stamps["lb_received"]) / 1e9,
             stream.frame_out_counts,
         )
-        timing = stream_timing(arrivals, self.config.start_frames)
+        timing = stream_timing(arrivals, self.config.start_frames, self.frame_rate_hz)
         if timing.ttfa_s is not None:
             self.metrics.ttfa_seconds.observe(timing.ttfa_s)
             extra["ttfa_ms"] = round(timing.ttfa_s * 1000, 3)
@@ -735,6 +747,11 @@ class LoadBalancer:
             headers=headers,
         )
 
+
+
+def hello_frame_rate(reply: pb.HelloReply) -> float:
+    """D's real-time frame rate; DEFAULT_FPS from a D older than the field (0)."""
+    return reply.frame_rate_hz or DEFAULT_FPS
 
 
 async def read_body(request: Request, limits: Limits) -> bytes:

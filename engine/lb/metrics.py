@@ -34,6 +34,10 @@ STAGE_BUCKETS = (
 )
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 VALIDATE_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+# Per-stream rates: real time and its rate floor (2x) of each family's frame rate (CSM's
+# Mimi 12.5 Hz, the pdunit family's 21 Hz) are bucket edges: a quantile compared with the
+# floor is not interpolated across it.
+RATE_BUCKETS = (10, 12.5, 21, 25, 30, 42, 50, 60, 80, 100, 150, 200, 400)
 _STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 MAX_STAGE_LABELS = 64  # stage names come from P and D: bound the label set anyway
 
@@ -96,13 +100,20 @@ class LBMetrics:
         self.stream_rate = Histogram(
             "pdunit_lb_stream_rate_frames_per_second",
             "Per-stream frame rate from first to last frame",
-            buckets=(10, 21, 30, 42, 50, 60, 80, 100, 150, 200, 400),
+            buckets=RATE_BUCKETS,
             registry=registry,
         )
         self.stream_worst_window = Histogram(
             "pdunit_lb_stream_worst_window_frames",
             "Per-stream fewest frames written in any 1-second window",
-            buckets=(5, 10, 21, 30, 42, 50, 60, 80, 100, 150, 200),
+            buckets=(5, *RATE_BUCKETS[:-1]),
+            registry=registry,
+        )
+        self.frame_rate_hz = Gauge(
+            "pdunit_lb_frame_rate_hz",
+            "Frames a second of real-time audio of the unit's model (D's Hello: the codec's frame rate, "
+            "else the model config's, else 21); streams are played at it, their rate floor is 2x it "
+            "(0 until D answered)",
             registry=registry,
         )
         self.stutters = Counter(

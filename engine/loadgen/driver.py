@@ -4,7 +4,9 @@ Owns issuing the synthetic workload (workload.py) closed loop or as Poisson arri
 `/v1/tts/stream` (`--api frames`) or `/v1/audio/speech` (`--api speech`: its voices
 uploaded first), timing every frame or audio byte, the playback model (engine/playback.py:
 stutter, rate, TTFA), a level's row, its pass criteria and the table. `pdunit local` and
-`pdunit bench capacity` run it. Never starts a unit and never writes a file (result
+`pdunit bench capacity` run it. The frame rate and the rate floor a stream is judged at
+are the unit's (GET /v1/model) unless --fps / --min-rate are given: never assumed, so a
+12.5-Hz model is not judged at 42. Never starts a unit and never writes a file (result
 files are bench/'s). A 503 `rate_floor` is a refusal, not an error.
 """
 
@@ -40,7 +42,7 @@ from pdunit.engine.loadgen.workload import (
     warm_voice,
 )
 from pdunit.engine.loop_lag import watch_loop_lag
-from pdunit.engine.playback import AUDIO_FPS, play_audio, stream_timing
+from pdunit.engine.playback import DEFAULT_FPS, FLOOR_X_REAL_TIME, play_audio, stream_timing
 from pdunit.engine.security import SecretFileError
 from pdunit.engine.unit_layout import LB_PORT
 
@@ -83,10 +85,12 @@ class LoadConfig(BaseModel):
     voice_reuse: float = Field(0.5, ge=0, le=1, description="share of requests using a warm voice")
     start_frames: int = Field(9, ge=1, description="frames buffered before playback starts (TTFA)")
     fps: float = Field(
-        AUDIO_FPS, gt=0, description="frames of audio per second the player consumes"
+        DEFAULT_FPS, gt=0, description="frames of audio per second the player consumes; unset: the unit's "
+        "(GET /v1/model's frame_rate_hz: the codec's or the model's frame rate), else 21"
     )
     min_rate: float = Field(
-        42.0, ge=0, description="capacity: every stream's rate must reach this (frames/s)"
+        FLOOR_X_REAL_TIME * DEFAULT_FPS, ge=0, description="capacity: every stream's rate must reach this "
+        "(frames/s at --fps); unset: 2 x --fps (2x real time, the unit's rate_floor_fps)"
     )
     ttfa_p95_ms: float = Field(500.0, gt=0, description="capacity: TTFA p95 must stay under this")
     body: str = Field("binary", description="request body: binary (int32) or json")
@@ -212,12 +216,13 @@ async def stream_once(
     client: httpx.AsyncClient,
     url: str,
     spec: StreamSpec,
-    body_format: str = "binary",
-    start_frames: int = 9,
-    fps: float = AUDIO_FPS,
+    body_format: str,
+    start_frames: int,
+    fps: float,
     level_t0: float | None = None,
 ) -> StreamResult:
-    """One streaming request; frame arrival times are taken as NDJSON lines come in."""
+    """One streaming request; frame arrival times are taken as NDJSON lines come in and
+    played at `fps` frames a second."""
     body, headers = spec.body(body_format)
     t0 = time.perf_counter()
     res = StreamResult(
@@ -913,24 +918,48 @@ COLUMNS = [
 ]
 
 
+def resolve_rates(cfg: LoadConfig, model: dict[str, Any]) -> tuple[LoadConfig, dict[str, str]]:
+    """The frame rate the player plays at and the rate floor a stream must keep: each one
+    given (flag, env or field) wins; else --fps is the unit's real-time frame rate (GET
+    /v1/model's frame_rate_hz; DEFAULT_FPS from an LB older than that field) and
+    --min-rate FLOOR_X_REAL_TIME x --fps (the unit's rate_floor_fps when --fps is its).
+    Returns the config and, per field, where its value came from."""
+    given = cfg.model_fields_set
+    update: dict[str, float] = {}
+    source = {"fps": "given", "min_rate": "given"}
+    if "fps" not in given:
+        unit_fps = model.get("frame_rate_hz")
+        update["fps"] = float(unit_fps or DEFAULT_FPS)
+        source["fps"] = ("the unit's frame rate (GET /v1/model)" if unit_fps
+                         else f"{DEFAULT_FPS:g}: GET /v1/model names no frame rate")
+    if "min_rate" not in given:
+        update["min_rate"] = FLOOR_X_REAL_TIME * update.get("fps", cfg.fps)
+        source["min_rate"] = f"{FLOOR_X_REAL_TIME:g} x fps"
+    return cfg.model_copy(update=update), source
+
+
 def pass_criteria(config: dict[str, Any]) -> str:
     """What a row's pass column checks (summarize_level's `passed`), in words."""
     speech = config.get("speech")
+    source = config.get("rate_source") or {}
+    rates = (f"; fps {config['fps']:g}: {source.get('fps', 'given')}, min_rate {config['min_rate']:g}: "
+             f"{source.get('min_rate', 'given')}")
     if speech:
         floor = config["min_rate"] * speech["frame_rate_hz"] / config["fps"]
         return (f"every stream ends without an error or a stall (frame- or audio-level) at >= {floor:g} codec "
                 f"frames/s ({config['min_rate']:g} / {config['fps']:g} x real time), and TTFA (first audio byte) "
-                f"p95 <= {config['ttfa_p95_ms']:g} ms")
+                f"p95 <= {config['ttfa_p95_ms']:g} ms{rates}")
     return (f"every stream ends without an error or a stall (stutter) at >= {config['min_rate']:g} frames/s, and "
-            f"TTFA p95 <= {config['ttfa_p95_ms']:g} ms")
+            f"TTFA p95 <= {config['ttfa_p95_ms']:g} ms{rates}")
 
 
 async def run_load_async(
     cfg: LoadConfig, keep_streams: bool = False, window: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Every level of `cfg` against its URL: {"machine", "config" (cfg and the unit's
-    /v1/model), "rows"} and, with `keep_streams`, "streams" (one record per stream).
-    `window`: see `run_level`."""
+    """Every level of `cfg` against its URL: {"machine", "config" (cfg, its --fps and
+    --min-rate resolved against the unit's by `resolve_rates`, where they came from as
+    `rate_source`, and the unit's /v1/model), "rows"} and, with `keep_streams`, "streams"
+    (one record per stream). `window`: see `run_level`."""
     url = cfg.url.rstrip("/")
     cfg = cfg.model_copy(update={"url": url})
     levels_c = [] if cfg.rate else list(cfg.concurrency)
@@ -940,6 +969,7 @@ async def run_load_async(
     streams: list[dict[str, Any]] = []
     async with _client(cfg) as client:
         model = await fetch_model(client, url)
+        cfg, rate_source = resolve_rates(cfg, model)
         speech = await speech_target(client, url, model, cfg) if cfg.api == "speech" else None
         if speech is not None:
             await upload_warm_voices(client, url, speech, cfg.voices)
@@ -983,7 +1013,7 @@ async def run_load_async(
                     streams.extend({**s.record(), "concurrency": c, "arrival_rate": r} for s in results)
         finally:
             progress.close()
-    config = {**cfg.model_dump(), "model": model}
+    config = {**cfg.model_dump(), "rate_source": rate_source, "model": model}
     if speech is not None:
         config["speech"] = asdict(speech)
     doc: dict[str, Any] = {"machine": machine, "config": config, "rows": rows}

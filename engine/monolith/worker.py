@@ -38,6 +38,7 @@ from pdunit.engine.model.transformer import TTSModel
 from pdunit.engine.monolith.policy import RowBudget
 from pdunit.engine.observability import now_ns
 from pdunit.engine.packing import pack
+from pdunit.engine.playback import real_time_fps
 from pdunit.engine.prefill.runner import PrefillChunk, first_frames, run_forward
 from pdunit.engine.prefill.scheduler import PrefillJob, PrefillScheduler
 from pdunit.engine.proto import pdunit_pb2 as pb
@@ -623,4 +624,6 @@ class MonolithEngine:
             vocab_sizes=pack(np.array(mc.vocab_sizes, dtype=np.int64), "i8"), eos_id=mc.eos_id,
             model=self.model_spec, audio_format=self.audio_format,
             **hello_rules(self.model.row_rule, self.model.depth_sampling),
+            frame_rate_hz=real_time_fps(self.audio_format.frame_rate_hz if self.audio_format else None,
+                                        self.model.frame_rate_hz),
         )

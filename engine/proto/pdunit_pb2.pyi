@@ -185,7 +185,7 @@ class HelloRequest(_message.Message):
     def __init__(self, sender_instance: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model", "audio_format", "row_rule", "depth_decoder_sampling")
+    __slots__ = ("instance_id", "geometry", "transports", "n_codebooks", "vocab_sizes", "eos_id", "model", "audio_format", "row_rule", "depth_decoder_sampling", "frame_rate_hz")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class HelloReply(_message.Message):
     AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ROW_RULE_FIELD_NUMBER: _ClassVar[int]
     DEPTH_DECODER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FRAME_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     geometry: PoolGeometry
     transports: _containers.RepeatedCompositeFieldContainer[TransportDescriptor]
@@ -206,7 +207,8 @@ class HelloReply(_message.Message):
     audio_format: AudioFormat
     row_rule: RowRule
     depth_decoder_sampling: bool
-    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, _Mapping]] = ..., row_rule: _Optional[_Union[RowRule, _Mapping]] = ..., depth_decoder_sampling: _Optional[bool] = ...) -> None: ...
+    frame_rate_hz: float
+    def __init__(self, instance_id: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[TransportDescriptor, _Mapping]]] = ..., n_codebooks: _Optional[int] = ..., vocab_sizes: _Optional[bytes] = ..., eos_id: _Optional[int] = ..., model: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, _Mapping]] = ..., row_rule: _Optional[_Union[RowRule, _Mapping]] = ..., depth_decoder_sampling: _Optional[bool] = ..., frame_rate_hz: _Optional[float] = ...) -> None: ...
 
 class RowRule(_message.Message):
     __slots__ = ("marker_column", "marker_id", "frame_columns", "code_limit", "empty_ids", "frame_end_id", "frame_end_code")

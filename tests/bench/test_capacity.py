@@ -28,6 +28,7 @@ class FakeLB:
     refuse_code: str = "draining"  # the 503's error code
     retry_after: str | None = None  # the 503's Retry-After header
     fail_after: int | None = None  # frames before an error record (mid-stream failure)
+    frame_rate_hz: float | None = None  # GET /v1/model's real-time frame rate (None: an LB without it)
     requests: int = 0
     max_concurrent: int = 0
     _concurrent: int = 0
@@ -41,11 +42,10 @@ class FakeLB:
             return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         if scope["path"] == "/v1/model":
-            await self._json(
-                send,
-                200,
-                {"n_codebooks": 11, "vocab_sizes": [1024] * 11, "eos_id": None, "max_rows": 4096},
-            )
+            doc: dict[str, Any] = {"n_codebooks": 11, "vocab_sizes": [1024] * 11, "eos_id": None, "max_rows": 4096}
+            if self.frame_rate_hz is not None:
+                doc.update(frame_rate_hz=self.frame_rate_hz, rate_floor_fps=2 * self.frame_rate_hz)
+            await self._json(send, 200, doc)
             return
         body = b""
         while True:
@@ -254,6 +254,40 @@ def test_a_speech_level_is_judged_at_the_codecs_frame_rate_and_on_audio_stalls()
     assert summarize_level([spoken(30.0)], cfg, 1, None, 1.0)["api"] == "frames"
 
 
+@pytest.mark.parametrize(("unit_hz", "given", "fps", "min_rate"), [
+    (12.5, {}, 12.5, 25.0),  # CSM (Mimi): 2x real time is 25 frames/s
+    (21.0, {}, 21.0, 42.0),  # the pdunit family
+    (None, {}, 21.0, 42.0),  # an LB from before frame_rate_hz
+    (12.5, {"min_rate": 30.0}, 12.5, 30.0),  # a given floor wins
+    (12.5, {"fps": 21.0}, 21.0, 42.0),  # a given rate wins, the floor 2x it
+    (12.5, {"fps": 21.0, "min_rate": 10.0}, 21.0, 10.0),
+])
+def test_the_rate_and_floor_are_the_units_unless_given(serve, unit_hz, given, fps, min_rate):
+    url = serve(FakeLB(fps=300.0, frame_rate_hz=unit_hz))
+    doc = run_capacity(base_config(url, concurrency="1", duration=0.2, frames="10", **given))
+    config = doc["config"]
+    assert (config["fps"], config["min_rate"]) == (fps, min_rate)
+    assert doc["summary"]["criteria"]["min_rate"] == min_rate  # the floor the rows were judged at
+    source = config["rate_source"]
+    assert (source["fps"] == "given") == ("fps" in given) and (source["min_rate"] == "given") == ("min_rate" in given)
+    if unit_hz is None and "fps" not in given:
+        assert "names no frame rate" in source["fps"]
+
+
+def test_a_stream_is_judged_at_its_units_floor():
+    from pdunit.engine.loadgen.driver import resolve_rates
+
+    def served(rate: float) -> StreamResult:
+        return StreamResult(index=0, voice="v", reused=False, prompt_rows=10, frames_requested=100, started_s=0,
+                            send_unix_ns=0, frames=100, rate=rate, ttfa_s=0.1)
+
+    csm, _ = resolve_rates(CapacityConfig(), {"frame_rate_hz": 12.5})
+    pdunit, _ = resolve_rates(CapacityConfig(), {"frame_rate_hz": 21.0})
+    # 30 frames/s is 2.4x CSM's real time and 1.4x the pdunit family's
+    assert summarize_level([served(30.0)], csm, 1, None, 1.0)["passed"] is True
+    assert summarize_level([served(30.0)], pdunit, 1, None, 1.0)["passed"] is False
+
+
 def test_poisson_arrivals_with_bursts(serve):
     fake = FakeLB(fps=300.0)
     url = serve(fake)
@@ -315,6 +349,7 @@ def test_main_prints_the_table(serve, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "command: pdunit bench capacity --url" in out
+    assert "fps 21: 21: GET /v1/model names no frame rate, min_rate 42: 2 x fps" in out
     assert "TTFA p50" in out and "stutter" in out and "summary:" in out
 
 

@@ -77,7 +77,7 @@ def test_stream_timing_collects_ttft_ttfa_and_playback():
 
 def test_no_frames_is_an_error_not_a_silent_zero():
     with pytest.raises(ValueError):
-        play(np.array([]))
+        play(np.array([]), 9, 21.0)
 
 
 # ------------------------------------------------------------------ audio: seconds, not frames

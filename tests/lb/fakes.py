@@ -95,6 +95,7 @@ class FakeDecode(pbg.DecodeServicer):
     last_chunk_later: bool = False  # the last chunk one step after the finishing frame
     row_rule: pb.RowRule | None = None  # Hello's row rule (a csm-like model's)
     depth_sampling: bool = False  # Hello's depth_decoder_sampling
+    frame_rate_hz: float = 21.0  # Hello's real-time frame rate (0: a D from before the field)
     _stepper: asyncio.Task[None] | None = None
 
     async def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloReply:
@@ -108,6 +109,7 @@ class FakeDecode(pbg.DecodeServicer):
             audio_format=self.audio_format,
             row_rule=self.row_rule,
             depth_decoder_sampling=self.depth_sampling,
+            frame_rate_hz=self.frame_rate_hz,
         )
 
     async def Frames(self, request: pb.FramesRequest, context: Any) -> Any:

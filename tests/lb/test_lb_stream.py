@@ -356,6 +356,8 @@ def test_not_ready_without_decode_then_ready_once_it_answers(
             "default_max_frames": 630,
             "audio": None,  # D has no codec: frames only
             "row_rule": None,  # the pdunit family has none
+            "frame_rate_hz": 21.0,  # D's Hello: real time, the pdunit family's
+            "rate_floor_fps": 42.0,  # 2x it
         }
     # An empty sender: D must never mistake the LB for its P (a new P id frees held pages).
     assert fake_unit.decode.hellos and set(fake_unit.decode.hellos) == {""}

@@ -163,6 +163,14 @@ def test_decoders_serving_different_models_make_the_unit_unready(start_lb, fake_
         assert c.post("/v1/tts/stream", json={"prompt": prompt()}).status_code == 503
 
 
+def test_decoders_playing_at_different_frame_rates_make_the_unit_unready(start_lb, fake_unit, second):
+    second.decode.frame_rate_hz = 12.5  # the first's is 21: streams could not be judged alike
+    lb = start_lb(wait_ready=False, decode_socket=f"{fake_unit.decode_socket},{second.socket}")
+    with lb.client() as c:
+        wait_until(lambda: "same model" in c.get("/readyz").json()["reason"], what="a config error")
+        assert "12.5 frames/s" in c.get("/readyz").json()["reason"]
+
+
 def test_decode_socket_lists_each_decoder_once():
     from pdunit.engine.lb.config import LBConfig
 
