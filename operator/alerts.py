@@ -16,8 +16,9 @@ import yaml
 
 # Where docs/runbooks.md is published; the chart's prometheusRule.runbookBaseUrl
 # replaces it (a fork's or a mirror's copy of the same file).
-# Thresholds are the product's own: 42 frames/s per stream (BENCHMARKS.md's capacity
-# rule at 2x real time), TTFA p95 500 ms, any stutter, any KV checksum mismatch, any
+# Thresholds are the product's own: a stream's rate floor of 2x real time (BENCHMARKS.md's
+# capacity rule; real time is the frame rate the unit's LB exports, which follows the
+# model: CSM's Mimi 12.5 Hz -> 25 frames/s, the pdunit family's 21 Hz -> 42), TTFA p95 500 ms, any stutter, any KV checksum mismatch, any
 # stream cut. A runbook section says what the alert means, how to check, what to do
 # (tests/charts/test_alerts.py holds each to that). The unit pods' `pdunit.dev/set` label
 # reaches the series as `pdunit_dev_set` (the PodMonitor's podTargetLabels).
@@ -41,6 +42,8 @@ class Alert:
 
 _BY_POD = "namespace, pod"
 _BY_SET = "namespace, pdunit_dev_set"
+# A unit's rate floor, per pod: 2x the frames' real-time rate (D's Hello, via the LB).
+_FLOOR_BY_POD = f"2 * max by ({_BY_POD}) (pdunit_lb_frame_rate_hz)"
 
 ALERTS: list[Alert] = [
     Alert(
@@ -78,12 +81,13 @@ ALERTS: list[Alert] = [
     Alert(
         "PdunitStreamRateLow",
         "histogram_quantile(0.01, sum by (le, namespace, pod) "
-        "(rate(pdunit_lb_stream_rate_frames_per_second_bucket[10m]))) < 42",
+        f"(rate(pdunit_lb_stream_rate_frames_per_second_bucket[10m]))) < on ({_BY_POD}) {_FLOOR_BY_POD}",
         "10m", "warning",
-        "Slowest streams of unit {{ $labels.namespace }}/{{ $labels.pod }} under 42 frames/s",
-        "The 1st percentile of per-stream rates is below 42 frames/s (2x real time): the margin "
-        "that absorbs a burst is gone. D's step time and batch (dashboard) say whether decode "
-        "is the limit.",
+        "Slowest streams of unit {{ $labels.namespace }}/{{ $labels.pod }} under the rate floor",
+        "The 1st percentile of per-stream rates is below the unit's rate floor, 2x real time "
+        "(2 x pdunit_lb_frame_rate_hz, the model's frame rate: 25 frames/s for CSM's 12.5-Hz codec): "
+        "the margin that absorbs a burst is gone. D's step time and batch (dashboard) say whether "
+        "decode is the limit.",
     ),
     Alert(
         "PdunitTTFAHigh",
@@ -124,8 +128,9 @@ ALERTS: list[Alert] = [
         "5m", "warning",
         "Set {{ $labels.namespace }}/{{ $labels.pdunit_dev_set }} has no rate-floor headroom",
         "No D of the set would admit one more stream like its recent ones without breaking "
-        "the 42 frames/s floor: new streams get 503 rate_floor until streams end or units "
-        "are added (KEDA with metric headroom, or a larger replicas).",
+        "its rate floor (pdunit_rate_floor_frames_per_second, 2x real time unless --rate-floor "
+        "says otherwise): new streams get 503 rate_floor until streams end or units are added "
+        "(KEDA with metric headroom, or a larger replicas).",
     ),
     Alert(
         "PdunitScalerUnitsUnreachable",

@@ -32,6 +32,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Per-stream rate floor (p1, frames/s)", "short", [
         (f"histogram_quantile(0.01, sum by (le) (rate(pdunit_lb_stream_rate_frames_per_second_bucket{U}[5m])))", "p1 rate"),
         (f"histogram_quantile(0.01, sum by (le) (rate(pdunit_lb_stream_worst_window_frames_bucket{U}[5m])))", "p1 worst 1 s window"),
+        # the floor follows the model: 2x the frames' real-time rate D's Hello names
+        (f"2 * max(pdunit_lb_frame_rate_hz{U})", "floor (2x real time)"),
     ]),
     ("Rate-floor headroom (streams D would still admit)", "short", [
         (f"sum by (namespace, pdunit_dev_set) (pdunit_rate_floor_headroom_streams{U} >= 0)",

@@ -98,6 +98,27 @@ def test_no_headroom_fires_for_a_set_whose_every_d_is_at_zero(tmp_path: Path) ->
                                                     pdunit_dev_set="full")]}])
 
 
+def test_rate_alert_compares_the_slowest_streams_with_twice_each_units_frame_rate(tmp_path: Path) -> None:
+    from pdunit.engine.lb.metrics import RATE_BUCKETS
+
+    def unit(pod: str, frame_rate_hz: float, rates_le: float) -> list[dict[str, str]]:
+        """A unit's LB: its frame rate, and 60 streams a minute, each at a rate in the bucket
+        ending at `rates_le` (so p1 lies just above the bucket's lower edge)."""
+        labels = f'namespace="tts",pod="{pod}",container="lb"'
+        series = [{"series": f"pdunit_lb_frame_rate_hz{{{labels}}}", "values": f"{frame_rate_hz}x30"}]
+        for le in [*(str(float(b)) for b in RATE_BUCKETS), "+Inf"]:
+            growth = "60" if le == "+Inf" or float(le) >= rates_le else "0"
+            series.append({"series": f'pdunit_lb_stream_rate_frames_per_second_bucket{{{labels},le="{le}"}}',
+                           "values": f"0+{growth}x30"})
+        return series
+
+    series = [*unit("csm-slow", 12.5, 21), *unit("csm-ok", 12.5, 30),  # p1 ~12.6 and ~25.05: floor 25
+              *unit("pdunit-slow", 21.0, 42), *unit("pdunit-ok", 21.0, 50)]  # p1 ~30.1 and ~42.1: floor 42
+    run(tmp_path, series, [{"eval_time": "20m", "alertname": "PdunitStreamRateLow",
+                            "exp_alerts": [expected("PdunitStreamRateLow", namespace="tts", pod=pod)
+                                           for pod in ("csm-slow", "pdunit-slow")]}])
+
+
 def test_scaler_alert_names_the_set_it_cannot_read(tmp_path: Path) -> None:
     series = [
         {"series": 'pdunit_scaler_unreachable_units{namespace="tts",unit_set="voices",pod="op-1"}',
