@@ -1,14 +1,12 @@
 """The Mimi decoder's causal convolutions streamed as GEMMs over channels-last frames.
 
-Owns `StreamConv`: a causal stride-1 conv (`MimiConv1d`'s) or a causal transposed conv
-(`MimiConvTranspose1d`'s, trimmed right) run on [batch, time, channels] rows, its left
-context read from and written back to the caller's state row by row. A transposed conv of
-stride s and kernel K is run as the causal conv of ceil(K / s) taps over its input frames
-making s output frames a row, so its pending overlap is its last input frames. Weights are
-snapshotted at construction. Two forms of one call: torch ops (the reference; any device)
-or, `fused`, one Triton launch (kernels/codec_fused.py; the caller picks it by device). Tensor
-ops only, no host sync (CUDA graphs capture them); it must never run a cuDNN convolution or
-a layout conversion (the cost it exists to remove).
+Owns `StreamConv`: a causal stride-1 conv or a causal transposed conv (trimmed right) run on
+[batch, time, channels] rows, its left context read from and written back to the caller's
+state. A transposed conv of stride s and kernel K runs as the causal conv of ceil(K / s)
+taps over its input frames, s output frames a row. Weights are snapshotted at construction.
+Two forms of one call: torch ops (the reference; any device) or `fused`, one Triton launch
+(kernels/codec_fused.py; the caller picks it by device). No host sync (CUDA graphs capture
+it); it must never run a cuDNN convolution or a layout conversion (the cost it removes).
 """
 
 from __future__ import annotations
