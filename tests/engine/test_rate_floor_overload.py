@@ -1,14 +1,14 @@
 """The overload of issue 24, on CPU with the tiny model: many closed-loop streams on one
 unit, the monolith (prefill-first) with every step padded to a synthetic cost
 (`--synthetic-step-ms`, engine/step_pad.py), so a step's time is a known function of its
-batch whatever the machine's load. Admission learns it online (no fit file); its margin
-is 0 (the model's measured error is the only slack). The floor is measured (between the
-rates 2 and 16 streams reach), then the best fixed concurrency that keeps it is found
-(from the line through those rates, then one up or down), and the same overload with
-admission: every admitted stream at or above the floor, no stall, each refusal a 503
-`rate_floor` with Retry-After answered within 50 ms (90%; every one within 250 ms: the
-LB's `pdunit_lb_refusal_seconds`), nothing held, and goodput >= GOODPUT_TOLERANCE x the best
-fixed concurrency's. Levels are staggered and several stream lives long: steady state.
+batch whatever the machine's load. Admission learns it online (no fit file). The floor is
+measured (between the rates 2 and 16 streams reach), then the best fixed concurrency that
+keeps it is found (from the line through those rates, then one up or down), and the same
+overload with admission: every admitted stream at or above the floor, no stall, each
+refusal a 503 `rate_floor` with Retry-After answered within 50 ms (90%; every one within
+250 ms: the LB's `pdunit_lb_refusal_seconds`), nothing held, and goodput >=
+GOODPUT_TOLERANCE x the best fixed concurrency's. Levels are staggered and several stream
+lives long: steady state. A stream's rate is judged as the unit's LB sent it (`sent_rate`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.engine.unit_client import load, wait_empty, wait_for
 
 OVERLOAD = 16  # closed-loop streams: about three times what admission keeps at the floor below
 FEW = 2  # streams a floor must be sustainable for
+FEW_S = 3.0  # their level: two lives of each of the two streams (a 2-stream life is ~1.6 s)
 WARM = 4  # staggered streams the admission unit fits its step model on
 WARM_S = 5.0  # one warm level's duration (4.5 s was the shortest that fitted on an idle 2-core machine)
 FRAMES = 20  # short streams: a level holds several lives of each
@@ -42,10 +43,27 @@ STEP_PAD = "60,7.5,0.375"  # ms: 60 + 7.5 x streams + 0.375 x prompt rows (75 ms
 # shared machine, and the fixed one is the luckiest of the levels tried near the edge.
 GOODPUT_TOLERANCE = 0.9
 REFUSAL_P99_S = 0.050  # the issue's bound on a refusal's answer (LB receive -> 503)
-UNIT = dict(mode="monolith", model="random:tiny:0",
-            extra_monolith_args=["--synthetic-step-ms", STEP_PAD, "--floor-margin", "0", "--cold-streams",
-                                 str(OVERLOAD)],
-            pool_tokens=32768, cache_tokens=16384, lb_port=0, guard=False, log_level="warning")
+# The monolith's flags: the pad, no cold-start limit below the overload, no margin, and
+# `--floor-error-quantile 0.5`: the budget shrinks for the model's typical error (a bias),
+# not for the spread of a shared CPU's steps (the default p90 of observed / predicted
+# reached 1.19 beside four busy loops and admission held 4 streams where 6 kept the floor),
+# which a stream's rate averages over its life.
+MONOLITH_ARGS = ["--synthetic-step-ms", STEP_PAD, "--floor-margin", "0", "--floor-error-quantile", "0.5",
+                 "--cold-streams", str(OVERLOAD)]
+UNIT = dict(mode="monolith", model="random:tiny:0", extra_monolith_args=MONOLITH_ARGS, pool_tokens=32768,
+            cache_tokens=16384, lb_port=0, guard=False, log_level="warning")
+
+
+def sent_rate(stream: dict[str, Any]) -> float | None:
+    """A completed stream's frames/s from its first to its last frame as the unit's LB
+    wrote them (its `done` record's stages): the floor is the unit's to keep. The client's
+    receive times add the load generator's own event-loop lag (it shares the 2 cores: a
+    590 ms lag under a busy suite moved a stream 20% under its level's median)."""
+    stages = (stream.get("final") or {}).get("stages", {})
+    first, last = stages.get("lb_first_frame_out"), stages.get("lb_last_frame_out")
+    if stream["error"] is not None or first is None or last is None or stream["frames"] < 2:
+        return None
+    return (stream["frames"] - 1) / max((last - first) / 1e9, 1e-9)
 
 
 def level(url: str, concurrency: int, floor: float, duration: float = LEVEL_S, ramp: float = RAMP_S) -> dict[str, Any]:
@@ -54,11 +72,17 @@ def level(url: str, concurrency: int, floor: float, duration: float = LEVEL_S, r
                             frames=(FRAMES, FRAMES), voices=4, progress=False, min_rate=floor, fps=floor / 2,
                             ttfa_p95_ms=60_000, mode_label="monolith", gpus=0, drain_timeout=60, ramp=ramp),
                        keep_streams=True)
-    row = {**doc["rows"][0], "streams": doc["streams"]}
+    streams = [{**st, "sent_rate": sent_rate(st)} for st in doc["streams"]]
+    missing = [st for st in streams if st["error"] is None and st["sent_rate"] is None]
+    assert not missing, f"completed streams without the LB's first and last frame stamps: {missing[:2]}"
+    sent = sorted(st["sent_rate"] for st in streams if st["sent_rate"] is not None)
+    row = {**doc["rows"][0], "streams": streams, "sent_min_rate": sent[0] if sent else None,
+           "sent_p50_rate": sent[len(sent) // 2] if sent else None}
     print(f"c={concurrency} floor={floor:.1f}: " + ", ".join(
         f"{k}={row[k]:.3g}" if isinstance(row[k], float) else f"{k}={row[k]}"
-        for k in ("ok", "refused", "errors", "stutter_share", "min_rate", "p50_rate", "goodput_fps",
-                  "refusal_p99_ms", "ttft_p50_ms", "ttfa_p95_ms", "passed", "error_kinds")), flush=True)
+        for k in ("ok", "refused", "errors", "stutter_share", "sent_min_rate", "sent_p50_rate", "min_rate",
+                  "p50_rate", "goodput_fps", "refusal_p99_ms", "ttft_p50_ms", "ttfa_p95_ms", "client_lag_p99_ms",
+                  "client_lag_max_ms", "error_kinds")), flush=True)
     return row
 
 
@@ -69,14 +93,14 @@ def goodput(row: dict[str, Any], floor: float) -> float:
     served = [s for s in row["streams"] if s["error"] is None and s["last_frame_s"] is not None]
     if not served:
         return 0.0
-    good = sum(s["frames"] for s in served if s["rate"] is not None and s["rate"] >= floor and not s["stalls"])
+    good = sum(s["frames"] for s in served if (s["sent_rate"] or 0.0) >= floor and not s["stalls"])
     return good / max(s["started_s"] + s["last_frame_s"] for s in served)
 
 
-def met_floor(row: dict[str, Any]) -> bool:
-    """Every served stream at or above the floor, no stall, no error."""
-    return bool(row["ok"] and row["errors"] == 0 and row["stutter_share"] == 0 and row["min_rate"] is not None
-                and row["passed"])
+def met_floor(row: dict[str, Any], floor: float) -> bool:
+    """Every served stream sent at or above the floor, no stall, no error."""
+    return bool(row["ok"] and row["errors"] == 0 and row["stutter_share"] == 0 and row["sent_min_rate"] is not None
+                and row["sent_min_rate"] >= floor)
 
 
 def empty(url: str) -> LoadDocument:
@@ -95,12 +119,12 @@ def best_fixed_concurrency(url: str, estimate: int, floor: float) -> dict[str, A
     """The level of the most streams that keeps the floor, searched from `estimate`: one
     up while it passes, down while it fails (three levels at most); None if none passed."""
     row = level(url, estimate, floor)
-    if met_floor(row):
+    if met_floor(row, floor):
         above = level(url, estimate + 1, floor)
-        return above if met_floor(above) else row
+        return above if met_floor(above, floor) else row
     for c in range(estimate - 1, max(FEW, estimate - 3), -1):
         row = level(url, c, floor)
-        if met_floor(row):
+        if met_floor(row, floor):
             return row
     return None
 
@@ -127,14 +151,15 @@ def share_within(buckets: list[tuple[float, float]], seconds: float) -> float:
 def without_admission():
     """The floor this machine sets, the overload without admission, and the best fixed concurrency."""
     with LocalUnit(LocalConfig(rate_floor=0, **UNIT)) as unit:
-        few = level(unit.url, FEW, 1.0)
+        few = level(unit.url, FEW, 1.0, duration=FEW_S)
         over = level(unit.url, OVERLOAD, 1.0)
-        floor = round(math.sqrt(few["min_rate"] * over["p50_rate"]), 1)
+        floor = round(math.sqrt(few["sent_min_rate"] * over["sent_p50_rate"]), 1)
         # the overload's goodput judged at that floor: its frames/s of streams at or above it
         over["goodput_at_floor"] = goodput(over, floor)
-        print(f"floor {floor:.1f} frames/s: {FEW} streams reach {few['min_rate']:.1f}, "
-              f"{OVERLOAD} streams {over['p50_rate']:.1f} at p50", flush=True)
-        fixed = best_fixed_concurrency(unit.url, line_estimate(few["p50_rate"], over["p50_rate"], floor), floor)
+        print(f"floor {floor:.1f} frames/s: {FEW} streams reach {few['sent_min_rate']:.1f}, "
+              f"{OVERLOAD} streams {over['sent_p50_rate']:.1f} at p50", flush=True)
+        fixed = best_fixed_concurrency(unit.url, line_estimate(few["sent_p50_rate"], over["sent_p50_rate"], floor),
+                                       floor)
         empty(unit.url)
     return floor, over, fixed
 
@@ -144,7 +169,7 @@ def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(w
     over_goodput = over["goodput_at_floor"]
     # without admission: all admitted, none refused, and the overload breaks the floor
     assert over["refused"] == 0 and over["errors"] == 0, over
-    assert over["min_rate"] < floor, (over, floor)
+    assert over["sent_min_rate"] < floor, (over, floor)
     assert fixed is not None, f"no fixed concurrency kept the floor of {floor} frames/s"
     # refused clients come back after 3 s, not 1: fewer refusals to answer on two cores
     with LocalUnit(LocalConfig(rate_floor=floor, extra_lb_args=["--retry-after-s", "3"], **UNIT)) as unit:
@@ -163,7 +188,7 @@ def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(w
         row = level(unit.url, OVERLOAD, floor)
         # every admitted stream at or above the floor, and not one stall
         assert row["ok"] > 0 and row["errors"] == 0 and row["error_kinds"] == {}, row
-        assert row["stutter_share"] == 0 and row["min_rate"] >= floor, row
+        assert row["stutter_share"] == 0 and row["sent_min_rate"] >= floor, row
         # the rest refused: each a 503 rate_floor (the reason) with a Retry-After
         assert row["refused"] > 0 and row["refused_without_retry_after"] == 0, row
         # answered fast: the LB's receive -> 503 (the client's figure adds its own loop's lag)
