@@ -43,8 +43,9 @@ STEADY_LIFETIMES = 3.0
 
 def steady_duration_s(cfg: CapacityConfig, floor: float | None = None) -> float:
     """The shortest --duration whose levels reach the steady state (STEADY_LIFETIMES);
-    `floor`: the rate floor the rows were judged at (--api speech: the codec's), else --min-rate."""
-    return STEADY_LIFETIMES * cfg.frames[1] / (floor or cfg.min_rate)
+    `floor`: the rate floor the rows were judged at (--api speech: the codec's), else --min-rate;
+    with no floor (--min-rate 0) a stream's lifetime is taken at real time (--fps)."""
+    return STEADY_LIFETIMES * cfg.frames[1] / (floor or cfg.min_rate or cfg.fps)
 
 
 def short_levels_warning(name: str, duration: float, needed: float) -> str:

@@ -471,6 +471,8 @@ def test_levels_shorter_than_three_stream_lifetimes_are_flagged_as_short():
     # BENCHMARKS.md's streams: 630 frames at the 42 frames/s floor last 15 s: 45 s of level
     spec = CapacityConfig(mode_label="m", gpus=1, frames="105-630", duration=12.0)
     assert steady_duration_s(spec) == 45.0
+    # no floor (--min-rate 0): the longest stream's lifetime at real time, 630 / 21 = 30 s
+    assert steady_duration_s(spec.model_copy(update={"min_rate": 0.0})) == 90.0
     short = summarize_run(rows, spec)
     assert short["levels_too_short"] == {"m": True} and short["steady_state_s"] == 45.0
     assert summarize_run(rows, spec.model_copy(update={"duration": 60.0}))["levels_too_short"] == {"m": False}
