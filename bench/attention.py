@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from pdunit.bench import report
-from pdunit.bench.cuda_timing import event_times_ms
+from pdunit.bench.cuda_timing import event_times_ms, kernel_ms
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import CONFIGS
 from pdunit.engine.settings import parse_config
@@ -297,23 +297,6 @@ def parse_decode_variants(text: str) -> list[str]:
         if norm not in seen:
             seen.append(norm)
     return seen
-
-
-def kernel_ms(fn: Any, reps: int, rounds: int = 5) -> float:
-    """Device time of one call of a short kernel: `reps` launches back to back between two
-    events (launch cost hidden behind the queue), the median over `rounds`."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
 
 
 def run_decode_point(cfg: AttentionBenchConfig, point: tuple[int, int], variants: list[str], copy_gbps: float,

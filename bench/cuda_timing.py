@@ -4,6 +4,7 @@ gaps included (what the GPU is kept from doing), after `warmup` untimed calls;
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,3 +38,15 @@ def times_ms(fn: Callable[[], Any], iters: int, warmup: int, cuda: bool) -> list
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def kernel_ms(fn: Callable[[], Any], reps: int = 20, rounds: int = 5) -> float:
+    """Device time of one call of a short kernel: `reps` calls back to back between two
+    events (the queue stays ahead of the GPU, so host launch cost is hidden), the median
+    over `rounds`, after one untimed round."""
+
+    def burst() -> None:
+        for _ in range(reps):
+            fn()
+
+    return statistics.median(event_times_ms(burst, rounds, 1)) / reps

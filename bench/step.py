@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import math
 import shlex
 import statistics
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from pdunit.bench import report
-from pdunit.bench.cuda_timing import event_times_ms, times_ms
+from pdunit.bench.cuda_timing import event_times_ms, kernel_ms, times_ms
 from pdunit.engine.decode.admission import StepCoefficients
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import CONFIGS
@@ -110,24 +111,6 @@ class StepConfig:
 
 
 # ------------------------------------------------------------------ measurements
-
-
-def _kernel_ms(fn, reps: int = 20, rounds: int = 5) -> float:  # noqa: ANN001 - a thunk
-    """Device time of one call of a short kernel: `reps` launches back to back between
-    two events (the queue stays ahead of the GPU, so host launch cost is hidden), the
-    median over `rounds`."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
 
 
 CPU_COPY_GIB = 1 / 16  # the bandwidth copy on the CPU (tests): 64 MiB, not --copy-gib
@@ -345,7 +328,7 @@ def _tune_decode(m: TTSModel, kv: torch.Tensor, rng: np.random.Generator, cfg: S
         splits = pa.choose_splits(b, c.n_kv_heads, m.sm_count(), ctx)
         row: dict[str, Any] = {**cand, "splits": splits}
         try:
-            ms = _kernel_ms(lambda s=splits: pa.paged_decode_attention(q, kv[0], table, lengths, s))
+            ms = kernel_ms(functools.partial(pa.paged_decode_attention, q, kv[0], table, lengths, splits))
             row.update(ms=ms, gbps=kv_bytes / (ms * 1e-3) / 1e9)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a data point
             row["error"] = repr(exc)[:300]
@@ -825,7 +808,7 @@ def _attention_gbps(m: TTSModel, kv: torch.Tensor, runner: Any, b: int) -> float
     q = torch.randn(b, c.n_heads, c.head_dim, device="cuda").to(m.dtype)
     table, lengths = runner.staged_table(b)
     splits = pa.choose_splits(b, c.n_kv_heads, m.sm_count(), runner.max_context)
-    ms = _kernel_ms(lambda: pa.paged_decode_attention(q, kv[0], table, lengths, splits))
+    ms = kernel_ms(lambda: pa.paged_decode_attention(q, kv[0], table, lengths, splits))
     layer_bytes = int(lengths.sum()) * 2 * c.n_kv_heads * c.head_dim * kv.element_size()
     return layer_bytes / (ms * 1e-3) / 1e9
 
