@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, Field, field_validator
 
 from pdunit.engine import metrics as m
@@ -38,6 +38,10 @@ RATE_FLOOR_FPS = m.role_metric(Gauge(
     "pdunit_rate_floor_frames_per_second", "The rate floor admission keeps (0 = admission off), and where it "
     "came from: flag (--rate-floor), codec (2 x the loaded codec's frame rate), model (2 x the model config's "
     "frame rate), default (42), cpu (off by default on CPU)", ["source"], registry=None), "decode", "monolith")
+LIFE_REFUSALS = m.role_metric(Counter(
+    "pdunit_rate_floor_life_refusals_total", "Of the rate-floor refusals, those of the whole-life check: the "
+    "prefills a held stream would wait for (the new prompt's and those admitted before it) would take its rate "
+    "over its life under the floor", registry=None), "decode", "monolith")
 # Terms of the step model, in the order of StepModel's coefficients; a fit file may leave
 # out the optional ones (0).
 TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms", "per_audio_stream_ms")
@@ -226,11 +230,21 @@ class WindowRatio:
 class HeldStream:
     """A stream the engine holds: `context` tokens now (prompt + frames so far, or the
     prompt alone while reserved), `frames_left` steps to go (max frames less those out),
-    and whether its frames are decoded to audio (the codec's per-audio-stream cost)."""
+    and whether its frames are decoded to audio (the codec's per-audio-stream cost).
+
+    Where the engine knows them (the prefill-first monolith), its life so far and the
+    prefills it will wait for: `frames_out` (0: no frame out yet), `elapsed_ms` from its
+    first frame's step to the engine's last published step, `stall_ms` of prefill-only
+    steps already admitted that it will wait for, and whether the new prompt's prefill
+    would stall it too (`stalled_by_new`): `RateFloorAdmission.life_judge`."""
 
     context: int
     frames_left: int
     audio: bool = False
+    frames_out: int = 0
+    elapsed_ms: float = 0.0
+    stall_ms: float = 0.0
+    stalled_by_new: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,8 +257,16 @@ class Verdict:
     trusted: int = 0     # with `cold`: the streams the model is trusted for
     engine_bound: bool = False  # alone_fits: not even the smallest stream fits (the engine's steps, not the request)
     idle: bool = False   # admitted against the projection because the engine held nothing (AdmissionControl.judge)
+    # refused by the whole-life check (RateFloorAdmission.life_judge): that stream's projected
+    # rate over its life and the prefill stall it was charged
+    life_fps: float = 0.0
+    stall_ms: float = 0.0
 
     def reason(self) -> str:
+        if self.life_fps:
+            return (f"rate_floor: the prefills it waits for ({self.stall_ms:.0f} ms) would take a held stream "
+                    f"to {self.life_fps:.2f} frames/s over its life, under the floor's budget of "
+                    f"{self.budget_ms:.1f} ms a frame")
         if self.cold:
             return (f"rate_floor: without a --step-model fit file the engine trusts its step model for "
                     f"twice the widest step it has seen (at least --cold-streams): it holds at most "
@@ -253,8 +275,10 @@ class Verdict:
                 f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
 
 
-def held_stream(h: tuple[int, ...]) -> HeldStream:
-    """(context, frames left[, audio]) -> HeldStream."""
+def held_stream(h: tuple[int, ...] | HeldStream) -> HeldStream:
+    """(context, frames left[, audio]) -> HeldStream (one already is kept)."""
+    if isinstance(h, HeldStream):
+        return h
     return HeldStream(int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False)
 
 
@@ -284,6 +308,34 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
     return float(ms[i]), int(ks[i])
 
 
+def life_ms(model: StepCoefficients, streams: Sequence[HeldStream], prefill_rows: float = 0.0) -> np.ndarray:
+    """Each stream's projected time to its last frame: the sum of the projected steps
+    over its `frames_left` steps (the steps of `worst_step`'s projection). Between two
+    stream ends the batch is fixed and its context grows by one token a stream a step, so
+    each segment sums in closed form: O(n log n) for n streams."""
+    if not streams:
+        return np.zeros(0)
+    left = np.array([s.frames_left for s in streams], dtype=np.int64)
+    order = np.argsort(left, kind="stable")
+    ends = left[order].astype(np.float64)
+    ctx = np.array([s.context for s in streams], dtype=np.float64)[order]
+    audio = np.array([s.audio for s in streams], dtype=np.float64)[order]
+    n = len(streams)
+    # segment j: steps [ends[j-1], ends[j]), where the sorted streams j.. are alive
+    alive = n - np.arange(n, dtype=np.float64)
+    suffix_ctx = np.cumsum(ctx[::-1])[::-1]
+    suffix_audio = np.cumsum(audio[::-1])[::-1]
+    lo = np.concatenate([[0.0], ends[:-1]])
+    steps = ends - lo
+    sum_k = (lo + ends - 1) * steps / 2  # the step indices k of the segment, summed
+    per_step = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * suffix_ctx
+                + model.per_row_ms * prefill_rows + model.per_audio_stream_ms * suffix_audio)
+    segment = steps * per_step + model.per_token_ms * alive * sum_k
+    out = np.empty(n)
+    out[order] = np.cumsum(segment)
+    return out
+
+
 # Every held stream (decoding, or reserved and not yet committed) grows by one context
 # token per step until its max frames; the projected step is piecewise linear between
 # stream ends, so its maximum over the horizon is at now or just before a stream ends:
@@ -291,6 +343,14 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
 # recent under-prediction (budget / p90 of observed/predicted when above 1), so one bad
 # fit cannot stutter everyone, and by the feedback from the rates streams delivered
 # (`feedback`, engine/decode/rate_feedback.py: what no step prediction sees).
+# The whole-life check (`life_judge`, where the engine knows its streams' lives and the
+# prefills they wait for: the prefill-first monolith) judges each stream's rate as the
+# loadgen measures it, frames after the first over the time from the first to the last:
+# (frames out - 1 + frames left) / (elapsed + its projected steps + the prefill stall it
+# will wait for) must stay >= 1 / budget for every held stream and the new one. The stall
+# of the prompts already admitted is charged once, as it will fall, not per step; a
+# stream that ran fast has banked slack for it, one that just started has none. The
+# per-step charge (`charge_ms_per_stream`) still covers the refills to come.
 class RateFloorAdmission:
     """Admits a stream only while the projected step stays within the floor's budget
     for every stream held (the comment above)."""
@@ -339,6 +399,49 @@ class RateFloorAdmission:
         worst, at = worst_step(self.coefficients(charge_ms_per_stream), streams, prefill_rows)
         budget = self.budget_ms()
         return Verdict(worst <= budget, worst, budget, at)
+
+    def life_judge(self, held: Sequence[HeldStream], new: HeldStream, new_stall_ms: float = 0.0,
+                   prefill_rows: float = 0.0, charge_ms_per_stream: float = 0.0) -> Verdict:
+        """The whole-life check (the comment above the class): refuses when the new
+        stream, its prefill (`new_stall_ms`, charged to the held streams that wait for it)
+        and its steps would take a held stream (or the new one) from its floor over its
+        whole life to under it. Admits without computing anything when no held stream has
+        a life so far or a stall and the new prompt stalls no one: the worst step decides."""
+        budget = self.budget_ms()
+        if new_stall_ms <= 0 and not any(s.frames_out or s.stall_ms > 0 for s in held):
+            return Verdict(True, 0.0, budget, 0)
+        coef = self.coefficients(charge_ms_per_stream)
+        streams = list(held) + [new]
+        out = np.array([s.frames_out for s in streams], dtype=np.float64)
+        left = np.array([s.frames_left for s in streams], dtype=np.float64)
+        started = out > 0
+        # frames after the first (the loadgen's rate: over the time since the first frame)
+        intervals = np.where(started, out - 1 + left, np.maximum(left - 1, 0))
+        # the future steps that fall after the first frame: all of a started stream's; a
+        # waiting one's first step brings its first frame
+        future = np.where(started, 1.0, np.where(left > 0, np.maximum(left - 1, 0) / np.maximum(left, 1), 0.0))
+        elapsed = np.array([s.elapsed_ms for s in streams])
+        stall = np.array([s.stall_ms for s in streams])
+        stalled = np.array([s.stalled_by_new for s in streams], dtype=np.float64)
+
+        def time_ms(life: np.ndarray, with_new: bool) -> np.ndarray:
+            return elapsed[:len(life)] + life * future[:len(life)] + stall[:len(life)] + (
+                new_stall_ms * stalled[:len(life)] if with_new else 0.0)
+
+        allowed = intervals * budget
+        with_new = time_ms(life_ms(coef, streams, prefill_rows), True)
+        without = time_ms(life_ms(coef, held, prefill_rows), False)
+        judged = intervals > 0
+        # a held stream that misses its floor even without the new one is lost to it either
+        # way: refusing would only hold every new stream back for the rest of its life
+        breaks = judged & (with_new > allowed) & np.concatenate([without <= allowed[:len(held)], [True]])
+        if not breaks.any():
+            return Verdict(True, 0.0, budget, 0)
+        i = int(np.argmax(np.where(breaks, with_new / np.maximum(allowed, 1e-9), -np.inf)))
+        fps = float(intervals[i] / with_new[i] * 1000) if with_new[i] > 0 else 0.0
+        charged = float(stall[i] + new_stall_ms * stalled[i])
+        return Verdict(False, float(with_new[i] / intervals[i]), budget, int(left[i]), life_fps=fps,
+                       stall_ms=charged)
 
     def alone_fits(self, new: HeldStream) -> Verdict:
         """Whether the stream could meet the floor even alone, against the nominal budget
@@ -417,18 +520,26 @@ class AdmissionControl:
             pts = np.array(self._recent, dtype=np.float64)
         return HeldStream(int(np.median(pts[:, 0])), int(np.median(pts[:, 1])), bool(pts[:, 2].mean() >= 0.5))
 
-    def judge(self, held: Iterable[tuple[int, ...]], prompt_tokens: int, max_frames: int,
-              prefill_rows: float = 0.0, audio: bool = False) -> Verdict:
+    def judge(self, held: Iterable[tuple[int, ...] | HeldStream], prompt_tokens: int, max_frames: int,
+              prefill_rows: float = 0.0, audio: bool = False, new_stall_ms: float = 0.0) -> Verdict:
         """The verdict on a new stream (`audio`: its frames are decoded by the codec);
-        `held`: (context, frames left[, audio]) of each held stream. An admitted one
+        `held`: (context, frames left[, audio]) of each held stream, or HeldStreams with
+        their lives so far and the prefills they wait for; `new_stall_ms`: what the new
+        prompt's prefill adds to the stall of those `stalled_by_new`. An admitted one
         becomes part of the typical mix."""
         streams = [held_stream(h) for h in held]
         trusted = self.trusted_streams()
         if len(streams) >= trusted:  # beyond what the model has seen: not judged by it at all
             v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
         else:
-            v = self.admission.judge(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows,
-                                     self.charge_ms_per_stream())
+            new = HeldStream(prompt_tokens, max_frames, audio)
+            charge = self.charge_ms_per_stream()
+            v = self.admission.judge(streams, new, prefill_rows, charge)
+            if v.admit:
+                life = self.admission.life_judge(streams, new, new_stall_ms, prefill_rows, charge)
+                if not life.admit:
+                    v = life
+                    LIFE_REFUSALS.inc()
             if not v.admit and not streams:
                 # Liveness: an engine that holds nothing takes no steps, so a model (or a
                 # budget shrunk by its error) that refuses one stream would never see the
@@ -501,6 +612,13 @@ class AdmissionControl:
         feedback = self.admission.feedback
         if feedback is not None:
             feedback.observe(ended, running, now_ns())
+
+    def prefill_ms(self, rows: int, new_step: bool) -> float:
+        """What a prefill of `rows` prompt rows stalls the streams that wait for it, at the
+        model's prefill-only step (base + per-row term): with `new_step`, a step of its
+        own; else the rows it adds to a step that runs anyway."""
+        c = self.model.coefficients
+        return (c.base_ms if new_step else 0.0) + c.per_row_ms * rows
 
     def charge_ms_per_stream(self) -> float:
         """What every projected stream is charged per step beyond the model's per-stream

@@ -77,17 +77,21 @@ class DecodeBatcher:
         with self._lock:
             return list(self.running) + [s.request_id for s in self._incoming]
 
+    def held(self) -> list[Stream]:
+        """Every stream it holds, running or waiting (one between take_incoming and
+        `running` too)."""
+        with self._lock:
+            return list({s.request_id: s for s in [*self.running.values(), *self._joining, *self._incoming]}.values())
+
     def lifetimes(self, audio: bool = False) -> list[tuple[int, ...]]:
         """(context tokens now, frames still to come) of every stream it holds, running or
         waiting: what rate-floor admission projects (engine/decode/admission.py); with
         `audio`, whether each stream is decoded to audio as a third element."""
-        with self._lock:  # a stream between take_incoming and `running` is held too
-            streams = {s.request_id: s for s in [*self.running.values(), *self._joining, *self._incoming]}
+        streams = self.held()
         if audio:
             return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out), s.audio)
-                    for s in streams.values()]
-        return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out))
-                for s in streams.values()]
+                    for s in streams]
+        return [(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out)) for s in streams]
 
     def context_tokens(self) -> int:
         """Context tokens of the running streams (their next step attends over these)."""

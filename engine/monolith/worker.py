@@ -24,7 +24,7 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage, StepCost
 from pdunit.engine.batching import SeqEntry, prefill_entry
-from pdunit.engine.decode.admission import AdmissionControl
+from pdunit.engine.decode.admission import AdmissionControl, HeldStream
 from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler, PromptRows
@@ -150,6 +150,11 @@ class MonolithEngine:
         # `prefilling` and the batcher is never missed by the projection (while it
         # waits in the batcher it counts twice: the safe side).
         self._admitted: dict[int, tuple[int, int, bool]] = {}  # (prompt rows, max frames, audio)
+        # Of those, the prompts whose prefill has not ended (request id -> prompt rows), in
+        # admission order, and when the last decode step's frames went out (`now_ns`):
+        # prefill-first's whole-life check (`_held_with_stalls`)
+        self._unprefilled: dict[int, int] = {}
+        self._published_ns = 0
         self._admitted_lock = threading.Lock()
         # bumped by every loop iteration that worked and every change of `_admitted`
         # (under `_admitted_lock`): the key of the cached headroom (`headroom`)
@@ -213,10 +218,17 @@ class MonolithEngine:
                          "ask for fewer frames")
             return False
         with self._admitted_lock:  # two submits never both take the last room
-            held = self.batcher.lifetimes(audio=True) + list(self._admitted.values())
-            verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step(), audio=job.audio)
+            held: list[tuple[int, ...] | HeldStream]
+            if self.policy == "prefill-first":
+                held, new_stall_ms = self._held_with_stalls(rows)
+            else:
+                held = [*self.batcher.lifetimes(audio=True), *self._admitted.values()]
+                new_stall_ms = 0.0
+            verdict = self.admission.judge(held, rows, frames, self.prefill_rows_per_step(), audio=job.audio,
+                                           new_stall_ms=new_stall_ms)
             if verdict.admit:
                 self._admitted[job.request_id] = (rows, frames, job.audio)
+                self._unprefilled[job.request_id] = rows
                 self._held_version += 1
         if not verdict.admit:
             log.info("stream refused: rate floor", extra={
@@ -224,6 +236,54 @@ class MonolithEngine:
                 "budget_ms": round(verdict.budget_ms, 2), "at_step": verdict.at_step})
             self._finish(job, pb.RATE_FLOOR, verdict.reason())
         return verdict.admit
+
+    def _held_with_stalls(self, new_rows: int) -> tuple[list[tuple[int, ...] | HeldStream], float]:
+        """Under `_admitted_lock`, prefill-first: every held stream with its life so far
+        and the prefill-only steps of admitted prompts it will wait for, and what the new
+        prompt's prefill (`new_rows`) adds to their wait (the whole-life check,
+        engine/decode/admission.py). Prompts prefill in FIFO steps of up to
+        `max_batch_rows`: those in a step now (planned) form one step, the unplanned ones
+        the next steps, which the new prompt joins while it fits one (its rows only), else
+        it opens one (the step's base too). A decoding stream waits for all of them; an
+        admitted prompt in a step now for the unplanned ones and the new one; an unplanned
+        one only for a step the new prompt opens after its own."""
+        assert self.admission is not None
+        with self._lock:
+            planned = {p.job.request_id: (p.planned_rows, p.done_rows) for p in self.prefilling}
+        in_step_rows = unplanned_rows = 0
+        in_step: set[int] = set()
+        for rid, rows in self._unprefilled.items():
+            done_planned = planned.get(rid)
+            if done_planned is not None and done_planned[0] > done_planned[1]:
+                in_step.add(rid)
+                in_step_rows += done_planned[0] - done_planned[1]
+                unplanned_rows += rows - done_planned[0]
+            else:
+                unplanned_rows += rows - (done_planned[0] if done_planned is not None else 0)
+        limit = max(self.max_batch_rows, 1)
+        unplanned_steps = -(-unplanned_rows // limit)
+        unplanned_ms = (unplanned_steps * self.admission.prefill_ms(0, True)
+                        + self.admission.prefill_ms(unplanned_rows, False))
+        in_step_ms = self.admission.prefill_ms(in_step_rows, True) if in_step_rows else 0.0
+        opens_step = -(-(unplanned_rows + new_rows) // limit) > unplanned_steps
+        new_stall_ms = self.admission.prefill_ms(new_rows, opens_step)
+        last = self._published_ns
+        held: list[tuple[int, ...] | HeldStream] = []
+        for s in self.batcher.held():
+            first = s.stamps.get("first_frame_step")
+            started = first is not None and s.frames_out > 0
+            held.append(HeldStream(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out),
+                                   s.audio, s.frames_out if started else 0,
+                                   max(0.0, (last - first) / 1e6) if started and first is not None else 0.0,
+                                   in_step_ms + unplanned_ms, True))
+        for rid, (rows, frames, audio) in self._admitted.items():
+            if rid not in self._unprefilled:  # prefilled, its stream about to run: it waits for all
+                held.append(HeldStream(rows, frames, audio, stall_ms=in_step_ms + unplanned_ms, stalled_by_new=True))
+            elif rid in in_step:
+                held.append(HeldStream(rows, frames, audio, stall_ms=unplanned_ms, stalled_by_new=True))
+            else:
+                held.append(HeldStream(rows, frames, audio, stalled_by_new=opens_step))
+        return held, new_stall_ms
 
     def prefill_rows_per_step(self) -> float:
         """The prompt rows admission charges every projected step whatever its streams:
@@ -257,6 +317,7 @@ class MonolithEngine:
         with self._admitted_lock:
             for rid in request_ids:
                 self._admitted.pop(rid, None)
+                self._unprefilled.pop(rid, None)
             self._held_version += 1
 
     def _finish(self, job: PrefillJob, status: pb.Status, message: str = "", **fields: int) -> None:
@@ -388,6 +449,8 @@ class MonolithEngine:
         self.pool.start_decoding(job.request_id)
         with self._lock:
             self.prefilling.remove(p)
+        with self._admitted_lock:
+            self._unprefilled.pop(job.request_id, None)
         audio = job.request_id in self._audio
         self._audio.discard(job.request_id)
         if audio and self.codec is not None:
@@ -509,6 +572,7 @@ class MonolithEngine:
         if len(out.request_ids):
             self._step += 1
             cost = publish_step(self.hub, self._step, out, self.codec)
+            self._published_ns = now_ns()
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
             self._observe_delivery(out)
@@ -554,6 +618,7 @@ class MonolithEngine:
         if out is not None:
             self._step += 1
             cost = publish_step(self.hub, self._step, out, self.codec)
+            self._published_ns = now_ns()
             m.D_FRAMES.inc(len(out.request_ids))
             m.D_STEP_BATCH.observe(len(out.request_ids))
             self._observe_delivery(out)

@@ -1,0 +1,174 @@
+"""Issue 24: a clump's prompts are judged with the stall their prefills will cause the
+streams already held (engine/decode/admission.py `life_judge`, the prefill-first monolith's
+`_held_with_stalls`): the prefill-only steps of every prompt admitted and not yet
+prefilled, and the new one's, are charged once to each held stream that will wait for
+them, against its rate over its whole life (frames after the first over the time since
+it, the loadgen's rate), so a stream that ran fast has banked slack and one that just
+started has none.
+
+The step model is the synthetic pad of the CPU overload (60 + 7.5 x streams + 0.375 x
+prompt rows ms), fixed, against a floor of 8 frames/s at no margin: a 125-ms budget a
+frame. Every held set below is one the worst-step projection alone admits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from pdunit.engine.decode.admission import (
+    AdmissionControl,
+    HeldStream,
+    RateFloorAdmission,
+    StepCoefficients,
+    StepModel,
+    life_ms,
+)
+from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.model.loader import load_model
+from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.monolith.worker import MonolithEngine
+from pdunit.engine.prefill.scheduler import PrefillJob
+from pdunit.engine.proto import pdunit_pb2 as pb
+
+PAD = StepCoefficients(base_ms=60.0, per_stream_ms=7.5, per_token_ms=0.0, per_row_ms=0.375)
+FLOOR = 8.0  # frames/s: 125 ms a frame
+CLUMP_ROWS = 448  # a prompt's prefill: 168 ms of rows (+ 60 for a step of its own)
+
+
+def control(coef: StepCoefficients = PAD) -> AdmissionControl:
+    return AdmissionControl(RateFloorAdmission(StepModel(coef, fixed=True), FLOOR, margin=0.0), HeldStream(16, 40))
+
+
+def test_each_streams_life_is_the_sum_of_its_projected_steps() -> None:
+    rng = np.random.default_rng(24)
+    coef = StepCoefficients(3.0, 0.5, 0.01, 0.2, 0.7)
+    for _ in range(50):
+        streams = [HeldStream(int(rng.integers(1, 400)), int(rng.integers(0, 60)), bool(rng.integers(0, 2)))
+                   for _ in range(int(rng.integers(1, 12)))]
+        got = life_ms(coef, streams, prefill_rows=16)
+        for s, life in zip(streams, got, strict=True):
+            want = 0.0
+            for k in range(s.frames_left):  # step k: the streams with more than k frames left
+                alive = [t for t in streams if t.frames_left > k]
+                want += coef.ms(len(alive), sum(t.context + k for t in alive), 16, sum(t.audio for t in alive))
+            assert life == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_a_stall_that_breaks_a_fresh_streams_life_is_refused_where_the_worst_step_admits() -> None:
+    """One stream just started (its first frame out, 39 to go) beside a new one: 75-ms
+    steps, well inside 125. Its life allows 39 x 125 = 4,875 ms: 39 x 75 = 2,925 of
+    steps leaves 1,950 ms for prefills it waits for."""
+    ctl = control()
+    fresh = HeldStream(17, 39, frames_out=1, elapsed_ms=0.0)
+    assert ctl.judge([fresh], 16, 40).admit
+    assert ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, stalled_by_new=True)], 16, 40,
+                     new_stall_ms=40.0).admit
+    v = ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, stalled_by_new=True)], 16, 40,
+                  new_stall_ms=60.0)
+    assert not v.admit and v.life_fps == pytest.approx(39 / (2925 + 1960) * 1000, rel=1e-6)
+    assert v.stall_ms == pytest.approx(1960.0) and "1960 ms" in v.reason()
+    # the same stall on a stream that the new prompt does not stall: admitted
+    assert ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0)], 16, 40, new_stall_ms=60.0).admit
+    # the worst step alone admits it (75 ms): without the charge it goes in
+    assert ctl.admission.judge([fresh], HeldStream(16, 40)).admit
+
+
+def test_a_stream_with_banked_slack_lets_in_a_prompt_a_fresh_one_would_not() -> None:
+    """20 frames to go and 1,100 ms of prefills to wait for: a stream that just started
+    would end at 20 / (20 x 75 + 1,100) = 7.7 frames/s; one that delivered its first 21
+    frames at 12.5 frames/s ends at 40 / (1,600 + 1,500 + 1,100) = 9.5."""
+    ctl = control()
+    fresh = HeldStream(21, 20, frames_out=1, stall_ms=1040.0, stalled_by_new=True)
+    banked = HeldStream(41, 20, frames_out=21, elapsed_ms=1600.0, stall_ms=1040.0, stalled_by_new=True)
+    assert not ctl.judge([fresh], 16, 20, new_stall_ms=60.0).admit
+    assert ctl.judge([banked], 16, 20, new_stall_ms=60.0).admit
+    # one that ran behind the floor (20 frames in 2.6 s, 7.7 frames/s) but would catch up
+    # alone (2,600 + 20 x 67.5 = 3,950 ms for 40 frames) is not let fall under it
+    behind = HeldStream(41, 20, frames_out=21, elapsed_ms=2600.0, stall_ms=1040.0, stalled_by_new=True)
+    assert not ctl.judge([behind], 16, 20, new_stall_ms=60.0).admit
+    # one already lost whatever comes (4 s for its first 21 frames: 4,000 + 1,350 + 1,040 >
+    # 5,000 even alone) does not hold every new stream back for the rest of its life
+    lost = HeldStream(41, 20, frames_out=21, elapsed_ms=4000.0, stall_ms=1040.0, stalled_by_new=True)
+    assert ctl.judge([lost], 16, 20, new_stall_ms=60.0).admit
+
+
+def test_without_lives_or_stalls_the_verdicts_are_the_worst_steps() -> None:
+    """D's held streams (plain tuples: no life so far, no prefill of its own to wait for)
+    are judged as before."""
+    ctl = control()
+    held = [(100, 40)] * 8  # 60 + 7.5 x 9 = 127.5 ms > 125
+    assert not ctl.judge(held, 16, 40).admit and ctl.judge(held[:7], 16, 40).admit
+    assert ctl.judge(held[:7], 16, 40).life_fps == 0.0
+
+
+@pytest.fixture
+def engine():
+    loop = asyncio.new_event_loop()
+    model = load_model("random:tiny:0", device="cpu")
+    engine = MonolithEngine(model, "random:tiny:0", PagePool(16384, 1), model.new_kv_storage(16384),
+                            FrameHub(loop), "prefill-first", chunk_tokens=256, max_batch=16,
+                            max_batch_rows=4096, admission=control())
+    yield engine
+    loop.close()
+
+
+def submit(engine: MonolithEngine, rid: int, rows: int, frames: int, replies: dict[int, pb.SubmitReply]) -> bool:
+    """Submits a prompt; True while it is admitted (no answer yet, or OK)."""
+    prompt = np.random.default_rng(rid).integers(0, 100, size=(rows, 11), dtype=np.int64)  # tiny: 11 codebooks
+    engine.submit(PrefillJob(rid, prompt, SamplingParams(max_frames=frames, min_frames=frames),
+                             int(time.time() * 1000) + 60_000, {},
+                             done=lambda reply: replies.__setitem__(rid, reply)))
+    return rid not in replies or replies[rid].status == pb.STATUS_OK
+
+
+def first_stream_decoding(engine: MonolithEngine, replies: dict[int, pb.SubmitReply]) -> None:
+    """Stream 1 (16 rows, 40 frames) prefilled and its first frame out."""
+    assert submit(engine, 1, 16, 40, replies)
+    while not engine.batcher.running or "first_frame_step" not in engine.batcher.running[1].stamps:
+        assert engine._step_once()
+
+
+def test_a_clump_admitted_before_any_prefill_is_charged_its_prefills(engine: MonolithEngine) -> None:
+    """Stream 1 just started (39 frames to go, 4,875 ms allowed) when a clump of 448-row
+    prompts arrives. Each joins one prefill step (60 + 168 ms a prompt), which stream 1
+    waits for: with k of them its life is 39 x (67.5 + 7.5 k) + 60 + 168 k ms, inside
+    4,875 for k <= 4. The worst step alone admits 7 (60 + 7.5 x 8 = 120 ms)."""
+    replies: dict[int, pb.SubmitReply] = {}
+    first_stream_decoding(engine, replies)
+    admitted = [rid for rid in range(2, 12) if submit(engine, rid, CLUMP_ROWS, 40, replies)]
+    assert admitted == [2, 3, 4, 5], replies
+    refused = replies[6]
+    assert refused.status == pb.RATE_FLOOR and "prefills it waits for" in refused.message, refused
+    # nothing refused holds anything; the admitted ones are queued for one prefill step
+    assert set(engine._admitted) == {2, 3, 4, 5} and set(engine._unprefilled) == {2, 3, 4, 5}
+
+
+def test_a_prompt_in_a_prefill_step_now_waits_for_the_next_one(engine: MonolithEngine) -> None:
+    """A prompt whose prefill step is under way decodes before the next step's prompts
+    prefill: it waits for them (a step's base and rows), where the unplanned prompts that
+    share the next step do not wait for each other."""
+    replies: dict[int, pb.SubmitReply] = {}
+    first_stream_decoding(engine, replies)
+    assert submit(engine, 2, CLUMP_ROWS, 40, replies)
+    engine._admit_waiting()
+    assert engine._plan_chunks(4096)  # prompt 2's step is under way
+    assert submit(engine, 3, CLUMP_ROWS, 40, replies)
+    with engine._admitted_lock:
+        held, new_stall = engine._held_with_stalls(CLUMP_ROWS)
+    by_context = {(h.context, h.frames_left): h for h in held if isinstance(h, HeldStream)}
+    running = by_context[(17, 39)]
+    in_step = [h for h in held if isinstance(h, HeldStream) and h.frames_out == 0 and h.stall_ms > 0]
+    assert new_stall == pytest.approx(0.375 * CLUMP_ROWS)  # joins prompt 3's step: its rows only
+    assert running.stall_ms == pytest.approx(2 * (60 + 0.375 * CLUMP_ROWS)) and running.stalled_by_new
+    assert len(in_step) == 1 and in_step[0].stall_ms == pytest.approx(60 + 0.375 * CLUMP_ROWS)
+    unplanned = [h for h in held if isinstance(h, HeldStream) and h.frames_out == 0 and h.stall_ms == 0]
+    assert len(unplanned) == 1 and not unplanned[0].stalled_by_new
+    # a prompt too long to share the next step opens one: everyone waits for it, base too
+    with engine._admitted_lock:
+        held, new_stall = engine._held_with_stalls(4096)
+    assert new_stall == pytest.approx(60 + 0.375 * 4096)
+    assert all(h.stalled_by_new for h in held if isinstance(h, HeldStream))
