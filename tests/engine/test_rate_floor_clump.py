@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from pdunit.bench.capacity import run_capacity
 from pdunit.engine.decode.admission import (
     AdmissionControl,
     HeldStream,
@@ -28,11 +31,14 @@ from pdunit.engine.decode.admission import (
 )
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.kv.pool import PagePool
+from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.monolith.worker import MonolithEngine
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.proto import pdunit_pb2 as pb
+from tests.engine.test_rate_floor_overload import sent_rate
+from tests.engine.unit_client import wait_empty
 
 PAD = StepCoefficients(base_ms=60.0, per_stream_ms=7.5, per_token_ms=0.0, per_row_ms=0.375)
 FLOOR = 8.0  # frames/s: 125 ms a frame
@@ -172,3 +178,44 @@ def test_a_prompt_in_a_prefill_step_now_waits_for_the_next_one(engine: MonolithE
         held, new_stall = engine._held_with_stalls(4096)
     assert new_stall == pytest.approx(60 + 0.375 * 4096)
     assert all(h.stalled_by_new for h in held if isinstance(h, HeldStream))
+
+
+# The open-loop repro (docs/admission.md "Open-loop clumps"): a real monolith unit padded to
+# the model above (its exact fit as --step-model, refit on), Poisson 8 arrivals/s with 80%
+# of them in clumps of 10, 300-600-row prompts, 40-frame streams, one 10-s level, a 2%
+# margin (the real steps exceed the pad by the tiny model's CPU time now and then). Before
+# the whole-life check its first stream, admitted alone, ran under the floor (7.5-7.8
+# frames/s): a clump's 7 prompts were admitted at once, before any prefill was seen, and
+# stalled it 1.2 s. About 16 s.
+CLUMP_LOAD = dict(rate=[8.0], burst_share=0.8, burst_size=10, duration=10.0, prompt_rows=(300, 600),
+                  frames=(40, 40), voices=4, progress=False, min_rate=FLOOR, fps=FLOOR / 2, ttfa_p95_ms=60_000,
+                  mode_label="monolith", gpus=0, drain_timeout=60)
+
+
+def clump_level(tmp_path: Path) -> dict[str, Any]:
+    """The repro's level on a fresh unit: its capacity row with each stream's rate as the
+    unit's LB sent it."""
+    fit = tmp_path / "pad.fit.json"
+    fit.write_text(PAD.to_json())
+    args = ["--synthetic-step-ms", "60,7.5,0.375", "--step-model", str(fit), "--floor-margin", "0.02",
+            "--floor-error-quantile", "0.5"]
+    with LocalUnit(LocalConfig(mode="monolith", model="random:tiny:0", rate_floor=FLOOR, extra_monolith_args=args,
+                               pool_tokens=32768, cache_tokens=16384, lb_port=0, guard=False,
+                               log_level="warning")) as unit:
+        doc = run_capacity(dict(url=unit.url, **CLUMP_LOAD), keep_streams=True)
+        wait_empty(unit.url, timeout=60, what="the unit empty")
+    streams = [{**st, "sent_rate": sent_rate(st)} for st in doc["streams"]]
+    sent = sorted(st["sent_rate"] for st in streams if st["sent_rate"] is not None)
+    row = {**doc["rows"][0], "sent_min_rate": sent[0] if sent else None,
+           "goodput": sum(st["frames"] for st in streams if st["sent_rate"] is not None) / CLUMP_LOAD["duration"]}
+    print("clump level: " + ", ".join(f"{k}={row[k]}" for k in (
+        "ok", "refused", "errors", "error_kinds", "stutter_share", "sent_min_rate", "min_rate", "p50_rate",
+        "goodput", "ttfa_p95_ms")), flush=True)
+    return row
+
+
+def test_an_open_loop_clump_leaves_every_admitted_stream_at_the_floor(tmp_path: Path) -> None:
+    row = clump_level(tmp_path)
+    assert row["ok"] > 0 and row["errors"] == 0, row
+    assert row["refused"] > 0, row  # the clumps are more than the floor holds
+    assert row["sent_min_rate"] >= FLOOR, row
