@@ -6,7 +6,7 @@
 # frames a call, each graph's replay alone, the kernels of one eager call: how many, the top
 # ones) judged against D's step at 256 streams x 1024 tokens (qwen3-4b-shape, bf16 KV, overlap
 # on): on an H100 the 18.078 ms of record (bench/results/step-20261207-h100-d256-share2),
-# elsewhere or with STEP=1 measured first (`pdunit bench step`, ~100 s more). ~3-4 min.
+# elsewhere or with STEP=1 measured first (`pdunit bench step`, ~100 s more). ~3-4 min (the GPU tests alone took over 110 s on a cold Triton cache, 23 s warm: timeout 200 s).
 #   bash bench/gpu/codec_share.sh [TAG]  (repo root, on the device machine; carry .out/transfer-whl
 #   as bench/gpu/codec_h200.sh says). $OUT: report.txt (the tests' tail, a line a run and a row),
 #   codec-*.json/.md (step-*.json/.md when measured); TAG (default share) goes in the file names.
@@ -15,7 +15,7 @@ source tests/gpu/harness/setup.sh
 tag=${1:-share}
 gpu_env > "$OUT/report.txt"
 rc=0
-timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_codec_graphs.py > "$OUT/pytest.txt" 2>&1
+timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_codec_graphs.py > "$OUT/pytest.txt" 2>&1
 code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"
 grep -E "^(real|tiny|GPU kernels)" "$OUT/pytest.txt" >> "$OUT/report.txt"; tail -4 "$OUT/pytest.txt" >> "$OUT/report.txt"
 [ "$code" -eq 0 ] || { tail -60 "$OUT/pytest.txt" >> "$OUT/report.txt"; rc=1; }
