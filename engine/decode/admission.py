@@ -26,18 +26,20 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.rate_feedback import DeliveringStream, RateFeedback
 from pdunit.engine.observability import now_ns
+from pdunit.engine.playback import DEFAULT_FPS, FLOOR_X_REAL_TIME
 
 if TYPE_CHECKING:
     from pdunit.engine.audio.codec_stage import StepCost
 
 # The floor when neither a loaded codec nor the model's config names a frame rate: the
-# `pdunit` family's, 2 x its 21 frames/s (`resolve_floor`).
-DEFAULT_FLOOR_FPS = 42.0
+# `pdunit` family's, FLOOR_X_REAL_TIME x its real-time rate (`resolve_floor`).
+DEFAULT_FLOOR_FPS = FLOOR_X_REAL_TIME * DEFAULT_FPS
 
 RATE_FLOOR_FPS = m.role_metric(Gauge(
     "pdunit_rate_floor_frames_per_second", "The rate floor admission keeps (0 = admission off), and where it "
-    "came from: flag (--rate-floor), codec (2 x the loaded codec's frame rate), model (2 x the model config's "
-    "frame rate), default (42), cpu (off by default on CPU)", ["source"], registry=None), "decode", "monolith")
+    f"came from: flag (--rate-floor), codec ({FLOOR_X_REAL_TIME:g} x the loaded codec's frame rate), model "
+    f"({FLOOR_X_REAL_TIME:g} x the model config's frame rate), default ({DEFAULT_FLOOR_FPS:g}), cpu (off by "
+    "default on CPU)", ["source"], registry=None), "decode", "monolith")
 LIFE_REFUSALS = m.role_metric(Counter(
     "pdunit_rate_floor_life_refusals_total", "Of the rate-floor refusals, those of the whole-life check: the "
     "prefills a held stream would wait for (the new prompt's and those admitted before it) would take its rate "
@@ -672,11 +674,13 @@ def load_step_model(path: str) -> StepCoefficients:
 class AdmissionFields(BaseModel):
     """The flags of every engine that decodes (D, the monolith)."""
 
-    rate_floor: float | None = Field(None, ge=0, description="rate floor in frames/s per stream (2 x the codec's "
-                                     "frame rate: 42 for 21 Hz): a stream whose admission would break it for any "
-                                     "held stream is refused (RATE_FLOOR); 0 = off; default on a CUDA device: 2 x "
-                                     "the --codec's frame rate, else 2 x the model config's (CSM: codec_config's "
-                                     "12.5 Hz -> 25), else 42; 0 (off) on CPU")
+    rate_floor: float | None = Field(None, ge=0, description=f"rate floor in frames/s per stream "
+                                     f"({FLOOR_X_REAL_TIME:g} x the codec's frame rate: {DEFAULT_FLOOR_FPS:g} for "
+                                     f"{DEFAULT_FPS:g} Hz): a stream whose admission would break it for any held "
+                                     f"stream is refused (RATE_FLOOR); 0 = off; default on a CUDA device: "
+                                     f"{FLOOR_X_REAL_TIME:g} x the --codec's frame rate, else {FLOOR_X_REAL_TIME:g} "
+                                     f"x the model config's (CSM: codec_config's 12.5 Hz -> "
+                                     f"{FLOOR_X_REAL_TIME * 12.5:g}), else {DEFAULT_FLOOR_FPS:g}; 0 (off) on CPU")
     floor_margin: float = Field(0.10, ge=0, lt=1, description="share of the floor's step budget (1 / floor) kept "
                                 "free")
     step_model: str = Field("", description="the step-time model's seed: a fit file from `pdunit bench step` "
@@ -730,21 +734,22 @@ class FloorSetting:
 
 def resolve_floor(flag: float | None, on_gpu: bool, codec_frame_rate_hz: float | None = None,
                   model_frame_rate_hz: float | None = None) -> FloorSetting:
-    """The floor follows the model (ARCHITECTURE.md 4: 2 x the codec's frame rate).
-    `--rate-floor` wins; else off on CPU (a shared CPU meets no floor); else 2 x the loaded
-    codec's frame rate; else 2 x the frame rate the model's config names (CSM's
-    codec_config); else DEFAULT_FLOOR_FPS (the `pdunit` family's 21 Hz)."""
+    """The floor follows the model (ARCHITECTURE.md 4: FLOOR_X_REAL_TIME x the codec's
+    frame rate). `--rate-floor` wins; else off on CPU (a shared CPU meets no floor); else
+    that many times the loaded codec's frame rate; else the frame rate the model's config
+    names (CSM's codec_config); else DEFAULT_FLOOR_FPS (engine/playback.py's DEFAULT_FPS)."""
     if flag is not None:
         return FloorSetting(float(flag), "flag", f"--rate-floor {flag:g}" + (" (admission off)" if flag <= 0 else ""))
     if not on_gpu:
         return FloorSetting(0.0, "cpu", "off by default on CPU: --rate-floor turns admission on")
+    x = FLOOR_X_REAL_TIME
     if codec_frame_rate_hz:
-        return FloorSetting(2 * codec_frame_rate_hz, "codec", f"2 x the codec's {codec_frame_rate_hz:g} Hz")
+        return FloorSetting(x * codec_frame_rate_hz, "codec", f"{x:g} x the codec's {codec_frame_rate_hz:g} Hz")
     if model_frame_rate_hz:
-        return FloorSetting(2 * model_frame_rate_hz, "model",
-                            f"2 x the model config's {model_frame_rate_hz:g} Hz (no --codec loaded)")
+        return FloorSetting(x * model_frame_rate_hz, "model",
+                            f"{x:g} x the model config's {model_frame_rate_hz:g} Hz (no --codec loaded)")
     return FloorSetting(DEFAULT_FLOOR_FPS, "default", f"{DEFAULT_FLOOR_FPS:g}: neither a codec nor the model's "
-                        "config names a frame rate (2 x 21 Hz, the pdunit family's)")
+                        f"config names a frame rate ({x:g} x {DEFAULT_FPS:g} Hz, the pdunit family's)")
 
 
 def build_admission(cfg: AdmissionFields, on_gpu: bool, floor: FloorSetting | None = None) -> AdmissionControl | None:
