@@ -19,6 +19,8 @@ import dataclasses
 import datetime as dt
 import functools
 import gc
+import json
+import logging
 import math
 import shlex
 import statistics
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from pdunit.bench import report
-from pdunit.bench.cuda_timing import times_ms
+from pdunit.bench.cuda_timing import kernel_ms, times_ms
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 
 COLUMNS = [
@@ -69,6 +71,9 @@ class CodecConfig:
     attention: str = "auto"  # the decoder's ring attention: auto (triton on CUDA), triton, torch
     kernels: list[str] = dataclasses.field(default_factory=lambda: ["auto"])  # the push's: auto, fused, torch
     profile_batch: int = 0  # > 0: the top GPU kernels of one eager call at this batch (CUDA only)
+    tune_conv: bool = False  # time every conv tile candidate at the benched points first, run with the fastest
+    conv_table: str = ""  # a table --tune-conv wrote, for the timed runs ('' and no --tune-conv: the hand tiles)
+    tune_workers: int = 16  # threads compiling --tune-conv's candidates
     warm_frames: int = -1  # -1: past the sliding window
     warm_chunk: int = 8
     iters: int = 20
@@ -228,6 +233,161 @@ def profile_kernels(dec: Any, ids: list[str], rng: np.random.Generator, calls: i
     }
 
 
+def conv_calls(codec: Any, batch: int, frames: int) -> list[tuple[str, Any, int, bool]]:
+    """The decoder's convolutions in push order as a call of `batch` streams x `frames`
+    frames launches them: (name, its `_Conv`, input rows a stream, adds the block's residual)."""
+    from pdunit.engine.audio.mimi_stream import MimiStreamDecoder, _Residual
+
+    d = MimiStreamDecoder(codec, slots=1, kernels="torch")  # the convolutions alone: both kernels share them
+    calls: list[tuple[str, Any, int, bool]] = []
+    t = frames
+    if d._upsample is not None:
+        calls.append(("upsample", d._upsample, t, False))
+        t *= d._upsample.conv.frames
+    for i, step in enumerate(d._seanet):
+        if isinstance(step, _Residual):
+            if step.shortcut is not None:
+                calls.append((f"seanet{i}.shortcut", step.shortcut, t, False))
+            calls += [(f"seanet{i}.block{j}", c, t, c is step.block[-1]) for j, c in enumerate(step.block)]
+        else:
+            calls.append((f"seanet{i}", step, t, False))
+            t *= step.conv.frames
+    return calls
+
+
+def tune_conv(codec: Any, cfg: CodecConfig, dtype_name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every tile candidate (kernels/codec_fused.py's CONV_CANDIDATES fitted to the shape)
+    of every convolution shape of the decoder at the benched points (batches x frames),
+    compiled at once in threads, each checked against the torch form and timed: a CUDA
+    graph of back-to-back launches, its replays between events. Returns every candidate's
+    row and per shape the fastest that passed (the table's entries)."""
+    from pdunit.kernels import codec_fused as cf
+
+    shapes: dict[Any, tuple[str, Any, int, int, bool]] = {}
+    for batch in cfg.batches:
+        for frames in cfg.frames:
+            for name, c, t, last in conv_calls(codec, batch, frames):
+                k = c.conv
+                shape = cf.ConvShape(dtype_name, k.in_channels, k.out_channels * k.frames, k.taps, k.dilation, batch * t)
+                shapes.setdefault(shape, (name, c, batch, t, last))
+    gen = torch.Generator(device=codec.device).manual_seed(cfg.seed)
+    dtype = DTYPES[dtype_name]
+
+    def inputs(shape: Any, c: Any, batch: int, t: int, last: bool) -> dict[str, Any]:
+        k = c.conv
+
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, device=codec.device, generator=gen).to(dtype)
+
+        held = k.state_values > 0
+        return {"x": randn(batch, t, k.in_channels), "weight": k.rows, "bias": k.row_bias, "taps": k.taps,
+                "dilation": k.dilation, "state": randn(batch, k.state_values) if held else None,
+                "next_state": torch.empty(batch, k.state_values, device=codec.device, dtype=dtype) if held else None,
+                "elu": c.elu, "residual": randn(batch, t, shape.n_out) if last else None}
+
+    t0 = time.perf_counter()
+    jobs = []
+    for shape, (_, c, batch, t, last) in shapes.items():
+        args = inputs(shape, c, batch, t, last)
+        jobs += [functools.partial(cf.compile_stream_conv, **args, tiles=tiles)
+                 for tiles in cf.conv_candidates(shape.cin, shape.n_out)]
+    how = compile_in_threads(jobs, cfg.tune_workers)
+    del jobs
+    print(f"tune-conv {dtype_name}: {len(shapes)} shapes, compiled {how} in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    rows: list[dict[str, Any]] = []
+    best: list[dict[str, Any]] = []
+    bound = 1e-3 if dtype == torch.float32 else 3e-2  # of the output's scale: fused rounds once, torch thrice
+    for shape, (name, c, batch, t, last) in shapes.items():
+        args = inputs(shape, c, batch, t, last)
+        want_next = args["state"].clone() if args["state"] is not None else None
+        with torch.inference_mode():
+            want = c.conv(args["x"], args["state"], want_next, c.elu, args["residual"]).float()
+        scale = max(1.0, float(want.abs().max()))
+        done = []
+        for tiles in cf.conv_candidates(shape.cin, shape.n_out):
+            row: dict[str, Any] = {"conv": name, **dataclasses.asdict(shape), "tiles": tiles.text()}
+            try:
+                got = cf.stream_conv(**args, tiles=tiles).view(want.shape).float()
+                err = float((got - want).abs().max()) / scale
+                if want_next is not None:
+                    err = max(err, float((args["next_state"].float() - want_next.float()).abs().max()) / scale)
+                row.update(error=err, ok=err <= bound and math.isfinite(err))
+                row["ms"] = graph_ms(functools.partial(cf.stream_conv, **args, tiles=tiles))
+            except Exception as exc:  # noqa: BLE001  (a tile the card cannot hold: out of shared memory)
+                row.update(ok=False, failed=f"{type(exc).__name__}: {str(exc)[:120]}")
+            rows.append(row)
+            if row["ok"] and "ms" in row:
+                done.append(row)
+        hand = next((r for r in rows[len(rows) - len(cf.conv_candidates(shape.cin, shape.n_out)):]
+                     if r["tiles"] == cf.HAND_TILES.fitted(shape.cin, shape.n_out).text() and "ms" in r), None)
+        if done:
+            fast = min(done, key=lambda r: r["ms"])
+            best.append({**dataclasses.asdict(shape), "tiles": fast["tiles"], "conv": name,
+                         "ms": round(fast["ms"], 5), "hand_ms": round(hand["ms"], 5) if hand else None,
+                         "candidates": len(done)})
+            print(f"tune-conv {name} {shape}: {fast['tiles']} {fast['ms'] * 1e3:.1f} us, hand "
+                  f"{hand['ms'] * 1e3 if hand else float('nan'):.1f} us ({len(done)} candidates)", flush=True)
+        del args
+    torch.cuda.empty_cache()
+    return rows, best
+
+
+def compile_in_threads(jobs: list[Any], workers: int) -> str:
+    """Run `jobs` (compiles that launch nothing) with Triton's compiles spread over
+    `workers` threads (its async compile mode); where this Triton has none, or it fails,
+    one after another (each kernel then compiles at its first launch at worst)."""
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        workers = 1
+    if workers > 1:
+        try:
+            with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+                for job in jobs:
+                    job()
+            return f"in {workers} threads"
+        except Exception as exc:  # noqa: BLE001  (a private Triton API: never worth the tuning)
+            print(f"tune-conv: compiling in threads failed ({type(exc).__name__}: {exc}); one after another")
+    failed = 0
+    for job in jobs:
+        try:
+            job()
+        except Exception:  # noqa: BLE001  (the candidate's launch reports it)
+            failed += 1
+    return f"one after another ({failed} failed)"
+
+
+def graph_ms(fn: Any, launches: int = 10, rounds: int = 5) -> float:
+    """Device ms of one `fn()` launch: `launches` of them captured in a CUDA graph (no host
+    gaps between them, as the codec's graphs run them), the graph replayed between events."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    ms = kernel_ms(graph.replay, reps=2, rounds=rounds) / launches
+    del graph
+    return ms
+
+
+def write_conv_table(path: Path, cfg: CodecConfig, device: str, best: list[dict[str, Any]],
+                     rows: list[dict[str, Any]]) -> None:
+    """The table engines read (`--codec-conv-table`): per shape the fastest tiles, with
+    their time and the hand tiles' (extra keys the reader skips), then every candidate."""
+    doc = {"device": device, "command": cfg.command, "date": dt.datetime.now(dt.UTC).isoformat(
+        timespec="seconds"), "entries": best, "candidates": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def default_warm_frames(codec: Any) -> int:
     """Frames that take a stream past the decoder transformer's sliding window (its
     positions run at the encoder's rate, `positions_per_frame` a codec frame)."""
@@ -236,7 +396,11 @@ def default_warm_frames(codec: Any) -> int:
     return math.ceil(cfg.sliding_window / per_frame) + 1
 
 
-def run_codec(cfg: CodecConfig) -> dict[str, Any]:
+def run_codec(cfg: CodecConfig, table_path: Path | None = None) -> dict[str, Any]:
+    """Every (dtype, kernels, path) run; with --tune-conv the conv tiles are tuned first
+    (per dtype) and the timed runs launch the fastest, the table written to `table_path`."""
+    from pdunit.kernels import codec_fused as cf
+
     cuda = cfg.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("pdunit bench codec: --device cuda but no CUDA device (use --device cpu --shape tiny)")
@@ -244,28 +408,72 @@ def run_codec(cfg: CodecConfig) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     # auto named as what it runs, each kernels once (the results' config says what ran)
     cfg.kernels = list(dict.fromkeys(("fused" if cuda else "torch") if k == "auto" else k for k in cfg.kernels))
+    tiles: dict[str, Any] = {"used": "hand", "why": "no --conv-table, no --tune-conv"}
+    if cfg.conv_table:
+        table = cf.load_conv_table(cfg.conv_table, torch.device(cfg.device), logging.getLogger("pdunit.bench.codec"))
+        tiles = ({"used": cfg.conv_table, "shapes": len(table.entries)} if table is not None else
+                 {"used": "hand", "why": f"{cfg.conv_table} not used: tuned on another GPU, or no CUDA (logged)"})
+    tune = cfg.tune_conv and "fused" in cfg.kernels
+    entries: list[dict[str, Any]] = []
+    candidates: list[dict[str, Any]] = []
     codec = None
-    for dtype_name in cfg.dtypes:
-        codec = build_codec(cfg.shape, DTYPES[dtype_name], cfg.device, cfg.seed)
-        for kernels in cfg.kernels:
-            for mode in MODES[cfg.mode]:
-                got, info = measure(codec, cfg, dtype_name, mode, kernels)
-                rows += got
-                runs[_key(cfg, dtype_name, info["kernels"], mode)] = info
-        del codec
-        gc.collect()
+    try:
+        for dtype_name in cfg.dtypes:
+            codec = build_codec(cfg.shape, DTYPES[dtype_name], cfg.device, cfg.seed)
+            if tune:
+                got, best = tune_conv(codec, cfg, dtype_name)
+                candidates += got
+                entries += best
+                device = torch.cuda.get_device_name(codec.device)
+                cf.use_conv_table(cf.ConvTable.from_dict({"device": device, "entries": entries}, "--tune-conv"))
+                tiles = {"used": "tuned", "table": str(table_path) if table_path else None,
+                         "calls": _tuned_calls(codec, cfg, entries, tiles.get("calls", {}))}
+                if table_path is not None:
+                    write_conv_table(table_path, cfg, device, entries, candidates)
+            for kernels in cfg.kernels:
+                for mode in MODES[cfg.mode]:
+                    got_rows, info = measure(codec, cfg, dtype_name, mode, kernels)
+                    rows += got_rows
+                    runs[_key(cfg, dtype_name, info["kernels"], mode)] = info
+            del codec
+            gc.collect()
+    finally:
+        cf.use_conv_table(None)
     eager = {(r["dtype"], r["kernels"], r["batch"], r["frames"]): r["ms"] for r in rows if r["mode"] == "eager"}
     for r in rows:
         base = eager.get((r["dtype"], r["kernels"], r["batch"], r["frames"]))
         r["speedup"] = base / r["ms"] if base and r["mode"] != "eager" else None
+    summary = _summary(rows, runs, cfg)
+    summary["conv_tiles"] = {**tiles, "shapes": entries} if tune else tiles
     return report.Results(
         bench="codec",
         machine=machine_info(),
         command=cfg.command,
         config={k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("command", "out")},
         rows=rows,
-        summary=_summary(rows, runs, cfg),
+        summary=summary,
     ).document()
+
+
+def _tuned_calls(codec: Any, cfg: CodecConfig, entries: list[dict[str, Any]],
+                 calls: dict[str, Any]) -> dict[str, Any]:
+    """Per benched point, the convolutions' device time of one call with the hand tiles
+    and with the tuned ones (the sums of their launches' times as tuned)."""
+    by_shape = {(e["dtype"], e["cin"], e["n_out"], e["taps"], e["dilation"], e["rows"]): e for e in entries}
+    dtype = entries[-1]["dtype"] if entries else ""
+    for batch in cfg.batches:
+        for frames in cfg.frames:
+            hand = tuned = 0.0
+            for _, c, t, _ in conv_calls(codec, batch, frames):
+                k = c.conv
+                e = by_shape.get((dtype, k.in_channels, k.out_channels * k.frames, k.taps, k.dilation, batch * t))
+                if e is None or e["hand_ms"] is None:
+                    hand = tuned = math.nan
+                    break
+                hand += e["hand_ms"]
+                tuned += e["ms"]
+            calls[f"{dtype}/{batch}x{frames}f"] = {"hand_ms": round(hand, 4), "tuned_ms": round(tuned, 4)}
+    return calls
 
 
 def _key(cfg: CodecConfig, dtype: str, kernels: str, mode: str) -> str:
@@ -340,6 +548,14 @@ def _parser() -> argparse.ArgumentParser:
                    "reference ops), auto (fused on CUDA); e.g. fused,torch for a side-by-side in one run")
     p.add_argument("--profile-batch", type=int, default=d.profile_batch,
                    help="> 0: the top GPU kernels of an eager one-frame call at this batch (CUDA; in the summary)")
+    p.add_argument("--tune-conv", action="store_true",
+                   help="first time every tile candidate of every conv shape of the decoder at the benched points "
+                   "(CUDA, fused; each checked against the torch form), run with the fastest and write them as "
+                   "codec-conv-<date>-<tag>.json beside the results: the engines' --codec-conv-table")
+    p.add_argument("--conv-table", default=d.conv_table,
+                   help="a table --tune-conv wrote, for the timed runs (used on the GPU model it names; without "
+                   "it or --tune-conv the hand tiles run)")
+    p.add_argument("--tune-workers", type=int, default=d.tune_workers, help="threads compiling --tune-conv's candidates")
     p.add_argument("--warm-frames", type=int, default=d.warm_frames,
                    help="frames each stream decodes before timing (-1: past the sliding window; 0: fresh streams)")
     p.add_argument("--warm-chunk", type=int, default=d.warm_chunk, help="frames per warming call")
@@ -368,6 +584,14 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--iters, --warm-chunk, --graph-frames must be >= 1, --warmup >= 0, --warm-frames >= -1")
     if a.profile_batch < 0 or a.profile_batch > max(a.batches):
         problems.append(f"--profile-batch must be within 0..max(--batches) = {max(a.batches)} (got {a.profile_batch})")
+    if a.tune_conv and not a.device.startswith("cuda"):
+        problems.append("--tune-conv times the fused kernels on a GPU: drop it with --device cpu")
+    if a.tune_conv and not {"fused", "auto"} & set(a.kernels):
+        problems.append("--tune-conv tunes the fused kernels: add fused to --kernels")
+    if a.tune_conv and a.conv_table:
+        problems.append("--tune-conv writes its own table: drop --conv-table")
+    if a.tune_workers < 1:
+        problems.append(f"--tune-workers must be >= 1 (got {a.tune_workers})")
     if a.device != "cpu" and not a.device.startswith("cuda"):
         problems.append(f"--device must be cuda, cuda:N or cpu (got {a.device!r})")
     if problems:
@@ -375,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CodecConfig(
         shape=a.shape, batches=a.batches, frames=a.frames, dtypes=a.dtype, mode=a.mode, attention=a.attention,
         kernels=a.kernels,
-        profile_batch=a.profile_batch,
+        profile_batch=a.profile_batch, tune_conv=a.tune_conv, conv_table=a.conv_table, tune_workers=a.tune_workers,
         warm_frames=a.warm_frames, warm_chunk=a.warm_chunk, iters=a.iters, warmup=a.warmup,
         buckets=a.buckets, graph_frames=a.graph_frames, d_step_ms=a.d_step_ms,
         d_step_model=a.d_step_model, d_context=a.d_context, device=a.device, seed=a.seed,
@@ -386,15 +610,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {report.machine_slug(machine)} ({machine.get('gpu_model') or machine.get('cpu_model')})")
     print(f"command: {cfg.command}")
     print(f"config: {dataclasses.asdict(cfg)}", flush=True)
-    doc = run_codec(cfg)
-    tag = cfg.machine_tag or report.machine_slug(doc["machine"]).lower()
+    tag = cfg.machine_tag or report.machine_slug(machine).lower()
     path = Path(cfg.out)
     if path.suffix != ".json":
         path = path / f"codec-{dt.date.today().strftime('%Y%m%d')}-{tag}.json"
+    table_path = path.with_name(path.name.replace("codec-", "codec-conv-", 1) if path.name.startswith("codec-")
+                                else f"{path.stem}-conv.json")
+    doc = run_codec(cfg, table_path if cfg.tune_conv else None)
     report.Results.from_document(doc).write(path, COLUMNS, title="Codec (Mimi stream decode) per call vs batch")
     print(text_table(doc["rows"], COLUMNS))
     print("summary:", doc["summary"])
-    print(f"wrote {path} and {path.with_suffix('.md')}")
+    print(f"wrote {path} and {path.with_suffix('.md')}" + (f" and {table_path}" if table_path.exists() and
+                                                            cfg.tune_conv else ""))
     return 0
 
 

@@ -59,6 +59,9 @@ class CodecFields(BaseModel):
                                           "sends the first frame's audio at once)")
     audio_chunk_frames: int = Field(2, gt=0, description="frames of each later PCM chunk (fewer, larger codec "
                                     "calls vs the audio's latency)")
+    codec_conv_table: str = Field("", description="the codec convolutions' launch tiles by shape, a JSON file "
+                                  "`pdunit bench codec --tune-conv` wrote on this GPU model (codec-conv-*.json); "
+                                  "empty, or tuned on another GPU: the hand tiles (logged at start)")
 
 
 def build_codec_stage(cfg: CodecFields, model: TTSModel, model_spec: str, device: str,
@@ -74,6 +77,9 @@ def build_codec_stage(cfg: CodecFields, model: TTSModel, model_spec: str, device
 
     k, size = model.codec_books
     codec = load_codec(cfg.codec, n_codebooks=k, codebook_size=size, device=device, model_dir=model_spec)
+    from pdunit.kernels.codec_fused import load_conv_table
+
+    load_conv_table(cfg.codec_conv_table, codec.device, log)  # before the graphs capture their launches
     fmt = audio_format(codec, cfg.codec)
     max_batch = getattr(cfg, "max_batch", None)  # D's and the monolith's --max-batch
     stage = CodecStage.for_model(codec, model, cfg.audio_first_chunk_frames, cfg.audio_chunk_frames, max_batch)

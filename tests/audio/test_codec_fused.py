@@ -60,6 +60,28 @@ SCRIPT = textwrap.dedent("""
                         worst[2] = max(worst[2], float((state - kept).abs().max()))
         out["convs"][name] = worst
 
+    # every tile candidate, on shapes wide enough that none is cut to another (128 in, 256
+    # out) and on one that fits no tile (40 in, 24 out: masked channels and columns)
+    out["tiles"] = {}
+    for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)):
+        # weights fp16 holds exactly: the float32 torch form is the reference of both dtypes
+        conv = StreamConv((torch.randn(n, cin, taps) / cin).half().float(), torch.randn(n).half().float(),
+                          dilation=dilation)
+        for dtype in (torch.float32, torch.float16):
+            for t in (1, 5):
+                x, state = torch.randn(3, t, cin).to(dtype), torch.randn(3, conv.state_values).to(dtype)
+                res = torch.randn(3, t, n).to(dtype)
+                want_next = state.clone()
+                want = conv._torch(x.float(), state.float(), want_next, 0.8).view(3, t, n) + res.float()
+                for tiles in codec_fused.conv_candidates(cin, n):
+                    got_next = torch.full_like(state, 7.0)
+                    got = codec_fused.stream_conv(x, conv.rows.to(dtype), conv.row_bias.to(dtype), taps, dilation,
+                                                  state, got_next, 0.8, res, tiles=tiles)
+                    key = f"{cin}x{n} {tiles.text()}"
+                    err = max(float((got.float() - want).abs().max()) / float(want.abs().max()),
+                              float((got_next - want_next).abs().max()))
+                    out["tiles"].setdefault(key, {})[str(dtype)] = max(err, out["tiles"].get(key, {}).get(str(dtype), 0))
+
     x = torch.randn(4, 300) * 1.5
     x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     x[1] = (torch.arange(300) - 150.5) / 32767  # near the half-way points
@@ -131,6 +153,16 @@ def test_every_convolution_form_fused_equals_its_torch_form_and_writes_the_same_
         assert out <= 1e-5 and context <= 1e-6 and untouched == 0.0, name
 
 
+def test_every_tile_candidate_equals_the_torch_form_in_fp32_and_fp16(interpreted: dict) -> None:
+    """Each of CONV_CANDIDATES as `--tune-conv` times it: a 3-tap conv with ELU, bias,
+    residual and context, 1 and 5 new rows; fp16 against the float32 torch form."""
+    tiles = interpreted["tiles"]
+    assert len([k for k in tiles if k.startswith("128x256")]) == len(codec_fused.CONV_CANDIDATES)
+    assert {k.split()[1] for k in tiles if k.startswith("128x256")} == {c.text() for c in codec_fused.CONV_CANDIDATES}
+    for key, errs in tiles.items():
+        assert errs["torch.float32"] <= 1e-5 and errs["torch.float16"] <= 3e-3, (key, errs)
+
+
 def test_int16_pcm_fused_is_bit_for_bit_the_torch_conversion(interpreted: dict) -> None:
     assert interpreted["pcm16"] == [True, True, True]
 
@@ -172,3 +204,61 @@ def test_the_fused_layer_folds_the_layer_scales_and_refuses_biases(monkeypatch) 
     monkeypatch.setattr(codec_fused, "INTERPRET", True)  # construction launches nothing
     with pytest.raises(ValueError, match="attention_bias=True"):
         MimiStreamDecoder(codec, kernels="fused")
+
+
+def test_a_conv_table_gives_each_shape_the_tiles_of_its_nearest_rows_and_others_the_hand_ones() -> None:
+    shape = codec_fused.ConvShape("bf16", 256, 640, 2, 1, 24576)
+    small, big = codec_fused.ConvTiles(32, 64, 64, 4, 3), codec_fused.ConvTiles(256, 128, 64, 8, 3)
+    table = codec_fused.ConvTable.from_dict(codec_fused.ConvTable(
+        [(shape, big), (codec_fused.dataclasses.replace(shape, rows=512), small)], "NVIDIA H100 80GB HBM3").to_dict())
+    assert table.tiles(shape) == big
+    assert table.tiles(codec_fused.dataclasses.replace(shape, rows=49152)) == big  # 2x the tuned rows
+    assert table.tiles(codec_fused.dataclasses.replace(shape, rows=1024)) == small  # nearer 512 than 24576 in ratio
+    assert table.tiles(codec_fused.dataclasses.replace(shape, dtype="fp32")) is None  # another dtype: not tuned
+    try:
+        codec_fused.use_conv_table(table)
+        assert codec_fused.conv_tiles(shape) == big
+        other = codec_fused.ConvShape("bf16", 64, 1, 3, 1, 491520)
+        assert codec_fused.conv_tiles(other) == codec_fused.HAND_TILES.fitted(64, 1) == codec_fused.ConvTiles(
+            64, 16, 64, 4, 3)
+    finally:
+        codec_fused.use_conv_table(None)
+    assert codec_fused.conv_tiles(shape) == codec_fused.HAND_TILES
+
+
+def test_conv_tiles_read_back_and_bad_ones_are_named() -> None:
+    tiles = codec_fused.ConvTiles(128, 256, 32, 8, 4)
+    assert codec_fused.ConvTiles.parse(tiles.text()) == tiles
+    for bad in ("m64-n128-k64-w4", "m48-n128-k64-w4-s3", "m64-n128-k64-w16-s3", "m64-n512-k64-w4-s3"):
+        with pytest.raises(ValueError, match="conv tiles"):
+            codec_fused.ConvTiles.parse(bad)
+    with pytest.raises(ValueError, match="entry 0"):
+        codec_fused.ConvTable.from_dict({"device": "x", "entries": [{"dtype": "bf16", "cin": 1}]}, "t.json")
+
+
+def test_the_engine_takes_a_table_only_from_its_own_gpu_model_and_logs_what_it_runs(tmp_path, monkeypatch,
+                                                                                     caplog) -> None:
+    import logging
+
+    shape = codec_fused.ConvShape("bf16", 128, 256, 2, 1, 122880)
+    path = tmp_path / "codec-conv.json"
+    path.write_text(json.dumps(codec_fused.ConvTable([(shape, codec_fused.ConvTiles(256, 128, 64, 8, 3))],
+                                                     "NVIDIA H100 80GB HBM3").to_dict()))
+    log = logging.getLogger("test.codec")
+    cuda = torch.device("cuda")
+    try:
+        with caplog.at_level(logging.INFO, "test.codec"):
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+            assert codec_fused.load_conv_table(str(path), cuda, log) is not None
+            assert codec_fused.conv_tiles(shape).block_m == 256
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+            assert codec_fused.load_conv_table(str(path), cuda, log) is None
+            assert codec_fused.conv_tiles(shape) == codec_fused.HAND_TILES  # the table before is dropped
+            assert codec_fused.load_conv_table("", cuda, log) is None
+            assert codec_fused.load_conv_table(str(path), torch.device("cpu"), log) is None
+        why = [getattr(r, "why", None) for r in caplog.records]
+        assert "tuned on 'NVIDIA H100 80GB HBM3', this is 'NVIDIA H200'" in why[1]
+        assert why[2] == "no --codec-conv-table" and "no CUDA device" in why[3]
+        assert caplog.records[1].levelname == "WARNING"
+    finally:
+        codec_fused.use_conv_table(None)

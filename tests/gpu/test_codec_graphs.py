@@ -4,7 +4,8 @@ for Mimi's real shape past its 250-position window; the Triton ring attention
 (engine/audio/mimi_mask.py) equals the torch one and transformers' one-shot decode at the
 real shape; the fused kernels (kernels/codec_fused.py, the default on CUDA) equal the torch
 reference per convolution, per PCM sample and for whole decoders at the real shape in fp32
-and bf16, in a fraction of its launches; the codec stage captures its graphs at start,
+and bf16, on the hand conv tiles and on tiles `--tune-conv` chose (every candidate checked),
+in a fraction of its launches; the codec stage captures its graphs at start,
 sized to the engine's batch. fp32 compared with TF32 off (the paths may pick different
 cuDNN/cuBLAS algorithms for a padded batch)."""
 
@@ -221,14 +222,10 @@ def test_int16_pcm_on_cuda_is_bit_for_bit_the_torch_conversion():
         assert torch.equal(pcm16(t), to_pcm16(t))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_real_mimi_shape_fused_decoder_equals_the_torch_decoder(dtype):
+def fused_against_torch(codec: MimiCodec) -> tuple[float, float, float, int]:
     """Six streams warmed past the window in 16-frame calls (eager, 4 transformer passes),
     then calls of 1 and 2 frames on the fused path's graphs (buckets 4 and 8) against the
-    torch kernels eager; fp32 to 1e-4 of the peak, bf16 to its rounding (max and RMS)."""
-    from pdunit.bench.codec import build_codec
-
-    codec = build_codec("real", dtype, "cuda", 0)
+    torch kernels eager: (max difference, peak, relative RMS, captures)."""
     ref = MimiStreamDecoder(codec, slots=8, kernels="torch")
     fused = MimiStreamDecoder(codec, slots=9, graphs=True, buckets=(4, 8), kernels="fused")
     rng = np.random.default_rng(5)
@@ -247,14 +244,49 @@ def test_real_mimi_shape_fused_decoder_equals_the_torch_decoder(dtype):
             peak = max(peak, float(np.abs(want[s]).max()))
             err2 += float(((got[s] - want[s]) ** 2).sum())
             sig2 += float((want[s] ** 2).sum())
-    rms = (err2 / max(sig2, 1e-30)) ** 0.5
+    return worst, peak, (err2 / max(sig2, 1e-30)) ** 0.5, fused.graphs.captures
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_mimi_shape_fused_decoder_equals_the_torch_decoder(dtype):
+    """`fused_against_torch` on the hand tiles: fp32 to 1e-4 of the peak, bf16 to its
+    rounding (max and RMS)."""
+    from pdunit.bench.codec import build_codec
+
+    codec = build_codec("real", dtype, "cuda", 0)
+    worst, peak, rms, captures = fused_against_torch(codec)
     print(f"real {dtype}: max |fused - torch| {worst:.3g}, peak {peak:.3g}, relative RMS {rms:.3g}, "
-          f"captures {fused.graphs.captures}")
-    assert peak > 0 and fused.graphs.captures > 0
+          f"captures {captures}")
+    assert peak > 0 and captures > 0
     if dtype == torch.float32:
         assert worst <= 1e-4 * max(1.0, peak)
     else:
         assert worst <= 0.05 * max(1.0, peak) and rms <= 0.02
+
+
+def test_real_mimi_shape_conv_tuning_checks_every_candidate_and_the_tuned_decoder_equals_torch():
+    """`pdunit bench codec --tune-conv`'s path in bf16 at 8 streams x 1 frame: every tile
+    candidate of the decoder's 15 convolutions launched, checked against the torch form
+    and timed; none wrong (one the card cannot hold may fail to launch, and is never
+    chosen); a decoder on the fastest tiles (graphs) equals the torch decoder."""
+    from pdunit.bench.codec import CodecConfig, build_codec, tune_conv
+    from pdunit.kernels import codec_fused as cf
+
+    codec = build_codec("real", torch.bfloat16, "cuda", 0)
+    rows, best = tune_conv(codec, CodecConfig(batches=[8], frames=[1], dtypes=["bf16"], seed=1), "bf16")
+    failed = [(r["conv"], r["tiles"], r.get("failed", r.get("error"))) for r in rows if not r["ok"]]
+    print(f"real bf16 conv tuning at 8 streams: {len(rows)} candidates, {len(best)} shapes, not passed {failed}, "
+          f"chosen {[(b['conv'], b['tiles']) for b in best]}")
+    assert len(best) == 15 and all(0 < b["ms"] and b["hand_ms"] for b in best)
+    assert not [r for r in rows if not r["ok"] and "failed" not in r]  # launched and wrong: never
+    cf.use_conv_table(cf.ConvTable.from_dict({"device": torch.cuda.get_device_name(), "entries": best}))
+    try:
+        worst, peak, rms, captures = fused_against_torch(codec)
+    finally:
+        cf.use_conv_table(None)
+    print(f"real bf16 tuned: max |fused - torch| {worst:.3g}, peak {peak:.3g}, relative RMS {rms:.3g}")
+    assert peak > 0 and captures > 0
+    assert worst <= 0.05 * max(1.0, peak) and rms <= 0.02
 
 
 def test_the_fused_push_launches_a_fraction_of_the_torch_kernels():
