@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -284,15 +285,56 @@ def held_stream(h: tuple[int, ...] | HeldStream) -> HeldStream:
     return HeldStream(int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False)
 
 
-def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_rows: float = 0.0) -> tuple[float, int]:
+@dataclass(frozen=True)
+class Lives:
+    """Held streams as arrays, one entry a stream (the fields of HeldStream): what the
+    projections read, built once where a search judges one held set many times."""
+
+    context: np.ndarray
+    left: np.ndarray
+    audio: np.ndarray
+    out: np.ndarray
+    elapsed: np.ndarray
+    stall: np.ndarray
+    stalled: np.ndarray
+
+    @classmethod
+    def of(cls, streams: Sequence[HeldStream] | Lives) -> Lives:
+        if isinstance(streams, Lives):
+            return streams
+        return cls(np.array([s.context for s in streams], dtype=np.float64),
+                   np.array([s.frames_left for s in streams], dtype=np.int64),
+                   np.array([s.audio for s in streams], dtype=np.float64),
+                   np.array([s.frames_out for s in streams], dtype=np.float64),
+                   np.array([s.elapsed_ms for s in streams], dtype=np.float64),
+                   np.array([s.stall_ms for s in streams], dtype=np.float64),
+                   np.array([s.stalled_by_new for s in streams], dtype=np.float64))
+
+    @classmethod
+    def repeat(cls, stream: HeldStream, k: int) -> Lives:
+        """`k` streams like `stream`."""
+        return cls(np.full(k, float(stream.context)), np.full(k, stream.frames_left, dtype=np.int64),
+                   np.full(k, float(stream.audio)), np.full(k, float(stream.frames_out)),
+                   np.full(k, stream.elapsed_ms), np.full(k, stream.stall_ms), np.full(k, float(stream.stalled_by_new)))
+
+    @classmethod
+    def join(cls, parts: Sequence[Lives]) -> Lives:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in (
+            "context", "left", "audio", "out", "elapsed", "stall", "stalled")))
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+
+def worst_step(model: StepCoefficients, streams: Sequence[HeldStream] | Lives,
+               prefill_rows: float = 0.0) -> tuple[float, int]:
     """The largest projected step time over the streams' remaining lifetimes and the step
     (from now) where it falls. At step k a stream with `frames_left > k` is in the batch
     with `context + k` tokens."""
-    if not streams:
+    if not len(streams):
         return (model.ms(0, 0, prefill_rows) if prefill_rows else 0.0), 0
-    left = np.array([s.frames_left for s in streams], dtype=np.int64)
-    ctx = np.array([s.context for s in streams], dtype=np.float64)
-    audio = np.array([s.audio for s in streams], dtype=np.float64)
+    lives = Lives.of(streams)
+    left, ctx, audio = lives.left, lives.context, lives.audio
     # Candidate steps: now, and the last step of each stream (just before the batch shrinks).
     ks = np.unique(np.concatenate([[0], np.maximum(left - 1, 0)]))
     order = np.argsort(left)
@@ -301,7 +343,7 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
     suffix_ctx = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
     suffix_audio = np.concatenate([np.cumsum(audio_sorted[::-1])[::-1], [0.0]])
     first_alive = np.searchsorted(left_sorted, ks, side="right")  # index of first stream with left > k
-    alive = len(streams) - first_alive
+    alive = len(left) - first_alive
     tokens = suffix_ctx[first_alive] + alive * ks
     ms = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * tokens + model.per_row_ms * prefill_rows
           + model.per_audio_stream_ms * suffix_audio[first_alive])
@@ -310,19 +352,19 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream], prefill_r
     return float(ms[i]), int(ks[i])
 
 
-def life_ms(model: StepCoefficients, streams: Sequence[HeldStream], prefill_rows: float = 0.0) -> np.ndarray:
+def life_ms(model: StepCoefficients, streams: Sequence[HeldStream] | Lives, prefill_rows: float = 0.0) -> np.ndarray:
     """Each stream's projected time to its last frame: the sum of the projected steps
     over its `frames_left` steps (the steps of `worst_step`'s projection). Between two
     stream ends the batch is fixed and its context grows by one token a stream a step, so
     each segment sums in closed form: O(n log n) for n streams."""
-    if not streams:
+    if not len(streams):
         return np.zeros(0)
-    left = np.array([s.frames_left for s in streams], dtype=np.int64)
-    order = np.argsort(left, kind="stable")
-    ends = left[order].astype(np.float64)
-    ctx = np.array([s.context for s in streams], dtype=np.float64)[order]
-    audio = np.array([s.audio for s in streams], dtype=np.float64)[order]
-    n = len(streams)
+    lives = Lives.of(streams)
+    order = np.argsort(lives.left, kind="stable")
+    ends = lives.left[order].astype(np.float64)
+    ctx = lives.context[order]
+    audio = lives.audio[order]
+    n = len(ends)
     # segment j: steps [ends[j-1], ends[j]), where the sorted streams j.. are alive
     alive = n - np.arange(n, dtype=np.float64)
     suffix_ctx = np.cumsum(ctx[::-1])[::-1]
@@ -336,6 +378,87 @@ def life_ms(model: StepCoefficients, streams: Sequence[HeldStream], prefill_rows
     out = np.empty(n)
     out[order] = np.cumsum(segment)
     return out
+
+
+@dataclass(frozen=True)
+class PendingPrefills:
+    """The prefill-first monolith's held streams and the prefill-only steps they will wait
+    for (`life_judge`). Prompts in a step now form one step of `in_step_rows`; the
+    unplanned ones the next FIFO steps of up to `step_rows`, which a new prompt joins (its
+    rows) or opens (each step it opens adds the step's base). `waiting_all` (decoding
+    streams, prompts prefilled and about to run) wait for every step; `in_step` prompts
+    for the unplanned steps and the new one; `unplanned` ones only for a step the new
+    prompt opens. The streams carry their lives so far, no stall: `held` prices it."""
+
+    waiting_all: tuple[HeldStream, ...]
+    in_step: tuple[HeldStream, ...]
+    unplanned: tuple[HeldStream, ...]
+    in_step_rows: int
+    unplanned_rows: int
+    step_rows: int
+
+    def __len__(self) -> int:
+        return len(self.waiting_all) + len(self.in_step) + len(self.unplanned)
+
+    def held(self, coef: StepCoefficients, new_rows: int,
+             queued: Sequence[HeldStream] = ()) -> tuple[list[HeldStream], float]:
+        """The held streams with the stalls they will wait for, priced at the model's
+        prefill-only step (base + per-row term), and the stall the new prompt's prefill
+        of `new_rows` adds for those `stalled_by_new`; `queued`: prompts admitted after
+        these (unplanned, their context their rows), last in the list."""
+        waiting_ms, in_step_ms, opened = self.stalls(coef, new_rows, sum(q.context for q in queued))
+        held = [replace(s, stall_ms=waiting_ms, stalled_by_new=True) for s in self.waiting_all]
+        held += [replace(s, stall_ms=in_step_ms, stalled_by_new=True) for s in self.in_step]
+        held += [replace(s, stall_ms=0.0, stalled_by_new=opened > 0) for s in (*self.unplanned, *queued)]
+        return held, opened * coef.base_ms + coef.per_row_ms * new_rows
+
+    def stalls(self, coef: StepCoefficients, new_rows: int, queued_rows: int = 0) -> tuple[float, float, int]:
+        """(stall of `waiting_all`, of `in_step`, steps the new prompt opens) with
+        `queued_rows` more unplanned."""
+        limit = max(self.step_rows, 1)
+        rows = self.unplanned_rows + queued_rows
+        steps = -(-rows // limit)
+        unplanned_ms = steps * coef.base_ms + coef.per_row_ms * rows
+        in_step_ms = coef.base_ms + coef.per_row_ms * self.in_step_rows if self.in_step_rows else 0.0
+        return in_step_ms + unplanned_ms, unplanned_ms, -(-(rows + new_rows) // limit) - steps
+
+    def lives(self, coef: StepCoefficients, typical: HeldStream, queued: int) -> tuple[Lives, float]:
+        """`held` for a new prompt like `typical` with `queued` of them queued, as arrays."""
+        waiting_ms, in_step_ms, opened = self.stalls(coef, typical.context, queued * typical.context)
+        waiting, in_step, unplanned = len(self.waiting_all), len(self.in_step), len(self.unplanned) + queued
+        lives = Lives.join([self._base_lives, Lives.repeat(typical, queued)])
+        lives = replace(lives, stall=np.concatenate([np.full(waiting, waiting_ms), np.full(in_step, in_step_ms),
+                                                     np.zeros(unplanned)]),
+                        stalled=np.concatenate([np.ones(waiting + in_step), np.full(unplanned, float(opened > 0))]))
+        return lives, opened * coef.base_ms + coef.per_row_ms * typical.context
+
+    @cached_property
+    def _base_lives(self) -> Lives:
+        return Lives.of([*self.waiting_all, *self.in_step, *self.unplanned])
+
+    def opened_last(self, rows: int, k: int) -> int:
+        """Of `k` prompts of `rows` rows queued one after another, the last that opened a
+        step (0: none did)."""
+        limit, rows = max(self.step_rows, 1), max(rows, 1)
+        before, after = -(-self.unplanned_rows // limit), -(-(self.unplanned_rows + k * rows) // limit)
+        if after == before:
+            return 0
+        return ((after - 1) * limit - self.unplanned_rows) // rows + 1
+
+
+@dataclass(frozen=True)
+class LifeTimes:
+    """`RateFloorAdmission.life_times`: per stream (the held ones, then the new one), its
+    time from its first frame to its last with the new stream (`with_new`), without it
+    (held ones only), what the floor allows, and whether it is judged at all (it has
+    frames after its first to come)."""
+
+    with_new: np.ndarray
+    without: np.ndarray
+    allowed: np.ndarray
+    judged: np.ndarray
+    intervals: np.ndarray
+    charged_ms: np.ndarray  # the prefill stall each was charged, the new prompt's included
 
 
 # Every held stream (decoding, or reserved and not yet committed) grows by one context
@@ -410,40 +533,46 @@ class RateFloorAdmission:
         whole life to under it. Admits without computing anything when no held stream has
         a life so far or a stall and the new prompt stalls no one: the worst step decides."""
         budget = self.budget_ms()
-        if new_stall_ms <= 0 and not any(s.frames_out or s.stall_ms > 0 for s in held):
+        if not self.lives_matter(held, new_stall_ms):
             return Verdict(True, 0.0, budget, 0)
+        t = self.life_times(held, new, new_stall_ms, prefill_rows, charge_ms_per_stream, budget)
+        # a held stream that misses its floor even without the new one is lost to it either
+        # way: refusing would only hold every new stream back for the rest of its life
+        breaks = t.judged & (t.with_new > t.allowed) & np.concatenate([t.without <= t.allowed[:len(held)], [True]])
+        if not breaks.any():
+            return Verdict(True, 0.0, budget, 0)
+        i = int(np.argmax(np.where(breaks, t.with_new / np.maximum(t.allowed, 1e-9), -np.inf)))
+        fps = float(t.intervals[i] / t.with_new[i] * 1000) if t.with_new[i] > 0 else 0.0
+        left = held[i].frames_left if i < len(held) else new.frames_left
+        return Verdict(False, float(t.with_new[i] / t.intervals[i]), budget, left, life_fps=fps,
+                       stall_ms=float(t.charged_ms[i]))
+
+    @staticmethod
+    def lives_matter(held: Sequence[HeldStream] | Lives, new_stall_ms: float) -> bool:
+        """Whether the whole-life check can refuse anything the worst step admits: some held
+        stream has a life so far or a stall, or the new prompt stalls someone."""
+        if isinstance(held, Lives):
+            return new_stall_ms > 0 or bool((held.out > 0).any() or (held.stall > 0).any())
+        return new_stall_ms > 0 or any(s.frames_out or s.stall_ms > 0 for s in held)
+
+    def life_times(self, held: Sequence[HeldStream] | Lives, new: HeldStream, new_stall_ms: float,
+                   prefill_rows: float, charge_ms_per_stream: float, budget: float) -> LifeTimes:
+        """Each stream's life with and without the new one (`life_judge`)."""
         coef = self.coefficients(charge_ms_per_stream)
-        streams = list(held) + [new]
-        out = np.array([s.frames_out for s in streams], dtype=np.float64)
-        left = np.array([s.frames_left for s in streams], dtype=np.float64)
+        before = Lives.of(held)
+        streams = Lives.join([before, Lives.of([new])])
+        out, left = streams.out, streams.left.astype(np.float64)
         started = out > 0
         # frames after the first (the loadgen's rate: over the time since the first frame)
         intervals = np.where(started, out - 1 + left, np.maximum(left - 1, 0))
         # the future steps that fall after the first frame: all of a started stream's; a
         # waiting one's first step brings its first frame
         future = np.where(started, 1.0, np.where(left > 0, np.maximum(left - 1, 0) / np.maximum(left, 1), 0.0))
-        elapsed = np.array([s.elapsed_ms for s in streams])
-        stall = np.array([s.stall_ms for s in streams])
-        stalled = np.array([s.stalled_by_new for s in streams], dtype=np.float64)
-
-        def time_ms(life: np.ndarray, with_new: bool) -> np.ndarray:
-            return elapsed[:len(life)] + life * future[:len(life)] + stall[:len(life)] + (
-                new_stall_ms * stalled[:len(life)] if with_new else 0.0)
-
-        allowed = intervals * budget
-        with_new = time_ms(life_ms(coef, streams, prefill_rows), True)
-        without = time_ms(life_ms(coef, held, prefill_rows), False)
-        judged = intervals > 0
-        # a held stream that misses its floor even without the new one is lost to it either
-        # way: refusing would only hold every new stream back for the rest of its life
-        breaks = judged & (with_new > allowed) & np.concatenate([without <= allowed[:len(held)], [True]])
-        if not breaks.any():
-            return Verdict(True, 0.0, budget, 0)
-        i = int(np.argmax(np.where(breaks, with_new / np.maximum(allowed, 1e-9), -np.inf)))
-        fps = float(intervals[i] / with_new[i] * 1000) if with_new[i] > 0 else 0.0
-        charged = float(stall[i] + new_stall_ms * stalled[i])
-        return Verdict(False, float(with_new[i] / intervals[i]), budget, int(left[i]), life_fps=fps,
-                       stall_ms=charged)
+        charged = streams.stall + new_stall_ms * streams.stalled
+        n = len(before)
+        with_new = streams.elapsed + life_ms(coef, streams, prefill_rows) * future + charged
+        without = before.elapsed + life_ms(coef, before, prefill_rows) * future[:n] + before.stall
+        return LifeTimes(with_new, without, intervals * budget, intervals > 0, intervals, charged)
 
     def alone_fits(self, new: HeldStream) -> Verdict:
         """Whether the stream could meet the floor even alone, against the nominal budget
@@ -461,26 +590,32 @@ class RateFloorAdmission:
     def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096,
                  charge_ms_per_stream: float = 0.0) -> int:
         """How many more streams like `typical` would be admitted now (binary search)."""
-        held = list(held)
+        lives = Lives.of(held)
         budget = self.budget_ms()
         coef = self.coefficients(charge_ms_per_stream)
 
         def fits(k: int) -> bool:
-            return worst_step(coef, held + [typical] * k)[0] <= budget
+            return worst_step(coef, Lives.join([lives, Lives.repeat(typical, k)]))[0] <= budget
 
-        if not fits(1):
-            return 0
-        lo, hi = 1, 2
-        while hi <= limit and fits(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, limit + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return search(fits, limit)
+
+
+def search(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest k in [0, `limit`] with `fits(k)`, for `fits` true up to some k and false
+    after: doubling from 1, then halving."""
+    if limit <= 0 or not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class AdmissionControl:
@@ -530,30 +665,38 @@ class AdmissionControl:
         prompt's prefill adds to the stall of those `stalled_by_new`. An admitted one
         becomes part of the typical mix."""
         streams = [held_stream(h) for h in held]
+        v = self.verdict(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows, new_stall_ms)
+        if v.life_fps:
+            LIFE_REFUSALS.inc()
+        if v.idle:
+            m.D_RATE_FLOOR_IDLE_ADMITS.inc()
+        if v.admit:
+            with self._lock:
+                self._recent.append((prompt_tokens, max_frames, audio))
+        else:
+            m.D_RATE_FLOOR_REFUSALS.inc()
+        return v
+
+    def verdict(self, streams: Sequence[HeldStream], new: HeldStream, prefill_rows: float = 0.0,
+                new_stall_ms: float = 0.0) -> Verdict:
+        """`judge`'s verdict, nothing recorded: the trust limit, the worst step, then the
+        whole-life check; an engine that holds nothing admits one stream whatever."""
         trusted = self.trusted_streams()
         if len(streams) >= trusted:  # beyond what the model has seen: not judged by it at all
             v = Verdict(False, 0.0, self.admission.budget_ms(), 0, cold=True, trusted=trusted)
         else:
-            new = HeldStream(prompt_tokens, max_frames, audio)
             charge = self.charge_ms_per_stream()
             v = self.admission.judge(streams, new, prefill_rows, charge)
             if v.admit:
                 life = self.admission.life_judge(streams, new, new_stall_ms, prefill_rows, charge)
                 if not life.admit:
                     v = life
-                    LIFE_REFUSALS.inc()
-            if not v.admit and not streams:
-                # Liveness: an engine that holds nothing takes no steps, so a model (or a
-                # budget shrunk by its error) that refuses one stream would never see the
-                # step that corrects it and would refuse forever. One stream alone is what
-                # this engine can do at best; its steps refit the model.
-                v = replace(v, admit=True, idle=True)
-                m.D_RATE_FLOOR_IDLE_ADMITS.inc()
-        if v.admit:
-            with self._lock:
-                self._recent.append((prompt_tokens, max_frames, audio))
-        else:
-            m.D_RATE_FLOOR_REFUSALS.inc()
+        if not v.admit and not streams:
+            # Liveness: an engine that holds nothing takes no steps, so a model (or a
+            # budget shrunk by its error) that refuses one stream would never see the
+            # step that corrects it and would refuse forever. One stream alone is what
+            # this engine can do at best; its steps refit the model.
+            v = replace(v, admit=True, idle=True)
         return v
 
     def trusted_streams(self) -> int:
@@ -566,13 +709,66 @@ class AdmissionControl:
     def alone_fits(self, prompt_tokens: int, max_frames: int, audio: bool = False) -> Verdict:
         return self.admission.alone_fits(HeldStream(prompt_tokens, max_frames, audio))
 
-    def headroom(self, held: Iterable[tuple[int, ...]]) -> int:
+    def headroom(self, held: Iterable[tuple[int, ...]] | PendingPrefills) -> int:
+        """Streams like `typical()` that would still be admitted one after another: by the
+        worst step over `held`, or, for the prefill-first monolith's `PendingPrefills`,
+        by `verdict` with the prefills they will wait for (`life_headroom`)."""
         self.headroom_computations += 1
-        streams = [held_stream(h) for h in held]
-        room = self.admission.headroom(streams, self.typical(), charge_ms_per_stream=self.charge_ms_per_stream())
-        if not streams:
+        if isinstance(held, PendingPrefills):
+            n = len(held)
+            room = self.life_headroom(held, self.typical(), max(0, min(4096, self.trusted_streams() - n)))
+        else:
+            streams = [held_stream(h) for h in held]
+            n = len(streams)
+            room = self.admission.headroom(streams, self.typical(), charge_ms_per_stream=self.charge_ms_per_stream())
+        if not n:
             room = max(room, 1)  # an engine holding nothing admits one stream (judge: liveness)
-        return max(0, min(room, self.trusted_streams() - len(streams)))
+        return max(0, min(room, self.trusted_streams() - n))
+
+    # `life_headroom` counts what `verdict` would admit of k prompts like `typical` queued
+    # one after another (the k-th judged with the k - 1 before it queued unplanned), in
+    # O(log k) projections. The k-th is refused at the first k where the worst step breaks
+    # or some stream's life with it breaks, among the held streams not already lost
+    # without any (one that breaks at k was inside its floor at k - 1, so the verdict
+    # judges it) and every typical one: each stream's life only grows with k. Unplanned
+    # prompts are charged only by a k that opens a step, so their worst is at the last k
+    # that opened one: that k is judged too. The worst step's count comes first (one
+    # cheap projection a probe); the lives are searched under it only when it breaks them.
+    def life_headroom(self, pending: PendingPrefills, typical: HeldStream, limit: int) -> int:
+        """How many prompts like `typical` `verdict` would admit one after another with
+        the prefills `pending` (at most `limit`)."""
+        admission, coef, charge = self.admission, self.model.coefficients, self.charge_ms_per_stream()
+        budget = admission.budget_ms()
+        charged = admission.coefficients(charge)
+        first, _ = pending.lives(coef, typical, 0)
+        n = len(first)
+
+        def steps_fit(k: int) -> bool:
+            return worst_step(charged, Lives.join([first, Lives.repeat(typical, k)]))[0] <= budget
+
+        room = search(steps_fit, limit)
+        if not room:
+            return 0
+        lost = np.zeros(n, dtype=bool)
+        if n:
+            t = admission.life_times(first, typical, 0.0, 0.0, charge, budget)
+            lost = t.judged[:n] & (t.without > t.allowed[:n])
+
+        def life_breaks(k: int) -> bool:
+            held, new_stall_ms = pending.lives(coef, typical, k - 1)
+            if not admission.lives_matter(held, new_stall_ms):
+                return False
+            t = admission.life_times(held, typical, new_stall_ms, 0.0, charge, budget)
+            broken = t.judged & (t.with_new > t.allowed)
+            return bool((broken[:n] & ~lost).any() or broken[n:].any())
+
+        def lives_fit(k: int) -> bool:
+            opened = pending.opened_last(typical.context, k)
+            return not (life_breaks(k) or (0 < opened < k and life_breaks(opened)))
+
+        if lives_fit(room):
+            return room
+        return search(lives_fit, room - 1)
 
     def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0,
                 codec: StepCost | None = None) -> None:
@@ -615,13 +811,6 @@ class AdmissionControl:
         if feedback is not None:
             feedback.observe(ended, running, now_ns())
 
-    def prefill_ms(self, rows: int, new_step: bool) -> float:
-        """What a prefill of `rows` prompt rows stalls the streams that wait for it, at the
-        model's prefill-only step (base + per-row term): with `new_step`, a step of its
-        own; else the rows it adds to a step that runs anyway."""
-        c = self.model.coefficients
-        return (c.base_ms if new_step else 0.0) + c.per_row_ms * rows
-
     def charge_ms_per_stream(self) -> float:
         """What every projected stream is charged per step beyond the model's per-stream
         term: the prompts of a closed loop at capacity, each held stream bringing its
@@ -629,7 +818,7 @@ class AdmissionControl:
         model's per-row term)."""
         return self.stall_ms_per_stream + self.model.coefficients.per_row_ms * self.rows_per_stream
 
-    def export_for(self, key: Hashable, held: Callable[[], Iterable[tuple[int, ...]]]) -> int:
+    def export_for(self, key: Hashable, held: Callable[[], Iterable[tuple[int, ...]] | PendingPrefills]) -> int:
         """`export` at most once per `key`: the engine's step and the version of its held
         set (it changes whenever the held streams, the step model or the typical stream
         can change). Between steps and changes, a probe (Info) gets the headroom computed
@@ -644,7 +833,7 @@ class AdmissionControl:
             self._exported = (key, value)
         return value
 
-    def export(self, held: Iterable[tuple[int, ...]]) -> int:
+    def export(self, held: Iterable[tuple[int, ...]] | PendingPrefills) -> int:
         """Sets the admission gauges; returns the headroom."""
         headroom = self.headroom(held)
         m.D_HEADROOM.set(headroom)

@@ -24,7 +24,7 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage, StepCost
 from pdunit.engine.batching import SeqEntry, prefill_entry
-from pdunit.engine.decode.admission import AdmissionControl, HeldStream
+from pdunit.engine.decode.admission import AdmissionControl, HeldStream, PendingPrefills
 from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler, PromptRows
@@ -240,14 +240,19 @@ class MonolithEngine:
     def _held_with_stalls(self, new_rows: int) -> tuple[list[tuple[int, ...] | HeldStream], float]:
         """Under `_admitted_lock`, prefill-first: every held stream with its life so far
         and the prefill-only steps of admitted prompts it will wait for, and what the new
-        prompt's prefill (`new_rows`) adds to their wait (the whole-life check,
-        engine/decode/admission.py). Prompts prefill in FIFO steps of up to
-        `max_batch_rows`: those in a step now (planned) form one step, the unplanned ones
-        the next steps, which the new prompt joins while it fits one (its rows only), else
-        it opens one (the step's base too). A decoding stream waits for all of them; an
-        admitted prompt in a step now for the unplanned ones and the new one; an unplanned
-        one only for a step the new prompt opens after its own."""
+        prompt's prefill (`new_rows`) adds to their wait (`_pending_prefills`)."""
         assert self.admission is not None
+        held, new_stall_ms = self._pending_prefills().held(self.admission.model.coefficients, new_rows)
+        return list(held), new_stall_ms
+
+    def _pending_prefills(self) -> PendingPrefills:
+        """Under `_admitted_lock`, prefill-first: the held streams and the prefills they
+        will wait for (the whole-life check, engine/decode/admission.py). Prompts prefill
+        in FIFO steps of up to `max_batch_rows`: those in a step now (planned) form one
+        step, the unplanned ones the next steps. A decoding stream, and a prompt
+        prefilled and about to run, waits for all of them; an admitted prompt in a step
+        now for the unplanned ones; an unplanned one only for a step a new prompt opens
+        after its own."""
         with self._lock:
             planned = {p.job.request_id: (p.planned_rows, p.done_rows) for p in self.prefilling}
         in_step_rows = unplanned_rows = 0
@@ -260,30 +265,24 @@ class MonolithEngine:
                 unplanned_rows += rows - done_planned[0]
             else:
                 unplanned_rows += rows - (done_planned[0] if done_planned is not None else 0)
-        limit = max(self.max_batch_rows, 1)
-        unplanned_steps = -(-unplanned_rows // limit)
-        unplanned_ms = (unplanned_steps * self.admission.prefill_ms(0, True)
-                        + self.admission.prefill_ms(unplanned_rows, False))
-        in_step_ms = self.admission.prefill_ms(in_step_rows, True) if in_step_rows else 0.0
-        opens_step = -(-(unplanned_rows + new_rows) // limit) > unplanned_steps
-        new_stall_ms = self.admission.prefill_ms(new_rows, opens_step)
         last = self._published_ns
-        held: list[tuple[int, ...] | HeldStream] = []
+        waiting_all: list[HeldStream] = []
         for s in self.batcher.held():
             first = s.stamps.get("first_frame_step")
             started = first is not None and s.frames_out > 0
-            held.append(HeldStream(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out),
-                                   s.audio, s.frames_out if started else 0,
-                                   max(0.0, (last - first) / 1e6) if started and first is not None else 0.0,
-                                   in_step_ms + unplanned_ms, True))
+            waiting_all.append(HeldStream(s.prompt_tokens + s.frames_out, max(0, s.params.max_frames - s.frames_out),
+                                          s.audio, s.frames_out if started else 0,
+                                          max(0.0, (last - first) / 1e6) if started and first is not None else 0.0))
+        waiting_in_step: list[HeldStream] = []
+        unplanned: list[HeldStream] = []
         for rid, (rows, frames, audio) in self._admitted.items():
+            stream = HeldStream(rows, frames, audio)
             if rid not in self._unprefilled:  # prefilled, its stream about to run: it waits for all
-                held.append(HeldStream(rows, frames, audio, stall_ms=in_step_ms + unplanned_ms, stalled_by_new=True))
-            elif rid in in_step:
-                held.append(HeldStream(rows, frames, audio, stall_ms=unplanned_ms, stalled_by_new=True))
+                waiting_all.append(stream)
             else:
-                held.append(HeldStream(rows, frames, audio, stalled_by_new=opens_step))
-        return held, new_stall_ms
+                (waiting_in_step if rid in in_step else unplanned).append(stream)
+        return PendingPrefills(tuple(waiting_all), tuple(waiting_in_step), tuple(unplanned), in_step_rows,
+                               unplanned_rows, max(self.max_batch_rows, 1))
 
     def prefill_rows_per_step(self) -> float:
         """The prompt rows admission charges every projected step whatever its streams:
@@ -305,12 +304,21 @@ class MonolithEngine:
             admitted: list[tuple[int, ...]] = list(self._admitted.values())
         return self.batcher.lifetimes(audio=True) + admitted
 
+    def _judged_as_held(self) -> list[tuple[int, ...]] | PendingPrefills:
+        """The held streams as its verdicts judge them: prefill-first's with their lives
+        and the prefills they will wait for, the other policies' `_lifetimes`."""
+        if self.policy == "prefill-first":
+            with self._admitted_lock:
+                return self._pending_prefills()
+        return self._lifetimes()
+
     def headroom(self) -> int:
-        """Streams like the recent ones it would still admit (-1: admission off), computed
-        at most once per loop iteration that worked and change of the admitted prompts."""
+        """Streams like the recent ones it would still admit one after another (-1:
+        admission off), computed at most once per loop iteration that worked and change
+        of the admitted prompts."""
         if self.admission is None:
             return -1
-        return self.admission.export_for(self._held_version, self._lifetimes)
+        return self.admission.export_for(self._held_version, self._judged_as_held)
 
     def _forget(self, request_ids: list[int]) -> None:
         """Streams that run now, or that ended before they ran, leave `_admitted`."""

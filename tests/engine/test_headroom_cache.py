@@ -95,7 +95,9 @@ def test_the_monolith_info_between_steps_does_not_recompute_headroom(model) -> N
         e.info()
     assert ctl.headroom_computations == n
     replies: dict[int, pb.SubmitReply] = {}
-    e.submit(job(1, 20, SamplingParams(max_frames=8, min_frames=8), replies))
+    # the typical stream's rows: prefill-first's headroom prices the prefills of the typical
+    # prompts it counts, so a different prompt would move it beyond the one stream it holds
+    e.submit(job(1, ROWS, SamplingParams(max_frames=8, min_frames=8), replies))
     assert e.info().headroom_streams == base - 1 and ctl.headroom_computations == n + 1
     e.info()
     assert ctl.headroom_computations == n + 1

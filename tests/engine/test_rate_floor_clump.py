@@ -24,6 +24,7 @@ from pdunit.bench.capacity import run_capacity
 from pdunit.engine.decode.admission import (
     AdmissionControl,
     HeldStream,
+    PendingPrefills,
     RateFloorAdmission,
     StepCoefficients,
     StepModel,
@@ -45,8 +46,9 @@ FLOOR = 8.0  # frames/s: 125 ms a frame
 CLUMP_ROWS = 448  # a prompt's prefill: 168 ms of rows (+ 60 for a step of its own)
 
 
-def control(coef: StepCoefficients = PAD) -> AdmissionControl:
-    return AdmissionControl(RateFloorAdmission(StepModel(coef, fixed=True), FLOOR, margin=0.0), HeldStream(16, 40))
+def control(coef: StepCoefficients = PAD, typical: HeldStream | None = None) -> AdmissionControl:
+    return AdmissionControl(RateFloorAdmission(StepModel(coef, fixed=True), FLOOR, margin=0.0),
+                            typical or HeldStream(16, 40))
 
 
 def test_each_streams_life_is_the_sum_of_its_projected_steps() -> None:
@@ -109,6 +111,65 @@ def test_without_lives_or_stalls_the_verdicts_are_the_worst_steps() -> None:
     held = [(100, 40)] * 8  # 60 + 7.5 x 9 = 127.5 ms > 125
     assert not ctl.judge(held, 16, 40).admit and ctl.judge(held[:7], 16, 40).admit
     assert ctl.judge(held[:7], 16, 40).life_fps == 0.0
+
+
+def one_after_another(ctl: AdmissionControl, pending: PendingPrefills, typical: HeldStream) -> int:
+    """Headroom by its definition: typical prompts judged one after another, each admitted
+    one queued (unplanned) before the next is judged."""
+    for k in range(1, 4097):
+        held, stall = pending.held(ctl.model.coefficients, typical.context, [typical] * (k - 1))
+        if not ctl.verdict(held, typical, 0.0, stall).admit:
+            return k - 1
+    return 4096
+
+
+def test_headroom_with_pending_prefills_is_what_the_verdicts_would_admit_one_after_another() -> None:
+    """Random held sets of decoding streams (some ahead of the floor, some behind, some
+    lost), prompts in a prefill step now and unplanned ones, random step sizes: the
+    O(log k) search equals judging typical prompts one by one."""
+    rng = np.random.default_rng(21)
+    nonzero = 0
+    for _ in range(300):
+        coef = StepCoefficients(float(rng.uniform(5, 60)), float(rng.uniform(0.5, 8)), float(rng.uniform(0, 0.01)),
+                                float(rng.uniform(0, 0.5)))
+        typical = HeldStream(int(rng.integers(16, 600)), int(rng.integers(2, 60)))
+        ctl = control(coef, typical)
+
+        def decoding() -> HeldStream:
+            out, left = int(rng.integers(1, 60)), int(rng.integers(0, 60))
+            return HeldStream(int(rng.integers(16, 600)) + out, left, frames_out=out,
+                              elapsed_ms=float(out * rng.uniform(20, 200)))
+
+        def prompt() -> HeldStream:
+            return HeldStream(int(rng.integers(16, 600)), int(rng.integers(2, 60)))
+
+        in_step = tuple(prompt() for _ in range(int(rng.integers(0, 3))))
+        unplanned = tuple(prompt() for _ in range(int(rng.integers(0, 4))))
+        pending = PendingPrefills(tuple(decoding() for _ in range(int(rng.integers(0, 8)))), in_step, unplanned,
+                                  sum(p.context for p in in_step), sum(p.context for p in unplanned),
+                                  int(rng.integers(64, 2048)))
+        want = max(one_after_another(ctl, pending, typical), 1 if not len(pending) else 0)
+        assert ctl.headroom(pending) == want, (coef, typical, pending)
+        nonzero += want > 0
+    assert nonzero > 50  # not all trivially full
+
+
+def test_headroom_counts_the_pending_prefills_the_verdict_refuses_for(engine: MonolithEngine) -> None:
+    """The clump above: stream 1 just started, 448-row prompts admitted until the 5th is
+    refused for the prefills stream 1 would wait for. With the first of them admitted the
+    headroom is the 3 more that the verdicts admit; after the 4th it is 0, where the worst
+    step alone, as headroom used to count, still sees room for 3 (60 + 7.5 x 8 = 120 ms)."""
+    engine.admission = ctl = control(typical=HeldStream(CLUMP_ROWS, 40))
+    replies: dict[int, pb.SubmitReply] = {}
+    first_stream_decoding(engine, replies)
+    assert submit(engine, 2, CLUMP_ROWS, 40, replies)
+    assert ctl.typical() == HeldStream(CLUMP_ROWS, 40) and engine.headroom() == 3
+    admitted = [rid for rid in range(3, 12) if submit(engine, rid, CLUMP_ROWS, 40, replies)]
+    assert admitted == [3, 4, 5] and replies[6].status == pb.RATE_FLOOR
+    worst_step_room = ctl.admission.headroom([HeldStream(*h) for h in engine.batcher.lifetimes(audio=True)]
+                                             + [HeldStream(*h) for h in engine._admitted.values()], ctl.typical())
+    assert worst_step_room == 3
+    assert engine.headroom() == 0
 
 
 @pytest.fixture
