@@ -28,8 +28,22 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.bench import report
 from pdunit.bench.capacity import CapacityConfig, summarize_run
 from pdunit.bench.compare import ratios, variant_level_overrides
-from pdunit.engine.decode.admission import nonneg_fit
-from pdunit.engine.loadgen.driver import StreamResult, poisson_schedule, summarize_level
+from pdunit.engine.decode.admission import (
+    AdmissionControl,
+    HeldStream,
+    PendingPrefills,
+    RateFloorAdmission,
+    StepCoefficients,
+    StepModel,
+    nonneg_fit,
+)
+from pdunit.engine.lb.config import LBConfig
+from pdunit.engine.loadgen.driver import (
+    REFUSAL_CODE,
+    StreamResult,
+    poisson_schedule,
+    summarize_level,
+)
 from pdunit.engine.loadgen.summary import Column, machine_info, percentiles, text_table
 from pdunit.engine.loadgen.workload import (
     StreamSpec,
@@ -47,6 +61,7 @@ from pdunit.engine.prefill.scheduler import joins_batch
 from pdunit.engine.settings import parse_config
 
 BENCH = "plan"
+RETRY_AFTER_S = LBConfig.model_fields["retry_after_s"].default  # the LB's Retry-After on a refusal
 
 
 # The engines' own defaults, so the model runs what `pdunit prefill` and the monolith run.
@@ -94,6 +109,15 @@ class PlanConfig(BaseModel):
     reserve_ms: float = Field(6.5, ge=0, description="P's reserve stage per request (compare's P reserve ms)")
     handoff_ms: float = Field(10.0, ge=0, description="P forward end -> D commit (write, checksum, COMMIT)")
     deliver_ms: float = Field(2.0, ge=0, description="a frame from the engine to the client")
+    rate_floor: float = Field(0.0, ge=0, description="the prefill-first monolith's rate-floor admission, frames/s "
+                              "per stream (the engine's --rate-floor; 42 for the pdunit family on a GPU): each "
+                              "arriving prompt gets the engine's verdict on the model's state, a refused one is "
+                              "a 503 rate_floor as the LB answers it; 0 = off (every prompt admitted)")
+    floor_margin: float = Field(0.10, ge=0, lt=1, description="the engine's --floor-margin under --rate-floor")
+    overload_rate: float = Field(0.0, ge=0, description="a level at this rate (arrivals/s) after each variant's "
+                                 "sweep, whatever the sweep's verdicts: its refused share, goodput and slowest "
+                                 "admitted stream; its rows are marked `overload` and are no level of the "
+                                 "capacity summary; 0 = none")
     kv_scale: float = Field(1.0, gt=0, description="what-if: multiplies the step's per-context-token cost")
     prefill_scale: float = Field(1.0, gt=0, description="what-if: multiplies every prefill forward's cost")
     measured: str = Field("", description="a `bench compare` JSON of the same workload: its levels beside ours")
@@ -248,6 +272,7 @@ class Request:
     times: list[float] = field(default_factory=list)  # frame arrival times at the client
     stamps: dict[str, float] = field(default_factory=dict)  # the engines' stage stamps (s), as they name them
     refused: bool = False     # its pool could not hold it (the engines' no_capacity)
+    floor_refused: bool = False  # refused by rate-floor admission (503 rate_floor), answered at stamps["refused"]
     answered: float | None = None  # a refusal's answer at the client, where the model times it
 
     @property
@@ -295,7 +320,7 @@ def refuse_beyond_pool(requests: Sequence[Request], pool_tokens: int, held_from:
     tokens from its `held_from` stamp to its last frame, in the order they ask."""
     held: list[tuple[float, int]] = []  # (release time, tokens), a heap
     used = 0
-    for r in sorted(requests, key=lambda x: x.stamps[held_from]):
+    for r in sorted((x for x in requests if not x.floor_refused), key=lambda x: x.stamps[held_from]):
         at = r.stamps[held_from]
         while held and held[0][0] <= at:
             used -= heapq.heappop(held)[1]
@@ -505,14 +530,80 @@ def simulate_decode(commits: list[tuple[float, Request]], step: StepCost, costs:
     lane.run_until(float("inf"))
 
 
+# ---------------------------------------------------------------------------- admission
+def prefill_per_row_ms(costs: Costs, base_ms: float, prompt_rows: int, max_batch_rows: int) -> float:
+    """The per-row term an engine's step model learns from its prefill-only steps: the
+    prefill forward of 1, 2, ... prompts of `prompt_rows` (up to `max_batch_rows`) less
+    the step's base, over their rows (least squares through 0)."""
+    rows = max(1, prompt_rows)
+    k = np.arange(1, max(1, max_batch_rows // rows) + 1)
+    x = k * rows
+    y = np.array([costs.forward_ms([(rows, 0)] * int(n)) for n in k]) - base_ms
+    return max(0.0, float(x @ y / (x @ x)))
+
+
+class FloorAdmission:
+    """The prefill-first monolith's rate-floor admission in the model: the engine's own
+    verdict (engine/decode/admission.py AdmissionControl.verdict: the worst step, then
+    every held stream's rate over its life with the prefills pending) on a step model
+    fixed at the plan's fits (the engine started with them as --step-model and
+    --no-step-model-refit); the per-stream stall charge is measured from the model's own
+    steps as the engine measures its own (observe_stall). Not modelled: the budget's
+    delivered-rate feedback, and a prompt that could not meet the floor even alone (a
+    4xx)."""
+
+    def __init__(self, coefficients: StepCoefficients, floor_fps: float, margin: float, step_rows: int) -> None:
+        admission = RateFloorAdmission(StepModel(coefficients, fixed=True), floor_fps, margin)
+        self.control = AdmissionControl(admission, HeldStream(1, 1))
+        self.step_rows = step_rows
+        self.stall_ms = 0.0  # prefill-only steps since the last decode step, while streams decoded
+
+    @classmethod
+    def for_plan(cls, cfg: PlanConfig, costs: Costs) -> FloorAdmission | None:
+        if cfg.rate_floor <= 0:
+            return None
+        step = costs.mono_step
+        assert step is not None, "load_costs fits the plain step for every planned monolith"
+        low, high = parse_range(cfg.prompt_rows, "prompt_rows")
+        per_row = prefill_per_row_ms(costs, step.base_ms, (low + high) // 2, cfg.max_batch_rows)
+        coefficients = StepCoefficients(step.base_ms, step.per_stream_ms, step.per_token_ms, per_row)
+        return cls(coefficients, cfg.rate_floor, cfg.floor_margin, cfg.max_batch_rows)
+
+    def admits(self, r: Request, active: Sequence[list[Any]], in_step: Sequence[Request],
+               waiting: Sequence[Request]) -> bool:
+        """The verdict on `r` while `active` streams decode (their frames so far as
+        published), `in_step` prompts prefill in the step under way and `waiting` ones
+        are queued (admitted, unplanned)."""
+        decoding = tuple(HeldStream(a[2], a[0].spec.frames - a[1], frames_out=a[1],
+                                    elapsed_ms=(a[0].times[-1] - a[0].times[0]) * 1e3) for a in active)
+        pending = PendingPrefills(decoding, tuple(HeldStream(q.rows, q.spec.frames) for q in in_step),
+                                  tuple(HeldStream(q.rows, q.spec.frames) for q in waiting),
+                                  sum(q.rows for q in in_step), sum(q.rows for q in waiting), self.step_rows)
+        held, new_stall_ms = pending.held(self.control.model.coefficients, r.rows)
+        return self.control.verdict(held, HeldStream(r.rows, r.spec.frames), 0.0, new_stall_ms).admit
+
+    def prefill_step(self, ms: float, decoding: int) -> None:
+        if decoding:
+            self.stall_ms += ms
+
+    def decode_step(self, streams: int) -> None:
+        self.control.observe_stall(self.stall_ms, streams)
+        self.stall_ms = 0.0
+
+
 # ---------------------------------------------------------------------------- monoliths
 def simulate_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
-    """prefill-first (`chunk` None) or chunked: one loop, one GPU."""
-    _loop_monolith(requests, costs, cfg, chunk)
+    """prefill-first (`chunk` None), with --rate-floor's admission, or chunked: one
+    loop, one GPU."""
+    _loop_monolith(requests, costs, cfg, chunk, FloorAdmission.for_plan(cfg, costs) if chunk is None else None)
     refuse_beyond_pool(requests, cfg.pool_tokens, "prefill_start", costs)
 
 
-def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None) -> None:
+# Arrivals reach the loop at their admission time: those due by a step's start can join
+# it; those due while it runs are judged then (a prefill step's prompts as in the step
+# under way, the decoding streams' frames as published before it) and queue for the next.
+def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk: int | None,
+                   admission: FloorAdmission | None = None) -> None:
     assert costs.mono_step is not None, "load_costs fits the plain step for every planned monolith"
     mono_step = costs.mono_step
     cache = PrefixCacheModel(cfg.block_tokens, cfg.monolith_cache)
@@ -520,19 +611,31 @@ def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk
     waiting: deque[Request] = deque()
     prefilling: list[list[Any]] = []  # chunked: [request, rows done (its cached rows to start)]
     active: list[list[Any]] = []
-    t = 0.0
-    while arrivals or waiting or prefilling or active:
-        while arrivals and arrivals[0].arrival + costs.admit_s <= t:
+
+    def take_arrivals(until: float, in_step: Sequence[Request] = ()) -> None:
+        while arrivals and arrivals[0].arrival + costs.admit_s <= until:
             r = arrivals.popleft()
             r.stamps["p_admitted"] = r.arrival + costs.admit_s
+            if admission is not None and not admission.admits(r, active, in_step, waiting):
+                r.floor_refused = True
+                r.stamps["refused"] = r.stamps["p_admitted"] + costs.deliver_s
+                continue
             waiting.append(r)
+
+    t = 0.0
+    while arrivals or waiting or prefilling or active:
+        take_arrivals(t)
         if not (waiting or prefilling or active):
-            t = arrivals[0].arrival + costs.admit_s
+            if arrivals:
+                t = arrivals[0].arrival + costs.admit_s
             continue
         if chunk is None and waiting:
             batch = _take_rows(waiting, cfg.max_batch_rows)
             seqs = [(r.rows - c, c) for r in batch for c in [cache.cached(r, t)]]
             start, t = t, t + costs.forward_ms(seqs) / 1e3
+            take_arrivals(t, batch)
+            if admission is not None:
+                admission.prefill_step((t - start) * 1e3, len(active))
             for r in batch:
                 r.stamps.update(prefill_start=start, prefill_end=t)
                 cache.publish(r, t)
@@ -561,6 +664,10 @@ def _loop_monolith(requests: list[Request], costs: Costs, cfg: PlanConfig, chunk
         else:
             dur = mono_step.ms(len(active), ctx)
         t += dur / 1e3
+        if chunk is None:
+            take_arrivals(t)
+            if admission is not None:
+                admission.decode_step(len(active))
         for a in active:
             _stream_frames(a[0], t, costs)
             a[1] += 1
@@ -634,6 +741,11 @@ def judge(requests: list[Request], cap: CapacityConfig, rate: float) -> dict[str
             continue
         res = StreamResult(index=r.index, voice=r.spec.voice, reused=r.spec.reused, prompt_rows=r.rows,
                            frames_requested=r.spec.frames, started_s=r.arrival, send_unix_ns=0, status=200)
+        if r.floor_refused:  # as the LB answers it: 503 rate_floor with Retry-After
+            res.status, res.error = 503, f"http_503:{REFUSAL_CODE}"
+            res.answered_s, res.retry_after = r.stamps["refused"] - r.arrival, str(RETRY_AFTER_S)
+            results.append(res)
+            continue
         if r.refused:
             res.status, res.error = 429, "http_429:no_capacity"
             res.answered_s = None if r.answered is None else r.answered - r.arrival
@@ -704,7 +816,13 @@ def plan_variant(cfg: PlanConfig, costs: Costs, variant: Variant) -> dict[str, A
             rows.append(row)
         if cfg.stop_at_failure and not all(r["passed"] for r in rows if r["rate"] == level):
             break
-    return {"rows": rows, "summary": summarize_run(rows, cap)}
+    summary = summarize_run(rows, cap)
+    if cfg.overload_rate > 0:
+        over = capacity_config(cfg, variant, [cfg.overload_rate])
+        for run in range(cfg.repeat):
+            row = simulate_level(cfg, costs, variant, over, cfg.overload_rate, cfg.seed + run)
+            rows.append({**row, "repeat": run, "overload": True})
+    return {"rows": rows, "summary": summary}
 
 
 # ---------------------------------------------------------------------------- measured
@@ -753,8 +871,10 @@ COLUMNS = [
     Column("repeat", "run"),
     Column("streams", "streams"),
     Column("errors", "errors"),
+    Column("refused_share", "refused", "{:.1%}"),
     Column("stutter_share", "stutter", "{:.1%}"),
     Column("min_rate", "min fps", "{:.1f}"),
+    Column("goodput_fps", "goodput", "{:.0f}"),
     Column("worst_window", "worst 1s", "{:.0f}"),
     Column("ttft_p50_ms", "TTFT p50", "{:.0f}"),
     Column("ttft_p95_ms", "p95", "{:.0f}"),
@@ -768,6 +888,20 @@ STAGE_COLUMNS = [Column("stage", "stage"), Column("p50", "p50 ms", "{:.1f}"),
 VERSUS_COLUMNS = [Column("mode", "mode"), Column("rate", "rate/s", "{:g}"),
                   Column("predicted", "predicted pass"), Column("measured", "measured pass"),
                   Column("agree", "agree")]
+
+
+def overload_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant, its --overload-rate runs: the worst of each figure (the most refused,
+    the least goodput, the slowest admitted stream) and whether every run passed."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows if r.get("overload")):
+        runs = [r for r in rows if r.get("overload") and r["mode"] == mode]
+        worst = {key: pick(vals) if vals else None for key, pick in (("refused_share", max), ("goodput_fps", min),
+                                                                     ("min_rate", min))
+                 for vals in [[r[key] for r in runs if r[key] is not None]]}
+        out[mode] = {"rate": runs[0]["rate"], "runs": len(runs), **worst, "errors": sum(r["errors"] for r in runs),
+                     "passed": all(r["passed"] for r in runs)}
+    return out
 
 
 def run_plan(cfg: PlanConfig, command: str) -> dict[str, Any]:
@@ -784,6 +918,8 @@ def run_plan(cfg: PlanConfig, command: str) -> dict[str, Any]:
         bounds.update(doc["summary"]["capacity_bounds_per_gpu"])
     summary: dict[str, Any] = {"predicted": True, "capacity_per_gpu": per_gpu, "capacity_bounds_per_gpu": bounds,
                                **ratios(per_gpu, bounds), "costs": describe_costs(costs), "sources": sources}
+    if cfg.overload_rate > 0:
+        summary["overload"] = overload_summary(rows)
     if cfg.measured:
         labels = [x.strip() for x in cfg.measured_labels.split(",") if x.strip()]
         versus = versus_measured(rows, measured_levels(cfg.measured, labels))
@@ -806,6 +942,12 @@ def main(argv: list[str]) -> int:
         print(f"\nthe model's stages, {mode} at {at['rate']:g}/s run {at['repeat']} (compare them with the "
               "measured waterfall there):")
         print(text_table([{"stage": k, **v} for k, v in at["stages"].items()], STAGE_COLUMNS))
+    for mode, o in doc["summary"].get("overload", {}).items():
+        print(f"\n{mode} at {o['rate']:g}/s (--overload-rate, worst of {o['runs']} runs): "
+              + ", ".join(f"{name} {'-' if o[key] is None else fmt.format(o[key])}" for name, key, fmt in (
+                  ("refused", "refused_share", "{:.1%}"), ("goodput", "goodput_fps", "{:.0f} frames/s"),
+                  ("slowest admitted", "min_rate", "{:.1f} frames/s"))) + f", errors {o['errors']}, "
+              + ("passes" if o["passed"] else "fails"))
     versus = doc["summary"].get("versus_measured")
     if versus:
         print(f"\nagainst {versus['path']}: {versus['agree']} of {versus['of']} levels agree")

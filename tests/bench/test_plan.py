@@ -358,3 +358,28 @@ def test_d_idle_after_its_last_stream_takes_a_commit_that_came_during_that_step(
     plan.simulate_decode([(1.0, first), (1.0 + step / 2, second)], STEP, c, overlap=True)
     assert first.times == pytest.approx([1.0 + c.deliver_s, 1.0 + step + c.deliver_s])
     assert second.times == pytest.approx([1.0 + step / 2 + c.deliver_s, 1.0 + 2 * step + c.deliver_s])
+
+
+def test_rate_floor_admission_refuses_an_overload_and_keeps_every_admitted_stream_at_the_floor(tmp_path, capsys):
+    """A monolith whose steps reach the 42-frames/s budget near 100 streams, at 40
+    arrivals/s (ten times the level it passes): without admission the slowest stream
+    falls under the floor and no stream keeps it; with --rate-floor 42 the engine's
+    verdict refuses about half, each answered at its admission (503 rate_floor), and
+    every admitted stream stays at or above 42 in the model."""
+    slow = plan.StepCost(base_ms=8.0, per_stream_ms=0.12, per_token_ms=1e-5)
+    argv = write_inputs(tmp_path, step=slow) + ["--variants", "monolith-prefill-first", "--rate", "4",
+                                                "--overload-rate", "40", "--repeat", "1", "--duration", "6",
+                                                "--ramp", "1", "--frames", "105-210"]
+    rows = {}
+    for floor in ("0", "42"):
+        out = tmp_path / f"floor{floor}.json"
+        assert plan.main([*argv, "--rate-floor", floor, "--out", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        [rows[floor]] = [r for r in doc["rows"] if r.get("overload")]
+        assert doc["summary"]["overload"]["monolith-prefill-first"]["min_rate"] == rows[floor]["min_rate"]
+    off, on = rows["0"], rows["42"]
+    assert off["refused"] == 0 and off["min_rate"] < 42 and not off["passed"]
+    assert on["refused"] > 0 and on["errors"] == 0 and on["min_rate"] >= 42 and on["passed"]
+    assert on["goodput_fps"] > off["goodput_fps"]
+    assert on["refusal_p99_ms"] == pytest.approx(5.0 + 2.0)  # --admit-ms + --deliver-ms
+    assert "monolith-prefill-first at 40/s (--overload-rate, worst of 1 runs): refused" in capsys.readouterr().out
