@@ -18,7 +18,8 @@ tag=${1:-i23}
 gpu_env > "$OUT/report.txt"
 rc=0
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
-  tests/kernels/test_csm_depth_fused.py \
+  tests/kernels/test_csm_depth_fused.py tests/kernels/test_sampling_fused.py \
+  "tests/engine/test_sampling.py::test_static_sampler_on_cuda_is_one_launch_with_the_host_samplers_frames" \
   tests/engine/test_csm_serving.py "tests/bench/test_step.py::test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart" \
   > "$OUT/pytest.txt" 2>&1
 code=$?; echo "gpu-tests rc=$code" >> "$OUT/report.txt"; tail -8 "$OUT/pytest.txt" >> "$OUT/report.txt"

@@ -122,4 +122,15 @@ class FusedDepthPass:
                             lambda q, pool: paged_decode_attention(q, pool, table, lengths, 1))
         first = 1 if start == 0 else 0
         out = h.view(b, n, -1)[:, first:]
-        return torch.einsum("bph,phv->bpv", out, dd.heads[start + first - 1 : start + n - 1]).float()
+        return codebook_logits(out, dd.heads[start + first - 1 : start + n - 1])
+
+
+def codebook_logits(h: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """h [B, p, hidden] (position i's final-norm state) and heads [p, hidden, V] (its
+    codebook's head) -> float32 logits [B, p, V]. One position (every pass of a frame
+    step) is a plain [B, hidden] x [hidden, V] GEMM, for which cuBLAS picks the card's
+    own kernels (einsum's batched product of one took a legacy one); more (the
+    teacher-forced logits) stay one batched product."""
+    if h.shape[1] == 1:
+        return torch.mm(h[:, 0], heads[0]).float()[:, None]
+    return torch.einsum("bph,phv->bpv", h, heads).float()

@@ -22,14 +22,14 @@ from torch import nn
 
 from pdunit.engine.model.checkpoint import WeightMap
 from pdunit.engine.model.config import ModelConfig, torch_dtype
-from pdunit.engine.model.depth_fused import FusedDepthPass
+from pdunit.engine.model.depth_fused import FusedDepthPass, codebook_logits
 from pdunit.engine.model.family import ModelFamily, ParsedConfig
 from pdunit.engine.model.request_rules import RowRule
 from pdunit.engine.model.sampling import (
     SamplingBatch,
     SamplingParams,
-    sample_frames_device,
     sample_frames_static,
+    to_device,
 )
 from pdunit.engine.model.transformer import (
     MLP,
@@ -236,27 +236,30 @@ class DepthDecoder(FrameGenerator):
             x = layer(x, cos, sin, cache)
         first = 1 if start == 0 else 0
         x = self.norm(x)[:, first:]
-        return torch.einsum("bph,phv->bpv", x, self.heads[start + first - 1 : start + n - 1]).float()
+        return codebook_logits(x, self.heads[start + first - 1 : start + n - 1])
 
     @torch.no_grad()
     def frames_device(self, model: TTSModel, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """Codebook j sampled from its logits with column j's uniform (greedy: argmax per
         codebook, as transformers' greedy generate), codebooks 1.. with the request's
         depth_decoder_* params where it sets them; EOS suppression (min_frames) applies
-        to codebook 0, the backbone's. The depth decoder's K/V of the frame's positions
-        lives in `caches` (--depth-kernels fused: in a work buffer as frames_static's) for
-        this call only."""
-        eos = self.eos_id
-        codes = sample_frames_device(model.logits(hidden), _column(sb, 0), eos).to(torch.int64)
+        to codebook 0, the backbone's. Each codebook is one `sample_frames_static` call on
+        the batch's rows (`sb.packed`, sent once), its top-k cap the batch's largest k.
+        The depth decoder's K/V of the frame's positions lives in `caches` (--depth-kernels
+        fused: in a work buffer as frames_static's) for this call only."""
+        assert sb.packed is not None
+        eos, cap = self.eos_id, sb.max_top_k
+        rows = to_device(sb.packed, hidden.device)
+        codes = sample_frames_static(model.logits(hidden), rows, eos, 0, cap).to(torch.int64)
         caches: list[_Cache] = [[] for _ in self.layers]
         fused = self.fused  # its K/V is never read before written: empty (of 0 rows for the torch form)
-        rows = hidden.shape[0] if fused is not None else 0
-        work = torch.empty(self._work_shape(rows), dtype=self.embed.weight.dtype, device=hidden.device)
+        n_rows = hidden.shape[0] if fused is not None else 0
+        work = torch.empty(self._work_shape(n_rows), dtype=self.embed.weight.dtype, device=hidden.device)
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes)], dim=1)
         for j in range(1, self.n_codebooks):
             start = 0 if j == 1 else j
             logits = self._extend(x, start, caches) if fused is None else fused.extend(x, start, work)
-            nxt = sample_frames_device(logits[:, -1:], _column(sb, j), eos)
+            nxt = sample_frames_static(logits[:, -1:], rows, eos, j, cap, depth=True)
             codes = torch.cat([codes, nxt.to(torch.int64)], dim=1)
             x = self.embed(codes[:, -1:] + j * self.vocab_size)  # position j + 1: codebook j's embedding
         text = torch.full_like(codes[:, :1], self.audio_token_id)
@@ -317,19 +320,6 @@ class DepthDecoder(FrameGenerator):
     def codec_codes(self, frames: np.ndarray) -> np.ndarray:
         """A frame row's K codebooks (the text column, `audio_token_id`, is not audio)."""
         return np.ascontiguousarray(np.asarray(frames, dtype=np.int64)[:, : self.n_codebooks].T)
-
-
-def _column(sb: SamplingBatch, j: int) -> SamplingBatch:
-    """The sampling of one codebook: column j's uniforms; EOS suppressed for codebook 0
-    only; codebooks 1.. with the depth decoder's params (`SamplingBatch.depth`)."""
-    if j > 0:
-        sb = sb.for_depth_decoder()
-    return dataclasses.replace(
-        sb,
-        uniforms=sb.uniforms[:, j : j + 1] if sb.uniforms is not None else None,
-        suppress_rows=sb.suppress_rows if j == 0 else [],
-        suppress_index=sb.suppress_index if j == 0 else None,
-    )
 
 
 @torch.no_grad()

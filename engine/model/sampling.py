@@ -315,11 +315,32 @@ def sample_frames_static(
     """`sample_frames_device` in one static shape (capture-safe: no host sync, no shape or
     branch that depends on the params): logits [n, c, V] are frame columns
     first_column.. of rows `rows` (float64 [n, ROW_UNIFORMS + C], `SamplingBatch.packed`
-    on the device) -> int32 [n, c], the same frames. Every row runs both forms, greedy
-    rows take the argmax; EOS is suppressed in frame column 0 only. The top-k threshold
-    is the k-th of `torch.topk(top_k_cap)` (None: the whole vocabulary), the value
-    `sample_frames_device` takes: every filtering row's k must be <= top_k_cap. `depth`:
-    the rows' depth-decoder temperature and top_k (codebooks 1.. of a depth decoder)."""
+    on the device) -> int32 [n, c], the same frames. EOS is suppressed in frame column 0
+    only. The top-k threshold is the k-th largest value (ties counted), k clamped to
+    `top_k_cap` (0: no filter; None: the whole vocabulary): every filtering row's k must
+    be <= top_k_cap. `depth`: the rows' depth-decoder temperature and top_k (codebooks
+    1.. of a depth decoder). On CUDA (and under Triton's interpreter) one kernel launch
+    (kernels/sampling_fused.py), elsewhere `sample_frames_static_torch`: greedy frames
+    equal, sampled ones too unless a cumulative sum rounds differently at the uniform's
+    CDF boundary (as `sample_frames_device`'s)."""
+    from pdunit.kernels import sampling_fused  # Triton is imported at the first call
+
+    if not sampling_fused.available(logits.device):
+        return sample_frames_static_torch(logits, rows, eos_id, first_column, top_k_cap, depth)
+    return sampling_fused.sample_rows(
+        logits, rows, eos_id, temperature_col=ROW_DEPTH_TEMPERATURE if depth else ROW_TEMPERATURE,
+        top_k_col=ROW_DEPTH_TOP_K if depth else ROW_TOP_K, suppress_col=ROW_SUPPRESS if first_column == 0 else None,
+        uniform_col=ROW_UNIFORMS + first_column, top_k_cap=top_k_cap)
+
+
+def sample_frames_static_torch(
+    logits: torch.Tensor, rows: torch.Tensor, eos_id: int, first_column: int = 0, top_k_cap: int | None = None,
+    depth: bool = False,
+) -> torch.Tensor:
+    """`sample_frames_static` in torch operations (the CPU's form; the fused kernel's
+    reference): every row runs both forms, greedy rows take the argmax; the top-k
+    threshold is the k-th of `torch.topk(top_k_cap)`, the value `sample_frames_device`
+    takes."""
     n, c, vocab = logits.shape
     logits = logits.float()
     if first_column == 0:

@@ -11,6 +11,7 @@ from pdunit.engine.model.sampling import (
     is_eos,
     sample_frames,
     sample_frames_device,
+    sample_frames_static,
     sampling_batch,
 )
 
@@ -182,6 +183,31 @@ def test_device_sampling_on_cuda_returns_the_host_samplers_frames() -> None:
         params, index = mixed_batch(64, seed)
         got = device_frames(logits.cuda(), params, index)
         assert np.array_equal(got, sample_frames(logits, params, index, EOS))
+
+
+@pytest.mark.gpu
+def test_static_sampler_on_cuda_is_one_launch_with_the_host_samplers_frames() -> None:
+    """`sample_frames_static` on CUDA (the frame graphs' sampler) is one kernel launch a
+    call whatever the cap, and gives the host sampler's frames for the mixed batches."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch.profiler import ProfilerActivity, profile
+
+    for seed in range(6):
+        logits = random_logits(64, seed) * (seed % 4 + 0.5)
+        params, index = mixed_batch(64, seed)
+        sb = sampling_batch(params, index, C, torch.device("cuda"))
+        assert sb.packed is not None
+        rows, dev = torch.from_numpy(sb.packed).cuda(), logits.cuda()
+        want = sample_frames(logits, params, index, EOS)
+        for cap in (None, V + 10):  # every row's k is covered
+            assert np.array_equal(sample_frames_static(dev, rows, EOS, 0, cap).cpu().numpy(), want), (seed, cap)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                sample_frames_static(dev, rows, EOS, 0, cap)
+                torch.cuda.synchronize()
+            kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert len(kernels) == 1, kernels
 
 
 def test_uniforms_are_a_function_of_seed_frame_and_column_only() -> None:
