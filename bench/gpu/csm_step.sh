@@ -9,7 +9,7 @@
 # (max of bytes / measured bandwidth, FLOPs / measured GEMM rate). Points whose KV does not
 # fit the card are written as skipped rows, named (dualar-4b: 144 KiB a token).
 #   bash bench/gpu/csm_step.sh [TAG]  (repo root, on the device machine; carry .out/transfer-whl,
-#   tests/gpu/harness/wheels.sh; worst case ~8.5 min, under the tool's 10). $OUT: report.txt (env, a
+#   tests/gpu/harness/wheels.sh; worst case ~9.3 min (200 s of GPU tests, 3 x 120 s of steps), under the tool's 10). $OUT: report.txt (env, a
 #   status line a step, the tests' tail) and steps.tgz (step-<date>-<gpu>-<shape>-<TAG>.json/.md/
 #   .fit.json and the log of a failed step: the tool brings back at most 8 files).
 set -uo pipefail
@@ -17,7 +17,7 @@ source tests/gpu/harness/setup.sh
 tag=${1:-i23}
 gpu_env > "$OUT/report.txt"
 rc=0
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_csm_gpu_path.py \
   tests/kernels/test_csm_depth_fused.py tests/kernels/test_sampling_fused.py \
   "tests/engine/test_sampling.py::test_static_sampler_on_cuda_is_one_launch_with_the_host_samplers_frames" \
   tests/engine/test_csm_serving.py "tests/bench/test_step.py::test_gpu_run_of_csm_replays_both_graphs_and_times_them_apart" \
