@@ -267,11 +267,12 @@ class LoadBalancer:
             return  # checked against the first D once it answers
         try:
             limits = self._limits_from(first)
+            frame_rate_hz = hello_frame_rate(first)
             for i, other in enumerate(self.hellos[1:], start=1):
                 if other is not None:
                     self._same_model(first, other, i)
             self.limits = limits
-            self.frame_rate_hz = hello_frame_rate(first)
+            self.frame_rate_hz = frame_rate_hz
             self.metrics.frame_rate_hz.set(self.frame_rate_hz)
             self.config_error = ""
         except ValueError as exc:
@@ -749,9 +750,19 @@ class LoadBalancer:
 
 
 
+MAX_FRAME_RATE_HZ = 1000.0  # far above any codec's (Mimi 12.5, DAC 86): a higher one is not a codec's
+
+
 def hello_frame_rate(reply: pb.HelloReply) -> float:
-    """D's real-time frame rate; DEFAULT_FPS from a D older than the field (0)."""
-    return reply.frame_rate_hz or DEFAULT_FPS
+    """D's real-time frame rate; DEFAULT_FPS from a D older than the field (0). ValueError
+    naming the field for one no codec has (not finite, negative, above MAX_FRAME_RATE_HZ):
+    the player's clock is never set by whatever answered on D's socket."""
+    hz = reply.frame_rate_hz
+    if hz == 0:
+        return DEFAULT_FPS
+    if not (0 < hz <= MAX_FRAME_RATE_HZ):  # NaN fails this too
+        raise ValueError(f"D's Hello names frame_rate_hz {hz!r}: expected a frame rate in (0, {MAX_FRAME_RATE_HZ:g}] Hz")
+    return hz
 
 
 async def read_body(request: Request, limits: Limits) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pdunit.engine.lb.streams import Stream
-from tests.lb.conftest import RunningLB
+from tests.lb.conftest import RunningLB, wait_until
 
 FRAMES, ARRIVAL_FPS, FIRST_S = 45, 15.0, 0.05
 
@@ -64,3 +64,20 @@ def test_a_decode_older_than_the_field_is_played_at_21(start_lb, fake_unit):
         doc = c.get("/v1/model").json()
     assert (doc["frame_rate_hz"], doc["rate_floor_fps"]) == (21.0, 42.0)
     assert r.lb.registry.get_sample_value("pdunit_lb_frame_rate_hz") == 21.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -12.5, 1e6])
+def test_a_hello_with_an_impossible_frame_rate_leaves_the_lb_unready_naming_the_field(start_lb, fake_unit,
+                                                                                       bad: float):
+    """What a peer on D's socket that is not a sane D gets for a frame rate no codec has
+    (NaN, infinite, negative, absurdly high): no playback judged at it, the LB unready
+    with the field named, never a rate that divides the player's clock into nonsense."""
+    fake_unit.decode.frame_rate_hz = bad
+    r = start_lb(wait_ready=False)
+    with r.client() as c:
+        wait_until(lambda: "frame_rate_hz" in r.lb.config_error, what="the LB's refusal of the Hello")
+        assert c.get("/readyz").status_code != 200
+    assert r.lb.frame_rate_hz is None
+    extra: dict[str, Any] = {}
+    r.lb._observe_playback(stream_at(ARRIVAL_FPS), extra)
+    assert extra == {}
