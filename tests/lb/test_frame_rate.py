@@ -66,11 +66,11 @@ def test_a_decode_older_than_the_field_is_played_at_21(start_lb, fake_unit):
     assert r.lb.registry.get_sample_value("pdunit_lb_frame_rate_hz") == 21.0
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -12.5, 1e6])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -12.5])
 def test_a_hello_with_an_impossible_frame_rate_leaves_the_lb_unready_naming_the_field(start_lb, fake_unit,
                                                                                        bad: float):
     """What a peer on D's socket that is not a sane D gets for a frame rate no codec has
-    (NaN, infinite, negative, absurdly high): no playback judged at it, the LB unready
+    (NaN, infinite, negative): no playback judged at it, the LB unready
     with the field named, never a rate that divides the player's clock into nonsense."""
     fake_unit.decode.frame_rate_hz = bad
     r = start_lb(wait_ready=False)
