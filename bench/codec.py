@@ -123,7 +123,7 @@ def d_step_ms(cfg: CodecConfig, batch: int) -> tuple[float | None, str]:
         return cfg.d_step_ms, f"--d-step-ms {cfg.d_step_ms}"
     if not cfg.d_step_model:
         return None, "none"
-    from pdunit.engine.decode.admission import StepCoefficients
+    from pdunit.engine.decode.step_model import StepCoefficients
 
     path = Path(cfg.d_step_model)
     model = StepCoefficients.from_json(path.read_text(), source=str(path))

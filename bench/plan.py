@@ -28,15 +28,9 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.bench import report
 from pdunit.bench.capacity import CapacityConfig, summarize_run
 from pdunit.bench.compare import ratios, variant_level_overrides
-from pdunit.engine.decode.admission import (
-    AdmissionControl,
-    HeldStream,
-    PendingPrefills,
-    RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
-    nonneg_fit,
-)
+from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel, nonneg_fit
+from pdunit.engine.decode.stream_lives import HeldStream, PendingPrefills
 from pdunit.engine.lb.config import LBConfig
 from pdunit.engine.loadgen.driver import (
     REFUSAL_CODE,

@@ -30,7 +30,7 @@ import torch
 
 from pdunit.bench import report
 from pdunit.bench.cuda_timing import event_times_ms, kernel_ms, times_ms
-from pdunit.engine.decode.admission import StepCoefficients
+from pdunit.engine.decode.step_model import StepCoefficients
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import CONFIGS
 from pdunit.engine.model.family_csm import DEPTH_KERNELS, set_depth_kernels

@@ -107,7 +107,7 @@ class Frames(Protocol):
 class StepCost:
     """What one step's codec work cost: its wall time and the audio streams among the
     step's rows (due for a chunk or not): rate-floor admission's codec term
-    (engine/decode/admission.py `StepModel.observe_codec`)."""
+    (engine/decode/step_model.py `StepModel.observe_codec`)."""
 
     seconds: float = 0.0
     audio_streams: int = 0

@@ -2,9 +2,10 @@
 when its projected step time over the lifetimes of the streams it holds, plus the new
 one, would break the rate floor for anyone.
 
-Owns the step model (`StepModel`: step ms from streams, context tokens, prefill rows and
-audio streams, seeded from `--step-model` and refitted online), the projection
-(`RateFloorAdmission`) and the floor an engine keeps (`resolve_floor`).
+Owns the projection against the floor (`RateFloorAdmission`), an engine's admission
+state and headroom (`AdmissionControl`), its flags and the floor an engine keeps
+(`resolve_floor`, `build_admission`); the step model is engine/decode/step_model.py, the
+held streams' lives engine/decode/stream_lives.py.
 
 Must never block or allocate pages: it answers yes/no and a headroom count; the
 caller refuses (status RATE_FLOOR) and holds nothing.
@@ -12,12 +13,10 @@ caller refuses (status RATE_FLOOR) and holds nothing.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +25,23 @@ from pydantic import BaseModel, Field, field_validator
 
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.rate_feedback import DeliveringStream, RateFeedback
+from pdunit.engine.decode.step_model import (
+    TERMS,
+    StepCoefficients,
+    StepModel,
+    WindowRatio,
+    load_step_model,
+)
+from pdunit.engine.decode.stream_lives import (
+    HeldStream,
+    LifeTimes,
+    Lives,
+    PendingPrefills,
+    Verdict,
+    held_stream,
+    life_ms,
+    worst_step,
+)
 from pdunit.engine.observability import now_ns
 from pdunit.engine.playback import DEFAULT_FPS, FLOOR_X_REAL_TIME
 
@@ -45,420 +61,6 @@ LIFE_REFUSALS = m.role_metric(Counter(
     "pdunit_rate_floor_life_refusals_total", "Of the rate-floor refusals, those of the whole-life check: the "
     "prefills a held stream would wait for (the new prompt's and those admitted before it) would take its rate "
     "over its life under the floor", registry=None), "decode", "monolith")
-# Terms of the step model, in the order of StepModel's coefficients; a fit file may leave
-# out the optional ones (0).
-TERMS = ("base_ms", "per_stream_ms", "per_token_ms", "per_row_ms", "per_audio_stream_ms")
-OPTIONAL_TERMS = ("per_row_ms", "per_audio_stream_ms")
-
-
-def nonneg_fit(x: np.ndarray, y: np.ndarray) -> tuple[tuple[float, ...], float]:
-    """Least squares with every coefficient >= 0 (a negative one is dropped, fixed at 0,
-    and the rest refitted, so a cost never falls as its term grows); returns the
-    coefficients and the fit's worst relative error on its own points."""
-    keep = list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    full = np.zeros(x.shape[1])
-    full[keep] = np.maximum(coef, 0.0)
-    return tuple(float(c) for c in full), float(np.max(np.abs(x @ full - y) / np.maximum(y, 1e-9)))
-
-
-@dataclass(frozen=True)
-class StepCoefficients:
-    base_ms: float
-    per_stream_ms: float
-    per_token_ms: float
-    per_row_ms: float = 0.0
-    # the codec stage's time per step per audio stream (engine/audio/codec_stage.py)
-    per_audio_stream_ms: float = 0.0
-
-    def ms(self, streams: float, context_tokens: float, prefill_rows: float = 0.0,
-           audio_streams: float = 0.0) -> float:
-        return (self.base_ms + self.per_stream_ms * streams + self.per_token_ms * context_tokens
-                + self.per_row_ms * prefill_rows + self.per_audio_stream_ms * audio_streams)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str, source: str = "step model") -> StepCoefficients:
-        """Parses a fit file; a missing, negative or unknown field is a ValueError naming it."""
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}: not JSON ({exc})") from exc
-        if not isinstance(doc, dict):
-            raise ValueError(f"{source}: expected an object with {', '.join(TERMS)}")
-        unknown = sorted(set(doc) - set(TERMS))
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {unknown}: expected {', '.join(TERMS)}")
-        values = {}
-        for name in TERMS:
-            if name not in doc:
-                if name in OPTIONAL_TERMS:
-                    continue
-                raise ValueError(f"{source}: field {name} is missing")
-            v = doc[name]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) or v < 0:
-                raise ValueError(f"{source}: field {name} must be a finite number >= 0 (got {v!r})")
-            values[name] = float(v)
-        return cls(**values)
-
-
-# step ms = base + per_stream * streams + per_token * context tokens of the batch
-# (+ per_row * prefill rows of a monolith's mixed step) (+ per_audio_stream * the audio
-# streams of the step: the codec stage's cost), seeded from a fit file (`--step-model`,
-# written by `pdunit bench step --step-model-out`) and refitted online from the engine's
-# own steps (non-negative least squares over a window); its recent error (observed /
-# predicted) is tracked. The codec term is fitted apart, from the codec stage's own time
-# per step (`observe_codec`: least squares through 0 over the audio streams of each step
-# that had some), and the other terms from the step's time less the codec's: the codec's
-# time is measured, never guessed from the mix. With `fixed` (--no-step-model-refit) a
-# fit file's own codec term is kept; one without it (0) still gets the measured term.
-class StepModel:
-    """The engine's step-time model: a seed, then refits from observed steps.
-
-    `observe(streams, context_tokens, ms, prefill_rows)` after every step; the model
-    refits every `refit_every` observations over the last `window`, once it has
-    `min_points` with at least two distinct batch sizes (a fit from one batch size
-    cannot separate base from per-stream cost). Thread-safe."""
-
-    def __init__(self, seed: StepCoefficients, window: int = 512, refit_every: int = 32,
-                 min_points: int = 64, error_window: int = 256, fixed: bool = False) -> None:
-        self._lock = threading.Lock()
-        # fixed (--no-step-model-refit): the seed is the model; observed steps feed the
-        # error metric only, never a refit or the budget
-        self.fixed = fixed
-        self.coefficients = seed
-        self.seed = seed
-        self._points: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._ratios: deque[float] = deque(maxlen=error_window)
-        self._refit_every = refit_every
-        self._min_points = min_points
-        self._since_fit = 0
-        self.fits = 0
-        self.fit_error = 0.0  # worst relative error of the last fit on its own points
-        # the codec term's points: (audio streams, codec ms) of recent steps with audio,
-        # and their running sums of a*c and a*a
-        self._codec_points: deque[tuple[float, float]] = deque(maxlen=window)
-        self._codec_sums = [0.0, 0.0]
-
-    def predict(self, streams: float, context_tokens: float, prefill_rows: float = 0.0,
-                audio_streams: float = 0.0) -> float:
-        return self.coefficients.ms(streams, context_tokens, prefill_rows, audio_streams)
-
-    def observe_codec(self, audio_streams: float, codec_ms: float) -> None:
-        """One step's codec time over its audio streams: refits the per-audio-stream term
-        (least squares through 0 over the window) at once."""
-        if audio_streams <= 0 or (self.fixed and self.seed.per_audio_stream_ms > 0):
-            return
-        a, c = float(audio_streams), max(0.0, float(codec_ms))
-        with self._lock:
-            if len(self._codec_points) == self._codec_points.maxlen:
-                oa, oc = self._codec_points[0]
-                self._codec_sums[0] -= oa * oc
-                self._codec_sums[1] -= oa * oa
-            self._codec_points.append((a, c))
-            self._codec_sums[0] += a * c
-            self._codec_sums[1] += a * a
-            per_audio = max(0.0, self._codec_sums[0] / self._codec_sums[1]) if self._codec_sums[1] > 0 else 0.0
-            self.coefficients = replace(self.coefficients, per_audio_stream_ms=per_audio)
-
-    def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
-        if streams <= 0 and prefill_rows <= 0:
-            return
-        with self._lock:
-            predicted = self.coefficients.ms(streams, context_tokens, prefill_rows)
-            if predicted > 0:
-                self._ratios.append(ms / predicted)
-            if self.fixed:
-                return
-            self._points.append((float(streams), float(context_tokens), float(prefill_rows), float(ms)))
-            self._since_fit += 1
-            if self._since_fit >= self._refit_every:
-                self._since_fit = 0
-                self._refit()
-
-    def _refit(self) -> None:
-        """Under the lock."""
-        pts = np.array(self._points)
-        if len(pts) < self._min_points or len(np.unique(pts[:, 0])) < 2:
-            return
-        with_rows = bool((pts[:, 2] > 0).any())
-        cols = [np.ones(len(pts)), pts[:, 0], pts[:, 1]] + ([pts[:, 2]] if with_rows else [])
-        coef, worst = nonneg_fit(np.stack(cols, axis=1), pts[:, 3])
-        self.coefficients = StepCoefficients(coef[0], coef[1], coef[2], coef[3] if with_rows else 0.0,
-                                             self.coefficients.per_audio_stream_ms)
-        self.fit_error = worst
-        self.fits += 1
-
-    def under_prediction(self, quantile: float = 0.9) -> float:
-        """The `quantile` of observed / predicted over recent steps (1.0 until there are
-        enough): above 1 the model under-predicts."""
-        with self._lock:
-            ratios = list(self._ratios)
-        if len(ratios) < 16:
-            return 1.0
-        return float(np.quantile(ratios, quantile))
-
-
-class WindowRatio:
-    """The last `size` (amount, streams) pairs of decode steps and the ratio of their
-    sums, kept as running sums: the new pair added, the evicted one subtracted, O(1) a
-    step. Amounts are integers (the caller's unit: rows, ns), so the sums stay exact
-    however long the run. Not thread-safe: the caller holds its lock."""
-
-    def __init__(self, size: int = 256) -> None:
-        self.size = size
-        self.pairs: deque[tuple[int, int]] = deque(maxlen=size)
-        self.amount = 0
-        self.streams = 0
-
-    def add(self, amount: int, streams: int) -> float:
-        """Appends one step's pair (`streams` > 0); returns the window's amount per stream."""
-        if len(self.pairs) == self.size:
-            old_amount, old_streams = self.pairs[0]
-            self.amount -= old_amount
-            self.streams -= old_streams
-        self.pairs.append((amount, streams))
-        self.amount += amount
-        self.streams += streams
-        return self.amount / self.streams
-
-
-@dataclass(frozen=True)
-class HeldStream:
-    """A stream the engine holds: `context` tokens now (prompt + frames so far, or the
-    prompt alone while reserved), `frames_left` steps to go (max frames less those out),
-    and whether its frames are decoded to audio (the codec's per-audio-stream cost).
-
-    Where the engine knows them (the prefill-first monolith), its life so far and the
-    prefills it will wait for: `frames_out` (0: no frame out yet), `elapsed_ms` from its
-    first frame's step to the engine's last published step, `stall_ms` of prefill-only
-    steps already admitted that it will wait for, and whether the new prompt's prefill
-    would stall it too (`stalled_by_new`): `RateFloorAdmission.life_judge`."""
-
-    context: int
-    frames_left: int
-    audio: bool = False
-    frames_out: int = 0
-    elapsed_ms: float = 0.0
-    stall_ms: float = 0.0
-    stalled_by_new: bool = False
-
-
-@dataclass(frozen=True)
-class Verdict:
-    admit: bool
-    worst_ms: float      # the projected worst step with the new stream
-    budget_ms: float
-    at_step: int         # steps from now where the worst step falls
-    cold: bool = False   # refused by the trust limit (no fit file, no wide enough steps seen), not the projection
-    trusted: int = 0     # with `cold`: the streams the model is trusted for
-    engine_bound: bool = False  # alone_fits: not even the smallest stream fits (the engine's steps, not the request)
-    idle: bool = False   # admitted against the projection because the engine held nothing (AdmissionControl.judge)
-    # refused by the whole-life check (RateFloorAdmission.life_judge): that stream's projected
-    # rate over its life and the prefill stall it was charged
-    life_fps: float = 0.0
-    stall_ms: float = 0.0
-
-    def reason(self) -> str:
-        if self.life_fps:
-            return (f"rate_floor: the prefills it waits for ({self.stall_ms:.0f} ms) would take a held stream "
-                    f"to {self.life_fps:.2f} frames/s over its life, under the floor's budget of "
-                    f"{self.budget_ms:.1f} ms a frame")
-        if self.cold:
-            return (f"rate_floor: without a --step-model fit file the engine trusts its step model for "
-                    f"twice the widest step it has seen (at least --cold-streams): it holds at most "
-                    f"{self.trusted} streams until it has seen wider steps")
-        return (f"rate_floor: the projected step would reach {self.worst_ms:.1f} ms in {self.at_step} "
-                f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
-
-
-def held_stream(h: tuple[int, ...] | HeldStream) -> HeldStream:
-    """(context, frames left[, audio]) -> HeldStream (one already is kept)."""
-    if isinstance(h, HeldStream):
-        return h
-    return HeldStream(int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False)
-
-
-@dataclass(frozen=True)
-class Lives:
-    """Held streams as arrays, one entry a stream (the fields of HeldStream): what the
-    projections read, built once where a search judges one held set many times."""
-
-    context: np.ndarray
-    left: np.ndarray
-    audio: np.ndarray
-    out: np.ndarray
-    elapsed: np.ndarray
-    stall: np.ndarray
-    stalled: np.ndarray
-
-    @classmethod
-    def of(cls, streams: Sequence[HeldStream] | Lives) -> Lives:
-        if isinstance(streams, Lives):
-            return streams
-        return cls(np.array([s.context for s in streams], dtype=np.float64),
-                   np.array([s.frames_left for s in streams], dtype=np.int64),
-                   np.array([s.audio for s in streams], dtype=np.float64),
-                   np.array([s.frames_out for s in streams], dtype=np.float64),
-                   np.array([s.elapsed_ms for s in streams], dtype=np.float64),
-                   np.array([s.stall_ms for s in streams], dtype=np.float64),
-                   np.array([s.stalled_by_new for s in streams], dtype=np.float64))
-
-    @classmethod
-    def repeat(cls, stream: HeldStream, k: int) -> Lives:
-        """`k` streams like `stream`."""
-        return cls(np.full(k, float(stream.context)), np.full(k, stream.frames_left, dtype=np.int64),
-                   np.full(k, float(stream.audio)), np.full(k, float(stream.frames_out)),
-                   np.full(k, stream.elapsed_ms), np.full(k, stream.stall_ms), np.full(k, float(stream.stalled_by_new)))
-
-    @classmethod
-    def join(cls, parts: Sequence[Lives]) -> Lives:
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in (
-            "context", "left", "audio", "out", "elapsed", "stall", "stalled")))
-
-    def __len__(self) -> int:
-        return len(self.left)
-
-
-def worst_step(model: StepCoefficients, streams: Sequence[HeldStream] | Lives,
-               prefill_rows: float = 0.0) -> tuple[float, int]:
-    """The largest projected step time over the streams' remaining lifetimes and the step
-    (from now) where it falls. At step k a stream with `frames_left > k` is in the batch
-    with `context + k` tokens."""
-    if not len(streams):
-        return (model.ms(0, 0, prefill_rows) if prefill_rows else 0.0), 0
-    lives = Lives.of(streams)
-    left, ctx, audio = lives.left, lives.context, lives.audio
-    # Candidate steps: now, and the last step of each stream (just before the batch shrinks).
-    ks = np.unique(np.concatenate([[0], np.maximum(left - 1, 0)]))
-    order = np.argsort(left)
-    left_sorted, ctx_sorted, audio_sorted = left[order], ctx[order], audio[order]
-    # Streams alive at step k: frames_left > k. Suffix sums over streams sorted by end.
-    suffix_ctx = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
-    suffix_audio = np.concatenate([np.cumsum(audio_sorted[::-1])[::-1], [0.0]])
-    first_alive = np.searchsorted(left_sorted, ks, side="right")  # index of first stream with left > k
-    alive = len(left) - first_alive
-    tokens = suffix_ctx[first_alive] + alive * ks
-    ms = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * tokens + model.per_row_ms * prefill_rows
-          + model.per_audio_stream_ms * suffix_audio[first_alive])
-    ms = np.where(alive > 0, ms, 0.0)
-    i = int(np.argmax(ms))
-    return float(ms[i]), int(ks[i])
-
-
-def life_ms(model: StepCoefficients, streams: Sequence[HeldStream] | Lives, prefill_rows: float = 0.0) -> np.ndarray:
-    """Each stream's projected time to its last frame: the sum of the projected steps
-    over its `frames_left` steps (the steps of `worst_step`'s projection). Between two
-    stream ends the batch is fixed and its context grows by one token a stream a step, so
-    each segment sums in closed form: O(n log n) for n streams."""
-    if not len(streams):
-        return np.zeros(0)
-    lives = Lives.of(streams)
-    order = np.argsort(lives.left, kind="stable")
-    ends = lives.left[order].astype(np.float64)
-    ctx = lives.context[order]
-    audio = lives.audio[order]
-    n = len(ends)
-    # segment j: steps [ends[j-1], ends[j]), where the sorted streams j.. are alive
-    alive = n - np.arange(n, dtype=np.float64)
-    suffix_ctx = np.cumsum(ctx[::-1])[::-1]
-    suffix_audio = np.cumsum(audio[::-1])[::-1]
-    lo = np.concatenate([[0.0], ends[:-1]])
-    steps = ends - lo
-    sum_k = (lo + ends - 1) * steps / 2  # the step indices k of the segment, summed
-    per_step = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * suffix_ctx
-                + model.per_row_ms * prefill_rows + model.per_audio_stream_ms * suffix_audio)
-    segment = steps * per_step + model.per_token_ms * alive * sum_k
-    out = np.empty(n)
-    out[order] = np.cumsum(segment)
-    return out
-
-
-@dataclass(frozen=True)
-class PendingPrefills:
-    """The prefill-first monolith's held streams and the prefill-only steps they will wait
-    for (`life_judge`). Prompts in a step now form one step of `in_step_rows`; the
-    unplanned ones the next FIFO steps of up to `step_rows`, which a new prompt joins (its
-    rows) or opens (each step it opens adds the step's base). `waiting_all` (decoding
-    streams, prompts prefilled and about to run) wait for every step; `in_step` prompts
-    for the unplanned steps and the new one; `unplanned` ones only for a step the new
-    prompt opens. The streams carry their lives so far, no stall: `held` prices it."""
-
-    waiting_all: tuple[HeldStream, ...]
-    in_step: tuple[HeldStream, ...]
-    unplanned: tuple[HeldStream, ...]
-    in_step_rows: int
-    unplanned_rows: int
-    step_rows: int
-
-    def __len__(self) -> int:
-        return len(self.waiting_all) + len(self.in_step) + len(self.unplanned)
-
-    def held(self, coef: StepCoefficients, new_rows: int,
-             queued: Sequence[HeldStream] = ()) -> tuple[list[HeldStream], float]:
-        """The held streams with the stalls they will wait for, priced at the model's
-        prefill-only step (base + per-row term), and the stall the new prompt's prefill
-        of `new_rows` adds for those `stalled_by_new`; `queued`: prompts admitted after
-        these (unplanned, their context their rows), last in the list."""
-        waiting_ms, in_step_ms, opened = self.stalls(coef, new_rows, sum(q.context for q in queued))
-        held = [replace(s, stall_ms=waiting_ms, stalled_by_new=True) for s in self.waiting_all]
-        held += [replace(s, stall_ms=in_step_ms, stalled_by_new=True) for s in self.in_step]
-        held += [replace(s, stall_ms=0.0, stalled_by_new=opened > 0) for s in (*self.unplanned, *queued)]
-        return held, opened * coef.base_ms + coef.per_row_ms * new_rows
-
-    def stalls(self, coef: StepCoefficients, new_rows: int, queued_rows: int = 0) -> tuple[float, float, int]:
-        """(stall of `waiting_all`, of `in_step`, steps the new prompt opens) with
-        `queued_rows` more unplanned."""
-        limit = max(self.step_rows, 1)
-        rows = self.unplanned_rows + queued_rows
-        steps = -(-rows // limit)
-        unplanned_ms = steps * coef.base_ms + coef.per_row_ms * rows
-        in_step_ms = coef.base_ms + coef.per_row_ms * self.in_step_rows if self.in_step_rows else 0.0
-        return in_step_ms + unplanned_ms, unplanned_ms, -(-(rows + new_rows) // limit) - steps
-
-    def lives(self, coef: StepCoefficients, typical: HeldStream, queued: int) -> tuple[Lives, float]:
-        """`held` for a new prompt like `typical` with `queued` of them queued, as arrays."""
-        waiting_ms, in_step_ms, opened = self.stalls(coef, typical.context, queued * typical.context)
-        waiting, in_step, unplanned = len(self.waiting_all), len(self.in_step), len(self.unplanned) + queued
-        lives = Lives.join([self._base_lives, Lives.repeat(typical, queued)])
-        lives = replace(lives, stall=np.concatenate([np.full(waiting, waiting_ms), np.full(in_step, in_step_ms),
-                                                     np.zeros(unplanned)]),
-                        stalled=np.concatenate([np.ones(waiting + in_step), np.full(unplanned, float(opened > 0))]))
-        return lives, opened * coef.base_ms + coef.per_row_ms * typical.context
-
-    @cached_property
-    def _base_lives(self) -> Lives:
-        return Lives.of([*self.waiting_all, *self.in_step, *self.unplanned])
-
-    def opened_last(self, rows: int, k: int) -> int:
-        """Of `k` prompts of `rows` rows queued one after another, the last that opened a
-        step (0: none did)."""
-        limit, rows = max(self.step_rows, 1), max(rows, 1)
-        before, after = -(-self.unplanned_rows // limit), -(-(self.unplanned_rows + k * rows) // limit)
-        if after == before:
-            return 0
-        return ((after - 1) * limit - self.unplanned_rows) // rows + 1
-
-
-@dataclass(frozen=True)
-class LifeTimes:
-    """`RateFloorAdmission.life_times`: per stream (the held ones, then the new one), its
-    time from its first frame to its last with the new stream (`with_new`), without it
-    (held ones only), what the floor allows, and whether it is judged at all (it has
-    frames after its first to come)."""
-
-    with_new: np.ndarray
-    without: np.ndarray
-    allowed: np.ndarray
-    judged: np.ndarray
-    intervals: np.ndarray
-    charged_ms: np.ndarray  # the prefill stall each was charged, the new prompt's included
 
 
 # Every held stream (decoding, or reserved and not yet committed) grows by one context
@@ -848,16 +450,6 @@ class AdmissionControl:
         quantile = feedback.last_quantile if feedback is not None else None
         m.D_RATE_FLOOR_DELIVERED.set(quantile if quantile is not None else 0.0)
         return headroom
-
-
-def load_step_model(path: str) -> StepCoefficients:
-    """`--step-model FILE`: a fit file as `pdunit bench step` writes it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"--step-model {path}: {exc.strerror or exc}") from exc
-    return StepCoefficients.from_json(text, f"--step-model {path}")
 
 
 class AdmissionFields(BaseModel):

@@ -12,7 +12,8 @@ price the model has not earned: rows follow admission's trust rule (below).
 
 from __future__ import annotations
 
-from pdunit.engine.decode.admission import AdmissionControl, StepCoefficients
+from pdunit.engine.decode.admission import AdmissionControl
+from pdunit.engine.decode.step_model import StepCoefficients
 
 
 def budget_rows(model: StepCoefficients, budget_ms: float, streams: int, context_tokens: int,

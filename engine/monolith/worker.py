@@ -24,11 +24,12 @@ import torch
 from pdunit.engine import metrics as m
 from pdunit.engine.audio.codec_stage import NO_CODEC, CodecStage, StepCost
 from pdunit.engine.batching import SeqEntry, prefill_entry
-from pdunit.engine.decode.admission import AdmissionControl, HeldStream, PendingPrefills
+from pdunit.engine.decode.admission import AdmissionControl
 from pdunit.engine.decode.batcher import DecodeBatcher, StepOutput, Stream
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.overlap import OverlapScheduler, PromptRows
 from pdunit.engine.decode.step_forward import StepForward
+from pdunit.engine.decode.stream_lives import HeldStream, PendingPrefills
 from pdunit.engine.kv.pool import NoCapacity, PagePool
 from pdunit.engine.kv.prefix_cache import PrefixCache, PrefixLease, block_hashes
 from pdunit.engine.model.mixed_graphs import MixedGraphRunner

@@ -13,7 +13,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from pdunit.bench import step
-from pdunit.engine.decode.admission import StepCoefficients
+from pdunit.engine.decode.step_model import StepCoefficients
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.metrics import register_role
 

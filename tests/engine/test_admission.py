@@ -8,13 +8,11 @@ import pytest
 from pdunit.engine.decode.admission import (
     AdmissionControl,
     AdmissionFields,
-    HeldStream,
     RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
     build_admission,
-    worst_step,
 )
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream, worst_step
 
 
 def brute_worst(coef: StepCoefficients, streams: list[HeldStream]) -> float:

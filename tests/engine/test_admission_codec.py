@@ -12,14 +12,9 @@ import numpy as np
 import pytest
 
 from pdunit.engine.audio.codec_stage import CodecStage, StepCost
-from pdunit.engine.decode.admission import (
-    AdmissionControl,
-    HeldStream,
-    RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
-    worst_step,
-)
+from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream, worst_step
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.proto import pdunit_pb2 as pb
 from tests.engine.test_codec_serving import (

@@ -8,13 +8,9 @@ import time
 
 import pytest
 
-from pdunit.engine.decode.admission import (
-    AdmissionControl,
-    HeldStream,
-    RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
-)
+from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.proto import pdunit_pb2 as pb
 from tests.engine.test_codec_serving import (

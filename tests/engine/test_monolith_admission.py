@@ -23,14 +23,10 @@ import httpx
 import numpy as np
 import pytest
 
-from pdunit.engine.decode.admission import (
-    AdmissionControl,
-    HeldStream,
-    RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
-)
+from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.model.loader import load_model

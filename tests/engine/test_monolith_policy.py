@@ -12,14 +12,10 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from pdunit.engine.decode.admission import (
-    AdmissionControl,
-    HeldStream,
-    RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
-)
+from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.monolith.main import MonolithConfig

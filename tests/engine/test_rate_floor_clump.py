@@ -21,16 +21,10 @@ import numpy as np
 import pytest
 
 from pdunit.bench.capacity import run_capacity
-from pdunit.engine.decode.admission import (
-    AdmissionControl,
-    HeldStream,
-    PendingPrefills,
-    RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
-    life_ms,
-)
+from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
 from pdunit.engine.decode.hub import FrameHub
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream, PendingPrefills, life_ms
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.model.loader import load_model

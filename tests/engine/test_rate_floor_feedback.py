@@ -18,14 +18,13 @@ from pdunit.engine import metrics as m
 from pdunit.engine.decode.admission import (
     AdmissionControl,
     AdmissionFields,
-    HeldStream,
     RateFloorAdmission,
-    StepCoefficients,
-    StepModel,
     build_admission,
 )
 from pdunit.engine.decode.hub import FrameHub
 from pdunit.engine.decode.rate_feedback import LIVE_EVERY_NS, LIVE_MIN_S, MIN_FACTOR, RateFeedback
+from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+from pdunit.engine.decode.stream_lives import HeldStream
 from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdunit.engine.decode.admission import StepCoefficients
+from pdunit.engine.decode.step_model import StepCoefficients
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.ports import free_port_block
 from tests.engine.unit_client import load, random_prompt, stream, wait_empty

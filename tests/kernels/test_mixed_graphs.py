@@ -104,7 +104,9 @@ MONOLITH = textwrap.dedent(
     """
     import time
     import numpy as np, torch
-    from pdunit.engine.decode.admission import AdmissionControl, HeldStream, RateFloorAdmission, StepCoefficients, StepModel
+    from pdunit.engine.decode.admission import AdmissionControl, RateFloorAdmission
+    from pdunit.engine.decode.step_model import StepCoefficients, StepModel
+    from pdunit.engine.decode.stream_lives import HeldStream
     from pdunit.engine.kv.pool import PagePool
     from pdunit.engine.model.loader import load_model
     from pdunit.engine.model.mixed_graphs import MixedGraphRunner

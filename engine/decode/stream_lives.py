@@ -1,0 +1,251 @@
+"""The streams an engine holds, as the rate-floor projection sees them: each stream's
+context, frames left and life so far (`HeldStream`, `Lives`), the projected worst step
+and time to each stream's last frame (`worst_step`, `life_ms`), the prefill-first
+monolith's prefills they will wait for (`PendingPrefills`), and what a check answers
+(`Verdict`, `LifeTimes`).
+
+Must never hold the floor, a budget or any state: pure data and projections over a step
+model, so a verdict and a headroom search read the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+import numpy as np
+
+from pdunit.engine.decode.step_model import StepCoefficients
+
+
+@dataclass(frozen=True)
+class HeldStream:
+    """A stream the engine holds: `context` tokens now (prompt + frames so far, or the
+    prompt alone while reserved), `frames_left` steps to go (max frames less those out),
+    and whether its frames are decoded to audio (the codec's per-audio-stream cost).
+
+    Where the engine knows them (the prefill-first monolith), its life so far and the
+    prefills it will wait for: `frames_out` (0: no frame out yet), `elapsed_ms` from its
+    first frame's step to the engine's last published step, `stall_ms` of prefill-only
+    steps already admitted that it will wait for, and whether the new prompt's prefill
+    would stall it too (`stalled_by_new`): `RateFloorAdmission.life_judge`."""
+
+    context: int
+    frames_left: int
+    audio: bool = False
+    frames_out: int = 0
+    elapsed_ms: float = 0.0
+    stall_ms: float = 0.0
+    stalled_by_new: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admit: bool
+    worst_ms: float      # the projected worst step with the new stream
+    budget_ms: float
+    at_step: int         # steps from now where the worst step falls
+    cold: bool = False   # refused by the trust limit (no fit file, no wide enough steps seen), not the projection
+    trusted: int = 0     # with `cold`: the streams the model is trusted for
+    engine_bound: bool = False  # alone_fits: not even the smallest stream fits (the engine's steps, not the request)
+    idle: bool = False   # admitted against the projection because the engine held nothing (AdmissionControl.judge)
+    # refused by the whole-life check (RateFloorAdmission.life_judge): that stream's projected
+    # rate over its life and the prefill stall it was charged
+    life_fps: float = 0.0
+    stall_ms: float = 0.0
+
+    def reason(self) -> str:
+        if self.life_fps:
+            return (f"rate_floor: the prefills it waits for ({self.stall_ms:.0f} ms) would take a held stream "
+                    f"to {self.life_fps:.2f} frames/s over its life, under the floor's budget of "
+                    f"{self.budget_ms:.1f} ms a frame")
+        if self.cold:
+            return (f"rate_floor: without a --step-model fit file the engine trusts its step model for "
+                    f"twice the widest step it has seen (at least --cold-streams): it holds at most "
+                    f"{self.trusted} streams until it has seen wider steps")
+        return (f"rate_floor: the projected step would reach {self.worst_ms:.1f} ms in {self.at_step} "
+                f"steps, over the floor's budget of {self.budget_ms:.1f} ms")
+
+
+def held_stream(h: tuple[int, ...] | HeldStream) -> HeldStream:
+    """(context, frames left[, audio]) -> HeldStream (one already is kept)."""
+    if isinstance(h, HeldStream):
+        return h
+    return HeldStream(int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False)
+
+
+@dataclass(frozen=True)
+class Lives:
+    """Held streams as arrays, one entry a stream (the fields of HeldStream): what the
+    projections read, built once where a search judges one held set many times."""
+
+    context: np.ndarray
+    left: np.ndarray
+    audio: np.ndarray
+    out: np.ndarray
+    elapsed: np.ndarray
+    stall: np.ndarray
+    stalled: np.ndarray
+
+    @classmethod
+    def of(cls, streams: Sequence[HeldStream] | Lives) -> Lives:
+        if isinstance(streams, Lives):
+            return streams
+        return cls(np.array([s.context for s in streams], dtype=np.float64),
+                   np.array([s.frames_left for s in streams], dtype=np.int64),
+                   np.array([s.audio for s in streams], dtype=np.float64),
+                   np.array([s.frames_out for s in streams], dtype=np.float64),
+                   np.array([s.elapsed_ms for s in streams], dtype=np.float64),
+                   np.array([s.stall_ms for s in streams], dtype=np.float64),
+                   np.array([s.stalled_by_new for s in streams], dtype=np.float64))
+
+    @classmethod
+    def repeat(cls, stream: HeldStream, k: int) -> Lives:
+        """`k` streams like `stream`."""
+        return cls(np.full(k, float(stream.context)), np.full(k, stream.frames_left, dtype=np.int64),
+                   np.full(k, float(stream.audio)), np.full(k, float(stream.frames_out)),
+                   np.full(k, stream.elapsed_ms), np.full(k, stream.stall_ms), np.full(k, float(stream.stalled_by_new)))
+
+    @classmethod
+    def join(cls, parts: Sequence[Lives]) -> Lives:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in (
+            "context", "left", "audio", "out", "elapsed", "stall", "stalled")))
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+
+def worst_step(model: StepCoefficients, streams: Sequence[HeldStream] | Lives,
+               prefill_rows: float = 0.0) -> tuple[float, int]:
+    """The largest projected step time over the streams' remaining lifetimes and the step
+    (from now) where it falls. At step k a stream with `frames_left > k` is in the batch
+    with `context + k` tokens."""
+    if not len(streams):
+        return (model.ms(0, 0, prefill_rows) if prefill_rows else 0.0), 0
+    lives = Lives.of(streams)
+    left, ctx, audio = lives.left, lives.context, lives.audio
+    # Candidate steps: now, and the last step of each stream (just before the batch shrinks).
+    ks = np.unique(np.concatenate([[0], np.maximum(left - 1, 0)]))
+    order = np.argsort(left)
+    left_sorted, ctx_sorted, audio_sorted = left[order], ctx[order], audio[order]
+    # Streams alive at step k: frames_left > k. Suffix sums over streams sorted by end.
+    suffix_ctx = np.concatenate([np.cumsum(ctx_sorted[::-1])[::-1], [0.0]])
+    suffix_audio = np.concatenate([np.cumsum(audio_sorted[::-1])[::-1], [0.0]])
+    first_alive = np.searchsorted(left_sorted, ks, side="right")  # index of first stream with left > k
+    alive = len(left) - first_alive
+    tokens = suffix_ctx[first_alive] + alive * ks
+    ms = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * tokens + model.per_row_ms * prefill_rows
+          + model.per_audio_stream_ms * suffix_audio[first_alive])
+    ms = np.where(alive > 0, ms, 0.0)
+    i = int(np.argmax(ms))
+    return float(ms[i]), int(ks[i])
+
+
+def life_ms(model: StepCoefficients, streams: Sequence[HeldStream] | Lives, prefill_rows: float = 0.0) -> np.ndarray:
+    """Each stream's projected time to its last frame: the sum of the projected steps
+    over its `frames_left` steps (the steps of `worst_step`'s projection). Between two
+    stream ends the batch is fixed and its context grows by one token a stream a step, so
+    each segment sums in closed form: O(n log n) for n streams."""
+    if not len(streams):
+        return np.zeros(0)
+    lives = Lives.of(streams)
+    order = np.argsort(lives.left, kind="stable")
+    ends = lives.left[order].astype(np.float64)
+    ctx = lives.context[order]
+    audio = lives.audio[order]
+    n = len(ends)
+    # segment j: steps [ends[j-1], ends[j]), where the sorted streams j.. are alive
+    alive = n - np.arange(n, dtype=np.float64)
+    suffix_ctx = np.cumsum(ctx[::-1])[::-1]
+    suffix_audio = np.cumsum(audio[::-1])[::-1]
+    lo = np.concatenate([[0.0], ends[:-1]])
+    steps = ends - lo
+    sum_k = (lo + ends - 1) * steps / 2  # the step indices k of the segment, summed
+    per_step = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * suffix_ctx
+                + model.per_row_ms * prefill_rows + model.per_audio_stream_ms * suffix_audio)
+    segment = steps * per_step + model.per_token_ms * alive * sum_k
+    out = np.empty(n)
+    out[order] = np.cumsum(segment)
+    return out
+
+
+@dataclass(frozen=True)
+class PendingPrefills:
+    """The prefill-first monolith's held streams and the prefill-only steps they will wait
+    for (`life_judge`). Prompts in a step now form one step of `in_step_rows`; the
+    unplanned ones the next FIFO steps of up to `step_rows`, which a new prompt joins (its
+    rows) or opens (each step it opens adds the step's base). `waiting_all` (decoding
+    streams, prompts prefilled and about to run) wait for every step; `in_step` prompts
+    for the unplanned steps and the new one; `unplanned` ones only for a step the new
+    prompt opens. The streams carry their lives so far, no stall: `held` prices it."""
+
+    waiting_all: tuple[HeldStream, ...]
+    in_step: tuple[HeldStream, ...]
+    unplanned: tuple[HeldStream, ...]
+    in_step_rows: int
+    unplanned_rows: int
+    step_rows: int
+
+    def __len__(self) -> int:
+        return len(self.waiting_all) + len(self.in_step) + len(self.unplanned)
+
+    def held(self, coef: StepCoefficients, new_rows: int,
+             queued: Sequence[HeldStream] = ()) -> tuple[list[HeldStream], float]:
+        """The held streams with the stalls they will wait for, priced at the model's
+        prefill-only step (base + per-row term), and the stall the new prompt's prefill
+        of `new_rows` adds for those `stalled_by_new`; `queued`: prompts admitted after
+        these (unplanned, their context their rows), last in the list."""
+        waiting_ms, in_step_ms, opened = self.stalls(coef, new_rows, sum(q.context for q in queued))
+        held = [replace(s, stall_ms=waiting_ms, stalled_by_new=True) for s in self.waiting_all]
+        held += [replace(s, stall_ms=in_step_ms, stalled_by_new=True) for s in self.in_step]
+        held += [replace(s, stall_ms=0.0, stalled_by_new=opened > 0) for s in (*self.unplanned, *queued)]
+        return held, opened * coef.base_ms + coef.per_row_ms * new_rows
+
+    def stalls(self, coef: StepCoefficients, new_rows: int, queued_rows: int = 0) -> tuple[float, float, int]:
+        """(stall of `waiting_all`, of `in_step`, steps the new prompt opens) with
+        `queued_rows` more unplanned."""
+        limit = max(self.step_rows, 1)
+        rows = self.unplanned_rows + queued_rows
+        steps = -(-rows // limit)
+        unplanned_ms = steps * coef.base_ms + coef.per_row_ms * rows
+        in_step_ms = coef.base_ms + coef.per_row_ms * self.in_step_rows if self.in_step_rows else 0.0
+        return in_step_ms + unplanned_ms, unplanned_ms, -(-(rows + new_rows) // limit) - steps
+
+    def lives(self, coef: StepCoefficients, typical: HeldStream, queued: int) -> tuple[Lives, float]:
+        """`held` for a new prompt like `typical` with `queued` of them queued, as arrays."""
+        waiting_ms, in_step_ms, opened = self.stalls(coef, typical.context, queued * typical.context)
+        waiting, in_step, unplanned = len(self.waiting_all), len(self.in_step), len(self.unplanned) + queued
+        lives = Lives.join([self._base_lives, Lives.repeat(typical, queued)])
+        lives = replace(lives, stall=np.concatenate([np.full(waiting, waiting_ms), np.full(in_step, in_step_ms),
+                                                     np.zeros(unplanned)]),
+                        stalled=np.concatenate([np.ones(waiting + in_step), np.full(unplanned, float(opened > 0))]))
+        return lives, opened * coef.base_ms + coef.per_row_ms * typical.context
+
+    @cached_property
+    def _base_lives(self) -> Lives:
+        return Lives.of([*self.waiting_all, *self.in_step, *self.unplanned])
+
+    def opened_last(self, rows: int, k: int) -> int:
+        """Of `k` prompts of `rows` rows queued one after another, the last that opened a
+        step (0: none did)."""
+        limit, rows = max(self.step_rows, 1), max(rows, 1)
+        before, after = -(-self.unplanned_rows // limit), -(-(self.unplanned_rows + k * rows) // limit)
+        if after == before:
+            return 0
+        return ((after - 1) * limit - self.unplanned_rows) // rows + 1
+
+
+@dataclass(frozen=True)
+class LifeTimes:
+    """`RateFloorAdmission.life_times`: per stream (the held ones, then the new one), its
+    time from its first frame to its last with the new stream (`with_new`), without it
+    (held ones only), what the floor allows, and whether it is judged at all (it has
+    frames after its first to come)."""
+
+    with_new: np.ndarray
+    without: np.ndarray
+    allowed: np.ndarray
+    judged: np.ndarray
+    intervals: np.ndarray
+    charged_ms: np.ndarray  # the prefill stall each was charged, the new prompt's included
