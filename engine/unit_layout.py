@@ -123,6 +123,7 @@ class UnitSpec:
     voices: str = ""  # the LB's voice store (--voices), only with a codec
     audio_first_chunk_frames: int | None = None  # D's and the monolith's codec stage chunking
     audio_chunk_frames: int | None = None
+    codec_conv_table: str = ""  # D's and the monolith's conv tiles file (--codec-conv-table)
     step_model: str = ""
     lb_port: int = LB_PORT
     lb_host: str = ""
@@ -181,7 +182,8 @@ def _decode_flags(spec: UnitSpec) -> list[str]:
 def _codec_flags(spec: UnitSpec) -> list[str]:
     """The codec stage of every engine that decodes (D, the monolith)."""
     return [*_opt("--codec", spec.codec), *_opt("--audio-first-chunk-frames", spec.audio_first_chunk_frames),
-            *_opt("--audio-chunk-frames", spec.audio_chunk_frames)]
+            *_opt("--audio-chunk-frames", spec.audio_chunk_frames),
+            *_opt("--codec-conv-table", spec.codec_conv_table)]
 
 
 def _lb_speech_flags(spec: UnitSpec) -> list[str]:

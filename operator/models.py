@@ -208,10 +208,15 @@ VOICES_MOUNT_PATH = "/var/lib/pdunit/voices"
 # proxyDeviceAccess volumeMounts: the NVIDIA container runtime reads the GPUs a container
 # gets from the mounts under this folder (`all`: every GPU of the node).
 NVIDIA_DEVICES_DIR = "/var/run/nvidia-container-devices"
+# spec.codecConvTable: the ConfigMap key mounted read-only into every decode engine as this
+# one file (whatever the key's name), the path their --codec-conv-table names.
+CODEC_CONV_TABLE_VOLUME = "codec-conv-table"
+CODEC_CONV_TABLE_DIR = "/etc/pdunit/codec-conv"
+CODEC_CONV_TABLE_FILE = f"{CODEC_CONV_TABLE_DIR}/codec-conv.json"
 OPERATOR_VOLUMES: tuple[str, ...] = ("run", "tmp", "shm", "unit-secret", "admin-token", "voices-token",
-                                     "nvidia-all-gpus", "pdunit-voices")
+                                     "nvidia-all-gpus", "pdunit-voices", CODEC_CONV_TABLE_VOLUME)
 OPERATOR_MOUNT_PATHS: tuple[str, ...] = (RUN_DIR, "/tmp", "/dev/shm", SECRETS_DIR, VOICES_MOUNT_PATH,
-                                         NVIDIA_DEVICES_DIR)
+                                         NVIDIA_DEVICES_DIR, CODEC_CONV_TABLE_DIR)
 # Labels the router, the scaler and the chart select unit pods on.
 OPERATOR_LABEL_KEYS: tuple[str, ...] = (LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY)
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -462,6 +467,25 @@ class AudioChunks(_Api):
         "the audio's latency). Unset: 2.")
 
 
+# A ConfigMap key (core/v1's rule: letters, digits, '-', '_', '.'), not only dots.
+CONFIG_MAP_KEY_PATTERN = r"^[-._a-zA-Z0-9]*[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"
+_CODEC_CONV_TABLE_MESSAGE = "codec conv tiles need a codec: set codec or remove codecConvTable"
+
+
+class CodecConvTable(_Api):
+    """The codec convolutions' launch tiles of every decode engine: one key of a ConfigMap
+    holding the JSON table `pdunit bench codec --tune-conv` wrote (docs/audio.md)."""
+
+    config_map_name: str = Field(
+        min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="A ConfigMap of the unit's namespace holding the table (kubectl create configmap NAME "
+        "--from-file=codec-conv.json=codec-conv-<date>-<tag>.json).")
+    key: str = Field(
+        min_length=1, max_length=253, pattern=CONFIG_MAP_KEY_PATTERN,
+        description="The ConfigMap's key whose value is the table; mounted read-only into every decode "
+        f"engine as {CODEC_CONV_TABLE_FILE}, which their --codec-conv-table names.")
+
+
 # The metrics ports run from metricsPort to metricsPort + 2 + decoders (engine/unit_layout.py:
 # metrics_block); the apiserver checks what the operator checks. It applies the fields'
 # defaults before it checks a rule, so all three are set.
@@ -526,6 +550,11 @@ class PDUnitSpec(_Api):
                     "rule": "!has(self.audio) || (has(self.codec) && self.codec != '')",
                     "message": "audio chunking needs a codec: set codec or remove audio",
                     "fieldPath": ".audio",
+                },
+                {
+                    "rule": "!has(self.codecConvTable) || (has(self.codec) && self.codec != '')",
+                    "message": _CODEC_CONV_TABLE_MESSAGE,
+                    "fieldPath": ".codecConvTable",
                 },
             ]
         }
@@ -682,6 +711,12 @@ class PDUnitSpec(_Api):
         json_schema_extra={"x-kubernetes-validations": [{"rule": _CODEC_RULE, "message": _CODEC_MESSAGE}]},
     )
     audio: AudioChunks | None = None
+    codec_conv_table: CodecConvTable | None = Field(
+        default=None,
+        description="The codec convolutions' launch tiles by shape, a table `pdunit bench codec --tune-conv` "
+        "wrote on the GPU model the unit runs on, from a ConfigMap key mounted read-only into every decode "
+        "engine (their --codec-conv-table). Needs codec. Read once at the engine's start: a table tuned on "
+        "another GPU model, or a cpu unit, runs the hand tiles (logged). Unset: the hand tiles.")
 
     @field_validator("codec")
     @classmethod
@@ -697,6 +732,13 @@ class PDUnitSpec(_Api):
         # a codec that failed its own check is not in info.data: named once, there
         if value is not None and "codec" in info.data and not info.data["codec"]:
             raise ValueError("audio chunking needs a codec: set codec or remove audio")
+        return value
+
+    @field_validator("codec_conv_table")
+    @classmethod
+    def _conv_table_needs_a_codec(cls, value: CodecConvTable | None, info: ValidationInfo) -> CodecConvTable | None:
+        if value is not None and "codec" in info.data and not info.data["codec"]:
+            raise ValueError(_CODEC_CONV_TABLE_MESSAGE)
         return value
 
     gpu_allocation: GpuAllocation | None = Field(

@@ -210,6 +210,8 @@ def _mounts(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
     if role == "proxy" and _proxy_mounts_devices(spec):
         mounts.append({"name": NVIDIA_ALL_GPUS_VOLUME, "mountPath": f"{m.NVIDIA_DEVICES_DIR}/all",
                        "readOnly": True})
+    if role == "decode" and spec.get("codecConvTable"):  # the file of _codec_conv_table_volume
+        mounts.append({"name": m.CODEC_CONV_TABLE_VOLUME, "mountPath": m.CODEC_CONV_TABLE_DIR, "readOnly": True})
     voices = spec.get("voices")
     if voices and role == "lb":  # claimName: the pod volume _voices_volume adds
         mounts.append({"name": voices.get("volume") or m.VOICES_CLAIM_VOLUME, "mountPath": m.VOICES_MOUNT_PATH,
@@ -230,6 +232,17 @@ def _voices_volume(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if (spec.get("voices") or {}).get("readOnly"):
         source["readOnly"] = True
     return [{"name": m.VOICES_CLAIM_VOLUME, "persistentVolumeClaim": source}]
+
+
+def _codec_conv_table_volume(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod volume of spec.codecConvTable: the one ConfigMap key, as the file
+    CODEC_CONV_TABLE_FILE names (every decode engine mounts its folder read-only)."""
+    table = spec.get("codecConvTable")
+    if not table:
+        return []
+    file = m.CODEC_CONV_TABLE_FILE.rsplit("/", 1)[1]
+    return [{"name": m.CODEC_CONV_TABLE_VOLUME,
+             "configMap": {"name": table["configMapName"], "items": [{"key": table["key"], "path": file}]}}]
 
 
 def folders_read(spec: dict[str, Any], role: str) -> list[str]:
@@ -444,6 +457,7 @@ def layout_of(spec: dict[str, Any]) -> UnitSpec:
         paths=UnitPaths(voices_token_file=VOICES_TOKEN_FILE if _voices_token_secret(spec) else None),
         audio_first_chunk_frames=(spec.get("audio") or {}).get("firstChunkFrames"),
         audio_chunk_frames=(spec.get("audio") or {}).get("chunkFrames"),
+        codec_conv_table=m.CODEC_CONV_TABLE_FILE if spec.get("codecConvTable") else "",
         extra_args={role: list(args or []) for role, args in (spec.get("extraArgs") or {}).items()},
     )
 
@@ -595,6 +609,7 @@ def desired_pod(unit: dict[str, Any], image_pull_secrets: Sequence[str] = ()) ->
                 for secret in [_voices_token_secret(spec)] if secret
             ),
             *_voices_volume(spec),
+            *_codec_conv_table_volume(spec),
             *(dict(v) for v in spec.get("volumes") or []),
         ],
     }

@@ -469,6 +469,8 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("examplePDUnitSet.decodeKernel=fp8_dots", "/examplePDUnitSet/decodeKernel"),
         ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
         ("examplePDUnitSet.codec=mimi", "/examplePDUnitSet/codec"),
+        ("examplePDUnitSet.codecConvTable.configMapName=Bad_Name", "/examplePDUnitSet/codecConvTable/configMapName"),
+        ("examplePDUnitSet.codecConvTable.key=", "/examplePDUnitSet/codecConvTable/key"),
         ("keda.targetInFlightPerUnit=0", "/keda/targetInFlightPerUnit"),
         ("operator.logLevel=loud", "/operator/logLevel"),
         ("images.operator.pullPolicy=Sometimes", "/images/operator/pullPolicy"),
@@ -558,6 +560,20 @@ def test_the_example_set_carries_a_codec_only_when_set() -> None:
     speaking = one(render(["--set", "examplePDUnitSet.model=random:csm-tiny:0",
                            "--set", "examplePDUnitSet.codec=random:mimi-tiny:0"]), "PDUnitSet")
     assert speaking["spec"]["template"]["spec"]["codec"] == "random:mimi-tiny:0"
+
+
+def test_the_example_set_carries_a_codec_conv_table_only_when_named_and_only_with_a_codec() -> None:
+    default = one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    assert "codecConvTable" not in default  # the key would change the template's hash
+    tuned = one(render(["--set", "examplePDUnitSet.model=random:csm-tiny:0",
+                        "--set", "examplePDUnitSet.codec=random:mimi-tiny:0",
+                        "--set", "examplePDUnitSet.codecConvTable.configMapName=codec-conv-h100"]), "PDUnitSet")
+    assert tuned["spec"]["template"]["spec"]["codecConvTable"] == {"configMapName": "codec-conv-h100",
+                                                                   "key": "codec-conv.json"}
+    out = run_helm("template", "rel", str(CHART), "--kube-version", kube_version(), *EXAMPLE_SET,
+                   "--set", "examplePDUnitSet.codecConvTable.configMapName=codec-conv-h100")
+    assert out.returncode != 0
+    assert "examplePDUnitSet.codecConvTable needs examplePDUnitSet.codec" in out.stderr, out.stderr
 
 
 def test_tracing_sets_the_routers_otlp_endpoint_and_the_example_sets_only_when_given() -> None:

@@ -126,6 +126,36 @@ def test_the_crd_refuses_a_bad_codec_naming_the_field(control_plane: ControlPlan
         assert out.returncode != 0 and f"{field}:" in out.stderr and words in out.stderr, (spec, out.stderr)
 
 
+def test_the_crd_refuses_a_bad_codec_conv_table_and_a_good_one_reaches_the_decode_engine(
+    control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
+) -> None:
+    speaking = {"model": "random:csm-tiny:0", "codec": "random:mimi-tiny:0"}
+    cases = [
+        ({"codecConvTable": {"configMapName": "t", "key": "k.json"}}, "spec.codecConvTable", "need a codec"),
+        ({**speaking, "codecConvTable": {"configMapName": "", "key": "k.json"}},
+         "spec.codecConvTable.configMapName", "should be at least 1 chars long"),
+        ({**speaking, "codecConvTable": {"configMapName": "t", "key": ""}},
+         "spec.codecConvTable.key", "should be at least 1 chars long"),
+        ({**speaking, "codecConvTable": {"configMapName": "t"}}, "spec.codecConvTable.key", "Required value"),
+    ]
+    for i, (spec, field, words) in enumerate(cases):
+        out = control_plane.kubectl("apply", "-n", namespace, "-f", "-", check=False,
+                                    input=unit(f"bad-table-{i}", **spec))
+        assert out.returncode != 0 and f"{field}:" in out.stderr and words in out.stderr, (spec, out.stderr)
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=unit(
+        "tuned", **speaking, codecConvTable={"configMapName": "codec-conv-h100", "key": "h100.json"}))
+    pod = wait_for(lambda: get_pod(api, namespace, "tuned"), 30, "pod tuned",
+                   describe=lambda: (get_unit(api, namespace, "tuned") or {}).get("status"))
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "codec-conv-table"]
+    assert volume["configMap"]["name"] == "codec-conv-h100"
+    assert volume["configMap"]["items"] == [{"key": "h100.json", "path": "codec-conv.json"}]
+    decode = next(c for c in pod["spec"]["containers"] if c["name"] == "decode")
+    assert {"name": "codec-conv-table", "mountPath": "/etc/pdunit/codec-conv", "readOnly": True} in [
+        {k: mt[k] for k in ("name", "mountPath", "readOnly") if k in mt} for mt in decode["volumeMounts"]]
+    argv = decode["command"]
+    assert argv[argv.index("--codec-conv-table") + 1] == "/etc/pdunit/codec-conv/codec-conv.json"
+
+
 def test_a_speaking_unit_gets_a_pod_whose_lb_reads_the_checkpoint_from_the_engines_volume(
     control_plane: ControlPlane, api: Any, kubelet: Kubelet, namespace: str
 ) -> None:
