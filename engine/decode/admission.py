@@ -130,10 +130,11 @@ class RateFloorAdmission:
     def life_judge(self, held: Sequence[HeldStream], new: HeldStream, new_stall_ms: float = 0.0,
                    prefill_rows: float = 0.0, charge_ms_per_stream: float = 0.0) -> Verdict:
         """The whole-life check (the comment above the class): refuses when the new
-        stream, its prefill (`new_stall_ms`, charged to the held streams that wait for it)
-        and its steps would take a held stream (or the new one) from its floor over its
-        whole life to under it. Admits without computing anything when no held stream has
-        a life so far or a stall and the new prompt stalls no one: the worst step decides."""
+        stream, its prefill (`new_stall_ms`, each held stream charged its
+        `new_stall_share`) and its steps would take a held stream (or the new one) from
+        its floor over its whole life to under it. Admits without computing anything when
+        no held stream has a life so far or a stall and the new prompt stalls no one: the
+        worst step decides."""
         budget = self.budget_ms()
         if not self.lives_matter(held, new_stall_ms):
             return Verdict(True, 0.0, budget, 0)
@@ -170,7 +171,7 @@ class RateFloorAdmission:
         # the future steps that fall after the first frame: all of a started stream's; a
         # waiting one's first step brings its first frame
         future = np.where(started, 1.0, np.where(left > 0, np.maximum(left - 1, 0) / np.maximum(left, 1), 0.0))
-        charged = streams.stall + new_stall_ms * streams.stalled
+        charged = streams.stall + new_stall_ms * streams.new_share
         n = len(before)
         with_new = streams.elapsed + life_ms(coef, streams, prefill_rows) * future + charged
         without = before.elapsed + life_ms(coef, before, prefill_rows) * future[:n] + before.stall
@@ -263,8 +264,8 @@ class AdmissionControl:
               prefill_rows: float = 0.0, audio: bool = False, new_stall_ms: float = 0.0) -> Verdict:
         """The verdict on a new stream (`audio`: its frames are decoded by the codec);
         `held`: (context, frames left[, audio]) of each held stream, or HeldStreams with
-        their lives so far and the prefills they wait for; `new_stall_ms`: what the new
-        prompt's prefill adds to the stall of those `stalled_by_new`. An admitted one
+        their lives so far and the prefills they wait for; `new_stall_ms`: the new
+        prompt's prefill, of which each waits for its `new_stall_share`. An admitted one
         becomes part of the typical mix."""
         streams = [held_stream(h) for h in held]
         v = self.verdict(streams, HeldStream(prompt_tokens, max_frames, audio), prefill_rows, new_stall_ms)
@@ -332,10 +333,10 @@ class AdmissionControl:
     # O(log k) projections. The k-th is refused at the first k where the worst step breaks
     # or some stream's life with it breaks, among the held streams not already lost
     # without any (one that breaks at k was inside its floor at k - 1, so the verdict
-    # judges it) and every typical one: each stream's life only grows with k. Unplanned
-    # prompts are charged only by a k that opens a step, so their worst is at the last k
-    # that opened one: that k is judged too. The worst step's count comes first (one
-    # cheap projection a probe); the lives are searched under it only when it breaks them.
+    # judges it) and every typical one: each stream's life only grows with k (more
+    # streams, and more rows queued ahead of the new prompt only add steps after anyone's
+    # first frame). The worst step's count comes first (one cheap projection a probe);
+    # the lives are searched under it only when it breaks them.
     def life_headroom(self, pending: PendingPrefills, typical: HeldStream, limit: int) -> int:
         """How many prompts like `typical` `verdict` would admit one after another with
         the prefills `pending` (at most `limit`)."""
@@ -356,17 +357,13 @@ class AdmissionControl:
             t = admission.life_times(first, typical, 0.0, 0.0, charge, budget)
             lost = t.judged[:n] & (t.without > t.allowed[:n])
 
-        def life_breaks(k: int) -> bool:
+        def lives_fit(k: int) -> bool:
             held, new_stall_ms = pending.lives(coef, typical, k - 1)
             if not admission.lives_matter(held, new_stall_ms):
-                return False
+                return True
             t = admission.life_times(held, typical, new_stall_ms, 0.0, charge, budget)
             broken = t.judged & (t.with_new > t.allowed)
-            return bool((broken[:n] & ~lost).any() or broken[n:].any())
-
-        def lives_fit(k: int) -> bool:
-            opened = pending.opened_last(typical.context, k)
-            return not (life_breaks(k) or (0 < opened < k and life_breaks(opened)))
+            return not bool((broken[:n] & ~lost).any() or broken[n:].any())
 
         if lives_fit(room):
             return room

@@ -28,8 +28,9 @@ class HeldStream:
     Where the engine knows them (the prefill-first monolith), its life so far and the
     prefills it will wait for: `frames_out` (0: no frame out yet), `elapsed_ms` from its
     first frame's step to the engine's last published step, `stall_ms` of prefill-only
-    steps already admitted that it will wait for, and whether the new prompt's prefill
-    would stall it too (`stalled_by_new`): `RateFloorAdmission.life_judge`."""
+    steps already admitted that it will wait for, and the share of the new prompt's
+    prefill that it would wait for too (`new_stall_share`, 0 to 1):
+    `RateFloorAdmission.life_judge`."""
 
     context: int
     frames_left: int
@@ -37,7 +38,7 @@ class HeldStream:
     frames_out: int = 0
     elapsed_ms: float = 0.0
     stall_ms: float = 0.0
-    stalled_by_new: bool = False
+    new_stall_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Lives:
     out: np.ndarray
     elapsed: np.ndarray
     stall: np.ndarray
-    stalled: np.ndarray
+    new_share: np.ndarray
 
     @classmethod
     def of(cls, streams: Sequence[HeldStream] | Lives) -> Lives:
@@ -98,19 +99,19 @@ class Lives:
                    np.array([s.frames_out for s in streams], dtype=np.float64),
                    np.array([s.elapsed_ms for s in streams], dtype=np.float64),
                    np.array([s.stall_ms for s in streams], dtype=np.float64),
-                   np.array([s.stalled_by_new for s in streams], dtype=np.float64))
+                   np.array([s.new_stall_share for s in streams], dtype=np.float64))
 
     @classmethod
     def repeat(cls, stream: HeldStream, k: int) -> Lives:
         """`k` streams like `stream`."""
         return cls(np.full(k, float(stream.context)), np.full(k, stream.frames_left, dtype=np.int64),
                    np.full(k, float(stream.audio)), np.full(k, float(stream.frames_out)),
-                   np.full(k, stream.elapsed_ms), np.full(k, stream.stall_ms), np.full(k, float(stream.stalled_by_new)))
+                   np.full(k, stream.elapsed_ms), np.full(k, stream.stall_ms), np.full(k, stream.new_stall_share))
 
     @classmethod
     def join(cls, parts: Sequence[Lives]) -> Lives:
         return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in (
-            "context", "left", "audio", "out", "elapsed", "stall", "stalled")))
+            "context", "left", "audio", "out", "elapsed", "stall", "new_share")))
 
     def __len__(self) -> int:
         return len(self.left)
@@ -174,11 +175,16 @@ def life_ms(model: StepCoefficients, streams: Sequence[HeldStream] | Lives, pref
 class PendingPrefills:
     """The prefill-first monolith's held streams and the prefill-only steps they will wait
     for (`life_judge`). Prompts in a step now form one step of `in_step_rows`; the
-    unplanned ones the next FIFO steps of up to `step_rows`, which a new prompt joins (its
-    rows) or opens (each step it opens adds the step's base). `waiting_all` (decoding
-    streams, prompts prefilled and about to run) wait for every step; `in_step` prompts
-    for the unplanned steps and the new one; `unplanned` ones only for a step the new
-    prompt opens. The streams carry their lives so far, no stall: `held` prices it."""
+    unplanned ones, FIFO, the next steps of up to `step_rows` (a prompt's rows may span
+    two), which a new prompt joins (its rows) or opens (each step it opens adds the
+    step's base). `waiting_all` (decoding streams, prompts prefilled and about to run)
+    wait for every step. A prompt waits for the steps after its own (`in_step`: every
+    unplanned one), the new one's included: its first frame may go out as its own step
+    ends (the overlap pipeline publishes it after the next step and decodes between
+    prefill steps). With `first_frames_after_queue` (the plain loop: a prompt's first
+    frame goes out with the first decode step after every queued prompt is prefilled)
+    a prompt waits for none. The streams carry their lives so far, no stall: `held`
+    prices it."""
 
     waiting_all: tuple[HeldStream, ...]
     in_step: tuple[HeldStream, ...]
@@ -186,6 +192,7 @@ class PendingPrefills:
     in_step_rows: int
     unplanned_rows: int
     step_rows: int
+    first_frames_after_queue: bool = False
 
     def __len__(self) -> int:
         return len(self.waiting_all) + len(self.in_step) + len(self.unplanned)
@@ -194,46 +201,54 @@ class PendingPrefills:
              queued: Sequence[HeldStream] = ()) -> tuple[list[HeldStream], float]:
         """The held streams with the stalls they will wait for, priced at the model's
         prefill-only step (base + per-row term), and the stall the new prompt's prefill
-        of `new_rows` adds for those `stalled_by_new`; `queued`: prompts admitted after
-        these (unplanned, their context their rows), last in the list."""
-        waiting_ms, in_step_ms, opened = self.stalls(coef, new_rows, sum(q.context for q in queued))
-        held = [replace(s, stall_ms=waiting_ms, stalled_by_new=True) for s in self.waiting_all]
-        held += [replace(s, stall_ms=in_step_ms, stalled_by_new=True) for s in self.in_step]
-        held += [replace(s, stall_ms=0.0, stalled_by_new=opened > 0) for s in (*self.unplanned, *queued)]
-        return held, opened * coef.base_ms + coef.per_row_ms * new_rows
-
-    def stalls(self, coef: StepCoefficients, new_rows: int, queued_rows: int = 0) -> tuple[float, float, int]:
-        """(stall of `waiting_all`, of `in_step`, steps the new prompt opens) with
-        `queued_rows` more unplanned."""
-        limit = max(self.step_rows, 1)
-        rows = self.unplanned_rows + queued_rows
-        steps = -(-rows // limit)
-        unplanned_ms = steps * coef.base_ms + coef.per_row_ms * rows
-        in_step_ms = coef.base_ms + coef.per_row_ms * self.in_step_rows if self.in_step_rows else 0.0
-        return in_step_ms + unplanned_ms, unplanned_ms, -(-(rows + new_rows) // limit) - steps
+        of `new_rows` adds (each stream waits for its `new_stall_share` of it); `queued`:
+        prompts admitted after these (unplanned, their context their rows), last in the
+        list."""
+        stall, share, new_stall_ms = self.stalls(coef, new_rows, [q.context for q in queued])
+        streams = [*self.waiting_all, *self.in_step, *self.unplanned, *queued]
+        return [replace(s, stall_ms=float(a), new_stall_share=float(b))
+                for s, a, b in zip(streams, stall, share, strict=True)], new_stall_ms
 
     def lives(self, coef: StepCoefficients, typical: HeldStream, queued: int) -> tuple[Lives, float]:
         """`held` for a new prompt like `typical` with `queued` of them queued, as arrays."""
-        waiting_ms, in_step_ms, opened = self.stalls(coef, typical.context, queued * typical.context)
-        waiting, in_step, unplanned = len(self.waiting_all), len(self.in_step), len(self.unplanned) + queued
+        stall, share, new_stall_ms = self.stalls(coef, typical.context, [typical.context] * queued)
         lives = Lives.join([self._base_lives, Lives.repeat(typical, queued)])
-        lives = replace(lives, stall=np.concatenate([np.full(waiting, waiting_ms), np.full(in_step, in_step_ms),
-                                                     np.zeros(unplanned)]),
-                        stalled=np.concatenate([np.ones(waiting + in_step), np.full(unplanned, float(opened > 0))]))
-        return lives, opened * coef.base_ms + coef.per_row_ms * typical.context
+        return replace(lives, stall=stall, new_share=share), new_stall_ms
+
+    def stalls(self, coef: StepCoefficients, new_rows: int,
+               queued_rows: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, float]:
+        """Per held stream, then per prompt of `queued_rows` queued after them: the stall
+        of the prefill-only steps it will wait for and its share of the new prompt's; and
+        the new prompt's stall (what `waiting_all` waits for more)."""
+        limit = max(self.step_rows, 1)
+        queued = np.asarray(queued_rows, dtype=np.int64)
+        rows = self.unplanned_rows + int(queued.sum())
+
+        def steps_from(first: np.ndarray | int, total: int) -> np.ndarray:
+            """The unplanned steps from the `first`-th on (1: all) of `total` rows, priced."""
+            steps = np.maximum(0, -(-total // limit) - (np.asarray(first) - 1))
+            return steps * coef.base_ms + coef.per_row_ms * np.maximum(0, total - (np.asarray(first) - 1) * limit)
+
+        # The first unplanned step each stream waits for: every one for `waiting_all` and
+        # `in_step`; for a queued prompt the step after its last row's, found from the
+        # back (a prompt after the first with rows left is all unplanned, FIFO; a cached
+        # prefix counts too, so the step found is never later than its own).
+        sizes = np.concatenate([np.array([u.context for u in self.unplanned], dtype=np.int64), queued])
+        ends = rows - (np.cumsum(sizes[::-1])[::-1] - sizes)
+        waiting, in_step = len(self.waiting_all), len(self.in_step)
+        first = np.concatenate([np.ones(waiting + in_step, dtype=np.int64), np.maximum(1, -(-ends // limit) + 1)])
+        stall, with_new = steps_from(first, rows), steps_from(first, rows + new_rows)
+        if self.first_frames_after_queue:  # a prompt's first frame goes out after every queued prefill
+            stall[waiting:] = with_new[waiting:] = 0.0
+        new_stall_ms = float(steps_from(1, rows + new_rows) - steps_from(1, rows))
+        share = (with_new - stall) / new_stall_ms if new_stall_ms > 0 else np.zeros(len(stall))
+        if self.in_step_rows:  # the step under way: only `waiting_all` waits for it
+            stall[:waiting] += coef.base_ms + coef.per_row_ms * self.in_step_rows
+        return stall, share, new_stall_ms
 
     @cached_property
     def _base_lives(self) -> Lives:
         return Lives.of([*self.waiting_all, *self.in_step, *self.unplanned])
-
-    def opened_last(self, rows: int, k: int) -> int:
-        """Of `k` prompts of `rows` rows queued one after another, the last that opened a
-        step (0: none did)."""
-        limit, rows = max(self.step_rows, 1), max(rows, 1)
-        before, after = -(-self.unplanned_rows // limit), -(-(self.unplanned_rows + k * rows) // limit)
-        if after == before:
-            return 0
-        return ((after - 1) * limit - self.unplanned_rows) // rows + 1
 
 
 @dataclass(frozen=True)

@@ -248,12 +248,12 @@ class MonolithEngine:
 
     def _pending_prefills(self) -> PendingPrefills:
         """Under `_admitted_lock`, prefill-first: the held streams and the prefills they
-        will wait for (the whole-life check, engine/decode/admission.py). Prompts prefill
-        in FIFO steps of up to `max_batch_rows`: those in a step now (planned) form one
-        step, the unplanned ones the next steps. A decoding stream, and a prompt
-        prefilled and about to run, waits for all of them; an admitted prompt in a step
-        now for the unplanned ones; an unplanned one only for a step a new prompt opens
-        after its own."""
+        will wait for (the whole-life check, engine/decode/stream_lives.py). Prompts
+        prefill in FIFO steps of up to `max_batch_rows`: those in a step now (planned)
+        form one step, the unplanned ones the next steps. A decoding stream, and a prompt
+        prefilled and about to run, waits for all of them; an admitted prompt for the
+        steps after its own with the overlap pipeline (it publishes a first frame after
+        the next step), for none in the plain loop (after every queued prompt's)."""
         with self._lock:
             planned = {p.job.request_id: (p.planned_rows, p.done_rows) for p in self.prefilling}
         in_step_rows = unplanned_rows = 0
@@ -283,7 +283,8 @@ class MonolithEngine:
             else:
                 (waiting_in_step if rid in in_step else unplanned).append(stream)
         return PendingPrefills(tuple(waiting_all), tuple(waiting_in_step), tuple(unplanned), in_step_rows,
-                               unplanned_rows, max(self.max_batch_rows, 1))
+                               unplanned_rows, max(self.max_batch_rows, 1),
+                               first_frames_after_queue=self.overlap is None)
 
     def prefill_rows_per_step(self) -> float:
         """The prompt rows admission charges every projected step whatever its streams:

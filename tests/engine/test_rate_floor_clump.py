@@ -29,6 +29,7 @@ from pdunit.engine.kv.pool import PagePool
 from pdunit.engine.local import LocalConfig, LocalUnit
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.sampling import SamplingParams
+from pdunit.engine.monolith import worker
 from pdunit.engine.monolith.worker import MonolithEngine
 from pdunit.engine.prefill.scheduler import PrefillJob
 from pdunit.engine.proto import pdunit_pb2 as pb
@@ -67,9 +68,9 @@ def test_a_stall_that_breaks_a_fresh_streams_life_is_refused_where_the_worst_ste
     ctl = control()
     fresh = HeldStream(17, 39, frames_out=1, elapsed_ms=0.0)
     assert ctl.judge([fresh], 16, 40).admit
-    assert ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, stalled_by_new=True)], 16, 40,
+    assert ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, new_stall_share=1.0)], 16, 40,
                      new_stall_ms=40.0).admit
-    v = ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, stalled_by_new=True)], 16, 40,
+    v = ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, new_stall_share=1.0)], 16, 40,
                   new_stall_ms=60.0)
     assert not v.admit and v.life_fps == pytest.approx(39 / (2925 + 1960) * 1000, rel=1e-6)
     assert v.stall_ms == pytest.approx(1960.0) and "1960 ms" in v.reason()
@@ -84,17 +85,17 @@ def test_a_stream_with_banked_slack_lets_in_a_prompt_a_fresh_one_would_not() -> 
     would end at 20 / (20 x 75 + 1,100) = 7.7 frames/s; one that delivered its first 21
     frames at 12.5 frames/s ends at 40 / (1,600 + 1,500 + 1,100) = 9.5."""
     ctl = control()
-    fresh = HeldStream(21, 20, frames_out=1, stall_ms=1040.0, stalled_by_new=True)
-    banked = HeldStream(41, 20, frames_out=21, elapsed_ms=1600.0, stall_ms=1040.0, stalled_by_new=True)
+    fresh = HeldStream(21, 20, frames_out=1, stall_ms=1040.0, new_stall_share=1.0)
+    banked = HeldStream(41, 20, frames_out=21, elapsed_ms=1600.0, stall_ms=1040.0, new_stall_share=1.0)
     assert not ctl.judge([fresh], 16, 20, new_stall_ms=60.0).admit
     assert ctl.judge([banked], 16, 20, new_stall_ms=60.0).admit
     # one that ran behind the floor (20 frames in 2.6 s, 7.7 frames/s) but would catch up
     # alone (2,600 + 20 x 67.5 = 3,950 ms for 40 frames) is not let fall under it
-    behind = HeldStream(41, 20, frames_out=21, elapsed_ms=2600.0, stall_ms=1040.0, stalled_by_new=True)
+    behind = HeldStream(41, 20, frames_out=21, elapsed_ms=2600.0, stall_ms=1040.0, new_stall_share=1.0)
     assert not ctl.judge([behind], 16, 20, new_stall_ms=60.0).admit
     # one already lost whatever comes (4 s for its first 21 frames: 4,000 + 1,350 + 1,040 >
     # 5,000 even alone) does not hold every new stream back for the rest of its life
-    lost = HeldStream(41, 20, frames_out=21, elapsed_ms=4000.0, stall_ms=1040.0, stalled_by_new=True)
+    lost = HeldStream(41, 20, frames_out=21, elapsed_ms=4000.0, stall_ms=1040.0, new_stall_share=1.0)
     assert ctl.judge([lost], 16, 20, new_stall_ms=60.0).admit
 
 
@@ -105,6 +106,32 @@ def test_without_lives_or_stalls_the_verdicts_are_the_worst_steps() -> None:
     held = [(100, 40)] * 8  # 60 + 7.5 x 9 = 127.5 ms > 125
     assert not ctl.judge(held, 16, 40).admit and ctl.judge(held[:7], 16, 40).admit
     assert ctl.judge(held[:7], 16, 40).life_fps == 0.0
+
+
+def queued(n: int) -> PendingPrefills:
+    """`n` prompts like the clump's queued, nothing decoding, one prompt a prefill step."""
+    return PendingPrefills((), (), (HeldStream(CLUMP_ROWS, 40),) * n, 0, n * CLUMP_ROWS, CLUMP_ROWS)
+
+
+def test_a_queued_prompt_is_charged_the_prefills_queued_after_it() -> None:
+    """Several prompts admitted and not yet prefilled, a new one arrives. Five 448-row
+    prompts queued (448-row steps: one a step, 60 + 168 ms), none decoding yet. Where a
+    prompt's first frame goes out as its own prefill step ends (the overlap pipeline;
+    `PendingPrefills`' default) the first one then waits for the steps of the four
+    queued after it and the sixth's: with six streams of 105-ms steps its life is
+    39 x 105 + 5 x 228 = 5,235 ms against the 4,875 its 39 frames are allowed (7.45
+    frames/s): the sixth is refused. With five, 39 x 97.5 + 4 x 228 = 4,715: admitted.
+    Charged only the step the new prompt opens (228 ms), the sixth and seventh went in
+    (the worst step alone admits eight: 60 + 7.5 x 8 = 120 ms)."""
+    typical = HeldStream(CLUMP_ROWS, 40)
+    ctl = control(typical=typical)
+    held, stall = queued(4).held(PAD, CLUMP_ROWS)
+    assert ctl.verdict(held, typical, 0.0, stall).admit
+    held, stall = queued(5).held(PAD, CLUMP_ROWS)
+    v = ctl.verdict(held, typical, 0.0, stall)
+    assert not v.admit and v.life_fps == pytest.approx(39 / 5235 * 1000, rel=1e-6), v
+    assert v.stall_ms == pytest.approx(5 * 228.0)
+    assert ctl.headroom(queued(0)) == 5 and ctl.headroom(queued(4)) == 1 and ctl.headroom(queued(5)) == 0
 
 
 def one_after_another(ctl: AdmissionControl, pending: PendingPrefills, typical: HeldStream) -> int:
@@ -119,8 +146,8 @@ def one_after_another(ctl: AdmissionControl, pending: PendingPrefills, typical: 
 
 def test_headroom_with_pending_prefills_is_what_the_verdicts_would_admit_one_after_another() -> None:
     """Random held sets of decoding streams (some ahead of the floor, some behind, some
-    lost), prompts in a prefill step now and unplanned ones, random step sizes: the
-    O(log k) search equals judging typical prompts one by one."""
+    lost), prompts in a prefill step now and unplanned ones, random step sizes, either
+    loop: the O(log k) search equals judging typical prompts one by one."""
     rng = np.random.default_rng(21)
     nonzero = 0
     for _ in range(300):
@@ -141,7 +168,7 @@ def test_headroom_with_pending_prefills_is_what_the_verdicts_would_admit_one_aft
         unplanned = tuple(prompt() for _ in range(int(rng.integers(0, 4))))
         pending = PendingPrefills(tuple(decoding() for _ in range(int(rng.integers(0, 8)))), in_step, unplanned,
                                   sum(p.context for p in in_step), sum(p.context for p in unplanned),
-                                  int(rng.integers(64, 2048)))
+                                  int(rng.integers(64, 2048)), first_frames_after_queue=bool(rng.integers(0, 2)))
         want = max(one_after_another(ctl, pending, typical), 1 if not len(pending) else 0)
         assert ctl.headroom(pending) == want, (coef, typical, pending)
         nonzero += want > 0
@@ -166,15 +193,26 @@ def test_headroom_counts_the_pending_prefills_the_verdict_refuses_for(engine: Mo
     assert engine.headroom() == 0
 
 
-@pytest.fixture
-def engine():
-    loop = asyncio.new_event_loop()
+def make_engine(loop: asyncio.AbstractEventLoop, overlap: bool = False, max_batch_rows: int = 4096,
+                admission: AdmissionControl | None = None) -> MonolithEngine:
+    """A prefill-first monolith of the tiny model on CPU, stepped by the test: the plain
+    loop, or the overlap pipeline (the GPU default)."""
     model = load_model("random:tiny:0", device="cpu")
-    engine = MonolithEngine(model, "random:tiny:0", PagePool(16384, 1), model.new_kv_storage(16384),
-                            FrameHub(loop), "prefill-first", chunk_tokens=256, max_batch=16,
-                            max_batch_rows=4096, admission=control())
-    yield engine
+    return MonolithEngine(model, "random:tiny:0", PagePool(16384, 1), model.new_kv_storage(16384),
+                          FrameHub(loop), "prefill-first", chunk_tokens=256, max_batch=16,
+                          max_batch_rows=max_batch_rows, admission=admission or control(), overlap=overlap)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
     loop.close()
+
+
+@pytest.fixture
+def engine(loop: asyncio.AbstractEventLoop) -> MonolithEngine:
+    return make_engine(loop)
 
 
 def submit(engine: MonolithEngine, rid: int, rows: int, frames: int, replies: dict[int, pb.SubmitReply]) -> bool:
@@ -208,31 +246,98 @@ def test_a_clump_admitted_before_any_prefill_is_charged_its_prefills(engine: Mon
     assert set(engine._admitted) == {2, 3, 4, 5} and set(engine._unprefilled) == {2, 3, 4, 5}
 
 
-def test_a_prompt_in_a_prefill_step_now_waits_for_the_next_one(engine: MonolithEngine) -> None:
-    """A prompt whose prefill step is under way decodes before the next step's prompts
-    prefill: it waits for them (a step's base and rows), where the unplanned prompts that
-    share the next step do not wait for each other."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_which_prefills_a_prompt_in_a_step_now_and_a_queued_one_wait_for(
+        loop: asyncio.AbstractEventLoop, overlap: bool) -> None:
+    """Prompt 2's prefill step is under way, prompt 3 is queued for the next step and a
+    new prompt would join that step (its rows alone) or, too long to share it, open one
+    more. Stream 1 decoding waits for both steps and the new prompt's. On the overlap
+    pipeline prompt 2 waits for the next step and the new prompt's, and prompt 3 only
+    for the step the long one opens after its own (448 of its rows and the base); on the
+    plain loop neither waits for any."""
+    engine = make_engine(loop, overlap=overlap)
     replies: dict[int, pb.SubmitReply] = {}
     first_stream_decoding(engine, replies)
     assert submit(engine, 2, CLUMP_ROWS, 40, replies)
     engine._admit_waiting()
     assert engine._plan_chunks(4096)  # prompt 2's step is under way
     assert submit(engine, 3, CLUMP_ROWS, 40, replies)
+    step = 60 + 0.375 * CLUMP_ROWS
     with engine._admitted_lock:
-        held, new_stall = engine._held_with_stalls(CLUMP_ROWS)
-    by_context = {(h.context, h.frames_left): h for h in held if isinstance(h, HeldStream)}
-    running = by_context[(17, 39)]
-    in_step = [h for h in held if isinstance(h, HeldStream) and h.frames_out == 0 and h.stall_ms > 0]
+        (running, in_step, queued), new_stall = engine._held_with_stalls(CLUMP_ROWS)
     assert new_stall == pytest.approx(0.375 * CLUMP_ROWS)  # joins prompt 3's step: its rows only
-    assert running.stall_ms == pytest.approx(2 * (60 + 0.375 * CLUMP_ROWS)) and running.stalled_by_new
-    assert len(in_step) == 1 and in_step[0].stall_ms == pytest.approx(60 + 0.375 * CLUMP_ROWS)
-    unplanned = [h for h in held if isinstance(h, HeldStream) and h.frames_out == 0 and h.stall_ms == 0]
-    assert len(unplanned) == 1 and not unplanned[0].stalled_by_new
-    # a prompt too long to share the next step opens one: everyone waits for it, base too
+    assert isinstance(running, HeldStream) and running.frames_out == 1
+    assert running.stall_ms == pytest.approx(2 * step) and running.new_stall_share == 1.0
+    assert isinstance(in_step, HeldStream) and isinstance(queued, HeldStream)
+    assert (in_step.stall_ms, in_step.new_stall_share) == ((pytest.approx(step), 1.0) if overlap else (0.0, 0.0))
+    assert (queued.stall_ms, queued.new_stall_share) == (0.0, 0.0)
     with engine._admitted_lock:
-        held, new_stall = engine._held_with_stalls(4096)
-    assert new_stall == pytest.approx(60 + 0.375 * 4096)
-    assert all(h.stalled_by_new for h in held if isinstance(h, HeldStream))
+        (running, in_step, queued), new_stall = engine._held_with_stalls(4096)
+    assert new_stall == pytest.approx(60 + 0.375 * 4096)  # fills the next step, opens one more
+    assert isinstance(running, HeldStream) and running.new_stall_share == 1.0
+    assert isinstance(in_step, HeldStream) and in_step.new_stall_share == (1.0 if overlap else 0.0)
+    assert isinstance(queued, HeldStream)
+    assert queued.new_stall_share * new_stall == (pytest.approx(step) if overlap else 0.0)
+
+
+# A price of 1,000 ms a prefill-only step and 1 ms a row: a stream's charge counts the
+# steps and rows it is charged for.
+PRICE = StepCoefficients(base_ms=1000.0, per_stream_ms=0.0, per_token_ms=0.0, per_row_ms=1.0)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_each_stream_is_charged_the_prefill_steps_its_life_waits_for(
+        loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+    """The whole-life check's charges against the monolith's own loop: stream 1 decoding,
+    prompts 2-6 queued (448 rows, one a prefill step) and prompt 7 judged. Each held
+    stream is charged the prefill steps that the loop then runs between the stream's
+    first and last frames (those launched in the iteration that publishes its first
+    frame, or later, and before the one that publishes its last): stream 1 all six. The
+    plain loop publishes the queued prompts' first frames with the first decode step
+    after all of them are prefilled: none. The overlap pipeline publishes each as the
+    step after its own ends, and decodes between prefill steps: each waits for the
+    prompts queued after it."""
+    engine = make_engine(loop, overlap=overlap, max_batch_rows=CLUMP_ROWS, admission=AdmissionControl(
+        RateFloorAdmission(StepModel(PRICE, fixed=True), 1e-3, margin=0.0), HeldStream(CLUMP_ROWS, 40)))
+    replies: dict[int, pb.SubmitReply] = {}
+    first_stream_decoding(engine, replies)
+    for rid in range(2, 7):
+        assert submit(engine, rid, CLUMP_ROWS, 40, replies)
+    with engine._admitted_lock:
+        held, new_stall = engine._pending_prefills().held(PRICE, CLUMP_ROWS)
+    charged = [h.stall_ms + new_stall * h.new_stall_share for h in held]
+    assert submit(engine, 7, CLUMP_ROWS, 40, replies)
+
+    iteration, prefills, published = 0, [], []
+    publish_step = worker.publish_step
+
+    def publish(hub: FrameHub, step: int, out: Any, codec: Any = None) -> Any:
+        published.append((iteration, {int(i) for i in out.request_ids}))
+        return publish_step(hub, step, out, codec)
+
+    plan_chunks = engine._plan_chunks
+
+    def plan(budget: int) -> Any:
+        chunks = plan_chunks(budget)
+        if chunks:
+            prefills.append((iteration, sum(c.end - c.start for _, c in chunks)))
+        return chunks
+
+    monkeypatch.setattr(worker, "publish_step", publish)
+    monkeypatch.setattr(engine, "_plan_chunks", plan)
+    while len(engine.batcher) or engine.prefilling or len(engine.waiting):
+        iteration += 1
+        assert iteration < 400
+        engine._step_once()
+    assert [rows for _, rows in prefills] == [CLUMP_ROWS] * 6
+
+    def waited_for(rid: int) -> float:
+        frames = [i for i, ids in published if rid in ids]
+        first = 0 if rid == 1 else frames[0]
+        return sum(PRICE.base_ms + rows * PRICE.per_row_ms for i, rows in prefills if first <= i < frames[-1])
+
+    assert [waited_for(rid) for rid in range(1, 7)] == pytest.approx(charged)
+    assert waited_for(1) == pytest.approx(6 * 1448.0) and waited_for(7) == 0.0
 
 
 # The open-loop repro (docs/admission.md "Open-loop clumps"): a real monolith unit padded to
