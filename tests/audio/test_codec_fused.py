@@ -61,7 +61,10 @@ SCRIPT = textwrap.dedent("""
         out["convs"][name] = worst
 
     # every tile candidate, on shapes wide enough that none is cut to another (128 in, 256
-    # out) and on one that fits no tile (40 in, 24 out: masked channels and columns)
+    # out) and on one that fits no tile (40 in, 24 out: masked channels and columns). The
+    # wide shape's launches are the costly ones under the interpreter: there each candidate
+    # runs fp32 with 1 new row (fewer than the context) and fp16 with 5; the narrow one runs
+    # every dtype with every call length
     out["tiles"] = {}
     for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)):
         # weights fp16 holds exactly: the float32 torch form is the reference of both dtypes
@@ -69,6 +72,8 @@ SCRIPT = textwrap.dedent("""
                           dilation=dilation)
         for dtype in (torch.float32, torch.float16):
             for t in (1, 5):
+                if cin == 128 and t != (1 if dtype == torch.float32 else 5):
+                    continue
                 x, state = torch.randn(3, t, cin).to(dtype), torch.randn(3, conv.state_values).to(dtype)
                 res = torch.randn(3, t, n).to(dtype)
                 want_next = state.clone()
@@ -125,7 +130,6 @@ SCRIPT = textwrap.dedent("""
         return {"worst": worst, "peak": peak, "vs_one_shot": vs_one_shot,
                 "replays": ker.graphs.replays if graphs else 0}
 
-    out["fp32"] = decoders(torch.float32, False)
     out["fp32-graphs"] = decoders(torch.float32, True)
     out["fp16"] = decoders(torch.float16, False)
     print(json.dumps(out))
@@ -155,7 +159,8 @@ def test_every_convolution_form_fused_equals_its_torch_form_and_writes_the_same_
 
 def test_every_tile_candidate_equals_the_torch_form_in_fp32_and_fp16(interpreted: dict) -> None:
     """Each of CONV_CANDIDATES as `--tune-conv` times it: a 3-tap conv with ELU, bias,
-    residual and context, 1 and 5 new rows; fp16 against the float32 torch form."""
+    residual and context, fp32 with 1 new row and fp16 (against the float32 torch form)
+    with 5; a shape no tile fits, each dtype with 1 and 5."""
     tiles = interpreted["tiles"]
     assert len([k for k in tiles if k.startswith("128x256")]) == len(codec_fused.CONV_CANDIDATES)
     assert {k.split()[1] for k in tiles if k.startswith("128x256")} == {c.text() for c in codec_fused.CONV_CANDIDATES}
@@ -167,10 +172,12 @@ def test_int16_pcm_fused_is_bit_for_bit_the_torch_conversion(interpreted: dict) 
     assert interpreted["pcm16"] == [True, True, True]
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32-graphs", "fp16"])
+@pytest.mark.parametrize("case", ["fp32-graphs", "fp16"])
 def test_a_fused_decoder_equals_the_torch_decoder_and_the_one_shot_decode(interpreted: dict, case: str) -> None:
     """Calls of 1-5 frames (5 and 3 run the transformer in several passes), streams of
-    every age past the 6-position window, a closed stream's slot reused."""
+    every age past the 6-position window, a closed stream's slot reused. fp32 runs the
+    calls of 1 and 2 frames through graphs' static path (padded to a bucket) and the
+    others eagerly; fp16 runs every call eagerly."""
     got = interpreted[case]
     bound = 1e-5 if case.startswith("fp32") else 3e-3
     assert got["peak"] > 0.1 and got["worst"] <= bound * got["peak"], got
