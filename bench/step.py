@@ -94,6 +94,7 @@ class StepConfig:
     copy_gib: float = 4.0
     hbm_gbps: float = 0.0  # > 0: the roofline's bandwidth as given, not measured
     matrix_tflops: float = 0.0  # > 0: the roofline's matrix rate as given, not measured
+    matrix_fp8_tflops: float = 0.0  # > 0: its e4m3 rate (fp8 decode GEMMs) as given, not measured
     reserve_gib: float = 14.0  # left free for activations, graph pools, scratch
     compare: list[str] = dataclasses.field(default_factory=lambda: ["64x2048"])
     tune: bool = False
@@ -129,12 +130,20 @@ def measure_copy_gbps(gib: float, iters: int = 10, device: str | torch.device = 
 
 def measure_matrix_tflops(dtype: torch.dtype, device: str | torch.device = "cuda", iters: int = 10) -> float:
     """Dense matrix-multiply rate in `dtype` on `device`: a square GEMM (8192 on a GPU,
-    256 on the CPU), 2 n^3 FLOPs a call, the median call."""
+    256 on the CPU), 2 n^3 FLOPs a call, the median call. e4m3 (`FP8`): the engine's own
+    fp8 GEMM (kernels/fp8_gemm.py: rows and output channels scaled, bf16 out)."""
+    from pdunit.kernels.fp8_gemm import FP8, Fp8Weight, fp8_gemm, quantize_rows_reference
+
     dev = torch.device(device)
     n = 8192 if dev.type == "cuda" else 256
-    a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)
-    out = torch.empty(n, n, dtype=dtype, device=dev)
-    ms = statistics.median(times_ms(lambda: torch.mm(a, b, out=out), iters, 3, dev.type == "cuda"))
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    if dtype == FP8:
+        rows, w = quantize_rows_reference(a), Fp8Weight.quantize(b)
+        ms = statistics.median(times_ms(lambda: fp8_gemm(rows, w, torch.bfloat16), iters, 3, dev.type == "cuda"))
+    else:
+        a, b = a.to(dtype), b.to(dtype)
+        out = torch.empty(n, n, dtype=dtype, device=dev)
+        ms = statistics.median(times_ms(lambda: torch.mm(a, b, out=out), iters, 3, dev.type == "cuda"))
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
@@ -195,9 +204,11 @@ def _matrix_elems(params: Sequence[torch.Tensor]) -> int:
 class StepWork:
     """What one decode step of `batch` streams reads from memory and computes, backbone
     and frame generation apart (`step_work`). Activations (hidden states, logits) and
-    K/V writes are not counted: a roofline, a floor on the step's time."""
+    K/V writes are not counted: a roofline, a floor on the step's time. The FLOPs of
+    e4m3 GEMMs (`*_fp8_flops`, part of the totals) are timed at the e4m3 matrix rate,
+    the rest at the model dtype's."""
 
-    backbone_weight_bytes: int  # every backbone matrix and norm, read once
+    backbone_weight_bytes: int  # every backbone matrix and norm, read once (fp8 GEMMs: e4m3 + scales)
     embed_bytes: int  # the batch's embedding rows (of the whole table only those are read)
     kv_bytes: float  # the backbone's K/V of every stream at the mean context
     backbone_flops: float  # 2 x rows x matrix weights + attention's 4 x heads x head_dim x context
@@ -205,6 +216,8 @@ class StepWork:
     frame_other_bytes: int = 0  # the depth decoder's embedding rows and its K/V within the frame
     frames_flops: float = 0.0
     depth_passes: int = 0  # K-1: the depth decoder's dependent passes a frame
+    backbone_fp8_flops: float = 0.0  # of backbone_flops: the per-layer GEMMs' under fp8 decode GEMMs
+    frames_fp8_flops: float = 0.0  # of frames_flops: the depth layers' GEMMs' under fp8 decode GEMMs
 
     @property
     def backbone_bytes(self) -> float:
@@ -214,36 +227,56 @@ class StepWork:
     def frames_bytes(self) -> int:
         return self.frame_weight_bytes + self.frame_other_bytes
 
-    def roofline_ms(self, gbps: float, tflops: float, part: str = "step") -> float:
-        """max(bytes / bandwidth, FLOPs / matrix rate) of the whole step, or of one
-        `part` ("backbone", "frames")."""
+    def roofline_ms(self, gbps: float, tflops: float, part: str = "step", fp8_tflops: float | None = None) -> float:
+        """max(bytes / bandwidth, matrix time) of the whole step, or of one `part`
+        ("backbone", "frames"); the matrix time is the model dtype's FLOPs at `tflops`
+        plus the e4m3 GEMMs' at `fp8_tflops` (needed when there are any)."""
         nbytes = {"step": self.backbone_bytes + self.frames_bytes, "backbone": self.backbone_bytes,
                   "frames": self.frames_bytes}[part]
+        return max(nbytes / (gbps * 1e9), self._matrix_s(part, tflops, fp8_tflops)) * 1e3
+
+    def bound(self, gbps: float, tflops: float, fp8_tflops: float | None = None) -> str:
+        """Which term of the whole step's roofline binds: "hbm" or "matrix"."""
+        nbytes = self.backbone_bytes + self.frames_bytes
+        return "hbm" if nbytes / (gbps * 1e9) >= self._matrix_s("step", tflops, fp8_tflops) else "matrix"
+
+    def _matrix_s(self, part: str, tflops: float, fp8_tflops: float | None) -> float:
         flops = {"step": self.backbone_flops + self.frames_flops, "backbone": self.backbone_flops,
                  "frames": self.frames_flops}[part]
-        return max(nbytes / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
+        fp8 = {"step": self.backbone_fp8_flops + self.frames_fp8_flops, "backbone": self.backbone_fp8_flops,
+               "frames": self.frames_fp8_flops}[part]
+        if not fp8:
+            return flops / (tflops * 1e12)
+        if not fp8_tflops:
+            raise ValueError("e4m3 GEMM FLOPs need the e4m3 matrix rate (fp8_tflops): the model dtype's "
+                             "would make the roofline too slow and the step look nearer to it")
+        return (flops - fp8) / (tflops * 1e12) + fp8 / (fp8_tflops * 1e12)
 
-    def bound(self, gbps: float, tflops: float) -> str:
-        """Which term of the whole step's roofline binds: "hbm" or "matrix"."""
-        nbytes, flops = self.backbone_bytes + self.frames_bytes, self.backbone_flops + self.frames_flops
-        return "hbm" if nbytes / (gbps * 1e9) >= flops / (tflops * 1e12) else "matrix"
+
+def _gemm_elems(named: Any) -> int:
+    """Weights of the per-layer GEMMs (q, k, v, o, gate, up, down) among (name, parameter)
+    pairs of a layer stack: what fp8 decode GEMMs run in e4m3."""
+    return sum(p.numel() for n, p in named if n.startswith("layers.") and n.endswith("_proj.weight"))
 
 
 def step_work(m: TTSModel, batch: int, mean_context: float, kv_token: int) -> StepWork:
     """`StepWork` of one decode step from the model's own parameters: the backbone's
-    weights once (the head too where it gives every column; with fp8 decode GEMMs their
-    e4m3 bytes), its embedding rows and K/V; with a frame generator (csm's depth decoder)
-    the head once (codebook 0), then K-1 dependent passes of the depth decoder, each
-    reading its projection, layers and norm (K positions in all: the first pass takes
-    the backbone state and codebook 0), the codebook heads once (pass j reads head j),
-    K embedding rows a stream and the frame's own K/V (pass j reads j + 1 positions)."""
+    weights once (the head too where it gives every column), its embedding rows and K/V;
+    with a frame generator (csm's depth decoder) the head once (codebook 0), then K-1
+    dependent passes of the depth decoder, each reading its projection, layers and norm
+    (K positions in all: the first pass takes the backbone state and codebook 0), the
+    codebook heads once (pass j reads head j), K embedding rows a stream and the frame's
+    own K/V (pass j reads j + 1 positions). With fp8 decode GEMMs the per-layer GEMMs of
+    the backbone and of the depth decoder (which follows decode_gemm) count their e4m3
+    bytes and scales, and their FLOPs are the e4m3 ones (`StepWork`)."""
     c = m.config
+    fp8 = m.decode_gemm == "fp8"
     fg: Any = m.frame_generator  # csm's DepthDecoder, read by its attributes
     named = dict(m.named_parameters())
     backbone = [p for n, p in named.items()
                 if not n.startswith("frame_generator.") and n != "embed.weight" and not (fg and n == "head.weight")]
     w_bytes = _nbytes(backbone)
-    if m.decode_gemm == "fp8":
+    if fp8:
         w_bytes += m.gemm_weight_bytes(True) - m.gemm_weight_bytes(False)
     work = StepWork(
         backbone_weight_bytes=w_bytes,
@@ -251,6 +284,7 @@ def step_work(m: TTSModel, batch: int, mean_context: float, kv_token: int) -> St
         kv_bytes=batch * mean_context * kv_token,
         backbone_flops=2.0 * batch * _matrix_elems(backbone)
         + 4.0 * batch * mean_context * c.n_heads * c.head_dim * c.n_layers,
+        backbone_fp8_flops=2.0 * batch * _gemm_elems(named.items()) if fp8 else 0.0,
     )
     if fg is None:
         return work
@@ -260,6 +294,9 @@ def step_work(m: TTSModel, batch: int, mean_context: float, kv_token: int) -> St
     k = int(fg.n_codebooks)
     passes = k - 1
     depth = [p for n, p in fg.named_parameters() if not n.startswith(("embed.", "heads"))]
+    depth_bytes = _nbytes(depth)
+    if fp8:  # the depth layers' GEMMs in e4m3 (DepthDecoder.quantise_gemms)
+        depth_bytes += fg.gemm_weight_bytes(True) - fg.gemm_weight_bytes(False)
     heads = [m.head.weight, fg.heads]
     attn = layers[0].attn
     n_layers, elt = len(layers), fg.embed.weight.element_size()
@@ -267,11 +304,12 @@ def step_work(m: TTSModel, batch: int, mean_context: float, kv_token: int) -> St
     pairs = positions_read + 1  # pass 1's two positions attend 1 and 2
     return dataclasses.replace(
         work,
-        frame_weight_bytes=_nbytes(heads) + passes * _nbytes(depth),
+        frame_weight_bytes=_nbytes(heads) + passes * depth_bytes,
         frame_other_bytes=batch * k * fg.embed.weight.shape[1] * elt
         + batch * n_layers * 2 * attn.n_kv_heads * attn.head_dim * elt * positions_read,
         frames_flops=2.0 * batch * (_matrix_elems(heads) + k * _matrix_elems(depth))
         + 4.0 * batch * n_layers * attn.n_heads * attn.head_dim * pairs,
+        frames_fp8_flops=2.0 * batch * k * _gemm_elems(fg.named_parameters()) if fp8 else 0.0,
         depth_passes=passes,
     )
 
@@ -620,11 +658,18 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     gbps = config.hbm_gbps or measure_copy_gbps(config.copy_gib if cuda else CPU_COPY_GIB, device=dev)
     m = load_bench_model(config.model, config.seed, dev)
     tflops = config.matrix_tflops or measure_matrix_tflops(m.dtype, dev)
+    # the e4m3 GEMMs' own rate, where any run (StepWork times their FLOPs at it)
+    fp8_tflops = None
+    if config.decode_gemm == "fp8":
+        from pdunit.kernels.fp8_gemm import FP8
+
+        fp8_tflops = config.matrix_fp8_tflops or measure_matrix_tflops(FP8, dev)
     if cuda:
         torch.cuda.empty_cache()  # the measurements' buffers: back to the device before sizing the pool
     print(f"memory bandwidth: {gbps:.0f} GB/s (read + write{', given' if config.hbm_gbps else ''}); "
-          f"matrix rate in {m.dtype}: {tflops:.3g} TFLOP/s{' (given)' if config.matrix_tflops else ''}",
-          flush=True)
+          f"matrix rate in {m.dtype}: {tflops:.3g} TFLOP/s{' (given)' if config.matrix_tflops else ''}"
+          + (f"; in e4m3: {fp8_tflops:.3g} TFLOP/s{' (given)' if config.matrix_fp8_tflops else ''}"
+             if fp8_tflops else ""), flush=True)
     try:
         m.set_decode_gemm(config.decode_gemm)
     except ValueError as exc:
@@ -685,7 +730,8 @@ def run_step(config: StepConfig) -> dict[str, Any]:
                 print(row, flush=True)
                 continue
             row, extra = measure_row(e, b, ctx, overlap, config, rng)
-            row.update(roofline_columns(step_work(m, b, row["mean_context"], kv_token), gbps, tflops, row))
+            row.update(roofline_columns(step_work(m, b, row["mean_context"], kv_token), gbps, tflops, row,
+                                        fp8_tflops))
             if "runner" in extra:
                 row["attn_gbps"] = _attention_gbps(m, storage, extra["runner"], b)
             if "compare_entries" in extra:
@@ -706,6 +752,8 @@ def run_step(config: StepConfig) -> dict[str, Any]:
         hbm_gbps_given=bool(config.hbm_gbps),
         matrix_tflops=tflops,
         matrix_tflops_given=bool(config.matrix_tflops),
+        matrix_fp8_tflops=fp8_tflops,  # the e4m3 GEMMs' rate (None: none ran)
+        matrix_fp8_tflops_given=bool(config.matrix_fp8_tflops) and fp8_tflops is not None,
         weight_gib=w_bytes / 2**30,
         frame_generator=type(m.frame_generator).__name__ if m.frame_generator is not None else None,
         frame_weight_read_gib=idle.frame_weight_bytes / 2**30,
@@ -737,20 +785,22 @@ def run_step(config: StepConfig) -> dict[str, Any]:
     return res.document()
 
 
-def roofline_columns(work: StepWork, gbps: float, tflops: float, row: dict[str, Any]) -> dict[str, Any]:
-    """A measured row's roofline columns: the whole step's and each part's roofline, the
-    binding term, the bytes and FLOPs behind them, and the fractions of step_ms / gpu_ms
-    (and of the parts' device times) they are."""
-    roof = work.roofline_ms(gbps, tflops)
+def roofline_columns(work: StepWork, gbps: float, tflops: float, row: dict[str, Any],
+                     fp8_tflops: float | None = None) -> dict[str, Any]:
+    """A measured row's roofline columns: the whole step's and each part's roofline (e4m3
+    GEMMs' FLOPs at `fp8_tflops`), the binding term, the bytes and FLOPs behind them, and
+    the fractions of step_ms / gpu_ms (and of the parts' device times) they are."""
+    roof = work.roofline_ms(gbps, tflops, fp8_tflops=fp8_tflops)
     out: dict[str, Any] = {
-        "roofline_ms": roof, "bound": work.bound(gbps, tflops),
-        "backbone_roofline_ms": work.roofline_ms(gbps, tflops, "backbone"),
+        "roofline_ms": roof, "bound": work.bound(gbps, tflops, fp8_tflops),
+        "backbone_roofline_ms": work.roofline_ms(gbps, tflops, "backbone", fp8_tflops),
         "read_gb": (work.backbone_bytes + work.frames_bytes) / 1e9, "kv_gb": work.kv_bytes / 1e9,
         "tflop": (work.backbone_flops + work.frames_flops) / 1e12,
+        "fp8_tflop": (work.backbone_fp8_flops + work.frames_fp8_flops) / 1e12,
         "fraction_of_roofline": roof / row["step_ms"],
     }
     if work.depth_passes:
-        out["frames_roofline_ms"] = work.roofline_ms(gbps, tflops, "frames")
+        out["frames_roofline_ms"] = work.roofline_ms(gbps, tflops, "frames", fp8_tflops)
         out["frames_read_gb"] = work.frames_bytes / 1e9
         out["frames_tflop"] = work.frames_flops / 1e12
     if row.get("gpu_ms"):
@@ -877,6 +927,8 @@ def _check_config(cfg: StepConfig) -> None:
     if cfg.hbm_gbps < 0 or cfg.matrix_tflops < 0:
         problems.append(f"--hbm-gbps and --matrix-tflops must be >= 0 (0: measure; got {cfg.hbm_gbps}, "
                         f"{cfg.matrix_tflops})")
+    if cfg.matrix_fp8_tflops < 0:
+        problems.append(f"--matrix-fp8-tflops must be >= 0 (0: measure; got {cfg.matrix_fp8_tflops})")
     if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
         problems.append(f"--device must be cuda, cuda:N or cpu (got {cfg.device!r})")
     if problems:
@@ -921,6 +973,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the roofline's memory bandwidth in GB/s instead of the measured copy's (0: measure)")
     p.add_argument("--matrix-tflops", type=float, default=d.matrix_tflops,
                    help="the roofline's matrix rate in TFLOP/s instead of a measured GEMM's (0: measure)")
+    p.add_argument("--matrix-fp8-tflops", type=float, default=d.matrix_fp8_tflops,
+                   help="with --decode-gemm fp8: the roofline's e4m3 matrix rate in TFLOP/s, at which the e4m3 "
+                        "GEMMs' FLOPs are timed, instead of a measured e4m3 GEMM's (0: measure)")
     p.add_argument("--reserve-gib", type=float, default=d.reserve_gib, help="GPU memory kept out of the KV pool")
     p.add_argument("--compare", default=",".join(d.compare),
                    help="points (BxCTX) where eager and the torch reference are timed too (CUDA); '' for none")
@@ -956,7 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
         model=a.model, batches=a.batches, contexts=a.contexts, page_size=a.page_size,
         kv_cache_dtype=a.kv_cache_dtype,
         iters=a.iters, warmup=a.warmup, seed=a.seed, copy_gib=a.copy_gib, reserve_gib=a.reserve_gib,
-        hbm_gbps=a.hbm_gbps, matrix_tflops=a.matrix_tflops,
+        hbm_gbps=a.hbm_gbps, matrix_tflops=a.matrix_tflops, matrix_fp8_tflops=a.matrix_fp8_tflops,
         compare=[x for x in a.compare.split(",") if x], tune=a.tune, decode_kernel=a.decode_kernel,
         decode_gemm=a.decode_gemm, depth_kernels=a.depth_kernels,
         overlap=a.overlap,

@@ -3,11 +3,11 @@
 Owns the depth layers' fused q|k|v and gate|up weights, the index tensors of a pass (a
 frame's K/V buffer `work` viewed per layer as a pool: row b's position p is slot b*K + p)
 and the pass itself: the norms, RoPE + K/V store, paged attention and SwiGLU of
-kernels/fused_ops.py and kernels/paged_attention.py, about ten launches a layer where the
-torch form takes ~35. Must never change a weight's values, nor its storage once built,
-never sync, and never drop index tensors a pass has read: the frame graphs
-(engine/model/frame_graphs.py) hold the addresses of all of them. The flag and its
-refusal live with the depth decoder (engine/model/family_csm.py `set_depth_kernels`).
+kernels/fused_ops.py and kernels/paged_attention.py (GEMMs in e4m3 under decode_gemm fp8),
+about ten launches a layer where the torch form takes ~35. Must never change a weight's
+values, nor its storage once built, never sync, and never drop index tensors a pass has
+read: the frame graphs (engine/model/frame_graphs.py) hold the addresses of all of them.
+The flag and its refusal live with the depth decoder (family_csm.py `set_depth_kernels`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class DepthModules(Protocol):
 
     cfg: ModelConfig  # the depth transformer's shape
     n_codebooks: int
+    fp8_gemms: list[_LayerGemms] | None  # decode_gemm fp8: the layers' e4m3 GEMMs
     layers: nn.ModuleList
     project: Linear
     norm: RMSNorm
@@ -102,10 +103,13 @@ class FusedDepthPass:
         t = b * n
         return tuple(x[:t] for x in self._index[key])
 
-    def extend(self, x: torch.Tensor, start: int, work: torch.Tensor) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, start: int, work: torch.Tensor, fp8: bool = False) -> torch.Tensor:
         """The frame's positions start.. (x [B, n, backbone_hidden]) -> logits [B, n', V]
         float32 of the codebooks they predict, as `DepthDecoder._extend`; their K/V is
-        written into work[:, :, :B] at their positions, the earlier positions' read there."""
+        written into work[:, :, :B] at their positions, the earlier positions' read there.
+        `fp8`: the layers' GEMMs in e4m3 (`dd.fp8_gemms`, the torch form's weights), their
+        inputs quantised by the norms and SwiGLU that produce them; the projection and
+        the heads stay in the model dtype."""
         from pdunit.kernels.fused_ops import rms_norm
         from pdunit.kernels.paged_attention import paged_decode_attention
 
@@ -114,12 +118,15 @@ class FusedDepthPass:
         positions, slots, table, lengths = self._pass_index(b, start, n, x.device)
         c, dt = dd.cfg, x.dtype
         h_kv = (work.shape[2] * work.shape[3], c.n_kv_heads, c.head_dim)
+        gemms = self.gemms
+        if fp8:
+            assert dd.fp8_gemms is not None, "fp8 depth pass before TTSModel.set_decode_gemm('fp8')"
+            gemms = dd.fp8_gemms
         xs = _gemm(x.reshape(b * n, -1), dd.project.weight, dt)
-        h = rms_norm(xs, self.layers[0].attn_norm.weight, c.rms_eps)
-        assert isinstance(h, torch.Tensor)
-        h = gpu_layer_stack(xs, h, self.layers, self.gemms, dd.norm.weight, c, dt, dd.rope_cos, dd.rope_sin,
+        h0 = rms_norm(xs, self.layers[0].attn_norm.weight, c.rms_eps, fp8)
+        h = gpu_layer_stack(xs, h0, self.layers, gemms, dd.norm.weight, c, dt, dd.rope_cos, dd.rope_sin,
                             positions, slots, lambda i: work[i].view(2, *h_kv),
-                            lambda q, pool: paged_decode_attention(q, pool, table, lengths, 1))
+                            lambda q, pool: paged_decode_attention(q, pool, table, lengths, 1), fp8)
         first = 1 if start == 0 else 0
         out = h.view(b, n, -1)[:, first:]
         return codebook_logits(out, dd.heads[start + first - 1 : start + n - 1])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import numpy as np
 import torch
@@ -38,7 +38,9 @@ from pdunit.engine.model.transformer import (
     Linear,
     RMSNorm,
     TTSModel,
+    _LayerGemms,
     _rope,
+    quantise_layer,
     rope_tables,
 )
 from pdunit.engine.settings import DepthKernels
@@ -137,14 +139,16 @@ class _DepthAttention(nn.Module):
         self.v_proj = Linear(cfg.hidden, kv_dim, dtype, device)
         self.o_proj = Linear(q_dim, cfg.hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: _Cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: _Cache,
+                fp8: bool = False) -> torch.Tensor:
         """x [B, n, hidden]: the frame's next n positions; `cache` holds this layer's K and
         V of the positions before them ([] at position 0) and is extended in place, or is
-        a `_StaticKV` whose buffers take them at their positions (capture-safe)."""
+        a `_StaticKV` whose buffers take them at their positions (capture-safe). `fp8`:
+        the projections in e4m3 (`DepthDecoder.quantise_gemms`)."""
         b, n, _ = x.shape
-        q = _rope(self.q_proj(x).view(b, n, self.n_heads, self.head_dim), cos, sin)
-        k = _rope(self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
+        q = _rope(_project(self.q_proj, x, fp8).view(b, n, self.n_heads, self.head_dim), cos, sin)
+        k = _rope(_project(self.k_proj, x, fp8).view(b, n, self.n_kv_heads, self.head_dim), cos, sin)
+        v = _project(self.v_proj, x, fp8).view(b, n, self.n_kv_heads, self.head_dim)
         if isinstance(cache, _StaticKV):
             end = cache.start + n
             cache.k[:, cache.start : end].copy_(k)
@@ -159,7 +163,15 @@ class _DepthAttention(nn.Module):
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=n > 1, enable_gqa=True
         )
-        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        return _project(self.o_proj, o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim), fp8)
+
+
+def _project(proj: Linear, x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """proj(x) over x's last dimension; `fp8`: in e4m3 on the rows [B * n, d] (a
+    quantised row is one position of one stream, as the fused pass multiplies it)."""
+    if not fp8:
+        return proj(x)
+    return proj(x.reshape(-1, x.shape[-1]), True).view(*x.shape[:-1], -1)
 
 
 class _DepthLayer(nn.Module):
@@ -170,9 +182,13 @@ class _DepthLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: _Cache) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: _Cache,
+                fp8: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, fp8)
+        h = self.mlp_norm(x)
+        if not fp8:
+            return x + self.mlp(h)
+        return x + self.mlp(h.reshape(-1, h.shape[-1]), True).view(h.shape)
 
 
 class DepthDecoder(FrameGenerator):
@@ -185,6 +201,9 @@ class DepthDecoder(FrameGenerator):
     # --depth-kernels fused (engine/model/depth_fused.py set_depth_kernels): every pass of
     # frames_static and frames_device on the GPU path's kernels; None: the torch modules
     fused: FusedDepthPass | None = None
+    # decode_gemm fp8 (`quantise_gemms`): each layer's four GEMMs in e4m3, which both forms
+    # multiply (the Linears' `.fp8` are row views of them); None: the model dtype only
+    fp8_gemms: list[_LayerGemms] | None = None
     capture_safe = True  # frames_static: engine/model/frame_graphs.py captures it
     depth_sampling = True  # codebooks 1.. may take the request's depth_decoder_* params
 
@@ -224,16 +243,17 @@ class DepthDecoder(FrameGenerator):
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes + offsets)], dim=1)
         return self._extend(x, 0, [[] for _ in self.layers])
 
-    def _extend(self, x: torch.Tensor, start: int, caches: list[_Cache]) -> torch.Tensor:
+    def _extend(self, x: torch.Tensor, start: int, caches: list[_Cache], fp8: bool = False) -> torch.Tensor:
         """The frame's positions start.. (x [B, n, backbone_hidden] inputs) over the K/V
         of those before (`caches`, extended) -> logits [B, n', V] float32 of the codebooks
-        they predict (position p predicts codebook p; position 0 predicts none)."""
+        they predict (position p predicts codebook p; position 0 predicts none). `fp8`:
+        the layers' GEMMs in e4m3 (the projection and the heads stay in the model dtype)."""
         n = x.shape[1]
         x = self.project(x)
         cos = self.rope_cos[start : start + n].unsqueeze(1)
         sin = self.rope_sin[start : start + n].unsqueeze(1)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, cache, fp8)
         first = 1 if start == 0 else 0
         x = self.norm(x)[:, first:]
         return codebook_logits(x, self.heads[start + first - 1 : start + n - 1])
@@ -246,9 +266,10 @@ class DepthDecoder(FrameGenerator):
         to codebook 0, the backbone's. Each codebook is one `sample_frames_static` call on
         the batch's rows (`sb.packed`, sent once), its top-k cap the batch's largest k.
         The depth decoder's K/V of the frame's positions lives in `caches` (--depth-kernels
-        fused: in a work buffer as frames_static's) for this call only."""
+        fused: in a work buffer as frames_static's) for this call only; its GEMMs follow
+        the model's decode_gemm (`fp8_passes`)."""
         assert sb.packed is not None
-        eos, cap = self.eos_id, sb.max_top_k
+        eos, cap, fp8 = self.eos_id, sb.max_top_k, self.fp8_passes(model)
         rows = to_device(sb.packed, hidden.device)
         codes = sample_frames_static(model.logits(hidden), rows, eos, 0, cap).to(torch.int64)
         caches: list[_Cache] = [[] for _ in self.layers]
@@ -258,12 +279,67 @@ class DepthDecoder(FrameGenerator):
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(codes)], dim=1)
         for j in range(1, self.n_codebooks):
             start = 0 if j == 1 else j
-            logits = self._extend(x, start, caches) if fused is None else fused.extend(x, start, work)
+            logits = self._extend(x, start, caches, fp8) if fused is None else fused.extend(x, start, work, fp8)
             nxt = sample_frames_static(logits[:, -1:], rows, eos, j, cap, depth=True)
             codes = torch.cat([codes, nxt.to(torch.int64)], dim=1)
             x = self.embed(codes[:, -1:] + j * self.vocab_size)  # position j + 1: codebook j's embedding
         text = torch.full_like(codes[:, :1], self.audio_token_id)
         return torch.cat([codes, text], dim=1).to(torch.int32)
+
+    @torch.no_grad()
+    def quantise_gemms(self, what: str) -> None:
+        """Every depth layer's q|k|v, o, gate|up and down in e4m3 (per output channel,
+        activations per row at run time), built once by `TTSModel.set_decode_gemm("fp8")`:
+        the fused pass multiplies them and the torch modules' Linears take row views of
+        them, so both forms run the same quantised weights. The projection from the
+        backbone's width and the codebook heads stay in the model dtype. ValueError,
+        naming `what` and the reason, where the device cannot."""
+        if self.fp8_gemms is not None:
+            return
+        from pdunit.kernels.fp8_gemm import fp8_unsupported
+
+        c = self.cfg
+        dims = {"depth hidden": c.hidden, "depth n_heads * head_dim": c.n_heads * c.head_dim,
+                "depth n_kv_heads * head_dim": c.n_kv_heads * c.head_dim, "depth ffn_hidden": c.ffn_hidden}
+        why = fp8_unsupported(self.embed.weight.device, dims)
+        if why:
+            raise ValueError(f"{what} fp8 (the depth decoder's GEMMs): {why}")
+        gemms = []
+        for layer in self._depth_layers():
+            a, m = layer.attn, layer.mlp
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # dropped once quantised
+            gemms.append(quantise_layer(layer, qkv, torch.cat([m.gate_proj.weight, m.up_proj.weight])))
+        self.fp8_gemms = gemms
+
+    def fp8_passes(self, model: TTSModel) -> bool:
+        """Whether the passes run their GEMMs in e4m3: the model's decode_gemm, wherever
+        the depth decoder runs (D's steps, the monolith's, a first frame)."""
+        if model.decode_gemm != "fp8":
+            return False
+        if self.fp8_gemms is None:
+            raise ValueError("decode_gemm fp8 but the depth decoder has no e4m3 weights: set it with "
+                             "TTSModel.set_decode_gemm, which quantises them")
+        return True
+
+    def gemm_weight_bytes(self, fp8: bool) -> int:
+        """Bytes of the depth layers' four GEMM weights in one precision (fp8: e4m3
+        values and scales, built by `quantise_gemms`)."""
+        if not fp8:
+            return sum(p.numel() * p.element_size() for la in self._depth_layers()
+                       for p in (la.attn.q_proj.weight, la.attn.k_proj.weight, la.attn.v_proj.weight,
+                                 la.attn.o_proj.weight, la.mlp.gate_proj.weight, la.mlp.up_proj.weight,
+                                 la.mlp.down_proj.weight))
+        if self.fp8_gemms is None:
+            raise ValueError("no e4m3 depth weights: TTSModel.set_decode_gemm('fp8') builds them")
+        total = 0
+        for g in self.fp8_gemms:
+            for w in (g.qkv, g.o, g.gate_up, g.down):
+                parts = (w,) if isinstance(w, torch.Tensor) else (w.q, w.scale)
+                total += sum(t.numel() * t.element_size() for t in parts)
+        return total
+
+    def _depth_layers(self) -> list[_DepthLayer]:
+        return [cast(_DepthLayer, layer) for layer in self.layers]
 
     def static_work(self, size: int, device: torch.device) -> torch.Tensor:
         """The depth decoder's K/V of one frame for up to `size` rows, preallocated:
@@ -285,18 +361,18 @@ class DepthDecoder(FrameGenerator):
         rows, its contents never read before written). No host sync, every shape fixed
         by B and the codebook: rows do not touch each other, so padding rows (any
         hidden, zero `rows`) leave the real rows' frames as they are."""
-        b, eos = hidden.shape[0], self.eos_id
+        b, eos, fp8 = hidden.shape[0], self.eos_id, self.fp8_passes(model)
         code = sample_frames_static(model.logits(hidden), rows, eos, 0, top_k_cap)
         codes = [code]
         x = torch.cat([hidden[:, None, :].to(self.embed.weight.dtype), self.embed(code.to(torch.int64))], dim=1)
         for j in range(1, self.n_codebooks):
             start = 0 if j == 1 else j
             if self.fused is not None:
-                logits = self.fused.extend(x, start, work)
+                logits = self.fused.extend(x, start, work, fp8)
             else:
                 caches: list[_Cache] = [_StaticKV(work[i, 0, :b], work[i, 1, :b], start)
                                         for i in range(len(self.layers))]
-                logits = self._extend(x, start, caches)
+                logits = self._extend(x, start, caches, fp8)
             code = sample_frames_static(logits[:, -1:], rows, eos, j, top_k_cap, depth=True)
             codes.append(code)
             x = self.embed(code.to(torch.int64) + j * self.vocab_size)  # position j + 1: codebook j's embedding

@@ -3,9 +3,10 @@ per batch bucket and top-k cap, replayed right after the backbone's decode graph
 
 Owns the static inputs (hidden states, the packed sampling rows), the generator's
 preallocated work buffers, the capture and the replay. Must never change the model or
-its weights (a graph holds their addresses), and runs on one thread, as the decode
-graphs do. `capture=False` runs `frames_static` eagerly on the same padded buffers:
-what a graph replays, checkable on the CPU and against the captured graphs.
+its weights (a graph holds their addresses; a runner refuses to run once the model's
+decode_gemm changed), and runs on one thread, as the decode graphs do. `capture=False`
+runs `frames_static` eagerly on the same padded buffers: what a graph replays,
+checkable on the CPU and against the captured graphs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class FrameGraphRunner:
             raise ValueError(f"frame graphs need a CUDA model (got device {model.device})")
         self.model, self.sizes = model, sizes
         self.stats = {"replays": 0, "eager": 0}
+        self.decode_gemm = model.decode_gemm  # the depth decoder's GEMMs the graphs record
         dev, big = model.device, sizes[-1]
         self._work = fg.static_work(big, dev)
         # Shared by every bucket and cap: bucket b reads rows [:b] (one replay at a time).
@@ -99,7 +101,11 @@ class FrameGraphRunner:
     def run(self, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor | None:
         """Frames int32 [n, C] (a fresh tensor) of hidden [n, hidden] sampled per `sb`,
         or None when no bucket covers them (counted; the caller runs them eagerly). No
-        host sync: `sb.packed` goes to the device by one async copy."""
+        host sync: `sb.packed` goes to the device by one async copy. ValueError once the
+        model's decode_gemm is not the one the graphs recorded."""
+        if self.model.decode_gemm != self.decode_gemm:
+            raise ValueError(f"the model's decode_gemm is {self.model.decode_gemm!r}, the frame graphs recorded "
+                             f"{self.decode_gemm!r} GEMMs: build a new runner after set_decode_gemm")
         n = hidden.shape[0]
         size = self.bucket_for(n)
         if size is None or n == 0 or hidden.device != self.model.device or sb.packed is None:

@@ -371,6 +371,27 @@ def _fuse_rows(linears: list[Linear]) -> torch.Tensor:
     return fused
 
 
+@torch.no_grad()
+def quantise_layer(layer: Any, qkv: torch.Tensor, gate_up: torch.Tensor) -> _LayerGemms:
+    """One layer's four GEMMs in e4m3 (per output channel) from its fused q|k|v and gate|up
+    weights (the backbone's and csm's depth decoder's layers alike). Its separate Linears'
+    `.fp8` become row views of them, for the reference path: per-row scales make them
+    equal to quantising each matrix alone."""
+    from pdunit.kernels.fp8_gemm import Fp8Weight
+
+    a, m = layer.attn, layer.mlp
+    q_kv, gu = Fp8Weight.quantize(qkv), Fp8Weight.quantize(gate_up)
+    o, down = Fp8Weight.quantize(a.o_proj.weight), Fp8Weight.quantize(m.down_proj.weight)
+    row = 0
+    for proj in (a.q_proj, a.k_proj, a.v_proj):
+        proj.fp8 = q_kv.rows(row, row + proj.weight.shape[0])
+        row += proj.weight.shape[0]
+    f = m.gate_proj.weight.shape[0]
+    m.gate_proj.fp8, m.up_proj.fp8 = gu.rows(0, f), gu.rows(f, 2 * f)
+    a.o_proj.fp8, m.down_proj.fp8 = o, down
+    return _LayerGemms(q_kv, o, gu, down)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -439,6 +460,11 @@ class FrameGenerator(nn.Module, ABC):
     # after the backbone's decode graph); a generator without one (`capture_safe`
     # False) runs eagerly.
     capture_safe = False
+
+    def quantise_gemms(self, what: str) -> None:
+        """Its own GEMMs' e4m3 weights, once, for `TTSModel.set_decode_gemm("fp8")` (csm's
+        depth decoder has some; none by default); ValueError naming `what` and the
+        reason where the device cannot."""
 
     def static_work(self, size: int, device: torch.device) -> torch.Tensor:
         """Preallocated buffers for `frames_static` of up to `size` rows."""
@@ -701,7 +727,8 @@ class TTSModel(nn.Module):
     # one-row sequences) run their four GEMMs in the model dtype ("bf16", the default) or in
     # e4m3 ("fp8", the same weights and scales as the prefill's); what fp8 gains is in
     # docs/performance.md (Kernel notes). A forward with prompt rows (a monolith's mixed step
-    # included) follows the prefill rule.
+    # included) follows the prefill rule. A frame generator's own GEMMs (csm's depth
+    # decoder's) follow decode_gemm wherever it runs (`FrameGenerator.quantise_gemms`).
     @torch.no_grad()
     def set_decode_gemm(self, mode: str) -> None:
         """"bf16" or "fp8" for the GEMMs of decode-only forwards (the comment above).
@@ -712,13 +739,15 @@ class TTSModel(nn.Module):
             raise ValueError(f"decode_gemm {mode!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
         if mode == "fp8":
             self._quantise_gemms("decode_gemm")
+            if self.frame_generator is not None:  # its own GEMMs follow decode_gemm
+                self.frame_generator.quantise_gemms("decode_gemm")
         self.decode_gemm = mode
 
     def _quantise_gemms(self, what: str) -> None:
         """Every layer's e4m3 weights (per output channel), built once for both modes."""
         if self._gemms.get(True):
             return
-        from pdunit.kernels.fp8_gemm import Fp8Weight, fp8_unsupported
+        from pdunit.kernels.fp8_gemm import fp8_unsupported
 
         c = self.config
         q_dim = c.n_heads * c.head_dim
@@ -728,22 +757,7 @@ class TTSModel(nn.Module):
         if why:
             raise ValueError(f"{what} fp8: {why}")
         w = self.fused_weights()
-        layers = []
-        for i, layer in enumerate(self._decoder_layers()):
-            a, m = layer.attn, layer.mlp
-            qkv, gate_up = Fp8Weight.quantize(w.qkv[i]), Fp8Weight.quantize(w.gate_up[i])
-            o, down = Fp8Weight.quantize(a.o_proj.weight), Fp8Weight.quantize(m.down_proj.weight)
-            g = _LayerGemms(qkv, o, gate_up, down)
-            # The reference path's separate projections: row views of the fused ones
-            # (per-row scales make them equal to quantising each matrix alone).
-            row = 0
-            for proj in (a.q_proj, a.k_proj, a.v_proj):
-                proj.fp8 = qkv.rows(row, row + proj.weight.shape[0])
-                row += proj.weight.shape[0]
-            m.gate_proj.fp8 = gate_up.rows(0, c.ffn_hidden)
-            m.up_proj.fp8 = gate_up.rows(c.ffn_hidden, 2 * c.ffn_hidden)
-            a.o_proj.fp8, m.down_proj.fp8 = o, down
-            layers.append(g)
+        layers = [quantise_layer(layer, w.qkv[i], w.gate_up[i]) for i, layer in enumerate(self._decoder_layers())]
         self._gemms[True] = layers
 
     def _fp8_forward(self, batch: ForwardBatch) -> bool:

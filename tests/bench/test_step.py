@@ -145,6 +145,9 @@ def test_fp8_decode_gemms_run_the_steps_and_count_their_weight_bytes(capsys) -> 
     bf16, fp8 = run("bf16"), run("fp8")
     assert [r["frames"] for r in fp8["rows"]] == [4]
     assert fp8["summary"]["weight_gib"] < bf16["summary"]["weight_gib"]  # the GEMMs' e4m3 bytes
+    # the e4m3 GEMMs' own rate is measured and reported beside the model dtype's
+    assert bf16["summary"]["matrix_fp8_tflops"] is None and fp8["summary"]["matrix_fp8_tflops"] > 0
+    assert fp8["rows"][0]["fp8_tflop"] > 0 == bf16["rows"][0]["fp8_tflop"]
     with pytest.raises(SystemExit):
         step.main(["--device", "cpu", "--decode-gemm", "int8"])
     assert "--decode-gemm: invalid choice: 'int8'" in capsys.readouterr().err
@@ -319,6 +322,81 @@ def test_cpu_run_of_csm_times_the_whole_step_and_its_roofline_from_the_config(tm
         assert f"| {col} |" in header, col
     (fit,) = tmp_path.glob("step-*-csm.fit.json")
     assert StepCoefficients.from_json(fit.read_text(), str(fit)) == step.step_model(rows)
+
+
+def _llama_rows(c) -> int:  # noqa: ANN001 - a ModelConfig
+    """Output rows of a Llama-shaped stack's per-layer GEMMs (one fp8 scale each)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return c.n_layers * (q + 2 * kv + c.hidden + 2 * c.ffn_hidden + c.hidden)
+
+
+def test_fp8_decode_gemms_shrink_the_frame_bytes_and_time_the_e4m3_flops_at_the_e4m3_rate() -> None:
+    """csm-tiny (float64, 8 bytes a weight) under set_decode_gemm("fp8"): the backbone's
+    and the depth decoder's per-layer GEMMs count 1 byte a weight and a float32 scale a
+    row (the depth decoder's K-1 times), the FLOPs stay, the per-layer GEMMs' are e4m3
+    FLOPs, and each part's matrix term takes those at the e4m3 rate, the rest at the
+    model dtype's (a ratio over the model dtype's rate alone would flatter an fp8 step)."""
+    from pdunit.engine.model.registry import random_shape
+
+    shape = random_shape("csm-tiny")
+    assert shape is not None
+    b, d = shape[1].model, shape[1].extras.depth
+    k, dc = d.n_codebooks, d.backbone
+    mats, d_mats = _llama_weights(b)[0], _llama_weights(dc)[0]
+    saved, d_saved = 7 * mats - 4 * _llama_rows(b), 7 * d_mats - 4 * _llama_rows(dc)
+    bf16 = step.load_bench_model("random:csm-tiny:0", 0, "cpu")
+    fp8 = step.load_bench_model("random:csm-tiny:0", 0, "cpu")
+    fp8.set_decode_gemm("fp8")
+    kv_token = bf16.config.kv_bytes_per_token(bf16.dtype)
+    batch, ctx = 3, 35.5
+    wide, narrow = step.step_work(bf16, batch, ctx, kv_token), step.step_work(fp8, batch, ctx, kv_token)
+    assert narrow.backbone_weight_bytes == wide.backbone_weight_bytes - saved
+    assert narrow.frame_weight_bytes == wide.frame_weight_bytes - (k - 1) * d_saved
+    assert (narrow.backbone_flops, narrow.frames_flops) == (wide.backbone_flops, wide.frames_flops)
+    assert (wide.backbone_fp8_flops, wide.frames_fp8_flops) == (0.0, 0.0)
+    assert narrow.backbone_fp8_flops == 2 * batch * mats
+    assert narrow.frames_fp8_flops == 2 * batch * k * d_mats  # K positions a frame
+    gbps, tflops, fp8_tflops = 1e6, 1e-3, 4e-3  # matrix-bound: the bytes take no time
+    for part, flops, e4m3 in (("backbone", narrow.backbone_flops, narrow.backbone_fp8_flops),
+                              ("frames", narrow.frames_flops, narrow.frames_fp8_flops)):
+        want = ((flops - e4m3) / (tflops * 1e12) + e4m3 / (fp8_tflops * 1e12)) * 1e3
+        assert narrow.roofline_ms(gbps, tflops, part, fp8_tflops) == pytest.approx(want, rel=1e-12), part
+        assert narrow.roofline_ms(gbps, tflops, part, fp8_tflops) < wide.roofline_ms(gbps, tflops, part), part
+    assert narrow.roofline_ms(gbps, tflops, fp8_tflops=fp8_tflops) == pytest.approx(
+        narrow.roofline_ms(gbps, tflops, "backbone", fp8_tflops) + narrow.roofline_ms(gbps, tflops, "frames", fp8_tflops))
+    assert narrow.bound(gbps, tflops, fp8_tflops) == "matrix"
+    assert wide.roofline_ms(gbps, tflops) == wide.roofline_ms(gbps, tflops, fp8_tflops=fp8_tflops)  # none in e4m3
+    with pytest.raises(ValueError, match="e4m3 matrix rate"):
+        narrow.roofline_ms(gbps, tflops)
+
+
+def test_cpu_run_of_csm_with_fp8_decode_gemms_judges_its_rows_by_both_rates(tmp_path: Path) -> None:
+    """`--decode-gemm fp8 --matrix-fp8-tflops`: each row's roofline is the hand count's,
+    the e4m3 FLOPs at the given e4m3 rate; the summary reports both rates."""
+    gbps, tflops, fp8_tflops = 1e6, 2e-4, 5e-4
+    argv = ["--device", "cpu", "--model", "random:csm-tiny:0", "--page-size", "4", "--batches", "2",
+            "--contexts", "9", "--iters", "2", "--warmup", "0", "--overlap", "on", "--decode-gemm", "fp8",
+            "--hbm-gbps", str(gbps), "--matrix-tflops", str(tflops), "--matrix-fp8-tflops", str(fp8_tflops),
+            "--machine-tag", "csm8", "--out", str(tmp_path)]
+    assert step.main(argv) == 0
+    (path,) = tmp_path.glob("step-*-csm8.json")
+    doc = json.loads(path.read_text())
+    (r,) = doc["rows"]
+    from pdunit.engine.model.registry import random_shape
+
+    shape = random_shape("csm-tiny")
+    assert shape is not None
+    hand = _csm_tiny_work(2, r["mean_context"])
+    d = shape[1].extras.depth  # the per-layer GEMMs: the backbone once, the depth decoder at K positions
+    e4m3 = 2 * 2 * (_llama_weights(shape[1].model)[0] + d.n_codebooks * _llama_weights(d.backbone)[0])
+    assert r["fp8_tflop"] * 1e12 == pytest.approx(e4m3, rel=1e-12)
+    matrix_ms = ((hand["backbone_flops"] + hand["frames_flops"] - e4m3) / (tflops * 1e12)
+                 + e4m3 / (fp8_tflops * 1e12)) * 1e3
+    assert r["roofline_ms"] == pytest.approx(matrix_ms, rel=1e-9) and r["bound"] == "matrix"
+    s = doc["summary"]
+    assert (s["matrix_tflops"], s["matrix_fp8_tflops"], s["matrix_fp8_tflops_given"]) == (tflops, fp8_tflops, True)
+    with pytest.raises(SystemExit, match="--matrix-fp8-tflops must be >= 0"):
+        step.run_step(step.StepConfig(model="tiny", device="cpu", matrix_fp8_tflops=-1))
 
 
 def test_cpu_run_measures_the_bandwidth_and_matrix_rate_it_judges_by() -> None:
