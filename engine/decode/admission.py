@@ -40,6 +40,7 @@ from pdunit.engine.decode.stream_lives import (
     Verdict,
     held_stream,
     life_ms,
+    typical_room,
     worst_step,
 )
 from pdunit.engine.observability import now_ns
@@ -192,26 +193,27 @@ class RateFloorAdmission:
 
     def headroom(self, held: Sequence[HeldStream], typical: HeldStream, limit: int = 4096,
                  charge_ms_per_stream: float = 0.0) -> int:
-        """How many more streams like `typical` would be admitted now (binary search)."""
-        lives = Lives.of(held)
-        budget = self.budget_ms()
-        coef = self.coefficients(charge_ms_per_stream)
-
-        def fits(k: int) -> bool:
-            return worst_step(coef, Lives.join([lives, Lives.repeat(typical, k)]))[0] <= budget
-
-        return search(fits, limit)
+        """How many more streams like `typical` would be admitted now."""
+        return typical_room(self.coefficients(charge_ms_per_stream), held, typical, self.budget_ms(), limit)
 
 
-def search(fits: Callable[[int], bool], limit: int) -> int:
+def search(fits: Callable[[int], bool], limit: int, hint: int = 1) -> int:
     """The largest k in [0, `limit`] with `fits(k)`, for `fits` true up to some k and false
-    after: doubling from 1, then halving."""
-    if limit <= 0 or not fits(1):
+    after: galloping from `hint` (up while it fits, down while not, each step twice the
+    last), then halving. A hint that is the answer costs two probes."""
+    if limit <= 0:
         return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    hint, step = min(max(hint, 1), limit), 1
+    if fits(hint):  # lo fits, hi does not (or is past the limit)
+        lo = hint
+        while lo + step <= limit and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, limit + 1)
+    else:
+        hi = hint
+        while hi - step >= 1 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(hi - step, 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -241,6 +243,9 @@ class AdmissionControl:
         # `export_for`'s last answer and the key it was computed for
         self._exported: tuple[Hashable, int] | None = None
         self.headroom_computations = 0
+        # `life_headroom`'s last count, where its search starts: a held set changes little
+        # from one computation to the next (any start gives the same count)
+        self._lives_hint = 1
         # The work of prompts its streams wait for, per decoding stream per step recently
         # (`charge_ms_per_stream`): the prefill-first monolith's prefill-only steps, in ms
         # (`observe_stall`), and the chunked monolith's prompt rows in its mixed steps
@@ -335,8 +340,8 @@ class AdmissionControl:
     # without any (one that breaks at k was inside its floor at k - 1, so the verdict
     # judges it) and every typical one: each stream's life only grows with k (more
     # streams, and more rows queued ahead of the new prompt only add steps after anyone's
-    # first frame). The worst step's count comes first (one cheap projection a probe);
-    # the lives are searched under it only when it breaks them.
+    # first frame). The worst step's count comes first (`typical_room`: one pass); the
+    # lives are searched under it, from the last count (two projections while it holds).
     def life_headroom(self, pending: PendingPrefills, typical: HeldStream, limit: int) -> int:
         """How many prompts like `typical` `verdict` would admit one after another with
         the prefills `pending` (at most `limit`)."""
@@ -346,10 +351,7 @@ class AdmissionControl:
         first, _ = pending.lives(coef, typical, 0)
         n = len(first)
 
-        def steps_fit(k: int) -> bool:
-            return worst_step(charged, Lives.join([first, Lives.repeat(typical, k)]))[0] <= budget
-
-        room = search(steps_fit, limit)
+        room = typical_room(charged, first, typical, budget, limit)
         if not room:
             return 0
         lost = np.zeros(n, dtype=bool)
@@ -365,9 +367,9 @@ class AdmissionControl:
             broken = t.judged & (t.with_new > t.allowed)
             return not bool((broken[:n] & ~lost).any() or broken[n:].any())
 
-        if lives_fit(room):
-            return room
-        return search(lives_fit, room - 1)
+        room = search(lives_fit, room, self._lives_hint)
+        self._lives_hint = room
+        return room
 
     def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0,
                 codec: StepCost | None = None) -> None:
@@ -421,7 +423,7 @@ class AdmissionControl:
         """`export` at most once per `key`: the engine's step and the version of its held
         set (it changes whenever the held streams, the step model or the typical stream
         can change). Between steps and changes, a probe (Info) gets the headroom computed
-        last instead of a binary search over the held streams' lifetimes. The key is read
+        last instead of a new projection over the held streams' lifetimes. The key is read
         before `held()`, so a value is never kept past a change."""
         with self._lock:
             last = self._exported

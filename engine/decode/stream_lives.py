@@ -143,6 +143,43 @@ def worst_step(model: StepCoefficients, streams: Sequence[HeldStream] | Lives,
     return float(ms[i]), int(ks[i])
 
 
+def typical_room(model: StepCoefficients, streams: Sequence[HeldStream] | Lives, typical: HeldStream,
+                 budget_ms: float, limit: int) -> int:
+    """The most streams like `typical` (at most `limit`) that can join `streams` with
+    `worst_step` within `budget_ms`, in one pass: at each step `worst_step` checks (those
+    of the held streams and the typical one's last) the projected step is linear in their
+    count. `worst_step` itself then settles the count's last unit (rounding)."""
+    lives = Lives.of(streams)
+    left = lives.left
+    ks = np.unique(np.concatenate([[0, max(typical.frames_left - 1, 0)], np.maximum(left - 1, 0)]))
+    order = np.argsort(left)
+    suffix_ctx = np.concatenate([np.cumsum(lives.context[order][::-1])[::-1], [0.0]])
+    suffix_audio = np.concatenate([np.cumsum(lives.audio[order][::-1])[::-1], [0.0]])
+    first_alive = np.searchsorted(left[order], ks, side="right")
+    alive = len(left) - first_alive
+    held_ms = (model.base_ms + model.per_stream_ms * alive + model.per_token_ms * (suffix_ctx[first_alive] + alive * ks)
+               + model.per_audio_stream_ms * suffix_audio[first_alive])
+    with_typical = typical.frames_left > ks
+    per_typical = np.where(with_typical, model.per_stream_ms + model.per_token_ms * (typical.context + ks)
+                           + model.per_audio_stream_ms * float(typical.audio), 0.0)
+    judged = (alive > 0) | with_typical
+    grows = judged & (per_typical > 0)
+    room = limit
+    if (judged & ~grows & (held_ms > budget_ms)).any():
+        room = 0
+    elif grows.any():
+        room = int(np.clip(np.floor(np.min((budget_ms - held_ms[grows]) / per_typical[grows])), 0, limit))
+
+    def fits(k: int) -> bool:
+        return worst_step(model, Lives.join([lives, Lives.repeat(typical, k)]))[0] <= budget_ms
+
+    while room < limit and fits(room + 1):
+        room += 1
+    while room > 0 and not fits(room):
+        room -= 1
+    return room
+
+
 def life_ms(model: StepCoefficients, streams: Sequence[HeldStream] | Lives, prefill_rows: float = 0.0) -> np.ndarray:
     """Each stream's projected time to its last frame: the sum of the projected steps
     over its `frames_left` steps (the steps of `worst_step`'s projection). Between two

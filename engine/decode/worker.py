@@ -378,7 +378,7 @@ class DecodeEngine:
     def headroom(self) -> int:
         """Streams like the recent ones D would still admit (-1: admission off). Computed
         at most once per step and change of the held set (a reservation made, committed or
-        failed): every Info probe asks, and the answer is a binary search over the held
+        failed): every Info probe asks, and the answer is a projection over the held
         streams' lifetimes."""
         if self.admission is None:
             return -1

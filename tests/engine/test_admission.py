@@ -10,9 +10,10 @@ from pdunit.engine.decode.admission import (
     AdmissionFields,
     RateFloorAdmission,
     build_admission,
+    search,
 )
 from pdunit.engine.decode.step_model import StepCoefficients, StepModel
-from pdunit.engine.decode.stream_lives import HeldStream, worst_step
+from pdunit.engine.decode.stream_lives import HeldStream, typical_room, worst_step
 
 
 def brute_worst(coef: StepCoefficients, streams: list[HeldStream]) -> float:
@@ -81,6 +82,50 @@ def test_headroom_is_the_number_of_typical_streams_still_admitted() -> None:
     k = adm.headroom([typical] * 10, typical)
     assert adm.judge([typical] * (10 + k - 1), typical).admit
     assert not adm.judge([typical] * (10 + k), typical).admit
+
+
+def test_the_worst_steps_count_in_one_pass_is_what_adding_streams_one_by_one_finds() -> None:
+    """`typical_room` (headroom's count by the worst step: linear in the typical streams
+    at each step the projection checks) against adding typical streams one at a time
+    until `worst_step` breaks the budget, on random held sets, models and budgets, at
+    and off the boundary."""
+    rng = np.random.default_rng(33)
+    for _ in range(300):
+        coef = StepCoefficients(*(float(rng.choice([0.0, rng.uniform(0, hi)])) for hi in (10, 1, 0.01, 0.1, 0.5)))
+        held = [HeldStream(int(rng.integers(1, 2000)), int(rng.integers(0, 300)), bool(rng.integers(0, 2)))
+                for _ in range(int(rng.integers(0, 40)))]
+        typical = HeldStream(int(rng.integers(1, 2000)), int(rng.integers(0, 300)), bool(rng.integers(0, 2)))
+        limit = int(rng.integers(0, 200))
+        # a budget just at some count's worst step (the boundary's rounding), or anywhere
+        at = worst_step(coef, held + [typical] * int(rng.integers(0, 60)))[0]
+        budget = at if rng.integers(0, 2) else float(rng.uniform(0, 80))
+        want = 0
+        while want < limit and worst_step(coef, held + [typical] * (want + 1))[0] <= budget:
+            want += 1
+        assert typical_room(coef, held, typical, budget, limit) == want, (coef, held, typical, budget, limit)
+
+
+def test_the_search_from_any_hint_finds_the_same_count_and_two_probes_confirm_a_right_one() -> None:
+    """`search` gallops from its hint (the last count): from any hint it finds the largest
+    k that fits, and a hint that is the count costs two probes (it fits, one more does
+    not), where a search from 1 costs about twice log2 of the count."""
+    rng = np.random.default_rng(24)
+    for _ in range(2000):
+        limit, count = int(rng.integers(0, 5000)), int(rng.integers(0, 6000))
+        probes: list[int] = []
+
+        def fits(k: int, count: int = count, limit: int = limit, probes: list[int] = probes) -> bool:
+            assert 1 <= k <= limit
+            probes.append(k)
+            return k <= count
+
+        want = min(count, max(limit, 0))
+        assert search(fits, limit, int(rng.integers(-3, 7000))) == want
+        probes.clear()
+        assert search(fits, limit, want) == want
+        assert len(probes) <= 2
+    calls: list[int] = []
+    assert search(lambda k: calls.append(k) is None and k <= 1000, 4096) == 1000 and len(calls) >= 20
 
 
 def test_step_model_refits_to_the_engines_own_steps() -> None:

@@ -147,7 +147,8 @@ def one_after_another(ctl: AdmissionControl, pending: PendingPrefills, typical: 
 def test_headroom_with_pending_prefills_is_what_the_verdicts_would_admit_one_after_another() -> None:
     """Random held sets of decoding streams (some ahead of the floor, some behind, some
     lost), prompts in a prefill step now and unplanned ones, random step sizes, either
-    loop: the O(log k) search equals judging typical prompts one by one."""
+    loop: the O(log k) search equals judging typical prompts one by one, whatever count
+    its search starts from."""
     rng = np.random.default_rng(21)
     nonzero = 0
     for _ in range(300):
@@ -171,6 +172,8 @@ def test_headroom_with_pending_prefills_is_what_the_verdicts_would_admit_one_aft
                                   int(rng.integers(64, 2048)), first_frames_after_queue=bool(rng.integers(0, 2)))
         want = max(one_after_another(ctl, pending, typical), 1 if not len(pending) else 0)
         assert ctl.headroom(pending) == want, (coef, typical, pending)
+        ctl._lives_hint = int(rng.integers(1, 200))  # a count left by another held set
+        assert ctl.headroom(pending) == want, (coef, typical, pending, ctl._lives_hint)
         nonzero += want > 0
     assert nonzero > 50  # not all trivially full
 
