@@ -1,5 +1,6 @@
 """CUDA graphs for a frame generator (csm's depth decoder): one captured `frames_static`
-per batch bucket and top-k cap, replayed right after the backbone's decode graph.
+per batch bucket (and top-k cap where the sampler's cost depends on it), replayed right
+after the backbone's decode graph (D) or the prefill forward (P's first frames).
 
 Owns the static inputs (hidden states, the packed sampling rows), the generator's
 preallocated work buffers, the capture and the replay. Must never change the model or
@@ -19,9 +20,20 @@ import torch
 from pdunit.engine.model.sampling import ROW_UNIFORMS, SamplingBatch, to_device
 from pdunit.engine.model.transformer import TTSModel
 
-# Each bucket is captured once per cap: 0 (no sampled row filters: greedy and plain
-# temperature), a top-k of at most 64 (`torch.topk(64)`), any top-k (a full sort).
+# The torch form of `sample_frames_static` (a plain CPU) costs more the larger its cap:
+# each bucket is captured once per cap, 0 (no sampled row filters: greedy and plain
+# temperature), a top-k of at most 64 (`torch.topk(64)`), any top-k (a full sort). The
+# fused sampler (kernels/sampling_fused.py: CUDA, Triton's interpreter) takes the cap as
+# a launch argument at one cost: each bucket once, at the cap that covers every row.
 TOP_K_CAPS: tuple[int | None, ...] = (0, 64, None)
+
+
+def captured_caps(device: torch.device) -> tuple[int | None, ...]:
+    """The top-k caps FrameGraphRunner captures each bucket at on `device`: (None,) where
+    `sample_frames_static` runs the fused sampler, TOP_K_CAPS where it runs the torch form."""
+    from pdunit.kernels import sampling_fused  # Triton is imported at the first call
+
+    return (None,) if sampling_fused.available(device) else TOP_K_CAPS
 
 
 def frame_graphs_supported(model: TTSModel) -> bool:
@@ -31,7 +43,7 @@ def frame_graphs_supported(model: TTSModel) -> bool:
 
 # A batch of n rows runs in the smallest bucket >= n: rows n.. are padding (hidden and
 # sampling rows zero: greedy, nothing suppressed), their frames dropped. The cap is the
-# smallest captured one >= the batch's largest top_k. More rows than the largest bucket,
+# smallest of `caps` >= the batch's largest top_k. More rows than the largest bucket,
 # or an output on another device, run eagerly (`run` returns None), counted in
 # `stats["eager"]`.
 class FrameGraphRunner:
@@ -47,6 +59,9 @@ class FrameGraphRunner:
         if capture and model.device.type != "cuda":
             raise ValueError(f"frame graphs need a CUDA model (got device {model.device})")
         self.model, self.sizes = model, sizes
+        self.caps = captured_caps(model.device)
+        # what `_capture` records, largest bucket first (the others reuse its memory)
+        self.keys = [(size, cap) for size in reversed(sizes) for cap in self.caps]
         self.stats = {"replays": 0, "eager": 0}
         self.decode_gemm = model.decode_gemm  # the depth decoder's GEMMs the graphs record
         dev, big = model.device, sizes[-1]
@@ -68,35 +83,36 @@ class FrameGraphRunner:
         dev = self.model.device
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
-            for size in reversed(self.sizes):  # largest first: the others reuse its memory
-                for cap in TOP_K_CAPS:
-                    step = self._step(size, cap)
-                    side = torch.cuda.Stream(dev)
-                    side.wait_stream(torch.cuda.current_stream(dev))
-                    with torch.cuda.stream(side):
-                        step()  # cuBLAS handles, SDPA's kernels
-                    torch.cuda.current_stream(dev).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._out[(size, cap)] = step()
-                    self._graphs[(size, cap)] = graph
+            for size, cap in self.keys:
+                step = self._step(size, cap)
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    step()  # cuBLAS handles, SDPA's kernels
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._out[(size, cap)] = step()
+                self._graphs[(size, cap)] = graph
         torch.cuda.synchronize(dev)
 
     def replay_staged(self, size: int, top_k_cap: int | None) -> None:
-        """Replays bucket `size`, cap `top_k_cap`, on the inputs the last `run` staged
-        (benchmarks time the frame generation alone this way; it writes only the
-        runner's own buffers)."""
-        self._graphs[(size, top_k_cap)].replay()
+        """Replays bucket `size` at the captured cap covering `top_k_cap` on the inputs the
+        last `run` staged (benchmarks time the frame generation alone this way; it writes
+        only the runner's own buffers)."""
+        self._graphs[(size, self._cover(top_k_cap))].replay()
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None when n is too large."""
         return next((b for b in self.sizes if b >= n), None)
 
-    @staticmethod
-    def cap_for(sb: SamplingBatch) -> int | None:
-        """The smallest cap of TOP_K_CAPS that covers every sampled row's top_k."""
-        k = sb.max_top_k
-        return next((c for c in TOP_K_CAPS if c is None or c >= k), None)
+    def cap_for(self, sb: SamplingBatch) -> int | None:
+        """The smallest of `caps` that covers every sampled row's top_k."""
+        return self._cover(sb.max_top_k)
+
+    def _cover(self, k: int | None) -> int | None:
+        """The smallest of `caps` that covers a top-k of `k` (None: any)."""
+        return next((c for c in self.caps if c is None or (k is not None and c >= k)), None)
 
     def run(self, hidden: torch.Tensor, sb: SamplingBatch) -> torch.Tensor | None:
         """Frames int32 [n, C] (a fresh tensor) of hidden [n, hidden] sampled per `sb`,

@@ -102,7 +102,7 @@ def test_the_packed_rows_hold_each_rows_sampling() -> None:
     assert sb.packed[:, 3].tolist() == [0.0, 0.9, 0.0, 0.8, 1.2, 0.5]
     assert sb.packed[:, 4].tolist() == [0, 0, 0, 20, 100, 2]
     assert (sb.packed[0, 5:] == 0).all() and (sb.packed[1:, 5:] > 0).all()  # row 1 draws in the depth decoder
-    assert sb.max_top_k == 100 and FrameGraphRunner.cap_for(sb) is None
+    assert sb.max_top_k == 100
 
 
 def test_the_static_sampler_takes_the_depth_decoders_params_for_its_columns() -> None:
@@ -196,9 +196,9 @@ def test_the_frame_graph_runner_stages_what_its_graphs_replay() -> None:
         assert replayed == (1 if n <= 16 else 0) and runner.stats["eager"] - before["eager"] == 1 - replayed
         sb = sampling_batch(ps, index[:n], m.config.n_codebooks, CPU)
         assert torch.equal(m.frames_device(hidden, sb), torch.from_numpy(want))
-    caps = [FrameGraphRunner.cap_for(sampling_batch(p, [0] * len(p), 5, CPU)) for p in
-            (PARAMS[:3], PARAMS[:5], PARAMS[:6], PARAMS)]
-    assert caps == [0, 64, 64, None] and TOP_K_CAPS == (0, 64, None)
+    caps = [runner.cap_for(sampling_batch(p, [0] * len(p), 5, CPU)) for p in
+            (PARAMS[:3], PARAMS[:5], PARAMS[:6], PARAMS, PARAMS[:4] + DEPTH_PARAMS)]
+    assert caps == [0, 64, 64, None, None] and runner.caps == TOP_K_CAPS == (0, 64, None)
     with pytest.raises(ValueError, match="need a CUDA model"):
         FrameGraphRunner(m, buckets=(2,))
     pdunit = load_model("random:tiny:0")
@@ -222,6 +222,29 @@ def test_seeded_frames_do_not_depend_on_the_cap_or_the_bucket() -> None:
         for cap in TOP_K_CAPS[1:]:
             frames.add(tuple(fg.frames_static(m, padded, rows, fg.static_work(size, CPU), cap)[0].tolist()))
     assert len(frames) == 1
+
+
+def test_the_torch_sampler_captures_each_bucket_per_cap_and_the_fused_one_once(monkeypatch) -> None:
+    """The torch form's cost grows with its cap: a runner on a plain CPU records every
+    bucket at each of TOP_K_CAPS. Where `sample_frames_static` runs the fused sampler
+    (faked here: `sampling_fused.available`; tests/kernels/test_frame_graph_caps.py runs
+    it under Triton's interpreter) it records each bucket once, at the cap covering every
+    row, which every request and `replay_staged`'s cap map to."""
+    from pdunit.engine.model import frame_graphs
+    from pdunit.kernels import sampling_fused
+
+    m = load_model("random:csm-tiny:0")
+    torch_form = FrameGraphRunner(m, buckets=(2, 8, 4), capture=False)
+    assert frame_graphs.captured_caps(CPU) == TOP_K_CAPS == torch_form.caps
+    assert torch_form.keys == [(size, cap) for size in (8, 4, 2) for cap in (0, 64, None)]
+    assert [torch_form._cover(k) for k in (0, 1, 64, 65, None)] == [0, 64, 64, None, None]
+    monkeypatch.setattr(sampling_fused, "available", lambda device: True)
+    assert frame_graphs.captured_caps(CPU) == (None,)
+    fused = FrameGraphRunner(m, buckets=(2, 8, 4), capture=False)
+    assert fused.caps == (None,) and fused.keys == [(8, None), (4, None), (2, None)]
+    for params in (PARAMS[:3], PARAMS[:5], PARAMS, DEPTH_PARAMS):
+        assert fused.cap_for(sampling_batch(params, [0] * len(params), 5, CPU)) is None
+    assert [fused._cover(k) for k in (0, 64, None)] == [None, None, None]
 
 
 def test_depth_decoder_params_sample_codebooks_1_on_and_leave_codebook_0() -> None:
