@@ -5,13 +5,15 @@ P's, and `run_prefill` (engine/prefill/runner.py, P's own call) over `--points
 PROMPTSxROWS` batches, every row computed, after `--warmup` untimed forwards: ms, tokens/s,
 TFLOP/s and MFU per point, optionally per GEMM precision (`--gemm`), through P's prefill
 graphs (`--graphs`), with device (`--profile`) or host (`--host-profile`) profiles (the
-columns: docs/performance.md, "What each benchmark measures"). `--device cpu` with
+columns: docs/performance.md, "What each benchmark measures"). The first frames run as
+P's do (`--depth-kernels`, `--frame-graphs`: P's start_first_frames). `--device cpu` with
 `--model tiny` is a smoke test. Never re-implements the forward: it calls P's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -21,15 +23,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from pdunit.bench import report
 from pdunit.engine.loadgen.summary import Column, machine_info, text_table
 from pdunit.engine.model.config import ModelConfig
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.transformer import GEMM_PRECISIONS
-from pdunit.engine.prefill.runner import random_chunks, run_prefill
-from pdunit.engine.settings import parse_config
+from pdunit.engine.prefill.runner import random_chunks, run_prefill, start_first_frames
+from pdunit.engine.settings import FirstFrameFields, parse_config
 
 BENCH = "prefill"
 # Dense bf16 tensor-core peaks (TFLOP/s) by a token of the GPU's name; MFU is reported
@@ -40,6 +42,7 @@ COLUMNS = [
     Column("gemm", "gemm", "{}"),
     Column("graphs", "graphs", "{}"),
     Column("replayed", "replayed", "{}"),
+    Column("first_frames", "first frames", "{}"),
     Column("prompts", "prompts"),
     Column("rows", "rows"),
     Column("tokens", "tokens"),
@@ -61,7 +64,7 @@ KERNEL_COLUMNS = [
 ]
 
 
-class PrefillBenchConfig(BaseModel):
+class PrefillBenchConfig(FirstFrameFields):
     model: str = Field("qwen3-4b-shape", description="model config name (random weights)")
     device: str = Field("cuda", description="cuda (the measurement) or cpu (smoke test)")
     dtype: str | None = Field(None, description="compute dtype (default: the model's; bfloat16 for the 4B shape)")
@@ -255,6 +258,12 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         raise SystemExit(f"pdunit bench prefill: --graphs needs a CUDA device, not --device {cfg.device}")
     model = load_model(f"random:{cfg.model}:{cfg.seed}", device=cfg.device, dtype=cfg.dtype)
     storage = model.new_kv_storage(max(p * r for p, r in points), device=cfg.device)
+    try:  # P's first frames: its depth kernels, its frame graphs up to the largest point's prompts
+        first = start_first_frames(model, cfg, max(p for p, _ in points), logging.getLogger("pdunit.bench"))
+    except ValueError as exc:
+        raise SystemExit(f"pdunit bench prefill: {exc}") from None
+    print(f"depth kernels: {first.depth_kernels}; frame graphs: "
+          f"{first.frame_graphs.sizes if first.frame_graphs is not None else 'off'}", flush=True)
     machine = machine_info()
     peak = peak_for(machine, cfg.peak_tflops) if storage.is_cuda else None
     rows_out: list[dict[str, Any]] = []
@@ -275,6 +284,8 @@ def run_prefill_bench(cfg: PrefillBenchConfig, command: str) -> dict[str, Any]:
         bf16 = by_point.get((r["prompts"], r["rows"]))
         r["speedup"] = round(bf16 / r["ms"], 3) if bf16 else None
     summary = {"peak_tflops": peak, "model": cfg.model, "dtype": str(model.dtype).replace("torch.", ""),
+               "depth_kernels": first.depth_kernels,  # what --depth-kernels resolved to
+               "frame_graph_buckets": first.frame_graphs.sizes if first.frame_graphs is not None else None,
                "best_us_per_token": {g: min(r["us_per_token"] for r in rows_out if r["gemm"] == g)
                                      for g in cfg.gemm}}
     return report.Results(BENCH, machine, command, cfg.model_dump(), rows_out, summary).document()
@@ -286,13 +297,17 @@ def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, i
     rows_out = []
     for prompts, rows in points:
         replays = graphs.stats["replays"] if graphs is not None else 0
+        frame_replays = _frame_replays(model)
         times, prof, host = measure(model, storage, prompts, rows, cfg, rng, graphs)
         ms = statistics.median(times) * 1e3
         tokens = prompts * rows
         tflops = forward_flops(model.config, prompts, rows) / (ms * 1e-3) / 1e12
         row: dict[str, Any] = {
             "gemm": gemm, "graphs": graphs is not None,
-            "replayed": graphs is not None and graphs.stats["replays"] > replays, "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
+            "replayed": graphs is not None and graphs.stats["replays"] > replays,
+            # the first frames: frame graph replays (P's), or eager (off, or more prompts than a bucket)
+            "first_frames": "graph" if _frame_replays(model) > frame_replays else "eager",
+            "prompts": prompts, "rows": rows, "tokens": tokens, "ms": round(ms, 3),
             "ms_p90": round(float(np.percentile(times, 90)) * 1e3, 3),
             "tokens_per_s": round(tokens / (ms * 1e-3), 1), "us_per_token": round(ms * 1e3 / tokens, 3),
             "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
@@ -306,6 +321,10 @@ def _measure_points(model: Any, storage: torch.Tensor, points: list[tuple[int, i
         rows_out.append(row)
         print(f"{gemm}{' graphs' if graphs is not None else ''} {prompts}x{rows}: {row['ms']:.2f} ms, {row['us_per_token']:.2f} us/token", flush=True)
     return rows_out
+
+
+def _frame_replays(model: Any) -> int:
+    return model.frame_graphs.stats["replays"] if model.frame_graphs is not None else 0
 
 
 def main(argv: list[str]) -> int:

@@ -235,7 +235,7 @@ DepthKernels = Literal["auto", "torch", "fused"]  # --depth-kernels
 
 
 def depth_kernels_field() -> Any:
-    """`--depth-kernels`, one definition for D and the monolith."""
+    """`--depth-kernels`, one definition for D, the monolith and P (its first frames)."""
     return Field("auto", description="kernels of the csm depth decoder's passes (its frame graphs included): torch "
                  "(its torch modules, ~35 launches a layer), fused (the backbone GPU path's Triton kernels and "
                  "fused q|k|v and gate|up GEMMs; CUDA, bf16/fp16, a model with a depth decoder, else refused) or "
@@ -316,6 +316,20 @@ class PrefillModelFields(BaseModel):
         graphs = self.prefill_graphs if self.prefill_graphs is not None else gpu_path
         min_rows = self.fp8_min_rows if self.fp8_min_rows is not None else (0 if graphs else 1200)
         return graphs, min_rows
+
+
+class FirstFrameFields(BaseModel):
+    """How P makes its first frames (a frame generator after the prefill forward: csm's
+    depth decoder), P's and `pdunit bench prefill`'s flags: engine/prefill/runner.py
+    start_first_frames sets them (the monolith's come with its decode steps)."""
+
+    depth_kernels: DepthKernels = depth_kernels_field()
+    frame_graphs: bool | None = Field(None, description="replay the first frames from CUDA graphs, one per batch "
+                                      "bucket of prompts finished in a forward (1, 2, 4, ... up to the most a "
+                                      "forward finishes: P's --max-batch-prompts); more run eagerly. Default on "
+                                      "where the model takes the GPU path (CUDA, bf16/fp16) and its frame generator "
+                                      "has a capture-safe form (csm's depth decoder), else off; asking for them "
+                                      "elsewhere is an error")
 
 
 def parse_decode_sockets(value: str) -> list[str]:

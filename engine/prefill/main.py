@@ -32,6 +32,7 @@ from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 from pdunit.engine.security import check_unit_secret_file, read_secret_file
 from pdunit.engine.settings import (
     ConfigError,
+    FirstFrameFields,
     PrefillModelFields,
     parse_config,
     parse_decode_sockets,
@@ -44,7 +45,7 @@ from pdunit.engine.transfer.options import unit_secret_option
 from pdunit.engine.unit_layout import pod_socket
 
 
-class PrefillConfig(PrefillModelFields, StackSamplingFields, TracingFields, SyntheticForwardFields):
+class PrefillConfig(PrefillModelFields, FirstFrameFields, StackSamplingFields, TracingFields, SyntheticForwardFields):
     """Prefill engine (P): admission queue, prefix cache, KV + first frame handed to D."""
 
     socket: str = Field(pod_socket("prefill"), description="unix socket P serves on")
@@ -113,7 +114,7 @@ async def serve(cfg: PrefillConfig, engine_factory: Callable[..., PrefillEngine]
     serve_metrics(cfg.metrics_port)
     bind_thread(cfg.device)  # this thread (gRPC handlers) and every pool thread: the engine's GPU
     asyncio.get_running_loop().set_default_executor(device_executor(cfg.device, "prefill-exec"))
-    started = start_prefill_model(cfg, cfg.cache_tokens, cfg.max_batch_prompts, log)
+    started = start_prefill_model(cfg, cfg.cache_tokens, cfg.max_batch_prompts, log, first_frames=cfg)
     if started is None:
         return 2
     model, storage, graphs = started

@@ -1,14 +1,15 @@
 """The prefill computation shared by P and the monolith: prompt rows -> KV + first frame.
 
-Owns no queue and no transport: callers pass prompts with their storage slots (cached
-rows first) and get first frames back. The first frame is sampled with frame index 0,
-so it is the same frame in every mode.
+Owns the model's start (load, warm-up, prefill graphs; P's first-frame kernels and frame
+graphs) and no queue and no transport: callers pass prompts with their storage slots
+(cached rows first) and get first frames back. The first frame is sampled with frame
+index 0, so it is the same frame in every mode.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,20 +17,25 @@ import torch
 
 from pdunit.engine import metrics as m
 from pdunit.engine.batching import SeqEntry, make_batch, prefill_entry
+from pdunit.engine.model.family_csm import set_depth_kernels
+from pdunit.engine.model.frame_graphs import FrameGraphRunner, frame_graphs_supported
 from pdunit.engine.model.loader import load_model
 from pdunit.engine.model.prefill_graphs import DEFAULT_ROW_BUCKETS, PrefillGraphRunner
 from pdunit.engine.model.sampling import SamplingParams
 from pdunit.engine.model.transformer import TTSModel
-from pdunit.engine.settings import PrefillModelFields
+from pdunit.engine.settings import FirstFrameFields, PrefillModelFields
 
 
 def start_prefill_model(
-    cfg: PrefillModelFields, n_slots: int, max_seqs: int, log: logging.Logger
+    cfg: PrefillModelFields, n_slots: int, max_seqs: int, log: logging.Logger,
+    first_frames: FirstFrameFields | None = None,
 ) -> tuple[TTSModel, torch.Tensor, PrefillGraphRunner | None] | None:
     """P's or the monolith's model, its KV storage of `n_slots` rows, warmed up, and its
     prefill graphs (for batches of up to `max_seqs` prompts) when the config asks for
     them; or None with the reason logged: a bad model spec or dtype, fp8 GEMMs or CUDA
-    graphs where the device has none."""
+    graphs where the device has none. `first_frames` (P's flags): its first frames'
+    depth kernels and frame graphs around the warm-up (`start_first_frames`); None (the
+    monolith, whose decode steps set both) leaves them."""
     try:
         model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
         graphs, fp8_min_rows = cfg.resolved_prefill(model.gpu_path)
@@ -38,11 +44,79 @@ def start_prefill_model(
                                          "prefill_gemm": cfg.prefill_gemm, "fp8_min_rows": fp8_min_rows,
                                          "prefill_graphs": graphs, "kv_cache_dtype": cfg.kv_cache_dtype})
         storage = model.new_kv_storage(n_slots, device=cfg.device, kv_cache_dtype=cfg.kv_cache_dtype)
-        warm_up(model, storage, cfg.warmup_rows, cfg.max_batch_rows)
+
+        def warm() -> None:
+            warm_up(model, storage, cfg.warmup_rows, cfg.max_batch_rows)
+
+        if first_frames is None:
+            warm()
+        else:  # a forward finishes at most one prompt a row
+            start_first_frames(model, first_frames, min(max_seqs, cfg.max_batch_rows), log, warm)
         return model, storage, capture_prefill_graphs(model, storage, graphs, max_seqs, cfg.graph_buckets())
     except ValueError as exc:
         log.error("cannot start the model", extra={"error": str(exc)})
         return None
+
+
+def frame_graph_buckets(max_prompts: int) -> list[int]:
+    """The first frames' batch buckets: the powers of two below `max_prompts`, then
+    `max_prompts` (16: 1, 2, 4, 8, 16; 12: 1, 2, 4, 8, 12)."""
+    bound = max(1, max_prompts)
+    return [1 << i for i in range(bound.bit_length()) if 1 << i < bound] + [bound]
+
+
+def resolve_frame_graphs(requested: bool | None, model: TTSModel) -> bool:
+    """`--frame-graphs` with its default applied (on where the model takes the GPU path
+    and its frame generator has a capture-safe form); ValueError naming the flag where
+    it was asked for and cannot run."""
+    supported = frame_graphs_supported(model)
+    if requested is None:
+        return model.gpu_path and supported
+    if requested and (model.device.type != "cuda" or not supported):
+        why = (f"a CUDA device, the model is on {model.device}" if model.device.type != "cuda" else
+               "a frame generator with a capture-safe form (csm's depth decoder), the model has none")
+        raise ValueError(f"--frame-graphs: the first frames' CUDA graphs need {why}: drop --frame-graphs")
+    return requested
+
+
+@dataclass
+class FirstFrameKernels:
+    """What P's first frames run on: what --depth-kernels resolved to and the frame
+    graphs (None: eager), as `start_first_frames` set them."""
+
+    depth_kernels: str
+    frame_graphs: FrameGraphRunner | None
+
+
+def start_first_frames(model: TTSModel, fields: FirstFrameFields, max_prompts: int, log: logging.Logger,
+                       warm: Callable[[], None] | None = None) -> FirstFrameKernels:
+    """P's first frames (and `pdunit bench prefill`'s), set in the order they must be:
+    `--depth-kernels` (`set_depth_kernels`), then `warm()` (the warm-up: its first frames
+    compile those kernels), then the frame graphs, which record the kernels live at capture:
+    buckets `frame_graph_buckets(max_prompts)`, attached as `model.frame_graphs`, which
+    `TTSModel.frames` replays (a larger batch runs eagerly). Both are logged. ValueError
+    naming the flag, before the warm-up, where one cannot run."""
+    graphs = resolve_frame_graphs(fields.frame_graphs, model)
+    depth = set_depth_kernels(model, fields.depth_kernels)
+    log.info("depth kernels", extra={"requested": fields.depth_kernels, "kernels": depth})
+    if warm is not None:
+        warm()
+    if not graphs:
+        log.info("frame graphs", extra={"requested": fields.frame_graphs, "on": False})
+        return FirstFrameKernels(depth, None)
+    import time
+
+    def reserved() -> int:
+        return torch.cuda.memory_reserved(model.device) if model.device.type == "cuda" else 0
+
+    t0, before = time.perf_counter(), reserved()
+    runner = FrameGraphRunner(model, frame_graph_buckets(max_prompts))
+    model.frame_graphs = runner
+    # what the graphs hold on to (their memory pool, static buffers), as the prefill graphs' log
+    log.info("frame graphs", extra={
+        "requested": fields.frame_graphs, "on": True, "buckets": runner.sizes, "top_k_caps": list(runner.caps),
+        "seconds": round(time.perf_counter() - t0, 2), "reserved_mib": round((reserved() - before) / 2**20)})
+    return FirstFrameKernels(depth, runner)
 
 
 @dataclass

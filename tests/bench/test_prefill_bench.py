@@ -87,6 +87,48 @@ def test_graph_rows_give_the_graphs_larger_buckets(tmp_path):
         (False, False, 2000), (True, True, 2000)]  # 4000 rows: the 4096 bucket
 
 
+def test_the_first_frames_run_as_ps_and_the_report_says_how(tmp_path):
+    """P's first frames (engine/prefill/runner.py start_first_frames): on the CPU auto
+    gives the torch depth kernels and no frame graphs, and the report says so."""
+    out = tmp_path / "prefill.json"
+    assert bench_main(["prefill", "--model", "csm-tiny", "--device", "cpu", "--points", "2x8", "--iters", "1",
+                       "--warmup", "0", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["depth_kernels"] == "auto" and doc["config"]["frame_graphs"] is None
+    assert doc["summary"]["depth_kernels"] == "torch" and doc["summary"]["frame_graph_buckets"] is None
+    assert [r["first_frames"] for r in doc["rows"]] == ["eager"]
+    assert "first frames" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--frame-graphs"], "--frame-graphs: the first frames' CUDA graphs need a CUDA device"),
+    (["--depth-kernels", "fused"], "--depth-kernels fused runs the GPU path's Triton kernels"),
+])
+def test_first_frame_kernels_that_cannot_run_are_refused_naming_the_flag(flags, says):
+    with pytest.raises(SystemExit, match=f"pdunit bench prefill: {says}"):
+        bench_main(["prefill", "--model", "csm-tiny", "--device", "cpu", "--points", "1x8", *flags])
+
+
+@pytest.mark.gpu
+def test_cuda_run_of_csm_replays_the_first_frames_where_a_bucket_holds_the_prompts(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "prefill.json"
+    assert bench_main(["prefill", "--model", "csm-tiny", "--device", "cuda", "--dtype", "bfloat16", "--points",
+                       "1x64,4x64", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["depth_kernels"] == "fused" and doc["summary"]["frame_graph_buckets"] == [1, 2, 4]
+    assert [r["first_frames"] for r in doc["rows"]] == ["graph", "graph"]
+    assert bench_main(["prefill", "--model", "csm-tiny", "--device", "cuda", "--dtype", "bfloat16", "--points",
+                       "4x64", "--iters", "2", "--warmup", "1", "--depth-kernels", "torch", "--no-frame-graphs",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["depth_kernels"] == "torch" and doc["summary"]["frame_graph_buckets"] is None
+    assert [r["first_frames"] for r in doc["rows"]] == ["eager"]
+
+
 def test_an_unknown_or_repeated_gemm_is_refused(capsys):
     for bad in ("int8", "fp8,fp8"):
         with pytest.raises(SystemExit):
