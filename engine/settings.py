@@ -324,6 +324,10 @@ class FirstFrameFields(BaseModel):
     start_first_frames sets them (the monolith's come with its decode steps)."""
 
     depth_kernels: DepthKernels = depth_kernels_field()
+    decode_gemm: GemmPrecision = Field("bf16", description="GEMM precision of the frame generator's passes in the "
+                                       "first frames (csm's depth decoder): D's --decode-gemm, so P's first frames "
+                                       "are D's under fp8 too; bf16 (the model dtype) or fp8 (e4m3). A model "
+                                       "without a frame generator has no such passes: fp8 is refused there")
     frame_graphs: bool | None = Field(None, description="replay the first frames from CUDA graphs, one per batch "
                                       "bucket of prompts finished in a forward (1, 2, 4, ... up to the most a "
                                       "forward finishes: P's --max-batch-prompts); more run eagerly. Default on "

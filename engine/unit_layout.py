@@ -254,7 +254,8 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
             *cli, "prefill", "--socket", p_sock, "--decode-socket", d_sock, "--model", spec.model,
             "--transfer", spec.transfer, "--device", spec.device, "--unit-secret-file", paths.unit_secret_file,
             *proxy, *_model_flags(spec), *_opt("--cache-tokens", spec.cache_tokens), *log, *_prefill_flags(spec),
-            *_decode_depth_kernels(spec), *_metrics(spec, "prefill"), *_extra(spec, "prefill"),
+            *_decode_depth_kernels(spec), *(["--decode-gemm", spec.decode_gemm] if spec.decode_gemm != "bf16" else []),
+            *_metrics(spec, "prefill"), *_extra(spec, "prefill"),
         ]
         if spec.guard:  # one HTTP server: /status, /healthz and /metrics, or none at all
             port = spec.guard_port if spec.guard_port is not None else metrics_port_of(spec.metrics_port, "guard")

@@ -91,12 +91,19 @@ class FirstFrameKernels:
 def start_first_frames(model: TTSModel, fields: FirstFrameFields, max_prompts: int, log: logging.Logger,
                        warm: Callable[[], None] | None = None) -> FirstFrameKernels:
     """P's first frames (and `pdunit bench prefill`'s), set in the order they must be:
-    `--depth-kernels` (`set_depth_kernels`), then `warm()` (the warm-up: its first frames
-    compile those kernels), then the frame graphs, which record the kernels live at capture:
+    `--decode-gemm` (the depth decoder's e4m3 weights, as D's), `--depth-kernels`
+    (`set_depth_kernels`), then `warm()` (the warm-up: its first frames compile those
+    kernels), then the frame graphs, which record the kernels live at capture:
     buckets `frame_graph_buckets(max_prompts)`, attached as `model.frame_graphs`, which
     `TTSModel.frames` replays (a larger batch runs eagerly). Both are logged. ValueError
     naming the flag, before the warm-up, where one cannot run."""
     graphs = resolve_frame_graphs(fields.frame_graphs, model)
+    if fields.decode_gemm != "bf16":
+        if model.frame_generator is None:
+            raise ValueError(f"decode_gemm {fields.decode_gemm}: the model has no frame generator, so P's first "
+                             "frames run no decode GEMMs (leave it bf16)")
+        model.set_decode_gemm(fields.decode_gemm)  # quantises the depth layers once, before any capture
+    log.info("first-frame gemm", extra={"decode_gemm": fields.decode_gemm})
     depth = set_depth_kernels(model, fields.depth_kernels)
     log.info("depth kernels", extra={"requested": fields.depth_kernels, "kernels": depth})
     if warm is not None:

@@ -231,6 +231,40 @@ def test_a_units_p_gets_ds_depth_kernels_and_its_own_extra_flags_win() -> None:
     assert parse_config(PrefillConfig, mine[mine.index("--depth-kernels"):], "x", env={}).depth_kernels == "fused"
 
 
+def test_p_quantises_the_depth_decoder_as_ds_decode_gemm_before_its_depth_kernels(monkeypatch, caplog) -> None:
+    """D's --decode-gemm fp8 runs the depth decoder's GEMMs in e4m3; P takes the same flag
+    (a unit passes D's), so P's first frames are D's frames: the depth layers' e4m3
+    weights exist before the depth kernels are set and the warm-up runs them."""
+    rec = Recorder(monkeypatch, graphs=False)
+    cfg = p_config("--decode-gemm", "fp8", "--depth-kernels", "torch")
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        model = start_prefill_model(cfg, 256, 4, LOG, first_frames=cfg)[0]
+    assert rec.events == ["depth torch", "warm-up"]
+    assert model.decode_gemm == "fp8" and model.frame_generator.fp8_gemms is not None
+    assert any(r.getMessage() == "first-frame gemm" and r.__dict__["decode_gemm"] == "fp8" for r in caplog.records)
+    bf16 = start_prefill_model(p_config(), 256, 4, LOG, first_frames=p_config())[0]
+    assert bf16.decode_gemm == "bf16" and bf16.frame_generator.fp8_gemms is None
+
+
+def test_p_refuses_fp8_first_frame_gemms_for_a_model_without_a_frame_generator(monkeypatch, caplog) -> None:
+    rec = Recorder(monkeypatch, graphs=False)
+    cfg = parse_config(PrefillConfig, ["--model", "random:tiny:0", "--decode-gemm", "fp8"], "x", env={})
+    with caplog.at_level(logging.ERROR, logger=LOG.name):
+        assert start_prefill_model(cfg, 256, 4, LOG, first_frames=cfg) is None
+    assert "warm-up" not in rec.events
+    assert any("decode_gemm fp8: the model has no frame generator" in r.__dict__.get("error", "")
+               for r in caplog.records), caplog.records
+
+
+def test_a_units_p_gets_ds_decode_gemm() -> None:
+    plain = unit_commands(UnitSpec(model="random:csm-tiny:0"))
+    assert "--decode-gemm" not in plain["prefill"]
+    cmds = unit_commands(UnitSpec(model="random:csm-tiny:0", decode_gemm="fp8"))
+    for role in ("prefill", "decode"):
+        i = cmds[role].index("--decode-gemm")
+        assert cmds[role][i + 1] == "fp8", role
+
+
 @gpu
 def test_ps_first_frames_with_frame_graphs_equal_them_without_on_cuda() -> None:
     """csm-tiny in bf16 on CUDA as P starts it (auto: fused depth kernels, frame graphs
