@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -54,6 +56,25 @@ def chunked_unit():
     # also carry decode steps
     with LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **SMALL)) as unit:
         yield unit
+
+
+@contextmanager
+def units_side_by_side(*configs: LocalConfig) -> Iterator[list[LocalUnit]]:
+    """Units that boot at the same time rather than one after the other (their starts are
+    most of a test that needs two): spawned from this thread (a child dies with the
+    thread that spawned it: PR_SET_PDEATHSIG), each supervised once all are ready, all
+    stopped at once."""
+    units = [LocalUnit(cfg) for cfg in configs]
+    try:
+        for unit in units:
+            unit.start()
+        for unit in units:
+            unit.wait_ready()
+            unit.supervise()
+        yield units
+    finally:
+        with ThreadPoolExecutor(len(units)) as stopping:
+            list(stopping.map(LocalUnit.stop, units))
 
 
 def run_all(url: str) -> list[tuple[list, dict]]:
@@ -253,8 +274,8 @@ def test_fp8_prefill_gemms_reach_p_and_the_monolith_and_keep_pd_equal_to_it(pd_u
     the prefill-first monolith frame for frame, and the frames are not bf16's."""
     fp8 = dict(SMALL, prefill_gemm="fp8")
     every = ["--fp8-min-rows", "0"]  # these prompts are far below the engines' default threshold
-    with LocalUnit(LocalConfig(mode="pd", extra_prefill_args=every, **fp8)) as pd8, \
-            LocalUnit(LocalConfig(mode="monolith", extra_monolith_args=every, **fp8)) as mono8:
+    with units_side_by_side(LocalConfig(mode="pd", extra_prefill_args=every, **fp8),
+                            LocalConfig(mode="monolith", extra_monolith_args=every, **fp8)) as (pd8, mono8):
         got, want = run_all(pd8.url), run_all(mono8.url)
     bf16 = run_all(pd_unit.url)
     for (frames, last), (mono_frames, mono_last) in zip(got, want, strict=True):
@@ -269,8 +290,8 @@ def test_fp8_kv_cache_keeps_pd_equal_to_both_monoliths(pd_unit, fp8_monolith_uni
     from them, and the frames equal both monoliths' (their pools fp8 too: prefill-first,
     and chunked, which reads its earlier chunks back from the pool), and differ from the
     full-precision pool's."""
-    with LocalUnit(LocalConfig(mode="pd", **FP8_KV)) as pd8, \
-            LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **FP8_KV)) as chunk8:
+    with units_side_by_side(LocalConfig(mode="pd", **FP8_KV),
+                            LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **FP8_KV)) as (pd8, chunk8):
         got, chunked = run_all(pd8.url), run_all(chunk8.url)
         info = load(pd8.url)
     want = run_all(fp8_monolith_unit.url)
