@@ -3,10 +3,9 @@ when its projected step time over the lifetimes of the streams it holds, plus th
 one, would break the rate floor for anyone.
 
 Owns the projection against the floor (`RateFloorAdmission`), an engine's admission
-state and headroom (`AdmissionControl`), its flags and the floor an engine keeps
-(`resolve_floor`, `build_admission`); the step model is engine/decode/step_model.py, the
-held streams' lives engine/decode/stream_lives.py.
-
+state and headroom (`AdmissionControl`), its flags and the floor it keeps (`resolve_floor`,
+`build_admission`); the step model and the streams' lives live beside it (step_model.py,
+stream_lives.py).
 Must never block or allocate pages: it answers yes/no and a headroom count; the
 caller refuses (status RATE_FLOOR) and holds nothing.
 """

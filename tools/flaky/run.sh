@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test-flaky`: the flake hunt. CI's exact command (`bash .ci/run`) on fresh clones
-# of HEAD, one clone per run: plain twice, once in random order (pytest-randomly, with
-# the seed printed), twice while every core is kept busy by a CPU burner this script
+# of the commit HEAD names when it starts (every run tests that commit), one clone per
+# run: plain twice, once in random order (pytest-randomly, with the seed printed), twice while every core is kept busy by a CPU burner this script
 # starts and always stops. Exits non-zero if any run failed.
 #
 # Owns: the clones under one temp folder, the burners, the per-run log and the summary.
@@ -74,7 +74,9 @@ for i in "${!runs[@]}"; do
   dir="$work/run-$n-$kind"
   log="$work/run-$n-$kind.log"
   rm -rf "$dir"
-  git clone -q "$repo" "$dir" || { echo "run $n: git clone failed" >&2; exit 1; }
+  # every run tests the commit the hunt started on, whatever lands in the repository meanwhile
+  git clone -q "$repo" "$dir" && git -C "$dir" checkout -q --detach "$head" ||
+    { echo "run $n: git clone of $head failed" >&2; exit 1; }
   addopts="--durations=20 ${FLAKY_ARGS:-}"
   if [ "$kind" = random ]; then
     addopts="-p randomly --randomly-seed=$seed $addopts"
