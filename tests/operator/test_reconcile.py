@@ -424,7 +424,9 @@ def test_decode_kernel_reaches_every_decode_engine_only_in_its_canonical_form() 
 
 @pytest.mark.parametrize(("field", "flag", "engines"), [
     ("prefillGemm", "--prefill-gemm", {"prefill": "pdunit.engine.prefill.main"}),
-    ("decodeGemm", "--decode-gemm", {"decode-0": "pdunit.engine.decode.main", "decode-1": "pdunit.engine.decode.main"}),
+    # P too: its first frames run the depth decoder's GEMMs as D's do (FirstFrameFields.decode_gemm)
+    ("decodeGemm", "--decode-gemm", {"decode-0": "pdunit.engine.decode.main", "decode-1": "pdunit.engine.decode.main",
+                                     "prefill": "pdunit.engine.prefill.main"}),
 ])
 def test_a_gemm_field_reaches_its_engines_only_and_only_when_fp8(field: str, flag: str,
                                                                  engines: dict[str, str]) -> None:
