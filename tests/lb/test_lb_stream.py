@@ -227,7 +227,20 @@ def test_load_document_lists_request_ids_and_is_empty_only_when_nothing_is_held(
     lb = start_lb()
     fake_unit.decode.step_s = 0.05
     with lb.client() as c:
-        idle = c.get("/v1/load").json()
+        # ready and empty once the LB's probes have answered: read at one instant, a probe
+        # slowed past its interval on a busy machine (two CPU burners on 2 cores) had left
+        # the document unready right after /readyz said ready
+        docs: list[dict] = []
+
+        def idle_and_ready() -> bool:
+            docs.append(c.get("/v1/load").json())
+            return bool(docs[-1]["ready"]) and docs[-1]["empty"] is True
+
+        try:
+            wait_until(idle_and_ready, what="an idle, ready load document")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the last: {docs[-1]}") from None
+        idle = docs[-1]
         for key in (
             "unit",
             "ready",
