@@ -112,7 +112,8 @@ class UnitSpec:
     dtype: str | None = None
     prefill_gemm: str = "bf16"
     prefill_graphs: bool | None = None
-    decode_gemm: str = "bf16"
+    decode_gemm: str = "bf16"  # D's steps and the depth decoder's passes: P's first frames too
+    depth_kernels: str = "auto"  # the depth decoder's passes: every D, the monolith and P alike
     decode_kernel: str = ""
     cache_tokens: int | None = None  # P's and the monolith's prefix cache
     pool_tokens: int | None = None  # D's and the monolith's KV pool
@@ -172,27 +173,17 @@ def _prefill_flags(spec: UnitSpec) -> list[str]:
     return (["--prefill-gemm", spec.prefill_gemm] if spec.prefill_gemm != "bf16" else []) + graphs
 
 
-DEPTH_KERNELS_FLAG = "--depth-kernels"
-
-
-def _decode_depth_kernels(spec: UnitSpec) -> list[str]:
-    """D's `--depth-kernels` for P too (P's first frames run the same depth decoder),
-    taken from D's extra flags, where a unit sets it; nothing when they do not. P's own
-    extra flags come after it and win (a flag given twice keeps its last value)."""
-    args, found = list(spec.extra_args.get("decode") or []), []
-    for i, arg in enumerate(args):
-        if arg == DEPTH_KERNELS_FLAG and i + 1 < len(args):
-            found = [arg, args[i + 1]]
-        elif arg.startswith(DEPTH_KERNELS_FLAG + "="):
-            found = [arg]
-    return found
+def _depth_flags(spec: UnitSpec) -> list[str]:
+    """The csm depth decoder's passes, the same in D's steps, the monolith's and P's first
+    frames (P's first frames are D's): nothing at the defaults (auto, bf16)."""
+    return ([] if spec.depth_kernels == "auto" else ["--depth-kernels", spec.depth_kernels]) + \
+        (["--decode-gemm", spec.decode_gemm] if spec.decode_gemm != "bf16" else [])
 
 
 def _decode_flags(spec: UnitSpec) -> list[str]:
     """Every D's and the monolith's decode steps and admission."""
     return (_opt("--rate-floor", spec.rate_floor) + _opt("--step-model", spec.step_model) +
-            _opt("--decode-kernel", spec.decode_kernel) +
-            (["--decode-gemm", spec.decode_gemm] if spec.decode_gemm != "bf16" else []))
+            _opt("--decode-kernel", spec.decode_kernel) + _depth_flags(spec))
 
 
 def _codec_flags(spec: UnitSpec) -> list[str]:
@@ -254,8 +245,7 @@ def unit_commands(spec: UnitSpec) -> dict[str, list[str]]:
             *cli, "prefill", "--socket", p_sock, "--decode-socket", d_sock, "--model", spec.model,
             "--transfer", spec.transfer, "--device", spec.device, "--unit-secret-file", paths.unit_secret_file,
             *proxy, *_model_flags(spec), *_opt("--cache-tokens", spec.cache_tokens), *log, *_prefill_flags(spec),
-            *_decode_depth_kernels(spec), *(["--decode-gemm", spec.decode_gemm] if spec.decode_gemm != "bf16" else []),
-            *_metrics(spec, "prefill"), *_extra(spec, "prefill"),
+            *_depth_flags(spec), *_metrics(spec, "prefill"), *_extra(spec, "prefill"),
         ]
         if spec.guard:  # one HTTP server: /status, /healthz and /metrics, or none at all
             port = spec.guard_port if spec.guard_port is not None else metrics_port_of(spec.metrics_port, "guard")

@@ -25,7 +25,12 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from pdunit.engine.settings import GemmPrecision, TransferMode, canonical_decode_kernel
+from pdunit.engine.settings import (
+    DepthKernels,
+    GemmPrecision,
+    TransferMode,
+    canonical_decode_kernel,
+)
 from pdunit.engine.unit_layout import (
     ADMIN_PORT,
     LB_PORT,
@@ -618,6 +623,14 @@ class PDUnitSpec(_Api):
         description="GEMM precision of every decode engine's decode steps (their --decode-gemm): bf16 or "
         "fp8; fp8 made 1P1D's D pass 44 req/s where bf16 failed it in the same run (docs/performance.md); "
         "changes the numerics of every frame. Unset: bf16.",
+    )
+    depth_kernels: DepthKernels | None = Field(
+        default=None,
+        description="Kernels of the csm depth decoder's passes in every decode engine's steps and in the "
+        "prefill engine's first frames (their --depth-kernels; one in extraArgs comes after it and wins for "
+        "its role): torch (its torch modules), fused (the backbone's Triton kernels; CUDA in bf16/fp16 and a "
+        "model with a depth decoder, else the engines refuse to start) or auto (fused where it runs, else "
+        "torch). Unset: auto.",
     )
     lb_port: int = Field(default=LB_PORT, ge=1, le=65535, description="LB HTTP port (streams, /v1/load, /metrics).")
     admin_port: int = Field(

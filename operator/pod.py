@@ -444,7 +444,8 @@ def layout_of(spec: dict[str, Any]) -> UnitSpec:
         decoders=int(spec.get("decoders", 1)),
         kv_cache_dtype=spec.get("kvCacheDtype") or "auto",  # one value for P and every D
         prefill_gemm=spec.get("prefillGemm") or "bf16",
-        decode_gemm=spec.get("decodeGemm") or "bf16",  # every D alike
+        decode_gemm=spec.get("decodeGemm") or "bf16",  # every D and P alike
+        depth_kernels=spec.get("depthKernels") or "auto",  # every D and P alike
         decode_kernel=spec.get("decodeKernel") or "",
         lb_port=spec["lbPort"],
         # on the pod IP for the operator's drain, behind the token (and the chart's

@@ -466,6 +466,7 @@ def test_the_operator_and_router_accept_the_flags_the_chart_passes() -> None:
         ("examplePDUnitSet.kvCacheDtype=fp4", "/examplePDUnitSet/kvCacheDtype"),
         ("examplePDUnitSet.prefillGemm=int8", "/examplePDUnitSet/prefillGemm"),
         ("examplePDUnitSet.decodeGemm=int8", "/examplePDUnitSet/decodeGemm"),
+        ("examplePDUnitSet.depthKernels=triton", "/examplePDUnitSet/depthKernels"),
         ("examplePDUnitSet.decodeKernel=fp8_dots", "/examplePDUnitSet/decodeKernel"),
         ("examplePDUnitSet.model=tiny", "/examplePDUnitSet/model"),
         ("examplePDUnitSet.codec=mimi", "/examplePDUnitSet/codec"),
@@ -513,6 +514,18 @@ def test_values_schema_lists_the_transfer_modes_of_the_one_list() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     enum = schema["properties"]["examplePDUnitSet"]["properties"]["transfer"]["enum"]
     assert enum == list(typing.get_args(TransferMode))
+
+
+def test_values_schema_lists_the_depth_kernels_of_the_engines() -> None:
+    """A copy too (as the transfer modes): equal to settings.DepthKernels, in its order."""
+    import json
+    import typing
+
+    from pdunit.engine.settings import DepthKernels
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["examplePDUnitSet"]["properties"]["depthKernels"]["enum"]
+    assert enum == list(typing.get_args(DepthKernels))
 
 
 def test_cpu_units_need_a_host_or_tcp_transfer() -> None:
@@ -597,6 +610,13 @@ def test_the_example_set_carries_a_gemm_precision_only_when_it_is_not_bf16(key: 
     assert key not in bf16
     fp8 = one(render(["--set", f"examplePDUnitSet.{key}=fp8"]), "PDUnitSet")
     assert fp8["spec"]["template"]["spec"][key] == "fp8"
+
+
+def test_the_example_set_carries_depth_kernels_only_when_it_is_not_auto() -> None:
+    """As the GEMM precisions: the key at its default would change the template's hash."""
+    assert "depthKernels" not in one(render([]), "PDUnitSet")["spec"]["template"]["spec"]
+    fused = one(render(["--set", "examplePDUnitSet.depthKernels=fused"]), "PDUnitSet")
+    assert fused["spec"]["template"]["spec"]["depthKernels"] == "fused"
 
 
 def test_keda_max_below_min_is_refused_naming_both_fields() -> None:

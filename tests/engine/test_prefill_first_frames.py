@@ -215,19 +215,27 @@ def test_ps_first_frames_through_its_staged_frame_graphs_equal_the_eager_ones(mo
         assert all(a.tobytes() == b.tobytes() for a, b in zip(graphs, eager, strict=True)), n
 
 
-def test_a_units_p_gets_ds_depth_kernels_and_its_own_extra_flags_win() -> None:
-    def prefill(**extra) -> list[str]:
-        return unit_commands(UnitSpec(model="random:csm-tiny:0", extra_args=extra))["prefill"]
+def test_a_units_p_gets_ds_depth_kernels_from_the_spec_and_its_own_extra_flags_win() -> None:
+    def commands(**fields) -> dict[str, list[str]]:
+        return unit_commands(UnitSpec(model="random:csm-tiny:0", decoders=2, **fields))
 
-    plain = prefill()
-    assert "--depth-kernels" not in " ".join(plain)
-    assert prefill(decode=["--max-batch", "64"]) == plain  # nothing of D's else
-    got = prefill(decode=["--depth-kernels", "torch", "--max-batch", "64"])
-    assert got[-2:] == ["--depth-kernels", "torch"] and got[:-2] == plain
-    assert prefill(decode=["--depth-kernels=fused", "--depth-kernels", "torch"])[-2:] == ["--depth-kernels", "torch"]
-    assert prefill(decode=["--depth-kernels", "torch", "--depth-kernels=fused"])[-1:] == ["--depth-kernels=fused"]
-    mine = prefill(decode=["--depth-kernels", "torch"], prefill=["--depth-kernels", "fused"])
-    assert mine[-4:] == ["--depth-kernels", "torch", "--depth-kernels", "fused"]  # P's own, last, wins
+    def kernels(argv: list[str]) -> str:
+        i = argv.index("--depth-kernels")
+        return parse_config(PrefillConfig, argv[i:i + 2], "x", env={}).depth_kernels
+
+    plain = commands()
+    assert all("--depth-kernels" not in argv for argv in plain.values())
+    assert commands(depth_kernels="auto") == plain  # the engines' default: no flag
+    for mode in ("torch", "fused"):
+        cmds = commands(depth_kernels=mode)
+        assert [kernels(cmds[name]) for name in ("prefill", "decode-0", "decode-1")] == [mode] * 3
+        assert all("--depth-kernels" not in cmds[name] for name in ("lb", "proxy", "guard"))
+        mono = unit_commands(UnitSpec(model="random:csm-tiny:0", mode="monolith", depth_kernels=mode))["monolith"]
+        assert mono.count("--depth-kernels") == 1 and mono[mono.index("--depth-kernels") + 1] == mode
+    # D's extra flags are D's: P takes the field, never D's extra flags
+    assert commands(extra_args={"decode": ["--depth-kernels", "torch"]})["prefill"] == plain["prefill"]
+    mine = commands(depth_kernels="torch", extra_args={"prefill": ["--depth-kernels", "fused"]})["prefill"]
+    assert mine[-2:] == ["--depth-kernels", "fused"]  # P's own, last, wins
     assert parse_config(PrefillConfig, mine[mine.index("--depth-kernels"):], "x", env={}).depth_kernels == "fused"
 
 

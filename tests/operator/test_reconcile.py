@@ -448,6 +448,36 @@ def test_a_gemm_field_reaches_its_engines_only_and_only_when_fp8(field: str, fla
     assert f"spec.{field}" in m.validation_message(exc.value)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_depth_kernels_reach_every_decode_engine_and_prefills_first_frames_alike(kernels: str) -> None:
+    engines = {"decode-0": "pdunit.engine.decode.main", "decode-1": "pdunit.engine.decode.main",
+               "prefill": "pdunit.engine.prefill.main"}
+    by_name = containers(desired_pod(a_unit(decoders=2, depthKernels=kernels)))
+    for name, module in engines.items():
+        cfg = parse_config(_config_model(module), argv_here(by_name[name]["command"]), f"pdunit {name}", env={})
+        assert cfg.depth_kernels == kernels, name  # type: ignore[attr-defined]
+    for name in set(by_name) - set(engines):
+        assert "--depth-kernels" not in by_name[name]["command"], name
+    # a flag in extraArgs comes after the field's and wins for its role only
+    by_name = containers(desired_pod(a_unit(depthKernels=kernels, extraArgs={"decode": ["--depth-kernels", "auto"]})))
+    got = {name: parse_config(_config_model(module), argv_here(by_name[name]["command"]), name, env={})
+           for name, module in (("decode", "pdunit.engine.decode.main"), ("prefill", "pdunit.engine.prefill.main"))}
+    assert (got["decode"].depth_kernels, got["prefill"].depth_kernels) == ("auto", kernels)  # type: ignore[attr-defined]
+
+
+def test_depth_kernels_unset_or_auto_pass_no_flag_and_another_value_is_refused_naming_the_field() -> None:
+    for value in (None, "auto"):
+        pod = desired_pod(a_unit(decoders=2, **({} if value is None else {"depthKernels": value})))
+        for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
+            assert "--depth-kernels" not in c["command"], (value, c["name"])
+    # D's extra flags stay D's: P takes the field, never D's extraArgs
+    pod = desired_pod(a_unit(extraArgs={"decode": ["--depth-kernels", "torch"]}))
+    assert "--depth-kernels" not in containers(pod)["prefill"]["command"]
+    with pytest.raises(ValidationError) as exc:
+        desired_pod(a_unit(depthKernels="triton"))
+    assert "spec.depthKernels" in m.validation_message(exc.value)
+
+
 def test_pod_is_owned_by_its_unit_and_carries_the_selector_labels() -> None:
     pod = desired_pod(a_unit("tts-abc12-x7"))
     assert pod["metadata"]["name"] == "tts-abc12-x7"
