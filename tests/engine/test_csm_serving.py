@@ -262,29 +262,17 @@ def run_prompts(url: str, prompts: list[np.ndarray], **params: Any) -> list[tupl
 
 @pytest.fixture(scope="module")
 def csm_units(checkpoint: tuple[Path, Any]) -> Any:
-    from pdunit.engine.local import LocalConfig, LocalUnit  # the LB's stack: not needed in process
+    from pdunit.engine.local import LocalConfig  # the LB's stack: not needed in process
+    from tests.engine.unit_client import units_side_by_side
 
     model = str(checkpoint[0])
     # the third: a monolith whose steps mix prompt chunks (6 rows) with decode rows, overlapped
     mixed = LocalConfig(mode="monolith", model=model, policy="chunked", chunk_tokens=6,
                         extra_monolith_args=["--overlap"], **SMALL)
-    units = (LocalUnit(LocalConfig(mode="pd", model=model, **SMALL)),
-             LocalUnit(LocalConfig(mode="monolith", model=model, **SMALL)), LocalUnit(mixed),
-             LocalUnit(LocalConfig(mode="1p2d", model=model, **SMALL)))
-
-    # The four units start at once: their eleven processes import and load side by side,
-    # and one unit's wait for its LB overlaps the others' (one after another, each start
-    # was waited for alone). They stop at once too.
-    try:
-        for unit in units:
-            unit.start()
-        for unit in units:
-            unit.wait_ready()
-            unit.supervise()
+    # the four units' eleven processes import and load side by side
+    with units_side_by_side(LocalConfig(mode="pd", model=model, **SMALL), LocalConfig(mode="monolith", model=model, **SMALL),
+                            mixed, LocalConfig(mode="1p2d", model=model, **SMALL)) as units:
         yield units
-    finally:
-        with ThreadPoolExecutor(len(units)) as pool:
-            list(pool.map(LocalUnit.stop, units))
 
 
 def test_pd_and_monolith_units_stream_the_greedy_frames_of_transformers_generate(

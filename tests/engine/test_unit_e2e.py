@@ -8,16 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdunit.engine.local import LocalConfig, LocalUnit
-from tests.engine.unit_client import load, random_prompt, stream, wait_empty, wait_for
+from tests.engine.unit_client import (
+    load,
+    random_prompt,
+    stream,
+    units_side_by_side,
+    wait_empty,
+    wait_for,
+)
 
 SMALL = dict(pool_tokens=16384, cache_tokens=16384, lb_port=0, guard=False, log_level="warning")
 FP8_KV = dict(SMALL, kv_cache_dtype="fp8_e4m3")  # every engine's pool fp8
@@ -56,25 +62,6 @@ def chunked_unit():
     # also carry decode steps
     with LocalUnit(LocalConfig(mode="monolith", policy="chunked", chunk_tokens=96, **SMALL)) as unit:
         yield unit
-
-
-@contextmanager
-def units_side_by_side(*configs: LocalConfig) -> Iterator[list[LocalUnit]]:
-    """Units that boot at the same time rather than one after the other (their starts are
-    most of a test that needs two): spawned from this thread (a child dies with the
-    thread that spawned it: PR_SET_PDEATHSIG), each supervised once all are ready, all
-    stopped at once."""
-    units = [LocalUnit(cfg) for cfg in configs]
-    try:
-        for unit in units:
-            unit.start()
-        for unit in units:
-            unit.wait_ready()
-            unit.supervise()
-        yield units
-    finally:
-        with ThreadPoolExecutor(len(units)) as stopping:
-            list(stopping.map(LocalUnit.stop, units))
 
 
 def run_all(url: str) -> list[tuple[list, dict]]:
@@ -211,6 +198,13 @@ def test_pdunit_local_leaves_no_process_behind(tmp_path, how):
             proc.kill()
 
 
+def _lb_streams_seen(url: str) -> float:
+    """Streams the LB holds now plus those it answered (any outcome), from its /metrics."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5.0).text)
+    return sum(sample.value for family in families for sample in family.samples
+               if sample.name in ("pdunit_lb_streams_in_flight", "pdunit_lb_requests_total"))
+
+
 @pytest.mark.parametrize("when", ["starting", "loading"])
 def test_pdunit_local_stopped_while_starting_or_loading_leaves_no_process_behind(tmp_path, when):
     """A signal before the unit is ready abandons the start, one during `--load-streams`
@@ -227,9 +221,12 @@ def test_pdunit_local_stopped_while_starting_or_loading_leaves_no_process_behind
         if when == "starting":
             kids = wait_for(lambda: _children(proc.pid) or None, what="the first child started")
         else:
-            assert "unit ready" in proc.stdout.readline()
+            line = proc.stdout.readline()
+            assert "unit ready at " in line, line
             kids = _children(proc.pid)
-            time.sleep(1.0)  # the load is running (400 requests take far longer)
+            # the load is running (400 requests take far longer): its first request reached the LB
+            url = line.split("unit ready at ")[1].split()[0]
+            wait_for(lambda: _lb_streams_seen(url), interval=0.05, what="the load's first request at the LB")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         if when == "starting":

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,26 @@ import numpy as np
 
 from pdunit.bench.fault_unit import wait_until
 from pdunit.engine.lb.load import LoadDocument, read_load_document
-from pdunit.engine.local import demo_clip
+from pdunit.engine.local import LocalConfig, LocalUnit, demo_clip
+
+
+@contextmanager
+def units_side_by_side(*configs: LocalConfig) -> Iterator[list[LocalUnit]]:
+    """Units that boot at the same time rather than one after the other (a unit's start is
+    mostly its processes' imports and loads): spawned from the caller's thread (a child
+    dies with the thread that spawned it: PR_SET_PDEATHSIG), each supervised once all are
+    ready, all stopped at once."""
+    units = [LocalUnit(cfg) for cfg in configs]
+    try:
+        for unit in units:
+            unit.start()
+        for unit in units:
+            unit.wait_ready()
+            unit.supervise()
+        yield units
+    finally:
+        with ThreadPoolExecutor(len(units)) as stopping:
+            list(stopping.map(LocalUnit.stop, units))
 
 
 def random_prompt(rows: int, seed: int, vocab: int = 1024, cols: int = 11) -> list[list[int]]:
