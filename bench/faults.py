@@ -5,7 +5,7 @@ and `--faults` are reached), its verdict (`evaluate`: errors within their bound,
 pages back to 0, KV mismatches == corruptions, the frames canary; `judge_stalls`: no
 kind of fault slowed the streams it did not touch, against the run's own baseline) and
 the report and result files. tests/faults/ runs it with bounded counts, one prompt bank
-per module and one host unit for several runs (`run_on`); standalone:
+per module and one unit per transport for several runs (`run_on`); standalone:
 `python -m pdunit.bench.faults --transfers 20000 --faults 500`. Never reports a run with
 a violation as passing: every breach is listed, with its numbers.
 """
@@ -19,6 +19,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,8 @@ def run(cfg: FaultsConfig, run_dir: str | None = None, bank: list[Prompt] | None
     if bank is None:
         bank = build_bank(cfg)
     bank_s = time.monotonic() - t_bank
-    relay = None
     unit_holder: dict[str, Unit] = {}
-    if cfg.transfer == "tcp":
-        def target() -> tuple[str, int]:
-            hello = unit_holder["unit"].d_hello()
-            d = next(t for t in hello.transports if t.mode == "tcp")
-            return d.params["host"], int(d.params["port"])
-
-        relay = StallRelay(target)
+    relay = stall_relay(lambda: unit_holder["unit"]) if cfg.transfer == "tcp" else None
     unit = Unit(cfg, run_dir, tcp_relay_port=relay.port if relay else 0)
     unit_holder["unit"] = unit
     t_start = time.monotonic()
@@ -84,19 +78,30 @@ def run(cfg: FaultsConfig, run_dir: str | None = None, bank: list[Prompt] | None
     return report
 
 
-def run_on(unit: Unit, cfg: FaultsConfig, bank: list[Prompt]) -> dict[str, Any]:
+def stall_relay(unit_of: Callable[[], Unit]) -> StallRelay:
+    """The stall relay in front of the tcp listener of D of the unit `unit_of()` returns
+    (started before that unit: its P is given the relay's port)."""
+    def target() -> tuple[str, int]:
+        hello = unit_of().d_hello()
+        d = next(t for t in hello.transports if t.mode == "tcp")
+        return d.params["host"], int(d.params["port"])
+
+    return StallRelay(target)
+
+
+def run_on(unit: Unit, cfg: FaultsConfig, bank: list[Prompt], relay: StallRelay | None = None) -> dict[str, Any]:
     """One run on a unit already started and idle (tests run several on one unit); left
-    idle again. cfg's unit fields must be the unit's; not for --transfer tcp (its stall
-    relay is started with the unit, by `run`)."""
+    idle again. cfg's unit fields must be the unit's; --transfer tcp needs `relay`, the
+    stall relay the unit was started behind (`stall_relay`)."""
     kinds = fault_kinds(cfg)
     differ = [f"{k} {getattr(cfg, k)!r} (the unit's: {getattr(unit.cfg, k)!r})"
               for k in UNIT_FIELDS if getattr(cfg, k) != getattr(unit.cfg, k)]
     if differ:
         raise ValueError(f"run_on: the run's config differs from its unit's in {', '.join(differ)}")
-    if cfg.transfer == "tcp":
-        raise ValueError("run_on: --transfer tcp needs the stall relay that run() starts with its unit")
+    if cfg.transfer == "tcp" and relay is None:
+        raise ValueError("run_on: --transfer tcp needs the stall relay its unit was started behind (stall_relay)")
     t_start = time.monotonic()
-    report = _drive(cfg, unit, bank, kinds, None)
+    report = _drive(cfg, unit, bank, kinds, relay)
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     report["reference_s"] = 0.0
     return report
@@ -124,7 +129,9 @@ def _drive(cfg: FaultsConfig, unit: Unit, bank: list[Prompt], kinds: list[str],
             rec = getattr(scenario, kind)()
             rec.t_end = time.monotonic()
             if cfg.transfer == "tcp":
+                # the late chunks are the fault's last injection: its window closes after them
                 scenario.replay_late_chunks(rec)
+                rec.t_end = time.monotonic()
             scenario.faults.append(rec)
             log.info("fault done", extra={"kind": kind, **rec.detail})
             unit.wait(lambda t_end=rec.t_end: traffic.completed(since=t_end), cfg.recover_timeout_s,
