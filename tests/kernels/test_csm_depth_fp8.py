@@ -17,63 +17,10 @@ import pytest
 import torch
 
 from pdunit.engine.model.loader import load_model
+from tests.kernels.csm_depth_script import HEADER, header_scope
 from tests.kernels.paging import gpu, run_interpreted
 
-# Shared by the interpreted script and the GPU tests.
-COMMON = textwrap.dedent(
-    """
-    import numpy as np, torch
-    from pdunit.engine.model.family_csm import _StaticKV
-    from pdunit.engine.model.sampling import SamplingParams, sampling_batch
-
-    def rel(a, b):
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
-    PARAMS = [SamplingParams(), SamplingParams(temperature=0.9, top_k=8, seed=5),
-              SamplingParams(temperature=1.0, seed=9, min_frames=50),
-              SamplingParams(temperature=0.8, seed=3, depth_decoder_temperature=0.7, depth_decoder_top_k=4)]
-
-    def passes(m, b, size, gen):
-        # every pass of a frame over the same inputs: [(torch e4m3, fused e4m3, torch in the
-        # model dtype) logits] per pass, and the two e4m3 forms' K/V (work buffers of `size`)
-        fg = m.frame_generator
-        k, dt, dev = fg.n_codebooks, fg.embed.weight.dtype, m.device
-        hidden = (torch.randn(b, m.config.hidden, generator=gen) * 0.5).to(dev, dt)
-        codes = torch.randint(0, fg.vocab_size, (b, k - 1), generator=gen).to(dev)
-        w_t, w_f, w_b = (fg.static_work(size, dev) for _ in range(3))
-        out = []
-        with torch.inference_mode():
-            for j in range(1, k):
-                if j == 1:
-                    x = torch.cat([hidden[:, None], fg.embed(codes[:, :1])], dim=1)
-                else:
-                    x = fg.embed(codes[:, j - 1 : j] + (j - 1) * fg.vocab_size)
-                start = 0 if j == 1 else j
-                caches = [[_StaticKV(w[i, 0, :b], w[i, 1, :b], start) for i in range(len(fg.layers))]
-                          for w in (w_t, w_b)]
-                out.append((fg._extend(x, start, caches[0], True), fg.fused.extend(x, start, w_f, True),
-                            fg._extend(x, start, caches[1], False)))
-        return out, w_t[:, :, :b], w_f[:, :, :b]
-
-    def frames_both(m, hidden, index):
-        # {form: (frames_static, frames_device)} under the model's decode_gemm
-        fg, fused = m.frame_generator, m.frame_generator.fused
-        n = hidden.shape[0]
-        params = [PARAMS[i % len(PARAMS)] for i in range(n)]
-        sb = sampling_batch(params, [index] * n, m.config.n_codebooks, hidden.device)
-        rows = torch.from_numpy(sb.packed).to(hidden.device)
-        got = {}
-        with torch.inference_mode():
-            for name, path in (("torch", None), ("fused", fused)):
-                fg.fused = path
-                got[name] = (fg.frames_static(m, hidden, rows, fg.static_work(n, hidden.device), None),
-                             fg.frames_device(m, hidden, sb))
-        fg.fused = fused
-        return got
-    """
-)
-
-INTERPRETED = COMMON + textwrap.dedent(
+INTERPRETED = HEADER + textwrap.dedent(
     """
     torch.set_num_threads(1)
     from pdunit.engine.model.family_csm import greedy_frames, set_depth_kernels
@@ -91,7 +38,7 @@ INTERPRETED = COMMON + textwrap.dedent(
     assert fg.layers[1].mlp.down_proj.fp8 is g.down
 
     gen = torch.Generator().manual_seed(0)
-    out, w_t, w_f = passes(m, 3, 8, gen)  # 3 rows in work buffers of 8
+    out, w_t, w_f = passes(m, 3, 8, gen, fp8=True)  # 3 rows in work buffers of 8
     for j, (t8, f8, tb) in enumerate(out, 1):
         assert f8.shape == t8.shape == (3, 1, fg.vocab_size) and f8.dtype == torch.float32, (j, f8.shape)
         assert rel(f8, t8) < 1e-3, (j, rel(f8, t8))  # the same weights and quantised rows
@@ -99,13 +46,12 @@ INTERPRETED = COMMON + textwrap.dedent(
     assert rel(w_f, w_t) < 1e-3, rel(w_f, w_t)
     print("passes ok", max(rel(f, t) for t, f, _ in out), min(rel(t, b) for t, _, b in out))
 
-    hidden = (torch.randn(5, m.config.hidden, generator=gen) * 0.5).to(torch.float16)
-    for index in (0, 60):  # frame 0: EOS suppressed in the third row (min_frames 50)
-        got = frames_both(m, hidden, index)
-        (s_t, d_t), (s_f, d_f) = got["torch"], got["fused"]
-        assert torch.equal(s_f, s_t) and torch.equal(d_f, d_t) and torch.equal(d_f, s_f), (index, s_f, s_t)
+    hidden = (torch.randn(4, m.config.hidden, generator=gen) * 0.5).to(torch.float16)
+    got = frames_both(m, hidden, INDEXES, 8)  # 4 rows in a work buffer of 8
+    (s_t, d_t), (s_f, d_f) = got["torch"], got["fused"]
+    assert torch.equal(s_f, s_t) and torch.equal(d_f, d_t) and torch.equal(d_f, s_f), (s_f, s_t)
     m.set_decode_gemm("bf16")  # the same inputs through the model dtype's passes: other codes
-    sb = sampling_batch([PARAMS[i % len(PARAMS)] for i in range(5)], [60] * 5, m.config.n_codebooks, m.device)
+    sb = sampling_batch(PARAMS, INDEXES, m.config.n_codebooks, m.device)
     with torch.inference_mode():
         wide = fg.frames_device(m, hidden, sb)
     assert not torch.equal(wide, d_f), wide
@@ -117,9 +63,9 @@ INTERPRETED = COMMON + textwrap.dedent(
     audio = np.concatenate([np.random.default_rng(5).integers(0, 30, (3, 4)), np.full((3, 1), 62)], 1)
     fused = fg.fused
     fg.fused = None
-    want = greedy_frames(m, [text, audio], 5)
+    want = greedy_frames(m, [text, audio], 3)
     fg.fused = fused
-    got = greedy_frames(m, [text, audio], 5)
+    got = greedy_frames(m, [text, audio], 3)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), (got, want)
     print("greedy ok", [len(f) for f in got])
     """
@@ -203,12 +149,6 @@ def test_frame_graphs_built_before_the_decode_gemm_changed_refuse_to_run() -> No
 # ------------------------------------------------------------------ GPU
 
 
-def scope() -> dict:
-    out: dict = {}
-    exec(COMMON, out)  # noqa: S102 - the interpreted test's helpers, in-process
-    return out
-
-
 @gpu
 @pytest.mark.parametrize("shape,layers", [("csm-tiny", None), ("csm-1b-shape", 2)])
 def test_fp8_depth_passes_agree_between_the_forms_on_cuda_bf16(shape: str, layers: int | None) -> None:
@@ -218,11 +158,11 @@ def test_fp8_depth_passes_agree_between_the_forms_on_cuda_bf16(shape: str, layer
     from pdunit.engine.model.family_csm import set_depth_kernels
     from tests.kernels.test_csm_gpu_path import csm_gpu_model
 
-    s = scope()
+    s = header_scope()
     m = csm_gpu_model(shape, layers)
     set_depth_kernels(m, "fused")
     m.set_decode_gemm("fp8")
-    out, w_t, w_f = s["passes"](m, 24, 32, torch.Generator().manual_seed(0))
+    out, w_t, w_f = s["passes"](m, 24, 32, torch.Generator().manual_seed(0), fp8=True)
     for j, (t8, f8, tb) in enumerate(out, 1):
         assert s["rel"](f8, t8) < 3e-2, (j, s["rel"](f8, t8))
         assert s["rel"](t8, tb) < 0.35, (j, s["rel"](t8, tb))

@@ -16,63 +16,10 @@ import torch
 
 from pdunit.engine.model.family_csm import depth_kernels_refusal, set_depth_kernels
 from pdunit.engine.model.loader import load_model
+from tests.kernels.csm_depth_script import HEADER, header_scope
 from tests.kernels.paging import gpu, run_interpreted
 
-# Shared by the interpreted script and the GPU tests.
-COMMON = textwrap.dedent(
-    """
-    import numpy as np, torch
-    from pdunit.engine.model.family_csm import _StaticKV
-    from pdunit.engine.model.sampling import SamplingParams, sampling_batch
-
-    def rel(a, b):
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
-    # greedy, seeded sampling with top-k (the depth decoder's own params too), EOS suppression
-    PARAMS = [SamplingParams(), SamplingParams(temperature=0.9, top_k=8, seed=5),
-              SamplingParams(temperature=1.0, seed=9, min_frames=50),
-              SamplingParams(temperature=0.8, seed=3, depth_decoder_temperature=0.7, depth_decoder_top_k=4)]
-
-    def teacher_forced(m, fused, b, size, gen):
-        # every pass of a frame over the same inputs (hidden, codes 0..K-2): the torch
-        # modules (K/V in one work buffer) and the fused pass (in another) ->
-        # [(torch logits, fused logits)] per pass, the two work buffers
-        fg = m.frame_generator
-        k, dt, dev = fg.n_codebooks, fg.embed.weight.dtype, m.device
-        hidden = (torch.randn(b, m.config.hidden, generator=gen) * 0.5).to(dev, dt)
-        codes = torch.randint(0, fg.vocab_size, (b, k - 1), generator=gen).to(dev)
-        w_ref, w_fused = fg.static_work(size, dev), fg.static_work(size, dev)
-        out = []
-        with torch.inference_mode():
-            for j in range(1, k):
-                if j == 1:
-                    x = torch.cat([hidden[:, None], fg.embed(codes[:, :1])], dim=1)
-                else:
-                    x = fg.embed(codes[:, j - 1 : j] + (j - 1) * fg.vocab_size)
-                start = 0 if j == 1 else j
-                caches = [_StaticKV(w_ref[i, 0, :b], w_ref[i, 1, :b], start) for i in range(len(fg.layers))]
-                out.append((fg._extend(x, start, caches), fused.extend(x, start, w_fused)))
-        return out, w_ref[:, :, :b], w_fused[:, :, :b]
-
-    def frames_both(m, fused, hidden, index):
-        # (torch, fused) frames of frames_static (a work buffer of 8 rows) and frames_device
-        fg = m.frame_generator
-        n = hidden.shape[0]
-        params = [PARAMS[i % len(PARAMS)] for i in range(n)]
-        sb = sampling_batch(params, [index] * n, m.config.n_codebooks, hidden.device)
-        rows = torch.from_numpy(sb.packed).to(hidden.device)
-        got = {}
-        with torch.inference_mode():
-            for name, path in (("torch", None), ("fused", fused)):
-                fg.fused = path
-                got[name] = (fg.frames_static(m, hidden, rows, fg.static_work(8, hidden.device), None),
-                             fg.frames_device(m, hidden, sb))
-        fg.fused = fused
-        return got
-    """
-)
-
-INTERPRETED = COMMON + textwrap.dedent(
+INTERPRETED = HEADER + textwrap.dedent(
     """
     import dataclasses
     torch.set_num_threads(1)
@@ -103,19 +50,18 @@ INTERPRETED = COMMON + textwrap.dedent(
         assert fg.layers[0].attn.k_proj.weight.data_ptr() == fused.gemms[0].qkv[fg.cfg.n_heads * fg.cfg.head_dim:].data_ptr()
         gen = torch.Generator().manual_seed(0)
         # 3 rows in a work buffer of 8 (slots b*K + p of the first 3 rows)
-        passes, w_ref, w_fused = teacher_forced(m, fused, 3, 8, gen)
-        for j, (want, got) in enumerate(passes, 1):
+        out, w_ref, w_fused = passes(m, 3, 8, gen)
+        for j, (want, got, _) in enumerate(out, 1):
             assert got.shape == want.shape == (3, 1, fg.vocab_size), (got.shape, want.shape)
             assert got.dtype == torch.float32 and rel(got, want) < 5e-3, (name, j, rel(got, want))
         assert rel(w_fused, w_ref) < 5e-3, (name, rel(w_fused, w_ref))
-        print(name, "passes ok", max(rel(g, w) for w, g in passes), rel(w_fused, w_ref))
+        print(name, "passes ok", max(rel(g, w) for w, g, _ in out), rel(w_fused, w_ref))
 
-        hidden = (torch.randn(5, m.config.hidden, generator=gen) * 0.5).to(torch.float16)
-        for index in (0, 60):  # frame 0: EOS suppressed in the third row (min_frames 50)
-            got = frames_both(m, fused, hidden, index)
-            (s_ref, d_ref), (s_fused, d_fused) = got["torch"], got["fused"]
-            assert torch.equal(s_fused, s_ref) and torch.equal(d_fused, d_ref), (name, index, s_fused, s_ref)
-            assert torch.equal(d_fused, s_fused), (name, index)
+        hidden = (torch.randn(4, m.config.hidden, generator=gen) * 0.5).to(torch.float16)
+        got = frames_both(m, hidden, INDEXES, 8)  # 4 rows in a work buffer of 8
+        (s_ref, d_ref), (s_fused, d_fused) = got["torch"], got["fused"]
+        assert torch.equal(s_fused, s_ref) and torch.equal(d_fused, d_ref), (name, s_fused, s_ref)
+        assert torch.equal(d_fused, s_fused), name
         print(name, "frames ok")
 
     # refused after the frame graphs were captured (they hold the torch form's addresses)
@@ -163,12 +109,6 @@ def test_depth_kernels_fused_is_refused_off_the_gpu_path_naming_the_flag(spec: s
 # ------------------------------------------------------------------ GPU
 
 
-def scope() -> dict:
-    out: dict = {}
-    exec(COMMON, out)  # noqa: S102 - the interpreted test's helpers, in-process
-    return out
-
-
 SHAPES = [("csm-tiny", None), ("csm-1b-shape", 2), ("dualar-4b-shape", 2)]
 
 
@@ -180,21 +120,21 @@ def test_fused_depth_decoder_matches_the_torch_form_on_cuda_bf16(shape: str, lay
     near-ties of random weights: their contract is the closeness of every pass)."""
     from tests.kernels.test_csm_gpu_path import csm_gpu_model
 
-    s = scope()
+    s = header_scope()
     m = csm_gpu_model(shape, layers)
     set_depth_kernels(m, "fused")
     fg = m.frame_generator
     assert fg is not None and fg.fused is not None
     gen = torch.Generator().manual_seed(0)
-    passes, w_ref, w_fused = s["teacher_forced"](m, fg.fused, 24, 32, gen)
-    for j, (want, got) in enumerate(passes, 1):
+    passes, w_ref, w_fused = s["passes"](m, 24, 32, gen)
+    for j, (want, got, _) in enumerate(passes, 1):
         assert s["rel"](got, want) < 3e-2, (j, s["rel"](got, want))
     assert s["rel"](w_fused, w_ref) < 3e-2
     if shape == "csm-tiny":
         hidden = (torch.randn(8, m.config.hidden, generator=gen) * 0.5).to("cuda", m.dtype)
         agree = total = 0
         for index in (0, 60):
-            got = s["frames_both"](m, fg.fused, hidden, index)
+            got = s["frames_both"](m, hidden, [index] * 8, 8)
             for a, b in zip(got["torch"], got["fused"], strict=True):
                 agree, total = agree + int((a == b).sum()), total + a.numel()
         assert agree / total > 0.8, (agree, total)
