@@ -886,7 +886,7 @@ VERSUS_COLUMNS = [Column("mode", "mode"), Column("rate", "rate/s", "{:g}"),
 
 def overload_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per variant, its --overload-rate runs: the worst of each figure (the most refused,
-    the least goodput, the slowest admitted stream) and whether every run passed."""
+    the least goodput, the slowest admitted stream) and whether the admitted streams kept the floor in every run."""
     out: dict[str, dict[str, Any]] = {}
     for mode in dict.fromkeys(r["mode"] for r in rows if r.get("overload")):
         runs = [r for r in rows if r.get("overload") and r["mode"] == mode]
@@ -894,7 +894,7 @@ def overload_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                                                                      ("min_rate", min))
                  for vals in [[r[key] for r in runs if r[key] is not None]]}
         out[mode] = {"rate": runs[0]["rate"], "runs": len(runs), **worst, "errors": sum(r["errors"] for r in runs),
-                     "passed": all(r["passed"] for r in runs)}
+                     "admitted_kept_floor": all(r["admitted_kept_floor"] for r in runs)}
     return out
 
 
@@ -941,7 +941,7 @@ def main(argv: list[str]) -> int:
               + ", ".join(f"{name} {'-' if o[key] is None else fmt.format(o[key])}" for name, key, fmt in (
                   ("refused", "refused_share", "{:.1%}"), ("goodput", "goodput_fps", "{:.0f} frames/s"),
                   ("slowest admitted", "min_rate", "{:.1f} frames/s"))) + f", errors {o['errors']}, "
-              + ("passes" if o["passed"] else "fails"))
+              + ("admitted streams kept the floor" if o["admitted_kept_floor"] else "admitted streams broke the floor"))
     versus = doc["summary"].get("versus_measured")
     if versus:
         print(f"\nagainst {versus['path']}: {versus['agree']} of {versus['of']} levels agree")

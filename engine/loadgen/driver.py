@@ -837,7 +837,9 @@ def summarize_level(
         for key, value in percentiles(values).items():
             row[f"{name}_{key}_ms"] = value
     row.update(audio_row(ok, speech, floor))
-    row["passed"] = bool(
+    # the admitted streams' verdict: what rate-floor admission promises (a refusal is the
+    # unit's right under overload); an overload level is judged by it
+    row["admitted_kept_floor"] = bool(
         ok
         and row["errors"] == 0
         and stutters == 0
@@ -847,6 +849,9 @@ def summarize_level(
         and row["ttfa_p95_ms"] is not None
         and row["ttfa_p95_ms"] <= cfg.ttfa_p95_ms
     )
+    # a capacity level's verdict: every arrival served within the criteria; a level the unit
+    # refused part of is above its capacity (refusing the excess passes at any rate)
+    row["passed"] = row["admitted_kept_floor"] and not refused
     return row
 
 

@@ -201,11 +201,16 @@ def test_refusals_and_mid_stream_errors_are_counted_and_fail_the_level(serve):
 
 def test_rate_floor_refusals_are_no_errors_and_the_level_reports_them_and_its_goodput(serve):
     url = serve(FakeLB(fps=300.0, refuse_every=2, refuse_code="rate_floor", retry_after="0"))
-    (row,) = run_capacity(base_config(url, concurrency="2", duration=0.5))["rows"]
+    doc = run_capacity(base_config(url, concurrency="2", duration=0.5))
+    (row,) = doc["rows"]
     assert row["refused"] > 0 and row["errors"] == 0 and row["error_kinds"] == {}, row
     assert row["refused_share"] == row["refused"] / row["streams"]
     assert row["refusal_p99_ms"] is not None and row["refused_without_retry_after"] == 0
-    assert row["passed"] is True  # the served streams kept the floor: refusing is the unit's right
+    # the served streams kept the floor (refusing is the unit's right), but a level the unit
+    # refused part of is above its capacity: it fails as a capacity level
+    assert row["admitted_kept_floor"] is True and row["passed"] is False
+    assert doc["summary"]["capacity"] is None, doc["summary"]
+    assert doc["summary"]["capacity_per_gpu"] == {"1p1d": None}, doc["summary"]
     assert row["goodput_fps"] == pytest.approx(row["frames_total"] / row["elapsed_s"], rel=0.01)
 
 

@@ -191,6 +191,21 @@ def test_a_sweep_stops_at_its_first_failing_level_unless_asked_not_to(monkeypatc
     assert seen == [1, 2, 3, 4]
 
 
+def test_a_sweeps_criteria_are_the_rates_its_rows_were_judged_at(monkeypatch):
+    """The unit resolves the floor (a CSM unit: 12.5 Hz, 25 frames/s): the summary's
+    criteria say the floor the rows were judged at, not the config's unresolved 42."""
+    from pdunit.bench import compare
+
+    def fake_run_capacity(cfg, command=None, keep_streams=False, window=None):
+        row = {"mode": cfg.mode_label, "gpus": cfg.gpus, "concurrency": cfg.concurrency[0], "rate": None,
+               "passed": True, "realtime_streams": None}
+        return {"rows": [row], "streams": [], "config": {"fps": 12.5, "min_rate": 25.0}}
+
+    monkeypatch.setattr(compare, "run_capacity", fake_run_capacity)
+    doc = compare.run_levels(CompareConfig(concurrency="1"), "1p1d", 2, "http://unused", {}, "test")
+    assert doc["summary"]["criteria"]["min_rate"] == 25.0
+
+
 def _scripted(monkeypatch, passes):
     """run_capacity replaced by a script: a level passes when `passes(level)`; returns the
     levels run, in order."""
@@ -595,7 +610,7 @@ def test_an_overload_level_runs_after_the_sweep_and_reports_goodput_against_the_
         on = "+" in cfg.mode_label
         row = {"mode": cfg.mode_label, "gpus": cfg.gpus, "concurrency": cfg.concurrency[0] if cfg.concurrency
                else None, "rate": cfg.rate[0] if cfg.rate else None, "realtime_streams": None,
-               "passed": not cfg.rate or on, "goodput_fps": 900.0 if on else 300.0,
+               "passed": not cfg.rate, "admitted_kept_floor": not cfg.rate or on, "goodput_fps": 900.0 if on else 300.0,
                "refused_share": 0.4 if on and cfg.rate else 0.0, "stutter_share": 0.0 if on else 0.8,
                "min_rate": 45.0 if on else 20.0, "ttfa_p95_ms": 300.0, "refusal_p99_ms": 8.0 if on else None,
                "errors": 0 if on else 7, "error_kinds": {} if on else {"http_429:no_capacity": 7}}

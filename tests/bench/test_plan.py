@@ -378,8 +378,9 @@ def test_rate_floor_admission_refuses_an_overload_and_keeps_every_admitted_strea
         [rows[floor]] = [r for r in doc["rows"] if r.get("overload")]
         assert doc["summary"]["overload"]["monolith-prefill-first"]["min_rate"] == rows[floor]["min_rate"]
     off, on = rows["0"], rows["42"]
-    assert off["refused"] == 0 and off["min_rate"] < 42 and not off["passed"]
-    assert on["refused"] > 0 and on["errors"] == 0 and on["min_rate"] >= 42 and on["passed"]
+    assert off["refused"] == 0 and off["min_rate"] < 42 and not off["admitted_kept_floor"]
+    assert on["refused"] > 0 and on["errors"] == 0 and on["min_rate"] >= 42 and on["admitted_kept_floor"]
+    assert not on["passed"]  # refusing part of a level is the unit's right, and above its capacity
     assert on["goodput_fps"] > off["goodput_fps"]
     assert on["refusal_p99_ms"] == pytest.approx(5.0 + 2.0)  # --admit-ms + --deliver-ms
     assert "monolith-prefill-first at 40/s (--overload-rate, worst of 1 runs): refused" in capsys.readouterr().out
