@@ -2,23 +2,24 @@
 a fixed rate, written at stop as folded stacks (one line per distinct stack,
 `thread;outermost;...;innermost count`, the input of flamegraph.pl and speedscope).
 
-Why in-process: py-spy needs ptrace, which a pod (and the GPU machines' containers)
-rarely grants. What it sees: the Python frame each thread is in, including the C call
-it is blocked in (a lock, a CUDA sync, an RPC) as that call's Python caller; a thread
-waiting for the GIL shows where it stopped. It costs its own thread about 1% of a core
-at 200 Hz. Never started unless asked (`--sample-stacks PATH`).
+Why in-process: py-spy needs ptrace, which a pod rarely grants. What it sees: the Python
+frame each thread is in, a blocked C call as its Python caller. It never walks another
+thread's frame objects from Python (CPython 3.11 can crash there: the GIL switches between
+bytecodes while that thread pops the frames): faulthandler writes every thread's stack in
+one C call that holds the GIL (100 frames and 100 threads at most). Never started unless
+asked (`--sample-stacks PATH`).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
-import sys
+import re
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from types import FrameType
 
 from pydantic import BaseModel, Field
 
@@ -28,21 +29,41 @@ class StackSamplingFields(BaseModel):
 
     sample_stacks: str = Field("", description="sample every thread's Python stack and write them, folded (for a "
                                "flame graph), to this file when the process stops ('' = off)")
-    sample_hz: float = Field(200.0, gt=0, le=2000, description="--sample-stacks: samples per second")
+    sample_hz: float = Field(50.0, gt=0, le=2000, description="--sample-stacks: samples per second")
 
 
-def _frames(frame: FrameType | None) -> list[str]:
-    out = []
-    while frame is not None:
-        code = frame.f_code
-        out.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
-        frame = frame.f_back
-    out.reverse()
-    return out
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) ")
+_FRAME = re.compile(r'^  File "(.*)", line (?:\d+|\?\?\?) in (.*)$')
+
+
+def parse_dump(text: str) -> dict[int, list[str]]:
+    """faulthandler's all-threads dump as {thread ident: [file:function, outermost first]}."""
+    stacks: dict[int, list[str]] = {}
+    frames: list[str] | None = None
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            frames = stacks.setdefault(int(head[1], 16), [])
+            continue
+        frame = _FRAME.match(line)
+        if frame and frames is not None:
+            frames.append(f"{os.path.basename(frame[1])}:{frame[2]}")
+    for frames in stacks.values():
+        frames.reverse()
+    return stacks
+
+
+def all_stacks(fd: int) -> dict[int, list[str]]:
+    """Every thread's stack now, through `fd` (a file faulthandler writes into)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.ftruncate(fd, 0)
+    faulthandler.dump_traceback(fd, all_threads=True)
+    size = os.lseek(fd, 0, os.SEEK_CUR)
+    return parse_dump(os.pread(fd, size, 0).decode(errors="replace"))
 
 
 class StackSampler:
-    def __init__(self, path: str | Path, hz: float = 200.0) -> None:
+    def __init__(self, path: str | Path, hz: float = 50.0) -> None:
         if hz <= 0:
             raise ValueError(f"hz must be > 0 (got {hz})")
         self.path = Path(path)
@@ -61,13 +82,17 @@ class StackSampler:
 
     def _run(self) -> None:
         own = threading.get_ident()
-        while not self._stop.wait(self.interval):
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident != own:
-                    name = names.get(ident, f"thread-{ident}").replace(";", ",")
-                    self.stacks[";".join([name, *_frames(frame)])] += 1
-            self.samples += 1
+        dump = os.memfd_create("stack-sampler")  # a file in memory, rewritten every sample
+        try:
+            while not self._stop.wait(self.interval):
+                names = {t.ident: t.name for t in threading.enumerate()}
+                for ident, frames in all_stacks(dump).items():
+                    if ident != own:
+                        name = names.get(ident, f"thread-{ident}").replace(";", ",")
+                        self.stacks[";".join([name, *frames])] += 1
+                self.samples += 1
+        finally:
+            os.close(dump)
 
     def stop(self) -> dict[str, int]:
         """Stops sampling, writes the file; returns the samples per thread."""

@@ -6,7 +6,7 @@ import threading
 import time
 
 from pdunit.engine.local import LocalConfig, LocalUnit
-from pdunit.engine.stack_sampler import StackSampler
+from pdunit.engine.stack_sampler import StackSampler, parse_dump
 from tests.engine.unit_client import random_prompt, stream
 
 
@@ -39,6 +39,26 @@ def test_the_sampler_sees_each_thread_where_it_runs_and_not_itself(tmp_path):
     assert any(k.startswith("idler;") and "threading.py:wait" in k for k in stacks)
     assert "stack-sampler" not in per_thread
     assert sum(stacks.values()) == sum(per_thread.values())
+
+
+def test_a_faulthandler_dump_parses_into_each_threads_stack_outermost_first():
+    dump = """Thread 0x00007f095db296c0 (most recent call first):
+  File "/srv/app/worker.py", line 3 in work
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Thread 0x00000000000000ab (most recent call first):
+  <no Python frame>
+
+Current thread 0x00007f095e88db80 (most recent call first):
+  File "<stdin>", line ??? in <module>
+  ...
+"""
+    assert parse_dump(dump) == {
+        0x7F095DB296C0: ["threading.py:_bootstrap", "threading.py:run", "worker.py:work"],
+        0xAB: [],
+        0x7F095E88DB80: ["<stdin>:<module>"],
+    }
 
 
 def test_p_writes_its_threads_stacks_when_it_stops(tmp_path):
