@@ -53,10 +53,12 @@ run: install
 
 # Every test CI runs (not gpu-only, slow or e2e; those skip or are deselected), after lint,
 # on TEST_WORKERS pytest-xdist workers (a file's tests stay on one worker, and so do the
-# envtest control plane's: tests/conftest.py), the slowest 20 listed at the end.
+# envtest control plane's: tests/conftest.py), the slowest 20 listed at the end. A crashed
+# worker ends the run as a failure naming the test (--max-worker-restart 0): xdist 3.8's
+# loadgroup scheduler can hang forever after replacing one (the flake hunt of 88296ea).
 TEST_WORKERS ?= 2
 test: install lint envtest helm
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0 --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 
