@@ -90,7 +90,11 @@ def test_disconnecting_client_frees_its_pages_in_the_decoder_that_held_it(unit_1
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        busy = wait_for(lambda: (lambda d: d if any(rid in x["requests"] for x in d.values()) else None)(
+        # a D lists the request from its RESERVE on (reserved, held, committing) and counts it
+        # in decode_in_flight only once it joins the batch: wait for both, not the first (the
+        # flake hunt's random-order run of a8fcea6 read one D listing it with 0 decoding)
+        busy = wait_for(lambda: (lambda d: d if any(rid in x["requests"] and x["decode_in_flight"] == 1
+                                                     for x in d.values()) else None)(
             decoders(unit_1p2d.url)), what="the stream decoding in one D")
         holder = next(name for name, d in busy.items() if rid in d["requests"])
         other = next(name for name in busy if name != holder)
