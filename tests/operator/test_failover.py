@@ -144,6 +144,10 @@ class Partition:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target))
             with self.lock:
+                if self.cutoff.is_set():  # accepted while cut() ran: it must not slip through
+                    client.close()
+                    upstream.close()
+                    return
                 self.conns += [client, upstream]
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
@@ -161,7 +165,8 @@ class Partition:
                     s.shutdown(socket.SHUT_RDWR)
 
     def cut(self) -> None:
-        self.cutoff.set()
+        with self.lock:  # after this no accepted connection joins the pipes (_accept checks)
+            self.cutoff.set()
         self.listener.close()
         with self.lock:
             for s in self.conns:
