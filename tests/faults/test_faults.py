@@ -98,16 +98,26 @@ def _assert_kinds(report: dict, at_least: dict[str, int]) -> None:
     assert all(kinds[k] >= n for k, n in at_least.items()), kinds
 
 
+def _run_kinds(unit: Unit, bank: list[Prompt], kinds: dict[str, int], transfers: int, seed: int,
+               relay: StallRelay | None = None, **cfg: int) -> dict:
+    """One run on `unit` of `kinds` (kind -> faults of it, in schedule order) under
+    `transfers` transfers, checked against the whole page contract and the kinds'
+    counts; the report for the test's own checks of its kinds."""
+    faults = sum(kinds.values())
+    run_cfg = unit.cfg.model_copy(update=dict(kinds=",".join(kinds), transfers=transfers,
+                                              faults=faults, seed=seed, max_seconds=120, **cfg))
+    report = run_on(unit, run_cfg, bank, relay)
+    _assert_contract(report, transfers, faults)
+    _assert_kinds(report, kinds)
+    return report
+
+
 @pytest.mark.timeout(240)
 def test_slow_writes_keep_the_page_contract(host_unit, bank):
     """Writes paused past their deadline (slow) and corruptions, three of each (seed 2's
     first 6 faults), under live traffic: markers replayed into the held pages of the
     paused writes change no stream; slow is judged against the corruptions' baseline."""
-    cfg = host_unit.cfg.model_copy(update=dict(kinds="corrupt,slow", transfers=120, faults=6, seed=2,
-                                               max_seconds=120))
-    report = run_on(host_unit, cfg, bank)
-    _assert_contract(report, 120, 6)
-    _assert_kinds(report, {"corrupt": 3, "slow": 3})
+    report = _run_kinds(host_unit, bank, {"corrupt": 3, "slow": 3}, transfers=120, seed=2)
     # a marker went into the pages of a paused write (one that D released meanwhile is
     # counted apart: the canary judges it); replays into pages surely held: the P-stop run
     assert report["replays"].get("replay_into_held", 0) + report["replays"].get("replay_raced_release", 0) >= 1
@@ -119,11 +129,8 @@ def test_stopped_p_and_lb_keep_the_page_contract(host_unit, bank):
     (seed 14's first 7 faults), under live traffic: faults that leave P running, with
     test_slow_writes_keep_the_page_contract. The soak below runs 20,000 transfers and 500
     faults."""
-    cfg = host_unit.cfg.model_copy(update=dict(kinds="corrupt,p_stop,lb_stop", transfers=120, faults=7,
-                                               seed=14, max_seconds=120))
-    report = run_on(host_unit, cfg, bank)
-    _assert_contract(report, 120, 7)
-    _assert_kinds(report, {"corrupt": 3, "p_stop": 3, "lb_stop": 1})
+    report = _run_kinds(host_unit, bank, {"corrupt": 3, "p_stop": 3, "lb_stop": 1},
+                        transfers=120, seed=14)
     assert report["replays"].get("replay_into_held", 0) >= 1  # into the pages held while P was stopped
 
 
@@ -132,11 +139,8 @@ def test_restarted_and_exiting_p_keep_the_page_contract(host_unit, bank):
     """P killed (new_instance proof) and P exiting with 75 at 3 held aborts (the guard
     reports it, D drains above 25 % held pages and comes back), a corruption before,
     between and after them: the new P instance's transfers are checked too."""
-    cfg = host_unit.cfg.model_copy(update=dict(kinds="corrupt,p_kill,held_exit", transfers=100, faults=5,
-                                               restart_every=2, max_seconds=120))
-    report = run_on(host_unit, cfg, bank)
-    _assert_contract(report, 100, 5)
-    _assert_kinds(report, {"corrupt": 3, "p_kill": 1, "held_exit": 1})
+    report = _run_kinds(host_unit, bank, {"corrupt": 3, "p_kill": 1, "held_exit": 1},
+                        transfers=100, seed=0, restart_every=2)
     exits = [f for f in report["fault_details"] if f["kind"] == "held_exit"]
     assert all(f["p_exit_code"] == 75 and f["d_drained"] for f in exits)
 
@@ -147,11 +151,8 @@ def test_stalled_tcp_sender_late_chunks_are_dropped(tcp_unit, bank):
     request; D drops them (proof c) and no live stream changes. Seed 3's first 6 faults:
     three of each kind."""
     unit, relay = tcp_unit
-    cfg = unit.cfg.model_copy(update=dict(kinds="tcp_stall,corrupt", transfers=100, faults=6, seed=3,
-                                          max_seconds=120))
-    report = run_on(unit, cfg, bank, relay)
-    _assert_contract(report, 100, 6)
-    _assert_kinds(report, {"tcp_stall": 3, "corrupt": 3})
+    report = _run_kinds(unit, bank, {"tcp_stall": 3, "corrupt": 3}, transfers=100, seed=3,
+                        relay=relay)
     stalls = [f for f in report["fault_details"] if f["kind"] == "tcp_stall"]
     assert sum(sum(f["tcp_dropped_chunks_total"].values()) for f in stalls) > 0
     answered = {k: v for k, v in report["replays"].items() if k.startswith("tcp_late_chunk_answered_")}
@@ -164,11 +165,7 @@ def test_stopped_p_over_tcp_releases_by_receiver_state(tcp_unit, bank):
     its pages) and corruptions, three of each (seed 15's first 6 faults), on the unit of
     the test above."""
     unit, relay = tcp_unit
-    cfg = unit.cfg.model_copy(update=dict(kinds="p_stop,corrupt", transfers=100, faults=6, seed=15,
-                                          max_seconds=120))
-    report = run_on(unit, cfg, bank, relay)
-    _assert_contract(report, 100, 6)
-    _assert_kinds(report, {"p_stop": 3, "corrupt": 3})
+    _run_kinds(unit, bank, {"p_stop": 3, "corrupt": 3}, transfers=100, seed=15, relay=relay)
 
 
 @pytest.mark.timeout(240)
@@ -176,11 +173,8 @@ def test_stopped_proxy_mid_transfer_keeps_the_page_contract(proxy_unit, bank):
     """--transfer proxy (the sidecar over host shared memory): the proxy is stopped while
     a copy job runs, past the deadline; pages stay held until proof and no late copy
     changes a live stream. Seed 3's first 6 faults: three of each kind."""
-    cfg = proxy_unit.cfg.model_copy(update=dict(kinds="proxy_stop,corrupt", transfers=100, faults=6, seed=3,
-                                                max_seconds=120))
-    report = run_on(proxy_unit, cfg, bank)
-    _assert_contract(report, 100, 6)
-    _assert_kinds(report, {"proxy_stop": 3, "corrupt": 3})
+    report = _run_kinds(proxy_unit, bank, {"proxy_stop": 3, "corrupt": 3}, transfers=100,
+                        seed=3)
     stops = [f for f in report["fault_details"] if f["kind"] == "proxy_stop"]
     assert any(f.get("held_while_stopped") for f in stops), stops
 
