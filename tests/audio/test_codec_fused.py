@@ -3,16 +3,18 @@ engine/audio/mimi_stream.py) equals its torch reference: every convolution form 
 ELU, bias, residual and context update, the int16 PCM bit for bit, and whole decoders
 (fp32 and fp16) through passes, graphs' static path, streams of every age and a reused
 slot, against the torch path and transformers' one-shot decode. The kernels run under
-Triton's CPU interpreter (its own process: TRITON_INTERPRET is read at import), whose
-bf16 dot is wrong: bf16 is for tests/gpu/test_codec_graphs.py."""
+Triton's CPU interpreter (processes of their own, run at once: TRITON_INTERPRET is read at
+import), whose bf16 dot is wrong: bf16 is for tests/gpu/test_codec_graphs.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,21 +28,26 @@ from tests.audio.tiny import tiny_mimi
 
 REPO = Path(__file__).resolve().parents[2]
 
+# The script's parts, each its own process (run at once: two cores): "convs" (every
+# convolution form and the int16 PCM), "tiles" (every tile candidate), and one decoder each
+# ("fp32-graphs", "fp16"; the costliest, started first). `python -c SCRIPT part` prints
+# that part's results as one JSON line.
+PARTS = ("fp32-graphs", "fp16", "tiles", "convs")
+
 SCRIPT = textwrap.dedent("""
     import json
+    import sys
     import numpy as np
     import torch
     from pdunit.engine.audio.mimi_conv import StreamConv
     from pdunit.engine.audio.mimi_stream import MimiStreamDecoder, to_pcm16
     from pdunit.kernels import codec_fused
     from tests.audio.test_mimi_conv import MODULES, stream_conv
-    from tests.audio.test_mimi_graphs import lively
-    from tests.audio.test_mimi_stream import one_shot
-    from tests.audio.tiny import tiny_mimi
 
-    out = {"convs": {}}
+    part = sys.argv[1]
+    out = {}
     torch.manual_seed(0)
-    for name, make in sorted(MODULES.items()):
+    for name, make in sorted(MODULES.items()) if part == "convs" else ():
         conv = stream_conv(make().eval())
         worst = [0.0, 0.0, 0.0]  # output, next context, context written by the kernel
         for t in (1, 2, 5):  # 1 and 2: fewer new rows than the k7 conv's context of 6
@@ -58,15 +65,14 @@ SCRIPT = textwrap.dedent("""
                     if held:
                         worst[1] = max(worst[1], float((got_next - want_next).abs().max()))
                         worst[2] = max(worst[2], float((state - kept).abs().max()))
-        out["convs"][name] = worst
+        out.setdefault("convs", {})[name] = worst
 
     # every tile candidate, on shapes wide enough that none is cut to another (128 in, 256
     # out) and on one that fits no tile (40 in, 24 out: masked channels and columns). The
     # wide shape's launches are the costly ones under the interpreter: there each candidate
     # runs fp32 with 1 new row (fewer than the context) and fp16 with 5; the narrow one runs
     # every dtype with every call length
-    out["tiles"] = {}
-    for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)):
+    for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)) if part == "tiles" else ():
         # weights fp16 holds exactly: the float32 torch form is the reference of both dtypes
         conv = StreamConv((torch.randn(n, cin, taps) / cin).half().float(), torch.randn(n).half().float(),
                           dilation=dilation)
@@ -85,16 +91,22 @@ SCRIPT = textwrap.dedent("""
                     key = f"{cin}x{n} {tiles.text()}"
                     err = max(float((got.float() - want).abs().max()) / float(want.abs().max()),
                               float((got_next - want_next).abs().max()))
-                    out["tiles"].setdefault(key, {})[str(dtype)] = max(err, out["tiles"].get(key, {}).get(str(dtype), 0))
+                    errs = out.setdefault("tiles", {}).setdefault(key, {})
+                    errs[str(dtype)] = max(err, errs.get(str(dtype), 0))
 
-    x = torch.randn(4, 300) * 1.5
-    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    x[1] = (torch.arange(300) - 150.5) / 32767  # near the half-way points
-    out["pcm16"] = [torch.equal(to_pcm16(x), codec_fused.pcm16(x)),
-                    torch.equal(to_pcm16(x[:, ::3]), codec_fused.pcm16(x[:, ::3])),
-                    torch.equal(to_pcm16(x.half()), codec_fused.pcm16(x.half()))]
+    if part == "convs":
+        x = torch.randn(4, 300) * 1.5
+        x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        x[1] = (torch.arange(300) - 150.5) / 32767  # near the half-way points
+        out["pcm16"] = [torch.equal(to_pcm16(x), codec_fused.pcm16(x)),
+                        torch.equal(to_pcm16(x[:, ::3]), codec_fused.pcm16(x[:, ::3])),
+                        torch.equal(to_pcm16(x.half()), codec_fused.pcm16(x.half()))]
 
     def decoders(dtype, graphs):
+        from tests.audio.test_mimi_graphs import lively  # transformers' Mimi: the decoder parts only
+        from tests.audio.test_mimi_stream import one_shot
+        from tests.audio.tiny import tiny_mimi
+
         codec = lively(tiny_mimi())
         codec.model.to(dtype)
         args = dict(slots=4, graph_frames=2, graphs=graphs, buckets=(2, 4))
@@ -130,55 +142,76 @@ SCRIPT = textwrap.dedent("""
         return {"worst": worst, "peak": peak, "vs_one_shot": vs_one_shot,
                 "replays": ker.graphs.replays if graphs else 0}
 
-    out["fp32-graphs"] = decoders(torch.float32, True)
-    out["fp16"] = decoders(torch.float16, False)
+    if part == "fp32-graphs":
+        out = decoders(torch.float32, True)
+    if part == "fp16":
+        out = decoders(torch.float16, False)
     print(json.dumps(out))
 """)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict:
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], dict]]:
+    """`interpreted(part)`: that part's results, its process waited for at the first ask
+    (every part starts with the first test that needs one)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    logs = tmp_path_factory.mktemp("interpreted")
+    runs = {}
+    for part in PARTS:
+        with open(logs / f"{part}.out", "w") as out, open(logs / f"{part}.err", "w") as err:
+            runs[part] = subprocess.Popen([sys.executable, "-c", SCRIPT, part], cwd=REPO, env=env, stdout=out,
+                                          stderr=err, text=True)
+
+    @functools.cache
+    def results(part: str) -> dict:
+        assert runs[part].wait(timeout=600) == 0, (logs / f"{part}.err").read_text()[-3000:]
+        return json.loads((logs / f"{part}.out").read_text().strip().splitlines()[-1])
+
+    try:
+        yield results
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 def test_every_convolution_form_fused_equals_its_torch_form_and_writes_the_same_next_context(
-        interpreted: dict) -> None:
+        interpreted: Callable[[str], dict]) -> None:
     """k7, narrow (shift-add), dilated, k1, one output, grouped, transposed (with and
     without context, bias, a kernel not a multiple of its stride); 1, 2 and 5 new rows,
     with and without ELU and a residual; the context read is left as it was."""
     from tests.audio.test_mimi_conv import MODULES
 
-    assert set(interpreted["convs"]) == set(MODULES)
-    for name, (out, context, untouched) in interpreted["convs"].items():
+    convs = interpreted("convs")["convs"]
+    assert set(convs) == set(MODULES)
+    for name, (out, context, untouched) in convs.items():
         assert out <= 1e-5 and context <= 1e-6 and untouched == 0.0, name
 
 
-def test_every_tile_candidate_equals_the_torch_form_in_fp32_and_fp16(interpreted: dict) -> None:
+def test_every_tile_candidate_equals_the_torch_form_in_fp32_and_fp16(interpreted: Callable[[str], dict]) -> None:
     """Each of CONV_CANDIDATES as `--tune-conv` times it: a 3-tap conv with ELU, bias,
     residual and context, fp32 with 1 new row and fp16 (against the float32 torch form)
     with 5; a shape no tile fits, each dtype with 1 and 5."""
-    tiles = interpreted["tiles"]
+    tiles = interpreted("tiles")["tiles"]
     assert len([k for k in tiles if k.startswith("128x256")]) == len(codec_fused.CONV_CANDIDATES)
     assert {k.split()[1] for k in tiles if k.startswith("128x256")} == {c.text() for c in codec_fused.CONV_CANDIDATES}
     for key, errs in tiles.items():
         assert errs["torch.float32"] <= 1e-5 and errs["torch.float16"] <= 3e-3, (key, errs)
 
 
-def test_int16_pcm_fused_is_bit_for_bit_the_torch_conversion(interpreted: dict) -> None:
-    assert interpreted["pcm16"] == [True, True, True]
+def test_int16_pcm_fused_is_bit_for_bit_the_torch_conversion(interpreted: Callable[[str], dict]) -> None:
+    assert interpreted("convs")["pcm16"] == [True, True, True]
 
 
 @pytest.mark.parametrize("case", ["fp32-graphs", "fp16"])
-def test_a_fused_decoder_equals_the_torch_decoder_and_the_one_shot_decode(interpreted: dict, case: str) -> None:
+def test_a_fused_decoder_equals_the_torch_decoder_and_the_one_shot_decode(interpreted: Callable[[str], dict],
+                                                                         case: str) -> None:
     """Calls of 1-5 frames (5 and 3 run the transformer in several passes), streams of
     every age past the 6-position window, a closed stream's slot reused. fp32 runs the
     calls of 1 and 2 frames through graphs' static path (padded to a bucket) and the
     others eagerly; fp16 runs every call eagerly."""
-    got = interpreted[case]
+    got = interpreted(case)
     bound = 1e-5 if case.startswith("fp32") else 3e-3
     assert got["peak"] > 0.1 and got["worst"] <= bound * got["peak"], got
     assert got["vs_one_shot"] <= (1e-3 if case.startswith("fp32") else bound) * max(1.0, got["peak"]), got
