@@ -114,6 +114,9 @@ class LocalConfig(BaseModel):
                                 "`pdunit prefill` (the fault suite: pdunit.bench.fault_injection)")
     extra_decode_args: list[str] = Field(default_factory=list, description="appended to D's command")
     extra_monolith_args: list[str] = Field(default_factory=list, description="appended to the monolith's command")
+    drain_s: float = Field(0.0, ge=0, description="on stop: how long the LB lets streams in flight finish before "
+                           "it cuts them and cancels them in P and D (its --shutdown-timeout-s; a pod's LB takes "
+                           "30 s); the engines stop only after the LB")
     extra_lb_args: list[str] = Field(default_factory=list, description="appended to the LB's command")
     extra_guard_args: list[str] = Field(default_factory=list, description="appended to the guard's command")
     wrappers: dict[str, list[str]] = Field(default_factory=dict, description="argv prefix per child name (the "
@@ -366,7 +369,8 @@ class LocalUnit:
             unit_name=self.unit_name, metrics_port=c.metrics_port,
             guard=c.guard and _installed("pdunit.sidecars.quiesce_guard.main"), guard_port=self.guard_port,
             guard_host="127.0.0.1", log_level=c.log_level,
-            extra_args={"prefill": c.extra_prefill_args, "decode": c.extra_decode_args, "lb": c.extra_lb_args,
+            extra_args={"prefill": c.extra_prefill_args, "decode": c.extra_decode_args,
+                        "lb": ["--shutdown-timeout-s", f"{c.drain_s:g}", *c.extra_lb_args],
                         "monolith": c.extra_monolith_args, "guard": c.extra_guard_args},
             paths=self.paths, program=(sys.executable, "-m", "pdunit.engine.cli"),
         )
@@ -552,25 +556,18 @@ class LocalUnit:
             return ""
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM every child (LB first, so streams stop entering), then SIGKILL stragglers.
-        The supervisor stops first: nothing stopped here is started again."""
+        """SIGTERM the LB and wait for its exit, then every other child; SIGKILL whatever
+        outlives its timeout_s. The LB goes alone first: new streams stop entering while the
+        engines still serve its drain (cfg.drain_s) and answer its cancels (signalled with it,
+        they were gone and it retried its cancels to them). The supervisor stops first:
+        nothing stopped here is started again."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=timeout_s)
-        codes: dict[str, int | None] = {}
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                _signal_group(child.proc, signal.SIGCONT)  # a stopped child cannot handle SIGTERM
-                _signal_group(child.proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("did not stop on SIGTERM: killing", extra={"child": child.name})
-                _signal_group(child.proc, signal.SIGKILL)
-                child.proc.wait(timeout=5)
-            codes[child.name] = child.proc.returncode
+        first = [c for c in self.children if c.name == "lb"]
+        self._terminate(first, timeout_s)
+        self._terminate([c for c in reversed(self.children) if c not in first], timeout_s)
+        codes: dict[str, int | None] = {c.name: c.proc.returncode for c in self.children}
         if self._own_dir and self.keep_logs:
             for path in self.run_dir.iterdir():  # sockets and secrets go, the logs stay
                 if path.is_dir() and path != self.logs_dir:
@@ -580,6 +577,21 @@ class LocalUnit:
         elif self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return codes
+
+    def _terminate(self, children: list[Child], timeout_s: float) -> None:
+        """SIGTERM `children` together, wait up to timeout_s for them all, SIGKILL the rest."""
+        for child in children:
+            if child.proc.poll() is None:
+                _signal_group(child.proc, signal.SIGCONT)  # a stopped child cannot handle SIGTERM
+                _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("did not stop on SIGTERM: killing", extra={"child": child.name})
+                _signal_group(child.proc, signal.SIGKILL)
+                child.proc.wait(timeout=5)
 
     def __enter__(self) -> LocalUnit:
         self.start()

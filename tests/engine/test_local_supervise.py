@@ -187,3 +187,52 @@ def test_the_unit_draws_its_secrets_and_a_non_loopback_admin_port_requires_the_t
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+_ROLE = """
+import os, signal, sys, time
+name, events = sys.argv[1], sys.argv[2]
+def note(what):
+    fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, f"{name} {what}\\n".encode())
+    os.close(fd)
+def on_term(*_):
+    note("sigterm")
+    if name == "lb":
+        time.sleep(0.5)  # its drain: whatever else stop() signalled meanwhile is in the file first
+    note("exited")
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+note("up")
+while True:
+    time.sleep(1)
+"""
+
+
+def test_stop_signals_the_engines_only_once_the_lb_exited(tmp_path):
+    """The LB drains on SIGTERM: its cancels and the streams it lets finish need P and D
+    alive, so stop() waits for the LB's exit before it signals anything else."""
+    unit = LocalUnit(LocalConfig(lb_port=0, run_dir=str(tmp_path)))
+    events = tmp_path / "events"
+    for name in ("proxy", "decode", "prefill", "lb", "guard"):  # start order (engine/unit_layout.py)
+        argv = [sys.executable, "-c", _ROLE, name, str(events)]
+        unit.children.append(Child(name, argv, _spawn(argv, tmp_path / f"{name}.log"), tmp_path / f"{name}.log"))
+    wait_for(lambda: events.exists() and events.read_text().count(" up\n") == 5, what="every child up")
+    codes = unit.stop()
+    lines = [line for line in events.read_text().splitlines() if not line.endswith(" up")]
+    assert lines[:2] == ["lb sigterm", "lb exited"], lines
+    assert sorted(lines[2:]) == sorted(f"{n} {what}" for n in ("proxy", "decode", "prefill", "guard")
+                                       for what in ("sigterm", "exited"))
+    assert codes == {"proxy": 0, "decode": 0, "prefill": 0, "lb": 0, "guard": 0}
+
+
+def test_the_lb_cuts_streams_in_flight_at_stop_unless_drain_s_gives_them_time(tmp_path):
+    """A local stop cuts the streams in flight (and cancels them in the engines, alive until
+    the LB exited) as it always did, instead of the pod's 30-s drain; --drain-s lets them finish."""
+    def lb_argv(**kw) -> list[str]:
+        return dict(LocalUnit(LocalConfig(lb_port=0, run_dir=str(tmp_path), **kw)).commands())["lb"]
+
+    argv = lb_argv()
+    assert argv[argv.index("--shutdown-timeout-s") + 1] == "0"
+    argv = lb_argv(drain_s=12.5)
+    assert argv[argv.index("--shutdown-timeout-s") + 1] == "12.5"
