@@ -163,6 +163,8 @@ class StreamTable:
         return stream
 
     async def wait_empty(self, timeout: float) -> bool:
+        if self._empty.is_set():  # wait_for(..., 0) times out even on a set event
+            return True
         try:
             await asyncio.wait_for(self._empty.wait(), timeout)
             return True

@@ -83,6 +83,7 @@ def test_fail_all_reaches_only_streams_still_running_and_wait_empty_follows_clos
         table.close(1)
         table.close(2)
         assert await table.wait_empty(0.01)
+        assert await table.wait_empty(0)  # the LB's shutdown with --shutdown-timeout-s 0 (pdunit local's)
 
     run(main())
 
