@@ -21,7 +21,8 @@ from pdunit.operator.pod import desired_pod
 
 # Flags `pdunit local` gives its processes beyond the pod's: loopback listeners, its LB's
 # name, its log level and its CPU-sized pools.
-LOCAL_ONLY = {"--host", "--unit-name", "--log-level", "--cache-tokens", "--pool-tokens"}
+LOCAL_ONLY = {"--host", "--unit-name", "--log-level", "--cache-tokens", "--pool-tokens",
+              "--shutdown-timeout-s"}  # local cuts the streams in flight at stop (LocalConfig.drain_s)
 
 
 def flags(argv: list[str]) -> dict[str, str]:
