@@ -1,21 +1,23 @@
 """The overload of issue 24, on CPU with the tiny model: many closed-loop streams on one
 unit, the monolith (prefill-first) with every step padded to a synthetic cost
 (`--synthetic-step-ms`, engine/step_pad.py), so a step's time is a known function of its
-batch whatever the machine's load. Admission learns it online (no fit file). The floor is
-measured (between the rates 2 and 16 streams reach), then the best fixed concurrency that
-keeps it is found (from the line through those rates, then one up or down), and the same
-overload with admission: every admitted stream at or above the floor, no stall, each
-refusal a 503 `rate_floor` with Retry-After answered within 50 ms (90%; every one within
-250 ms: the LB's `pdunit_lb_refusal_seconds`), nothing held, and goodput >=
-GOODPUT_TOLERANCE x the best fixed concurrency's. Levels are staggered and several stream
-lives long: steady state. A stream's rate is judged as the unit's LB sent it (`sent_rate`).
+batch whatever the machine's load, and FLOOR lies between what WARM and OVERLOAD streams
+reach (asserted). Two units start together, one without admission, one with (it learns its
+step model online, no fit file): the overload without admission, the best fixed
+concurrency (from the line through those rates, one up or down), and the overload with
+admission: every admitted stream at or above the floor, no stall, each refusal a 503
+`rate_floor` with Retry-After answered within 50 ms (90%; every one within 250 ms: the LB's
+`pdunit_lb_refusal_seconds`), nothing held, goodput >= GOODPUT_TOLERANCE x the best fixed
+concurrency's. A stream's rate is judged as the unit's LB sent it (`sent_rate`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,17 +33,22 @@ from pdunit.engine.step_pad import SYNTHETIC_STEP_MS, StepPad, parse_step_pad
 from tests.engine.unit_client import load, wait_empty, wait_for
 
 OVERLOAD = 16  # closed-loop streams: about three times what admission keeps at the floor below
-FEW = 2  # streams a floor must be sustainable for
-FEW_S = 3.0  # their level: two lives of each of the two streams (a 2-stream life is ~1.6 s)
+FEW = 2  # the fewest streams the fixed-concurrency search tries
+# frames/s: set by STEP_PAD, not by the machine (a measured floor, the geometric mean of
+# what 2 and 16 streams reach, gave 7.7-8.0 on idle and busy 2-core machines); known
+# before the units start, so both start together. The bracket is asserted.
+FLOOR = 7.7
 WARM = 4  # staggered streams the admission unit fits its step model on
 WARM_S = 5.0  # one warm level's duration (4.5 s was the shortest that fitted on an idle 2-core machine)
 FRAMES = 20  # short streams: a level holds several lives of each
 LEVEL_S = 5.0
 RAMP_S = 2.0  # the workers start spread over about one stream's life: refills interleave as in steady state
 STEP_PAD = "60,7.5,0.375"  # ms: 60 + 7.5 x streams + 0.375 x prompt rows (75 ms at 2 streams, 180 at 16)
-# Admitted goodput over the best fixed concurrency's: both are one short level on a
-# shared machine, and the fixed one is the luckiest of the levels tried near the edge.
+# Admitted goodput over the best fixed concurrency's: both are short levels on a shared
+# machine. A best level that kept the floor by under MARGINAL was a coin toss (its search
+# kept it for passing): it runs again and its goodput is the mean of both runs.
 GOODPUT_TOLERANCE = 0.9
+MARGINAL = 0.03
 REFUSAL_P99_S = 0.050  # the issue's bound on a refusal's answer (LB receive -> 503)
 # The monolith's flags: the pad, no cold-start limit below the overload, no margin, and
 # `--floor-error-quantile 0.5`: the budget shrinks for the model's typical error (a bias),
@@ -108,28 +115,68 @@ def empty(url: str) -> LoadDocument:
     return load(url)
 
 
-def line_estimate(few: float, over: float, floor: float) -> int:
+def line_estimate(low: int, low_rate: float, over: float, floor: float) -> int:
     """The most streams whose step keeps `floor`, on the line through the two measured
-    step times (1 / rate at FEW and at OVERLOAD streams)."""
-    per_stream = (1 / over - 1 / few) / (OVERLOAD - FEW)
-    return max(FEW, FEW + math.floor((1 / floor - 1 / few) / per_stream))
+    step times (1 / rate at `low` and at OVERLOAD streams)."""
+    per_stream = (1 / over - 1 / low_rate) / (OVERLOAD - low)
+    return max(FEW, low + math.floor((1 / floor - 1 / low_rate) / per_stream))
 
 
-def best_fixed_concurrency(url: str, estimate: int, floor: float) -> dict[str, Any] | None:
-    """The level of the most streams that keeps the floor, searched from `estimate`: one
-    up when it passes, else down until one passes, to FEW at the lowest (a level's slowest
-    stream sits 10-20% under its median, by the refills it met, so the line's estimate can
-    be several levels high on a loaded machine: a CI run failed 7, 6 and 5); None if none
-    passed."""
-    row = level(url, estimate, floor)
-    if met_floor(row, floor):
-        above = level(url, estimate + 1, floor)
-        return above if met_floor(above, floor) else row
-    for c in range(estimate - 1, FEW - 1, -1):
+def best_fixed_concurrency(url: str, first: dict[str, Any], floor: float) -> dict[str, Any] | None:
+    """The level of the most streams that keeps the floor, searched from `first` (the
+    level at the line's estimate): one up when it passes, else down until one passes, to
+    FEW at the lowest (a level's slowest stream sits 10-20% under its median, by the
+    refills it met, so the line's estimate can be several levels high on a loaded machine:
+    a CI run failed 7, 6 and 5); None if none passed."""
+    if met_floor(first, floor):
+        above = level(url, first["concurrency"] + 1, floor)
+        return above if met_floor(above, floor) else first
+    for c in range(first["concurrency"] - 1, FEW - 1, -1):
         row = level(url, c, floor)
         if met_floor(row, floor):
             return row
     return None
+
+
+def fixed_goodput(url: str, best: dict[str, Any], floor: float) -> float:
+    """The best fixed concurrency's goodput: its level's, or where it kept the floor by
+    under MARGINAL, the mean of that level and a run of it again (the search chose it for
+    passing: its one run is the luckiest of the cap's; the second is not chosen)."""
+    first = goodput(best, floor)
+    if best["sent_min_rate"] >= floor * (1 + MARGINAL):
+        return first
+    again = goodput(level(url, best["concurrency"], floor), floor)
+    print(f"c={best['concurrency']} kept the floor by under {MARGINAL:.0%}: goodput {first:.1f} then {again:.1f}",
+          flush=True)
+    return (first + again) / 2
+
+
+@contextlib.contextmanager
+def started_together(*configs: LocalConfig) -> Iterator[list[LocalUnit]]:
+    """Units started at once (a unit's start is mostly its processes' imports: two
+    overlap), each stopped on the way out."""
+    units = [LocalUnit(c) for c in configs]
+    with contextlib.ExitStack() as stack:
+        for unit in units:
+            stack.callback(unit.stop)
+            unit.start()
+        for unit in units:
+            unit.wait_ready()
+            unit.supervise()
+        yield units
+
+
+def warm_admission(url: str) -> dict[str, Any]:
+    """WARM staggered streams on the unit with admission until its step model has fitted the
+    engine's own steps (64 of them, of two batch sizes at least): then the projection, not
+    the cold-start limit, bounds the headroom of an empty unit. One warm level of WARM_S
+    holds them; one of 3 s did not. The first level's row (its rate at WARM streams)."""
+    first = level(url, WARM, FLOOR, duration=WARM_S, ramp=1.0)
+    for _ in range(2):
+        if empty(url).headroom_streams < OVERLOAD:
+            break
+        level(url, WARM, FLOOR, duration=WARM_S, ramp=1.0)
+    return first
 
 
 def refusal_seconds(url: str) -> list[tuple[float, float]]:
@@ -151,66 +198,65 @@ def share_within(buckets: list[tuple[float, float]], seconds: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def without_admission():
-    """The floor this machine sets, the overload without admission, and the best fixed concurrency."""
-    with LocalUnit(LocalConfig(rate_floor=0, **UNIT)) as unit:
-        few = level(unit.url, FEW, 1.0, duration=FEW_S)
-        over = level(unit.url, OVERLOAD, 1.0)
-        floor = round(math.sqrt(few["sent_min_rate"] * over["sent_p50_rate"]), 1)
-        # the overload's goodput judged at that floor: its frames/s of streams at or above it
-        over["goodput_at_floor"] = goodput(over, floor)
-        print(f"floor {floor:.1f} frames/s: {FEW} streams reach {few['sent_min_rate']:.1f}, "
-              f"{OVERLOAD} streams {over['sent_p50_rate']:.1f} at p50", flush=True)
-        fixed = best_fixed_concurrency(unit.url, line_estimate(few["sent_p50_rate"], over["sent_p50_rate"], floor),
-                                       floor)
-        empty(unit.url)
-    return floor, over, fixed
+def units():
+    """Both units, the overload without admission, then the warm-up of the unit with
+    admission, alone (run beside that overload, the warm-up refused a stream at 4 and one
+    run's admitted goodput fell to 0.92x the best fixed concurrency's: a step model fitted
+    on steps the other unit slowed, the suspect)."""
+    # refused clients come back after 3 s, not 1: fewer refusals to answer on two cores
+    with started_together(LocalConfig(rate_floor=0, **UNIT),
+                          LocalConfig(rate_floor=FLOOR, extra_lb_args=["--retry-after-s", "3"], **UNIT)) as (
+            fixed_unit, admitting):
+        over = level(fixed_unit.url, OVERLOAD, FLOOR)
+        empty(fixed_unit.url)
+        warm = warm_admission(admitting.url)
+        # the overload's goodput judged at the floor: its frames/s of streams at or above it
+        over["goodput_at_floor"] = goodput(over, FLOOR)
+        yield fixed_unit, admitting, warm, over
 
 
-def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(without_admission) -> None:
-    floor, over, fixed = without_admission
-    over_goodput = over["goodput_at_floor"]
+def test_overload_refuses_instead_of_letting_every_stream_fall_under_the_floor(units) -> None:
+    fixed_unit, unit, warm, over = units
+    floor, over_goodput = FLOOR, over["goodput_at_floor"]
+    # the floor lies between what WARM streams reach and what the overload does
+    assert warm["sent_min_rate"] >= floor, (warm, floor)
     # without admission: all admitted, none refused, and the overload breaks the floor
     assert over["refused"] == 0 and over["errors"] == 0, over
     assert over["sent_min_rate"] < floor, (over, floor)
+    estimate = line_estimate(WARM, warm["sent_p50_rate"], over["sent_p50_rate"], floor)
+    print(f"floor {floor:.1f} frames/s: {WARM} streams reach {warm['sent_p50_rate']:.1f} at p50, "
+          f"{OVERLOAD} streams {over['sent_p50_rate']:.1f}: {estimate} streams on the line", flush=True)
+    fixed = best_fixed_concurrency(fixed_unit.url, level(fixed_unit.url, estimate, floor), floor)
     assert fixed is not None, f"no fixed concurrency kept the floor of {floor} frames/s"
-    # refused clients come back after 3 s, not 1: fewer refusals to answer on two cores
-    with LocalUnit(LocalConfig(rate_floor=floor, extra_lb_args=["--retry-after-s", "3"], **UNIT)) as unit:
-        # the step model fits the engine's own steps (64 of them, of two batch sizes at least):
-        # then the projection, not the cold-start limit, bounds the headroom of an empty unit.
-        # One warm level of WARM_S holds them; one of 3 s did not, so a
-        # second level (its ramp and drain again) always ran.
-        for _ in range(3):
-            level(unit.url, WARM, floor, duration=WARM_S, ramp=1.0)
-            if empty(unit.url).headroom_streams < OVERLOAD:
-                break
-        doc = empty(unit.url)
-        assert 0 < doc.headroom_streams < OVERLOAD, (
-            f"an empty unit's headroom is {doc.headroom_streams}: admission off (-1), or a step model that has "
-            f"not fitted the engine's steps or would admit the whole overload of {OVERLOAD} ({doc})")
-        row = level(unit.url, OVERLOAD, floor)
-        # every admitted stream at or above the floor, and not one stall
-        assert row["ok"] > 0 and row["errors"] == 0 and row["error_kinds"] == {}, row
-        assert row["stutter_share"] == 0 and row["sent_min_rate"] >= floor, row
-        # the rest refused: each a 503 rate_floor (the reason) with a Retry-After
-        assert row["refused"] > 0 and row["refused_without_retry_after"] == 0, row
-        # answered fast: the LB's receive -> 503 (the client's figure adds its own loop's lag)
-        refusals = refusal_seconds(unit.url)
-        within = share_within(refusals, REFUSAL_P99_S)
-        print(f"refusals: {within:.1%} answered by the unit within {REFUSAL_P99_S * 1000:.0f} ms "
-              f"({refusals}); the client's p99 {row['refusal_p99_ms']:.0f} ms", flush=True)
-        # The issue's bound is p99 < 50 ms; asserted here at 90% and every refusal within
-        # 250 ms (a refusal that waited behind a step, 60-180 ms here, misses both): on a
-        # 2-core machine under a parallel suite one refusal in ~20 met the scheduler's lag
-        # (docs/admission.md); the share printed above is the figure to read.
-        assert within >= 0.9, (refusals, row["refusal_p99_ms"])
-        assert share_within(refusals, 0.25) == 1.0, (refusals, row["refusal_p99_ms"])
-        # nothing held once the streams ended, and the unit admits again (its headroom
-        # comes back: read from the LB's probes, one may still carry a full unit's 0)
-        doc = empty(unit.url)
-        assert doc.held_pages == 0, doc
-        wait_for(lambda: load(unit.url).headroom_streams > 0, timeout=10, what="headroom back above 0")
-    admitted, best = goodput(row, floor), goodput(fixed, floor)
+    best = fixed_goodput(fixed_unit.url, fixed, floor)
+    empty(fixed_unit.url)
+    doc = empty(unit.url)
+    assert 0 < doc.headroom_streams < OVERLOAD, (
+        f"an empty unit's headroom is {doc.headroom_streams}: admission off (-1), or a step model that has "
+        f"not fitted the engine's steps or would admit the whole overload of {OVERLOAD} ({doc})")
+    row = level(unit.url, OVERLOAD, floor)
+    # every admitted stream at or above the floor, and not one stall
+    assert row["ok"] > 0 and row["errors"] == 0 and row["error_kinds"] == {}, row
+    assert row["stutter_share"] == 0 and row["sent_min_rate"] >= floor, row
+    # the rest refused: each a 503 rate_floor (the reason) with a Retry-After
+    assert row["refused"] > 0 and row["refused_without_retry_after"] == 0, row
+    # answered fast: the LB's receive -> 503 (the client's figure adds its own loop's lag)
+    refusals = refusal_seconds(unit.url)
+    within = share_within(refusals, REFUSAL_P99_S)
+    print(f"refusals: {within:.1%} answered by the unit within {REFUSAL_P99_S * 1000:.0f} ms "
+          f"({refusals}); the client's p99 {row['refusal_p99_ms']:.0f} ms", flush=True)
+    # The issue's bound is p99 < 50 ms; asserted here at 90% and every refusal within
+    # 250 ms (a refusal that waited behind a step, 60-180 ms here, misses both): on a
+    # 2-core machine under a parallel suite one refusal in ~20 met the scheduler's lag
+    # (docs/admission.md); the share printed above is the figure to read.
+    assert within >= 0.9, (refusals, row["refusal_p99_ms"])
+    assert share_within(refusals, 0.25) == 1.0, (refusals, row["refusal_p99_ms"])
+    # nothing held once the streams ended, and the unit admits again (its headroom
+    # comes back: read from the LB's probes, one may still carry a full unit's 0)
+    doc = empty(unit.url)
+    assert doc.held_pages == 0, doc
+    wait_for(lambda: load(unit.url).headroom_streams > 0, timeout=10, what="headroom back above 0")
+    admitted = goodput(row, floor)
     print(f"goodput {admitted:.1f} frames/s with admission, {best:.1f} at the best fixed concurrency "
           f"{fixed['concurrency']} ({admitted / best:.2f}x); {over_goodput:.1f} without admission", flush=True)
     # refusing beats letting everyone in, and loses nothing against the best fixed concurrency
