@@ -28,11 +28,11 @@ from tests.audio.tiny import tiny_mimi
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The script's parts, each its own process (run at once: two cores): "convs" (every
-# convolution form and the int16 PCM), "tiles" (every tile candidate), and one decoder each
-# ("fp32-graphs", "fp16"; the costliest, started first). `python -c SCRIPT part` prints
-# that part's results as one JSON line.
-PARTS = ("fp32-graphs", "fp16", "tiles", "convs")
+# The script's parts, each its own process (run at once: two cores): "kernels" (every
+# convolution form, every tile candidate, the int16 PCM) and "decoders" (fp32 with graphs,
+# fp16; the costlier, started first: transformers' Mimi is imported there alone).
+# `python -c SCRIPT part` prints that part's results as one JSON line.
+PARTS = ("decoders", "kernels")
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent("""
     part = sys.argv[1]
     out = {}
     torch.manual_seed(0)
-    for name, make in sorted(MODULES.items()) if part == "convs" else ():
+    for name, make in sorted(MODULES.items()) if part == "kernels" else ():
         conv = stream_conv(make().eval())
         worst = [0.0, 0.0, 0.0]  # output, next context, context written by the kernel
         for t in (1, 2, 5):  # 1 and 2: fewer new rows than the k7 conv's context of 6
@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent("""
     # wide shape's launches are the costly ones under the interpreter: there each candidate
     # runs fp32 with 1 new row (fewer than the context) and fp16 with 5; the narrow one runs
     # every dtype with every call length
-    for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)) if part == "tiles" else ():
+    for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)) if part == "kernels" else ():
         # weights fp16 holds exactly: the float32 torch form is the reference of both dtypes
         conv = StreamConv((torch.randn(n, cin, taps) / cin).half().float(), torch.randn(n).half().float(),
                           dilation=dilation)
@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent("""
                     errs = out.setdefault("tiles", {}).setdefault(key, {})
                     errs[str(dtype)] = max(err, errs.get(str(dtype), 0))
 
-    if part == "convs":
+    if part == "kernels":
         x = torch.randn(4, 300) * 1.5
         x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
         x[1] = (torch.arange(300) - 150.5) / 32767  # near the half-way points
@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent("""
                         torch.equal(to_pcm16(x.half()), codec_fused.pcm16(x.half()))]
 
     def decoders(dtype, graphs):
-        from tests.audio.test_mimi_graphs import lively  # transformers' Mimi: the decoder parts only
+        from tests.audio.test_mimi_graphs import lively  # transformers' Mimi: the decoders part only
         from tests.audio.test_mimi_stream import one_shot
         from tests.audio.tiny import tiny_mimi
 
@@ -142,10 +142,9 @@ SCRIPT = textwrap.dedent("""
         return {"worst": worst, "peak": peak, "vs_one_shot": vs_one_shot,
                 "replays": ker.graphs.replays if graphs else 0}
 
-    if part == "fp32-graphs":
-        out = decoders(torch.float32, True)
-    if part == "fp16":
-        out = decoders(torch.float16, False)
+    if part == "decoders":
+        out["fp32-graphs"] = decoders(torch.float32, True)
+        out["fp16"] = decoders(torch.float16, False)
     print(json.dumps(out))
 """)
 
@@ -183,7 +182,7 @@ def test_every_convolution_form_fused_equals_its_torch_form_and_writes_the_same_
     with and without ELU and a residual; the context read is left as it was."""
     from tests.audio.test_mimi_conv import MODULES
 
-    convs = interpreted("convs")["convs"]
+    convs = interpreted("kernels")["convs"]
     assert set(convs) == set(MODULES)
     for name, (out, context, untouched) in convs.items():
         assert out <= 1e-5 and context <= 1e-6 and untouched == 0.0, name
@@ -193,7 +192,7 @@ def test_every_tile_candidate_equals_the_torch_form_in_fp32_and_fp16(interpreted
     """Each of CONV_CANDIDATES as `--tune-conv` times it: a 3-tap conv with ELU, bias,
     residual and context, fp32 with 1 new row and fp16 (against the float32 torch form)
     with 5; a shape no tile fits, each dtype with 1 and 5."""
-    tiles = interpreted("tiles")["tiles"]
+    tiles = interpreted("kernels")["tiles"]
     assert len([k for k in tiles if k.startswith("128x256")]) == len(codec_fused.CONV_CANDIDATES)
     assert {k.split()[1] for k in tiles if k.startswith("128x256")} == {c.text() for c in codec_fused.CONV_CANDIDATES}
     for key, errs in tiles.items():
@@ -201,7 +200,7 @@ def test_every_tile_candidate_equals_the_torch_form_in_fp32_and_fp16(interpreted
 
 
 def test_int16_pcm_fused_is_bit_for_bit_the_torch_conversion(interpreted: Callable[[str], dict]) -> None:
-    assert interpreted("convs")["pcm16"] == [True, True, True]
+    assert interpreted("kernels")["pcm16"] == [True, True, True]
 
 
 @pytest.mark.parametrize("case", ["fp32-graphs", "fp16"])
@@ -211,7 +210,7 @@ def test_a_fused_decoder_equals_the_torch_decoder_and_the_one_shot_decode(interp
     every age past the 6-position window, a closed stream's slot reused. fp32 runs the
     calls of 1 and 2 frames through graphs' static path (padded to a bucket) and the
     others eagerly; fp16 runs every call eagerly."""
-    got = interpreted(case)
+    got = interpreted("decoders")[case]
     bound = 1e-5 if case.startswith("fp32") else 3e-3
     assert got["peak"] > 0.1 and got["worst"] <= bound * got["peak"], got
     assert got["vs_one_shot"] <= (1e-3 if case.startswith("fp32") else bound) * max(1.0, got["peak"]), got
