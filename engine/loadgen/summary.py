@@ -22,20 +22,34 @@ import numpy as np
 # ------------------------------------------------------------------ numbers
 
 
+def _at(ordered: np.ndarray, q: float) -> float:
+    """The q-th percentile of sorted values, interpolated linearly between neighbours; an
+    infinite neighbour is the answer (numpy's interpolation makes inf - inf = nan of it: a
+    stream whose frames all came at one instant has an infinite rate)."""
+    pos = q / 100 * (ordered.size - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, ordered.size - 1)
+    a, b, t = float(ordered[lo]), float(ordered[hi]), pos - lo
+    if t == 0 or a == b:
+        return a
+    if math.isinf(a) or math.isinf(b):
+        return a if math.isinf(a) else b
+    return a + (b - a) * t
+
+
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     """q-th percentile (0..100, linear interpolation); None for no values."""
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return None
-    return float(np.percentile(arr, q))
+    return percentiles(values, (q,))[f"p{q:g}"]
 
 
 def percentiles(
     values: Sequence[float] | np.ndarray, qs: Sequence[float] = (50, 95, 99)
 ) -> dict[str, float | None]:
     """{"p50": ..., "p95": ..., "p99": ...} (None entries for no values)."""
-    arr = np.asarray(values, dtype=np.float64)
-    return {f"p{q:g}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
+    ordered = np.sort(np.asarray(values, dtype=np.float64))
+    if ordered.size and np.isnan(ordered[-1]):  # a nan value (sorted last) makes every percentile nan, as numpy's
+        return {f"p{q:g}": math.nan for q in qs}
+    return {f"p{q:g}": (_at(ordered, q) if ordered.size else None) for q in qs}
 
 
 # ------------------------------------------------------------------ machine

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 
+import numpy as np
 import pytest
 
 from pdunit.bench import report
@@ -19,6 +20,21 @@ def test_percentiles_interpolate_linearly_and_are_none_without_values():
     assert percentile(values, 1) == pytest.approx(1.99)
     assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
     assert percentiles([3.0]) == {"p50": 3.0, "p95": 3.0, "p99": 3.0}
+
+
+def test_percentiles_of_infinite_rates_are_infinite_not_nan():
+    """A stream whose frames all arrive at one instant has rate inf (engine/playback.py's
+    stream_rate); numpy's interpolation made the percentiles of two such rates nan."""
+    inf = float("inf")
+    assert percentile([5.0, inf, inf], 50) == inf
+    assert percentile([5.0, inf, inf], 75) == inf
+    assert percentile([5.0, 7.0, inf], 75) == inf  # between 7 and inf
+    assert percentile([5.0, 7.0, inf], 25) == pytest.approx(6.0)
+    assert percentiles([inf, inf, inf, 1.0]) == {"p50": inf, "p95": inf, "p99": inf}
+    rng = np.random.default_rng(3)
+    finite = rng.normal(size=101)
+    for q in (0, 1, 33.3, 50, 95, 99, 100):  # finite values: numpy's linear percentile
+        assert percentile(finite, q) == pytest.approx(float(np.percentile(finite, q)))
 
 
 def test_machine_info_names_gpus_and_cpus():
