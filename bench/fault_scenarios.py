@@ -25,6 +25,7 @@ import numpy as np
 from pdunit.bench.fault_unit import (
     CORRUPT_ID,
     SLOW_ID,
+    SLOW_PAST_DEADLINE_MS,
     WEDGE_ID,
     WEIGHTS,
     FaultCheckFailed,
@@ -325,13 +326,18 @@ class Scenario:
                        f"D failing the transfers stalled by {rec.kind} at their deadline")
         rec.detail["stalled_s"] = round(time.monotonic() - t0, 3)
 
-    def _replay_while_held(self, rec: FaultRecord, request: threading.Thread) -> None:
-        """Replay into held pages while the fault's `request` is in flight (D can hold its
-        pages only then), however late a loaded machine lets it reach D."""
-        while request.is_alive():
+    def _replay_while_held(self, rec: FaultRecord, request: threading.Thread, after_s: float) -> None:
+        """Replay into held pages while the fault's `request` is in flight and `after_s`
+        after it failed: D holds a paused write's pages from its deadline (when the request
+        fails) until P, resumed, answers the ABORT, so the window is anchored on the
+        request's failure, however late a loaded machine lets the request reach D."""
+        ended: float | None = None
+        while ended is None or time.monotonic() < ended + after_s:
             if replay_into_held(self.unit, self.replayer, self.stats):
                 rec.detail["replayed"] = True
                 return
+            if ended is None and not request.is_alive():
+                ended = time.monotonic()
             time.sleep(0.05)
 
     # -- the faults
@@ -349,8 +355,9 @@ class Scenario:
         result: list[Outcome] = []
         t = threading.Thread(target=lambda: result.append(self._fault_request(SLOW_ID, "slow")))
         t.start()
-        # P pauses mid-write past the deadline: D holds the half-written pages meanwhile.
-        self._replay_while_held(rec, t)
+        # P pauses mid-write past the deadline: D holds the half-written pages from the
+        # deadline until P, past its pause, answers the ABORT
+        self._replay_while_held(rec, t, SLOW_PAST_DEADLINE_MS / 1000 + 0.3)
         t.join()
         self._expect_error(result[0], ("transfer_failed", "deadline_exceeded"), "write paused past its deadline")
         self._recovered(rec, before, "abort_ack")

@@ -33,6 +33,7 @@ from pdunit.engine.proto import pdunit_pb2_grpc as pbg
 
 # Prompt row 0 column 0 of normal prompts stays below these (vocab 1024, EOS 1023).
 CORRUPT_ID, SLOW_ID, WEDGE_ID = 1010, 1011, 1012
+SLOW_PAST_DEADLINE_MS = 1200  # a slow write's pause outlasts the transfer deadline by this much
 NORMAL_ID_LIMIT = 1000
 # How often each kind comes up among the cheap (no restart) faults.
 WEIGHTS = {"corrupt": 3, "slow": 1, "p_stop": 1, "lb_stop": 1, "tcp_stall": 2, "proxy_stop": 2}
@@ -259,7 +260,7 @@ class Unit:
                   "--fault-chunk-tokens", str(cfg.chunk_tokens),
                   "--fault-chunk-delay-ms", str(cfg.chunk_delay_ms),
                   "--fault-corrupt-id", str(CORRUPT_ID), "--fault-slow-id", str(SLOW_ID),
-                  "--fault-slow-ms", str(cfg.transfer_deadline_ms + 1200), "--fault-wedge-id", str(WEDGE_ID),
+                  "--fault-slow-ms", str(cfg.transfer_deadline_ms + SLOW_PAST_DEADLINE_MS), "--fault-wedge-id", str(WEDGE_ID),
                   "--metrics-port", str(self.p_metrics_port)]
         if tcp_relay_port:
             p_args += ["--fault-tcp-relay", f"127.0.0.1:{tcp_relay_port}"]
