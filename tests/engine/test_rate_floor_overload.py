@@ -13,11 +13,9 @@ concurrency's. A stream's rate is judged as the unit's LB sent it (`sent_rate`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,11 +24,11 @@ import pytest
 from pdunit.bench.capacity import run_capacity
 from pdunit.engine.decode.main import DecodeConfig
 from pdunit.engine.lb.load import LoadDocument
-from pdunit.engine.local import LocalConfig, LocalUnit
+from pdunit.engine.local import LocalConfig
 from pdunit.engine.monolith.main import MonolithConfig
 from pdunit.engine.settings import parse_config
 from pdunit.engine.step_pad import SYNTHETIC_STEP_MS, StepPad, parse_step_pad
-from tests.engine.unit_client import load, wait_empty, wait_for
+from tests.engine.unit_client import load, units_side_by_side, wait_empty, wait_for
 
 OVERLOAD = 16  # closed-loop streams: about three times what admission keeps at the floor below
 FEW = 2  # the fewest streams the fixed-concurrency search tries
@@ -151,21 +149,6 @@ def fixed_goodput(url: str, best: dict[str, Any], floor: float) -> float:
     return (first + again) / 2
 
 
-@contextlib.contextmanager
-def started_together(*configs: LocalConfig) -> Iterator[list[LocalUnit]]:
-    """Units started at once (a unit's start is mostly its processes' imports: two
-    overlap), each stopped on the way out."""
-    units = [LocalUnit(c) for c in configs]
-    with contextlib.ExitStack() as stack:
-        for unit in units:
-            stack.callback(unit.stop)
-            unit.start()
-        for unit in units:
-            unit.wait_ready()
-            unit.supervise()
-        yield units
-
-
 def warm_admission(url: str) -> dict[str, Any]:
     """WARM staggered streams on the unit with admission until its step model has fitted the
     engine's own steps (64 of them, of two batch sizes at least): then the projection, not
@@ -204,7 +187,7 @@ def units():
     run's admitted goodput fell to 0.92x the best fixed concurrency's: a step model fitted
     on steps the other unit slowed, the suspect)."""
     # refused clients come back after 3 s, not 1: fewer refusals to answer on two cores
-    with started_together(LocalConfig(rate_floor=0, **UNIT),
+    with units_side_by_side(LocalConfig(rate_floor=0, **UNIT),
                           LocalConfig(rate_floor=FLOOR, extra_lb_args=["--retry-after-s", "3"], **UNIT)) as (
             fixed_unit, admitting):
         over = level(fixed_unit.url, OVERLOAD, FLOOR)
