@@ -63,7 +63,9 @@ class FaultyPrefillConfig(PrefillConfig, FaultFields):
 class FaultySender(KVSender):
     """Wraps P's sender to one D: the writes of marked requests (`marked`: request id ->
     kind, shared with the engine that marks them) fail as their kind says; every other
-    call goes to `inner` unchanged."""
+    call goes to `inner` unchanged. A slow write's pause is part of the write: while it
+    lasts the write is in flight, so `quiesce` answers False (P holds D's ABORT) and D
+    keeps the half-written pages held until the pause ends, as a stalled copy would."""
 
     def __init__(self, inner: KVSender, marked: dict[int, str], slow_s: float) -> None:
         self.inner = inner
@@ -71,6 +73,7 @@ class FaultySender(KVSender):
         self.marked = marked
         self.slow_s = slow_s
         self.wedged: set[int] = set()
+        self.pausing: set[int] = set()
 
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray, dst_slots: np.ndarray,
               deadline_unix_ms: int, *, capability: bytes) -> None:
@@ -88,9 +91,13 @@ class FaultySender(KVSender):
                              deadline_unix_ms, capability=capability)
         elif kind == "slow":
             half = len(src_slots) // 2
-            self.inner.write(request_id, src, src_slots[:half], dst_slots[:half], deadline_unix_ms,
-                             capability=capability)
-            time.sleep(self.slow_s)
+            self.pausing.add(request_id)
+            try:
+                self.inner.write(request_id, src, src_slots[:half], dst_slots[:half], deadline_unix_ms,
+                                 capability=capability)
+                time.sleep(self.slow_s)
+            finally:
+                self.pausing.discard(request_id)
             self.inner.write(request_id, src, src_slots[half:], dst_slots[half:], deadline_unix_ms,
                              capability=capability)
         elif kind == "wedge":
@@ -99,10 +106,10 @@ class FaultySender(KVSender):
 
     def quiesce(self, request_id: int) -> bool:
         settled = self.inner.quiesce(request_id)  # always asked: it also bars later writes
-        return settled and request_id not in self.wedged
+        return settled and request_id not in self.wedged and request_id not in self.pausing
 
     def in_flight(self) -> list[int]:
-        return self.inner.in_flight()
+        return list(set(self.inner.in_flight()) | self.pausing)
 
     @property
     def unready(self) -> str:

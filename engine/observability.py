@@ -148,6 +148,23 @@ def watch_gc_pauses() -> None:
         gc.callbacks.append(_time_gc)
 
 
+class CurrentStderrHandler(logging.StreamHandler):
+    """Writes each record to the `sys.stderr` of that moment, not of the setup: a process
+    that swaps stderr (a test's capture, a daemonizing wrapper) must neither lose its log
+    nor fail writing to the stream it closed."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass  # always the current sys.stderr
+
+
 # No `*_created` series: `setup_logging` (every process's first call) turns them off;
 # they would double the series of every counter and histogram, and nothing reads them
 # (Prometheus detects counter resets itself).
@@ -160,7 +177,7 @@ def setup_logging(component: str, level: str = "info", log_format: LogFormat = "
     watch_gc_pauses()
     disable_created_metrics()
     formatter = {"json": JsonFormatter, "text": TextFormatter}[log_format](component)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = CurrentStderrHandler()
     handler.setFormatter(formatter)
     handlers: list[logging.Handler] = [handler]
     if log_file is not None:

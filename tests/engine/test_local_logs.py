@@ -5,6 +5,7 @@ and a verdict, with no JSON log line on the terminal."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import subprocess
@@ -65,6 +66,25 @@ def test_a_log_file_takes_every_record_and_stderr_only_warnings(tmp_path, capsys
     assert in_file == ["resolved config", "child exited: restarting it after its backoff"]
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and " warning local: child exited: restarting it after its backoff child=lb" in err[0]
+
+
+def test_stderr_records_follow_the_current_sys_stderr_not_a_closed_one(monkeypatch):
+    """A process whose stderr is swapped after setup (a test's capture ends and closes its
+    file) logs to the new stream; before, records hit the closed file ('Logging error')."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", first)
+        log = setup_logging("local", "info", "text")
+        log.warning("one")
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        log.warning("two")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    assert second.getvalue().count("local: two") == 1 and "one" not in second.getvalue()
 
 
 @pytest.fixture(scope="module")
