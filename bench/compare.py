@@ -38,6 +38,7 @@ from pdunit.bench.capacity import (
     summarize_run,
 )
 from pdunit.bench.gpu_clocks import GpuSampler
+from pdunit.engine.decode.step_model import TERMS
 from pdunit.engine.loadgen.driver import COLUMNS
 from pdunit.engine.loadgen.summary import machine_info, text_table
 from pdunit.engine.loadgen.workload import parse_list, parse_range
@@ -500,6 +501,7 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
                                               "gpu_temp_c_max")]
             cells.append(r.get("client_lag_p99_ms", "-"))
             out.append(f"| {r['mode']} | {r[rows_level_key(rows)]:g} | " + " | ".join(str(c) for c in cells) + " |")
+    out += admission_markdown(rows)
     out += ["", "## Waterfalls (per-stage p50/p99 ms; BENCHMARKS.md section 5)", ""]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
@@ -508,6 +510,30 @@ def waterfalls_markdown(rows: list[dict[str, Any]], per_gpu: dict[str, float | N
         at = next((r for r in mine if cap and abs(r[key] - cap * r["gpus"]) < 1e-6), mine[0])
         out += [f"### {mode} at {key} {at[key]:g}", "", "```", waterfall_text(at), "```", ""]
     return "\n".join(out)
+
+
+ADMISSION_COLUMNS = (("refused", "d_refusals"), ("of them whole-life", "d_life_refusals"),
+                     ("headroom", "adm_headroom"), ("under-prediction", "adm_under_prediction"),
+                     ("feedback", "adm_feedback"), ("base ms", "adm_base_ms"), ("per stream ms", "adm_per_stream_ms"),
+                     ("per token ms", "adm_per_token_ms"), ("per row ms", "adm_per_row_ms"),
+                     ("stall per stream ms", "adm_stall_per_stream_ms"))
+
+
+def admission_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The rate-floor admission's state at each level's end (rows whose engine exports
+    it): what it refused and the step model and budget factors it judged with."""
+    mine = [r for r in rows if any(k.startswith("adm_") for k in r.get("engine") or {})]
+    if not mine:
+        return []
+    key = rows_level_key(rows)
+    out = ["", "## Admission at each level's end (D's or the monolith's gauges; refusals over the window)", "",
+           f"| mode | {key} | " + " | ".join(c for c, _ in ADMISSION_COLUMNS) + " |",
+           "|---|---:|" + "---:|" * len(ADMISSION_COLUMNS)]
+    for r in mine:
+        e = r["engine"]
+        out.append(f"| {r['mode']} | {r[key]:g} | " + " | ".join(str(e.get(k, 0 if k.startswith('d_') else '-'))
+                                                                  for _, k in ADMISSION_COLUMNS) + " |")
+    return out
 
 
 # Engine series read around each level: D's (or the monolith's) step time, batch,
@@ -521,6 +547,7 @@ _SERIES = {
     "d_waits": "pdunit_decode_admit_wait_seconds_count", "d_wait_s": "pdunit_decode_admit_wait_seconds_sum",
     "d_waits_le_50ms": 'pdunit_decode_admit_wait_seconds_bucket{le="0.05"}',
     "d_graph": 'pdunit_decode_graph_steps_total{path="graph"}',
+    "d_refusals": "pdunit_rate_floor_refusals_total", "d_life_refusals": "pdunit_rate_floor_life_refusals_total",
     "d_eager": 'pdunit_decode_graph_steps_total{path="eager"}',
     "p_forwards": "pdunit_prefill_forward_seconds_count", "p_forward_s": "pdunit_prefill_forward_seconds_sum",
     "p_reserves": 'pdunit_prefill_stage_seconds_count{stage="reserve"}',
@@ -539,6 +566,19 @@ _SERIES = {
     # the monolith's one process exports it once, so these keys are per process, not per prefix
     **{f"{role}_compile_s": 'pdunit_kernel_compile_seconds_total{phase="serving"}'
        for role in ("decode", "prefill", "monolith")},
+}
+
+
+# Rate-floor admission at a window's end (gauges of D or the monolith, not deltas): the
+# step model's terms, how much it under-predicts, the delivered-rate feedback and the
+# headroom; with the refusals counted in `_SERIES`, why a level refused what it did.
+_ADMISSION = {
+    "adm_headroom": "pdunit_rate_floor_headroom_streams",
+    "adm_under_prediction": "pdunit_step_model_under_prediction",
+    "adm_feedback": "pdunit_rate_floor_feedback_factor",
+    "adm_delivered_q": "pdunit_rate_floor_delivered_quantile",
+    **{f"adm_{term}": f'pdunit_step_model_coefficient_ms{{term="{term}"}}'
+       for term in (*TERMS, "stall_per_stream_ms", "prompt_rows_per_stream_ms")},
 }
 
 
@@ -569,6 +609,8 @@ def _scrape_all(ports: dict[str, int]) -> dict[str, float]:
         prefixes = {"decode": ("d_",), "prefill": ("p_",), "monolith": ("d_", "p_"), "lb": ("lb_",)}[role]
         out.update({key: values.get(name, 0.0) for key, name in _SERIES.items()
                     if key.startswith(prefixes) or key.startswith(f"{role}_")})
+        if role in ("decode", "monolith"):
+            out.update({key: values[name] for key, name in _ADMISSION.items() if name in values})
     out.update(host_cpu_ticks())
     return out
 
@@ -616,6 +658,11 @@ def engine_deltas(before: dict[str, float], after: dict[str, float], seconds: fl
         out["d_step_ms"] = round(1000 * d["d_step_s"] / d["d_steps"], 3)
         out["d_batch"] = round(d["d_batch_sum"] / d["d_steps"], 1)
         out["d_batch_over_256"] = round(1 - d["d_batch_le_256"] / d["d_steps"], 4)
+    if d["d_refusals"] > 0:  # rate-floor refusals, and of them the whole-life check's
+        out["d_refusals"] = d["d_refusals"]
+        out["d_life_refusals"] = d["d_life_refusals"]
+    # admission's state at the window's end (present where D or the monolith exports it)
+    out.update({k: float(f"{v:.4g}") for k, v in after.items() if k in _ADMISSION})  # per-token terms are ~1e-5
     if d["d_waits"] > 0:  # admission to the first step with room; > 50 ms: the batch was full
         out["d_admit_wait_ms"] = round(1000 * d["d_wait_s"] / d["d_waits"], 3)
         out["d_admit_wait_over_50ms"] = round(1 - d["d_waits_le_50ms"] / d["d_waits"], 4)

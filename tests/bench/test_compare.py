@@ -581,6 +581,29 @@ def test_serving_compiles_are_read_once_per_engine_process(monkeypatch):
     assert compare.engine_deltas(zero, pd, 1.0)["compile_s"] == 0.75
 
 
+def test_each_level_keeps_the_admissions_refusals_and_its_state_at_the_windows_end(monkeypatch):
+    """Why a level refused: the refusals over the window (deltas) and the admission's
+    gauges at its end (the step model's terms, under-prediction, feedback, headroom),
+    read from D or the monolith only, and shown as a table."""
+    from pdunit.bench import compare
+
+    decode = {"pdunit_rate_floor_refusals_total": 7.0, "pdunit_rate_floor_life_refusals_total": 2.0,
+              "pdunit_rate_floor_headroom_streams": 3.0, "pdunit_step_model_under_prediction": 1.25,
+              "pdunit_rate_floor_feedback_factor": 0.9, 'pdunit_step_model_coefficient_ms{term="per_token_ms"}': 2e-5,
+              'pdunit_step_model_coefficient_ms{term="stall_per_stream_ms"}': 0.05}
+    prefill = {"pdunit_rate_floor_headroom_streams": 99.0}  # P exports no admission: never read from it
+    monkeypatch.setattr(compare.report, "scrape_metrics", lambda port: {2: decode, 3: prefill}[port])
+    before = {key: 0.0 for key in compare._SERIES} | {"d_refusals": 4.0, "d_life_refusals": 1.0}
+    got = compare.engine_deltas(before, compare._scrape_all({"decode": 2, "prefill": 3}), 1.0)
+    assert {k: v for k, v in got.items() if k.startswith(("adm_", "d_ref", "d_life"))} == {
+        "d_refusals": 3.0, "d_life_refusals": 1.0, "adm_headroom": 3.0, "adm_under_prediction": 1.25,
+        "adm_feedback": 0.9, "adm_per_token_ms": 2e-5, "adm_stall_per_stream_ms": 0.05}
+    assert "d_refusals" not in compare.engine_deltas(before, before, 1.0)  # none refused: no column
+    table = compare.admission_markdown([{"mode": "monolith-prefill-first", "rate": 28.0, "concurrency": None, "engine": got}])
+    assert table[-1].startswith("| monolith-prefill-first | 28 | 3.0 | 1.0 | 3.0 | 1.25 | 0.9 | - | - | 2e-05 |")
+    assert compare.admission_markdown([{"mode": "1p1d", "rate": 2.0, "concurrency": None, "engine": {"d_step_ms": 3.0}}]) == []
+
+
 def test_host_cpu_shares_per_level_from_proc_stat(tmp_path):
     from pdunit.bench.compare import engine_deltas, host_cpu_ticks
 
