@@ -516,7 +516,8 @@ ADMISSION_COLUMNS = (("refused", "d_refusals"), ("of them whole-life", "d_life_r
                      ("headroom", "adm_headroom"), ("under-prediction", "adm_under_prediction"),
                      ("feedback", "adm_feedback"), ("base ms", "adm_base_ms"), ("per stream ms", "adm_per_stream_ms"),
                      ("per token ms", "adm_per_token_ms"), ("per row ms", "adm_per_row_ms"),
-                     ("stall per stream ms", "adm_stall_per_stream_ms"))
+                     ("stall per stream ms", "adm_stall_per_stream_ms"), ("prefill base ms", "adm_prefill_base_ms"),
+                     ("prefill per row ms", "adm_prefill_per_row_ms"))
 
 
 def admission_markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -578,7 +579,8 @@ _ADMISSION = {
     "adm_feedback": "pdunit_rate_floor_feedback_factor",
     "adm_delivered_q": "pdunit_rate_floor_delivered_quantile",
     **{f"adm_{term}": f'pdunit_step_model_coefficient_ms{{term="{term}"}}'
-       for term in (*TERMS, "stall_per_stream_ms", "prompt_rows_per_stream_ms")},
+       for term in (*TERMS, "stall_per_stream_ms", "prompt_rows_per_stream_ms", "prefill_base_ms",
+                    "prefill_per_row_ms")},
 }
 
 

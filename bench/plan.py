@@ -573,7 +573,7 @@ class FloorAdmission:
         pending = PendingPrefills(decoding, tuple(HeldStream(q.rows, q.spec.frames) for q in in_step),
                                   tuple(HeldStream(q.rows, q.spec.frames) for q in waiting),
                                   sum(q.rows for q in in_step), sum(q.rows for q in waiting), self.step_rows)
-        held, new_stall_ms = pending.held(self.control.model.coefficients, r.rows)
+        held, new_stall_ms = pending.held(self.control.model.prefill_coefficients, r.rows)
         return self.control.verdict(held, HeldStream(r.rows, r.spec.frames), 0.0, new_stall_ms).admit
 
     def prefill_step(self, ms: float, decoding: int) -> None:

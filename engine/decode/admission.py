@@ -67,7 +67,8 @@ LIFE_REFUSALS = m.role_metric(Counter(
 # token per step until its max frames; the projected step is piecewise linear between
 # stream ends, so its maximum over the horizon is at now or just before a stream ends:
 # those points are checked. The budget is 1 / floor less `margin`, shrunk by the model's
-# recent under-prediction (budget / p90 of observed/predicted when above 1), so one bad
+# recent under-prediction (budget / p90 of observed/predicted over 16-step spans when
+# above 1: a stream's rate sums its steps, so single-step jitter is not one), so one bad
 # fit cannot stutter everyone, and by the feedback from the rates streams delivered
 # (`feedback`, engine/decode/rate_feedback.py: what no step prediction sees).
 # The whole-life check (`life_judge`, where the engine knows its streams' lives and the
@@ -344,7 +345,7 @@ class AdmissionControl:
     def life_headroom(self, pending: PendingPrefills, typical: HeldStream, limit: int) -> int:
         """How many prompts like `typical` `verdict` would admit one after another with
         the prefills `pending` (at most `limit`)."""
-        admission, coef, charge = self.admission, self.model.coefficients, self.charge_ms_per_stream()
+        admission, coef, charge = self.admission, self.model.prefill_coefficients, self.charge_ms_per_stream()
         budget = admission.budget_ms()
         charged = admission.coefficients(charge)
         first, _ = pending.lives(coef, typical, 0)
@@ -441,6 +442,9 @@ class AdmissionControl:
         for term in TERMS:
             m.D_STEP_MODEL_MS.labels(term=term).set(getattr(c, term))
         m.D_STEP_MODEL_MS.labels(term="stall_per_stream_ms").set(self.stall_ms_per_stream)
+        prefill = self.model.prefill_coefficients  # a prefill-only step's price
+        m.D_STEP_MODEL_MS.labels(term="prefill_base_ms").set(prefill.base_ms)
+        m.D_STEP_MODEL_MS.labels(term="prefill_per_row_ms").set(prefill.per_row_ms)
         m.D_STEP_MODEL_MS.labels(term="prompt_rows_per_stream_ms").set(c.per_row_ms * self.rows_per_stream)
         m.D_STEP_MODEL_ERROR.set(self.model.under_prediction())
         feedback = self.admission.feedback
@@ -470,8 +474,8 @@ class AdmissionFields(BaseModel):
                                    "is used as it is (measured on this hardware and trusted; needs --step-model)")
     cold_streams: int = Field(8, gt=0, description="without --step-model: streams held before the first fit")
     floor_error_quantile: float = Field(0.9, gt=0, le=1, description="the quantile of recent observed / predicted "
-                                        "step times that shrinks the budget when above 1 (0.5: the model's typical "
-                                        "error, for steps that jitter, e.g. on a shared CPU; 0.9: its bad tail)")
+                                        "decode time, summed over spans of 16 consecutive steps, that shrinks the "
+                                        "budget when above 1 (0.5: the model's typical error; 0.9: its bad tail)")
     floor_feedback_quantile: float = Field(0.05, ge=0, lt=1, description="the quantile of recent streams' "
                                            "delivered rate / floor that shrinks the budget when under 1 + "
                                            "--floor-feedback-margin and relaxes it slowly when well above "

@@ -84,11 +84,19 @@ class StepCoefficients:
 # streams of the step: the codec stage's cost), seeded from a fit file (`--step-model`,
 # written by `pdunit bench step --step-model-out`) and refitted online from the engine's
 # own steps (non-negative least squares over a window); its recent error (observed /
-# predicted) is tracked. The codec term is fitted apart, from the codec stage's own time
+# predicted, over spans of ERROR_SPAN consecutive steps: a stream's rate sums its steps,
+# so one step's jitter averages out over its life and a run of slow steps does not) is
+# tracked. A prefill-only step (no stream decodes: the prefill-first monolith's) is no
+# decode step: its own fit (`prefill_coefficients`, base + per row) prices the prefills
+# streams will wait for, and it moves neither the decode fit nor the error. The codec term is fitted apart, from the codec stage's own time
 # per step (`observe_codec`: least squares through 0 over the audio streams of each step
 # that had some), and the other terms from the step's time less the codec's: the codec's
 # time is measured, never guessed from the mix. With `fixed` (--no-step-model-refit) a
 # fit file's own codec term is kept; one without it (0) still gets the measured term.
+ERROR_SPAN = 16  # consecutive decode steps whose summed times under_prediction compares
+PREFILL_MIN_POINTS = 8  # prefill-only steps before their own fit prices them
+
+
 class StepModel:
     """The engine's step-time model: a seed, then refits from observed steps.
 
@@ -106,7 +114,10 @@ class StepModel:
         self.coefficients = seed
         self.seed = seed
         self._points: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._ratios: deque[float] = deque(maxlen=error_window)
+        self._errors: deque[tuple[float, float]] = deque(maxlen=error_window)  # (observed, predicted) ms
+        # prefill-only steps: (rows, ms), and their fit (base, per row) once there is one
+        self._prefill_points: deque[tuple[float, float]] = deque(maxlen=window)
+        self._prefill_fit: tuple[float, float] | None = None
         self._refit_every = refit_every
         self._min_points = min_points
         self._since_fit = 0
@@ -138,13 +149,27 @@ class StepModel:
             per_audio = max(0.0, self._codec_sums[0] / self._codec_sums[1]) if self._codec_sums[1] > 0 else 0.0
             self.coefficients = replace(self.coefficients, per_audio_stream_ms=per_audio)
 
+    @property
+    def prefill_coefficients(self) -> StepCoefficients:
+        """A prefill-only step's price (base_ms + per_row_ms x rows; the other terms 0):
+        fitted from the engine's own prefill-only steps once it has `PREFILL_MIN_POINTS`
+        of two or more sizes, else the decode model's base and per-row terms."""
+        with self._lock:
+            fit, coef = self._prefill_fit, self.coefficients
+        base, per_row = fit if fit is not None else (coef.base_ms, coef.per_row_ms)
+        return StepCoefficients(base, 0.0, 0.0, per_row)
+
     def observe(self, streams: int, context_tokens: int, ms: float, prefill_rows: int = 0) -> None:
         if streams <= 0 and prefill_rows <= 0:
             return
         with self._lock:
+            if streams <= 0:
+                if not self.fixed:
+                    self._observe_prefill(float(prefill_rows), float(ms))
+                return
             predicted = self.coefficients.ms(streams, context_tokens, prefill_rows)
             if predicted > 0:
-                self._ratios.append(ms / predicted)
+                self._errors.append((float(ms), predicted))
             if self.fixed:
                 return
             self._points.append((float(streams), float(context_tokens), float(prefill_rows), float(ms)))
@@ -166,14 +191,27 @@ class StepModel:
         self.fit_error = worst
         self.fits += 1
 
+    def _observe_prefill(self, rows: float, ms: float) -> None:
+        """Under the lock: one prefill-only step; refits its base and per-row terms."""
+        self._prefill_points.append((rows, ms))
+        pts = np.array(self._prefill_points)
+        if len(pts) < PREFILL_MIN_POINTS or len(np.unique(pts[:, 0])) < 2:
+            return
+        coef, _ = nonneg_fit(np.stack([np.ones(len(pts)), pts[:, 0]], axis=1), pts[:, 1])
+        self._prefill_fit = (coef[0], coef[1])
+
     def under_prediction(self, quantile: float = 0.9) -> float:
-        """The `quantile` of observed / predicted over recent steps (1.0 until there are
-        enough): above 1 the model under-predicts."""
+        """The `quantile`, over every span of ERROR_SPAN consecutive recent decode steps,
+        of their observed over their predicted time (1.0 until there are 16 steps): above
+        1 the model under-predicts."""
         with self._lock:
-            ratios = list(self._ratios)
-        if len(ratios) < 16:
+            pairs = np.array(self._errors).reshape(-1, 2)
+        if len(pairs) < 16:
             return 1.0
-        return float(np.quantile(ratios, quantile))
+        span = min(ERROR_SPAN, len(pairs))
+        sums = np.vstack([np.zeros((1, 2)), np.cumsum(pairs, axis=0)])
+        spans = sums[span:] - sums[:-span]
+        return float(np.quantile(spans[:, 0] / spans[:, 1], quantile))
 
 
 class WindowRatio:

@@ -243,7 +243,7 @@ class MonolithEngine:
         and the prefill-only steps of admitted prompts it will wait for, and what the new
         prompt's prefill (`new_rows`) adds to their wait (`_pending_prefills`)."""
         assert self.admission is not None
-        held, new_stall_ms = self._pending_prefills().held(self.admission.model.coefficients, new_rows)
+        held, new_stall_ms = self._pending_prefills().held(self.admission.model.prefill_coefficients, new_rows)
         return list(held), new_stall_ms
 
     def _pending_prefills(self) -> PendingPrefills:

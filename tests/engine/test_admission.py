@@ -163,6 +163,45 @@ def test_an_under_predicting_model_shrinks_the_budget() -> None:
     assert not adm.judge([HeldStream(1, 10)] * 14, HeldStream(1, 10)).admit
 
 
+def test_step_jitter_a_stream_averages_out_does_not_shrink_the_budget_a_slow_run_does() -> None:
+    """A stream's rate sums its steps: decode steps alternately 30% faster and slower
+    than predicted keep the budget whole (the p90 of single steps says 1.3 and took a
+    quarter of it), while a run of slow steps, a few spans long, still shrinks it."""
+    coef = StepCoefficients(base_ms=0.0, per_stream_ms=1.0, per_token_ms=0.0)
+    model = StepModel(coef, refit_every=10_000)
+    adm = RateFloorAdmission(model, floor_fps=50.0, margin=0.0)
+    for i in range(256):
+        model.observe(10, 0, 13.0 if i % 2 else 7.0)
+    assert model.under_prediction() == pytest.approx(1.0)
+    assert adm.budget_ms() == pytest.approx(20.0)
+    for _ in range(48):  # 48 steps at 1.5x: every span inside the run says 1.5
+        model.observe(10, 0, 15.0)
+    assert model.under_prediction() > 1.4
+    assert adm.budget_ms() < 20.0 / 1.4
+
+
+def test_prefill_only_steps_are_priced_by_their_own_fit_and_leave_the_decode_fit_alone() -> None:
+    """The prefill-first monolith's prefill-only steps (no stream decodes) cost what the
+    prompt's forward costs, not the decode step's base: fitted apart, they price the
+    stalls streams will wait for, and the decode fit and its error see decode steps only."""
+    decode = StepCoefficients(base_ms=8.0, per_stream_ms=0.02, per_token_ms=1e-5)
+    model = StepModel(StepCoefficients(1.0, 0.01, 0.0), refit_every=16, min_points=32)
+    assert model.prefill_coefficients == StepCoefficients(1.0, 0.0, 0.0, 0.0)  # before any: the decode base
+    rng = np.random.default_rng(1)
+    for i in range(400):
+        if i % 4 == 0:  # a prompt's forward: 4 ms + 6 us a row
+            rows = int(rng.integers(1000, 2000))
+            model.observe(0, 0, 4.0 + 0.006 * rows, prefill_rows=rows)
+        else:
+            b = int(rng.integers(16, 256))
+            tokens = b * int(rng.integers(1000, 2500))
+            model.observe(b, tokens, decode.ms(b, tokens))
+    c, p = model.coefficients, model.prefill_coefficients
+    assert (c.base_ms, c.per_stream_ms, c.per_token_ms, c.per_row_ms) == pytest.approx((8.0, 0.02, 1e-5, 0.0), rel=1e-3)
+    assert (p.base_ms, p.per_row_ms, p.per_stream_ms, p.per_token_ms) == pytest.approx((4.0, 0.006, 0.0, 0.0), rel=1e-3)
+    assert model.under_prediction() == pytest.approx(1.0, rel=1e-3)
+
+
 def test_a_fixed_model_keeps_its_seed_and_its_budget_whatever_the_steps_take(tmp_path) -> None:
     """--no-step-model-refit: neither a refit nor an under-predicting model moves the
     verdicts (the same steps as the two tests above move a refitting model)."""
