@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, field_validator
 from pdunit.engine import metrics as m
 from pdunit.engine.decode.rate_feedback import DeliveringStream, RateFeedback
 from pdunit.engine.decode.step_model import (
+    ERROR_SPAN,
     TERMS,
     StepCoefficients,
     StepModel,
@@ -474,8 +475,13 @@ class AdmissionFields(BaseModel):
                                    "is used as it is (measured on this hardware and trusted; needs --step-model)")
     cold_streams: int = Field(8, gt=0, description="without --step-model: streams held before the first fit")
     floor_error_quantile: float = Field(0.9, gt=0, le=1, description="the quantile of recent observed / predicted "
-                                        "decode time, summed over spans of 16 consecutive steps, that shrinks the "
-                                        "budget when above 1 (0.5: the model's typical error; 0.9: its bad tail)")
+                                        "decode time, summed over spans of --floor-error-span consecutive steps, "
+                                        "that shrinks the budget when above 1 (0.5: the model's typical error; 0.9: "
+                                        "its bad tail)")
+    floor_error_span: int = Field(ERROR_SPAN, ge=1, le=256, description="consecutive decode steps whose summed "
+                                  "observed / predicted time --floor-error-quantile is taken over (a stream's rate "
+                                  "sums its steps: one step's jitter averages out over its life; 1: single steps, "
+                                  "as before 2026-12-07)")
     floor_feedback_quantile: float = Field(0.05, ge=0, lt=1, description="the quantile of recent streams' "
                                            "delivered rate / floor that shrinks the budget when under 1 + "
                                            "--floor-feedback-margin and relaxes it slowly when well above "
@@ -548,7 +554,7 @@ def build_admission(cfg: AdmissionFields, on_gpu: bool, floor: FloorSetting | No
         raise ValueError("--no-step-model-refit needs --step-model: without a fit file there is no model to keep")
     seed = load_step_model(cfg.step_model) if cfg.step_model else StepCoefficients(0.0, 0.0, 0.0)
     rows, _, frames = cfg.headroom_stream.partition(":")
-    model = StepModel(seed, fixed=not cfg.step_model_refit)
+    model = StepModel(seed, fixed=not cfg.step_model_refit, error_span=cfg.floor_error_span)
     feedback = (RateFeedback(floor_fps, cfg.floor_feedback_quantile, cfg.floor_feedback_margin)
                 if cfg.floor_feedback_quantile > 0 and cfg.step_model_refit else None)
     return AdmissionControl(RateFloorAdmission(model, floor_fps, cfg.floor_margin, cfg.floor_error_quantile,

@@ -93,7 +93,7 @@ class StepCoefficients:
 # that had some), and the other terms from the step's time less the codec's: the codec's
 # time is measured, never guessed from the mix. With `fixed` (--no-step-model-refit) a
 # fit file's own codec term is kept; one without it (0) still gets the measured term.
-ERROR_SPAN = 16  # consecutive decode steps whose summed times under_prediction compares
+ERROR_SPAN = 16  # consecutive decode steps whose summed times under_prediction compares (--floor-error-span)
 PREFILL_MIN_POINTS = 8  # prefill-only steps before their own fit prices them
 
 
@@ -106,8 +106,12 @@ class StepModel:
     cannot separate base from per-stream cost). Thread-safe."""
 
     def __init__(self, seed: StepCoefficients, window: int = 512, refit_every: int = 32,
-                 min_points: int = 64, error_window: int = 256, fixed: bool = False) -> None:
+                 min_points: int = 64, error_window: int = 256, fixed: bool = False,
+                 error_span: int = ERROR_SPAN) -> None:
+        if not 1 <= error_span <= error_window:
+            raise ValueError(f"error span must be in [1, {error_window}] steps (got {error_span})")
         self._lock = threading.Lock()
+        self.error_span = error_span
         # fixed (--no-step-model-refit): the seed is the model; observed steps feed the
         # error metric only, never a refit or the budget
         self.fixed = fixed
@@ -201,14 +205,14 @@ class StepModel:
         self._prefill_fit = (coef[0], coef[1])
 
     def under_prediction(self, quantile: float = 0.9) -> float:
-        """The `quantile`, over every span of ERROR_SPAN consecutive recent decode steps,
+        """The `quantile`, over every span of `error_span` consecutive recent decode steps,
         of their observed over their predicted time (1.0 until there are 16 steps): above
         1 the model under-predicts."""
         with self._lock:
             pairs = np.array(self._errors).reshape(-1, 2)
         if len(pairs) < 16:
             return 1.0
-        span = min(ERROR_SPAN, len(pairs))
+        span = min(self.error_span, len(pairs))
         sums = np.vstack([np.zeros((1, 2)), np.cumsum(pairs, axis=0)])
         spans = sums[span:] - sums[:-span]
         return float(np.quantile(spans[:, 0] / spans[:, 1], quantile))

@@ -163,7 +163,7 @@ def test_an_under_predicting_model_shrinks_the_budget() -> None:
     assert not adm.judge([HeldStream(1, 10)] * 14, HeldStream(1, 10)).admit
 
 
-def test_step_jitter_a_stream_averages_out_does_not_shrink_the_budget_a_slow_run_does() -> None:
+def test_step_jitter_a_stream_averages_out_does_not_shrink_the_budget_a_slow_run_does(tmp_path) -> None:
     """A stream's rate sums its steps: decode steps alternately 30% faster and slower
     than predicted keep the budget whole (the p90 of single steps says 1.3 and took a
     quarter of it), while a run of slow steps, a few spans long, still shrinks it."""
@@ -178,6 +178,17 @@ def test_step_jitter_a_stream_averages_out_does_not_shrink_the_budget_a_slow_run
         model.observe(10, 0, 15.0)
     assert model.under_prediction() > 1.4
     assert adm.budget_ms() < 20.0 / 1.4
+    # --floor-error-span 1: single steps, as before (the A/B's other side)
+    fit = tmp_path / "fit.json"
+    fit.write_text(coef.to_json())
+    single = build_admission(AdmissionFields(rate_floor=50, floor_margin=0, floor_error_span=1, step_model=str(fit)),
+                             False)
+    assert single is not None and single.model.error_span == 1
+    for i in range(256):
+        single.model.observe(10, 0, 13.0 if i % 2 else 7.0)
+    assert single.model.under_prediction() == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="floor_error_span"):
+        AdmissionFields(floor_error_span=0)
 
 
 def test_prefill_only_steps_are_priced_by_their_own_fit_and_leave_the_decode_fit_alone() -> None:
