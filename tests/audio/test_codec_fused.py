@@ -44,65 +44,65 @@ SCRIPT = textwrap.dedent("""
     from pdunit.kernels import codec_fused
     from tests.audio.test_mimi_conv import MODULES, stream_conv
 
-    part = sys.argv[1]
-    out = {}
-    torch.manual_seed(0)
-    for name, make in sorted(MODULES.items()) if part == "kernels" else ():
-        conv = stream_conv(make().eval())
-        worst = [0.0, 0.0, 0.0]  # output, next context, context written by the kernel
-        for t in (1, 2, 5):  # 1 and 2: fewer new rows than the k7 conv's context of 6
-            for elu in (None, 0.8):
-                for residual in (False, True):
-                    x = torch.randn(3, t, conv.in_channels)
-                    state = torch.randn(3, conv.state_values)
-                    kept = state.clone()
-                    want_next, got_next = state.clone(), torch.full_like(state, 7.0)
-                    res = torch.randn(3, t * conv.frames, conv.out_channels) if residual else None
-                    held = conv.state_values > 0
-                    want = conv(x, state if held else None, want_next if held else None, elu, res)
-                    got = conv(x, state if held else None, got_next if held else None, elu, res, fused=True)
-                    worst[0] = max(worst[0], float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
-                    if held:
-                        worst[1] = max(worst[1], float((got_next - want_next).abs().max()))
-                        worst[2] = max(worst[2], float((state - kept).abs().max()))
-        out.setdefault("convs", {})[name] = worst
+    def kernels():  # every convolution form, every tile candidate, the int16 PCM
+        out = {}
+        torch.manual_seed(0)
+        for name, make in sorted(MODULES.items()):
+            conv = stream_conv(make().eval())
+            worst = [0.0, 0.0, 0.0]  # output, next context, context written by the kernel
+            for t in (1, 2, 5):  # 1 and 2: fewer new rows than the k7 conv's context of 6
+                for elu in (None, 0.8):
+                    for residual in (False, True):
+                        x = torch.randn(3, t, conv.in_channels)
+                        state = torch.randn(3, conv.state_values)
+                        kept = state.clone()
+                        want_next, got_next = state.clone(), torch.full_like(state, 7.0)
+                        res = torch.randn(3, t * conv.frames, conv.out_channels) if residual else None
+                        held = conv.state_values > 0
+                        want = conv(x, state if held else None, want_next if held else None, elu, res)
+                        got = conv(x, state if held else None, got_next if held else None, elu, res, fused=True)
+                        worst[0] = max(worst[0], float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
+                        if held:
+                            worst[1] = max(worst[1], float((got_next - want_next).abs().max()))
+                            worst[2] = max(worst[2], float((state - kept).abs().max()))
+            out.setdefault("convs", {})[name] = worst
 
-    # every tile candidate, on shapes wide enough that none is cut to another (128 in, 256
-    # out) and on one that fits no tile (40 in, 24 out: masked channels and columns). The
-    # wide shape's launches are the costly ones under the interpreter: there each candidate
-    # runs fp32 with 1 new row (fewer than the context) and fp16 with 5; the narrow one runs
-    # every dtype with every call length
-    for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)) if part == "kernels" else ():
-        # weights fp16 holds exactly: the float32 torch form is the reference of both dtypes
-        conv = StreamConv((torch.randn(n, cin, taps) / cin).half().float(), torch.randn(n).half().float(),
-                          dilation=dilation)
-        for dtype in (torch.float32, torch.float16):
-            for t in (1, 5):
-                if cin == 128 and t != (1 if dtype == torch.float32 else 5):
-                    continue
-                x, state = torch.randn(3, t, cin).to(dtype), torch.randn(3, conv.state_values).to(dtype)
-                res = torch.randn(3, t, n).to(dtype)
-                want_next = state.clone()
-                want = conv._torch(x.float(), state.float(), want_next, 0.8).view(3, t, n) + res.float()
-                for tiles in codec_fused.conv_candidates(cin, n):
-                    got_next = torch.full_like(state, 7.0)
-                    got = codec_fused.stream_conv(x, conv.rows.to(dtype), conv.row_bias.to(dtype), taps, dilation,
-                                                  state, got_next, 0.8, res, tiles=tiles)
-                    key = f"{cin}x{n} {tiles.text()}"
-                    err = max(float((got.float() - want).abs().max()) / float(want.abs().max()),
-                              float((got_next - want_next).abs().max()))
-                    errs = out.setdefault("tiles", {}).setdefault(key, {})
-                    errs[str(dtype)] = max(err, errs.get(str(dtype), 0))
+        # every tile candidate, on shapes wide enough that none is cut to another (128 in, 256
+        # out) and on one that fits no tile (40 in, 24 out: masked channels and columns). The
+        # wide shape's launches are the costly ones under the interpreter: there each candidate
+        # runs fp32 with 1 new row (fewer than the context) and fp16 with 5; the narrow one runs
+        # every dtype with every call length
+        for cin, n, taps, dilation in ((128, 256, 3, 1), (40, 24, 3, 2)):
+            # weights fp16 holds exactly: the float32 torch form is the reference of both dtypes
+            conv = StreamConv((torch.randn(n, cin, taps) / cin).half().float(), torch.randn(n).half().float(),
+                              dilation=dilation)
+            for dtype in (torch.float32, torch.float16):
+                for t in (1, 5):
+                    if cin == 128 and t != (1 if dtype == torch.float32 else 5):
+                        continue
+                    x, state = torch.randn(3, t, cin).to(dtype), torch.randn(3, conv.state_values).to(dtype)
+                    res = torch.randn(3, t, n).to(dtype)
+                    want_next = state.clone()
+                    want = conv._torch(x.float(), state.float(), want_next, 0.8).view(3, t, n) + res.float()
+                    for tiles in codec_fused.conv_candidates(cin, n):
+                        got_next = torch.full_like(state, 7.0)
+                        got = codec_fused.stream_conv(x, conv.rows.to(dtype), conv.row_bias.to(dtype), taps, dilation,
+                                                      state, got_next, 0.8, res, tiles=tiles)
+                        key = f"{cin}x{n} {tiles.text()}"
+                        err = max(float((got.float() - want).abs().max()) / float(want.abs().max()),
+                                  float((got_next - want_next).abs().max()))
+                        errs = out.setdefault("tiles", {}).setdefault(key, {})
+                        errs[str(dtype)] = max(err, errs.get(str(dtype), 0))
 
-    if part == "kernels":
         x = torch.randn(4, 300) * 1.5
         x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
         x[1] = (torch.arange(300) - 150.5) / 32767  # near the half-way points
         out["pcm16"] = [torch.equal(to_pcm16(x), codec_fused.pcm16(x)),
                         torch.equal(to_pcm16(x[:, ::3]), codec_fused.pcm16(x[:, ::3])),
                         torch.equal(to_pcm16(x.half()), codec_fused.pcm16(x.half()))]
+        return out
 
-    def decoders(dtype, graphs):
+    def decoder(dtype, graphs):
         from tests.audio.test_mimi_graphs import lively  # transformers' Mimi: the decoders part only
         from tests.audio.test_mimi_stream import one_shot
         from tests.audio.tiny import tiny_mimi
@@ -142,10 +142,11 @@ SCRIPT = textwrap.dedent("""
         return {"worst": worst, "peak": peak, "vs_one_shot": vs_one_shot,
                 "replays": ker.graphs.replays if graphs else 0}
 
-    if part == "decoders":
-        out["fp32-graphs"] = decoders(torch.float32, True)
-        out["fp16"] = decoders(torch.float16, False)
-    print(json.dumps(out))
+    def decoders():  # fp32 with graphs, fp16
+        torch.manual_seed(0)
+        return {"fp32-graphs": decoder(torch.float32, True), "fp16": decoder(torch.float16, False)}
+
+    print(json.dumps({"kernels": kernels, "decoders": decoders}[sys.argv[1]]()))
 """)
 
 
