@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -73,6 +74,7 @@ class FaultySender(KVSender):
         self.marked = marked
         self.slow_s = slow_s
         self.wedged: set[int] = set()
+        self._lock = threading.Lock()  # `pausing`: the write thread changes it, P's ABORT handler reads it
         self.pausing: set[int] = set()
 
     def write(self, request_id: int, src: torch.Tensor, src_slots: np.ndarray, dst_slots: np.ndarray,
@@ -91,13 +93,15 @@ class FaultySender(KVSender):
                              deadline_unix_ms, capability=capability)
         elif kind == "slow":
             half = len(src_slots) // 2
-            self.pausing.add(request_id)
+            with self._lock:
+                self.pausing.add(request_id)
             try:
                 self.inner.write(request_id, src, src_slots[:half], dst_slots[:half], deadline_unix_ms,
                                  capability=capability)
                 time.sleep(self.slow_s)
             finally:
-                self.pausing.discard(request_id)
+                with self._lock:
+                    self.pausing.discard(request_id)
             self.inner.write(request_id, src, src_slots[half:], dst_slots[half:], deadline_unix_ms,
                              capability=capability)
         elif kind == "wedge":
@@ -106,10 +110,13 @@ class FaultySender(KVSender):
 
     def quiesce(self, request_id: int) -> bool:
         settled = self.inner.quiesce(request_id)  # always asked: it also bars later writes
-        return settled and request_id not in self.wedged and request_id not in self.pausing
+        with self._lock:
+            pausing = request_id in self.pausing
+        return settled and request_id not in self.wedged and not pausing
 
     def in_flight(self) -> list[int]:
-        return list(set(self.inner.in_flight()) | self.pausing)
+        with self._lock:
+            return list(set(self.inner.in_flight()) | self.pausing)
 
     @property
     def unready(self) -> str:

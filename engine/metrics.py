@@ -93,8 +93,8 @@ D_STEP_MODEL_MS = role_metric(Gauge(
     ["term"], registry=None), _D, _MONO)
 D_STEP_MODEL_ERROR = role_metric(Gauge(
     "pdunit_step_model_under_prediction",
-    "p90 of observed / predicted decode time over 16-step spans of recent steps (> 1: the model under-predicts; "
-    "the budget shrinks)",
+    "p90 of observed / predicted decode time over spans of --floor-error-span recent steps (> 1: the model "
+    "under-predicts; the budget shrinks)",
     registry=None), _D, _MONO)
 D_RATE_FLOOR_FEEDBACK = role_metric(Gauge(
     "pdunit_rate_floor_feedback_factor", "Share of the floor's step budget admission judges with after the feedback "

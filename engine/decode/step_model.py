@@ -88,10 +88,11 @@ class StepCoefficients:
 # so one step's jitter averages out over its life and a run of slow steps does not) is
 # tracked. A prefill-only step (no stream decodes: the prefill-first monolith's) is no
 # decode step: its own fit (`prefill_coefficients`, base + per row) prices the prefills
-# streams will wait for, and it moves neither the decode fit nor the error. The codec term is fitted apart, from the codec stage's own time
-# per step (`observe_codec`: least squares through 0 over the audio streams of each step
-# that had some), and the other terms from the step's time less the codec's: the codec's
-# time is measured, never guessed from the mix. With `fixed` (--no-step-model-refit) a
+# streams will wait for, and it moves neither the decode fit nor the error. The codec
+# term is fitted apart, from the codec stage's own time per step (`observe_codec`: least
+# squares through 0 over the audio streams of each step that had some), and the other
+# terms from the step's time less the codec's: the codec's time is measured, never
+# guessed from the mix. With `fixed` (--no-step-model-refit) a
 # fit file's own codec term is kept; one without it (0) still gets the measured term.
 ERROR_SPAN = 16  # consecutive decode steps whose summed times under_prediction compares (--floor-error-span)
 PREFILL_MIN_POINTS = 8  # prefill-only steps before their own fit prices them

@@ -237,8 +237,8 @@ class PendingPrefills:
     def held(self, coef: StepCoefficients, new_rows: int,
              queued: Sequence[HeldStream] = ()) -> tuple[list[HeldStream], float]:
         """The held streams with the stalls they will wait for, priced at `coef`'s
-        prefill-only step (base + per-row term: StepModel.prefill_coefficients), and the stall the new prompt's prefill
-        of `new_rows` adds (each stream waits for its `new_stall_share` of it); `queued`:
+        prefill-only step (base + per-row term: StepModel.prefill_coefficients), and the
+        stall the new prompt's prefill of `new_rows` adds (each stream waits for its `new_stall_share` of it); `queued`:
         prompts admitted after these (unplanned, their context their rows), last in the
         list."""
         stall, share, new_stall_ms = self.stalls(coef, new_rows, [q.context for q in queued])
