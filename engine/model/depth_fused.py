@@ -70,6 +70,14 @@ class FusedDepthPass:
             self.gemms = [_LayerGemms(_fuse_rows([la.attn.q_proj, la.attn.k_proj, la.attn.v_proj]),
                                       la.attn.o_proj.weight, _fuse_rows([la.mlp.gate_proj, la.mlp.up_proj]),
                                       la.mlp.down_proj.weight) for la in self.layers]
+            # The codebook heads in rows padded to a multiple of 8 ids (16-byte rows, which
+            # cuBLAS needs for the card's own GEMM kernels: csm's 2051 ids get a legacy
+            # one); dd.heads becomes a view of their first `vocab` columns (no copy kept).
+            heads = dd.heads
+            self.vocab = heads.shape[-1]
+            self.wide_heads = heads.new_zeros(*heads.shape[:-1], -(-self.vocab // 8) * 8)
+            self.wide_heads[..., : self.vocab] = heads
+            heads.data = self.wide_heads[..., : self.vocab]
         # (start, n, device) -> (positions, write slots, table, lengths) for `_rows[key]`
         # frame rows; a pass of B rows reads their first B*n entries. A grown set replaces
         # the old one in `_index` and the old one stays in `_retired`: a graph may read it.
@@ -129,15 +137,18 @@ class FusedDepthPass:
                             lambda q, pool: paged_decode_attention(q, pool, table, lengths, 1), fp8)
         first = 1 if start == 0 else 0
         out = h.view(b, n, -1)[:, first:]
-        return codebook_logits(out, dd.heads[start + first - 1 : start + n - 1])
+        return codebook_logits(out, self.wide_heads[start + first - 1 : start + n - 1], self.vocab)
 
 
-def codebook_logits(h: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """h [B, p, hidden] (position i's final-norm state) and heads [p, hidden, V] (its
-    codebook's head) -> float32 logits [B, p, V]. One position (every pass of a frame
-    step) is a plain [B, hidden] x [hidden, V] GEMM, for which cuBLAS picks the card's
-    own kernels (einsum's batched product of one took a legacy one); more (the
-    teacher-forced logits) stay one batched product."""
+def codebook_logits(h: torch.Tensor, heads: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """h [B, p, hidden] (position i's final-norm state) and heads [p, hidden, V'] (its
+    codebook's head; its first `vocab` columns are the ids, all by default) -> float32
+    logits [B, p, vocab]. One position (every pass of a frame step) is a plain
+    [B, hidden] x [hidden, V'] GEMM, for which cuBLAS picks the card's own kernels
+    (einsum's batched product of one took a legacy one); more (the teacher-forced
+    logits) stay one batched product."""
     if h.shape[1] == 1:
-        return torch.mm(h[:, 0], heads[0]).float()[:, None]
-    return torch.einsum("bph,phv->bpv", h, heads).float()
+        out = torch.mm(h[:, 0], heads[0])[:, None]
+    else:
+        out = torch.einsum("bph,phv->bpv", h, heads)
+    return out[..., :vocab].float().contiguous()

@@ -1,7 +1,9 @@
 """csm's codebook heads (engine/model/depth_fused.py `codebook_logits`, issue 23): one
 position, every pass of a frame step, is one plain 2-D GEMM (cuBLAS then picks the
 card's own kernels), more positions (the teacher-forced logits) one batched product;
-both give the batched einsum's values, and the depth decoder's passes use it."""
+both give the batched einsum's values, and the depth decoder's passes use it. The fused
+passes multiply heads whose rows are padded to a multiple of 8 ids (16-byte rows, for
+the card's own kernels), the parameter a view of them."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdunit.engine.model.depth_fused import codebook_logits
+from pdunit.engine.model.depth_fused import FusedDepthPass, codebook_logits
 from pdunit.engine.model.loader import load_model
 
 
@@ -67,3 +69,27 @@ def test_the_depth_decoders_frame_step_takes_a_plain_gemm_a_codebook() -> None:
     head = tuple(fg.heads.shape[1:])
     assert ops.shapes.count(("mm", ((3, head[0]), head))) == fg.n_codebooks - 1, ops.shapes
     assert not [s for s in ops.shapes if s[0] == "bmm" and s[1][1][1:] == head], ops.shapes
+
+
+def test_the_fused_pass_multiplies_heads_padded_to_8_ids_of_which_the_parameter_is_a_view() -> None:
+    """csm-tiny's heads swapped for 37 ids (csm's 2051 is not a multiple of 8 either):
+    the fused pass keeps them in rows of 40 (zeros beyond 37), the parameter becomes a
+    view of them holding the same values, and a pass's head is one mm over the 40
+    columns whose first 37 are the unpadded product's logits, contiguous."""
+    m = load_model("random:csm-tiny:0")
+    fg = m.frame_generator
+    assert fg is not None
+    g = torch.Generator().manual_seed(2)
+    k, hidden = fg.heads.shape[:2]
+    fg.heads = torch.nn.Parameter(torch.randn(k, hidden, 37, generator=g, dtype=torch.float64))
+    want_heads = fg.heads.detach().clone()
+    fused = FusedDepthPass(fg)
+    assert fused.vocab == 37 and fused.wide_heads.shape == (k, hidden, 40)
+    assert fg.heads.data_ptr() == fused.wide_heads.data_ptr() and torch.equal(fg.heads, want_heads)
+    assert not fused.wide_heads[..., 37:].any()
+    h = torch.randn(5, 1, hidden, generator=g, dtype=torch.float64)
+    with Ops() as ops:
+        got = codebook_logits(h, fused.wide_heads[1:2], fused.vocab)
+    assert ("mm", ((5, hidden), (hidden, 40))) in ops.shapes, ops.shapes
+    assert got.shape == (5, 1, 37) and got.is_contiguous() and got.dtype == torch.float32
+    assert torch.allclose(got, (h[:, 0] @ want_heads[1]).float()[:, None], rtol=1e-6, atol=1e-6)
