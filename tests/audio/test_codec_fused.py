@@ -44,27 +44,30 @@ SCRIPT = textwrap.dedent("""
     from pdunit.kernels import codec_fused
     from tests.audio.test_mimi_conv import MODULES, stream_conv
 
+    # each form's calls (new rows, ELU, residual): every value of each option meets every
+    # value of each other option, in 6 calls rather than the 12 of the whole cross (each
+    # an interpreted launch). 1 and 2 rows: fewer than the k7 conv's context of 6
+    CALLS = ((1, None, False), (1, 0.8, True), (2, None, True), (2, 0.8, False), (5, None, False), (5, 0.8, True))
+
     def kernels():  # every convolution form, every tile candidate, the int16 PCM
         out = {}
         torch.manual_seed(0)
         for name, make in sorted(MODULES.items()):
             conv = stream_conv(make().eval())
             worst = [0.0, 0.0, 0.0]  # output, next context, context written by the kernel
-            for t in (1, 2, 5):  # 1 and 2: fewer new rows than the k7 conv's context of 6
-                for elu in (None, 0.8):
-                    for residual in (False, True):
-                        x = torch.randn(3, t, conv.in_channels)
-                        state = torch.randn(3, conv.state_values)
-                        kept = state.clone()
-                        want_next, got_next = state.clone(), torch.full_like(state, 7.0)
-                        res = torch.randn(3, t * conv.frames, conv.out_channels) if residual else None
-                        held = conv.state_values > 0
-                        want = conv(x, state if held else None, want_next if held else None, elu, res)
-                        got = conv(x, state if held else None, got_next if held else None, elu, res, fused=True)
-                        worst[0] = max(worst[0], float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
-                        if held:
-                            worst[1] = max(worst[1], float((got_next - want_next).abs().max()))
-                            worst[2] = max(worst[2], float((state - kept).abs().max()))
+            for t, elu, residual in CALLS:
+                x = torch.randn(3, t, conv.in_channels)
+                state = torch.randn(3, conv.state_values)
+                kept = state.clone()
+                want_next, got_next = state.clone(), torch.full_like(state, 7.0)
+                res = torch.randn(3, t * conv.frames, conv.out_channels) if residual else None
+                held = conv.state_values > 0
+                want = conv(x, state if held else None, want_next if held else None, elu, res)
+                got = conv(x, state if held else None, got_next if held else None, elu, res, fused=True)
+                worst[0] = max(worst[0], float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
+                if held:
+                    worst[1] = max(worst[1], float((got_next - want_next).abs().max()))
+                    worst[2] = max(worst[2], float((state - kept).abs().max()))
             out.setdefault("convs", {})[name] = worst
 
         # every tile candidate, on shapes wide enough that none is cut to another (128 in, 256
@@ -154,7 +157,9 @@ SCRIPT = textwrap.dedent("""
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], dict]]:
     """`interpreted(part)`: that part's results, its process waited for at the first ask
     (every part starts with the first test that needs one)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # one torch thread each: the parts run at once on two cores (beside another test worker
+    # in the suite), and their tensors are too small for a second thread to pay
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     logs = tmp_path_factory.mktemp("interpreted")
     runs = {}
     for part in PARTS:
@@ -180,7 +185,8 @@ def test_every_convolution_form_fused_equals_its_torch_form_and_writes_the_same_
         interpreted: Callable[[str], dict]) -> None:
     """k7, narrow (shift-add), dilated, k1, one output, grouped, transposed (with and
     without context, bias, a kernel not a multiple of its stride); 1, 2 and 5 new rows,
-    with and without ELU and a residual; the context read is left as it was."""
+    with and without ELU and a residual (each pair of these); the context read is left as
+    it was."""
     from tests.audio.test_mimi_conv import MODULES
 
     convs = interpreted("kernels")["convs"]
