@@ -602,8 +602,8 @@ async def run_level(
             await asyncio.sleep(cfg.ramp * i / concurrency)
         while may_start():
             r = await one(workload.next())
-            if r.refused:  # a client told to come back later does, not at once
-                await asyncio.sleep(retry_after_s(r.retry_after))
+            if r.refused:  # a client told to come back later does, not at once (nor after the level)
+                await asyncio.sleep(min(retry_after_s(r.retry_after), max(0.0, stop_at - time.perf_counter())))
 
     async def open_arrivals() -> None:
         assert schedule is not None
