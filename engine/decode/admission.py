@@ -77,9 +77,13 @@ LIFE_REFUSALS = m.role_metric(Counter(
 # loadgen measures it, frames after the first over the time from the first to the last:
 # (frames out - 1 + frames left) / (elapsed + its projected steps + the prefill stall it
 # will wait for) must stay >= 1 / budget for every held stream and the new one. The stall
-# of the prompts already admitted is charged once, as it will fall, not per step; a
-# stream that ran fast has banked slack for it, one that just started has none. The
-# per-step charge (`charge_ms_per_stream`) still covers the refills to come.
+# of the prompts already admitted and the new one's is charged once, as it will fall, not
+# per step; a stream that ran fast has banked slack for it, one that just started has
+# none. The per-step charge (`charge_ms_per_stream`, the recent stall per stream-step)
+# prices the refills to come over the rest of a life; it counts arrivals like those
+# known now, which a steady state's queue holds as often at a life's end as now, so a
+# life is charged the larger of the two, never their sum (a closed loop at capacity:
+# the steady state's; a clump: the prompts known).
 class RateFloorAdmission:
     """Admits a stream only while the projected step stays within the floor's budget
     for every stream held (the comment above)."""
@@ -163,7 +167,9 @@ class RateFloorAdmission:
     def life_times(self, held: Sequence[HeldStream] | Lives, new: HeldStream, new_stall_ms: float,
                    prefill_rows: float, charge_ms_per_stream: float, budget: float) -> LifeTimes:
         """Each stream's life with and without the new one (`life_judge`)."""
-        coef = self.coefficients(charge_ms_per_stream)
+        coef = self.model.coefficients
+        # the per-step charge alone: a life's steady-state wait for the refills to come
+        refill = StepCoefficients(0.0, max(0.0, charge_ms_per_stream), 0.0)
         before = Lives.of(held)
         streams = Lives.join([before, Lives.of([new])])
         out, left = streams.out, streams.left.astype(np.float64)
@@ -175,8 +181,12 @@ class RateFloorAdmission:
         future = np.where(started, 1.0, np.where(left > 0, np.maximum(left - 1, 0) / np.maximum(left, 1), 0.0))
         charged = streams.stall + new_stall_ms * streams.new_share
         n = len(before)
-        with_new = streams.elapsed + life_ms(coef, streams, prefill_rows) * future + charged
-        without = before.elapsed + life_ms(coef, before, prefill_rows) * future[:n] + before.stall
+        # a life waits for the larger of the prefills known now and the steady state's
+        # (the comment above the class): the latter counts arrivals like these already
+        waits = np.maximum(charged, life_ms(refill, streams) * future)
+        waits_before = np.maximum(before.stall, life_ms(refill, before) * future[:n])
+        with_new = streams.elapsed + life_ms(coef, streams, prefill_rows) * future + waits
+        without = before.elapsed + life_ms(coef, before, prefill_rows) * future[:n] + waits_before
         return LifeTimes(with_new, without, intervals * budget, intervals > 0, intervals, charged)
 
     def alone_fits(self, new: HeldStream) -> Verdict:

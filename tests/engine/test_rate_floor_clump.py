@@ -99,6 +99,28 @@ def test_a_stream_with_banked_slack_lets_in_a_prompt_a_fresh_one_would_not() -> 
     assert ctl.judge([lost], 16, 20, new_stall_ms=60.0).admit
 
 
+def test_a_life_is_charged_the_larger_of_the_steady_states_refills_and_the_prefills_known_never_both() -> None:
+    """The recent stall per stream-step (20 ms: a closed loop's refills) over a fresh
+    stream's 39 steps beside the new one, 39 x 2 x 20 = 1,560 ms, already counts arrivals
+    like the new prompt: its 400-ms prefill on top (1,960 > the 1,950 ms of slack that 39
+    steps of 75 ms leave) refused a stream the steady state has room for. A clump known
+    now (1,900 ms queued + 60) still outweighs the steady state and is refused."""
+    ctl = control()
+    ctl.observe_stall(40.0, 2)
+    assert ctl.charge_ms_per_stream() == 20.0
+    fresh = HeldStream(17, 39, frames_out=1, new_stall_share=1.0)
+    assert ctl.admission.judge([fresh], HeldStream(16, 40), charge_ms_per_stream=20.0).admit  # 60 + 2 x 27.5
+    assert ctl.judge([fresh], 16, 40, new_stall_ms=400.0).admit
+    v = ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, new_stall_share=1.0)], 16, 40,
+                  new_stall_ms=60.0)
+    assert not v.admit and v.life_fps == pytest.approx(39 / (2925 + 1960) * 1000, rel=1e-6)
+    # a known stall under the steady state's costs nothing more, one over it what it adds
+    assert ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1500.0, new_stall_share=1.0)], 16, 40,
+                     new_stall_ms=40.0).admit
+    assert not ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, new_stall_share=1.0)], 16, 40,
+                         new_stall_ms=51.0).admit
+
+
 def test_without_lives_or_stalls_the_verdicts_are_the_worst_steps() -> None:
     """D's held streams (plain tuples: no life so far, no prefill of its own to wait for)
     are judged as before."""
