@@ -187,7 +187,7 @@ class RateFloorAdmission:
         waits_before = np.maximum(before.stall, life_ms(refill, before) * future[:n])
         with_new = streams.elapsed + life_ms(coef, streams, prefill_rows) * future + waits
         without = before.elapsed + life_ms(coef, before, prefill_rows) * future[:n] + waits_before
-        return LifeTimes(with_new, without, intervals * budget, intervals > 0, intervals, charged)
+        return LifeTimes(with_new, without, intervals * budget, intervals > 0, intervals, waits)
 
     def alone_fits(self, new: HeldStream) -> Verdict:
         """Whether the stream could meet the floor even alone, against the nominal budget

@@ -300,4 +300,6 @@ class LifeTimes:
     allowed: np.ndarray
     judged: np.ndarray
     intervals: np.ndarray
-    charged_ms: np.ndarray  # the prefill stall each was charged, the new prompt's included
+    # the prefill wait each was charged: the prefills known (the new prompt's included) or
+    # the steady state's refills over its life, the larger
+    charged_ms: np.ndarray

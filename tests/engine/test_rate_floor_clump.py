@@ -114,11 +114,20 @@ def test_a_life_is_charged_the_larger_of_the_steady_states_refills_and_the_prefi
     v = ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, new_stall_share=1.0)], 16, 40,
                   new_stall_ms=60.0)
     assert not v.admit and v.life_fps == pytest.approx(39 / (2925 + 1960) * 1000, rel=1e-6)
+    assert v.stall_ms == pytest.approx(1960.0)  # the wait it was charged: the known one, the larger
     # a known stall under the steady state's costs nothing more, one over it what it adds
     assert ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1500.0, new_stall_share=1.0)], 16, 40,
                      new_stall_ms=40.0).admit
     assert not ctl.judge([HeldStream(17, 39, frames_out=1, stall_ms=1900.0, new_stall_share=1.0)], 16, 40,
                          new_stall_ms=51.0).admit
+    # a stream that ran at the floor (21 frames in 2.6 s) has 900 ms of slack beside the new one
+    # (5,000 - 2,600 - 20 x 75): 24 ms a stream-step of refills (960) break it where its 100 ms
+    # known would not, and the refusal names the wait it charged (the worst step: 60 + 2 x 31.5)
+    ctl = control()
+    ctl.observe_stall(48.0, 2)
+    behind = HeldStream(41, 20, frames_out=21, elapsed_ms=2600.0, stall_ms=100.0, new_stall_share=1.0)
+    v = ctl.judge([behind], 16, 40)
+    assert not v.admit and v.stall_ms == pytest.approx(960.0) and "960 ms" in v.reason()
 
 
 def test_without_lives_or_stalls_the_verdicts_are_the_worst_steps() -> None:
